@@ -1,0 +1,496 @@
+#!/usr/bin/env python3
+"""Generate golden attention fixtures for the wgpu-attention test suite.
+
+Generated with: torch 2.15.0 (CPU execution), numpy 2.4.6, safetensors 0.8.0, Python 3.11.
+(See scripts/requirements-goldens.txt.)
+
+Regenerate from the repository root with:
+
+    python3 scripts/make_goldens.py
+
+Everything is deterministic: every input comes from numpy's PCG64 generator with a fixed
+per-case seed (torch's RNG is never used), goldens are computed in float64 on CPU.
+
+Outputs (see tests/fixtures/README.md for the conventions):
+  tests/fixtures/sdpa/<case>/  scaled_dot_product_attention cases
+  tests/fixtures/mha/<case>/   torch.nn.MultiheadAttention(batch_first=True) cases
+
+Every SDPA golden is computed twice: with torch.nn.functional.scaled_dot_product_attention
+in float64 (torch's own is_causal / causal_lower_right / enable_gqa where possible) and with
+an explicit float64 formula in this file; the two must agree. Where torch returns NaN on a
+fully masked row (all keys excluded), the explicit formula's value (output 0, weights 0,
+lse -inf) is written and the fact is printed.  MHA goldens are likewise cross-checked
+against an explicit float64 re-implementation of the module.
+"""
+
+import copy
+import json
+import math
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures"
+
+# Agreement required between torch and the explicit formula (absolute, on values of
+# magnitude ~1).  The large_logits case gets a looser bound: its logits are ~1e4, so a
+# single ulp of float64 rounding in the logit (~2e-12) already moves the weights by ~2e-12.
+TOL = 1e-12
+TOL_LARGE_LOGITS = 1e-11
+
+torch.set_default_dtype(torch.float64)
+# torch warns that causal_lower_right "will produce NaNs" when L > S; we handle those rows.
+warnings.filterwarnings("ignore", message="Lower right causal bias")
+
+
+# --------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------
+
+def randn32(rng, shape, std=1.0):
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+
+def save_npy(path, arr):
+    np.save(path, np.ascontiguousarray(arr))
+
+
+def write_json(path, obj):
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def max_abs_diff(a, b):
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+# --------------------------------------------------------------------------------------
+# SDPA
+# --------------------------------------------------------------------------------------
+
+def allowed_mask(B, Hq, L, S, causal, mask, kv_lens):
+    """Combined bool [B,Hq,L,S], True = may attend (explicit definition)."""
+    allowed = torch.ones(B, Hq, L, S, dtype=torch.bool)
+    i = torch.arange(L).view(L, 1)
+    j = torch.arange(S).view(1, S)
+    if causal == "top_left":
+        allowed &= (j <= i)
+    elif causal == "bottom_right":
+        allowed &= (j <= i + (S - L))
+    elif causal != "none":
+        raise ValueError(causal)
+    if mask is not None:
+        allowed &= torch.from_numpy(mask)
+    if kv_lens is not None:
+        kl = torch.from_numpy(kv_lens).view(B, 1, 1, 1)
+        allowed &= (torch.arange(S).view(1, 1, 1, S) < kl)
+    return allowed
+
+
+def explicit_sdpa(q, k, v, allowed, bias, scale):
+    """float64 reference. Returns out [B,Hq,L,Ev], lse [B,Hq,L], weights [B,Hq,L,S]."""
+    Hq, Hkv = q.shape[1], k.shape[1]
+    g = Hq // Hkv
+    kk = k.repeat_interleave(g, dim=1)  # query head h -> kv head h // g
+    vv = v.repeat_interleave(g, dim=1)
+    logits = torch.einsum("bhle,bhse->bhls", q, kk) * scale
+    if bias is not None:
+        logits = logits + bias
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # -inf on fully masked rows
+    row_dead = ~allowed.any(dim=-1)
+    w = torch.exp(logits - lse.unsqueeze(-1))
+    w = torch.where(row_dead.unsqueeze(-1), torch.zeros_like(w), w)
+    out = torch.einsum("bhls,bhsv->bhlv", w, vv)
+    return out, lse, w, row_dead
+
+
+def torch_sdpa(q, k, v, allowed, bias, scale, causal, mask, kv_lens):
+    """float64 torch.nn.functional.scaled_dot_product_attention with enable_gqa=True.
+
+    Pure-causal cases (no other mask kind) use torch's own causal conventions
+    (is_causal=True for top-left, causal_lower_right for bottom-right), so the explicit
+    causal definitions above are checked against torch rather than against themselves.
+    """
+    only_causal = mask is None and bias is None and kv_lens is None
+    kwargs = dict(scale=scale, enable_gqa=True)
+    if causal == "top_left" and only_causal:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs), "is_causal=True"
+    if causal == "bottom_right" and only_causal:
+        from torch.nn.attention.bias import causal_lower_right
+
+        L, S = q.shape[2], k.shape[2]
+        cm = causal_lower_right(L, S)
+        # The CausalBias object does not combine with enable_gqa; repeat kv heads instead.
+        g = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=cm, scale=scale)
+        return out, "causal_lower_right"
+    if bias is not None:
+        fm = torch.where(allowed, bias.expand_as(allowed), torch.tensor(float("-inf")))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=fm, **kwargs), "float mask"
+    if not bool(allowed.all()) or causal != "none" or mask is not None or kv_lens is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, **kwargs), "bool mask"
+    return F.scaled_dot_product_attention(q, k, v, **kwargs), "no mask"
+
+
+def torch_lse(q, k, v, allowed, bias, scale):
+    """Logsumexp from torch's private CPU flash kernel, or None where it cannot be used.
+
+    Used only as an extra cross-check of the explicit lse on rows that are not fully masked
+    (this kernel reports 0 rather than -inf for fully masked rows).
+    """
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is None:
+        return None
+    # The kernel needs equal head sizes; zero-padding q/k (E) and v (Ev) to a common width
+    # leaves the logits, and hence the lse, unchanged (scale is passed explicitly).
+    D = max(q.shape[-1], v.shape[-1])
+    q = F.pad(q, (0, D - q.shape[-1]))
+    k = F.pad(k, (0, D - k.shape[-1]))
+    v = F.pad(v, (0, D - v.shape[-1]))
+    g = q.shape[1] // k.shape[1]
+    base = bias.expand_as(allowed) if bias is not None else torch.zeros(allowed.shape)
+    fm = torch.where(allowed, base, torch.tensor(float("-inf"))).contiguous()
+    try:
+        return op(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), 0.0, False,
+                  attn_mask=fm, scale=scale)[1]
+    except RuntimeError:
+        return None
+
+
+def sdpa_case(name, seed, B, Hq, Hkv, L, S, E, Ev, description, causal="none", scale=None,
+              mask_fn=None, bias_fn=None, kv_lens=None, qk_std=1.0):
+    rng = np.random.default_rng(seed)
+    q32 = randn32(rng, (B, Hq, L, E), qk_std)
+    k32 = randn32(rng, (B, Hkv, S, E), qk_std)
+    v32 = randn32(rng, (B, Hkv, S, Ev))
+    mask = mask_fn(rng) if mask_fn else None
+    bias32 = bias_fn(rng).astype(np.float32) if bias_fn else None
+    if kv_lens is not None:
+        kv_lens = np.asarray(kv_lens, dtype=np.int64)
+        assert kv_lens.shape == (B,)
+    if mask is not None:
+        assert mask.dtype == np.bool_ and mask.ndim == 4
+    if bias32 is not None:
+        assert bias32.ndim == 4
+
+    q = torch.from_numpy(q32).double()
+    k = torch.from_numpy(k32).double()
+    v = torch.from_numpy(v32).double()
+    bias = torch.from_numpy(bias32).double() if bias32 is not None else None
+    sc = scale if scale is not None else 1.0 / math.sqrt(E)
+
+    allowed = allowed_mask(B, Hq, L, S, causal, mask, kv_lens)
+    out, lse, w, row_dead = explicit_sdpa(q, k, v, allowed, bias, sc)
+    t_out, how = torch_sdpa(q, k, v, allowed, bias, sc, causal, mask, kv_lens)
+
+    tol = TOL_LARGE_LOGITS if name == "large_logits" else TOL
+    nan_rows = torch.isnan(t_out).any(dim=-1)
+    assert not bool((nan_rows & ~row_dead).any()), f"{name}: torch NaN on a live row"
+    live = ~row_dead
+    d = max_abs_diff(t_out[live], out[live])
+    assert d <= tol, f"{name}: torch vs explicit out differ by {d}"
+    t_lse = torch_lse(q, k, v, allowed, bias, sc)
+    if t_lse is not None:
+        dl = max_abs_diff(t_lse[live], lse[live])
+        assert dl <= tol, f"{name}: torch vs explicit lse differ by {dl}"
+        lse_note = f"lse max|diff|={dl:.2e}"
+    else:
+        lse_note = "lse torch check n/a"
+    assert bool(torch.isneginf(lse[row_dead]).all()) and bool(torch.isfinite(lse[live]).all())
+    n_dead = int(row_dead.sum())
+    note = ""
+    if n_dead:
+        dead_t = t_out[row_dead]
+        if bool(torch.isnan(dead_t).any()):
+            note = "torch gives NaN on fully masked rows; explicit zeros written"
+        else:
+            dz = float(dead_t.abs().max())
+            note = f"torch gives max|out|={dz:g} on fully masked rows; explicit zeros written"
+    # weights sanity
+    rs = w.sum(-1)
+    assert torch.allclose(rs[live], torch.ones_like(rs[live]), atol=1e-12, rtol=0)
+    assert bool((rs[row_dead] == 0).all())
+    assert bool((w[~allowed] == 0).all())
+
+    d_ = FIXTURES / "sdpa" / name
+    d_.mkdir(parents=True)
+    save_npy(d_ / "q.npy", q32)
+    save_npy(d_ / "k.npy", k32)
+    save_npy(d_ / "v.npy", v32)
+    if mask is not None:
+        save_npy(d_ / "mask.npy", mask)
+    if bias32 is not None:
+        save_npy(d_ / "bias.npy", bias32)
+    if kv_lens is not None:
+        save_npy(d_ / "kv_lens.npy", kv_lens)
+    save_npy(d_ / "out.npy", out.numpy())
+    save_npy(d_ / "lse.npy", lse.numpy())
+    save_npy(d_ / "weights.npy", w.numpy())
+    write_json(d_ / "meta.json", {"causal": causal, "scale": scale, "description": description})
+
+    extras = []
+    if mask is not None:
+        extras.append(f"mask{list(mask.shape)}")
+    if bias32 is not None:
+        extras.append(f"bias{list(bias32.shape)}")
+    if kv_lens is not None:
+        extras.append(f"kv_lens={kv_lens.tolist()}")
+    max_logit = float(torch.einsum("bhle,bhse->bhls", q, k.repeat_interleave(Hq // Hkv, 1)).abs().max() * sc)
+    print(f"sdpa/{name}: B={B} Hq={Hq} Hkv={Hkv} L={L} S={S} E={E} Ev={Ev} causal={causal} "
+          f"scale={scale} {' '.join(extras)} | torch path: {how}, max|diff|={d:.2e}, {lse_note}, "
+          f"dead rows={n_dead}, max|logit|={max_logit:.3g}" + (f" | {note}" if note else ""))
+
+
+def bool_mask(rng, shape, p_false):
+    return rng.random(shape) >= p_false
+
+
+def make_sdpa():
+    # 1
+    sdpa_case("basic", 101, B=2, Hq=3, Hkv=3, L=17, S=17, E=16, Ev=16,
+              description="plain SDPA, no mask, default scale")
+    # 2
+    sdpa_case("l_ne_s_e_ne_ev", 102, B=1, Hq=2, Hkv=2, L=13, S=29, E=24, Ev=40,
+              description="L != S and E != Ev, no mask")
+    # 3-6 causal
+    sdpa_case("causal_top_left_l_lt_s", 103, B=2, Hq=2, Hkv=2, L=11, S=23, E=20, Ev=20,
+              causal="top_left", description="top-left causal (j <= i), L < S")
+    sdpa_case("causal_top_left_l_gt_s", 104, B=2, Hq=2, Hkv=2, L=23, S=11, E=20, Ev=20,
+              causal="top_left", description="top-left causal (j <= i), L > S")
+    sdpa_case("causal_bottom_right_l_lt_s", 105, B=2, Hq=2, Hkv=2, L=11, S=23, E=20, Ev=20,
+              causal="bottom_right", description="bottom-right causal (j <= i + S - L), L < S")
+    sdpa_case("causal_bottom_right_l_gt_s", 106, B=2, Hq=2, Hkv=2, L=23, S=11, E=20, Ev=20,
+              causal="bottom_right",
+              description="bottom-right causal (j <= i + S - L), L > S: first L-S=12 rows fully "
+                          "masked -> out 0, weights 0, lse -inf")
+
+    # 7 bool mask with fully masked rows
+    def m7(rng):
+        m = bool_mask(rng, (2, 1, 19, 21), 0.3)
+        m[0, 0, 3, :] = False
+        m[1, 0, 0, :] = False
+        m[1, 0, 18, :] = False
+        # make sure every other row keeps at least one key
+        for b in range(2):
+            for i in range(19):
+                if (b, i) not in {(0, 3), (1, 0), (1, 18)} and not m[b, 0, i].any():
+                    m[b, 0, i, i] = True
+        return m
+
+    sdpa_case("bool_mask_fully_masked_rows", 107, B=2, Hq=3, Hkv=3, L=19, S=21, E=16, Ev=16,
+              mask_fn=m7,
+              description="bool mask [B,1,L,S] (~30% False, True = may attend) broadcast over "
+                          "heads; rows (b=0,i=3), (b=1,i=0), (b=1,i=18) entirely False -> out 0, "
+                          "weights 0, lse -inf")
+    # 8
+    sdpa_case("bias_broadcast", 108, B=2, Hq=3, Hkv=3, L=15, S=18, E=16, Ev=16,
+              bias_fn=lambda rng: randn32(rng, (1, 3, 15, 18), 2.0),
+              description="additive float bias [1,H,L,S] (std 2) broadcast over batch")
+    # 9
+    sdpa_case("gqa", 109, B=2, Hq=8, Hkv=2, L=17, S=19, E=16, Ev=16,
+              description="grouped-query attention: Hq=8, Hkv=2, query head h uses kv head h // 4")
+    sdpa_case("mqa", 110, B=2, Hq=4, Hkv=1, L=9, S=33, E=32, Ev=32,
+              description="multi-query attention: Hq=4, Hkv=1")
+    # 10
+    sdpa_case("kv_lens_padding", 111, B=3, Hq=2, Hkv=2, L=7, S=20, E=16, Ev=16,
+              kv_lens=[20, 15, 1],
+              description="per-batch key padding: keys j >= kv_lens[b] masked, kv_lens=[S, S-5, 1]")
+    # 11
+    sdpa_case("scale_custom", 112, B=1, Hq=2, Hkv=2, L=10, S=12, E=16, Ev=16, scale=0.3,
+              description="explicit scale 0.3")
+    sdpa_case("scale_one", 113, B=1, Hq=2, Hkv=2, L=10, S=12, E=16, Ev=16, scale=1.0,
+              description="explicit scale 1.0 (unscaled dot product)")
+
+    # 12 combined
+    def m12(rng):
+        m = bool_mask(rng, (1, 1, 13, 21), 0.2)
+        m[..., 0] = True  # key 0 always passes the bool mask
+        return m
+
+    sdpa_case("combined", 114, B=2, Hq=6, Hkv=2, L=13, S=21, E=24, Ev=12, causal="bottom_right",
+              mask_fn=m12, bias_fn=lambda rng: randn32(rng, (2, 1, 13, 21), 1.0), kv_lens=[21, 9],
+              description="bottom-right causal + bool mask [1,1,L,S] + bias [B,1,L,S] + kv_lens "
+                          "[21, 9], GQA Hq=6 Hkv=2, E=24 != Ev=12, L=13 != S=21")
+    # 13 large logits: q,k std a -> logits std ~ a^2 (default scale), a^2 = 4096
+    sdpa_case("large_logits", 115, B=1, Hq=2, Hkv=2, L=16, S=24, E=16, Ev=16, qk_std=64.0,
+              description="q,k ~ N(0, 64^2): scaled logits std ~4e3, max |logit| ~1.5e4 (finite "
+                          "in float32); tests max-subtraction / online softmax stability. "
+                          "Note a float32 kernel's logits carry ~1e-3 absolute rounding error here.")
+    # 14 head dims
+    sdpa_case("head_dim_odd", 116, B=2, Hq=2, Hkv=2, L=5, S=7, E=3, Ev=5,
+              description="odd head dims E=3, Ev=5")
+    sdpa_case("head_dim_big", 117, B=1, Hq=2, Hkv=2, L=3, S=5, E=72, Ev=72,
+              description="head dim 72 (not a multiple of 64), tiny L,S")
+    sdpa_case("head_dim_128", 118, B=1, Hq=2, Hkv=2, L=4, S=6, E=128, Ev=128,
+              description="head dim 128, tiny L,S")
+    # extra: decode step
+    sdpa_case("decode_l1", 119, B=2, Hq=4, Hkv=2, L=1, S=37, E=16, Ev=16, causal="bottom_right",
+              kv_lens=[37, 30],
+              description="single-query decode step: L=1, S=37, bottom-right causal (all keys "
+                          "allowed) + kv_lens [37, 30], GQA Hq=4 Hkv=2")
+
+
+# --------------------------------------------------------------------------------------
+# MHA
+# --------------------------------------------------------------------------------------
+
+def explicit_mha(sd, query, key, value, H, key_padding_mask, attn_mask):
+    """float64 re-implementation of nn.MultiheadAttention (batch_first, no dropout)."""
+    E = query.shape[-1]
+    if "in_proj_weight" in sd:
+        wq, wk, wv = sd["in_proj_weight"].chunk(3, 0)
+    else:
+        wq, wk, wv = sd["q_proj_weight"], sd["k_proj_weight"], sd["v_proj_weight"]
+    if "in_proj_bias" in sd:
+        bq, bk, bv = sd["in_proj_bias"].chunk(3, 0)
+    else:
+        bq = bk = bv = torch.zeros(E)
+    Q = query @ wq.T + bq
+    K = key @ wk.T + bk
+    V = value @ wv.T + bv
+    B, L, _ = Q.shape
+    S = K.shape[1]
+    d = E // H
+    Q = Q.view(B, L, H, d).transpose(1, 2)
+    K = K.view(B, S, H, d).transpose(1, 2)
+    V = V.view(B, S, H, d).transpose(1, 2)
+    logits = Q @ K.transpose(-1, -2) / math.sqrt(d)
+    blocked = torch.zeros(B, 1, L, S, dtype=torch.bool)
+    if key_padding_mask is not None:
+        blocked |= key_padding_mask.view(B, 1, 1, S)
+    if attn_mask is not None:
+        blocked |= attn_mask.view(1, 1, L, S)
+    logits = logits.masked_fill(blocked, float("-inf"))
+    P = torch.softmax(logits, -1)
+    O = (P @ V).transpose(1, 2).reshape(B, L, E)
+    out = O @ sd["out_proj.weight"].T
+    if "out_proj.bias" in sd:
+        out = out + sd["out_proj.bias"]
+    return out, P
+
+
+def mha_case(name, seed, E, H, B, L, S, description, kdim=None, vdim=None, bias=True,
+             self_attn=True, kpm_lens=None, causal=False):
+    rng = np.random.default_rng(seed)
+    kd = kdim if kdim is not None else E
+    vd = vdim if vdim is not None else E
+    mod = torch.nn.MultiheadAttention(E, H, bias=bias, batch_first=True, kdim=kdim, vdim=vdim,
+                                      dtype=torch.float32)
+    mod.eval()
+    # Overwrite every parameter from numpy (independent of torch's init / RNG); biases are
+    # made non-zero so they are actually exercised (torch initialises them to 0).
+    new_sd = {}
+    for kname, t in mod.state_dict().items():
+        if kname.endswith("bias"):
+            arr = randn32(rng, tuple(t.shape), 0.5)
+        else:
+            fan_in = t.shape[1]
+            lim = math.sqrt(3.0 / fan_in)
+            arr = rng.uniform(-lim, lim, size=tuple(t.shape)).astype(np.float32)
+        new_sd[kname] = torch.from_numpy(arr)
+    mod.load_state_dict(new_sd)
+    sd32 = {k_: v_.detach().clone().contiguous() for k_, v_ in mod.state_dict().items()}
+    for v_ in sd32.values():
+        assert v_.dtype == torch.float32
+
+    query32 = randn32(rng, (B, L, E))
+    if self_attn:
+        assert S == L and kd == E and vd == E
+        key32 = query32.copy()
+        value32 = query32.copy()
+    else:
+        key32 = randn32(rng, (B, S, kd))
+        value32 = randn32(rng, (B, S, vd))
+
+    kpm = None
+    if kpm_lens is not None:
+        kpm = np.arange(S)[None, :] >= np.asarray(kpm_lens)[:, None]  # True = ignore
+        assert not kpm.all(axis=1).any()
+    am = np.triu(np.ones((L, S), dtype=np.bool_), k=1) if causal else None  # True = blocked
+
+    mod64 = copy.deepcopy(mod).double()
+    qd = torch.from_numpy(query32).double()
+    kd_ = torch.from_numpy(key32).double()
+    vd_ = torch.from_numpy(value32).double()
+    if self_attn:
+        kd_ = vd_ = qd  # same object, as in genuine self-attention
+    kpm_t = torch.from_numpy(kpm) if kpm is not None else None
+    am_t = torch.from_numpy(am) if am is not None else None
+    with torch.no_grad():
+        out, w_avg = mod64(qd, kd_, vd_, key_padding_mask=kpm_t, attn_mask=am_t,
+                           need_weights=True, average_attn_weights=True)
+        out2, w_ph = mod64(qd, kd_, vd_, key_padding_mask=kpm_t, attn_mask=am_t,
+                           need_weights=True, average_attn_weights=False)
+        ref_out, ref_P = explicit_mha({k_: v_.double() for k_, v_ in sd32.items()}, qd, kd_, vd_,
+                                      H, kpm_t, am_t)
+    assert out.dtype == torch.float64
+    for t in (out, out2, w_avg, w_ph):
+        assert not bool(torch.isnan(t).any()), name
+    d1 = max_abs_diff(out, ref_out)
+    d2 = max_abs_diff(w_ph, ref_P)
+    d3 = max_abs_diff(w_avg, ref_P.mean(1))
+    d4 = max_abs_diff(out, out2)
+    assert max(d1, d2, d3, d4) <= TOL, (name, d1, d2, d3, d4)
+    assert tuple(out.shape) == (B, L, E)
+    assert tuple(w_avg.shape) == (B, L, S)
+    assert tuple(w_ph.shape) == (B, H, L, S)
+
+    d_ = FIXTURES / "mha" / name
+    d_.mkdir(parents=True)
+    save_file(sd32, str(d_ / "weights.safetensors"))
+    save_npy(d_ / "query.npy", query32)
+    save_npy(d_ / "key.npy", key32)
+    save_npy(d_ / "value.npy", value32)
+    if kpm is not None:
+        save_npy(d_ / "key_padding_mask.npy", kpm)
+    if am is not None:
+        save_npy(d_ / "attn_mask.npy", am)
+    save_npy(d_ / "out.npy", out.numpy())
+    save_npy(d_ / "attn_weights_avg.npy", w_avg.numpy())
+    save_npy(d_ / "attn_weights_per_head.npy", w_ph.numpy())
+    write_json(d_ / "meta.json", {"embed_dim": E, "num_heads": H, "kdim": kd, "vdim": vd,
+                                  "bias": bias, "causal": causal, "description": description})
+    print(f"mha/{name}: E={E} H={H} kdim={kd} vdim={vd} bias={bias} B={B} L={L} S={S} "
+          f"causal={causal} kpm_lens={kpm_lens} keys={sorted(sd32)} | "
+          f"max|diff| vs explicit={max(d1, d2, d3):.2e}")
+
+
+def make_mha():
+    mha_case("self_attn", 201, E=32, H=4, B=2, L=9, S=9,
+             description="self-attention (query = key = value), E=32, H=4")
+    mha_case("cross_attn_kdim_vdim", 202, E=24, H=3, B=2, L=7, S=11, kdim=10, vdim=14,
+             self_attn=False,
+             description="cross-attention with kdim=10, vdim=14 (separate q/k/v_proj_weight)")
+    mha_case("key_padding", 203, E=16, H=2, B=3, L=8, S=8, kpm_lens=[8, 5, 2],
+             description="self-attention with key_padding_mask (True = ignore) masking key tails; "
+                         "valid key lengths [8, 5, 2]")
+    mha_case("causal_self", 204, E=16, H=4, B=2, L=10, S=10, causal=True,
+             description="causal self-attention: attn_mask = strict upper triangle True "
+                         "(True = not allowed)")
+    mha_case("no_bias", 205, E=20, H=5, B=2, L=6, S=6, bias=False,
+             description="self-attention with bias=False (no in_proj_bias, no out_proj.bias)")
+
+
+def main():
+    print(f"torch {torch.__version__}, numpy {np.__version__}, python {sys.version.split()[0]}")
+    for sub in ("sdpa", "mha"):
+        p = FIXTURES / sub
+        if p.exists():
+            shutil.rmtree(p)
+        p.mkdir(parents=True)
+    make_sdpa()
+    make_mha()
+    total = sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file())
+    print(f"total fixture size: {total} bytes ({total / 1024:.1f} KiB)")
+
+
+if __name__ == "__main__":
+    main()

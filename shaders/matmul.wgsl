@@ -1,0 +1,146 @@
+// Batched, tiled, register-blocked matrix product with strides:
+//
+//   C[z][m][n] = alpha * sum_k A[z][m][k] * B'[z][k][n]  (+ bias[n])
+//
+// where B' = B^T when TRANS_B (scores: S = scale * Q K^T; projections: X W^T) and B' = B
+// otherwise (value weighting: O = P V). One workgroup computes a 64 x 64 tile of C; each of
+// its 16 x 16 invocations a 4 x 4 block held in registers. K advances in steps of 16 through
+// workgroup memory (8 KiB). Every load and store is bounds-checked, so M, N, K need not be
+// multiples of the tile.
+//
+// Batch index z (the grid's z axis) selects the operand slices. A and C use
+// (a_z0 + z) * a_batch and (c_z0 + z) * c_batch; B is shared by groups of query heads
+// (grouped-query attention): global batch-head gz = b_z0 + z maps to
+// kv slice (gz / heads) * (heads / group) + (gz % heads) / group.
+//
+// Bindings: 0 a (read), 1 b (read), 2 bias (read), 3 c (read_write), 4 params (uniform).
+
+struct Params {
+    m: u32,
+    n: u32,
+    k: u32,
+    heads: u32,
+    group: u32,
+    a_z0: u32,
+    b_z0: u32,
+    c_z0: u32,
+    a_batch: u32,
+    a_row: u32,
+    a_off: u32,
+    b_batch: u32,
+    b_row: u32,
+    c_batch: u32,
+    c_row: u32,
+    c_off: u32,
+    alpha: f32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+}
+
+override TRANS_B: bool = true;
+override HAS_BIAS: bool = false;
+
+const BM: u32 = 64u;
+const BN: u32 = 64u;
+const BK: u32 = 16u;
+
+@group(0) @binding(0) var<storage, read> a: array<f32>;
+@group(0) @binding(1) var<storage, read> b: array<f32>;
+@group(0) @binding(2) var<storage, read> bias: array<f32>;
+@group(0) @binding(3) var<storage, read_write> c: array<f32>;
+@group(0) @binding(4) var<uniform> p: Params;
+
+// [BK][BM / 4] and [BK][BN / 4]: a row of 4 consecutive m (or n) per vec4.
+var<workgroup> a_tile: array<vec4<f32>, 256>;
+var<workgroup> b_tile: array<vec4<f32>, 256>;
+
+@compute @workgroup_size(16, 16, 1)
+fn main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
+    let z = wg.z;
+    let a_base = (p.a_z0 + z) * p.a_batch + p.a_off;
+    let gz = p.b_z0 + z;
+    let b_slice = (gz / p.heads) * (p.heads / p.group) + (gz % p.heads) / p.group;
+    let b_base = b_slice * p.b_batch;
+    let c_base = (p.c_z0 + z) * p.c_batch + p.c_off;
+    let row0 = wg.y * BM;
+    let col0 = wg.x * BN;
+    let tx = lid.x;
+    let ty = lid.y;
+
+    var acc: array<vec4<f32>, 4>;
+    for (var i = 0u; i < 4u; i++) {
+        acc[i] = vec4<f32>(0.0);
+    }
+
+    for (var k0 = 0u; k0 < p.k; k0 += BK) {
+        // A tile: 64 rows x 16 k, four elements per invocation, k fastest.
+        for (var t = 0u; t < 4u; t++) {
+            let e = li + t * 256u;
+            let r = e / BK;
+            let kk = e % BK;
+            let gr = row0 + r;
+            let gk = k0 + kk;
+            var val = 0.0;
+            if (gr < p.m && gk < p.k) {
+                val = a[a_base + gr * p.a_row + gk];
+            }
+            a_tile[kk * (BM / 4u) + r / 4u][r % 4u] = val;
+        }
+        // B' tile: 16 k x 64 n.
+        for (var t = 0u; t < 4u; t++) {
+            let e = li + t * 256u;
+            var cc: u32;
+            var kk: u32;
+            if (TRANS_B) {
+                cc = e / BK;
+                kk = e % BK;
+            } else {
+                cc = e % BN;
+                kk = e / BN;
+            }
+            let gc = col0 + cc;
+            let gk = k0 + kk;
+            var val = 0.0;
+            if (gc < p.n && gk < p.k) {
+                if (TRANS_B) {
+                    val = b[b_base + gc * p.b_row + gk];
+                } else {
+                    val = b[b_base + gk * p.b_row + gc];
+                }
+            }
+            b_tile[kk * (BN / 4u) + cc / 4u][cc % 4u] = val;
+        }
+        workgroupBarrier();
+        for (var kk = 0u; kk < BK; kk++) {
+            let av = a_tile[kk * (BM / 4u) + ty];
+            let bv = b_tile[kk * (BN / 4u) + tx];
+            acc[0] += av.x * bv;
+            acc[1] += av.y * bv;
+            acc[2] += av.z * bv;
+            acc[3] += av.w * bv;
+        }
+        workgroupBarrier();
+    }
+
+    for (var i = 0u; i < 4u; i++) {
+        let r = row0 + ty * 4u + i;
+        if (r >= p.m) {
+            break;
+        }
+        for (var j = 0u; j < 4u; j++) {
+            let cc = col0 + tx * 4u + j;
+            if (cc < p.n) {
+                var val = p.alpha * acc[i][j];
+                if (HAS_BIAS) {
+                    val += bias[cc];
+                }
+                c[c_base + r * p.c_row + cc] = val;
+            }
+        }
+    }
+}

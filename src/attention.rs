@@ -1,0 +1,662 @@
+//! The public entry point, [`Sdpa`], and path selection.
+
+use std::num::NonZeroU64;
+
+use ndarray::{Array3, Array4};
+use wgpu::util::DeviceExt;
+
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::kernels::{matmul, softmax};
+use crate::problem::{Causal, Problem};
+use crate::tensor::{Mask, Tensor, TensorData};
+
+/// Which implementation runs the attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum Path {
+    /// Let the crate choose (today: [`Path::Unfused`]).
+    #[default]
+    Auto,
+    /// Three kernels: scores matmul, masked softmax, value weighting. Materialises the score
+    /// matrix in chunks that fit the device's binding limit; always works; the only path that
+    /// can return the attention weights.
+    Unfused,
+}
+
+impl Path {
+    /// Every concrete path, for tests and benchmarks.
+    pub const ALL: [Path; 1] = [Path::Unfused];
+
+    /// The name used by the CLI.
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Auto => "auto",
+            Path::Unfused => "unfused",
+        }
+    }
+}
+
+impl std::str::FromStr for Path {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Path::Auto),
+            "unfused" => Ok(Path::Unfused),
+            other => Err(format!("unknown path {other:?} (expected auto or unfused)")),
+        }
+    }
+}
+
+/// Attention results on the host.
+#[derive(Debug, Clone)]
+pub struct Output {
+    /// `[B, Hq, L, Ev]`.
+    pub output: Array4<f32>,
+    /// Attention weights `[B, Hq, L, S]`, when requested with [`Sdpa::return_weights`].
+    pub weights: Option<Array4<f32>>,
+    /// Row logsumexp `[B, Hq, L]` (natural log; `-inf` on fully masked rows), when requested
+    /// with [`Sdpa::return_lse`].
+    pub lse: Option<Array3<f32>>,
+}
+
+/// Attention results left on the GPU by [`Sdpa::record`].
+#[derive(Debug, Clone)]
+pub struct GpuOutput {
+    /// Buffer holding the output `[B, Hq, L, Ev]` (the caller's, if one was given).
+    pub output: wgpu::Buffer,
+    /// Byte offset of the output in [`GpuOutput::output`].
+    pub output_offset: u64,
+    /// Row logsumexp `[B, Hq, L]`.
+    pub lse: wgpu::Buffer,
+    /// Attention weights `[B, Hq, L, S]`, when requested.
+    pub weights: Option<wgpu::Buffer>,
+    /// The validated problem.
+    pub problem: Problem,
+}
+
+/// Scaled dot-product attention, `softmax(scale · Q Kᵀ + bias, masks) V`, PyTorch semantics.
+///
+/// q `[B, Hq, L, E]`, k `[B, Hkv, S, E]`, v `[B, Hkv, S, Ev]`; output `[B, Hq, L, Ev]`.
+/// Build it, then [`run`](Sdpa::run) (async), [`run_blocking`](Sdpa::run_blocking), or
+/// [`record`](Sdpa::record) into your own command encoder.
+///
+/// ```no_run
+/// use ndarray::Array4;
+/// use wgpu_attention::{Causal, Context, Sdpa};
+/// let ctx = Context::new_blocking()?;
+/// let q = Array4::<f32>::zeros((1, 8, 128, 64));
+/// let k = Array4::<f32>::zeros((1, 8, 128, 64));
+/// let v = Array4::<f32>::zeros((1, 8, 128, 64));
+/// let out = Sdpa::new(&q, &k, &v).causal(Causal::TopLeft).run_blocking(&ctx)?;
+/// assert_eq!(out.output.shape(), &[1, 8, 128, 64]);
+/// # Ok::<(), wgpu_attention::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Sdpa<'a> {
+    q: Tensor<'a>,
+    k: Tensor<'a>,
+    v: Tensor<'a>,
+    mask: Option<Mask<'a>>,
+    bias: Option<Tensor<'a>>,
+    kv_lens: Option<Vec<usize>>,
+    causal: Causal,
+    scale: Option<f32>,
+    path: Path,
+    weights: bool,
+    lse: bool,
+    max_scores_bytes: Option<u64>,
+    out_buffer: Option<(&'a wgpu::Buffer, u64)>,
+}
+
+impl<'a> Sdpa<'a> {
+    /// Attention over q, k, v (host arrays/slices or GPU buffers, see [`Tensor`]).
+    pub fn new(q: impl Into<Tensor<'a>>, k: impl Into<Tensor<'a>>, v: impl Into<Tensor<'a>>) -> Self {
+        Sdpa {
+            q: q.into(),
+            k: k.into(),
+            v: v.into(),
+            mask: None,
+            bias: None,
+            kv_lens: None,
+            causal: Causal::None,
+            scale: None,
+            path: Path::Auto,
+            weights: false,
+            lse: false,
+            max_scores_bytes: None,
+            out_buffer: None,
+        }
+    }
+
+    /// Causal masking with the given alignment.
+    pub fn causal(mut self, causal: Causal) -> Self {
+        self.causal = causal;
+        self
+    }
+
+    /// The softmax scale (default `1/sqrt(E)`; `1.0` gives the unscaled dot product).
+    pub fn scale(mut self, scale: f32) -> Self {
+        self.scale = Some(scale);
+        self
+    }
+
+    /// A boolean mask, true = may attend, broadcastable to `[B, Hq, L, S]`.
+    pub fn mask(mut self, mask: impl Into<Mask<'a>>) -> Self {
+        self.mask = Some(mask.into());
+        self
+    }
+
+    /// An additive bias added to the scaled scores, broadcastable to `[B, Hq, L, S]`.
+    /// A `-inf` entry masks that key.
+    pub fn bias(mut self, bias: impl Into<Tensor<'a>>) -> Self {
+        self.bias = Some(bias.into());
+        self
+    }
+
+    /// Per-batch key lengths (padding): batch `b` attends keys `j < kv_lens[b]` only.
+    pub fn kv_lens(mut self, lens: &[usize]) -> Self {
+        self.kv_lens = Some(lens.to_vec());
+        self
+    }
+
+    /// Force a path (default [`Path::Auto`]).
+    pub fn path(mut self, path: Path) -> Self {
+        self.path = path;
+        self
+    }
+
+    /// Also return the attention weights `[B, Hq, L, S]`.
+    pub fn return_weights(mut self) -> Self {
+        self.weights = true;
+        self
+    }
+
+    /// Also return the per-row logsumexp `[B, Hq, L]`.
+    pub fn return_lse(mut self) -> Self {
+        self.lse = true;
+        self
+    }
+
+    /// Cap the bytes of score matrix materialised at once by the unfused path (default: the
+    /// device's largest storage binding). Smaller values trade speed for memory.
+    pub fn max_scores_bytes(mut self, bytes: u64) -> Self {
+        self.max_scores_bytes = Some(bytes);
+        self
+    }
+
+    /// Write the output into a caller's buffer (needs `STORAGE`; `COPY_SRC` to read it back
+    /// with [`run`](Sdpa::run)) at byte `offset`.
+    pub fn output_buffer(mut self, buffer: &'a wgpu::Buffer, offset: u64) -> Self {
+        self.out_buffer = Some((buffer, offset));
+        self
+    }
+
+    /// Validate shapes and options into a [`Problem`] (no GPU work).
+    pub fn problem(&self) -> Result<Problem> {
+        let mut p = Problem::new(&self.q.shape, &self.k.shape, &self.v.shape)?
+            .with_scale(self.scale)?
+            .with_causal(self.causal);
+        if let Some(m) = &self.mask {
+            p = p.with_mask(&m.shape)?;
+            check_len("mask", &m.shape, m.data.len())?;
+        }
+        if let Some(b) = &self.bias {
+            p = p.with_bias(&b.shape)?;
+        }
+        if let Some(l) = &self.kv_lens {
+            p = p.with_kv_lens(l)?;
+        }
+        Ok(p)
+    }
+
+    /// The concrete path [`Path::Auto`] resolves to for this problem.
+    pub fn resolved_path(&self) -> Path {
+        match self.path {
+            Path::Auto => Path::Unfused,
+            p => p,
+        }
+    }
+
+    /// Run on the GPU and read the results back.
+    pub async fn run(&self, ctx: &Context) -> Result<Output> {
+        let gpu = ctx
+            .scoped(|| {
+                let mut encoder = ctx.device().create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("wgpu-attention sdpa"),
+                });
+                let out = self.record(ctx, &mut encoder)?;
+                ctx.queue().submit([encoder.finish()]);
+                Ok(out)
+            })
+            .await?;
+        let p = &gpu.problem;
+        let out_len = p.out_shape().iter().product::<usize>() as u64 * 4;
+        let output = ctx.read_f32(&gpu.output, gpu.output_offset, out_len).await?;
+        let output = Array4::from_shape_vec(p.out_shape(), output).expect("output length");
+        let lse = if self.lse {
+            let v = ctx.read_f32(&gpu.lse, 0, (p.batch_heads() * p.seq_q) as u64 * 4).await?;
+            Some(Array3::from_shape_vec((p.batch, p.q_heads, p.seq_q), v).expect("lse length"))
+        } else {
+            None
+        };
+        let weights = match &gpu.weights {
+            Some(w) => {
+                let v = ctx.read_f32(w, 0, w.size()).await?;
+                Some(Array4::from_shape_vec(p.score_shape(), v).expect("weights length"))
+            }
+            None => None,
+        };
+        Ok(Output { output, weights, lse })
+    }
+
+    /// Blocking version of [`run`](Sdpa::run).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn run_blocking(&self, ctx: &Context) -> Result<Output> {
+        pollster::block_on(self.run(ctx))
+    }
+
+    /// Upload host inputs (with `queue.write_buffer`, ordered before the encoder's commands once
+    /// it is submitted) and record every dispatch into `encoder`. Nothing is submitted; the
+    /// results are in the returned buffers after the caller submits the encoder.
+    pub fn record(&self, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<GpuOutput> {
+        let p = self.problem()?;
+        let path = self.resolved_path();
+        let limits = ctx.limits();
+        let max_binding = ctx.max_binding();
+        let device = ctx.device();
+
+        // Validate every size against the device before creating anything.
+        let q = Operand::check(ctx, "q", &self.q)?;
+        let k = Operand::check(ctx, "k", &self.k)?;
+        let v = Operand::check(ctx, "v", &self.v)?;
+        let bias = self.bias.as_ref().map(|b| Operand::check(ctx, "bias", b)).transpose()?;
+        let out_bytes = p.out_shape().iter().product::<usize>() as u64 * 4;
+        fits("output", out_bytes, max_binding, "max_storage_buffer_binding_size")?;
+        if let Some((buf, off)) = self.out_buffer {
+            check_gpu_buffer(ctx, "output", buf, off, out_bytes)?;
+        }
+        let weights_bytes = (p.batch_heads() * p.seq_q * p.seq_kv) as u64 * 4;
+        if self.weights {
+            fits("attention weights", weights_bytes, limits.max_buffer_size, "max_buffer_size")?;
+        }
+        let packed_mask = self.mask.as_ref().map(|m| pack_mask(&p, m));
+        if let Some((words, _)) = &packed_mask {
+            fits("packed mask", words.len() as u64 * 4, max_binding, "max_storage_buffer_binding_size")?;
+        }
+        let plan = ChunkPlan::new(&p, self.max_scores_bytes.unwrap_or(max_binding).min(max_binding), limits)?;
+
+        // Buffers.
+        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
+        let q = q.upload(ctx, "q");
+        let k = k.upload(ctx, "k");
+        let v = v.upload(ctx, "v");
+        let bias = bias.map(|b| b.upload(ctx, "bias"));
+        let storage_init = |label: &str, contents: &[u8]| {
+            device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some(label),
+                contents,
+                usage: wgpu::BufferUsages::STORAGE,
+            })
+        };
+        let dummy = storage_init("wgpu-attention dummy", &[0u8; 16]);
+        let mask_buf = packed_mask.as_ref().map(|(w, _)| storage_init("mask", bytemuck::cast_slice(w)));
+        let lens_buf = p.kv_lens.as_ref().map(|l| storage_init("kv_lens", bytemuck::cast_slice(l)));
+        let (out_buf, out_off) = match self.out_buffer {
+            Some((b, off)) => (b.clone(), off),
+            None => (
+                device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("output"),
+                    size: out_bytes,
+                    usage,
+                    mapped_at_creation: false,
+                }),
+                0,
+            ),
+        };
+        let lse_buf = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("lse"),
+            size: (p.batch_heads() * p.seq_q) as u64 * 4,
+            usage,
+            mapped_at_creation: false,
+        });
+        let weights_buf = self.weights.then(|| {
+            device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("weights"),
+                size: weights_bytes,
+                usage,
+                mapped_at_creation: false,
+            })
+        });
+
+        let io = Io {
+            q: q.binding(),
+            k: k.binding(),
+            v: v.binding(),
+            bias: bias.as_ref().map(|b| b.binding()),
+            mask: mask_buf.as_ref().map(|b| (b, packed_mask.as_ref().unwrap().1)),
+            lens: lens_buf.as_ref(),
+            out: binding(&out_buf, out_off, out_bytes),
+            lse: &lse_buf,
+            weights: weights_buf.as_ref(),
+            dummy: &dummy,
+        };
+        match path {
+            Path::Unfused | Path::Auto => record_unfused(ctx, encoder, &p, &plan, &io)?,
+        }
+        Ok(GpuOutput {
+            output: out_buf,
+            output_offset: out_off,
+            lse: lse_buf,
+            weights: weights_buf,
+            problem: p,
+        })
+    }
+}
+
+fn check_len(tensor: &'static str, shape: &[usize], actual: usize) -> Result<()> {
+    let expected: usize = shape.iter().product();
+    if expected != actual {
+        return Err(Error::DataLength {
+            tensor,
+            shape: shape.to_vec(),
+            expected,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+fn fits(what: &str, bytes: u64, limit: u64, limit_name: &'static str) -> Result<()> {
+    if bytes > limit {
+        return Err(Error::TooLargeForDevice {
+            what: what.to_string(),
+            bytes,
+            limit_name,
+            limit,
+            hint: "",
+        });
+    }
+    Ok(())
+}
+
+fn check_gpu_buffer(ctx: &Context, tensor: &'static str, buf: &wgpu::Buffer, offset: u64, bytes: u64) -> Result<()> {
+    let align = ctx.limits().min_storage_buffer_offset_alignment as u64;
+    let bad = |reason: String| Err(Error::BadBuffer { tensor, reason });
+    if !buf.usage().contains(wgpu::BufferUsages::STORAGE) {
+        return bad(format!("usage {:?} lacks STORAGE", buf.usage()));
+    }
+    if offset % align != 0 {
+        return bad(format!("offset {offset} is not a multiple of min_storage_buffer_offset_alignment ({align})"));
+    }
+    if offset.checked_add(bytes).is_none_or(|end| end > buf.size()) {
+        return bad(format!("needs {bytes} bytes at offset {offset}, buffer has {}", buf.size()));
+    }
+    Ok(())
+}
+
+fn binding(buf: &wgpu::Buffer, offset: u64, bytes: u64) -> wgpu::BufferBinding<'_> {
+    wgpu::BufferBinding {
+        buffer: buf,
+        offset,
+        size: NonZeroU64::new(bytes),
+    }
+}
+
+/// A validated input, before upload.
+struct Operand<'t, 'a> {
+    tensor: &'t Tensor<'a>,
+    bytes: u64,
+}
+
+/// An input on the GPU: our upload, or the caller's buffer.
+enum Uploaded<'a> {
+    Owned(wgpu::Buffer, u64),
+    Borrowed(&'a wgpu::Buffer, u64, u64),
+}
+
+impl<'t, 'a> Operand<'t, 'a> {
+    fn check(ctx: &Context, name: &'static str, t: &'t Tensor<'a>) -> Result<Self> {
+        let elems: usize = t.shape.iter().product();
+        let bytes = elems as u64 * 4;
+        match &t.data {
+            TensorData::Host(d) => check_len(name, &t.shape, d.len())?,
+            TensorData::Gpu { buffer, offset } => check_gpu_buffer(ctx, name, buffer, *offset, bytes)?,
+        }
+        fits(name, bytes, ctx.max_binding(), "max_storage_buffer_binding_size")?;
+        Ok(Operand { tensor: t, bytes })
+    }
+
+    fn upload(&self, ctx: &Context, label: &str) -> Uploaded<'a> {
+        match &self.tensor.data {
+            TensorData::Host(d) => Uploaded::Owned(
+                ctx.device().create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some(label),
+                    contents: bytemuck::cast_slice(d),
+                    usage: wgpu::BufferUsages::STORAGE,
+                }),
+                self.bytes,
+            ),
+            TensorData::Gpu { buffer, offset } => Uploaded::Borrowed(buffer, *offset, self.bytes),
+        }
+    }
+}
+
+impl Uploaded<'_> {
+    fn binding(&self) -> wgpu::BufferBinding<'_> {
+        match self {
+            Uploaded::Owned(b, bytes) => binding(b, 0, *bytes),
+            Uploaded::Borrowed(b, off, bytes) => binding(b, *off, *bytes),
+        }
+    }
+}
+
+/// Pack a boolean mask into bits: `[Bm, Hm, Lm, ceil(S/32)]` u32 words (S always expanded),
+/// returning the words and the word strides (b, h, l), 0 on broadcast dimensions.
+pub(crate) fn pack_mask(p: &Problem, m: &Mask) -> (Vec<u32>, [u32; 3]) {
+    let bc = p.mask.expect("mask validated");
+    let [bm, hm, lm, sm] = bc.shape;
+    let s = p.seq_kv;
+    let words = s.div_ceil(32);
+    let mut out = vec![0u32; bm * hm * lm * words];
+    for r in 0..bm * hm * lm {
+        for j in 0..s {
+            let allowed = if sm == 1 { m.data[r] } else { m.data[r * s + j] };
+            if allowed {
+                out[r * words + j / 32] |= 1 << (j % 32);
+            }
+        }
+    }
+    let stride = |dim: usize, dense: usize| if dim == 1 { 0 } else { dense as u32 };
+    let strides = [
+        stride(bm, hm * lm * words),
+        stride(hm, lm * words),
+        stride(lm, words),
+    ];
+    (out, strides)
+}
+
+/// Everything bound by the kernels of one attention call.
+struct Io<'b> {
+    q: wgpu::BufferBinding<'b>,
+    k: wgpu::BufferBinding<'b>,
+    v: wgpu::BufferBinding<'b>,
+    bias: Option<wgpu::BufferBinding<'b>>,
+    mask: Option<(&'b wgpu::Buffer, [u32; 3])>,
+    lens: Option<&'b wgpu::Buffer>,
+    out: wgpu::BufferBinding<'b>,
+    lse: &'b wgpu::Buffer,
+    weights: Option<&'b wgpu::Buffer>,
+    dummy: &'b wgpu::Buffer,
+}
+
+/// How the unfused path splits the score matrix `[B·Hq, L, S]` so one chunk fits a binding:
+/// whole heads at a time when `L·S` fits, else row blocks of one head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ChunkPlan {
+    /// Batch-heads per chunk.
+    pub heads: usize,
+    /// Query rows per chunk (`L` unless `heads == 1`).
+    pub rows: usize,
+}
+
+impl ChunkPlan {
+    pub(crate) fn new(p: &Problem, budget_bytes: u64, limits: &wgpu::Limits) -> Result<Self> {
+        let max_grid = limits.max_compute_workgroups_per_dimension as usize;
+        let tile = matmul::TILE as usize;
+        let budget = (budget_bytes / 4) as usize;
+        let (l, s) = (p.seq_q, p.seq_kv);
+        if s > max_grid * tile {
+            return Err(Error::TooLargeForDevice {
+                what: format!("key length S = {s}"),
+                bytes: s as u64 * 4,
+                limit_name: "max_compute_workgroups_per_dimension",
+                limit: (max_grid * tile) as u64 * 4,
+                hint: " (S may be at most 64 x max_compute_workgroups_per_dimension)",
+            });
+        }
+        if s > budget {
+            return Err(Error::TooLargeForDevice {
+                what: format!("one row of scores (S = {s})"),
+                bytes: s as u64 * 4,
+                limit_name: "max_storage_buffer_binding_size",
+                limit: budget_bytes,
+                hint: "; even the smallest chunk of the unfused path does not fit",
+            });
+        }
+        let max_rows = (max_grid * tile).min(l);
+        if l * s <= budget && l <= max_rows {
+            let heads = (budget / (l * s)).min(p.batch_heads()).min(max_grid);
+            Ok(ChunkPlan { heads, rows: l })
+        } else {
+            Ok(ChunkPlan {
+                heads: 1,
+                rows: (budget / s).min(max_rows),
+            })
+        }
+    }
+}
+
+fn record_unfused(ctx: &Context, encoder: &mut wgpu::CommandEncoder, p: &Problem, plan: &ChunkPlan, io: &Io) -> Result<()> {
+    let (l, s, e, ev) = (p.seq_q as u32, p.seq_kv as u32, p.head_dim as u32, p.head_dim_v as u32);
+    let bh = p.batch_heads();
+    let scores_elems = plan.heads * plan.rows * p.seq_kv;
+    let scores = ctx.device().create_buffer(&wgpu::BufferDescriptor {
+        label: Some("scores chunk"),
+        size: scores_elems as u64 * 4,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let (mask_buf, mask_strides) = match io.mask {
+        Some((b, st)) => (b, st),
+        None => (io.dummy, [0; 3]),
+    };
+    let bias_strides = p.bias.map(|b| b.strides()).unwrap_or([0; 4]);
+    for z0 in (0..bh).step_by(plan.heads) {
+        let nz = plan.heads.min(bh - z0);
+        for i0 in (0..p.seq_q).step_by(plan.rows) {
+            let lc = plan.rows.min(p.seq_q - i0);
+            let chunk_bytes = (nz * lc * p.seq_kv) as u64 * 4;
+            let sc = binding(&scores, 0, chunk_bytes);
+            // 1. scores = scale * Q K^T
+            matmul::Matmul {
+                a: io.q.clone(),
+                b: io.k.clone(),
+                bias: None,
+                c: sc.clone(),
+                params: matmul::Params {
+                    m: lc as u32,
+                    n: s,
+                    k: e,
+                    heads: p.q_heads as u32,
+                    group: p.group() as u32,
+                    a_z0: z0 as u32,
+                    b_z0: z0 as u32,
+                    c_z0: 0,
+                    a_batch: l * e,
+                    a_row: e,
+                    a_off: i0 as u32 * e,
+                    b_batch: s * e,
+                    b_row: e,
+                    c_batch: lc as u32 * s,
+                    c_row: s,
+                    c_off: 0,
+                    alpha: p.scale,
+                    _pad: [0; 3],
+                },
+                batch: nz as u32,
+                trans_b: true,
+            }
+            .record(ctx, encoder, io.dummy)?;
+            // 2. masked softmax in place, logsumexp out
+            softmax::record(
+                ctx,
+                encoder,
+                [
+                    sc.clone(),
+                    mask_buf.as_entire_buffer_binding(),
+                    io.bias.clone().unwrap_or(io.dummy.as_entire_buffer_binding()),
+                    io.lens.unwrap_or(io.dummy).as_entire_buffer_binding(),
+                    io.lse.as_entire_buffer_binding(),
+                ],
+                &softmax::Params {
+                    rows: lc as u32,
+                    total: (nz * lc) as u32,
+                    s,
+                    l,
+                    z0: z0 as u32,
+                    i0: i0 as u32,
+                    heads: p.q_heads as u32,
+                    has_causal: (p.causal != Causal::None) as u32,
+                    causal_off: p.causal.offset(p.seq_q, p.seq_kv).unwrap_or(0).clamp(i32::MIN as i64, i32::MAX as i64) as i32,
+                    has_mask: io.mask.is_some() as u32,
+                    has_bias: io.bias.is_some() as u32,
+                    has_lens: io.lens.is_some() as u32,
+                    mask_b: mask_strides[0],
+                    mask_h: mask_strides[1],
+                    mask_l: mask_strides[2],
+                    _pad0: 0,
+                    bias_b: bias_strides[0] as u32,
+                    bias_h: bias_strides[1] as u32,
+                    bias_l: bias_strides[2] as u32,
+                    bias_s: bias_strides[3] as u32,
+                },
+            )?;
+            // 3. the weights, if asked for: this chunk is one contiguous block of [BH, L, S]
+            if let Some(w) = io.weights {
+                let dst = ((z0 * p.seq_q + i0) * p.seq_kv) as u64 * 4;
+                encoder.copy_buffer_to_buffer(&scores, 0, w, dst, chunk_bytes);
+            }
+            // 4. O = P V
+            matmul::Matmul {
+                a: sc,
+                b: io.v.clone(),
+                bias: None,
+                c: io.out.clone(),
+                params: matmul::Params {
+                    m: lc as u32,
+                    n: ev,
+                    k: s,
+                    heads: p.q_heads as u32,
+                    group: p.group() as u32,
+                    a_z0: 0,
+                    b_z0: z0 as u32,
+                    c_z0: z0 as u32,
+                    a_batch: lc as u32 * s,
+                    a_row: s,
+                    a_off: 0,
+                    b_batch: s * ev,
+                    b_row: ev,
+                    c_batch: l * ev,
+                    c_row: ev,
+                    c_off: i0 as u32 * ev,
+                    alpha: 1.0,
+                    _pad: [0; 3],
+                },
+                batch: nz as u32,
+                trans_b: false,
+            }
+            .record(ctx, encoder, io.dummy)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,173 @@
+//! The crate's one error type.
+//!
+//! Every input problem is reported before any GPU work starts; device problems (validation,
+//! out-of-memory, device loss, failed readback) are captured with error scopes and returned.
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong, with structured fields.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// wgpu found no adapter at all.
+    #[error(
+        "no GPU adapter found ({details}). On a machine without a GPU, install Mesa's software \
+         Vulkan driver (Debian/Ubuntu: `apt-get install mesa-vulkan-drivers libvulkan1`), or \
+         select another backend with WGPU_BACKEND=vulkan|metal|dx12|gl"
+    )]
+    NoAdapter {
+        /// What wgpu reported.
+        details: String,
+    },
+    /// `WGPU_ADAPTER_NAME` was set but no adapter's name contains it.
+    #[error("WGPU_ADAPTER_NAME={wanted:?} matches no adapter; available: {available:?}")]
+    AdapterNotFound {
+        /// The requested (lower-cased) substring.
+        wanted: String,
+        /// Names of the adapters that were found.
+        available: Vec<String>,
+    },
+    /// The adapter refused to create a device.
+    #[error("could not create a device: {0}")]
+    RequestDevice(String),
+    /// A tensor has the wrong number of dimensions.
+    #[error("{tensor}: expected {expected} dimensions, got {actual} (shape {shape:?})")]
+    WrongRank {
+        /// Which tensor (`"q"`, `"k"`, `"mask"`, ...).
+        tensor: &'static str,
+        /// Expected rank.
+        expected: usize,
+        /// Actual rank.
+        actual: usize,
+        /// Actual shape.
+        shape: Vec<usize>,
+    },
+    /// A tensor's shape does not agree with the others.
+    #[error("{tensor}: expected shape {expected:?}, got {actual:?}")]
+    ShapeMismatch {
+        /// Which tensor.
+        tensor: &'static str,
+        /// The shape it must have, given the other tensors.
+        expected: Vec<usize>,
+        /// The shape it has.
+        actual: Vec<usize>,
+    },
+    /// A dimension is zero.
+    #[error("{tensor}: zero-sized dimension in shape {shape:?}")]
+    ZeroSized {
+        /// Which tensor.
+        tensor: &'static str,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
+    /// The number of query heads is not a multiple of the number of key/value heads.
+    #[error("query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})")]
+    HeadsNotDivisible {
+        /// Query heads `Hq`.
+        q_heads: usize,
+        /// Key/value heads `Hkv`.
+        kv_heads: usize,
+    },
+    /// A mask or bias cannot be broadcast to `[B, Hq, L, S]`.
+    #[error("{tensor}: shape {shape:?} does not broadcast to {target:?} (each of B and H must be 1 or equal; L and S must be equal)")]
+    NotBroadcastable {
+        /// `"mask"` or `"bias"`.
+        tensor: &'static str,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// The score shape `[B, Hq, L, S]`.
+        target: Vec<usize>,
+    },
+    /// `kv_lens` has the wrong number of entries.
+    #[error("kv_lens: expected one length per batch ({expected}), got {actual}")]
+    KvLensCount {
+        /// Batch size `B`.
+        expected: usize,
+        /// Entries given.
+        actual: usize,
+    },
+    /// A key length is larger than `S`.
+    #[error("kv_lens[{batch}] = {len} exceeds the key sequence length {max}")]
+    KvLenOutOfRange {
+        /// Batch index.
+        batch: usize,
+        /// The given length.
+        len: usize,
+        /// `S`.
+        max: usize,
+    },
+    /// A host slice has the wrong number of elements for the shape it was given with.
+    #[error("{tensor}: shape {shape:?} needs {expected} elements, the data has {actual}")]
+    DataLength {
+        /// Which tensor.
+        tensor: &'static str,
+        /// The declared shape.
+        shape: Vec<usize>,
+        /// Product of the shape.
+        expected: usize,
+        /// Length of the data.
+        actual: usize,
+    },
+    /// A caller's GPU buffer is too small, lacks a usage flag, or is misaligned.
+    #[error("{tensor}: unusable buffer: {reason}")]
+    BadBuffer {
+        /// Which tensor.
+        tensor: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The scale is NaN or infinite.
+    #[error("scale must be finite, got {scale}")]
+    InvalidScale {
+        /// The rejected scale.
+        scale: f32,
+    },
+    /// An option combination that a path cannot serve.
+    #[error("path {path} cannot run this problem: {reason}")]
+    Unsupported {
+        /// The requested path.
+        path: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// A buffer would exceed a device limit.
+    #[error("{what} needs {bytes} bytes, over the device limit {limit_name} = {limit}{hint}")]
+    TooLargeForDevice {
+        /// What was being allocated or bound.
+        what: String,
+        /// Bytes needed.
+        bytes: u64,
+        /// Which `wgpu::Limits` field.
+        limit_name: &'static str,
+        /// Its value.
+        limit: u64,
+        /// Extra advice (may be empty).
+        hint: &'static str,
+    },
+    /// A wgpu validation error (a bug in this crate or a misuse of caller-provided buffers).
+    #[error("GPU validation error: {0}")]
+    Validation(String),
+    /// The device ran out of memory.
+    #[error("GPU out of memory: {0}")]
+    OutOfMemory(String),
+    /// An internal device error.
+    #[error("internal GPU error: {0}")]
+    Internal(String),
+    /// The device was lost.
+    #[error("GPU device lost: {0}")]
+    DeviceLost(String),
+    /// Reading results back failed.
+    #[error("reading results back from the GPU failed: {0}")]
+    Readback(String),
+}
+
+impl From<wgpu::Error> for Error {
+    fn from(e: wgpu::Error) -> Self {
+        match e {
+            wgpu::Error::OutOfMemory { source } => Error::OutOfMemory(source.to_string()),
+            wgpu::Error::Validation { description, .. } => Error::Validation(description),
+            wgpu::Error::Internal { description, .. } => Error::Internal(description),
+        }
+    }
+}

@@ -1,0 +1,19 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+
+mod attention;
+pub mod check;
+mod context;
+mod error;
+mod kernels;
+pub mod problem;
+pub mod reference;
+mod tensor;
+
+pub use attention::{GpuOutput, Output, Path, Sdpa};
+pub use context::Context;
+/// Re-exported so callers use the same wgpu version.
+pub use wgpu;
+pub use error::{Error, Result};
+pub use problem::{Causal, Problem};
+pub use tensor::{Mask, Tensor};

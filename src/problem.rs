@@ -1,0 +1,302 @@
+//! The problem description: shapes, masks and options, validated once.
+//!
+//! [`Problem`] knows every size the kernels need, the FLOP count used in benchmarks and the
+//! broadcast strides of masks and biases. It is built by [`crate::Sdpa`] before any GPU work.
+
+use crate::error::{Error, Result};
+
+/// Causal masking, by alignment. See the crate docs for the semantics table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum Causal {
+    /// No causal mask.
+    #[default]
+    None,
+    /// PyTorch `is_causal=True`: query `i` sees keys `j <= i` (`tril(ones(L, S))`).
+    TopLeft,
+    /// FlashAttention / KV-cache decoding: query `i` sees keys `j <= i + S - L`.
+    /// When `L > S` the first `L - S` query rows see no key and are fully masked.
+    BottomRight,
+}
+
+impl Causal {
+    /// The diagonal offset `d` such that query `i` may see key `j` iff `j <= i + d`.
+    /// `None` when there is no causal mask.
+    pub fn offset(self, seq_q: usize, seq_kv: usize) -> Option<i64> {
+        match self {
+            Causal::None => None,
+            Causal::TopLeft => Some(0),
+            Causal::BottomRight => Some(seq_kv as i64 - seq_q as i64),
+        }
+    }
+}
+
+/// A `[B|1, H|1, L|1, S|1]` broadcast shape of a mask or bias, with element strides
+/// (0 on broadcast dimensions) into its row-major storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Broadcast {
+    /// The 4-D shape after left-padding with ones.
+    pub shape: [usize; 4],
+}
+
+impl Broadcast {
+    /// Validate `shape` (rank 1 to 4) against the score shape `[B, Hq, L, S]`.
+    pub fn new(tensor: &'static str, shape: &[usize], target: [usize; 4]) -> Result<Self> {
+        if shape.is_empty() || shape.len() > 4 {
+            return Err(Error::WrongRank {
+                tensor,
+                expected: 4,
+                actual: shape.len(),
+                shape: shape.to_vec(),
+            });
+        }
+        if shape.contains(&0) {
+            return Err(Error::ZeroSized {
+                tensor,
+                shape: shape.to_vec(),
+            });
+        }
+        let mut s4 = [1usize; 4];
+        s4[4 - shape.len()..].copy_from_slice(shape);
+        for d in 0..4 {
+            if s4[d] != 1 && s4[d] != target[d] {
+                return Err(Error::NotBroadcastable {
+                    tensor,
+                    shape: shape.to_vec(),
+                    target: target.to_vec(),
+                });
+            }
+        }
+        Ok(Broadcast { shape: s4 })
+    }
+
+    /// Element strides of the row-major storage, 0 on broadcast dimensions.
+    pub fn strides(&self) -> [usize; 4] {
+        let s = self.shape;
+        let dense = [s[1] * s[2] * s[3], s[2] * s[3], s[3], 1];
+        let mut out = [0; 4];
+        for d in 0..4 {
+            out[d] = if s[d] == 1 { 0 } else { dense[d] };
+        }
+        out
+    }
+
+    /// Number of stored elements.
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Always false: broadcast shapes have no zero dimension.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+}
+
+/// A validated attention problem.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Problem {
+    /// Batch `B`.
+    pub batch: usize,
+    /// Query heads `Hq`.
+    pub q_heads: usize,
+    /// Key/value heads `Hkv` (divides `Hq`).
+    pub kv_heads: usize,
+    /// Query length `L`.
+    pub seq_q: usize,
+    /// Key/value length `S`.
+    pub seq_kv: usize,
+    /// Query/key head dimension `E`.
+    pub head_dim: usize,
+    /// Value head dimension `Ev`.
+    pub head_dim_v: usize,
+    /// Softmax scale (default `1/sqrt(E)`).
+    pub scale: f32,
+    /// Causal alignment.
+    pub causal: Causal,
+    /// Boolean mask broadcast shape, if any.
+    pub mask: Option<Broadcast>,
+    /// Additive bias broadcast shape, if any.
+    pub bias: Option<Broadcast>,
+    /// Per-batch key lengths, if any.
+    pub kv_lens: Option<Vec<u32>>,
+}
+
+fn dims4(tensor: &'static str, shape: &[usize]) -> Result<[usize; 4]> {
+    let s: [usize; 4] = shape.try_into().map_err(|_| Error::WrongRank {
+        tensor,
+        expected: 4,
+        actual: shape.len(),
+        shape: shape.to_vec(),
+    })?;
+    if s.contains(&0) {
+        return Err(Error::ZeroSized {
+            tensor,
+            shape: shape.to_vec(),
+        });
+    }
+    Ok(s)
+}
+
+impl Problem {
+    /// Validate q `[B, Hq, L, E]`, k `[B, Hkv, S, E]`, v `[B, Hkv, S, Ev]`.
+    pub fn new(q: &[usize], k: &[usize], v: &[usize]) -> Result<Self> {
+        let [b, hq, l, e] = dims4("q", q)?;
+        let [kb, hkv, s, ke] = dims4("k", k)?;
+        if kb != b || ke != e {
+            return Err(Error::ShapeMismatch {
+                tensor: "k",
+                expected: vec![b, hkv, s, e],
+                actual: k.to_vec(),
+            });
+        }
+        let [vb, vh, vs, ev] = dims4("v", v)?;
+        if vb != b || vh != hkv || vs != s {
+            return Err(Error::ShapeMismatch {
+                tensor: "v",
+                expected: vec![b, hkv, s, ev],
+                actual: v.to_vec(),
+            });
+        }
+        if hq % hkv != 0 {
+            return Err(Error::HeadsNotDivisible {
+                q_heads: hq,
+                kv_heads: hkv,
+            });
+        }
+        Ok(Problem {
+            batch: b,
+            q_heads: hq,
+            kv_heads: hkv,
+            seq_q: l,
+            seq_kv: s,
+            head_dim: e,
+            head_dim_v: ev,
+            scale: 1.0 / (e as f32).sqrt(),
+            causal: Causal::None,
+            mask: None,
+            bias: None,
+            kv_lens: None,
+        })
+    }
+
+    /// Set the scale (must be finite).
+    pub fn with_scale(mut self, scale: Option<f32>) -> Result<Self> {
+        if let Some(s) = scale {
+            if !s.is_finite() {
+                return Err(Error::InvalidScale { scale: s });
+            }
+            self.scale = s;
+        }
+        Ok(self)
+    }
+
+    /// Set the causal alignment.
+    pub fn with_causal(mut self, causal: Causal) -> Self {
+        self.causal = causal;
+        self
+    }
+
+    /// Add a boolean mask of the given (broadcastable) shape.
+    pub fn with_mask(mut self, shape: &[usize]) -> Result<Self> {
+        self.mask = Some(Broadcast::new("mask", shape, self.score_shape())?);
+        Ok(self)
+    }
+
+    /// Add an additive bias of the given (broadcastable) shape.
+    pub fn with_bias(mut self, shape: &[usize]) -> Result<Self> {
+        self.bias = Some(Broadcast::new("bias", shape, self.score_shape())?);
+        Ok(self)
+    }
+
+    /// Add per-batch key lengths (each `<= S`; 0 masks every key of that batch).
+    pub fn with_kv_lens(mut self, lens: &[usize]) -> Result<Self> {
+        if lens.len() != self.batch {
+            return Err(Error::KvLensCount {
+                expected: self.batch,
+                actual: lens.len(),
+            });
+        }
+        for (batch, &len) in lens.iter().enumerate() {
+            if len > self.seq_kv {
+                return Err(Error::KvLenOutOfRange {
+                    batch,
+                    len,
+                    max: self.seq_kv,
+                });
+            }
+        }
+        self.kv_lens = Some(lens.iter().map(|&l| l as u32).collect());
+        Ok(self)
+    }
+
+    /// Query heads per key/value head.
+    pub fn group(&self) -> usize {
+        self.q_heads / self.kv_heads
+    }
+
+    /// `[B, Hq, L, S]`.
+    pub fn score_shape(&self) -> [usize; 4] {
+        [self.batch, self.q_heads, self.seq_q, self.seq_kv]
+    }
+
+    /// `[B, Hq, L, E]`.
+    pub fn q_shape(&self) -> [usize; 4] {
+        [self.batch, self.q_heads, self.seq_q, self.head_dim]
+    }
+
+    /// `[B, Hkv, S, E]`.
+    pub fn k_shape(&self) -> [usize; 4] {
+        [self.batch, self.kv_heads, self.seq_kv, self.head_dim]
+    }
+
+    /// `[B, Hkv, S, Ev]`.
+    pub fn v_shape(&self) -> [usize; 4] {
+        [self.batch, self.kv_heads, self.seq_kv, self.head_dim_v]
+    }
+
+    /// `[B, Hq, L, Ev]`.
+    pub fn out_shape(&self) -> [usize; 4] {
+        [self.batch, self.q_heads, self.seq_q, self.head_dim_v]
+    }
+
+    /// `B * Hq`.
+    pub fn batch_heads(&self) -> usize {
+        self.batch * self.q_heads
+    }
+
+    /// FLOPs counted as benchmarks report them: `2·B·Hq·L·S·(E + Ev)` (that is `4·B·H·L·S·E`
+    /// when `E == Ev`), halved when a causal mask is set.
+    pub fn flops(&self) -> f64 {
+        let f = 2.0
+            * self.batch_heads() as f64
+            * self.seq_q as f64
+            * self.seq_kv as f64
+            * (self.head_dim + self.head_dim_v) as f64;
+        if self.causal == Causal::None {
+            f
+        } else {
+            f / 2.0
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broadcast_pads_and_strides() {
+        let b = Broadcast::new("mask", &[5, 7], [2, 3, 5, 7]).unwrap();
+        assert_eq!(b.shape, [1, 1, 5, 7]);
+        assert_eq!(b.strides(), [0, 0, 7, 1]);
+        let b = Broadcast::new("mask", &[2, 1, 1, 7], [2, 3, 5, 7]).unwrap();
+        assert_eq!(b.strides(), [7, 0, 0, 1]);
+        assert!(Broadcast::new("mask", &[3, 5, 7], [2, 4, 5, 7]).is_err());
+    }
+
+    #[test]
+    fn bottom_right_offset() {
+        assert_eq!(Causal::BottomRight.offset(3, 10), Some(7));
+        assert_eq!(Causal::BottomRight.offset(10, 3), Some(-7));
+        assert_eq!(Causal::TopLeft.offset(10, 3), Some(0));
+    }
+}

@@ -1,0 +1,184 @@
+//! The CPU reference: plain ndarray, f64 accumulation, the same semantics as the GPU paths.
+//!
+//! Written for obviousness, not speed, and split by stage so that each GPU kernel is checked
+//! against its own stage: [`scores`] (`scale · Q Kᵀ`), [`masked_softmax`] (masks, bias, causal,
+//! key lengths; fully masked rows give zeros), [`weighted_sum`] (`P V`). [`sdpa`] chains them.
+//! Users may call it to verify their own GPU results.
+
+use ndarray::{Array3, Array4, ArrayView4, ArrayViewD, Axis, Ix4};
+
+use crate::error::Result;
+use crate::problem::{Causal, Problem};
+
+/// Masks and options for the reference; mirrors [`crate::Sdpa`]'s builder.
+#[derive(Debug, Clone, Default)]
+pub struct Spec<'a> {
+    /// Scale; `None` means `1/sqrt(E)`.
+    pub scale: Option<f64>,
+    /// Causal alignment.
+    pub causal: Causal,
+    /// Boolean mask, broadcastable to `[B, Hq, L, S]`, true = may attend.
+    pub mask: Option<ArrayViewD<'a, bool>>,
+    /// Additive bias, broadcastable to `[B, Hq, L, S]`.
+    pub bias: Option<ArrayViewD<'a, f32>>,
+    /// Per-batch key lengths.
+    pub kv_lens: Option<&'a [usize]>,
+}
+
+/// All reference outputs, in f64.
+#[derive(Debug, Clone)]
+pub struct Output {
+    /// `[B, Hq, L, Ev]`.
+    pub out: Array4<f64>,
+    /// Softmax weights `[B, Hq, L, S]` (zeros on fully masked rows).
+    pub weights: Array4<f64>,
+    /// Natural-log logsumexp of each row's masked logits `[B, Hq, L]`; `-inf` on fully masked rows.
+    pub lse: Array3<f64>,
+}
+
+/// Stage 1: `scale · Q Kᵀ` as `[B, Hq, L, S]`; query head `h` reads key head `h / (Hq / Hkv)`.
+pub fn scores(q: ArrayView4<f32>, k: ArrayView4<f32>, scale: f64) -> Array4<f64> {
+    let (b, hq, l, e) = q.dim();
+    let (_, hkv, s, _) = k.dim();
+    let group = hq / hkv;
+    let mut out = Array4::<f64>::zeros((b, hq, l, s));
+    for bi in 0..b {
+        for h in 0..hq {
+            for i in 0..l {
+                for j in 0..s {
+                    let mut acc = 0.0f64;
+                    for d in 0..e {
+                        acc += q[[bi, h, i, d]] as f64 * k[[bi, h / group, j, d]] as f64;
+                    }
+                    out[[bi, h, i, j]] = scale * acc;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Whether query `i` may attend key `j` of batch `b`, head `h` (mask, causal, key lengths).
+fn allowed(spec: &Spec, mask: Option<&ndarray::ArrayView4<bool>>, idx: [usize; 4], l: usize, s: usize) -> bool {
+    let [b, _h, i, j] = idx;
+    if let Some(d) = spec.causal.offset(l, s) {
+        if j as i64 > i as i64 + d {
+            return false;
+        }
+    }
+    if let Some(lens) = spec.kv_lens {
+        if j >= lens[b] {
+            return false;
+        }
+    }
+    if let Some(m) = mask {
+        if !m[idx] {
+            return false;
+        }
+    }
+    true
+}
+
+/// Stage 2: add the bias, apply every mask, softmax each row with the max subtracted.
+/// Returns the weights and each row's logsumexp. A row with no allowed key (or whose allowed
+/// logits are all `-inf`) gives all-zero weights and logsumexp `-inf`.
+pub fn masked_softmax(scores: &Array4<f64>, spec: &Spec) -> (Array4<f64>, Array3<f64>) {
+    let (b, h, l, s) = scores.dim();
+    let mask = spec
+        .mask
+        .as_ref()
+        .map(|m| m.broadcast((b, h, l, s)).expect("mask broadcasts").into_dimensionality::<Ix4>().unwrap());
+    let bias = spec
+        .bias
+        .as_ref()
+        .map(|m| m.broadcast((b, h, l, s)).expect("bias broadcasts").into_dimensionality::<Ix4>().unwrap());
+    let mut weights = Array4::<f64>::zeros((b, h, l, s));
+    let mut lse = Array3::<f64>::from_elem((b, h, l), f64::NEG_INFINITY);
+    let mut logits = vec![0f64; s];
+    let mut ok = vec![false; s];
+    for bi in 0..b {
+        for hi in 0..h {
+            for i in 0..l {
+                let mut max = f64::NEG_INFINITY;
+                for j in 0..s {
+                    ok[j] = allowed(spec, mask.as_ref(), [bi, hi, i, j], l, s);
+                    logits[j] = scores[[bi, hi, i, j]] + bias.as_ref().map_or(0.0, |x| x[[bi, hi, i, j]] as f64);
+                    if ok[j] {
+                        // NaN propagates: f64::max ignores NaN, so check explicitly.
+                        if logits[j].is_nan() || max.is_nan() {
+                            max = f64::NAN;
+                        } else {
+                            max = max.max(logits[j]);
+                        }
+                    }
+                }
+                if max == f64::NEG_INFINITY {
+                    continue; // fully masked row: zeros, lse = -inf
+                }
+                let mut sum = 0.0;
+                for j in 0..s {
+                    if ok[j] {
+                        sum += (logits[j] - max).exp();
+                    }
+                }
+                for j in 0..s {
+                    if ok[j] {
+                        weights[[bi, hi, i, j]] = (logits[j] - max).exp() / sum;
+                    }
+                }
+                lse[[bi, hi, i]] = max + sum.ln();
+            }
+        }
+    }
+    (weights, lse)
+}
+
+/// Stage 3: `P V` as `[B, Hq, L, Ev]`; query head `h` reads value head `h / (Hq / Hkv)`.
+pub fn weighted_sum(p: &Array4<f64>, v: ArrayView4<f32>) -> Array4<f64> {
+    let (b, hq, l, s) = p.dim();
+    let (_, hkv, _, ev) = v.dim();
+    let group = hq / hkv;
+    let mut out = Array4::<f64>::zeros((b, hq, l, ev));
+    for bi in 0..b {
+        for h in 0..hq {
+            for i in 0..l {
+                for j in 0..s {
+                    let w = p[[bi, h, i, j]];
+                    if w == 0.0 {
+                        continue;
+                    }
+                    for d in 0..ev {
+                        out[[bi, h, i, d]] += w * v[[bi, h / group, j, d]] as f64;
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The whole of `softmax(scale · Q Kᵀ + bias, masked) V`, validated like the GPU entry points.
+pub fn sdpa(q: ArrayView4<f32>, k: ArrayView4<f32>, v: ArrayView4<f32>, spec: &Spec) -> Result<Output> {
+    let mut p = Problem::new(q.shape(), k.shape(), v.shape())?
+        .with_causal(spec.causal)
+        .with_scale(spec.scale.map(|s| s as f32))?;
+    if let Some(m) = &spec.mask {
+        p = p.with_mask(m.shape())?;
+    }
+    if let Some(m) = &spec.bias {
+        p = p.with_bias(m.shape())?;
+    }
+    if let Some(l) = spec.kv_lens {
+        p = p.with_kv_lens(l)?;
+    }
+    let scale = spec.scale.unwrap_or(1.0 / (p.head_dim as f64).sqrt());
+    let s = scores(q, k, scale);
+    let (weights, lse) = masked_softmax(&s, spec);
+    let out = weighted_sum(&weights, v);
+    Ok(Output { out, weights, lse })
+}
+
+/// Average over the head axis: `[B, H, L, S]` to `[B, L, S]`.
+pub fn mean_over_heads(w: &Array4<f64>) -> Array3<f64> {
+    w.mean_axis(Axis(1)).expect("at least one head")
+}

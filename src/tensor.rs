@@ -1,0 +1,128 @@
+//! Inputs: host data (slices, ndarray arrays) or the caller's own `wgpu::Buffer`s.
+
+use std::borrow::Cow;
+
+use ndarray::{ArrayBase, Data, Dimension};
+
+/// An f32 tensor given to the GPU: host data (copied up once) or a caller's GPU buffer
+/// (bound in place, no copy). Row-major, contiguous.
+#[derive(Debug, Clone)]
+pub struct Tensor<'a> {
+    pub(crate) data: TensorData<'a>,
+    pub(crate) shape: Vec<usize>,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) enum TensorData<'a> {
+    Host(Cow<'a, [f32]>),
+    Gpu { buffer: &'a wgpu::Buffer, offset: u64 },
+}
+
+impl<'a> Tensor<'a> {
+    /// Host data in row-major order with the given shape (the length is checked against the
+    /// shape before any GPU work).
+    pub fn from_slice(data: &'a [f32], shape: &[usize]) -> Self {
+        Tensor {
+            data: TensorData::Host(Cow::Borrowed(data)),
+            shape: shape.to_vec(),
+        }
+    }
+
+    /// A caller's GPU buffer holding the tensor, row-major, starting at byte `offset`.
+    /// The buffer needs `STORAGE` usage (and `COPY_SRC` if it is read back); `offset` must be a
+    /// multiple of the device's `min_storage_buffer_offset_alignment`.
+    pub fn from_buffer(buffer: &'a wgpu::Buffer, offset: u64, shape: &[usize]) -> Self {
+        Tensor {
+            data: TensorData::Gpu { buffer, offset },
+            shape: shape.to_vec(),
+        }
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+}
+
+impl<'a, S, D> From<&'a ArrayBase<S, D>> for Tensor<'a>
+where
+    S: Data<Elem = f32>,
+    D: Dimension,
+{
+    /// Borrows standard-layout arrays; copies others into row-major order.
+    fn from(a: &'a ArrayBase<S, D>) -> Self {
+        let shape = a.shape().to_vec();
+        let data = match a.as_slice() {
+            Some(s) => Cow::Borrowed(s),
+            None => Cow::Owned(a.iter().copied().collect()),
+        };
+        Tensor {
+            data: TensorData::Host(data),
+            shape,
+        }
+    }
+}
+
+impl<'a, D: Dimension> From<ndarray::ArrayView<'a, f32, D>> for Tensor<'a> {
+    /// Borrows standard-layout views; copies others into row-major order.
+    fn from(a: ndarray::ArrayView<'a, f32, D>) -> Self {
+        let shape = a.shape().to_vec();
+        let data = match a.to_slice() {
+            Some(s) => Cow::Borrowed(s),
+            None => Cow::Owned(a.iter().copied().collect()),
+        };
+        Tensor {
+            data: TensorData::Host(data),
+            shape,
+        }
+    }
+}
+
+/// A boolean attention mask on the host, **true = may attend** (PyTorch SDPA's convention),
+/// broadcastable to `[B, Hq, L, S]` (rank 1 to 4, numpy rules).
+#[derive(Debug, Clone)]
+pub struct Mask<'a> {
+    pub(crate) data: Cow<'a, [bool]>,
+    pub(crate) shape: Vec<usize>,
+}
+
+impl<'a> Mask<'a> {
+    /// Row-major host data with the given shape.
+    pub fn from_slice(data: &'a [bool], shape: &[usize]) -> Self {
+        Mask {
+            data: Cow::Borrowed(data),
+            shape: shape.to_vec(),
+        }
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+}
+
+impl<'a, S, D> From<&'a ArrayBase<S, D>> for Mask<'a>
+where
+    S: Data<Elem = bool>,
+    D: Dimension,
+{
+    fn from(a: &'a ArrayBase<S, D>) -> Self {
+        let shape = a.shape().to_vec();
+        let data = match a.as_slice() {
+            Some(s) => Cow::Borrowed(s),
+            None => Cow::Owned(a.iter().copied().collect()),
+        };
+        Mask { data, shape }
+    }
+}
+
+impl<'a, D: Dimension> From<ndarray::ArrayView<'a, bool, D>> for Mask<'a> {
+    fn from(a: ndarray::ArrayView<'a, bool, D>) -> Self {
+        let shape = a.shape().to_vec();
+        let data = match a.to_slice() {
+            Some(s) => Cow::Borrowed(s),
+            None => Cow::Owned(a.iter().copied().collect()),
+        };
+        Mask { data, shape }
+    }
+}

@@ -1,0 +1,170 @@
+//! Shared test support: the GPU context (skip or fail when there is none), random inputs,
+//! and the comparison of a GPU run with the CPU reference.
+#![allow(dead_code)]
+
+use std::sync::OnceLock;
+
+use ndarray::{Array, Array4, ArrayD, IxDyn};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use wgpu_attention::check::{compare, Report, Tolerance, F32_TOLERANCE};
+use wgpu_attention::reference::{self, Spec};
+use wgpu_attention::{Causal, Context, Path, Sdpa};
+
+/// The shared GPU context. Without an adapter: `None` (the test returns early) unless
+/// `WGPU_ATTENTION_REQUIRE_GPU=1`, in which case the test fails.
+pub fn ctx() -> Option<&'static Context> {
+    static CTX: OnceLock<Option<Context>> = OnceLock::new();
+    let c = CTX.get_or_init(|| match Context::new_blocking() {
+        Ok(c) => Some(c),
+        Err(e) => {
+            if std::env::var("WGPU_ATTENTION_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("WGPU_ATTENTION_REQUIRE_GPU=1 but no GPU context: {e}");
+            }
+            eprintln!("skipping GPU test: {e}");
+            None
+        }
+    });
+    c.as_ref()
+}
+
+/// Uniform values in [-1, 1).
+pub fn rand_array<Sh: ndarray::ShapeBuilder>(rng: &mut StdRng, shape: Sh) -> Array<f32, Sh::Dim> {
+    Array::from_shape_simple_fn(shape, || rng.random_range(-1.0f32..1.0))
+}
+
+pub fn rng(seed: u64) -> StdRng {
+    StdRng::seed_from_u64(seed)
+}
+
+/// Shapes `(B, Hq, Hkv, L, S, E, Ev)`.
+pub type Shape = (usize, usize, usize, usize, usize, usize, usize);
+
+/// One attention case: inputs and options.
+pub struct Case {
+    pub q: Array4<f32>,
+    pub k: Array4<f32>,
+    pub v: Array4<f32>,
+    pub mask: Option<ArrayD<bool>>,
+    pub bias: Option<ArrayD<f32>>,
+    pub kv_lens: Option<Vec<usize>>,
+    pub causal: Causal,
+    pub scale: Option<f32>,
+}
+
+impl Case {
+    pub fn random(shape: Shape, seed: u64) -> Case {
+        let (b, hq, hkv, l, s, e, ev) = shape;
+        let mut r = rng(seed);
+        Case {
+            q: rand_array(&mut r, (b, hq, l, e)),
+            k: rand_array(&mut r, (b, hkv, s, e)),
+            v: rand_array(&mut r, (b, hkv, s, ev)),
+            mask: None,
+            bias: None,
+            kv_lens: None,
+            causal: Causal::None,
+            scale: None,
+        }
+    }
+
+    pub fn dims(&self) -> (usize, usize, usize, usize) {
+        let (b, h, l, _) = self.q.dim();
+        (b, h, l, self.k.dim().2)
+    }
+
+    /// A `[B, 1, L, S]` mask, about 30% false, with rows 0 and L/2 fully masked.
+    pub fn with_random_mask(mut self, seed: u64) -> Case {
+        let (b, _, l, s) = self.dims();
+        let mut r = rng(seed);
+        let mut m = Array::from_shape_simple_fn(IxDyn(&[b, 1, l, s]), || r.random_range(0.0..1.0) > 0.3);
+        for bi in 0..b {
+            for j in 0..s {
+                m[[bi, 0, 0, j]] = false;
+                m[[bi, 0, l / 2, j]] = false;
+            }
+        }
+        self.mask = Some(m);
+        self
+    }
+
+    /// A `[1, H, L, S]` bias of magnitude ~2.
+    pub fn with_random_bias(mut self, seed: u64) -> Case {
+        let (_, h, l, s) = self.dims();
+        let mut r = rng(seed);
+        self.bias = Some(Array::from_shape_simple_fn(IxDyn(&[1, h, l, s]), || r.random_range(-2.0..2.0)));
+        self
+    }
+
+    /// Key lengths `S, S - 3, 1, ...` cycling over the batch.
+    pub fn with_kv_lens(mut self) -> Case {
+        let (b, _, _, s) = self.dims();
+        self.kv_lens = Some((0..b).map(|i| [s, s.saturating_sub(3).max(1), 1][i % 3]).collect());
+        self
+    }
+
+    pub fn with_causal(mut self, c: Causal) -> Case {
+        self.causal = c;
+        self
+    }
+
+    pub fn sdpa(&self) -> Sdpa<'_> {
+        let mut s = Sdpa::new(&self.q, &self.k, &self.v).causal(self.causal);
+        if let Some(m) = &self.mask {
+            s = s.mask(m);
+        }
+        if let Some(b) = &self.bias {
+            s = s.bias(b);
+        }
+        if let Some(l) = &self.kv_lens {
+            s = s.kv_lens(l);
+        }
+        if let Some(sc) = self.scale {
+            s = s.scale(sc);
+        }
+        s
+    }
+
+    pub fn spec(&self) -> Spec<'_> {
+        Spec {
+            scale: self.scale.map(|s| s as f64),
+            causal: self.causal,
+            mask: self.mask.as_ref().map(|m| m.view()),
+            bias: self.bias.as_ref().map(|m| m.view()),
+            kv_lens: self.kv_lens.as_deref(),
+        }
+    }
+
+    pub fn reference(&self) -> reference::Output {
+        reference::sdpa(self.q.view(), self.k.view(), self.v.view(), &self.spec()).unwrap()
+    }
+
+    /// Run `path` on the GPU (with weights where the path offers them, and lse) and compare
+    /// everything with the reference at `tol`. Panics with a report on mismatch.
+    pub fn check(&self, ctx: &Context, path: Path, tol: Tolerance, label: &str) {
+        let want = self.reference();
+        let mut run = self.sdpa().path(path).return_lse();
+        let weights = path == Path::Unfused;
+        if weights {
+            run = run.return_weights();
+        }
+        let got = run.run_blocking(ctx).unwrap_or_else(|e| panic!("{label}: {e}"));
+        assert_report(compare(got.output.iter().copied(), want.out.iter().copied(), tol), &format!("{label} output"));
+        assert_report(
+            compare(got.lse.unwrap().iter().copied(), want.lse.iter().copied(), tol),
+            &format!("{label} lse"),
+        );
+        if weights {
+            assert_report(
+                compare(got.weights.unwrap().iter().copied(), want.weights.iter().copied(), tol),
+                &format!("{label} weights"),
+            );
+        }
+    }
+}
+
+pub fn assert_report(r: Report, label: &str) {
+    assert!(r.passed(), "{label}: {r}");
+}
+
+pub const TOL: Tolerance = F32_TOLERANCE;

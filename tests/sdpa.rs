@@ -1,0 +1,272 @@
+//! End-to-end SDPA on the GPU against the CPU reference: a grid of shapes (tails, L != S,
+//! E != Ev, GQA/MQA) times every mask kind and combination, on every path.
+
+mod common;
+
+use common::{ctx, Case, Shape, TOL};
+use ndarray::{Array, Array4, IxDyn};
+use wgpu_attention::check::compare;
+use wgpu_attention::{Causal, Path, Sdpa};
+
+/// Shapes chosen so that no dimension is a multiple of the 64-wide tiles except where noted.
+const SHAPES: &[Shape] = &[
+    (1, 1, 1, 1, 1, 1, 1),
+    (2, 3, 3, 17, 17, 16, 16),
+    (1, 2, 2, 70, 130, 33, 65),
+    (2, 4, 2, 65, 63, 64, 64),
+    (1, 4, 1, 5, 129, 8, 20),
+    (1, 2, 2, 130, 7, 128, 5),
+];
+
+fn masks() -> Vec<(&'static str, fn(Case) -> Case)> {
+    vec![
+        ("none", |c| c),
+        ("causal_top_left", |c| c.with_causal(Causal::TopLeft)),
+        ("causal_bottom_right", |c| c.with_causal(Causal::BottomRight)),
+        ("bool_mask", |c| c.with_random_mask(7)),
+        ("bias", |c| c.with_random_bias(8)),
+        ("kv_lens", |c| c.with_kv_lens()),
+        ("all_combined", |c| {
+            c.with_causal(Causal::BottomRight)
+                .with_random_mask(9)
+                .with_random_bias(10)
+                .with_kv_lens()
+        }),
+        ("top_left_mask_bias", |c| c.with_causal(Causal::TopLeft).with_random_mask(11).with_random_bias(12)),
+    ]
+}
+
+#[test]
+fn grid_of_shapes_and_masks_matches_reference() {
+    let Some(ctx) = ctx() else { return };
+    for path in Path::ALL {
+        for (si, &shape) in SHAPES.iter().enumerate() {
+            for (name, apply) in masks() {
+                let case = apply(Case::random(shape, si as u64));
+                case.check(ctx, path, TOL, &format!("{path:?} {shape:?} {name}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn fully_masked_row_is_zero() {
+    let Some(ctx) = ctx() else { return };
+    let case = Case::random((2, 2, 2, 9, 11, 8, 8), 1).with_random_mask(3);
+    for path in Path::ALL {
+        let out = case.sdpa().path(path).return_lse().run_blocking(ctx).unwrap();
+        for b in 0..2 {
+            for h in 0..2 {
+                for i in [0, 4] {
+                    assert!(out.output.slice(ndarray::s![b, h, i, ..]).iter().all(|&x| x == 0.0));
+                    assert_eq!(out.lse.as_ref().unwrap()[[b, h, i]], f32::NEG_INFINITY);
+                }
+            }
+        }
+        assert!(out.output.iter().all(|x| x.is_finite()));
+    }
+}
+
+#[test]
+fn causal_bottom_right_l_gt_s_masks_leading_rows() {
+    let Some(ctx) = ctx() else { return };
+    let case = Case::random((1, 2, 2, 20, 6, 8, 8), 2).with_causal(Causal::BottomRight);
+    let out = case.sdpa().return_weights().run_blocking(ctx).unwrap();
+    let w = out.weights.unwrap();
+    for i in 0..14 {
+        assert!(w.slice(ndarray::s![.., .., i, ..]).iter().all(|&x| x == 0.0), "row {i}");
+    }
+    case.check(ctx, Path::Unfused, TOL, "bottom-right L > S");
+}
+
+#[test]
+fn zero_kv_len_gives_zero_rows() {
+    let Some(ctx) = ctx() else { return };
+    let mut case = Case::random((2, 2, 2, 5, 7, 4, 4), 3);
+    case.kv_lens = Some(vec![0, 7]);
+    let out = case.sdpa().run_blocking(ctx).unwrap();
+    assert!(out.output.slice(ndarray::s![0, .., .., ..]).iter().all(|&x| x == 0.0));
+    case.check(ctx, Path::Unfused, TOL, "kv_len 0");
+}
+
+#[test]
+fn mask_broadcast_shapes() {
+    let Some(ctx) = ctx() else { return };
+    let base = Case::random((2, 3, 3, 6, 10, 8, 8), 4);
+    let mut r = common::rng(5);
+    for shape in [
+        vec![10],
+        vec![6, 10],
+        vec![1, 6, 10],
+        vec![3, 6, 10],
+        vec![2, 1, 1, 10],
+        vec![2, 3, 6, 1],
+        vec![1, 3, 1, 10],
+    ] {
+        let m = Array::from_shape_simple_fn(IxDyn(&shape), || rand::Rng::random_range(&mut r, 0.0..1.0) > 0.4);
+        let b = Array::from_shape_simple_fn(IxDyn(&shape), || rand::Rng::random_range(&mut r, -1.0f32..1.0));
+        let case = Case {
+            mask: Some(m),
+            bias: Some(b),
+            q: base.q.clone(),
+            k: base.k.clone(),
+            v: base.v.clone(),
+            kv_lens: None,
+            causal: Causal::None,
+            scale: None,
+        };
+        case.check(ctx, Path::Unfused, TOL, &format!("mask/bias {shape:?}"));
+    }
+}
+
+#[test]
+fn minus_infinity_bias_masks_and_full_row_is_zero() {
+    let Some(ctx) = ctx() else { return };
+    let mut case = Case::random((1, 1, 1, 4, 5, 4, 4), 6);
+    let mut bias = Array::zeros(IxDyn(&[4, 5]));
+    bias[[0, 1]] = f32::NEG_INFINITY;
+    for j in 0..5 {
+        bias[[2, j]] = f32::NEG_INFINITY;
+    }
+    case.bias = Some(bias);
+    case.check(ctx, Path::Unfused, TOL, "-inf bias");
+    let out = case.sdpa().run_blocking(ctx).unwrap();
+    assert!(out.output.slice(ndarray::s![0, 0, 2, ..]).iter().all(|&x| x == 0.0));
+}
+
+/// Logits near ±1e4 computed exactly in f32 (small integers): the max subtraction must keep
+/// every value finite, and the result must match the reference at the usual tolerance.
+#[test]
+fn large_magnitude_logits_stay_finite() {
+    let Some(ctx) = ctx() else { return };
+    let mut r = common::rng(7);
+    let mut int = |shape: (usize, usize, usize, usize)| {
+        Array4::from_shape_simple_fn(shape, || rand::Rng::random_range(&mut r, -3i32..=3) as f32)
+    };
+    let (q, k, v) = (int((1, 2, 9, 16)), int((1, 2, 13, 16)), int((1, 2, 13, 8)));
+    for offset in [1.0e4f32, -1.0e4] {
+        let case = Case {
+            q: q.clone(),
+            k: k.clone(),
+            v: v.clone(),
+            mask: None,
+            bias: Some(Array::from_elem(IxDyn(&[1]), offset)),
+            kv_lens: None,
+            causal: Causal::None,
+            scale: Some(1.0),
+        };
+        case.check(ctx, Path::Unfused, TOL, &format!("logits around {offset}"));
+    }
+    // Scaled up inputs: logits are multiples of 64 up to ~9e3 without any bias.
+    let case = Case {
+        q: q.mapv(|x| 64.0 * x),
+        k: k.clone(),
+        v: v.clone(),
+        mask: None,
+        bias: None,
+        kv_lens: None,
+        causal: Causal::TopLeft,
+        scale: Some(1.0),
+    };
+    case.check(ctx, Path::Unfused, TOL, "logits up to 9e3");
+}
+
+#[test]
+fn batch_times_heads_over_65535() {
+    let Some(ctx) = ctx() else { return };
+    let case = Case::random((2, 33_000, 33_000, 2, 3, 4, 3), 8).with_causal(Causal::BottomRight);
+    case.check(ctx, Path::Unfused, TOL, "B*H = 66000");
+}
+
+#[test]
+fn chunked_scores_match_unchunked() {
+    let Some(ctx) = ctx() else { return };
+    let case = Case::random((2, 3, 1, 50, 45, 8, 12), 9).with_random_mask(1).with_causal(Causal::TopLeft);
+    let want = case.reference();
+    // 4 KiB of scores: 22 rows of one head at a time. 20 KiB: two whole heads at a time.
+    for budget in [4096u64, 20_000, 180] {
+        let got = case
+            .sdpa()
+            .path(Path::Unfused)
+            .max_scores_bytes(budget)
+            .return_weights()
+            .return_lse()
+            .run_blocking(ctx)
+            .unwrap();
+        common::assert_report(compare(got.output.iter().copied(), want.out.iter().copied(), TOL), &format!("budget {budget} out"));
+        common::assert_report(
+            compare(got.weights.unwrap().iter().copied(), want.weights.iter().copied(), TOL),
+            &format!("budget {budget} weights"),
+        );
+    }
+}
+
+#[test]
+fn scale_one_is_unscaled_dot_product() {
+    let Some(ctx) = ctx() else { return };
+    let mut case = Case::random((1, 2, 2, 7, 9, 5, 3), 10);
+    case.scale = Some(1.0);
+    case.check(ctx, Path::Unfused, TOL, "scale 1");
+    case.scale = Some(0.0);
+    case.check(ctx, Path::Unfused, TOL, "scale 0 (uniform weights)");
+}
+
+#[test]
+fn nan_input_propagates_without_crash() {
+    let Some(ctx) = ctx() else { return };
+    let mut case = Case::random((1, 1, 1, 3, 4, 2, 2), 11);
+    case.q[[0, 0, 1, 0]] = f32::NAN;
+    let out = case.sdpa().run_blocking(ctx).unwrap();
+    assert!(out.output.slice(ndarray::s![0, 0, 1, ..]).iter().all(|x| x.is_nan()));
+    assert!(out.output.slice(ndarray::s![0, 0, 0, ..]).iter().all(|x| x.is_finite()));
+    assert!(out.output.slice(ndarray::s![0, 0, 2, ..]).iter().all(|x| x.is_finite()));
+}
+
+#[test]
+fn caller_buffers_in_and_out() {
+    let Some(ctx) = ctx() else { return };
+    use wgpu::util::DeviceExt;
+    let case = Case::random((1, 2, 2, 10, 12, 8, 6), 12).with_causal(Causal::TopLeft);
+    let dev = ctx.device();
+    let up = |a: &Array4<f32>| {
+        dev.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: None,
+            contents: bytemuck::cast_slice(a.as_slice().unwrap()),
+            usage: wgpu::BufferUsages::STORAGE,
+        })
+    };
+    let (qb, kb, vb) = (up(&case.q), up(&case.k), up(&case.v));
+    let align = ctx.limits().min_storage_buffer_offset_alignment as u64;
+    let out_buf = dev.create_buffer(&wgpu::BufferDescriptor {
+        label: None,
+        size: align + 2 * 10 * 6 * 4,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let got = Sdpa::new(
+        wgpu_attention::Tensor::from_buffer(&qb, 0, &[1, 2, 10, 8]),
+        wgpu_attention::Tensor::from_buffer(&kb, 0, &[1, 2, 12, 8]),
+        wgpu_attention::Tensor::from_buffer(&vb, 0, &[1, 2, 12, 6]),
+    )
+    .causal(Causal::TopLeft)
+    .output_buffer(&out_buf, align)
+    .run_blocking(ctx)
+    .unwrap();
+    let want = case.reference();
+    common::assert_report(compare(got.output.iter().copied(), want.out.iter().copied(), TOL), "buffers");
+
+    // record into our own encoder, submit ourselves, read back
+    let mut enc = dev.create_command_encoder(&Default::default());
+    let gpu = case.sdpa().record(ctx, &mut enc).unwrap();
+    ctx.queue().submit([enc.finish()]);
+    let v = pollster::block_on(ctx.read_f32(&gpu.output, gpu.output_offset, 2 * 10 * 6 * 4)).unwrap();
+    common::assert_report(compare(v.iter().copied(), want.out.iter().copied(), TOL), "record");
+}
+
+#[test]
+fn adopted_device_works() {
+    let Some(ctx) = ctx() else { return };
+    let adopted = wgpu_attention::Context::from_device(ctx.device().clone(), ctx.queue().clone());
+    let case = Case::random((1, 1, 1, 3, 3, 2, 2), 13);
+    case.check(&adopted, Path::Unfused, TOL, "adopted device");
+}
