@@ -221,9 +221,11 @@ impl<'a> Sdpa<'a> {
     pub async fn run(&self, ctx: &Context) -> Result<Output> {
         let gpu = ctx
             .scoped(|| {
-                let mut encoder = ctx.device().create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                    label: Some("wgpu-attention sdpa"),
-                });
+                let mut encoder = ctx
+                    .device()
+                    .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                        label: Some("wgpu-attention sdpa"),
+                    });
                 let out = self.record(ctx, &mut encoder)?;
                 ctx.queue().submit([encoder.finish()]);
                 Ok(out)
@@ -234,7 +236,9 @@ impl<'a> Sdpa<'a> {
         let output = ctx.read_f32(&gpu.output, gpu.output_offset, out_len).await?;
         let output = Array4::from_shape_vec(p.out_shape(), output).expect("output length");
         let lse = if self.lse {
-            let v = ctx.read_f32(&gpu.lse, 0, (p.batch_heads() * p.seq_q) as u64 * 4).await?;
+            let v = ctx
+                .read_f32(&gpu.lse, 0, (p.batch_heads() * p.seq_q) as u64 * 4)
+                .await?;
             Some(Array3::from_shape_vec((p.batch, p.q_heads, p.seq_q), v).expect("lse length"))
         } else {
             None
@@ -269,21 +273,44 @@ impl<'a> Sdpa<'a> {
         let q = Operand::check(ctx, "q", &self.q)?;
         let k = Operand::check(ctx, "k", &self.k)?;
         let v = Operand::check(ctx, "v", &self.v)?;
-        let bias = self.bias.as_ref().map(|b| Operand::check(ctx, "bias", b)).transpose()?;
+        let bias = self
+            .bias
+            .as_ref()
+            .map(|b| Operand::check(ctx, "bias", b))
+            .transpose()?;
         let out_bytes = p.out_shape().iter().product::<usize>() as u64 * 4;
-        fits("output", out_bytes, max_binding, "max_storage_buffer_binding_size")?;
+        fits(
+            "output",
+            out_bytes,
+            max_binding,
+            "max_storage_buffer_binding_size",
+        )?;
         if let Some((buf, off)) = self.out_buffer {
             check_gpu_buffer(ctx, "output", buf, off, out_bytes)?;
         }
         let weights_bytes = (p.batch_heads() * p.seq_q * p.seq_kv) as u64 * 4;
         if self.weights {
-            fits("attention weights", weights_bytes, limits.max_buffer_size, "max_buffer_size")?;
+            fits(
+                "attention weights",
+                weights_bytes,
+                limits.max_buffer_size,
+                "max_buffer_size",
+            )?;
         }
         let packed_mask = self.mask.as_ref().map(|m| pack_mask(&p, m));
         if let Some((words, _)) = &packed_mask {
-            fits("packed mask", words.len() as u64 * 4, max_binding, "max_storage_buffer_binding_size")?;
+            fits(
+                "packed mask",
+                words.len() as u64 * 4,
+                max_binding,
+                "max_storage_buffer_binding_size",
+            )?;
         }
-        let plan = ChunkPlan::new(&p, self.max_scores_bytes.unwrap_or(max_binding).min(max_binding), limits)?;
+        let plan = ChunkPlan::new(
+            &p,
+            self.max_scores_bytes.unwrap_or(max_binding).min(max_binding),
+            limits,
+        )?;
 
         // Buffers.
         let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
@@ -299,8 +326,13 @@ impl<'a> Sdpa<'a> {
             })
         };
         let dummy = storage_init("wgpu-attention dummy", &[0u8; 16]);
-        let mask_buf = packed_mask.as_ref().map(|(w, _)| storage_init("mask", bytemuck::cast_slice(w)));
-        let lens_buf = p.kv_lens.as_ref().map(|l| storage_init("kv_lens", bytemuck::cast_slice(l)));
+        let mask_buf = packed_mask
+            .as_ref()
+            .map(|(w, _)| storage_init("mask", bytemuck::cast_slice(w)));
+        let lens_buf = p
+            .kv_lens
+            .as_ref()
+            .map(|l| storage_init("kv_lens", bytemuck::cast_slice(l)));
         let (out_buf, out_off) = match self.out_buffer {
             Some((b, off)) => (b.clone(), off),
             None => (
@@ -379,17 +411,28 @@ fn fits(what: &str, bytes: u64, limit: u64, limit_name: &'static str) -> Result<
     Ok(())
 }
 
-fn check_gpu_buffer(ctx: &Context, tensor: &'static str, buf: &wgpu::Buffer, offset: u64, bytes: u64) -> Result<()> {
+fn check_gpu_buffer(
+    ctx: &Context,
+    tensor: &'static str,
+    buf: &wgpu::Buffer,
+    offset: u64,
+    bytes: u64,
+) -> Result<()> {
     let align = ctx.limits().min_storage_buffer_offset_alignment as u64;
     let bad = |reason: String| Err(Error::BadBuffer { tensor, reason });
     if !buf.usage().contains(wgpu::BufferUsages::STORAGE) {
         return bad(format!("usage {:?} lacks STORAGE", buf.usage()));
     }
-    if offset % align != 0 {
-        return bad(format!("offset {offset} is not a multiple of min_storage_buffer_offset_alignment ({align})"));
+    if !offset.is_multiple_of(align) {
+        return bad(format!(
+            "offset {offset} is not a multiple of min_storage_buffer_offset_alignment ({align})"
+        ));
     }
     if offset.checked_add(bytes).is_none_or(|end| end > buf.size()) {
-        return bad(format!("needs {bytes} bytes at offset {offset}, buffer has {}", buf.size()));
+        return bad(format!(
+            "needs {bytes} bytes at offset {offset}, buffer has {}",
+            buf.size()
+        ));
     }
     Ok(())
 }
@@ -429,11 +472,12 @@ impl<'t, 'a> Operand<'t, 'a> {
     fn upload(&self, ctx: &Context, label: &str) -> Uploaded<'a> {
         match &self.tensor.data {
             TensorData::Host(d) => Uploaded::Owned(
-                ctx.device().create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                    label: Some(label),
-                    contents: bytemuck::cast_slice(d),
-                    usage: wgpu::BufferUsages::STORAGE,
-                }),
+                ctx.device()
+                    .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                        label: Some(label),
+                        contents: bytemuck::cast_slice(d),
+                        usage: wgpu::BufferUsages::STORAGE,
+                    }),
                 self.bytes,
             ),
             TensorData::Gpu { buffer, offset } => Uploaded::Borrowed(buffer, *offset, self.bytes),
@@ -536,8 +580,19 @@ impl ChunkPlan {
     }
 }
 
-fn record_unfused(ctx: &Context, encoder: &mut wgpu::CommandEncoder, p: &Problem, plan: &ChunkPlan, io: &Io) -> Result<()> {
-    let (l, s, e, ev) = (p.seq_q as u32, p.seq_kv as u32, p.head_dim as u32, p.head_dim_v as u32);
+fn record_unfused(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    p: &Problem,
+    plan: &ChunkPlan,
+    io: &Io,
+) -> Result<()> {
+    let (l, s, e, ev) = (
+        p.seq_q as u32,
+        p.seq_kv as u32,
+        p.head_dim as u32,
+        p.head_dim_v as u32,
+    );
     let bh = p.batch_heads();
     let scores_elems = plan.heads * plan.rows * p.seq_kv;
     let scores = ctx.device().create_buffer(&wgpu::BufferDescriptor {
@@ -607,7 +662,11 @@ fn record_unfused(ctx: &Context, encoder: &mut wgpu::CommandEncoder, p: &Problem
                     i0: i0 as u32,
                     heads: p.q_heads as u32,
                     has_causal: (p.causal != Causal::None) as u32,
-                    causal_off: p.causal.offset(p.seq_q, p.seq_kv).unwrap_or(0).clamp(i32::MIN as i64, i32::MAX as i64) as i32,
+                    causal_off: p
+                        .causal
+                        .offset(p.seq_q, p.seq_kv)
+                        .unwrap_or(0)
+                        .clamp(i32::MIN as i64, i32::MAX as i64) as i32,
                     has_mask: io.mask.is_some() as u32,
                     has_bias: io.bias.is_some() as u32,
                     has_lens: io.lens.is_some() as u32,

@@ -59,10 +59,25 @@ impl Context {
     /// Honours `WGPU_BACKEND` (e.g. `vulkan`, `metal`, `dx12`, `gl`, `webgpu`),
     /// `WGPU_ADAPTER_NAME` (substring of the adapter name) and `WGPU_POWER_PREF`.
     pub async fn new() -> Result<Self> {
-        let desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
-        let instance = wgpu::Instance::new(desc);
-        let adapter = select_adapter(&instance).await?;
-        Self::from_adapter(&adapter).await
+        // Without WGPU_BACKEND, try the primary backends (Vulkan, Metal, DX12, WebGPU) first and
+        // fall back to every backend (GL included) only when they find nothing.
+        let from_env = wgpu::Backends::from_env();
+        let mut tries = vec![from_env.unwrap_or(wgpu::Backends::PRIMARY)];
+        if from_env.is_none() {
+            tries.push(wgpu::Backends::all());
+        }
+        let mut last = None;
+        for backends in tries {
+            let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+            desc.backends = backends;
+            let instance = wgpu::Instance::new(desc);
+            match select_adapter(&instance).await {
+                Ok(adapter) => return Self::from_adapter(&adapter).await,
+                Err(e @ Error::AdapterNotFound { .. }) => return Err(e),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.expect("at least one attempt"))
     }
 
     /// Blocking version of [`Context::new`].
@@ -156,7 +171,7 @@ impl Context {
 
     /// Largest size of one storage binding, in bytes.
     pub(crate) fn max_binding(&self) -> u64 {
-        (self.inner.limits.max_storage_buffer_binding_size as u64).min(self.inner.limits.max_buffer_size)
+        self.inner.limits.max_storage_buffer_binding_size.min(self.inner.limits.max_buffer_size)
     }
 
     /// Return the device-lost reason if the device is gone.
@@ -330,9 +345,12 @@ async fn select_adapter(instance: &wgpu::Instance) -> Result<wgpu::Adapter> {
     }
     instance
         .request_adapter(&wgpu::RequestAdapterOptions {
-            power_preference: wgpu::PowerPreference::from_env().unwrap_or(wgpu::PowerPreference::HighPerformance),
+            power_preference: wgpu::PowerPreference::from_env()
+                .unwrap_or(wgpu::PowerPreference::HighPerformance),
             ..Default::default()
         })
         .await
-        .map_err(|e| Error::NoAdapter { details: e.to_string() })
+        .map_err(|e| Error::NoAdapter {
+            details: e.to_string(),
+        })
 }

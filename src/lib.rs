@@ -12,8 +12,8 @@ mod tensor;
 
 pub use attention::{GpuOutput, Output, Path, Sdpa};
 pub use context::Context;
-/// Re-exported so callers use the same wgpu version.
-pub use wgpu;
 pub use error::{Error, Result};
 pub use problem::{Causal, Problem};
 pub use tensor::{Mask, Tensor};
+/// Re-exported so callers use the same wgpu version.
+pub use wgpu;

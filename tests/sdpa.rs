@@ -18,7 +18,9 @@ const SHAPES: &[Shape] = &[
     (1, 2, 2, 130, 7, 128, 5),
 ];
 
-fn masks() -> Vec<(&'static str, fn(Case) -> Case)> {
+type MaskKind = (&'static str, fn(Case) -> Case);
+
+fn masks() -> Vec<MaskKind> {
     vec![
         ("none", |c| c),
         ("causal_top_left", |c| c.with_causal(Causal::TopLeft)),
@@ -32,7 +34,11 @@ fn masks() -> Vec<(&'static str, fn(Case) -> Case)> {
                 .with_random_bias(10)
                 .with_kv_lens()
         }),
-        ("top_left_mask_bias", |c| c.with_causal(Causal::TopLeft).with_random_mask(11).with_random_bias(12)),
+        ("top_left_mask_bias", |c| {
+            c.with_causal(Causal::TopLeft)
+                .with_random_mask(11)
+                .with_random_bias(12)
+        }),
     ]
 }
 
@@ -58,7 +64,11 @@ fn fully_masked_row_is_zero() {
         for b in 0..2 {
             for h in 0..2 {
                 for i in [0, 4] {
-                    assert!(out.output.slice(ndarray::s![b, h, i, ..]).iter().all(|&x| x == 0.0));
+                    assert!(out
+                        .output
+                        .slice(ndarray::s![b, h, i, ..])
+                        .iter()
+                        .all(|&x| x == 0.0));
                     assert_eq!(out.lse.as_ref().unwrap()[[b, h, i]], f32::NEG_INFINITY);
                 }
             }
@@ -74,7 +84,10 @@ fn causal_bottom_right_l_gt_s_masks_leading_rows() {
     let out = case.sdpa().return_weights().run_blocking(ctx).unwrap();
     let w = out.weights.unwrap();
     for i in 0..14 {
-        assert!(w.slice(ndarray::s![.., .., i, ..]).iter().all(|&x| x == 0.0), "row {i}");
+        assert!(
+            w.slice(ndarray::s![.., .., i, ..]).iter().all(|&x| x == 0.0),
+            "row {i}"
+        );
     }
     case.check(ctx, Path::Unfused, TOL, "bottom-right L > S");
 }
@@ -85,7 +98,11 @@ fn zero_kv_len_gives_zero_rows() {
     let mut case = Case::random((2, 2, 2, 5, 7, 4, 4), 3);
     case.kv_lens = Some(vec![0, 7]);
     let out = case.sdpa().run_blocking(ctx).unwrap();
-    assert!(out.output.slice(ndarray::s![0, .., .., ..]).iter().all(|&x| x == 0.0));
+    assert!(out
+        .output
+        .slice(ndarray::s![0, .., .., ..])
+        .iter()
+        .all(|&x| x == 0.0));
     case.check(ctx, Path::Unfused, TOL, "kv_len 0");
 }
 
@@ -103,7 +120,8 @@ fn mask_broadcast_shapes() {
         vec![2, 3, 6, 1],
         vec![1, 3, 1, 10],
     ] {
-        let m = Array::from_shape_simple_fn(IxDyn(&shape), || rand::Rng::random_range(&mut r, 0.0..1.0) > 0.4);
+        let m =
+            Array::from_shape_simple_fn(IxDyn(&shape), || rand::Rng::random_range(&mut r, 0.0..1.0) > 0.4);
         let b = Array::from_shape_simple_fn(IxDyn(&shape), || rand::Rng::random_range(&mut r, -1.0f32..1.0));
         let case = Case {
             mask: Some(m),
@@ -131,7 +149,11 @@ fn minus_infinity_bias_masks_and_full_row_is_zero() {
     case.bias = Some(bias);
     case.check(ctx, Path::Unfused, TOL, "-inf bias");
     let out = case.sdpa().run_blocking(ctx).unwrap();
-    assert!(out.output.slice(ndarray::s![0, 0, 2, ..]).iter().all(|&x| x == 0.0));
+    assert!(out
+        .output
+        .slice(ndarray::s![0, 0, 2, ..])
+        .iter()
+        .all(|&x| x == 0.0));
 }
 
 /// Logits near ±1e4 computed exactly in f32 (small integers): the max subtraction must keep
@@ -181,7 +203,9 @@ fn batch_times_heads_over_65535() {
 #[test]
 fn chunked_scores_match_unchunked() {
     let Some(ctx) = ctx() else { return };
-    let case = Case::random((2, 3, 1, 50, 45, 8, 12), 9).with_random_mask(1).with_causal(Causal::TopLeft);
+    let case = Case::random((2, 3, 1, 50, 45, 8, 12), 9)
+        .with_random_mask(1)
+        .with_causal(Causal::TopLeft);
     let want = case.reference();
     // 4 KiB of scores: 22 rows of one head at a time. 20 KiB: two whole heads at a time.
     for budget in [4096u64, 20_000, 180] {
@@ -193,9 +217,16 @@ fn chunked_scores_match_unchunked() {
             .return_lse()
             .run_blocking(ctx)
             .unwrap();
-        common::assert_report(compare(got.output.iter().copied(), want.out.iter().copied(), TOL), &format!("budget {budget} out"));
         common::assert_report(
-            compare(got.weights.unwrap().iter().copied(), want.weights.iter().copied(), TOL),
+            compare(got.output.iter().copied(), want.out.iter().copied(), TOL),
+            &format!("budget {budget} out"),
+        );
+        common::assert_report(
+            compare(
+                got.weights.unwrap().iter().copied(),
+                want.weights.iter().copied(),
+                TOL,
+            ),
             &format!("budget {budget} weights"),
         );
     }
@@ -217,9 +248,21 @@ fn nan_input_propagates_without_crash() {
     let mut case = Case::random((1, 1, 1, 3, 4, 2, 2), 11);
     case.q[[0, 0, 1, 0]] = f32::NAN;
     let out = case.sdpa().run_blocking(ctx).unwrap();
-    assert!(out.output.slice(ndarray::s![0, 0, 1, ..]).iter().all(|x| x.is_nan()));
-    assert!(out.output.slice(ndarray::s![0, 0, 0, ..]).iter().all(|x| x.is_finite()));
-    assert!(out.output.slice(ndarray::s![0, 0, 2, ..]).iter().all(|x| x.is_finite()));
+    assert!(out
+        .output
+        .slice(ndarray::s![0, 0, 1, ..])
+        .iter()
+        .all(|x| x.is_nan()));
+    assert!(out
+        .output
+        .slice(ndarray::s![0, 0, 0, ..])
+        .iter()
+        .all(|x| x.is_finite()));
+    assert!(out
+        .output
+        .slice(ndarray::s![0, 0, 2, ..])
+        .iter()
+        .all(|x| x.is_finite()));
 }
 
 #[test]
@@ -253,14 +296,20 @@ fn caller_buffers_in_and_out() {
     .run_blocking(ctx)
     .unwrap();
     let want = case.reference();
-    common::assert_report(compare(got.output.iter().copied(), want.out.iter().copied(), TOL), "buffers");
+    common::assert_report(
+        compare(got.output.iter().copied(), want.out.iter().copied(), TOL),
+        "buffers",
+    );
 
     // record into our own encoder, submit ourselves, read back
     let mut enc = dev.create_command_encoder(&Default::default());
     let gpu = case.sdpa().record(ctx, &mut enc).unwrap();
     ctx.queue().submit([enc.finish()]);
     let v = pollster::block_on(ctx.read_f32(&gpu.output, gpu.output_offset, 2 * 10 * 6 * 4)).unwrap();
-    common::assert_report(compare(v.iter().copied(), want.out.iter().copied(), TOL), "record");
+    common::assert_report(
+        compare(v.iter().copied(), want.out.iter().copied(), TOL),
+        "record",
+    );
 }
 
 #[test]

@@ -58,7 +58,12 @@ pub(crate) struct Matmul<'a> {
 
 impl Matmul<'_> {
     /// Record the dispatch. `dummy` is bound where there is no bias.
-    pub(crate) fn record(&self, ctx: &Context, encoder: &mut wgpu::CommandEncoder, dummy: &wgpu::Buffer) -> Result<()> {
+    pub(crate) fn record(
+        &self,
+        ctx: &Context,
+        encoder: &mut wgpu::CommandEncoder,
+        dummy: &wgpu::Buffer,
+    ) -> Result<()> {
         let p = &self.params;
         let grid = [p.n.div_ceil(TILE), p.m.div_ceil(TILE), self.batch];
         let bias = self.bias.clone().unwrap_or(dummy.as_entire_buffer_binding());

@@ -6,6 +6,8 @@
 
 pub(crate) mod matmul;
 pub(crate) mod softmax;
+#[cfg(test)]
+mod stage_tests;
 
 use wgpu::util::DeviceExt;
 

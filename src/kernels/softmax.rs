@@ -52,7 +52,15 @@ pub(crate) fn record(
     params: &Params,
 ) -> Result<()> {
     let grid = grid_1d(params.total, ctx.limits().max_compute_workgroups_per_dimension);
-    dispatch(ctx, encoder, &SPEC, &[], &buffers, bytemuck::bytes_of(params), grid)
+    dispatch(
+        ctx,
+        encoder,
+        &SPEC,
+        &[],
+        &buffers,
+        bytemuck::bytes_of(params),
+        grid,
+    )
 }
 
 #[cfg(test)]

@@ -92,14 +92,20 @@ impl Case {
     pub fn with_random_bias(mut self, seed: u64) -> Case {
         let (_, h, l, s) = self.dims();
         let mut r = rng(seed);
-        self.bias = Some(Array::from_shape_simple_fn(IxDyn(&[1, h, l, s]), || r.random_range(-2.0..2.0)));
+        self.bias = Some(Array::from_shape_simple_fn(IxDyn(&[1, h, l, s]), || {
+            r.random_range(-2.0..2.0)
+        }));
         self
     }
 
     /// Key lengths `S, S - 3, 1, ...` cycling over the batch.
     pub fn with_kv_lens(mut self) -> Case {
         let (b, _, _, s) = self.dims();
-        self.kv_lens = Some((0..b).map(|i| [s, s.saturating_sub(3).max(1), 1][i % 3]).collect());
+        self.kv_lens = Some(
+            (0..b)
+                .map(|i| [s, s.saturating_sub(3).max(1), 1][i % 3])
+                .collect(),
+        );
         self
     }
 
@@ -149,14 +155,21 @@ impl Case {
             run = run.return_weights();
         }
         let got = run.run_blocking(ctx).unwrap_or_else(|e| panic!("{label}: {e}"));
-        assert_report(compare(got.output.iter().copied(), want.out.iter().copied(), tol), &format!("{label} output"));
+        assert_report(
+            compare(got.output.iter().copied(), want.out.iter().copied(), tol),
+            &format!("{label} output"),
+        );
         assert_report(
             compare(got.lse.unwrap().iter().copied(), want.lse.iter().copied(), tol),
             &format!("{label} lse"),
         );
         if weights {
             assert_report(
-                compare(got.weights.unwrap().iter().copied(), want.weights.iter().copied(), tol),
+                compare(
+                    got.weights.unwrap().iter().copied(),
+                    want.weights.iter().copied(),
+                    tol,
+                ),
                 &format!("{label} weights"),
             );
         }

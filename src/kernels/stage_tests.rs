@@ -1,0 +1,244 @@
+//! Each kernel stage against its own reference stage: the scores matmul against
+//! `reference::scores`, the masked softmax (given the reference scores) against
+//! `reference::masked_softmax`, and the value weighting (given the reference weights) against
+//! `reference::weighted_sum`.
+
+use ndarray::{Array, Array4, IxDyn};
+use wgpu::util::DeviceExt;
+
+use super::{matmul, softmax};
+use crate::check::{compare, F32_TOLERANCE};
+use crate::problem::{Causal, Problem};
+use crate::reference::{self, Spec};
+use crate::Context;
+
+fn ctx() -> Option<Context> {
+    match Context::new_blocking() {
+        Ok(c) => Some(c),
+        Err(e) if std::env::var("WGPU_ATTENTION_REQUIRE_GPU").as_deref() != Ok("1") => {
+            eprintln!("skipping GPU test: {e}");
+            None
+        }
+        Err(e) => panic!("WGPU_ATTENTION_REQUIRE_GPU=1 but {e}"),
+    }
+}
+
+fn lcg(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn buf(ctx: &Context, data: &[u8]) -> wgpu::Buffer {
+    ctx.device()
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: None,
+            contents: data,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        })
+}
+
+/// Shape (B, Hq, Hkv, L, S, E, Ev) with tails on every tile edge and GQA.
+const SHAPE: (usize, usize, usize, usize, usize, usize, usize) = (2, 4, 2, 67, 71, 19, 66);
+
+fn inputs() -> (Array4<f32>, Array4<f32>, Array4<f32>) {
+    let (b, hq, hkv, l, s, e, ev) = SHAPE;
+    (
+        Array4::from_shape_vec((b, hq, l, e), lcg(b * hq * l * e, 1)).unwrap(),
+        Array4::from_shape_vec((b, hkv, s, e), lcg(b * hkv * s * e, 2)).unwrap(),
+        Array4::from_shape_vec((b, hkv, s, ev), lcg(b * hkv * s * ev, 3)).unwrap(),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn mm_params(
+    m: usize,
+    n: usize,
+    k: usize,
+    a_batch: usize,
+    b_batch: usize,
+    c_batch: usize,
+    b_row: usize,
+    alpha: f32,
+) -> matmul::Params {
+    matmul::Params {
+        m: m as u32,
+        n: n as u32,
+        k: k as u32,
+        heads: SHAPE.1 as u32,
+        group: (SHAPE.1 / SHAPE.2) as u32,
+        a_batch: a_batch as u32,
+        a_row: k as u32,
+        b_batch: b_batch as u32,
+        b_row: b_row as u32,
+        c_batch: c_batch as u32,
+        c_row: n as u32,
+        alpha,
+        ..Default::default()
+    }
+}
+
+fn run_matmul(
+    ctx: &Context,
+    a: &wgpu::Buffer,
+    b: &wgpu::Buffer,
+    c_len: usize,
+    params: matmul::Params,
+    batch: usize,
+    trans_b: bool,
+) -> Vec<f32> {
+    let c = buf(ctx, &vec![0u8; c_len * 4]);
+    let dummy = buf(ctx, &[0u8; 16]);
+    let mut enc = ctx.device().create_command_encoder(&Default::default());
+    matmul::Matmul {
+        a: a.as_entire_buffer_binding(),
+        b: b.as_entire_buffer_binding(),
+        bias: None,
+        c: c.as_entire_buffer_binding(),
+        params,
+        batch: batch as u32,
+        trans_b,
+    }
+    .record(ctx, &mut enc, &dummy)
+    .unwrap();
+    ctx.queue().submit([enc.finish()]);
+    pollster::block_on(ctx.read_f32(&c, 0, c_len as u64 * 4)).unwrap()
+}
+
+#[test]
+fn scores_stage_matches_reference_scores() {
+    let Some(ctx) = ctx() else { return };
+    let (q, k, _) = inputs();
+    let (b, hq, _, l, s, e, _) = SHAPE;
+    let scale = 0.37f32;
+    let got = run_matmul(
+        &ctx,
+        &buf(&ctx, bytemuck::cast_slice(q.as_slice().unwrap())),
+        &buf(&ctx, bytemuck::cast_slice(k.as_slice().unwrap())),
+        b * hq * l * s,
+        mm_params(l, s, e, l * e, s * e, l * s, e, scale),
+        b * hq,
+        true,
+    );
+    let want = reference::scores(q.view(), k.view(), scale as f64);
+    let r = compare(got, want.iter().copied(), F32_TOLERANCE);
+    assert!(r.passed(), "{r}");
+}
+
+#[test]
+fn value_stage_matches_reference_weighted_sum() {
+    let Some(ctx) = ctx() else { return };
+    let (_, _, v) = inputs();
+    let (b, hq, _, l, s, _, ev) = SHAPE;
+    let p = Array4::from_shape_vec(
+        (b, hq, l, s),
+        lcg(b * hq * l * s, 4).iter().map(|x| x.abs() as f64).collect(),
+    )
+    .unwrap();
+    let p32: Vec<f32> = p.iter().map(|&x| x as f32).collect();
+    let got = run_matmul(
+        &ctx,
+        &buf(&ctx, bytemuck::cast_slice(&p32)),
+        &buf(&ctx, bytemuck::cast_slice(v.as_slice().unwrap())),
+        b * hq * l * ev,
+        mm_params(l, ev, s, l * s, s * ev, l * ev, ev, 1.0),
+        b * hq,
+        false,
+    );
+    let want = reference::weighted_sum(&p, v.view());
+    let r = compare(got, want.iter().copied(), F32_TOLERANCE);
+    assert!(r.passed(), "{r}");
+}
+
+#[test]
+fn softmax_stage_matches_reference_masked_softmax() {
+    let Some(ctx) = ctx() else { return };
+    let (q, k, _) = inputs();
+    let (b, hq, hkv, l, s, e, ev) = SHAPE;
+    let scores = reference::scores(q.view(), k.view(), 0.25);
+    let scores32: Vec<f32> = scores.iter().map(|&x| x as f32).collect();
+    let mask = Array::from_shape_vec(
+        IxDyn(&[b, 1, l, s]),
+        lcg(b * l * s, 5).iter().map(|&x| x > -0.4).collect(),
+    )
+    .unwrap();
+    let bias = Array::from_shape_vec(IxDyn(&[1, hq, l, s]), lcg(hq * l * s, 6)).unwrap();
+    let lens = [s, s - 20];
+    for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+        let spec = Spec {
+            scale: None,
+            causal,
+            mask: Some(mask.view()),
+            bias: Some(bias.view()),
+            kv_lens: Some(&lens),
+        };
+        let p = Problem::new(&[b, hq, l, e], &[b, hkv, s, e], &[b, hkv, s, ev])
+            .unwrap()
+            .with_causal(causal)
+            .with_mask(mask.shape())
+            .unwrap()
+            .with_bias(bias.shape())
+            .unwrap()
+            .with_kv_lens(&lens)
+            .unwrap();
+        let m = crate::tensor::Mask::from(&mask);
+        let (words, mstr) = crate::attention::pack_mask(&p, &m);
+        let bstr = p.bias.unwrap().strides();
+        let sc = buf(&ctx, bytemuck::cast_slice(&scores32));
+        let lse = buf(&ctx, &vec![0u8; b * hq * l * 4]);
+        let mask_b = buf(&ctx, bytemuck::cast_slice(&words));
+        let bias_b = buf(&ctx, bytemuck::cast_slice(bias.as_slice().unwrap()));
+        let lens32: Vec<u32> = lens.iter().map(|&x| x as u32).collect();
+        let lens_b = buf(&ctx, bytemuck::cast_slice(&lens32));
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        softmax::record(
+            &ctx,
+            &mut enc,
+            [
+                sc.as_entire_buffer_binding(),
+                mask_b.as_entire_buffer_binding(),
+                bias_b.as_entire_buffer_binding(),
+                lens_b.as_entire_buffer_binding(),
+                lse.as_entire_buffer_binding(),
+            ],
+            &softmax::Params {
+                rows: l as u32,
+                total: (b * hq * l) as u32,
+                s: s as u32,
+                l: l as u32,
+                heads: hq as u32,
+                has_causal: (causal != Causal::None) as u32,
+                causal_off: causal.offset(l, s).unwrap_or(0) as i32,
+                has_mask: 1,
+                has_bias: 1,
+                has_lens: 1,
+                mask_b: mstr[0],
+                mask_h: mstr[1],
+                mask_l: mstr[2],
+                bias_b: bstr[0] as u32,
+                bias_h: bstr[1] as u32,
+                bias_l: bstr[2] as u32,
+                bias_s: bstr[3] as u32,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        ctx.queue().submit([enc.finish()]);
+        let got_p = pollster::block_on(ctx.read_f32(&sc, 0, scores32.len() as u64 * 4)).unwrap();
+        let got_lse = pollster::block_on(ctx.read_f32(&lse, 0, (b * hq * l) as u64 * 4)).unwrap();
+        // The reference softmax starts from the f64 scores; the kernel from their f32 rounding.
+        let (want_p, want_lse) = reference::masked_softmax(&scores, &spec);
+        let r = compare(got_p, want_p.iter().copied(), F32_TOLERANCE);
+        assert!(r.passed(), "{causal:?} weights: {r}");
+        let r = compare(got_lse, want_lse.iter().copied(), F32_TOLERANCE);
+        assert!(r.passed(), "{causal:?} lse: {r}");
+    }
+}

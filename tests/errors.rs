@@ -1,0 +1,222 @@
+//! Every input error is a typed error returned before any GPU work; device errors are returned.
+
+mod common;
+
+use common::{ctx, Case};
+use ndarray::{Array, Array4, IxDyn};
+use wgpu_attention::{Causal, Error, Sdpa, Tensor};
+
+fn q() -> Array4<f32> {
+    Array4::zeros((2, 4, 5, 8))
+}
+
+#[test]
+fn shape_errors_are_typed() {
+    let (q, k, v) = (
+        q(),
+        Array4::<f32>::zeros((2, 2, 7, 8)),
+        Array4::<f32>::zeros((2, 2, 7, 3)),
+    );
+    // Validation needs no device: `problem()` reports the same errors `run` would.
+    let bad_k = Array4::<f32>::zeros((2, 2, 7, 9));
+    assert!(matches!(
+        Sdpa::new(&q, &bad_k, &v).problem(),
+        Err(Error::ShapeMismatch { tensor: "k", ref expected, ref actual }) if expected == &[2, 2, 7, 8] && actual == &[2, 2, 7, 9]
+    ));
+    let bad_v = Array4::<f32>::zeros((2, 2, 6, 3));
+    assert!(matches!(
+        Sdpa::new(&q, &k, &bad_v).problem(),
+        Err(Error::ShapeMismatch { tensor: "v", .. })
+    ));
+    let bad_b = Array4::<f32>::zeros((3, 2, 7, 8));
+    assert!(matches!(
+        Sdpa::new(&q, &bad_b, &v).problem(),
+        Err(Error::ShapeMismatch { tensor: "k", .. })
+    ));
+    let q3 = ndarray::Array3::<f32>::zeros((4, 5, 8));
+    assert!(matches!(
+        Sdpa::new(&q3, &k, &v).problem(),
+        Err(Error::WrongRank {
+            tensor: "q",
+            expected: 4,
+            actual: 3,
+            ..
+        })
+    ));
+    let empty = Array4::<f32>::zeros((2, 4, 0, 8));
+    assert!(matches!(
+        Sdpa::new(&empty, &k, &v).problem(),
+        Err(Error::ZeroSized { tensor: "q", .. })
+    ));
+    let k3 = Array4::<f32>::zeros((2, 3, 7, 8));
+    let v3 = Array4::<f32>::zeros((2, 3, 7, 3));
+    assert!(matches!(
+        Sdpa::new(&q, &k3, &v3).problem(),
+        Err(Error::HeadsNotDivisible {
+            q_heads: 4,
+            kv_heads: 3
+        })
+    ));
+}
+
+#[test]
+fn mask_bias_and_lengths_are_validated() {
+    let (q, k, v) = (
+        q(),
+        Array4::<f32>::zeros((2, 2, 7, 8)),
+        Array4::<f32>::zeros((2, 2, 7, 3)),
+    );
+    let m = Array::from_elem(IxDyn(&[3, 1, 5, 7]), true);
+    assert!(matches!(
+        Sdpa::new(&q, &k, &v).mask(&m).problem(),
+        Err(Error::NotBroadcastable { tensor: "mask", .. })
+    ));
+    let m = Array::from_elem(IxDyn(&[5, 6]), true);
+    assert!(matches!(
+        Sdpa::new(&q, &k, &v).mask(&m).problem(),
+        Err(Error::NotBroadcastable { tensor: "mask", .. })
+    ));
+    let m = Array::from_elem(IxDyn(&[1, 1, 1, 5, 7]), true);
+    assert!(matches!(
+        Sdpa::new(&q, &k, &v).mask(&m).problem(),
+        Err(Error::WrongRank { tensor: "mask", .. })
+    ));
+    let b = Array::from_elem(IxDyn(&[2, 2, 5, 7]), 0.0f32);
+    assert!(matches!(
+        Sdpa::new(&q, &k, &v).bias(&b).problem(),
+        Err(Error::NotBroadcastable { tensor: "bias", .. })
+    ));
+    let b = Array::from_elem(IxDyn(&[2, 4, 0, 7]), 0.0f32);
+    assert!(matches!(
+        Sdpa::new(&q, &k, &v).bias(&b).problem(),
+        Err(Error::ZeroSized { tensor: "bias", .. })
+    ));
+    assert!(matches!(
+        Sdpa::new(&q, &k, &v).kv_lens(&[7]).problem(),
+        Err(Error::KvLensCount {
+            expected: 2,
+            actual: 1
+        })
+    ));
+    assert!(matches!(
+        Sdpa::new(&q, &k, &v).kv_lens(&[7, 8]).problem(),
+        Err(Error::KvLenOutOfRange {
+            batch: 1,
+            len: 8,
+            max: 7
+        })
+    ));
+    assert!(matches!(
+        Sdpa::new(&q, &k, &v).scale(f32::NAN).problem(),
+        Err(Error::InvalidScale { .. })
+    ));
+    assert!(matches!(
+        Sdpa::new(&q, &k, &v).scale(f32::INFINITY).problem(),
+        Err(Error::InvalidScale { .. })
+    ));
+    let data = vec![true; 10];
+    assert!(matches!(
+        Sdpa::new(&q, &k, &v)
+            .mask(wgpu_attention::Mask::from_slice(&data, &[5, 7]))
+            .problem(),
+        Err(Error::DataLength {
+            tensor: "mask",
+            expected: 35,
+            actual: 10,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn host_slice_length_is_checked_before_gpu_work() {
+    let Some(ctx) = ctx() else { return };
+    let data = vec![0f32; 10];
+    let k = Array4::<f32>::zeros((1, 1, 3, 4));
+    let e = Sdpa::new(Tensor::from_slice(&data, &[1, 1, 3, 4]), &k, &k)
+        .run_blocking(ctx)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::DataLength {
+                tensor: "q",
+                expected: 12,
+                actual: 10,
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn caller_buffers_are_checked() {
+    let Some(ctx) = ctx() else { return };
+    let dev = ctx.device();
+    let mk = |size: u64, usage: wgpu::BufferUsages| {
+        dev.create_buffer(&wgpu::BufferDescriptor {
+            label: None,
+            size,
+            usage,
+            mapped_at_creation: false,
+        })
+    };
+    let k = Array4::<f32>::zeros((1, 1, 3, 4));
+    let small = mk(16, wgpu::BufferUsages::STORAGE);
+    let e = Sdpa::new(Tensor::from_buffer(&small, 0, &[1, 1, 3, 4]), &k, &k)
+        .run_blocking(ctx)
+        .unwrap_err();
+    assert!(matches!(e, Error::BadBuffer { tensor: "q", .. }), "{e}");
+    let no_storage = mk(48, wgpu::BufferUsages::COPY_DST);
+    let e = Sdpa::new(Tensor::from_buffer(&no_storage, 0, &[1, 1, 3, 4]), &k, &k)
+        .run_blocking(ctx)
+        .unwrap_err();
+    assert!(matches!(e, Error::BadBuffer { tensor: "q", .. }), "{e}");
+    let big = mk(4096, wgpu::BufferUsages::STORAGE);
+    let e = Sdpa::new(Tensor::from_buffer(&big, 4, &[1, 1, 3, 4]), &k, &k)
+        .run_blocking(ctx)
+        .unwrap_err();
+    assert!(matches!(e, Error::BadBuffer { tensor: "q", .. }), "{e}");
+    let e = Sdpa::new(&k, &k, &k)
+        .output_buffer(&small, 0)
+        .run_blocking(ctx)
+        .unwrap_err();
+    assert!(matches!(e, Error::BadBuffer { tensor: "output", .. }), "{e}");
+}
+
+#[test]
+fn scores_that_cannot_be_chunked_are_a_typed_error() {
+    let Some(ctx) = ctx() else { return };
+    let case = Case::random((1, 1, 1, 4, 8, 2, 2), 1);
+    let e = case.sdpa().max_scores_bytes(16).run_blocking(ctx).unwrap_err();
+    assert!(matches!(e, Error::TooLargeForDevice { .. }), "{e}");
+    assert!(e.to_string().contains("smallest chunk"), "{e}");
+}
+
+#[test]
+fn destroyed_caller_buffer_is_a_returned_device_error() {
+    let Some(ctx) = ctx() else { return };
+    use wgpu::util::DeviceExt;
+    let q = ctx
+        .device()
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: None,
+            contents: &[0u8; 48],
+            usage: wgpu::BufferUsages::STORAGE,
+        });
+    q.destroy();
+    let k = Array4::<f32>::zeros((1, 1, 3, 4));
+    let e = Sdpa::new(Tensor::from_buffer(&q, 0, &[1, 1, 3, 4]), &k, &k)
+        .causal(Causal::TopLeft)
+        .run_blocking(ctx)
+        .unwrap_err();
+    assert!(matches!(e, Error::Validation(_)), "{e}");
+    // The context is still usable afterwards.
+    Case::random((1, 1, 1, 2, 2, 2, 2), 2).check(
+        ctx,
+        wgpu_attention::Path::Unfused,
+        common::TOL,
+        "after error",
+    );
+}
