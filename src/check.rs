@@ -95,7 +95,11 @@ where
         }
         if !ok {
             failures += 1;
-            let badness = if a.is_finite() { (a - e).abs() } else { f64::INFINITY };
+            let badness = if a.is_finite() {
+                (a - e).abs()
+            } else {
+                f64::INFINITY
+            };
             worst.push((badness, idx, a, e));
             worst.sort_by(|x, y| y.0.total_cmp(&x.0));
             worst.truncate(5);

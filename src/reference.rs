@@ -59,7 +59,13 @@ pub fn scores(q: ArrayView4<f32>, k: ArrayView4<f32>, scale: f64) -> Array4<f64>
 }
 
 /// Whether query `i` may attend key `j` of batch `b`, head `h` (mask, causal, key lengths).
-fn allowed(spec: &Spec, mask: Option<&ndarray::ArrayView4<bool>>, idx: [usize; 4], l: usize, s: usize) -> bool {
+fn allowed(
+    spec: &Spec,
+    mask: Option<&ndarray::ArrayView4<bool>>,
+    idx: [usize; 4],
+    l: usize,
+    s: usize,
+) -> bool {
     let [b, _h, i, j] = idx;
     if let Some(d) = spec.causal.offset(l, s) {
         if j as i64 > i as i64 + d {
@@ -84,14 +90,18 @@ fn allowed(spec: &Spec, mask: Option<&ndarray::ArrayView4<bool>>, idx: [usize; 4
 /// logits are all `-inf`) gives all-zero weights and logsumexp `-inf`.
 pub fn masked_softmax(scores: &Array4<f64>, spec: &Spec) -> (Array4<f64>, Array3<f64>) {
     let (b, h, l, s) = scores.dim();
-    let mask = spec
-        .mask
-        .as_ref()
-        .map(|m| m.broadcast((b, h, l, s)).expect("mask broadcasts").into_dimensionality::<Ix4>().unwrap());
-    let bias = spec
-        .bias
-        .as_ref()
-        .map(|m| m.broadcast((b, h, l, s)).expect("bias broadcasts").into_dimensionality::<Ix4>().unwrap());
+    let mask = spec.mask.as_ref().map(|m| {
+        m.broadcast((b, h, l, s))
+            .expect("mask broadcasts")
+            .into_dimensionality::<Ix4>()
+            .unwrap()
+    });
+    let bias = spec.bias.as_ref().map(|m| {
+        m.broadcast((b, h, l, s))
+            .expect("bias broadcasts")
+            .into_dimensionality::<Ix4>()
+            .unwrap()
+    });
     let mut weights = Array4::<f64>::zeros((b, h, l, s));
     let mut lse = Array3::<f64>::from_elem((b, h, l), f64::NEG_INFINITY);
     let mut logits = vec![0f64; s];
@@ -102,7 +112,8 @@ pub fn masked_softmax(scores: &Array4<f64>, spec: &Spec) -> (Array4<f64>, Array3
                 let mut max = f64::NEG_INFINITY;
                 for j in 0..s {
                     ok[j] = allowed(spec, mask.as_ref(), [bi, hi, i, j], l, s);
-                    logits[j] = scores[[bi, hi, i, j]] + bias.as_ref().map_or(0.0, |x| x[[bi, hi, i, j]] as f64);
+                    logits[j] =
+                        scores[[bi, hi, i, j]] + bias.as_ref().map_or(0.0, |x| x[[bi, hi, i, j]] as f64);
                     if ok[j] {
                         // NaN propagates: f64::max ignores NaN, so check explicitly.
                         if logits[j].is_nan() || max.is_nan() {
