@@ -28,11 +28,11 @@ struct Params {
     mask_b: u32,
     mask_h: u32,
     mask_l: u32,
-    _pad0: u32,
     bias_b: u32,
     bias_h: u32,
     bias_l: u32,
     bias_s: u32,
+    _pad0: u32,
 }
 
 const WG: u32 = 128u;

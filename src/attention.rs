@@ -7,31 +7,37 @@ use wgpu::util::DeviceExt;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::kernels::{matmul, softmax};
+use crate::kernels::{flash, matmul, softmax, MaskParams};
 use crate::problem::{Causal, Problem};
 use crate::tensor::{Mask, Tensor, TensorData};
 
 /// Which implementation runs the attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 pub enum Path {
-    /// Let the crate choose (today: [`Path::Unfused`]).
+    /// Let the crate choose: [`Path::Fused`] unless the weights are requested or the head
+    /// dims exceed what it supports, then [`Path::Unfused`].
     #[default]
     Auto,
     /// Three kernels: scores matmul, masked softmax, value weighting. Materialises the score
     /// matrix in chunks that fit the device's binding limit; always works; the only path that
     /// can return the attention weights.
     Unfused,
+    /// One FlashAttention-style kernel: K/V tiles streamed through workgroup memory with an
+    /// online softmax; memory linear in L and S; every mask inside; causal and key-length tiles
+    /// skipped whole. Head dims up to 256. Cannot return the weights.
+    Fused,
 }
 
 impl Path {
     /// Every concrete path, for tests and benchmarks.
-    pub const ALL: [Path; 1] = [Path::Unfused];
+    pub const ALL: [Path; 2] = [Path::Unfused, Path::Fused];
 
     /// The name used by the CLI.
     pub fn name(self) -> &'static str {
         match self {
             Path::Auto => "auto",
             Path::Unfused => "unfused",
+            Path::Fused => "fused",
         }
     }
 }
@@ -42,7 +48,8 @@ impl std::str::FromStr for Path {
         match s {
             "auto" => Ok(Path::Auto),
             "unfused" => Ok(Path::Unfused),
-            other => Err(format!("unknown path {other:?} (expected auto or unfused)")),
+            "fused" => Ok(Path::Fused),
+            other => Err(format!("unknown path {other:?} (expected auto, unfused or fused)")),
         }
     }
 }
@@ -209,11 +216,31 @@ impl<'a> Sdpa<'a> {
         Ok(p)
     }
 
-    /// The concrete path [`Path::Auto`] resolves to for this problem.
-    pub fn resolved_path(&self) -> Path {
+    /// The concrete path that runs this problem on `ctx` ([`Path::Auto`] resolved), or why
+    /// a forced path cannot run it.
+    pub fn resolved_path(&self, ctx: &Context) -> Result<Path> {
+        let p = self.problem()?;
+        self.resolve(ctx, &p)
+    }
+
+    fn resolve(&self, ctx: &Context, p: &Problem) -> Result<Path> {
+        let fused_ok = flash::Config::new(p, ctx.limits()).is_some();
         match self.path {
-            Path::Auto => Path::Unfused,
-            p => p,
+            Path::Auto if !self.weights && fused_ok => Ok(Path::Fused),
+            Path::Auto => Ok(Path::Unfused),
+            Path::Fused if self.weights => Err(Error::Unsupported {
+                path: "fused",
+                reason: "it never materialises the attention weights; use Path::Unfused or Path::Auto".into(),
+            }),
+            Path::Fused if !fused_ok => Err(Error::Unsupported {
+                path: "fused",
+                reason: format!(
+                    "head dims E = {}, Ev = {} exceed 256 (or the device lacks 64 invocations / 2 KiB of \
+                     workgroup memory); Path::Auto falls back to Path::Unfused",
+                    p.head_dim, p.head_dim_v
+                ),
+            }),
+            other => Ok(other),
         }
     }
 
@@ -264,7 +291,7 @@ impl<'a> Sdpa<'a> {
     /// results are in the returned buffers after the caller submits the encoder.
     pub fn record(&self, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<GpuOutput> {
         let p = self.problem()?;
-        let path = self.resolved_path();
+        let path = self.resolve(ctx, &p)?;
         let limits = ctx.limits();
         let max_binding = ctx.max_binding();
         let device = ctx.device();
@@ -306,11 +333,14 @@ impl<'a> Sdpa<'a> {
                 "max_storage_buffer_binding_size",
             )?;
         }
-        let plan = ChunkPlan::new(
-            &p,
-            self.max_scores_bytes.unwrap_or(max_binding).min(max_binding),
-            limits,
-        )?;
+        let plan = match path {
+            Path::Unfused => Some(ChunkPlan::new(
+                &p,
+                self.max_scores_bytes.unwrap_or(max_binding).min(max_binding),
+                limits,
+            )?),
+            _ => None,
+        };
 
         // Buffers.
         let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
@@ -372,8 +402,9 @@ impl<'a> Sdpa<'a> {
             weights: weights_buf.as_ref(),
             dummy: &dummy,
         };
-        match path {
-            Path::Unfused | Path::Auto => record_unfused(ctx, encoder, &p, &plan, &io)?,
+        match (path, plan) {
+            (Path::Unfused, Some(plan)) => record_unfused(ctx, encoder, &p, &plan, &io)?,
+            _ => record_fused(ctx, encoder, &p, &io)?,
         }
         Ok(GpuOutput {
             output: out_buf,
@@ -601,11 +632,8 @@ fn record_unfused(
         usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
         mapped_at_creation: false,
     });
-    let (mask_buf, mask_strides) = match io.mask {
-        Some((b, st)) => (b, st),
-        None => (io.dummy, [0; 3]),
-    };
-    let bias_strides = p.bias.map(|b| b.strides()).unwrap_or([0; 4]);
+    let mask_buf = io.mask.map_or(io.dummy, |(b, _)| b);
+    let masks = MaskParams::new(p, io.mask.map(|(_, st)| st));
     for z0 in (0..bh).step_by(plan.heads) {
         let nz = plan.heads.min(bh - z0);
         for i0 in (0..p.seq_q).step_by(plan.rows) {
@@ -661,23 +689,8 @@ fn record_unfused(
                     z0: z0 as u32,
                     i0: i0 as u32,
                     heads: p.q_heads as u32,
-                    has_causal: (p.causal != Causal::None) as u32,
-                    causal_off: p
-                        .causal
-                        .offset(p.seq_q, p.seq_kv)
-                        .unwrap_or(0)
-                        .clamp(i32::MIN as i64, i32::MAX as i64) as i32,
-                    has_mask: io.mask.is_some() as u32,
-                    has_bias: io.bias.is_some() as u32,
-                    has_lens: io.lens.is_some() as u32,
-                    mask_b: mask_strides[0],
-                    mask_h: mask_strides[1],
-                    mask_l: mask_strides[2],
+                    masks,
                     _pad0: 0,
-                    bias_b: bias_strides[0] as u32,
-                    bias_h: bias_strides[1] as u32,
-                    bias_l: bias_strides[2] as u32,
-                    bias_s: bias_strides[3] as u32,
                 },
             )?;
             // 3. the weights, if asked for: this chunk is one contiguous block of [BH, L, S]
@@ -718,4 +731,48 @@ fn record_unfused(
         }
     }
     Ok(())
+}
+
+fn record_fused(ctx: &Context, encoder: &mut wgpu::CommandEncoder, p: &Problem, io: &Io) -> Result<()> {
+    let cfg = flash::Config::new(p, ctx.limits()).expect("resolve() checked the fused config");
+    let q_tiles = (p.seq_q as u32).div_ceil(flash::BQ);
+    let total = q_tiles as u64 * p.batch_heads() as u64;
+    let max = ctx.limits().max_compute_workgroups_per_dimension as u64;
+    if total > max * max {
+        return Err(Error::TooLargeForDevice {
+            what: format!("fused dispatch of {total} workgroups"),
+            bytes: 0,
+            limit_name: "max_compute_workgroups_per_dimension",
+            limit: max,
+            hint: " (squared)",
+        });
+    }
+    flash::record(
+        ctx,
+        encoder,
+        &cfg,
+        [
+            io.q.clone(),
+            io.k.clone(),
+            io.v.clone(),
+            io.mask.map_or(io.dummy, |(b, _)| b).as_entire_buffer_binding(),
+            io.bias.clone().unwrap_or(io.dummy.as_entire_buffer_binding()),
+            io.lens.unwrap_or(io.dummy).as_entire_buffer_binding(),
+            io.out.clone(),
+            io.lse.as_entire_buffer_binding(),
+        ],
+        &flash::Params {
+            l: p.seq_q as u32,
+            s: p.seq_kv as u32,
+            e: p.head_dim as u32,
+            ev: p.head_dim_v as u32,
+            heads: p.q_heads as u32,
+            group: p.group() as u32,
+            q_tiles,
+            total: total as u32,
+            scale: p.scale,
+            masks: MaskParams::new(p, io.mask.map(|(_, st)| st)),
+            _pad: [0; 3],
+        },
+    )
 }

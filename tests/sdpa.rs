@@ -89,7 +89,7 @@ fn causal_bottom_right_l_gt_s_masks_leading_rows() {
             "row {i}"
         );
     }
-    case.check(ctx, Path::Unfused, TOL, "bottom-right L > S");
+    case.check_all_paths(ctx, TOL, "bottom-right L > S");
 }
 
 #[test]
@@ -103,7 +103,7 @@ fn zero_kv_len_gives_zero_rows() {
         .slice(ndarray::s![0, .., .., ..])
         .iter()
         .all(|&x| x == 0.0));
-    case.check(ctx, Path::Unfused, TOL, "kv_len 0");
+    case.check_all_paths(ctx, TOL, "kv_len 0");
 }
 
 #[test]
@@ -133,7 +133,7 @@ fn mask_broadcast_shapes() {
             causal: Causal::None,
             scale: None,
         };
-        case.check(ctx, Path::Unfused, TOL, &format!("mask/bias {shape:?}"));
+        case.check_all_paths(ctx, TOL, &format!("mask/bias {shape:?}"));
     }
 }
 
@@ -147,7 +147,7 @@ fn minus_infinity_bias_masks_and_full_row_is_zero() {
         bias[[2, j]] = f32::NEG_INFINITY;
     }
     case.bias = Some(bias);
-    case.check(ctx, Path::Unfused, TOL, "-inf bias");
+    case.check_all_paths(ctx, TOL, "-inf bias");
     let out = case.sdpa().run_blocking(ctx).unwrap();
     assert!(out
         .output
@@ -177,7 +177,7 @@ fn large_magnitude_logits_stay_finite() {
             causal: Causal::None,
             scale: Some(1.0),
         };
-        case.check(ctx, Path::Unfused, TOL, &format!("logits around {offset}"));
+        case.check_all_paths(ctx, TOL, &format!("logits around {offset}"));
     }
     // Scaled up inputs: logits are multiples of 64 up to ~9e3 without any bias.
     let case = Case {
@@ -190,14 +190,14 @@ fn large_magnitude_logits_stay_finite() {
         causal: Causal::TopLeft,
         scale: Some(1.0),
     };
-    case.check(ctx, Path::Unfused, TOL, "logits up to 9e3");
+    case.check_all_paths(ctx, TOL, "logits up to 9e3");
 }
 
 #[test]
 fn batch_times_heads_over_65535() {
     let Some(ctx) = ctx() else { return };
     let case = Case::random((2, 33_000, 33_000, 2, 3, 4, 3), 8).with_causal(Causal::BottomRight);
-    case.check(ctx, Path::Unfused, TOL, "B*H = 66000");
+    case.check_all_paths(ctx, TOL, "B*H = 66000");
 }
 
 #[test]
@@ -237,9 +237,9 @@ fn scale_one_is_unscaled_dot_product() {
     let Some(ctx) = ctx() else { return };
     let mut case = Case::random((1, 2, 2, 7, 9, 5, 3), 10);
     case.scale = Some(1.0);
-    case.check(ctx, Path::Unfused, TOL, "scale 1");
+    case.check_all_paths(ctx, TOL, "scale 1");
     case.scale = Some(0.0);
-    case.check(ctx, Path::Unfused, TOL, "scale 0 (uniform weights)");
+    case.check_all_paths(ctx, TOL, "scale 0 (uniform weights)");
 }
 
 #[test]

@@ -1,1 +1,671 @@
-fn main(){}
+//! `wgpu-attention`: inspect the GPU, run attention on `.npy` files, verify against the CPU
+//! reference and benchmark named shapes.
+
+use std::path::{Path as FsPath, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::builder::TypedValueParser;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use ndarray::{ArrayD, Ix4};
+use ndarray_npy::{read_npy, write_npy, ReadNpyError, WritableElement};
+use wgpu_attention::check::{self, F32_TOLERANCE};
+use wgpu_attention::reference::{self, Spec};
+use wgpu_attention::{wgpu, Causal, Context, Output, Path, Sdpa};
+
+#[path = "wgpu_attention_cli/shapes.rs"]
+mod shapes;
+
+use shapes::{GpuInputs, Shape};
+
+/// Errors are reported on stderr; the process exits with this status.
+const EXIT_ERROR: u8 = 2;
+/// `demo` exits with this status when the GPU result disagrees with the reference.
+const EXIT_CHECK_FAILED: u8 = 1;
+
+type CliResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+#[derive(Parser)]
+#[command(
+    name = "wgpu-attention",
+    version,
+    about = "Scaled dot-product attention on the GPU (wgpu/WGSL), checked against a CPU reference",
+    long_about = "Scaled dot-product attention, softmax(scale * Q K^T + bias, masks) V, with \
+                  PyTorch semantics, on any wgpu backend (Vulkan, Metal, DX12, GL), checked \
+                  against an f64 CPU reference.\n\n\
+                  Shapes: q [B, Hq, L, E], k [B, Hkv, S, E], v [B, Hkv, S, Ev] -> out [B, Hq, L, Ev].",
+    after_help = "Environment: WGPU_BACKEND (vulkan|metal|dx12|gl), WGPU_ADAPTER_NAME (substring of \
+                  the adapter name) and WGPU_POWER_PREF (low|high) choose the adapter.\n\
+                  Exit status: 0 on success, 1 when `demo` finds a mismatch with the reference, \
+                  2 on any error.",
+    propagate_version = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show the GPU adapter, backend, driver and the limits and features that matter.
+    Info,
+    /// Random inputs on the GPU: time them and verify the output against the CPU reference.
+    Demo(DemoArgs),
+    /// Attention on .npy files (f32 q/k/v/bias, bool mask); writes f32 .npy outputs.
+    Run(RunArgs),
+    /// Time named shapes on every path and print a table (median of several runs).
+    Bench(BenchArgs),
+}
+
+/// Causal masking, by alignment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum CausalArg {
+    /// No causal mask.
+    None,
+    /// PyTorch is_causal=True: query i sees keys j <= i.
+    TopLeft,
+    /// KV-cache / FlashAttention alignment: query i sees keys j <= i + S - L.
+    BottomRight,
+}
+
+impl From<CausalArg> for Causal {
+    fn from(c: CausalArg) -> Causal {
+        match c {
+            CausalArg::None => Causal::None,
+            CausalArg::TopLeft => Causal::TopLeft,
+            CausalArg::BottomRight => Causal::BottomRight,
+        }
+    }
+}
+
+/// Parses `auto` or any concrete path name, listing them in `--help`.
+fn path_parser() -> impl TypedValueParser<Value = Path> {
+    let names: Vec<&'static str> = std::iter::once(Path::Auto)
+        .chain(Path::ALL)
+        .map(Path::name)
+        .collect();
+    // Every listed name parses, so the default is never used.
+    clap::builder::PossibleValuesParser::new(names).map(|s| s.parse::<Path>().unwrap_or_default())
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Batch size B.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Query heads Hq.
+    #[arg(long, default_value_t = 8)]
+    heads: usize,
+    /// Key/value heads Hkv (must divide Hq) [default: same as --heads].
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    /// Query length L.
+    #[arg(long, default_value_t = 512)]
+    seq: usize,
+    /// Key/value length S [default: same as --seq].
+    #[arg(long)]
+    seq_kv: Option<usize>,
+    /// Query/key head dimension E.
+    #[arg(long, default_value_t = 64)]
+    head_dim: usize,
+    /// Value head dimension Ev [default: same as --head-dim].
+    #[arg(long)]
+    head_dim_v: Option<usize>,
+    /// Causal mask alignment.
+    #[arg(long, value_enum, default_value_t = CausalArg::TopLeft)]
+    causal: CausalArg,
+    /// Implementation to run.
+    #[arg(long, value_parser = path_parser(), default_value = "auto")]
+    path: Path,
+    /// Timed runs after the warm-up.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    iters: u32,
+    /// Seed of the random inputs (uniform in [-1, 1)).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Skip the comparison with the CPU reference (which is slow for large shapes).
+    #[arg(long)]
+    no_check: bool,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// Queries, f32 .npy [B, Hq, L, E].
+    #[arg(long, value_name = "Q.npy")]
+    q: PathBuf,
+    /// Keys, f32 .npy [B, Hkv, S, E].
+    #[arg(long, value_name = "K.npy")]
+    k: PathBuf,
+    /// Values, f32 .npy [B, Hkv, S, Ev].
+    #[arg(long, value_name = "V.npy")]
+    v: PathBuf,
+    /// Boolean mask .npy (true = may attend), rank 1-4, broadcastable to [B, Hq, L, S].
+    #[arg(long, value_name = "M.npy")]
+    mask: Option<PathBuf>,
+    /// Additive f32 bias .npy, rank 1-4, broadcastable to [B, Hq, L, S] (-inf masks a key).
+    #[arg(long, value_name = "B.npy")]
+    bias: Option<PathBuf>,
+    /// Per-batch key lengths (key padding), comma separated: batch b attends keys j < len[b].
+    #[arg(long, value_delimiter = ',', value_name = "LEN,..")]
+    kv_lens: Option<Vec<usize>>,
+    /// Causal mask alignment.
+    #[arg(long, value_enum, default_value_t = CausalArg::None)]
+    causal: CausalArg,
+    /// Softmax scale [default: 1/sqrt(E)].
+    #[arg(long, allow_negative_numbers = true)]
+    scale: Option<f32>,
+    /// Implementation to run on the GPU.
+    #[arg(long, value_parser = path_parser(), default_value = "auto")]
+    path: Path,
+    /// Run the CPU reference (f64, slow) instead of the GPU; outputs are written as f32.
+    #[arg(long, conflicts_with = "path")]
+    cpu: bool,
+    /// Where to write the output, f32 .npy [B, Hq, L, Ev].
+    #[arg(long, value_name = "O.npy")]
+    out: PathBuf,
+    /// Also write the attention weights, f32 .npy [B, Hq, L, S].
+    #[arg(long, value_name = "W.npy")]
+    weights_out: Option<PathBuf>,
+    /// Also write the row logsumexp, f32 .npy [B, Hq, L] (-inf on fully masked rows).
+    #[arg(long, value_name = "LSE.npy")]
+    lse_out: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Shapes to time, comma separated, or `all` [default: all but c_h8_s4096_causal].
+    /// Known: small_h4_s128, a_h8_s1024, b_h8_s1024_causal, c_h8_s4096_causal,
+    /// d_decode_h32_s4096_e128, e_b4_h12_s256_padmask, gpt2_h12_t1024_causal.
+    #[arg(long, value_delimiter = ',', value_name = "NAME,..")]
+    shapes: Vec<String>,
+    /// Paths to time, comma separated [default: every concrete path].
+    #[arg(long, value_delimiter = ',', value_parser = path_parser(), value_name = "PATH,..")]
+    paths: Vec<Path>,
+    /// Timed runs per shape and path.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    iters: u32,
+    /// Untimed warm-up runs (the first is reported as "first": it includes shader compilation).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    warmup: u32,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Info => info(),
+        Command::Demo(args) => demo(&args),
+        Command::Run(args) => run(&args),
+        Command::Bench(args) => bench(&args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("wgpu-attention: error: {e}");
+            ExitCode::from(EXIT_ERROR)
+        }
+    }
+}
+
+fn context() -> CliResult<Context> {
+    Context::new_blocking().map_err(|e| format!("could not set up the GPU: {e}").into())
+}
+
+// ---------------------------------------------------------------------------------------------
+// info
+
+fn info() -> CliResult<ExitCode> {
+    let ctx = context()?;
+    println!("adapter: {}", ctx.describe());
+    if let Some(i) = ctx.adapter_info() {
+        println!("  name:          {}", i.name);
+        println!("  backend:       {:?}", i.backend);
+        println!("  device type:   {:?}", i.device_type);
+        println!("  driver:        {} ({})", i.driver, i.driver_info);
+        println!("  vendor/device: {:#06x} / {:#06x}", i.vendor, i.device);
+        println!(
+            "  subgroup size: min {}, max {}",
+            i.subgroup_min_size, i.subgroup_max_size
+        );
+    }
+    let l = ctx.limits();
+    println!("limits:");
+    let rows: [(&str, String); 6] = [
+        (
+            "max_storage_buffer_binding_size",
+            bytes(l.max_storage_buffer_binding_size),
+        ),
+        ("max_buffer_size", bytes(l.max_buffer_size)),
+        (
+            "max_compute_workgroup_storage_size",
+            bytes(l.max_compute_workgroup_storage_size.into()),
+        ),
+        (
+            "max_compute_invocations_per_workgroup",
+            l.max_compute_invocations_per_workgroup.to_string(),
+        ),
+        (
+            "max_compute_workgroups_per_dimension",
+            l.max_compute_workgroups_per_dimension.to_string(),
+        ),
+        (
+            "min_storage_buffer_offset_alignment",
+            l.min_storage_buffer_offset_alignment.to_string(),
+        ),
+    ];
+    for (name, value) in rows {
+        println!("  {name:<38} {value}");
+    }
+    println!("features (enabled on this device when the adapter has them):");
+    let f = ctx.features();
+    for (name, feature) in [
+        ("SHADER_F16", wgpu::Features::SHADER_F16),
+        ("SUBGROUP", wgpu::Features::SUBGROUP),
+        ("TIMESTAMP_QUERY", wgpu::Features::TIMESTAMP_QUERY),
+    ] {
+        println!("  {name:<38} {}", if f.contains(feature) { "yes" } else { "no" });
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `n` bytes, with a binary-unit rendering when large.
+fn bytes(n: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64;
+    let mut unit = "B";
+    for u in UNITS {
+        if v < 1024.0 {
+            break;
+        }
+        v /= 1024.0;
+        unit = u;
+    }
+    format!("{n} ({v:.1} {unit})")
+}
+
+// ---------------------------------------------------------------------------------------------
+// demo
+
+fn demo(a: &DemoArgs) -> CliResult<ExitCode> {
+    let shape = Shape::custom(
+        a.batch,
+        a.heads,
+        a.kv_heads.unwrap_or(a.heads),
+        a.seq,
+        a.seq_kv.unwrap_or(a.seq),
+        a.head_dim,
+        a.head_dim_v.unwrap_or(a.head_dim),
+        a.causal.into(),
+    );
+    let ctx = context()?;
+    println!("adapter: {}", ctx.describe());
+    println!("shape:   {}", shape.describe());
+    shape.check_fits(&ctx)?;
+
+    let host = shape.random_inputs(a.seed);
+    let gpu = GpuInputs::upload(&ctx, &shape, &host)?;
+    let sdpa = gpu.sdpa().path(a.path);
+    let problem = sdpa.problem()?;
+    println!("path:    {}", path_label(&sdpa, a.path));
+
+    let timing = time_runs(&ctx, &sdpa, 1, a.iters, || {})?;
+    let flops = problem.flops();
+    println!(
+        "time:    first {:.3} ms (incl. shader compilation); median {:.3} ms, min {:.3} ms over {} runs",
+        ms(timing.first),
+        ms(timing.median),
+        ms(timing.min),
+        a.iters
+    );
+    println!("         (wall clock per Sdpa::run incl. output readback; inputs pre-uploaded)");
+    println!(
+        "speed:   {:.2} GFLOP/s ({:.3} GFLOP per call)",
+        gflops(flops, timing.median),
+        flops / 1e9
+    );
+
+    if a.no_check {
+        println!("check:   skipped (--no-check)");
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("checking against the CPU reference (f64)...");
+    let started = Instant::now();
+    let spec = Spec {
+        causal: shape.causal,
+        ..Spec::default()
+    };
+    let want = reference::sdpa(host.q.view(), host.k.view(), host.v.view(), &spec)?;
+    let report = check::compare(
+        timing.last.output.iter().copied(),
+        want.out.iter().copied(),
+        F32_TOLERANCE,
+    );
+    println!("         reference took {:.1} s", started.elapsed().as_secs_f64());
+    println!(
+        "max abs error: {:.3e} (tolerance atol {:e} + rtol {:e} * |expected|)",
+        report.max_abs_err, F32_TOLERANCE.atol, F32_TOLERANCE.rtol
+    );
+    if report.passed() {
+        println!("check:   PASS ({} elements)", report.count);
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("check:   FAIL: {report}");
+        Ok(ExitCode::from(EXIT_CHECK_FAILED))
+    }
+}
+
+/// `unfused`, or `auto -> unfused`.
+fn path_label(sdpa: &Sdpa, requested: Path) -> String {
+    let resolved = sdpa.resolved_path();
+    if requested == resolved {
+        resolved.name().to_string()
+    } else {
+        format!("{} -> {}", requested.name(), resolved.name())
+    }
+}
+
+/// Wall-clock times of [`Sdpa::run_blocking`].
+struct Timing {
+    first: Duration,
+    median: Duration,
+    min: Duration,
+    /// The result of the last timed run.
+    last: Output,
+}
+
+/// `warmup` untimed runs (the first one's time is kept), then `iters` timed runs;
+/// `tick` is called after each run.
+fn time_runs(
+    ctx: &Context,
+    sdpa: &Sdpa,
+    warmup: u32,
+    iters: u32,
+    mut tick: impl FnMut(),
+) -> wgpu_attention::Result<Timing> {
+    let mut first = Duration::ZERO;
+    for i in 0..warmup {
+        let t = Instant::now();
+        sdpa.run_blocking(ctx)?;
+        if i == 0 {
+            first = t.elapsed();
+        }
+        tick();
+    }
+    let mut times = Vec::with_capacity(iters as usize);
+    let mut last = None;
+    for _ in 0..iters.max(1) {
+        let t = Instant::now();
+        let out = sdpa.run_blocking(ctx)?;
+        times.push(t.elapsed());
+        last = Some(out);
+        tick();
+    }
+    times.sort();
+    let n = times.len();
+    let median = if n % 2 == 1 {
+        times[n / 2]
+    } else {
+        (times[n / 2 - 1] + times[n / 2]) / 2
+    };
+    Ok(Timing {
+        first,
+        median,
+        min: times[0],
+        last: last.expect("at least one timed run"),
+    })
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn gflops(flops: f64, d: Duration) -> f64 {
+    flops / d.as_secs_f64() / 1e9
+}
+
+// ---------------------------------------------------------------------------------------------
+// run
+
+fn run(a: &RunArgs) -> CliResult<ExitCode> {
+    let q = read_qkv(&a.q, "q", "[B, Hq, L, E]")?;
+    let k = read_qkv(&a.k, "k", "[B, Hkv, S, E]")?;
+    let v = read_qkv(&a.v, "v", "[B, Hkv, S, Ev]")?;
+    let mask = a
+        .mask
+        .as_deref()
+        .map(|p| read_array::<bool>(p, "mask", "bool ('|b1')", "np.asarray(m, dtype=bool)"))
+        .transpose()?;
+    let bias = a
+        .bias
+        .as_deref()
+        .map(|p| read_array::<f32>(p, "bias", "float32 ('<f4')", "b.astype(np.float32)"))
+        .transpose()?;
+    let causal: Causal = a.causal.into();
+
+    let (out, weights, lse, how) = if a.cpu {
+        let spec = Spec {
+            scale: a.scale.map(f64::from),
+            causal,
+            mask: mask.as_ref().map(|m| m.view()),
+            bias: bias.as_ref().map(|b| b.view()),
+            kv_lens: a.kv_lens.as_deref(),
+        };
+        let started = Instant::now();
+        let r = reference::sdpa(q.view(), k.view(), v.view(), &spec)?;
+        let elapsed = started.elapsed();
+        let to_f32 = |x: f64| x as f32;
+        (
+            r.out.mapv(to_f32).into_dyn(),
+            Some(r.weights.mapv(to_f32).into_dyn()),
+            Some(r.lse.mapv(to_f32).into_dyn()),
+            format!(
+                "ran the CPU reference (f64, written as f32) in {:.3} ms",
+                ms(elapsed)
+            ),
+        )
+    } else {
+        let mut sdpa = Sdpa::new(&q, &k, &v).causal(causal).path(a.path);
+        if let Some(m) = &mask {
+            sdpa = sdpa.mask(m);
+        }
+        if let Some(b) = &bias {
+            sdpa = sdpa.bias(b);
+        }
+        if let Some(l) = &a.kv_lens {
+            sdpa = sdpa.kv_lens(l);
+        }
+        if let Some(s) = a.scale {
+            sdpa = sdpa.scale(s);
+        }
+        if a.weights_out.is_some() {
+            sdpa = sdpa.return_weights();
+        }
+        if a.lse_out.is_some() {
+            sdpa = sdpa.return_lse();
+        }
+        // Validate before creating the device, so input errors come first.
+        sdpa.problem()?;
+        let ctx = context()?;
+        let started = Instant::now();
+        let r = sdpa.run_blocking(&ctx)?;
+        let how = format!(
+            "ran on {}, path {}, in {:.3} ms (incl. upload, shader compilation and readback)",
+            ctx.describe(),
+            path_label(&sdpa, a.path),
+            ms(started.elapsed())
+        );
+        (
+            r.output.into_dyn(),
+            r.weights.map(|w| w.into_dyn()),
+            r.lse.map(|l| l.into_dyn()),
+            how,
+        )
+    };
+    println!("{how}");
+
+    write_array(&a.out, "output", &out)?;
+    if let Some(p) = &a.weights_out {
+        let w = weights.ok_or("the path did not return attention weights")?;
+        write_array(p, "weights", &w)?;
+    }
+    if let Some(p) = &a.lse_out {
+        let l = lse.ok_or("the path did not return the logsumexp")?;
+        write_array(p, "lse", &l)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Read a `.npy` of element type `T`, with messages naming the file and what was expected.
+fn read_array<T: ndarray_npy::ReadableElement>(
+    path: &FsPath,
+    what: &str,
+    dtype: &str,
+    fix: &str,
+) -> CliResult<ArrayD<T>> {
+    read_npy::<_, ArrayD<T>>(path).map_err(|e| {
+        let p = path.display();
+        match e {
+            ReadNpyError::Io(io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
+                format!("{what}: {p} is not a valid .npy file (it ends early)")
+            }
+            ReadNpyError::Io(io) => format!("{what}: cannot read {p}: {io}"),
+            ReadNpyError::WrongDescriptor(d) => {
+                format!("{what}: {p} has dtype {d}, expected {dtype} (in numpy: {fix})")
+            }
+            other => format!("{what}: {p} is not a valid .npy file: {other}"),
+        }
+        .into()
+    })
+}
+
+/// Read q, k or v: f32 and exactly 4-D.
+fn read_qkv(path: &FsPath, what: &str, layout: &str) -> CliResult<ndarray::Array4<f32>> {
+    let a = read_array::<f32>(path, what, "float32 ('<f4')", "x.astype(np.float32)")?;
+    let shape = a.shape().to_vec();
+    a.into_dimensionality::<Ix4>().map_err(|_| {
+        format!(
+            "{what}: {} has shape {shape:?} ({} dimensions); expected 4 dimensions {layout}",
+            path.display(),
+            shape.len()
+        )
+        .into()
+    })
+}
+
+fn write_array<T: WritableElement>(path: &FsPath, what: &str, a: &ArrayD<T>) -> CliResult<()> {
+    write_npy(path, a).map_err(|e| format!("{what}: cannot write {}: {e}", path.display()))?;
+    println!("wrote {} {:?} to {}", what, a.shape(), path.display());
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// bench
+
+fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
+    let shapes = select_shapes(&a.shapes)?;
+    let paths: Vec<Path> = if a.paths.is_empty() {
+        Path::ALL.to_vec()
+    } else {
+        dedup(a.paths.clone())
+    };
+    let ctx = context()?;
+    println!("adapter: {}", ctx.describe());
+    println!(
+        "{} warm-up + {} timed runs per row; wall clock per Sdpa::run incl. output readback, \
+         inputs pre-uploaded; \"first\" includes shader compilation",
+        a.warmup, a.iters
+    );
+    println!(
+        "{:<24} {:<8} {:>10} {:>10} {:>10} {:>9}",
+        "shape", "path", "first ms", "median ms", "min ms", "GFLOP/s"
+    );
+
+    let per_row = u64::from(a.warmup + a.iters);
+    let pb = ProgressBar::new(per_row * (shapes.len() * paths.len()) as u64);
+    pb.set_style(ProgressStyle::with_template(
+        "[{elapsed_precise}] {bar:24} {pos}/{len} runs  {wide_msg}",
+    )?);
+    for shape in shapes {
+        pb.set_message(shape.name);
+        let prepared = shape
+            .check_fits(&ctx)
+            .and_then(|()| GpuInputs::upload(&ctx, shape, &shape.random_inputs(a.seed)));
+        let gpu = match prepared {
+            Ok(g) => g,
+            Err(e) => {
+                for path in &paths {
+                    pb.suspend(|| println!("{:<24} {:<8} error: {e}", shape.name, path.name()));
+                    pb.inc(per_row);
+                }
+                continue;
+            }
+        };
+        for &path in &paths {
+            pb.set_message(format!("{} / {}", shape.name, path.name()));
+            let sdpa = gpu.sdpa().path(path);
+            let done_before = pb.position();
+            let row = sdpa.problem().and_then(|p| {
+                let t = time_runs(&ctx, &sdpa, a.warmup, a.iters, || pb.inc(1))?;
+                Ok((p.flops(), t))
+            });
+            let line = match row {
+                Ok((flops, t)) => format!(
+                    "{:<24} {:<8} {:>10.3} {:>10.3} {:>10.3} {:>9.2}",
+                    shape.name,
+                    path.name(),
+                    ms(t.first),
+                    ms(t.median),
+                    ms(t.min),
+                    gflops(flops, t.median)
+                ),
+                Err(e) => {
+                    pb.set_position(done_before + per_row);
+                    format!("{:<24} {:<8} error: {e}", shape.name, path.name())
+                }
+            };
+            pb.suspend(|| println!("{line}"));
+        }
+    }
+    pb.finish_and_clear();
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The shapes named on the command line (`all` for every one), or the default set.
+fn select_shapes(names: &[String]) -> CliResult<Vec<&'static Shape>> {
+    if names.is_empty() {
+        return Ok(shapes::SHAPES.iter().filter(|s| s.default).collect());
+    }
+    let mut out = Vec::new();
+    for name in names {
+        let name = name.trim();
+        if name == "all" {
+            out.extend(shapes::SHAPES.iter());
+        } else {
+            let s = shapes::find(name).ok_or_else(|| {
+                format!(
+                    "unknown shape {name:?}; known shapes: {}, or all",
+                    shapes::names()
+                )
+            })?;
+            out.push(s);
+        }
+    }
+    Ok(dedup(out))
+}
+
+/// Drop repeats, keeping the first occurrence.
+fn dedup<T: PartialEq>(items: Vec<T>) -> Vec<T> {
+    let mut out: Vec<T> = Vec::with_capacity(items.len());
+    for i in items {
+        if !out.contains(&i) {
+            out.push(i);
+        }
+    }
+    out
+}

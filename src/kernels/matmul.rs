@@ -75,6 +75,7 @@ impl Matmul<'_> {
             ctx,
             encoder,
             &SPEC,
+            "",
             &constants,
             &[self.a.clone(), self.b.clone(), bias, self.c.clone()],
             bytemuck::bytes_of(p),

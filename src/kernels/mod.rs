@@ -4,6 +4,7 @@
 //! Pipelines are built once per (kernel, override constants) and cached in the
 //! [`Context`](crate::Context).
 
+pub(crate) mod flash;
 pub(crate) mod matmul;
 pub(crate) mod softmax;
 #[cfg(test)]
@@ -13,6 +14,51 @@ use wgpu::util::DeviceExt;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
+
+/// The mask fields shared by the softmax and fused kernels (flattened into their WGSL
+/// `Params` in this order): causal limit, packed boolean mask and bias strides, key lengths.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub(crate) struct MaskParams {
+    pub has_causal: u32,
+    pub causal_off: i32,
+    pub has_mask: u32,
+    pub has_bias: u32,
+    pub has_lens: u32,
+    pub mask_b: u32,
+    pub mask_h: u32,
+    pub mask_l: u32,
+    pub bias_b: u32,
+    pub bias_h: u32,
+    pub bias_l: u32,
+    pub bias_s: u32,
+}
+
+impl MaskParams {
+    /// From the problem and the word strides of its packed mask (if any).
+    pub(crate) fn new(p: &crate::problem::Problem, mask_strides: Option<[u32; 3]>) -> Self {
+        let bias = p.bias.map(|b| b.strides()).unwrap_or([0; 4]);
+        let mask = mask_strides.unwrap_or([0; 3]);
+        MaskParams {
+            has_causal: (p.causal != crate::problem::Causal::None) as u32,
+            causal_off: p
+                .causal
+                .offset(p.seq_q, p.seq_kv)
+                .unwrap_or(0)
+                .clamp(i32::MIN as i64, i32::MAX as i64) as i32,
+            has_mask: mask_strides.is_some() as u32,
+            has_bias: p.bias.is_some() as u32,
+            has_lens: p.kv_lens.is_some() as u32,
+            mask_b: mask[0],
+            mask_h: mask[1],
+            mask_l: mask[2],
+            bias_b: bias[0] as u32,
+            bias_h: bias[1] as u32,
+            bias_l: bias[2] as u32,
+            bias_s: bias[3] as u32,
+        }
+    }
+}
 
 /// How a kernel binds one buffer; the binding number is the index in [`KernelSpec::bindings`].
 #[derive(Debug, Clone, Copy)]
@@ -48,6 +94,7 @@ pub(crate) fn dispatch(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
     spec: &KernelSpec,
+    prelude: &str,
     constants: &[(&'static str, f64)],
     buffers: &[wgpu::BufferBinding<'_>],
     params: &[u8],
@@ -68,7 +115,7 @@ pub(crate) fn dispatch(
     }
     debug_assert_eq!(buffers.len() + 1, spec.bindings.len());
     let device = ctx.device();
-    let pipeline = ctx.pipeline(spec, constants);
+    let pipeline = ctx.pipeline(spec, prelude, constants);
     let uniform = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
         label: Some(spec.name),
         contents: params,

@@ -29,19 +29,8 @@ pub(crate) struct Params {
     pub z0: u32,
     pub i0: u32,
     pub heads: u32,
-    pub has_causal: u32,
-    pub causal_off: i32,
-    pub has_mask: u32,
-    pub has_bias: u32,
-    pub has_lens: u32,
-    pub mask_b: u32,
-    pub mask_h: u32,
-    pub mask_l: u32,
+    pub masks: super::MaskParams,
     pub _pad0: u32,
-    pub bias_b: u32,
-    pub bias_h: u32,
-    pub bias_l: u32,
-    pub bias_s: u32,
 }
 
 /// Record the softmax over `params.total` rows of `scores`.
@@ -56,6 +45,7 @@ pub(crate) fn record(
         ctx,
         encoder,
         &SPEC,
+        "",
         &[],
         &buffers,
         bytemuck::bytes_of(params),

@@ -191,7 +191,6 @@ fn softmax_stage_matches_reference_masked_softmax() {
             .unwrap();
         let m = crate::tensor::Mask::from(&mask);
         let (words, mstr) = crate::attention::pack_mask(&p, &m);
-        let bstr = p.bias.unwrap().strides();
         let sc = buf(&ctx, bytemuck::cast_slice(&scores32));
         let lse = buf(&ctx, &vec![0u8; b * hq * l * 4]);
         let mask_b = buf(&ctx, bytemuck::cast_slice(&words));
@@ -215,18 +214,7 @@ fn softmax_stage_matches_reference_masked_softmax() {
                 s: s as u32,
                 l: l as u32,
                 heads: hq as u32,
-                has_causal: (causal != Causal::None) as u32,
-                causal_off: causal.offset(l, s).unwrap_or(0) as i32,
-                has_mask: 1,
-                has_bias: 1,
-                has_lens: 1,
-                mask_b: mstr[0],
-                mask_h: mstr[1],
-                mask_l: mstr[2],
-                bias_b: bstr[0] as u32,
-                bias_h: bstr[1] as u32,
-                bias_l: bstr[2] as u32,
-                bias_s: bstr[3] as u32,
+                masks: super::MaskParams::new(&p, Some(mstr)),
                 ..Default::default()
             },
         )

@@ -145,6 +145,13 @@ impl Case {
         reference::sdpa(self.q.view(), self.k.view(), self.v.view(), &self.spec()).unwrap()
     }
 
+    /// [`Case::check`] on every path.
+    pub fn check_all_paths(&self, ctx: &Context, tol: Tolerance, label: &str) {
+        for path in Path::ALL {
+            self.check(ctx, path, tol, &format!("{label} [{path:?}]"));
+        }
+    }
+
     /// Run `path` on the GPU (with weights where the path offers them, and lse) and compare
     /// everything with the reference at `tol`. Panics with a report on mismatch.
     pub fn check(&self, ctx: &Context, path: Path, tol: Tolerance, label: &str) {

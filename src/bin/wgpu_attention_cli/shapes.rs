@@ -1,0 +1,309 @@
+//! Named benchmark shapes and seeded random inputs, shared by the command-line tool
+//! (`src/bin/wgpu-attention.rs`) and the criterion benchmark (`benches/attention.rs`).
+//!
+//! Inputs are uploaded once as GPU storage buffers, so a timed [`Sdpa::run`] measures the
+//! kernels and the readback of the output, not the upload.
+
+use ndarray::Array4;
+use wgpu_attention::wgpu::{self, util::DeviceExt};
+use wgpu_attention::{Causal, Context, Problem, Sdpa, Tensor};
+
+/// One attention problem size: `q [B, Hq, L, E]`, `k [B, Hkv, S, E]`, `v [B, Hkv, S, Ev]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shape {
+    /// Name used on the command line and in reports.
+    pub name: &'static str,
+    /// Batch `B`.
+    pub batch: usize,
+    /// Query heads `Hq`.
+    pub q_heads: usize,
+    /// Key/value heads `Hkv`.
+    pub kv_heads: usize,
+    /// Query length `L`.
+    pub seq_q: usize,
+    /// Key/value length `S`.
+    pub seq_kv: usize,
+    /// Query/key head dimension `E`.
+    pub head_dim: usize,
+    /// Value head dimension `Ev`.
+    pub head_dim_v: usize,
+    /// Causal alignment.
+    pub causal: Causal,
+    /// Per-batch key lengths (key padding), if any.
+    pub kv_lens: Option<&'static [usize]>,
+    /// Part of the default `bench` set (false for shapes too slow on software renderers).
+    pub default: bool,
+}
+
+#[allow(clippy::too_many_arguments)]
+const fn shape(
+    name: &'static str,
+    (batch, q_heads, kv_heads): (usize, usize, usize),
+    (seq_q, seq_kv): (usize, usize),
+    (head_dim, head_dim_v): (usize, usize),
+    causal: Causal,
+    kv_lens: Option<&'static [usize]>,
+    default: bool,
+) -> Shape {
+    Shape {
+        name,
+        batch,
+        q_heads,
+        kv_heads,
+        seq_q,
+        seq_kv,
+        head_dim,
+        head_dim_v,
+        causal,
+        kv_lens,
+        default,
+    }
+}
+
+/// The named shapes, in report order.
+pub const SHAPES: &[Shape] = &[
+    shape(
+        "small_h4_s128",
+        (1, 4, 4),
+        (128, 128),
+        (64, 64),
+        Causal::None,
+        None,
+        true,
+    ),
+    shape(
+        "a_h8_s1024",
+        (1, 8, 8),
+        (1024, 1024),
+        (64, 64),
+        Causal::None,
+        None,
+        true,
+    ),
+    shape(
+        "b_h8_s1024_causal",
+        (1, 8, 8),
+        (1024, 1024),
+        (64, 64),
+        Causal::TopLeft,
+        None,
+        true,
+    ),
+    shape(
+        "c_h8_s4096_causal",
+        (1, 8, 8),
+        (4096, 4096),
+        (64, 64),
+        Causal::TopLeft,
+        None,
+        false,
+    ),
+    shape(
+        "d_decode_h32_s4096_e128",
+        (1, 32, 32),
+        (1, 4096),
+        (128, 128),
+        Causal::None,
+        None,
+        true,
+    ),
+    // Key padding: kv_lens[i] = 256 - 37 i.
+    shape(
+        "e_b4_h12_s256_padmask",
+        (4, 12, 12),
+        (256, 256),
+        (64, 64),
+        Causal::None,
+        Some(&[256, 219, 182, 145]),
+        true,
+    ),
+    shape(
+        "gpt2_h12_t1024_causal",
+        (1, 12, 12),
+        (1024, 1024),
+        (64, 64),
+        Causal::TopLeft,
+        None,
+        true,
+    ),
+];
+
+/// The shape called `name`.
+pub fn find(name: &str) -> Option<&'static Shape> {
+    SHAPES.iter().find(|s| s.name == name)
+}
+
+/// Every shape name, comma separated (for messages).
+pub fn names() -> String {
+    SHAPES.iter().map(|s| s.name).collect::<Vec<_>>().join(", ")
+}
+
+impl Shape {
+    /// A custom shape (for `demo`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn custom(
+        batch: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        seq_q: usize,
+        seq_kv: usize,
+        head_dim: usize,
+        head_dim_v: usize,
+        causal: Causal,
+    ) -> Shape {
+        shape(
+            "custom",
+            (batch, q_heads, kv_heads),
+            (seq_q, seq_kv),
+            (head_dim, head_dim_v),
+            causal,
+            None,
+            false,
+        )
+    }
+
+    /// `[B, Hq, L, E]`.
+    pub fn q_shape(&self) -> [usize; 4] {
+        [self.batch, self.q_heads, self.seq_q, self.head_dim]
+    }
+
+    /// `[B, Hkv, S, E]`.
+    pub fn k_shape(&self) -> [usize; 4] {
+        [self.batch, self.kv_heads, self.seq_kv, self.head_dim]
+    }
+
+    /// `[B, Hkv, S, Ev]`.
+    pub fn v_shape(&self) -> [usize; 4] {
+        [self.batch, self.kv_heads, self.seq_kv, self.head_dim_v]
+    }
+
+    /// `B=.. Hq=.. Hkv=.. L=.. S=.. E=.. Ev=..` plus causal and padding, for reports.
+    pub fn describe(&self) -> String {
+        let mut s = format!(
+            "B={} Hq={} Hkv={} L={} S={} E={} Ev={}",
+            self.batch, self.q_heads, self.kv_heads, self.seq_q, self.seq_kv, self.head_dim, self.head_dim_v
+        );
+        match self.causal {
+            Causal::None => {}
+            Causal::TopLeft => s.push_str(" causal=top-left"),
+            Causal::BottomRight => s.push_str(" causal=bottom-right"),
+        }
+        if let Some(l) = self.kv_lens {
+            s.push_str(&format!(" kv_lens={l:?}"));
+        }
+        s
+    }
+
+    /// Validate the problem (as [`Problem`] does) and check that q, k and v each fit one
+    /// storage buffer binding of the device, before anything large is allocated.
+    pub fn check_fits(&self, ctx: &Context) -> Result<(), String> {
+        let mut p = Problem::new(&self.q_shape(), &self.k_shape(), &self.v_shape())
+            .map_err(|e| e.to_string())?
+            .with_causal(self.causal);
+        if let Some(lens) = self.kv_lens {
+            p = p.with_kv_lens(lens).map_err(|e| e.to_string())?;
+        }
+        let limits = ctx.limits();
+        let limit = limits.max_buffer_size.min(limits.max_storage_buffer_binding_size);
+        for (name, shape) in [("q", p.q_shape()), ("k", p.k_shape()), ("v", p.v_shape())] {
+            let bytes = shape.iter().try_fold(4u64, |acc, &d| acc.checked_mul(d as u64));
+            if bytes.is_none_or(|b| b > limit) {
+                let need = bytes.map_or("more than 2^64".to_string(), |b| b.to_string());
+                return Err(format!(
+                    "{name} {shape:?} needs {need} bytes, over the device's storage binding \
+                     limit of {limit} bytes"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Seeded random q, k, v, uniform in `[-1, 1)`.
+    pub fn random_inputs(&self, seed: u64) -> HostInputs {
+        let mut rng = SplitMix64(seed);
+        let mut array = |shape: [usize; 4]| Array4::from_shape_simple_fn(shape, || rng.next_f32());
+        HostInputs {
+            q: array(self.q_shape()),
+            k: array(self.k_shape()),
+            v: array(self.v_shape()),
+        }
+    }
+}
+
+/// Host copies of the inputs.
+#[derive(Debug, Clone)]
+pub struct HostInputs {
+    /// `[B, Hq, L, E]`.
+    pub q: Array4<f32>,
+    /// `[B, Hkv, S, E]`.
+    pub k: Array4<f32>,
+    /// `[B, Hkv, S, Ev]`.
+    pub v: Array4<f32>,
+}
+
+/// Inputs uploaded to GPU storage buffers.
+#[derive(Debug)]
+pub struct GpuInputs {
+    q: wgpu::Buffer,
+    k: wgpu::Buffer,
+    v: wgpu::Buffer,
+    shape: Shape,
+}
+
+impl GpuInputs {
+    /// Upload `host` (which must have `shape`'s sizes) after [`Shape::check_fits`].
+    pub fn upload(ctx: &Context, shape: &Shape, host: &HostInputs) -> Result<GpuInputs, String> {
+        shape.check_fits(ctx)?;
+        let buffer = |name: &str, a: &Array4<f32>| -> Result<wgpu::Buffer, String> {
+            let data = a.as_slice().ok_or_else(|| format!("{name} is not contiguous"))?;
+            Ok(ctx
+                .device()
+                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some(name),
+                    contents: bytemuck::cast_slice(data),
+                    usage: wgpu::BufferUsages::STORAGE,
+                }))
+        };
+        Ok(GpuInputs {
+            q: buffer("q", &host.q)?,
+            k: buffer("k", &host.k)?,
+            v: buffer("v", &host.v)?,
+            shape: shape.clone(),
+        })
+    }
+
+    /// The attention call on these buffers, with the shape's causal mask and key padding.
+    pub fn sdpa(&self) -> Sdpa<'_> {
+        let s = &self.shape;
+        let mut sdpa = Sdpa::new(
+            Tensor::from_buffer(&self.q, 0, &s.q_shape()),
+            Tensor::from_buffer(&self.k, 0, &s.k_shape()),
+            Tensor::from_buffer(&self.v, 0, &s.v_shape()),
+        )
+        .causal(s.causal);
+        if let Some(lens) = s.kv_lens {
+            sdpa = sdpa.kv_lens(lens);
+        }
+        sdpa
+    }
+}
+
+/// A small seeded generator (SplitMix64), so the tool needs no `rand` dependency.
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[-1, 1)`.
+    pub fn next_f32(&mut self) -> f32 {
+        let unit = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
+        unit * 2.0 - 1.0
+    }
+}
