@@ -1,1 +1,91 @@
-fn main(){}
+//! Criterion benchmarks of [`Sdpa::run_blocking`] on the small and medium named shapes, one
+//! group per shape and one benchmark per concrete [`Path`].
+//!
+//! Inputs are uploaded once as GPU storage buffers; each iteration records and submits the
+//! kernels, waits for the GPU and reads the output back (as the CLI's `bench` does).
+//!
+//! Throughput is given as `Throughput::Elements(flops)` with the FLOP count of
+//! [`wgpu_attention::Problem::flops`], so criterion's "elem/s" (e.g. `Gelem/s`) reads as
+//! FLOP/s (`GFLOP/s`).
+//!
+//! Settings are small (10 flat samples, 2 s measurement) so that `cargo bench` finishes in a
+//! few minutes even on a software renderer such as lavapipe. Without a GPU adapter the
+//! benchmarks print a message and do nothing.
+//!
+//! [`Sdpa::run_blocking`]: wgpu_attention::Sdpa::run_blocking
+
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
+use wgpu_attention::{Context, Path};
+
+#[allow(dead_code)]
+#[path = "../src/bin/wgpu_attention_cli/shapes.rs"]
+mod shapes;
+
+/// The shapes timed here (the larger ones are left to `wgpu-attention bench`).
+const SHAPES: [&str; 5] = [
+    "small_h4_s128",
+    "e_b4_h12_s256_padmask",
+    "a_h8_s1024",
+    "b_h8_s1024_causal",
+    "d_decode_h32_s4096_e128",
+];
+
+fn attention(c: &mut Criterion) {
+    let ctx = match Context::new_blocking() {
+        Ok(ctx) => ctx,
+        Err(e) => {
+            eprintln!("skipping attention benchmarks: no GPU context: {e}");
+            return;
+        }
+    };
+    eprintln!("adapter: {}", ctx.describe());
+    eprintln!("throughput below: elem/s = FLOP/s");
+    for name in SHAPES {
+        let Some(shape) = shapes::find(name) else {
+            eprintln!("{name}: unknown shape, skipped");
+            continue;
+        };
+        let gpu = match shapes::GpuInputs::upload(&ctx, shape, &shape.random_inputs(0)) {
+            Ok(gpu) => gpu,
+            Err(e) => {
+                eprintln!("{name}: skipped: {e}");
+                continue;
+            }
+        };
+        let flops = match gpu.sdpa().problem() {
+            Ok(p) => p.flops(),
+            Err(e) => {
+                eprintln!("{name}: skipped: {e}");
+                continue;
+            }
+        };
+        let mut group = c.benchmark_group(name);
+        group
+            .sample_size(10)
+            .sampling_mode(SamplingMode::Flat)
+            .warm_up_time(Duration::from_millis(500))
+            // Where one run takes over 0.2 s, criterion warns that it cannot complete 10 samples
+            // in this time and takes 10 single-run samples instead: expected on slow devices.
+            .measurement_time(Duration::from_secs(2))
+            // "elements" are FLOPs: criterion's elem/s is FLOP/s.
+            .throughput(Throughput::Elements(flops as u64));
+        for path in Path::ALL {
+            let sdpa = gpu.sdpa().path(path);
+            // One untimed run first: it compiles the shaders, and a path that cannot serve
+            // this shape on this device is skipped instead of panicking inside criterion.
+            if let Err(e) = sdpa.run_blocking(&ctx) {
+                eprintln!("{name}/{}: skipped: {e}", path.name());
+                continue;
+            }
+            group.bench_function(path.name(), |b| {
+                b.iter(|| sdpa.run_blocking(&ctx).expect("attention run failed"))
+            });
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, attention);
+criterion_main!(benches);

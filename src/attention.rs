@@ -49,7 +49,9 @@ impl std::str::FromStr for Path {
             "auto" => Ok(Path::Auto),
             "unfused" => Ok(Path::Unfused),
             "fused" => Ok(Path::Fused),
-            other => Err(format!("unknown path {other:?} (expected auto, unfused or fused)")),
+            other => Err(format!(
+                "unknown path {other:?} (expected auto, unfused or fused)"
+            )),
         }
     }
 }

@@ -189,7 +189,12 @@ fn caller_buffers_are_checked() {
 fn scores_that_cannot_be_chunked_are_a_typed_error() {
     let Some(ctx) = ctx() else { return };
     let case = Case::random((1, 1, 1, 4, 8, 2, 2), 1);
-    let e = case.sdpa().path(wgpu_attention::Path::Unfused).max_scores_bytes(16).run_blocking(ctx).unwrap_err();
+    let e = case
+        .sdpa()
+        .path(wgpu_attention::Path::Unfused)
+        .max_scores_bytes(16)
+        .run_blocking(ctx)
+        .unwrap_err();
     assert!(matches!(e, Error::TooLargeForDevice { .. }), "{e}");
     assert!(e.to_string().contains("smallest chunk"), "{e}");
 }
@@ -226,7 +231,12 @@ fn fused_path_refuses_what_it_cannot_do() {
     let Some(ctx) = ctx() else { return };
     use wgpu_attention::Path;
     let case = Case::random((1, 1, 1, 3, 4, 8, 8), 3);
-    let e = case.sdpa().path(Path::Fused).return_weights().run_blocking(ctx).unwrap_err();
+    let e = case
+        .sdpa()
+        .path(Path::Fused)
+        .return_weights()
+        .run_blocking(ctx)
+        .unwrap_err();
     assert!(matches!(e, Error::Unsupported { path: "fused", .. }), "{e}");
     // Head dim beyond the fused kernel: forced is an error, auto falls back to unfused.
     let big = Case::random((1, 1, 1, 3, 4, 300, 8), 4);
@@ -234,6 +244,9 @@ fn fused_path_refuses_what_it_cannot_do() {
     assert!(matches!(e, Error::Unsupported { path: "fused", .. }), "{e}");
     assert_eq!(big.sdpa().resolved_path(ctx).unwrap(), Path::Unfused);
     assert_eq!(case.sdpa().resolved_path(ctx).unwrap(), Path::Fused);
-    assert_eq!(case.sdpa().return_weights().resolved_path(ctx).unwrap(), Path::Unfused);
+    assert_eq!(
+        case.sdpa().return_weights().resolved_path(ctx).unwrap(),
+        Path::Unfused
+    );
     big.check(ctx, Path::Auto, common::TOL, "E = 300 via auto");
 }

@@ -312,7 +312,7 @@ fn demo(a: &DemoArgs) -> CliResult<ExitCode> {
     let gpu = GpuInputs::upload(&ctx, &shape, &host)?;
     let sdpa = gpu.sdpa().path(a.path);
     let problem = sdpa.problem()?;
-    println!("path:    {}", path_label(&sdpa, a.path));
+    println!("path:    {}", path_label(&sdpa, &ctx, a.path));
 
     let timing = time_runs(&ctx, &sdpa, 1, a.iters, || {})?;
     let flops = problem.flops();
@@ -361,8 +361,11 @@ fn demo(a: &DemoArgs) -> CliResult<ExitCode> {
 }
 
 /// `unfused`, or `auto -> unfused`.
-fn path_label(sdpa: &Sdpa, requested: Path) -> String {
-    let resolved = sdpa.resolved_path();
+fn path_label(sdpa: &Sdpa, ctx: &Context, requested: Path) -> String {
+    let resolved = match sdpa.resolved_path(ctx) {
+        Ok(p) => p,
+        Err(e) => return format!("{} (cannot run: {e})", requested.name()),
+    };
     if requested == resolved {
         resolved.name().to_string()
     } else {
@@ -497,7 +500,7 @@ fn run(a: &RunArgs) -> CliResult<ExitCode> {
         let how = format!(
             "ran on {}, path {}, in {:.3} ms (incl. upload, shader compilation and readback)",
             ctx.describe(),
-            path_label(&sdpa, a.path),
+            path_label(&sdpa, &ctx, a.path),
             ms(started.elapsed())
         );
         (

@@ -76,7 +76,9 @@ impl Config {
             return None;
         }
         let (e4, ev4) = (vec4s(p.head_dim), vec4s(p.head_dim_v));
-        let budget = WG_MEMORY.min(limits.max_compute_workgroup_storage_size).saturating_sub(16);
+        let budget = WG_MEMORY
+            .min(limits.max_compute_workgroup_storage_size)
+            .saturating_sub(16);
         [64u32, 32, 16, 8, 4]
             .into_iter()
             .find(|bk| bk * (e4 + ev4) * 16 <= budget)
@@ -100,7 +102,16 @@ pub(crate) fn record(
     params: &Params,
 ) -> Result<()> {
     let grid = grid_1d(params.total, ctx.limits().max_compute_workgroups_per_dimension);
-    dispatch(ctx, encoder, &SPEC, &cfg.prelude(), &[], &buffers, bytemuck::bytes_of(params), grid)
+    dispatch(
+        ctx,
+        encoder,
+        &SPEC,
+        &cfg.prelude(),
+        &[],
+        &buffers,
+        bytemuck::bytes_of(params),
+        grid,
+    )
 }
 
 #[cfg(test)]

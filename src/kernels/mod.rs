@@ -90,6 +90,7 @@ pub(crate) fn grid_1d(n: u32, max: u32) -> [u32; 3] {
 
 /// Record one dispatch of `spec` in its own compute pass. `buffers` are bound in order to
 /// bindings `0..buffers.len()`; `params` goes to the final uniform binding.
+#[allow(clippy::too_many_arguments)] // each argument is a distinct part of one dispatch
 pub(crate) fn dispatch(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,

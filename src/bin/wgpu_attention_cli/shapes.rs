@@ -35,7 +35,6 @@ pub struct Shape {
     pub default: bool,
 }
 
-#[allow(clippy::too_many_arguments)]
 const fn shape(
     name: &'static str,
     (batch, q_heads, kv_heads): (usize, usize, usize),
