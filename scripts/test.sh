@@ -24,6 +24,10 @@ if [ "$(uname -s)" = Linux ]; then
   fi
 fi
 
+if ! command -v cargo >/dev/null; then
+  echo "cargo not found: install Rust first (https://rustup.rs: curl --proto '=https' -sSf https://sh.rustup.rs | sh)" >&2
+  exit 1
+fi
 if command -v rustup >/dev/null; then
   rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
   rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
