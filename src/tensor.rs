@@ -4,6 +4,22 @@ use std::borrow::Cow;
 
 use ndarray::{ArrayBase, Data, Dimension};
 
+/// Borrow a standard-layout array's data; copy any other layout into row-major order.
+fn row_major<T: Copy, S: Data<Elem = T>, D: Dimension>(a: &ArrayBase<S, D>) -> Cow<'_, [T]> {
+    match a.as_slice() {
+        Some(s) => Cow::Borrowed(s),
+        None => Cow::Owned(a.iter().copied().collect()),
+    }
+}
+
+/// [`row_major`] for a view, keeping the view's lifetime.
+fn view_row_major<T: Copy, D: Dimension>(a: ndarray::ArrayView<'_, T, D>) -> Cow<'_, [T]> {
+    match a.to_slice() {
+        Some(s) => Cow::Borrowed(s),
+        None => Cow::Owned(a.iter().copied().collect()),
+    }
+}
+
 /// An f32 tensor given to the GPU: host data (copied up once) or a caller's GPU buffer
 /// (bound in place, no copy). Row-major, contiguous.
 #[derive(Debug, Clone)]
@@ -51,14 +67,9 @@ where
 {
     /// Borrows standard-layout arrays; copies others into row-major order.
     fn from(a: &'a ArrayBase<S, D>) -> Self {
-        let shape = a.shape().to_vec();
-        let data = match a.as_slice() {
-            Some(s) => Cow::Borrowed(s),
-            None => Cow::Owned(a.iter().copied().collect()),
-        };
         Tensor {
-            data: TensorData::Host(data),
-            shape,
+            data: TensorData::Host(row_major(a)),
+            shape: a.shape().to_vec(),
         }
     }
 }
@@ -67,12 +78,8 @@ impl<'a, D: Dimension> From<ndarray::ArrayView<'a, f32, D>> for Tensor<'a> {
     /// Borrows standard-layout views; copies others into row-major order.
     fn from(a: ndarray::ArrayView<'a, f32, D>) -> Self {
         let shape = a.shape().to_vec();
-        let data = match a.to_slice() {
-            Some(s) => Cow::Borrowed(s),
-            None => Cow::Owned(a.iter().copied().collect()),
-        };
         Tensor {
-            data: TensorData::Host(data),
+            data: TensorData::Host(view_row_major(a)),
             shape,
         }
     }
@@ -107,22 +114,19 @@ where
     D: Dimension,
 {
     fn from(a: &'a ArrayBase<S, D>) -> Self {
-        let shape = a.shape().to_vec();
-        let data = match a.as_slice() {
-            Some(s) => Cow::Borrowed(s),
-            None => Cow::Owned(a.iter().copied().collect()),
-        };
-        Mask { data, shape }
+        Mask {
+            data: row_major(a),
+            shape: a.shape().to_vec(),
+        }
     }
 }
 
 impl<'a, D: Dimension> From<ndarray::ArrayView<'a, bool, D>> for Mask<'a> {
     fn from(a: ndarray::ArrayView<'a, bool, D>) -> Self {
         let shape = a.shape().to_vec();
-        let data = match a.to_slice() {
-            Some(s) => Cow::Borrowed(s),
-            None => Cow::Owned(a.iter().copied().collect()),
-        };
-        Mask { data, shape }
+        Mask {
+            data: view_row_major(a),
+            shape,
+        }
     }
 }

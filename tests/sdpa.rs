@@ -319,3 +319,32 @@ fn adopted_device_works() {
     let case = Case::random((1, 1, 1, 3, 3, 2, 2), 13);
     case.check(&adopted, Path::Unfused, TOL, "adopted device");
 }
+
+/// Non-contiguous inputs (a `[B, L, H, E]` array viewed as `[B, H, L, E]`) are copied into
+/// row-major order, not misread.
+#[test]
+fn non_standard_layout_views_are_copied() {
+    let Some(ctx) = ctx() else { return };
+    let case = Case::random((2, 3, 3, 5, 6, 4, 4), 14);
+    let blhe = case
+        .q
+        .view()
+        .permuted_axes([0, 2, 1, 3])
+        .as_standard_layout()
+        .into_owned();
+    let q_view = blhe.view().permuted_axes([0, 2, 1, 3]);
+    assert!(!q_view.is_standard_layout());
+    let mask = ndarray::Array::from_elem(IxDyn(&[6, 5]), true);
+    for path in Path::ALL {
+        let got = Sdpa::new(q_view, &case.k, &case.v)
+            .mask(mask.t())
+            .path(path)
+            .run_blocking(ctx)
+            .unwrap();
+        let want = case.reference();
+        common::assert_report(
+            compare(got.output.iter().copied(), want.out.iter().copied(), TOL),
+            "permuted q",
+        );
+    }
+}
