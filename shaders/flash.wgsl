@@ -5,8 +5,12 @@
 //   const E4: u32   -- head dim E in vec4s, rounded up (zero padded)
 //   const EV4: u32  -- value head dim Ev in vec4s, rounded up
 //   const BK: u32   -- keys per tile; BK * (E4 + EV4) * 16 bytes of workgroup memory
+//   const WG: u32   -- invocations per workgroup
+//   const RQ: u32   -- query rows per invocation (rows tid, tid + WG, ...): each K/V element
+//                      read from workgroup memory serves RQ rows. GPUs use RQ = 1, WG = 64;
+//                      CPU adapters (lavapipe), where every memory access is costly, more rows.
 //
-// Each invocation owns one query row: its scaled q and its output accumulator stay in
+// Each invocation owns RQ query rows: their scaled q and output accumulators stay in
 // registers. K and V tiles are streamed through workgroup memory. Per tile, a row computes its
 // BK logits (mask bits, bias, causal limit and key length applied inside), then the online
 // softmax update: new max, rescale the accumulator and running sum once, add p_j * v_j.
@@ -45,7 +49,7 @@ struct Params {
     _pad2: u32,
 }
 
-const BQ: u32 = 64u;
+const BQ: u32 = WG * RQ;
 const MASKED: f32 = -3.0e38;
 const START: f32 = -3.4e38;
 
@@ -84,7 +88,7 @@ fn load_v(base: u32, c4: u32, width: u32) -> vec4<f32> {
     return r;
 }
 
-@compute @workgroup_size(64, 1, 1)
+@compute @workgroup_size(WG, 1, 1)
 fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
@@ -99,29 +103,14 @@ fn main(
     let b = bh / p.heads;
     let h = bh % p.heads;
     let kvh = b * (p.heads / p.group) + h / p.group;
-    let i = qt * BQ + tid;
-    let row_ok = i < p.l;
 
-    // This invocation's query row, pre-scaled.
-    var qr: array<vec4<f32>, E4>;
-    for (var d4 = 0u; d4 < E4; d4++) {
-        var x = vec4<f32>(0.0);
-        if (row_ok) {
-            let base = (bh * p.l + i) * p.e;
-            for (var c = 0u; c < 4u; c++) {
-                if (d4 * 4u + c < p.e) {
-                    x[c] = q[base + d4 * 4u + c];
-                }
-            }
-        }
-        qr[d4] = x * p.scale;
-    }
-    var acc: array<vec4<f32>, EV4>;
-    for (var d4 = 0u; d4 < EV4; d4++) {
-        acc[d4] = vec4<f32>(0.0);
-    }
-    var m = START;
-    var sum = 0.0;
+    // This invocation's query rows (pre-scaled), accumulators, running max and sum, and the
+    // end of each row's allowed keys.
+    var qr: array<vec4<f32>, RQ * E4>;
+    var acc: array<vec4<f32>, RQ * EV4>;
+    var m: array<f32, RQ>;
+    var sum: array<f32, RQ>;
+    var row_end: array<u32, RQ>;
 
     // Keys [0, kv_end) can matter to some row of this tile; later tiles are skipped whole.
     if (tid == 0u) {
@@ -136,13 +125,37 @@ fn main(
         wg_end = end;
     }
     let kv_end = workgroupUniformLoad(&wg_end);
-    var row_end = kv_end;
-    if (p.has_causal != 0u) {
-        row_end = min(row_end, u32(clamp(i32(i) + p.causal_off + 1, 0, i32(p.s))));
+
+    for (var r = 0u; r < RQ; r++) {
+        let i = qt * BQ + r * WG + tid;
+        let base = (bh * p.l + i) * p.e;
+        for (var d4 = 0u; d4 < E4; d4++) {
+            var x = vec4<f32>(0.0);
+            if (i < p.l) {
+                for (var c = 0u; c < 4u; c++) {
+                    if (d4 * 4u + c < p.e) {
+                        x[c] = q[base + d4 * 4u + c];
+                    }
+                }
+            }
+            qr[r * E4 + d4] = x * p.scale;
+        }
+        for (var d4 = 0u; d4 < EV4; d4++) {
+            acc[r * EV4 + d4] = vec4<f32>(0.0);
+        }
+        m[r] = START;
+        sum[r] = 0.0;
+        var end = kv_end;
+        if (i >= p.l) {
+            end = 0u;
+        } else if (p.has_causal != 0u) {
+            end = min(end, u32(clamp(i32(i) + p.causal_off + 1, 0, i32(p.s))));
+        }
+        row_end[r] = end;
     }
 
     for (var j0 = 0u; j0 < kv_end; j0 += BK) {
-        for (var t = tid; t < BK * E4; t += BQ) {
+        for (var t = tid; t < BK * E4; t += WG) {
             let j = j0 + t / E4;
             var x = vec4<f32>(0.0);
             if (j < kv_end) {
@@ -150,7 +163,7 @@ fn main(
             }
             k_tile[t] = x;
         }
-        for (var t = tid; t < BK * EV4; t += BQ) {
+        for (var t = tid; t < BK * EV4; t += WG) {
             let j = j0 + t / EV4;
             var x = vec4<f32>(0.0);
             if (j < kv_end) {
@@ -160,19 +173,25 @@ fn main(
         }
         workgroupBarrier();
 
-        if (row_ok && j0 < row_end) {
-            let jn = min(BK, row_end - j0);
-            var sc: array<f32, BK>;
-            var tmax = m;
-            for (var jj = 0u; jj < BK; jj++) {
+        // Logits of every (row, key) of the tile; each K element is read once for RQ rows.
+        var sc: array<f32, RQ * BK>;
+        for (var jj = 0u; jj < BK; jj++) {
+            var d: array<vec4<f32>, RQ>;
+            for (var r = 0u; r < RQ; r++) {
+                d[r] = vec4<f32>(0.0);
+            }
+            for (var d4 = 0u; d4 < E4; d4++) {
+                let kv = k_tile[jj * E4 + d4];
+                for (var r = 0u; r < RQ; r++) {
+                    d[r] += qr[r * E4 + d4] * kv;
+                }
+            }
+            let j = j0 + jj;
+            for (var r = 0u; r < RQ; r++) {
                 var x = START;
-                if (jj < jn) {
-                    var d = vec4<f32>(0.0);
-                    for (var d4 = 0u; d4 < E4; d4++) {
-                        d += qr[d4] * k_tile[jj * E4 + d4];
-                    }
-                    x = d.x + d.y + d.z + d.w;
-                    let j = j0 + jj;
+                if (j < row_end[r]) {
+                    x = d[r].x + d[r].y + d[r].z + d[r].w;
+                    let i = qt * BQ + r * WG + tid;
                     if (p.has_mask != 0u) {
                         let w = mask[b * p.mask_b + h * p.mask_h + i * p.mask_l + j / 32u];
                         if ((w & (1u << (j % 32u))) == 0u) {
@@ -186,49 +205,69 @@ fn main(
                         x = START;
                     }
                 }
-                sc[jj] = x;
-                tmax = max(tmax, x);
+                sc[r * BK + jj] = x;
             }
-            let alpha = exp(m - tmax);
-            sum *= alpha;
+        }
+        // Online softmax: new max per row, rescale once, then weights.
+        for (var r = 0u; r < RQ; r++) {
+            var tmax = m[r];
+            for (var jj = 0u; jj < BK; jj++) {
+                tmax = max(tmax, sc[r * BK + jj]);
+            }
+            let alpha = exp(m[r] - tmax);
+            sum[r] *= alpha;
             for (var d4 = 0u; d4 < EV4; d4++) {
-                acc[d4] *= alpha;
+                acc[r * EV4 + d4] *= alpha;
             }
-            for (var jj = 0u; jj < jn; jj++) {
+            var s = 0.0;
+            for (var jj = 0u; jj < BK; jj++) {
+                let x = sc[r * BK + jj];
                 var pj = 0.0;
-                if (!(sc[jj] < MASKED)) {
-                    pj = exp(sc[jj] - tmax);
+                if (!(x < MASKED)) {
+                    pj = exp(x - tmax);
                 }
-                sum += pj;
-                for (var d4 = 0u; d4 < EV4; d4++) {
-                    acc[d4] += pj * v_tile[jj * EV4 + d4];
+                sc[r * BK + jj] = pj;
+                s += pj;
+            }
+            sum[r] += s;
+            m[r] = tmax;
+        }
+        // Accumulate P V; each V element read once for RQ rows.
+        let jn = min(BK, kv_end - j0);
+        for (var jj = 0u; jj < jn; jj++) {
+            for (var d4 = 0u; d4 < EV4; d4++) {
+                let vv = v_tile[jj * EV4 + d4];
+                for (var r = 0u; r < RQ; r++) {
+                    acc[r * EV4 + d4] += sc[r * BK + jj] * vv;
                 }
             }
-            m = tmax;
         }
         workgroupBarrier();
     }
 
-    if (!row_ok) {
-        return;
-    }
-    let obase = (bh * p.l + i) * p.ev;
-    if (sum == 0.0) {
-        for (var d = 0u; d < p.ev; d++) {
-            out[obase + d] = 0.0;
+    for (var r = 0u; r < RQ; r++) {
+        let i = qt * BQ + r * WG + tid;
+        if (i >= p.l) {
+            continue;
         }
-        var bits = 0xff800000u;
-        lse[bh * p.l + i] = bitcast<f32>(bits);
-        return;
-    }
-    let inv = 1.0 / sum;
-    for (var d4 = 0u; d4 < EV4; d4++) {
-        let o = acc[d4] * inv;
-        for (var c = 0u; c < 4u; c++) {
-            if (d4 * 4u + c < p.ev) {
-                out[obase + d4 * 4u + c] = o[c];
+        let obase = (bh * p.l + i) * p.ev;
+        if (sum[r] == 0.0) {
+            for (var d = 0u; d < p.ev; d++) {
+                out[obase + d] = 0.0;
+            }
+            var bits = 0xff800000u;
+            lse[bh * p.l + i] = bitcast<f32>(bits);
+            continue;
+        }
+        let inv = 1.0 / sum[r];
+        for (var d4 = 0u; d4 < EV4; d4++) {
+            let o = acc[r * EV4 + d4] * inv;
+            for (var c = 0u; c < 4u; c++) {
+                if (d4 * 4u + c < p.ev) {
+                    out[obase + d4 * 4u + c] = o[c];
+                }
             }
         }
+        lse[bh * p.l + i] = m[r] + log(sum[r]);
     }
-    lse[bh * p.l + i] = m + log(sum);
 }

@@ -159,6 +159,15 @@ impl Context {
         self.inner.features
     }
 
+    /// Whether the adapter is a CPU implementation (e.g. lavapipe); kernels pick tile shapes
+    /// that suit it.
+    pub fn is_cpu(&self) -> bool {
+        self.inner
+            .info
+            .as_ref()
+            .is_some_and(|i| i.device_type == wgpu::DeviceType::Cpu)
+    }
+
     /// A one-line description of the adapter (name, backend, driver).
     pub fn describe(&self) -> String {
         match &self.inner.info {

@@ -24,9 +24,6 @@ pub(crate) const SPEC: KernelSpec = KernelSpec {
     ],
 };
 
-/// Query rows per workgroup (one per invocation).
-pub(crate) const BQ: u32 = 64;
-
 /// Workgroup memory the kernel may use: WebGPU's default 16 KiB, or less if the device has less.
 const WG_MEMORY: u32 = 16 * 1024;
 
@@ -53,6 +50,10 @@ pub(crate) struct Config {
     pub e4: u32,
     pub ev4: u32,
     pub bk: u32,
+    /// Invocations per workgroup.
+    pub wg: u32,
+    /// Query rows per invocation.
+    pub rq: u32,
 }
 
 /// Head dims in vec4s, bucketed (1, 2, 3, 4, then multiples of 4) to bound the number of
@@ -68,11 +69,26 @@ fn vec4s(d: usize) -> u32 {
 
 impl Config {
     /// `None` when the head dims do not fit (E or Ev beyond 256) or the device is too small.
-    pub(crate) fn new(p: &Problem, limits: &wgpu::Limits) -> Option<Config> {
+    /// `cpu`: the adapter is a CPU (lavapipe/llvmpipe, WARP), where each memory access costs far
+    /// more than arithmetic, so each invocation takes several rows.
+    pub(crate) fn new(p: &Problem, limits: &wgpu::Limits, cpu: bool) -> Option<Config> {
         if p.head_dim > 256 || p.head_dim_v > 256 {
             return None;
         }
-        if limits.max_compute_invocations_per_workgroup < BQ || limits.max_compute_workgroup_size_x < BQ {
+        let (mut wg, mut rq) = if cpu { (8, 8) } else { (64, 1) };
+        // Tuning override for experiments: WGPU_ATTENTION_FLASH=<invocations>,<rows per invocation>.
+        #[cfg(not(target_arch = "wasm32"))]
+        if let Ok(v) = std::env::var("WGPU_ATTENTION_FLASH") {
+            let v: Vec<u32> = v.split(',').filter_map(|x| x.parse().ok()).collect();
+            if let [a, b] = v[..] {
+                (wg, rq) = (a, b);
+            }
+        }
+        if wg == 0
+            || rq == 0
+            || limits.max_compute_invocations_per_workgroup < wg
+            || limits.max_compute_workgroup_size_x < wg
+        {
             return None;
         }
         let (e4, ev4) = (vec4s(p.head_dim), vec4s(p.head_dim_v));
@@ -82,13 +98,18 @@ impl Config {
         [64u32, 32, 16, 8, 4]
             .into_iter()
             .find(|bk| bk * (e4 + ev4) * 16 <= budget)
-            .map(|bk| Config { e4, ev4, bk })
+            .map(|bk| Config { e4, ev4, bk, wg, rq })
+    }
+
+    /// Query rows per workgroup.
+    pub(crate) fn rows(&self) -> u32 {
+        self.wg * self.rq
     }
 
     fn prelude(&self) -> String {
         format!(
-            "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BK: u32 = {}u;\n",
-            self.e4, self.ev4, self.bk
+            "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BK: u32 = {}u;\nconst WG: u32 = {}u;\nconst RQ: u32 = {}u;\n",
+            self.e4, self.ev4, self.bk, self.wg, self.rq
         )
     }
 }
@@ -128,11 +149,11 @@ mod tests {
         let limits = wgpu::Limits::default();
         for (e, ev) in [(1, 1), (64, 64), (72, 5), (128, 128), (256, 256), (256, 3)] {
             let p = Problem::new(&[1, 1, 1, e], &[1, 1, 1, e], &[1, 1, 1, ev]).unwrap();
-            let c = Config::new(&p, &limits).unwrap();
+            let c = Config::new(&p, &limits, false).unwrap();
             assert!(c.bk * (c.e4 + c.ev4) * 16 + 16 <= 16384, "{e} {ev} {c:?}");
             assert!(c.e4 * 4 >= e as u32 && c.ev4 * 4 >= ev as u32);
         }
         let p = Problem::new(&[1, 1, 1, 257], &[1, 1, 1, 257], &[1, 1, 1, 4]).unwrap();
-        assert!(Config::new(&p, &limits).is_none());
+        assert!(Config::new(&p, &limits, false).is_none());
     }
 }
