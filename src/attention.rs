@@ -7,15 +7,16 @@ use wgpu::util::DeviceExt;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::kernels::{flash, matmul, softmax, MaskParams};
+use crate::kernels::{decode, flash, matmul, softmax, MaskParams};
 use crate::problem::{Causal, Problem};
 use crate::tensor::{Mask, Tensor, TensorData};
 
 /// Which implementation runs the attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 pub enum Path {
-    /// Let the crate choose: [`Path::Fused`] unless the weights are requested or the head
-    /// dims exceed what it supports, then [`Path::Unfused`].
+    /// Let the crate choose: [`Path::Decode`] for at most 16 query rows and at least 512 keys,
+    /// else [`Path::Fused`]; [`Path::Unfused`] when the weights are requested or the head dims
+    /// exceed what the fused kernel supports.
     #[default]
     Auto,
     /// Three kernels: scores matmul, masked softmax, value weighting. Materialises the score
@@ -26,11 +27,15 @@ pub enum Path {
     /// online softmax; memory linear in L and S; every mask inside; causal and key-length tiles
     /// skipped whole. Head dims up to 256. Cannot return the weights.
     Fused,
+    /// Split-K for few query rows and long key sequences (KV-cache decoding): the keys are
+    /// split across many workgroups, each writing a partial output and logsumexp, then merged
+    /// by the logsumexp rule. Every mask inside. Cannot return the weights.
+    Decode,
 }
 
 impl Path {
     /// Every concrete path, for tests and benchmarks.
-    pub const ALL: [Path; 2] = [Path::Unfused, Path::Fused];
+    pub const ALL: [Path; 3] = [Path::Unfused, Path::Fused, Path::Decode];
 
     /// The name used by the CLI.
     pub fn name(self) -> &'static str {
@@ -38,6 +43,7 @@ impl Path {
             Path::Auto => "auto",
             Path::Unfused => "unfused",
             Path::Fused => "fused",
+            Path::Decode => "decode",
         }
     }
 }
@@ -227,8 +233,14 @@ impl<'a> Sdpa<'a> {
 
     fn resolve(&self, ctx: &Context, p: &Problem) -> Result<Path> {
         let fused_ok = flash::Config::new(p, ctx.limits(), ctx.is_cpu()).is_some();
+        let decode_ok = p.seq_q <= decode::MAX_ROWS && p.seq_kv >= decode::MIN_KEYS;
         match self.path {
+            Path::Auto if !self.weights && decode_ok => Ok(Path::Decode),
             Path::Auto if !self.weights && fused_ok => Ok(Path::Fused),
+            Path::Decode if self.weights => Err(Error::Unsupported {
+                path: "decode",
+                reason: "it never materialises the attention weights; use Path::Unfused or Path::Auto".into(),
+            }),
             Path::Auto => Ok(Path::Unfused),
             Path::Fused if self.weights => Err(Error::Unsupported {
                 path: "fused",
@@ -406,6 +418,7 @@ impl<'a> Sdpa<'a> {
         };
         match (path, plan) {
             (Path::Unfused, Some(plan)) => record_unfused(ctx, encoder, &p, &plan, &io)?,
+            (Path::Decode, _) => record_decode(ctx, encoder, &p, &io)?,
             _ => record_fused(ctx, encoder, &p, &io)?,
         }
         Ok(GpuOutput {
@@ -777,4 +790,189 @@ fn record_fused(ctx: &Context, encoder: &mut wgpu::CommandEncoder, p: &Problem, 
             _pad: [0; 3],
         },
     )
+}
+
+fn record_decode(ctx: &Context, encoder: &mut wgpu::CommandEncoder, p: &Problem, io: &Io) -> Result<()> {
+    let (chunk, splits) = decode::split(p);
+    let rows = p.batch_heads() * p.seq_q;
+    let part_bytes = (splits * rows * p.head_dim_v) as u64 * 4;
+    fits(
+        "decode partial outputs",
+        part_bytes,
+        ctx.max_binding(),
+        "max_storage_buffer_binding_size",
+    )?;
+    let total = splits as u64 * rows as u64;
+    let max = ctx.limits().max_compute_workgroups_per_dimension as u64;
+    fits(
+        "decode workgroups",
+        total,
+        max * max,
+        "max_compute_workgroups_per_dimension (squared)",
+    )?;
+    let device = ctx.device();
+    let part = |label: &str, bytes: u64| {
+        device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: bytes,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        })
+    };
+    let part_out = part("decode partial outputs", part_bytes);
+    let part_lse = part("decode partial lse", (splits * rows) as u64 * 4);
+    decode::record_decode(
+        ctx,
+        encoder,
+        chunk,
+        [
+            io.q.clone(),
+            io.k.clone(),
+            io.v.clone(),
+            io.mask.map_or(io.dummy, |(b, _)| b).as_entire_buffer_binding(),
+            io.bias.clone().unwrap_or(io.dummy.as_entire_buffer_binding()),
+            io.lens.unwrap_or(io.dummy).as_entire_buffer_binding(),
+            part_out.as_entire_buffer_binding(),
+            part_lse.as_entire_buffer_binding(),
+        ],
+        &decode::Params {
+            l: p.seq_q as u32,
+            s: p.seq_kv as u32,
+            e: p.head_dim as u32,
+            ev: p.head_dim_v as u32,
+            heads: p.q_heads as u32,
+            group: p.group() as u32,
+            splits: splits as u32,
+            total: total as u32,
+            scale: p.scale,
+            masks: MaskParams::new(p, io.mask.map(|(_, st)| st)),
+            _pad: [0; 3],
+        },
+    )?;
+    decode::record_merge(
+        ctx,
+        encoder,
+        [
+            part_out.as_entire_buffer_binding(),
+            part_lse.as_entire_buffer_binding(),
+            io.out.clone(),
+            io.lse.as_entire_buffer_binding(),
+        ],
+        &decode::MergeParams {
+            rows: rows as u32,
+            splits: splits as u32,
+            ev: p.head_dim_v as u32,
+            _pad: 0,
+        },
+    )
+}
+
+/// Combine two partial attention results computed over disjoint key sets (the rule behind
+/// split-K decoding, sequence-parallel and ring attention):
+/// `lse = logaddexp(lse1, lse2)`, `o = (e^{lse1} o1 + e^{lse2} o2) / e^{lse}`.
+/// o `[B, H, L, Ev]`, lse `[B, H, L]`; a part with `lse = -inf` (no allowed key) contributes
+/// nothing, and two empty parts give 0 and `-inf`. Runs on the GPU.
+pub async fn merge(
+    ctx: &Context,
+    o1: &Array4<f32>,
+    lse1: &Array3<f32>,
+    o2: &Array4<f32>,
+    lse2: &Array3<f32>,
+) -> Result<(Array4<f32>, Array3<f32>)> {
+    let shape = o1.shape().to_vec();
+    if shape.contains(&0) {
+        return Err(Error::ZeroSized { tensor: "o1", shape });
+    }
+    let (b, h, l, ev) = o1.dim();
+    for (name, s) in [("o2", o2.shape())] {
+        if s != shape.as_slice() {
+            return Err(Error::ShapeMismatch {
+                tensor: name,
+                expected: shape.clone(),
+                actual: s.to_vec(),
+            });
+        }
+    }
+    for (name, s) in [("lse1", lse1.shape()), ("lse2", lse2.shape())] {
+        if s != [b, h, l] {
+            return Err(Error::ShapeMismatch {
+                tensor: name,
+                expected: vec![b, h, l],
+                actual: s.to_vec(),
+            });
+        }
+    }
+    let rows = b * h * l;
+    let out_bytes = (rows * ev) as u64 * 4;
+    fits(
+        "merge inputs",
+        2 * out_bytes,
+        ctx.max_binding(),
+        "max_storage_buffer_binding_size",
+    )?;
+    let parts: Vec<f32> = o1.iter().chain(o2.iter()).copied().collect();
+    let lses: Vec<f32> = lse1.iter().chain(lse2.iter()).copied().collect();
+    let device = ctx.device();
+    let (out, lse) = ctx
+        .scoped(|| {
+            let init = |label: &str, data: &[f32]| {
+                device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some(label),
+                    contents: bytemuck::cast_slice(data),
+                    usage: wgpu::BufferUsages::STORAGE,
+                })
+            };
+            let out_buf = |label: &str, bytes: u64| {
+                device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some(label),
+                    size: bytes,
+                    usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+                    mapped_at_creation: false,
+                })
+            };
+            let (po, pl) = (init("merge parts", &parts), init("merge lse parts", &lses));
+            let (out, lse) = (
+                out_buf("merged output", out_bytes),
+                out_buf("merged lse", rows as u64 * 4),
+            );
+            let mut encoder =
+                device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("merge") });
+            decode::record_merge(
+                ctx,
+                &mut encoder,
+                [
+                    po.as_entire_buffer_binding(),
+                    pl.as_entire_buffer_binding(),
+                    out.as_entire_buffer_binding(),
+                    lse.as_entire_buffer_binding(),
+                ],
+                &decode::MergeParams {
+                    rows: rows as u32,
+                    splits: 2,
+                    ev: ev as u32,
+                    _pad: 0,
+                },
+            )?;
+            ctx.queue().submit([encoder.finish()]);
+            Ok((out, lse))
+        })
+        .await?;
+    let o = ctx.read_f32(&out, 0, out_bytes).await?;
+    let s = ctx.read_f32(&lse, 0, rows as u64 * 4).await?;
+    Ok((
+        Array4::from_shape_vec((b, h, l, ev), o).expect("merged output length"),
+        Array3::from_shape_vec((b, h, l), s).expect("merged lse length"),
+    ))
+}
+
+/// Blocking version of [`merge`].
+#[cfg(not(target_arch = "wasm32"))]
+pub fn merge_blocking(
+    ctx: &Context,
+    o1: &Array4<f32>,
+    lse1: &Array3<f32>,
+    o2: &Array4<f32>,
+    lse2: &Array3<f32>,
+) -> Result<(Array4<f32>, Array3<f32>)> {
+    pollster::block_on(merge(ctx, o1, lse1, o2, lse2))
 }

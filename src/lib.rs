@@ -10,7 +10,9 @@ pub mod problem;
 pub mod reference;
 mod tensor;
 
-pub use attention::{GpuOutput, Output, Path, Sdpa};
+#[cfg(not(target_arch = "wasm32"))]
+pub use attention::merge_blocking;
+pub use attention::{merge, GpuOutput, Output, Path, Sdpa};
 pub use context::Context;
 pub use error::{Error, Result};
 pub use problem::{Causal, Problem};

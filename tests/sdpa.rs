@@ -348,3 +348,82 @@ fn non_standard_layout_views_are_copied() {
         );
     }
 }
+
+/// KV-cache decoding shapes: one to a few query rows over a long key sequence, split across
+/// many workgroups; every mask kind.
+#[test]
+fn decode_shapes_match_reference_on_every_path() {
+    let Some(ctx) = ctx() else { return };
+    let base = Case::random((2, 4, 2, 3, 1500, 16, 24), 15);
+    assert_eq!(base.sdpa().resolved_path(ctx).unwrap(), Path::Decode);
+    base.check_all_paths(ctx, TOL, "decode plain");
+    let case = Case::random((2, 4, 2, 3, 1500, 16, 24), 16)
+        .with_causal(Causal::BottomRight)
+        .with_random_mask(17)
+        .with_random_bias(18)
+        .with_kv_lens();
+    case.check_all_paths(ctx, TOL, "decode all masks");
+    let one = Case::random((1, 8, 1, 1, 777, 64, 64), 19).with_causal(Causal::TopLeft);
+    one.check_all_paths(ctx, TOL, "decode L=1 top-left (one key)");
+}
+
+/// Two halves of the keys, attended separately and merged by the logsumexp rule, equal the
+/// whole; an empty half contributes nothing.
+#[test]
+fn merge_of_disjoint_key_halves_is_the_whole() {
+    let Some(ctx) = ctx() else { return };
+    use ndarray::s;
+    let case = Case::random((1, 2, 2, 7, 30, 8, 5), 20);
+    let want = case.reference();
+    let (k1, k2) = (
+        case.k.slice(s![.., .., ..13, ..]).to_owned(),
+        case.k.slice(s![.., .., 13.., ..]).to_owned(),
+    );
+    let (v1, v2) = (
+        case.v.slice(s![.., .., ..13, ..]).to_owned(),
+        case.v.slice(s![.., .., 13.., ..]).to_owned(),
+    );
+    let a = Sdpa::new(&case.q, &k1, &v1)
+        .return_lse()
+        .run_blocking(ctx)
+        .unwrap();
+    let b = Sdpa::new(&case.q, &k2, &v2)
+        .return_lse()
+        .run_blocking(ctx)
+        .unwrap();
+    let (o, lse) = wgpu_attention::merge_blocking(
+        ctx,
+        &a.output,
+        a.lse.as_ref().unwrap(),
+        &b.output,
+        b.lse.as_ref().unwrap(),
+    )
+    .unwrap();
+    common::assert_report(
+        compare(o.iter().copied(), want.out.iter().copied(), TOL),
+        "merged output",
+    );
+    common::assert_report(
+        compare(lse.iter().copied(), want.lse.iter().copied(), TOL),
+        "merged lse",
+    );
+    // A part with no allowed key (lse = -inf) leaves the other part unchanged.
+    let empty_o = Array4::<f32>::zeros(a.output.dim());
+    let empty_lse = ndarray::Array3::from_elem(a.lse.as_ref().unwrap().dim(), f32::NEG_INFINITY);
+    let (o, lse) =
+        wgpu_attention::merge_blocking(ctx, &a.output, a.lse.as_ref().unwrap(), &empty_o, &empty_lse)
+            .unwrap();
+    common::assert_report(
+        compare(o.iter().copied(), a.output.iter().copied(), TOL),
+        "merge with empty",
+    );
+    common::assert_report(
+        compare(lse.iter().copied(), a.lse.as_ref().unwrap().iter().copied(), TOL),
+        "lse with empty",
+    );
+    let (o, lse) = wgpu_attention::merge_blocking(ctx, &empty_o, &empty_lse, &empty_o, &empty_lse).unwrap();
+    assert!(o.iter().all(|&x| x == 0.0) && lse.iter().all(|&x| x == f32::NEG_INFINITY));
+    // Shapes are checked.
+    let bad = ndarray::Array3::<f32>::zeros((1, 2, 6));
+    assert!(wgpu_attention::merge_blocking(ctx, &a.output, &bad, &b.output, &bad).is_err());
+}

@@ -4,6 +4,7 @@
 //! Pipelines are built once per (kernel, override constants) and cached in the
 //! [`Context`](crate::Context).
 
+pub(crate) mod decode;
 pub(crate) mod flash;
 pub(crate) mod matmul;
 pub(crate) mod softmax;

@@ -1,0 +1,143 @@
+//! `shaders/decode.wgsl` and `shaders/merge.wgsl`: split-K attention for few query rows and long
+//! key sequences. The keys are split so that there are hundreds of workgroups even for one
+//! query row; each split writes a normalised partial output and logsumexp, and the merge kernel
+//! combines them by the logsumexp rule (also exposed as [`crate::merge`]).
+
+use super::{dispatch, grid_1d, Binding, KernelSpec, MaskParams};
+use crate::context::Context;
+use crate::error::Result;
+use crate::problem::Problem;
+
+pub(crate) const DECODE: KernelSpec = KernelSpec {
+    name: "decode",
+    source: include_str!("../../shaders/decode.wgsl"),
+    bindings: &[
+        Binding::Read,
+        Binding::Read,
+        Binding::Read,
+        Binding::Read,
+        Binding::Read,
+        Binding::Read,
+        Binding::ReadWrite,
+        Binding::ReadWrite,
+        Binding::Uniform,
+    ],
+};
+
+pub(crate) const MERGE: KernelSpec = KernelSpec {
+    name: "merge",
+    source: include_str!("../../shaders/merge.wgsl"),
+    bindings: &[
+        Binding::Read,
+        Binding::Read,
+        Binding::ReadWrite,
+        Binding::ReadWrite,
+        Binding::Uniform,
+    ],
+};
+
+/// Query rows up to which [`crate::Path::Auto`] prefers the decode path (with a long `S`).
+pub(crate) const MAX_ROWS: usize = 16;
+/// Key length from which [`crate::Path::Auto`] prefers the decode path.
+pub(crate) const MIN_KEYS: usize = 512;
+/// Workgroups the split aims for: enough to fill a GPU with dozens of compute units.
+const TARGET_WORKGROUPS: usize = 512;
+
+/// Mirrors `Params` in `decode.wgsl`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub(crate) struct Params {
+    pub l: u32,
+    pub s: u32,
+    pub e: u32,
+    pub ev: u32,
+    pub heads: u32,
+    pub group: u32,
+    pub splits: u32,
+    pub total: u32,
+    pub scale: f32,
+    pub masks: MaskParams,
+    pub _pad: [u32; 3],
+}
+
+/// Mirrors `Params` in `merge.wgsl`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub(crate) struct MergeParams {
+    pub rows: u32,
+    pub splits: u32,
+    pub ev: u32,
+    pub _pad: u32,
+}
+
+/// Keys per split (a multiple of 64, at most 1024) and the number of splits.
+pub(crate) fn split(p: &Problem) -> (usize, usize) {
+    let rows = p.batch_heads() * p.seq_q;
+    let want = TARGET_WORKGROUPS.div_ceil(rows).max(1);
+    let chunk = p.seq_kv.div_ceil(want).next_multiple_of(64).clamp(64, 1024);
+    (chunk, p.seq_kv.div_ceil(chunk))
+}
+
+/// Record the split pass. `buffers`: q, k, v, mask, bias, kv_lens, part_out, part_lse.
+pub(crate) fn record_decode(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    chunk: usize,
+    buffers: [wgpu::BufferBinding<'_>; 8],
+    params: &Params,
+) -> Result<()> {
+    let grid = grid_1d(params.total, ctx.limits().max_compute_workgroups_per_dimension);
+    let prelude = format!("const CHUNK: u32 = {chunk}u;\n");
+    dispatch(
+        ctx,
+        encoder,
+        &DECODE,
+        &prelude,
+        &[],
+        &buffers,
+        bytemuck::bytes_of(params),
+        grid,
+    )
+}
+
+/// Record the merge. `buffers`: part_out, part_lse, out, lse.
+pub(crate) fn record_merge(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    buffers: [wgpu::BufferBinding<'_>; 4],
+    params: &MergeParams,
+) -> Result<()> {
+    let grid = grid_1d(params.rows, ctx.limits().max_compute_workgroups_per_dimension);
+    dispatch(
+        ctx,
+        encoder,
+        &MERGE,
+        "",
+        &[],
+        &buffers,
+        bytemuck::bytes_of(params),
+        grid,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_sizes_match_wgsl() {
+        assert_eq!(std::mem::size_of::<Params>(), 96);
+        assert_eq!(std::mem::size_of::<MergeParams>(), 16);
+    }
+
+    #[test]
+    fn decode_of_one_row_makes_hundreds_of_workgroups() {
+        let p = Problem::new(&[1, 32, 1, 128], &[1, 32, 4096, 128], &[1, 32, 4096, 128]).unwrap();
+        let (chunk, splits) = split(&p);
+        assert_eq!(chunk * splits, 4096);
+        assert!(splits * 32 >= 256, "{splits}");
+        let p = Problem::new(&[1, 1, 1, 8], &[1, 1, 100_000, 8], &[1, 1, 100_000, 8]).unwrap();
+        let (chunk, splits) = split(&p);
+        assert!(chunk <= 1024 && chunk * splits >= 100_000);
+    }
+}
