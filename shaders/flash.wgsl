@@ -235,10 +235,15 @@ fn main(
         // Accumulate P V; each V element read once for RQ rows.
         let jn = min(BK, kv_end - j0);
         for (var jj = 0u; jj < jn; jj++) {
+            // The key's weights for each row, hoisted out of the Ev loop (constant indices inside).
+            var pr: array<f32, RQ>;
+            for (var r = 0u; r < RQ; r++) {
+                pr[r] = sc[r * BK + jj];
+            }
             for (var d4 = 0u; d4 < EV4; d4++) {
                 let vv = v_tile[jj * EV4 + d4];
                 for (var r = 0u; r < RQ; r++) {
-                    acc[r * EV4 + d4] += sc[r * BK + jj] * vv;
+                    acc[r * EV4 + d4] += pr[r] * vv;
                 }
             }
         }
