@@ -258,6 +258,47 @@ impl<'a> Sdpa<'a> {
         }
     }
 
+    /// Bytes of GPU memory one call uses: q, k, v, masks, output and logsumexp, plus the path's
+    /// temporaries (the unfused path's score chunk and weights, the decode path's partials).
+    /// The fused path's total is linear in L and S.
+    pub fn device_memory(&self, ctx: &Context) -> Result<u64> {
+        let p = self.problem()?;
+        let path = self.resolve(ctx, &p)?;
+        let bytes = |shape: &[usize]| shape.iter().product::<usize>() as u64 * 4;
+        let mut total = bytes(&p.q_shape())
+            + bytes(&p.k_shape())
+            + bytes(&p.v_shape())
+            + bytes(&p.out_shape())
+            + bytes(&[p.batch_heads(), p.seq_q]);
+        if let Some(m) = p.mask {
+            let [b, h, l, _] = m.shape;
+            total += bytes(&[b, h, l, p.seq_kv.div_ceil(32)]);
+        }
+        if let Some(b) = p.bias {
+            total += bytes(&b.shape);
+        }
+        if p.kv_lens.is_some() {
+            total += bytes(&[p.batch]);
+        }
+        match path {
+            Path::Unfused => {
+                let max_binding = ctx.max_binding();
+                let budget = self.max_scores_bytes.unwrap_or(max_binding).min(max_binding);
+                let plan = ChunkPlan::new(&p, budget, ctx.limits())?;
+                total += bytes(&[plan.heads, plan.rows, p.seq_kv]);
+                if self.weights {
+                    total += bytes(&p.score_shape());
+                }
+            }
+            Path::Decode => {
+                let (_, splits) = decode::split(&p);
+                total += bytes(&[splits, p.batch_heads() * p.seq_q, p.head_dim_v + 1]);
+            }
+            Path::Fused | Path::Auto => {}
+        }
+        Ok(total)
+    }
+
     /// Run on the GPU and read the results back.
     pub async fn run(&self, ctx: &Context) -> Result<Output> {
         let gpu = ctx

@@ -427,3 +427,21 @@ fn merge_of_disjoint_key_halves_is_the_whole() {
     let bad = ndarray::Array3::<f32>::zeros((1, 2, 6));
     assert!(wgpu_attention::merge_blocking(ctx, &a.output, &bad, &b.output, &bad).is_err());
 }
+
+/// The fused path's device memory is q, k, v, output and logsumexp only (linear in L and S);
+/// the unfused path adds a score chunk capped by the binding limit.
+#[test]
+fn fused_memory_is_linear_in_sequence_length() {
+    let Some(ctx) = ctx() else { return };
+    let n = 32768;
+    let data = vec![0f32; n * 64];
+    let t = || wgpu_attention::Tensor::from_slice(&data, &[1, 1, n, 64]);
+    let sdpa = Sdpa::new(t(), t(), t()).causal(Causal::TopLeft);
+    let linear = 4 * (n as u64 * 64 * 4) + n as u64 * 4;
+    assert_eq!(sdpa.clone().path(Path::Fused).device_memory(ctx).unwrap(), linear);
+    let unfused = sdpa.clone().path(Path::Unfused).device_memory(ctx).unwrap();
+    let max_binding = ctx.limits().max_storage_buffer_binding_size;
+    assert!(unfused > linear && unfused <= linear + max_binding, "{unfused}");
+    // The scores alone would be 4 GiB: the unfused path chunks them.
+    assert!((n as u64 * n as u64 * 4) > max_binding);
+}

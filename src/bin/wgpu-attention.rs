@@ -585,8 +585,8 @@ fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
         a.warmup, a.iters
     );
     println!(
-        "{:<24} {:<8} {:>10} {:>10} {:>10} {:>9}",
-        "shape", "path", "first ms", "median ms", "min ms", "GFLOP/s"
+        "{:<24} {:<8} {:>10} {:>10} {:>10} {:>9} {:>9}",
+        "shape", "path", "first ms", "median ms", "min ms", "GFLOP/s", "GPU MiB"
     );
 
     let per_row = u64::from(a.warmup + a.iters);
@@ -614,18 +614,20 @@ fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
             let sdpa = gpu.sdpa().path(path);
             let done_before = pb.position();
             let row = sdpa.problem().and_then(|p| {
+                let mem = sdpa.device_memory(&ctx)?;
                 let t = time_runs(&ctx, &sdpa, a.warmup, a.iters, || pb.inc(1))?;
-                Ok((p.flops(), t))
+                Ok((p.flops(), t, mem))
             });
             let line = match row {
-                Ok((flops, t)) => format!(
-                    "{:<24} {:<8} {:>10.3} {:>10.3} {:>10.3} {:>9.2}",
+                Ok((flops, t, mem)) => format!(
+                    "{:<24} {:<8} {:>10.3} {:>10.3} {:>10.3} {:>9.2} {:>9.1}",
                     shape.name,
                     path.name(),
                     ms(t.first),
                     ms(t.median),
                     ms(t.min),
-                    gflops(flops, t.median)
+                    gflops(flops, t.median),
+                    mem as f64 / (1024.0 * 1024.0)
                 ),
                 Err(e) => {
                     pb.set_position(done_before + per_row);

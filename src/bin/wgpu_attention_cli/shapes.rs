@@ -116,6 +116,17 @@ pub const SHAPES: &[Shape] = &[
         Some(&[256, 219, 182, 145]),
         true,
     ),
+    // Memory: the fused path needs only q, k, v and the output (linear in L and S); the
+    // unfused path would need 4 GiB of scores and survives only by chunking.
+    shape(
+        "long_h1_s32768_causal",
+        (1, 1, 1),
+        (32768, 32768),
+        (64, 64),
+        Causal::TopLeft,
+        None,
+        false,
+    ),
     shape(
         "gpt2_h12_t1024_causal",
         (1, 12, 12),
