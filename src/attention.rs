@@ -485,7 +485,7 @@ fn check_len(tensor: &'static str, shape: &[usize], actual: usize) -> Result<()>
     Ok(())
 }
 
-fn fits(what: &str, bytes: u64, limit: u64, limit_name: &'static str) -> Result<()> {
+pub(crate) fn fits(what: &str, bytes: u64, limit: u64, limit_name: &'static str) -> Result<()> {
     if bytes > limit {
         return Err(Error::TooLargeForDevice {
             what: what.to_string(),
@@ -524,7 +524,7 @@ fn check_gpu_buffer(
     Ok(())
 }
 
-fn binding(buf: &wgpu::Buffer, offset: u64, bytes: u64) -> wgpu::BufferBinding<'_> {
+pub(crate) fn binding(buf: &wgpu::Buffer, offset: u64, bytes: u64) -> wgpu::BufferBinding<'_> {
     wgpu::BufferBinding {
         buffer: buf,
         offset,
@@ -533,19 +533,19 @@ fn binding(buf: &wgpu::Buffer, offset: u64, bytes: u64) -> wgpu::BufferBinding<'
 }
 
 /// A validated input, before upload.
-struct Operand<'t, 'a> {
+pub(crate) struct Operand<'t, 'a> {
     tensor: &'t Tensor<'a>,
     bytes: u64,
 }
 
 /// An input on the GPU: our upload, or the caller's buffer.
-enum Uploaded<'a> {
+pub(crate) enum Uploaded<'a> {
     Owned(wgpu::Buffer, u64),
     Borrowed(&'a wgpu::Buffer, u64, u64),
 }
 
 impl<'t, 'a> Operand<'t, 'a> {
-    fn check(ctx: &Context, name: &'static str, t: &'t Tensor<'a>) -> Result<Self> {
+    pub(crate) fn check(ctx: &Context, name: &'static str, t: &'t Tensor<'a>) -> Result<Self> {
         let elems: usize = t.shape.iter().product();
         let bytes = elems as u64 * 4;
         match &t.data {
@@ -556,7 +556,7 @@ impl<'t, 'a> Operand<'t, 'a> {
         Ok(Operand { tensor: t, bytes })
     }
 
-    fn upload(&self, ctx: &Context, label: &str) -> Uploaded<'a> {
+    pub(crate) fn upload(&self, ctx: &Context, label: &str) -> Uploaded<'a> {
         match &self.tensor.data {
             TensorData::Host(d) => Uploaded::Owned(
                 ctx.device()
@@ -573,7 +573,7 @@ impl<'t, 'a> Operand<'t, 'a> {
 }
 
 impl Uploaded<'_> {
-    fn binding(&self) -> wgpu::BufferBinding<'_> {
+    pub(crate) fn binding(&self) -> wgpu::BufferBinding<'_> {
         match self {
             Uploaded::Owned(b, bytes) => binding(b, 0, *bytes),
             Uploaded::Borrowed(b, off, bytes) => binding(b, *off, *bytes),

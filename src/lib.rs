@@ -6,6 +6,7 @@ pub mod check;
 mod context;
 mod error;
 mod kernels;
+mod matmul;
 pub mod problem;
 pub mod reference;
 mod tensor;
@@ -15,6 +16,9 @@ pub use attention::merge_blocking;
 pub use attention::{merge, GpuOutput, Output, Path, Sdpa};
 pub use context::Context;
 pub use error::{Error, Result};
+pub use matmul::matmul;
+#[cfg(not(target_arch = "wasm32"))]
+pub use matmul::matmul_blocking;
 pub use problem::{Causal, Problem};
 pub use tensor::{Mask, Tensor};
 /// Re-exported so callers use the same wgpu version.

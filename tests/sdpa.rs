@@ -445,3 +445,46 @@ fn fused_memory_is_linear_in_sequence_length() {
     // The scores alone would be 4 GiB: the unfused path chunks them.
     assert!((n as u64 * n as u64 * 4) > max_binding);
 }
+
+/// The public matmul (the kernel behind the unfused path) against a plain f64 product:
+/// tails on every tile edge, transposed and plain B, shared B.
+#[test]
+fn matmul_matches_plain_product() {
+    let Some(ctx) = ctx() else { return };
+    let mut r = common::rng(21);
+    for (batch, m, n, k, trans_b, shared) in [
+        (2, 70, 65, 33, true, false),
+        (3, 5, 130, 17, false, true),
+        (1, 1, 1, 1, true, false),
+    ] {
+        let a = common::rand_array(&mut r, (batch, m, k));
+        let bshape = if trans_b {
+            (if shared { 1 } else { batch }, n, k)
+        } else {
+            (if shared { 1 } else { batch }, k, n)
+        };
+        let b = common::rand_array(&mut r, bshape);
+        let got = wgpu_attention::matmul_blocking(ctx, &a, &b, trans_b, 0.5).unwrap();
+        let mut want = ndarray::Array3::<f64>::zeros((batch, m, n));
+        for z in 0..batch {
+            let bz = if shared { 0 } else { z };
+            for i in 0..m {
+                for j in 0..n {
+                    let mut acc = 0.0;
+                    for kk in 0..k {
+                        let bv = if trans_b { b[[bz, j, kk]] } else { b[[bz, kk, j]] };
+                        acc += a[[z, i, kk]] as f64 * bv as f64;
+                    }
+                    want[[z, i, j]] = 0.5 * acc;
+                }
+            }
+        }
+        common::assert_report(compare(got.iter().copied(), want.iter().copied(), TOL), "matmul");
+    }
+    let a = ndarray::Array3::<f32>::zeros((2, 3, 4));
+    let b = ndarray::Array3::<f32>::zeros((2, 5, 3));
+    assert!(matches!(
+        wgpu_attention::matmul_blocking(ctx, &a, &b, true, 1.0),
+        Err(wgpu_attention::Error::ShapeMismatch { tensor: "b", .. })
+    ));
+}
