@@ -681,12 +681,16 @@ fn dedup<T: PartialEq>(items: Vec<T>) -> Vec<T> {
 fn matmul_row(ctx: &Context, iters: u32) -> CliResult<String> {
     use wgpu::util::DeviceExt;
     let n = 1024usize;
-    let data: Vec<f32> = (0..n * n).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
-    let buf = ctx.device().create_buffer_init(&wgpu::util::BufferInitDescriptor {
-        label: Some("matmul bench"),
-        contents: bytemuck::cast_slice(&data),
-        usage: wgpu::BufferUsages::STORAGE,
-    });
+    let data: Vec<f32> = (0..n * n)
+        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
+    let buf = ctx
+        .device()
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("matmul bench"),
+            contents: bytemuck::cast_slice(&data),
+            usage: wgpu::BufferUsages::STORAGE,
+        });
     let t = || wgpu_attention::Tensor::from_buffer(&buf, 0, &[1, n, n]);
     let start = Instant::now();
     wgpu_attention::matmul_blocking(ctx, t(), t(), true, 1.0)?;
