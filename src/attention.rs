@@ -620,6 +620,30 @@ struct Io<'b> {
     dummy: &'b wgpu::Buffer,
 }
 
+impl<'b> Io<'b> {
+    /// The mask, bias and key-length bindings, with the dummy buffer where one is absent.
+    fn mask_bindings(&self) -> [wgpu::BufferBinding<'b>; 3] {
+        [
+            self.mask
+                .map_or(self.dummy, |(b, _)| b)
+                .as_entire_buffer_binding(),
+            self.bias.clone().unwrap_or(self.dummy.as_entire_buffer_binding()),
+            self.lens.unwrap_or(self.dummy).as_entire_buffer_binding(),
+        ]
+    }
+
+    /// q, k, v, then [`Io::mask_bindings`]: the inputs of the fused and decode kernels.
+    fn inputs(&self) -> [wgpu::BufferBinding<'b>; 6] {
+        let [mask, bias, lens] = self.mask_bindings();
+        [self.q.clone(), self.k.clone(), self.v.clone(), mask, bias, lens]
+    }
+
+    /// The kernels' mask parameters for `p`.
+    fn mask_params(&self, p: &Problem) -> MaskParams {
+        MaskParams::new(p, self.mask.map(|(_, st)| st))
+    }
+}
+
 /// How the unfused path splits the score matrix `[B·Hq, L, S]` so one chunk fits a binding:
 /// whole heads at a time when `L·S` fits, else row blocks of one head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -688,8 +712,7 @@ fn record_unfused(
         usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
         mapped_at_creation: false,
     });
-    let mask_buf = io.mask.map_or(io.dummy, |(b, _)| b);
-    let masks = MaskParams::new(p, io.mask.map(|(_, st)| st));
+    let masks = io.mask_params(p);
     for z0 in (0..bh).step_by(plan.heads) {
         let nz = plan.heads.min(bh - z0);
         for i0 in (0..p.seq_q).step_by(plan.rows) {
@@ -727,16 +750,11 @@ fn record_unfused(
             }
             .record(ctx, encoder, io.dummy)?;
             // 2. masked softmax in place, logsumexp out
+            let [mask, bias, lens] = io.mask_bindings();
             softmax::record(
                 ctx,
                 encoder,
-                [
-                    sc.clone(),
-                    mask_buf.as_entire_buffer_binding(),
-                    io.bias.clone().unwrap_or(io.dummy.as_entire_buffer_binding()),
-                    io.lens.unwrap_or(io.dummy).as_entire_buffer_binding(),
-                    io.lse.as_entire_buffer_binding(),
-                ],
+                [sc.clone(), mask, bias, lens, io.lse.as_entire_buffer_binding()],
                 &softmax::Params {
                     rows: lc as u32,
                     total: (nz * lc) as u32,
@@ -803,17 +821,18 @@ fn record_fused(ctx: &Context, encoder: &mut wgpu::CommandEncoder, p: &Problem, 
             hint: " (squared)",
         });
     }
+    let [q, k, v, mask, bias, lens] = io.inputs();
     flash::record(
         ctx,
         encoder,
         &cfg,
         [
-            io.q.clone(),
-            io.k.clone(),
-            io.v.clone(),
-            io.mask.map_or(io.dummy, |(b, _)| b).as_entire_buffer_binding(),
-            io.bias.clone().unwrap_or(io.dummy.as_entire_buffer_binding()),
-            io.lens.unwrap_or(io.dummy).as_entire_buffer_binding(),
+            q,
+            k,
+            v,
+            mask,
+            bias,
+            lens,
             io.out.clone(),
             io.lse.as_entire_buffer_binding(),
         ],
@@ -827,7 +846,7 @@ fn record_fused(ctx: &Context, encoder: &mut wgpu::CommandEncoder, p: &Problem, 
             q_tiles,
             total: total as u32,
             scale: p.scale,
-            masks: MaskParams::new(p, io.mask.map(|(_, st)| st)),
+            masks: io.mask_params(p),
             _pad: [0; 3],
         },
     )
@@ -862,17 +881,18 @@ fn record_decode(ctx: &Context, encoder: &mut wgpu::CommandEncoder, p: &Problem,
     };
     let part_out = part("decode partial outputs", part_bytes);
     let part_lse = part("decode partial lse", (splits * rows) as u64 * 4);
+    let [q, k, v, mask, bias, lens] = io.inputs();
     decode::record_decode(
         ctx,
         encoder,
         chunk,
         [
-            io.q.clone(),
-            io.k.clone(),
-            io.v.clone(),
-            io.mask.map_or(io.dummy, |(b, _)| b).as_entire_buffer_binding(),
-            io.bias.clone().unwrap_or(io.dummy.as_entire_buffer_binding()),
-            io.lens.unwrap_or(io.dummy).as_entire_buffer_binding(),
+            q,
+            k,
+            v,
+            mask,
+            bias,
+            lens,
             part_out.as_entire_buffer_binding(),
             part_lse.as_entire_buffer_binding(),
         ],
@@ -886,7 +906,7 @@ fn record_decode(ctx: &Context, encoder: &mut wgpu::CommandEncoder, p: &Problem,
             splits: splits as u32,
             total: total as u32,
             scale: p.scale,
-            masks: MaskParams::new(p, io.mask.map(|(_, st)| st)),
+            masks: io.mask_params(p),
             _pad: [0; 3],
         },
     )?;

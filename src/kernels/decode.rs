@@ -11,17 +11,7 @@ use crate::problem::Problem;
 pub(crate) const DECODE: KernelSpec = KernelSpec {
     name: "decode",
     source: include_str!("../../shaders/decode.wgsl"),
-    bindings: &[
-        Binding::Read,
-        Binding::Read,
-        Binding::Read,
-        Binding::Read,
-        Binding::Read,
-        Binding::Read,
-        Binding::ReadWrite,
-        Binding::ReadWrite,
-        Binding::Uniform,
-    ],
+    bindings: super::ATTENTION_BINDINGS,
 };
 
 pub(crate) const MERGE: KernelSpec = KernelSpec {

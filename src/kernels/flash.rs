@@ -3,7 +3,7 @@
 //! whole key tiles skipped past the causal limit and the key length; GQA by indexing the shared
 //! K/V head. Memory is linear in L and S: the score matrix is never written.
 
-use super::{dispatch, grid_1d, Binding, KernelSpec};
+use super::{dispatch, grid_1d, KernelSpec};
 use crate::context::Context;
 use crate::error::Result;
 use crate::problem::Problem;
@@ -11,17 +11,7 @@ use crate::problem::Problem;
 pub(crate) const SPEC: KernelSpec = KernelSpec {
     name: "flash",
     source: include_str!("../../shaders/flash.wgsl"),
-    bindings: &[
-        Binding::Read,
-        Binding::Read,
-        Binding::Read,
-        Binding::Read,
-        Binding::Read,
-        Binding::Read,
-        Binding::ReadWrite,
-        Binding::ReadWrite,
-        Binding::Uniform,
-    ],
+    bindings: super::ATTENTION_BINDINGS,
 };
 
 /// Workgroup memory the kernel may use: WebGPU's default 16 KiB, or less if the device has less.

@@ -72,6 +72,20 @@ pub(crate) enum Binding {
     Uniform,
 }
 
+/// The bindings of the fused and decode kernels: q, k, v, mask, bias, kv_lens (read), two
+/// outputs (read_write), params.
+pub(crate) const ATTENTION_BINDINGS: &[Binding] = &[
+    Binding::Read,
+    Binding::Read,
+    Binding::Read,
+    Binding::Read,
+    Binding::Read,
+    Binding::Read,
+    Binding::ReadWrite,
+    Binding::ReadWrite,
+    Binding::Uniform,
+];
+
 /// A kernel: its name, WGSL source and bindings in order.
 pub(crate) struct KernelSpec {
     pub(crate) name: &'static str,
