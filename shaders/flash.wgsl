@@ -1,11 +1,16 @@
-// Fused attention (FlashAttention-2 style forward), one workgroup per (64-query tile, head, batch).
+// Fused attention (FlashAttention-2 style forward), one workgroup per (query tile, head, batch).
 //
 // The host prepends the specialisation constants (naga cannot size function-scope arrays by
-// `override`):
+// `override`) and the input/output bindings (flash_io_vec4.wgsl when E and Ev are multiples of
+// 4, else flash_io_scalar.wgsl, which define q, k, v, out and load_q/load_k/load_v/store_out):
 //   const E4: u32   -- head dim E in vec4s, rounded up (zero padded)
 //   const EV4: u32  -- value head dim Ev in vec4s, rounded up
 //   const BK: u32   -- keys per tile; BK * (E4 + EV4) * 16 bytes of workgroup memory
 //   const WG: u32   -- invocations per workgroup
+//   const KG: u32   -- keys per unrolled step (divides BK)
+//   const HAS_MASK: bool, HAS_BIAS: bool -- a boolean mask / an additive bias is bound
+//   const UNROLL: bool -- unroll the loops marked `// unroll` (src/kernels/unroll.rs), so that
+//                      every index into a private array is a constant
 //   const RQ: u32   -- query rows per invocation (rows tid, tid + WG, ...): each K/V element
 //                      read from workgroup memory serves RQ rows. GPUs use RQ = 1, WG = 64;
 //                      CPU adapters (lavapipe), where every memory access is costly, more rows.
@@ -19,8 +24,8 @@
 // Outputs: O = acc / sum and the row logsumexp max + log(sum); a row with no allowed key
 // writes 0 and logsumexp = -inf. NaN logits propagate through the sum.
 //
-// Bindings: 0 q, 1 k, 2 v, 3 mask (u32 bits), 4 bias, 5 kv_lens (read);
-//           6 out, 7 lse (read_write); 8 params (uniform).
+// Bindings: 0 q, 1 k, 2 v (prelude), 3 mask (u32 bits), 4 bias, 5 kv_lens (read);
+//           6 out (prelude), 7 lse (read_write); 8 params (uniform).
 
 struct Params {
     l: u32,
@@ -53,40 +58,15 @@ const BQ: u32 = WG * RQ;
 const MASKED: f32 = -3.0e38;
 const START: f32 = -3.4e38;
 
-@group(0) @binding(0) var<storage, read> q: array<f32>;
-@group(0) @binding(1) var<storage, read> k: array<f32>;
-@group(0) @binding(2) var<storage, read> v: array<f32>;
 @group(0) @binding(3) var<storage, read> mask: array<u32>;
 @group(0) @binding(4) var<storage, read> bias: array<f32>;
 @group(0) @binding(5) var<storage, read> kv_lens: array<u32>;
-@group(0) @binding(6) var<storage, read_write> out: array<f32>;
 @group(0) @binding(7) var<storage, read_write> lse: array<f32>;
 @group(0) @binding(8) var<uniform> p: Params;
 
 var<workgroup> k_tile: array<vec4<f32>, BK * E4>;
 var<workgroup> v_tile: array<vec4<f32>, BK * EV4>;
 var<workgroup> wg_end: u32;
-
-// Load 4 consecutive elements of `row` (of width `width`) starting at column 4 * c4, zero padded.
-fn load_k(base: u32, c4: u32, width: u32) -> vec4<f32> {
-    var r = vec4<f32>(0.0);
-    for (var c = 0u; c < 4u; c++) {
-        if (c4 * 4u + c < width) {
-            r[c] = k[base + c4 * 4u + c];
-        }
-    }
-    return r;
-}
-
-fn load_v(base: u32, c4: u32, width: u32) -> vec4<f32> {
-    var r = vec4<f32>(0.0);
-    for (var c = 0u; c < 4u; c++) {
-        if (c4 * 4u + c < width) {
-            r[c] = v[base + c4 * 4u + c];
-        }
-    }
-    return r;
-}
 
 @compute @workgroup_size(WG, 1, 1)
 fn main(
@@ -126,40 +106,32 @@ fn main(
     }
     let kv_end = workgroupUniformLoad(&wg_end);
 
-    for (var r = 0u; r < RQ; r++) {
+    for (var r = 0u; r < RQ; r++) { // unroll
         let i = qt * BQ + r * WG + tid;
-        let base = (bh * p.l + i) * p.e;
-        for (var d4 = 0u; d4 < E4; d4++) {
-            var x = vec4<f32>(0.0);
-            if (i < p.l) {
-                for (var c = 0u; c < 4u; c++) {
-                    if (d4 * 4u + c < p.e) {
-                        x[c] = q[base + d4 * 4u + c];
-                    }
-                }
-            }
-            qr[r * E4 + d4] = x * p.scale;
+        let valid = i < p.l;
+        let qrow = bh * p.l + min(i, p.l - 1u);
+        for (var d4 = 0u; d4 < E4; d4++) { // unroll
+            qr[r * E4 + d4] = select(vec4<f32>(0.0), load_q(qrow, d4) * p.scale, valid);
         }
-        for (var d4 = 0u; d4 < EV4; d4++) {
+        for (var d4 = 0u; d4 < EV4; d4++) { // unroll
             acc[r * EV4 + d4] = vec4<f32>(0.0);
         }
         m[r] = START;
         sum[r] = 0.0;
-        var end = kv_end;
-        if (i >= p.l) {
-            end = 0u;
-        } else if (p.has_causal != 0u) {
+        var end = select(0u, kv_end, valid);
+        if (p.has_causal != 0u) {
             end = min(end, u32(clamp(i32(i) + p.causal_off + 1, 0, i32(p.s))));
         }
         row_end[r] = end;
     }
 
     for (var j0 = 0u; j0 < kv_end; j0 += BK) {
+        // Stage the K and V tiles; keys past kv_end are zero.
         for (var t = tid; t < BK * E4; t += WG) {
             let j = j0 + t / E4;
             var x = vec4<f32>(0.0);
             if (j < kv_end) {
-                x = load_k((kvh * p.s + j) * p.e, t % E4, p.e);
+                x = load_k(kvh * p.s + j, t % E4);
             }
             k_tile[t] = x;
         }
@@ -167,112 +139,107 @@ fn main(
             let j = j0 + t / EV4;
             var x = vec4<f32>(0.0);
             if (j < kv_end) {
-                x = load_v((kvh * p.s + j) * p.ev, t % EV4, p.ev);
+                x = load_v(kvh * p.s + j, t % EV4);
             }
             v_tile[t] = x;
         }
         workgroupBarrier();
 
-        // Logits of every (row, key) of the tile; each K element is read once for RQ rows.
-        var sc: array<f32, RQ * BK>;
-        for (var jj = 0u; jj < BK; jj++) {
-            var d: array<vec4<f32>, RQ>;
-            for (var r = 0u; r < RQ; r++) {
-                d[r] = vec4<f32>(0.0);
-            }
-            for (var d4 = 0u; d4 < E4; d4++) {
-                let kv = k_tile[jj * E4 + d4];
-                for (var r = 0u; r < RQ; r++) {
-                    d[r] += qr[r * E4 + d4] * kv;
+        // The tile in steps of KG keys. Logits of every (row, key) of the step; each K element
+        // is read once for RQ rows.
+        let tile_end = min(BK, kv_end - j0);
+        for (var jg = 0u; jg < tile_end; jg += KG) {
+            var sc: array<f32, RQ * KG>;
+            for (var jj = 0u; jj < KG; jj++) { // unroll
+                var d: array<vec4<f32>, RQ>;
+                for (var r = 0u; r < RQ; r++) { // unroll
+                    d[r] = vec4<f32>(0.0);
+                }
+                for (var d4 = 0u; d4 < E4; d4++) { // unroll
+                    let kv = k_tile[(jg + jj) * E4 + d4];
+                    for (var r = 0u; r < RQ; r++) { // unroll
+                        d[r] += qr[r * E4 + d4] * kv;
+                    }
+                }
+                let j = j0 + jg + jj;
+                for (var r = 0u; r < RQ; r++) { // unroll
+                    let x = d[r].x + d[r].y + d[r].z + d[r].w;
+                    sc[r * KG + jj] = select(START, x, j < row_end[r]);
                 }
             }
-            let j = j0 + jj;
-            for (var r = 0u; r < RQ; r++) {
-                var x = START;
-                if (j < row_end[r]) {
-                    x = d[r].x + d[r].y + d[r].z + d[r].w;
-                    let i = qt * BQ + r * WG + tid;
-                    if (p.has_mask != 0u) {
-                        let w = mask[b * p.mask_b + h * p.mask_h + i * p.mask_l + j / 32u];
-                        if ((w & (1u << (j % 32u))) == 0u) {
-                            x = START;
+            // The boolean mask and the bias (specialised away when absent: CPU adapters execute
+            // both sides of every branch).
+            if (HAS_MASK || HAS_BIAS) {
+                for (var jj = 0u; jj < KG; jj++) { // unroll
+                    let j = j0 + jg + jj;
+                    for (var r = 0u; r < RQ; r++) { // unroll
+                        let i = min(qt * BQ + r * WG + tid, p.l - 1u);
+                        var x = sc[r * KG + jj];
+                        var keep = x != START;
+                        if (HAS_MASK) {
+                            let w = mask[b * p.mask_b + h * p.mask_h + i * p.mask_l + min(j, p.s - 1u) / 32u];
+                            keep = keep && (w & (1u << (j % 32u))) != 0u;
                         }
-                    }
-                    if (p.has_bias != 0u && x != START) {
-                        x += bias[b * p.bias_b + h * p.bias_h + i * p.bias_l + j * p.bias_s];
-                    }
-                    if (x < MASKED) {
-                        x = START;
+                        if (HAS_BIAS) {
+                            let bj = min(j, p.s - 1u);
+                            x += bias[b * p.bias_b + h * p.bias_h + i * p.bias_l + bj * p.bias_s];
+                        }
+                        // Masked-out keys ignore the bias; a -inf bias masks.
+                        sc[r * KG + jj] = select(START, x, keep && !(x < MASKED));
                     }
                 }
-                sc[r * BK + jj] = x;
             }
-        }
-        // Online softmax: new max per row, rescale once, then weights.
-        for (var r = 0u; r < RQ; r++) {
-            var tmax = m[r];
-            for (var jj = 0u; jj < BK; jj++) {
-                tmax = max(tmax, sc[r * BK + jj]);
-            }
-            let alpha = exp(m[r] - tmax);
-            sum[r] *= alpha;
-            for (var d4 = 0u; d4 < EV4; d4++) {
-                acc[r * EV4 + d4] *= alpha;
-            }
-            var s = 0.0;
-            for (var jj = 0u; jj < BK; jj++) {
-                let x = sc[r * BK + jj];
-                var pj = 0.0;
-                if (!(x < MASKED)) {
-                    pj = exp(x - tmax);
+            // Online softmax: new max per row, rescale once, then weights.
+            for (var r = 0u; r < RQ; r++) { // unroll
+                var smax = m[r];
+                for (var jj = 0u; jj < KG; jj++) { // unroll
+                    smax = max(smax, sc[r * KG + jj]);
                 }
-                sc[r * BK + jj] = pj;
-                s += pj;
+                let alpha = exp(m[r] - smax);
+                sum[r] *= alpha;
+                for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+                    acc[r * EV4 + d4] *= alpha;
+                }
+                var s = 0.0;
+                for (var jj = 0u; jj < KG; jj++) { // unroll
+                    let x = sc[r * KG + jj];
+                    let pj = select(exp(x - smax), 0.0, x < MASKED);
+                    sc[r * KG + jj] = pj;
+                    s += pj;
+                }
+                sum[r] += s;
+                m[r] = smax;
             }
-            sum[r] += s;
-            m[r] = tmax;
-        }
-        // Accumulate P V; each V element read once for RQ rows.
-        let jn = min(BK, kv_end - j0);
-        for (var jj = 0u; jj < jn; jj++) {
-            // The key's weights for each row, hoisted out of the Ev loop (constant indices inside).
-            var pr: array<f32, RQ>;
-            for (var r = 0u; r < RQ; r++) {
-                pr[r] = sc[r * BK + jj];
-            }
-            for (var d4 = 0u; d4 < EV4; d4++) {
-                let vv = v_tile[jj * EV4 + d4];
-                for (var r = 0u; r < RQ; r++) {
-                    acc[r * EV4 + d4] += pr[r] * vv;
+            // Accumulate P V; each V element read once for RQ rows. Keys past kv_end have
+            // p = 0 and a zero V row.
+            for (var jj = 0u; jj < KG; jj++) { // unroll
+                for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+                    let vv = v_tile[(jg + jj) * EV4 + d4];
+                    for (var r = 0u; r < RQ; r++) { // unroll
+                        acc[r * EV4 + d4] += sc[r * KG + jj] * vv;
+                    }
                 }
             }
         }
         workgroupBarrier();
     }
 
-    for (var r = 0u; r < RQ; r++) {
+    for (var r = 0u; r < RQ; r++) { // unroll
         let i = qt * BQ + r * WG + tid;
-        if (i >= p.l) {
-            continue;
-        }
-        let obase = (bh * p.l + i) * p.ev;
-        if (sum[r] == 0.0) {
-            for (var d = 0u; d < p.ev; d++) {
-                out[obase + d] = 0.0;
-            }
-            var bits = 0xff800000u;
-            lse[bh * p.l + i] = bitcast<f32>(bits);
-            continue;
-        }
-        let inv = 1.0 / sum[r];
-        for (var d4 = 0u; d4 < EV4; d4++) {
-            let o = acc[r * EV4 + d4] * inv;
-            for (var c = 0u; c < 4u; c++) {
-                if (d4 * 4u + c < p.ev) {
-                    out[obase + d4 * 4u + c] = o[c];
+        if (i < p.l) {
+            let row = bh * p.l + i;
+            if (sum[r] == 0.0) {
+                for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+                    store_out(row, d4, vec4<f32>(0.0));
                 }
+                lse[row] = bitcast<f32>(0xff800000u);
+            } else {
+                let inv = 1.0 / sum[r];
+                for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+                    store_out(row, d4, acc[r * EV4 + d4] * inv);
+                }
+                lse[row] = m[r] + log(sum[r]);
             }
         }
-        lse[bh * p.l + i] = m[r] + log(sum[r]);
     }
 }

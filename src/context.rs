@@ -214,7 +214,9 @@ impl Context {
         let device = &self.inner.device;
         let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
             label: Some(spec.name),
-            source: wgpu::ShaderSource::Wgsl(format!("{prelude}{}", spec.source).into()),
+            source: wgpu::ShaderSource::Wgsl(
+                crate::kernels::unroll::unroll(&format!("{prelude}{}", spec.source)).into(),
+            ),
         });
         let entries: Vec<wgpu::BindGroupLayoutEntry> = spec
             .bindings

@@ -14,6 +14,10 @@ pub(crate) const SPEC: KernelSpec = KernelSpec {
     bindings: super::ATTENTION_BINDINGS,
 };
 
+/// The bindings and loads of q, k, v and out, by element type.
+const IO_VEC4: &str = include_str!("../../shaders/flash_io_vec4.wgsl");
+const IO_SCALAR: &str = include_str!("../../shaders/flash_io_scalar.wgsl");
+
 /// Workgroup memory the kernel may use: WebGPU's default 16 KiB, or less if the device has less.
 const WG_MEMORY: u32 = 16 * 1024;
 
@@ -44,51 +48,80 @@ pub(crate) struct Config {
     pub wg: u32,
     /// Query rows per invocation.
     pub rq: u32,
+    /// Keys per unrolled step of the inner loop (divides `bk`).
+    pub kg: u32,
+    /// E and Ev are multiples of 4: q, k, v and out are bound as `array<vec4<f32>>`.
+    pub vec4_io: bool,
+    /// Unroll the loops marked in the shader.
+    pub unroll: bool,
+    /// A boolean mask is bound (else its code is compiled out).
+    pub has_mask: bool,
+    /// An additive bias is bound (else its code is compiled out).
+    pub has_bias: bool,
 }
 
-/// Head dims in vec4s, bucketed (1, 2, 3, 4, then multiples of 4) to bound the number of
-/// pipeline variants.
-fn vec4s(d: usize) -> u32 {
-    let n = d.div_ceil(4) as u32;
-    if n <= 4 {
-        n
-    } else {
-        n.div_ceil(4) * 4
-    }
-}
+/// On CPU adapters, problems below this many FLOPs use the kernel with loops (compiles in a
+/// tenth of a second); larger ones the unrolled kernel.
+pub(crate) const CPU_UNROLL_MIN_FLOPS: f64 = 2.5e8;
 
 impl Config {
     /// `None` when the head dims do not fit (E or Ev beyond 256) or the device is too small.
     /// `cpu`: the adapter is a CPU (lavapipe/llvmpipe, WARP), where each memory access costs far
-    /// more than arithmetic, so each invocation takes several rows.
+    /// more than arithmetic, so each invocation takes several rows, and where unrolled code runs
+    /// about twice as fast but compiles for seconds (once per machine: Mesa caches it on disk),
+    /// so only problems of at least [`CPU_UNROLL_MIN_FLOPS`] get it.
     pub(crate) fn new(p: &Problem, limits: &wgpu::Limits, cpu: bool) -> Option<Config> {
         if p.head_dim > 256 || p.head_dim_v > 256 {
             return None;
         }
-        let (mut wg, mut rq) = if cpu { (8, 8) } else { (64, 1) };
-        // Tuning override for experiments: WGPU_ATTENTION_FLASH=<invocations>,<rows per invocation>.
+        let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
+        let unroll = !cpu || p.flops() >= CPU_UNROLL_MIN_FLOPS;
+        // On CPUs: about 256 vec4s of q (and of accumulator) per invocation (measured on
+        // lavapipe at E = 64: 8 rows 315 ms, 16 rows 203 ms; keys per step matter little).
+        let cpu_rows = (256 / e4.max(ev4)).clamp(1, 16);
+        let (mut wg, mut rq, mut kg) = match (cpu, unroll) {
+            (false, _) => (64, 1, 4),
+            (true, true) => (8, cpu_rows, 2),
+            (true, false) => (8, 8, 64),
+        };
+        let mut unroll = unroll;
+        // Tuning override for experiments:
+        // WGPU_ATTENTION_FLASH=<invocations>,<rows per invocation>,<keys per step>,<unroll 0|1>.
         #[cfg(not(target_arch = "wasm32"))]
         if let Ok(v) = std::env::var("WGPU_ATTENTION_FLASH") {
             let v: Vec<u32> = v.split(',').filter_map(|x| x.parse().ok()).collect();
-            if let [a, b] = v[..] {
-                (wg, rq) = (a, b);
+            if let [a, b, c, d] = v[..] {
+                (wg, rq, kg, unroll) = (a, b, c, d != 0);
             }
         }
         if wg == 0
             || rq == 0
+            || !kg.is_power_of_two()
+            || kg > 64
             || limits.max_compute_invocations_per_workgroup < wg
             || limits.max_compute_workgroup_size_x < wg
         {
             return None;
         }
-        let (e4, ev4) = (vec4s(p.head_dim), vec4s(p.head_dim_v));
+        let vec4_io = p.head_dim % 4 == 0 && p.head_dim_v % 4 == 0;
         let budget = WG_MEMORY
             .min(limits.max_compute_workgroup_storage_size)
             .saturating_sub(16);
         [64u32, 32, 16, 8, 4]
             .into_iter()
             .find(|bk| bk * (e4 + ev4) * 16 <= budget)
-            .map(|bk| Config { e4, ev4, bk, wg, rq })
+            .map(|bk| Config {
+                e4,
+                ev4,
+                bk,
+                wg,
+                rq,
+                kg: kg.min(bk),
+                vec4_io,
+                unroll,
+                has_mask: p.mask.is_some(),
+                has_bias: p.bias.is_some(),
+            })
     }
 
     /// Query rows per workgroup.
@@ -97,9 +130,11 @@ impl Config {
     }
 
     fn prelude(&self) -> String {
+        let io = if self.vec4_io { IO_VEC4 } else { IO_SCALAR };
         format!(
-            "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BK: u32 = {}u;\nconst WG: u32 = {}u;\nconst RQ: u32 = {}u;\n",
-            self.e4, self.ev4, self.bk, self.wg, self.rq
+            "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BK: u32 = {}u;\nconst WG: u32 = {}u;\nconst RQ: u32 = {}u;\nconst KG: u32 = {}u;\n\
+             const HAS_MASK: bool = {};\nconst HAS_BIAS: bool = {};\nconst UNROLL: bool = {};\n{io}",
+            self.e4, self.ev4, self.bk, self.wg, self.rq, self.kg, self.has_mask, self.has_bias, self.unroll
         )
     }
 }

@@ -10,6 +10,7 @@ pub(crate) mod matmul;
 pub(crate) mod softmax;
 #[cfg(test)]
 mod stage_tests;
+pub(crate) mod unroll;
 
 use wgpu::util::DeviceExt;
 
