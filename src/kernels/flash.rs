@@ -103,7 +103,7 @@ impl Config {
         {
             return None;
         }
-        let vec4_io = p.head_dim % 4 == 0 && p.head_dim_v % 4 == 0;
+        let vec4_io = p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4);
         let budget = WG_MEMORY
             .min(limits.max_compute_workgroup_storage_size)
             .saturating_sub(16);
