@@ -6,7 +6,14 @@
 // logsumexp. `merge.wgsl` then combines the splits by the logsumexp rule. A split with no
 // allowed key writes 0 and logsumexp -inf.
 //
-// The host prepends `const CHUNK: u32` (keys per split, at most 1024).
+// The host prepends the constants WG (invocations, a power
+// of two), E4 and EV4 (head dims in vec4s), RB (a divisor of EV4, at most 8) and NRB = EV4 / RB, HAS_MASK, HAS_BIAS and UNROLL (see flash.wgsl), and the input/output bindings
+// (flash_io_vec4.wgsl or flash_io_scalar.wgsl; `out` is part_out, whose rows are Ev wide too).
+//
+// Each invocation takes a strided subset of the split's keys and keeps its own online softmax
+// state (running max, sum and accumulator over its keys, the query row in registers, vec4 loads
+// of K and V). The invocations' states are then merged through workgroup memory: the split's max,
+// each state rescaled to it, sums and accumulators added (the accumulator in blocks of RB vec4s).
 //
 // Bindings: 0 q, 1 k, 2 v, 3 mask, 4 bias, 5 kv_lens (read);
 //           6 part_out [splits][B*Hq*L][Ev], 7 part_lse [splits][B*Hq*L] (read_write); 8 params.
@@ -33,29 +40,24 @@ struct Params {
     bias_h: u32,
     bias_l: u32,
     bias_s: u32,
-    _pad0: u32,
+    chunk: u32, // keys per split
     _pad1: u32,
     _pad2: u32,
 }
 
-const WG: u32 = 64u;
 const MASKED: f32 = -3.0e38;
 const START: f32 = -3.4e38;
 
-@group(0) @binding(0) var<storage, read> q: array<f32>;
-@group(0) @binding(1) var<storage, read> k: array<f32>;
-@group(0) @binding(2) var<storage, read> v: array<f32>;
 @group(0) @binding(3) var<storage, read> mask: array<u32>;
 @group(0) @binding(4) var<storage, read> bias: array<f32>;
 @group(0) @binding(5) var<storage, read> kv_lens: array<u32>;
-@group(0) @binding(6) var<storage, read_write> part_out: array<f32>;
 @group(0) @binding(7) var<storage, read_write> part_lse: array<f32>;
 @group(0) @binding(8) var<uniform> p: Params;
 
-var<workgroup> weights: array<f32, CHUNK>;
 var<workgroup> red: array<f32, WG>;
+var<workgroup> red4: array<vec4<f32>, WG * RB>;
 
-@compute @workgroup_size(64, 1, 1)
+@compute @workgroup_size(WG, 1, 1)
 fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
@@ -74,8 +76,8 @@ fn main(
     let kvh = b * (p.heads / p.group) + h / p.group;
 
     // Allowed keys of this row within the split: [j_begin, j_end).
-    let j_begin = split * CHUNK;
-    var j_end = min(p.s, j_begin + CHUNK);
+    let j_begin = split * p.chunk;
+    var j_end = min(p.s, j_begin + p.chunk);
     if (p.has_lens != 0u) {
         j_end = min(j_end, kv_lens[b]);
     }
@@ -83,34 +85,46 @@ fn main(
         j_end = min(j_end, u32(clamp(i32(i) + p.causal_off + 1, 0, i32(p.s))));
     }
 
-    let qbase = row * p.e;
-    var m = START;
-    for (var jj = tid; jj < CHUNK; jj += WG) {
-        let j = j_begin + jj;
-        var x = START;
-        if (j < j_end) {
-            let kbase = (kvh * p.s + j) * p.e;
-            var d = 0.0;
-            for (var c = 0u; c < p.e; c++) {
-                d += q[qbase + c] * k[kbase + c];
-            }
-            x = d * p.scale;
-            if (p.has_mask != 0u) {
-                let w = mask[b * p.mask_b + h * p.mask_h + i * p.mask_l + j / 32u];
-                if ((w & (1u << (j % 32u))) == 0u) {
-                    x = START;
-                }
-            }
-            if (p.has_bias != 0u && x != START) {
-                x += bias[b * p.bias_b + h * p.bias_h + i * p.bias_l + j * p.bias_s];
-            }
-            if (x < MASKED) {
-                x = START;
-            }
-        }
-        weights[jj] = x;
-        m = max(m, x);
+    var qr: array<vec4<f32>, E4>;
+    for (var d4 = 0u; d4 < E4; d4++) { // unroll
+        qr[d4] = load_q(row, d4) * p.scale;
     }
+    var acc: array<vec4<f32>, EV4>;
+    for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+        acc[d4] = vec4<f32>(0.0);
+    }
+    var m = START;
+    var sum = 0.0;
+    for (var jj = tid; jj < p.chunk; jj += WG) {
+        let j = j_begin + jj;
+        // Rows past the allowed keys are read in bounds (clamped) and masked.
+        let kvrow = kvh * p.s + min(j, p.s - 1u);
+        var d = vec4<f32>(0.0);
+        for (var d4 = 0u; d4 < E4; d4++) { // unroll
+            d += qr[d4] * load_k(kvrow, d4);
+        }
+        var x = d.x + d.y + d.z + d.w;
+        var keep = j < j_end;
+        if (HAS_MASK) {
+            let w = mask[b * p.mask_b + h * p.mask_h + i * p.mask_l + min(j, p.s - 1u) / 32u];
+            keep = keep && (w & (1u << (j % 32u))) != 0u;
+        }
+        if (HAS_BIAS) {
+            x += bias[b * p.bias_b + h * p.bias_h + i * p.bias_l + min(j, p.s - 1u) * p.bias_s];
+        }
+        // Masked-out keys ignore the bias; a -inf bias masks.
+        x = select(START, x, keep && !(x < MASKED));
+        let m_new = max(m, x);
+        let alpha = exp(m - m_new);
+        let pj = select(exp(x - m_new), 0.0, x < MASKED);
+        sum = sum * alpha + pj;
+        for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+            acc[d4] = acc[d4] * alpha + pj * load_v(kvrow, d4);
+        }
+        m = m_new;
+    }
+
+    // The split's max, then every state rescaled to it and summed.
     red[tid] = m;
     workgroupBarrier();
     for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
@@ -121,18 +135,8 @@ fn main(
     }
     let row_max = red[0];
     workgroupBarrier();
-
-    var s = 0.0;
-    for (var jj = tid; jj < CHUNK; jj += WG) {
-        let x = weights[jj];
-        var w = 0.0;
-        if (!(x < MASKED)) {
-            w = exp(x - row_max);
-        }
-        weights[jj] = w;
-        s += w;
-    }
-    red[tid] = s;
+    let f = exp(m - row_max);
+    red[tid] = sum * f;
     workgroupBarrier();
     for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
         if (tid < stride) {
@@ -141,29 +145,30 @@ fn main(
         workgroupBarrier();
     }
     let row_sum = red[0];
+    // A split with no allowed key has every weight 0: it writes 0 and logsumexp -inf.
+    let inv = select(1.0 / row_sum, 0.0, row_sum == 0.0);
 
     let rows = p.total / p.splits;
-    let obase = (split * rows + row) * p.ev;
-    if (row_sum == 0.0) {
-        for (var d = tid; d < p.ev; d += WG) {
-            part_out[obase + d] = 0.0;
+    let orow = split * rows + row;
+    for (var rb = 0u; rb < NRB; rb++) { // unroll
+        for (var c = 0u; c < RB; c++) { // unroll
+            red4[tid * RB + c] = acc[rb * RB + c] * f;
         }
-        if (tid == 0u) {
-            var bits = 0xff800000u;
-            part_lse[split * rows + row] = bitcast<f32>(bits);
+        workgroupBarrier();
+        for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
+            if (tid < stride) {
+                for (var c = 0u; c < RB; c++) { // unroll
+                    red4[tid * RB + c] += red4[(tid + stride) * RB + c];
+                }
+            }
+            workgroupBarrier();
         }
-        return;
-    }
-    let inv = 1.0 / row_sum;
-    let n = select(0u, j_end - j_begin, j_end > j_begin);
-    for (var d = tid; d < p.ev; d += WG) {
-        var o = 0.0;
-        for (var jj = 0u; jj < n; jj++) {
-            o += weights[jj] * v[(kvh * p.s + j_begin + jj) * p.ev + d];
+        if (tid < RB) {
+            store_out(orow, rb * RB + tid, red4[tid] * inv);
         }
-        part_out[obase + d] = o * inv;
+        workgroupBarrier();
     }
     if (tid == 0u) {
-        part_lse[split * rows + row] = row_max + log(row_sum);
+        part_lse[orow] = select(row_max + log(row_sum), bitcast<f32>(0xff800000u), row_sum == 0.0);
     }
 }

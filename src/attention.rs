@@ -885,7 +885,7 @@ fn record_decode(ctx: &Context, encoder: &mut wgpu::CommandEncoder, p: &Problem,
     decode::record_decode(
         ctx,
         encoder,
-        chunk,
+        p,
         [
             q,
             k,
@@ -907,7 +907,8 @@ fn record_decode(ctx: &Context, encoder: &mut wgpu::CommandEncoder, p: &Problem,
             total: total as u32,
             scale: p.scale,
             masks: io.mask_params(p),
-            _pad: [0; 3],
+            chunk: chunk as u32,
+            _pad: [0; 2],
         },
     )?;
     decode::record_merge(

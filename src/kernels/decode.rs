@@ -47,7 +47,9 @@ pub(crate) struct Params {
     pub total: u32,
     pub scale: f32,
     pub masks: MaskParams,
-    pub _pad: [u32; 3],
+    /// Keys per split.
+    pub chunk: u32,
+    pub _pad: [u32; 2],
 }
 
 /// Mirrors `Params` in `merge.wgsl`.
@@ -68,16 +70,43 @@ pub(crate) fn split(p: &Problem) -> (usize, usize) {
     (chunk, p.seq_kv.div_ceil(chunk))
 }
 
+/// Head dims (E and Ev) up to which the decode kernel holds the query row in registers and
+/// unrolls over it; beyond, plain loops.
+const UNROLL_MAX_DIM: usize = 256;
+
+/// The decode kernel's constants and I/O bindings (shared with the fused kernel). `cpu`: one
+/// SIMD batch of 8 invocations per workgroup (lavapipe), else 64.
+fn prelude(p: &Problem, cpu: bool) -> String {
+    let unroll = p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM;
+    let vec4_io = p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4);
+    let (e4, ev4) = (p.head_dim.div_ceil(4), p.head_dim_v.div_ceil(4));
+    let rb = [8, 4, 2, 1].into_iter().find(|r| ev4 % r == 0).unwrap_or(1);
+    let wg = if cpu { 8 } else { 64 };
+    format!(
+        "const WG: u32 = {wg}u;\nconst E4: u32 = {e4}u;\n\
+         const EV4: u32 = {ev4}u;\nconst RB: u32 = {rb}u;\nconst NRB: u32 = {}u;\n\
+         const HAS_MASK: bool = {};\nconst HAS_BIAS: bool = {};\nconst UNROLL: bool = {unroll};\n{}",
+        ev4 / rb,
+        p.mask.is_some(),
+        p.bias.is_some(),
+        if vec4_io {
+            super::flash::IO_VEC4
+        } else {
+            super::flash::IO_SCALAR
+        },
+    )
+}
+
 /// Record the split pass. `buffers`: q, k, v, mask, bias, kv_lens, part_out, part_lse.
 pub(crate) fn record_decode(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
-    chunk: usize,
+    p: &Problem,
     buffers: [wgpu::BufferBinding<'_>; 8],
     params: &Params,
 ) -> Result<()> {
     let grid = grid_1d(params.total, ctx.limits().max_compute_workgroups_per_dimension);
-    let prelude = format!("const CHUNK: u32 = {chunk}u;\n");
+    let prelude = prelude(p, ctx.is_cpu());
     dispatch(
         ctx,
         encoder,

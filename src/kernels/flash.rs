@@ -15,8 +15,8 @@ pub(crate) const SPEC: KernelSpec = KernelSpec {
 };
 
 /// The bindings and loads of q, k, v and out, by element type.
-const IO_VEC4: &str = include_str!("../../shaders/flash_io_vec4.wgsl");
-const IO_SCALAR: &str = include_str!("../../shaders/flash_io_scalar.wgsl");
+pub(crate) const IO_VEC4: &str = include_str!("../../shaders/flash_io_vec4.wgsl");
+pub(crate) const IO_SCALAR: &str = include_str!("../../shaders/flash_io_scalar.wgsl");
 
 /// Workgroup memory the kernel may use: WebGPU's default 16 KiB, or less if the device has less.
 const WG_MEMORY: u32 = 16 * 1024;
@@ -82,7 +82,7 @@ impl Config {
         let (mut wg, mut rq, mut kg) = match (cpu, unroll) {
             (false, _) => (64, 1, 4),
             (true, true) => (8, cpu_rows, 2),
-            (true, false) => (8, 8, 64),
+            (true, false) => (8, 2, 4),
         };
         let mut unroll = unroll;
         // Tuning override for experiments:
