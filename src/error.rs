@@ -53,6 +53,34 @@ pub enum Error {
         /// The shape it has.
         actual: Vec<usize>,
     },
+    /// A multi-head attention configuration breaks a divisibility rule.
+    #[error("invalid multi-head attention config: {reason}")]
+    InvalidConfig {
+        /// What is wrong.
+        reason: String,
+    },
+    /// A weight file lacks a tensor the layer needs.
+    #[error("weights: missing tensor {key:?}")]
+    MissingWeight {
+        /// The (prefixed) state-dict key.
+        key: String,
+    },
+    /// A weight has the wrong shape.
+    #[error("weights: {key:?} has shape {actual:?}, expected {expected:?}")]
+    WeightShape {
+        /// The state-dict key or field name.
+        key: String,
+        /// The shape it must have.
+        expected: Vec<usize>,
+        /// The shape it has.
+        actual: Vec<usize>,
+    },
+    /// A weight file cannot be read or parsed, or holds an unsupported tensor.
+    #[error("weights: {reason}")]
+    WeightFile {
+        /// What went wrong.
+        reason: String,
+    },
     /// A dimension is zero.
     #[error("{tensor}: zero-sized dimension in shape {shape:?}")]
     ZeroSized {
@@ -151,6 +179,9 @@ pub enum Error {
     /// The device ran out of memory.
     #[error("GPU out of memory: {0}")]
     OutOfMemory(String),
+    /// Writing a file (or encoding a picture) failed.
+    #[error("I/O: {0}")]
+    Io(String),
     /// An internal device error.
     #[error("internal GPU error: {0}")]
     Internal(String),

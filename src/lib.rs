@@ -5,8 +5,11 @@ mod attention;
 pub mod check;
 mod context;
 mod error;
+#[cfg(feature = "heatmap")]
+pub mod heatmap;
 mod kernels;
 mod matmul;
+mod mha;
 pub mod problem;
 pub mod reference;
 mod tensor;
@@ -19,6 +22,7 @@ pub use error::{Error, Result};
 pub use matmul::matmul;
 #[cfg(not(target_arch = "wasm32"))]
 pub use matmul::matmul_blocking;
+pub use mha::{MhaConfig, MhaForward, MhaOutput, MhaTimings, MhaWeights, MultiHeadAttention, NeedWeights};
 pub use problem::{Causal, Problem};
 pub use tensor::{Mask, Tensor};
 /// Re-exported so callers use the same wgpu version.

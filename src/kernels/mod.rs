@@ -7,6 +7,7 @@
 pub(crate) mod decode;
 pub(crate) mod flash;
 pub(crate) mod matmul;
+pub(crate) mod permute;
 pub(crate) mod softmax;
 #[cfg(test)]
 mod stage_tests;

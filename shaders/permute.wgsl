@@ -1,0 +1,45 @@
+// Strided 4-D copy: dst (contiguous, dims [n0, n1, n2, n3]) from src with any element strides,
+//
+//   dst[i0][i1][i2][i3] = src[i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3]
+//
+// Splits projections [B, L, H, d] into heads [B, H, L, d] and merges them back; a stride of 0
+// broadcasts (a learned constant query shared by the batch). One invocation per element; the
+// 1-D grid folds over x and y.
+//
+// Bindings: 0 src (read), 1 dst (read_write), 2 params (uniform).
+
+struct Params {
+    n1: u32,
+    n2: u32,
+    n3: u32,
+    total: u32,
+    s0: u32,
+    s1: u32,
+    s2: u32,
+    s3: u32,
+}
+
+const WG: u32 = 256u;
+
+@group(0) @binding(0) var<storage, read> src: array<f32>;
+@group(0) @binding(1) var<storage, read_write> dst: array<f32>;
+@group(0) @binding(2) var<uniform> p: Params;
+
+@compute @workgroup_size(WG, 1, 1)
+fn main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) tid: u32,
+) {
+    let idx = (wg.x + wg.y * nwg.x) * WG + tid;
+    if (idx >= p.total) {
+        return;
+    }
+    let i3 = idx % p.n3;
+    let r = idx / p.n3;
+    let i2 = r % p.n2;
+    let r2 = r / p.n2;
+    let i1 = r2 % p.n1;
+    let i0 = r2 / p.n1;
+    dst[idx] = src[i0 * p.s0 + i1 * p.s1 + i2 * p.s2 + i3 * p.s3];
+}

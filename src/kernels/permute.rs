@@ -1,0 +1,67 @@
+//! `shaders/permute.wgsl`: a strided 4-D copy into a contiguous buffer. Multi-head attention
+//! uses it to split projections `[B, L, H, d]` into heads `[B, H, L, d]`, to merge the attention
+//! output back, and to broadcast a batch-1 constant over the batch (stride 0).
+
+use super::{dispatch, grid_1d, Binding, KernelSpec};
+use crate::context::Context;
+use crate::error::Result;
+
+pub(crate) const SPEC: KernelSpec = KernelSpec {
+    name: "permute",
+    source: include_str!("../../shaders/permute.wgsl"),
+    bindings: &[Binding::Read, Binding::ReadWrite, Binding::Uniform],
+};
+
+/// Invocations per workgroup (`WG` in the shader).
+const WG: u32 = 256;
+
+/// Mirrors `Params` in `permute.wgsl`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+struct Params {
+    n1: u32,
+    n2: u32,
+    n3: u32,
+    total: u32,
+    s0: u32,
+    s1: u32,
+    s2: u32,
+    s3: u32,
+}
+
+/// Record `dst[i0][i1][i2][i3] = src[Σ ik · strides[k]]` for the contiguous `dims` of `dst`.
+/// The caller checks that every index fits in u32 and in the buffers.
+pub(crate) fn record(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    src: wgpu::BufferBinding<'_>,
+    dst: wgpu::BufferBinding<'_>,
+    dims: [usize; 4],
+    strides: [usize; 4],
+) -> Result<()> {
+    let total = dims.iter().product::<usize>() as u32;
+    let params = Params {
+        n1: dims[1] as u32,
+        n2: dims[2] as u32,
+        n3: dims[3] as u32,
+        total,
+        s0: strides[0] as u32,
+        s1: strides[1] as u32,
+        s2: strides[2] as u32,
+        s3: strides[3] as u32,
+    };
+    let grid = grid_1d(
+        total.div_ceil(WG),
+        ctx.limits().max_compute_workgroups_per_dimension,
+    );
+    dispatch(
+        ctx,
+        encoder,
+        &SPEC,
+        "",
+        &[],
+        &[src, dst],
+        bytemuck::bytes_of(&params),
+        grid,
+    )
+}

@@ -1,0 +1,442 @@
+//! Multi-head attention: PyTorch `nn.MultiheadAttention` goldens (reference to 1e-10, GPU to
+//! the crate tolerance), the GPU layer against the f64 reference on a grid (self/cross,
+//! kdim/vdim != d_model, GQA/MQA, every mask, key lengths, weights per head and averaged,
+//! lengths that are not multiples of the tiles), constant query/value heads, and typed errors.
+
+mod common;
+
+use std::path::Path as FsPath;
+
+use common::{assert_report, ctx, rand_array, rng, TOL};
+use ndarray::{Array2, Array3, Array4, ArrayD, IxDyn};
+use ndarray_npy::read_npy;
+use wgpu_attention::check::{compare, Tolerance};
+use wgpu_attention::reference::{self, MhaInputs, Spec};
+use wgpu_attention::{Causal, Error, MhaConfig, MhaWeights, MultiHeadAttention, NeedWeights, Path, Tensor};
+
+const GOLDEN_TOL: Tolerance = Tolerance {
+    atol: 1e-10,
+    rtol: 1e-9,
+};
+
+#[test]
+fn pytorch_goldens_reference_and_gpu() {
+    let root = FsPath::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mha");
+    let mut names: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 5, "fixture cases");
+    for dir in names {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+        let heads = meta["num_heads"].as_u64().unwrap() as usize;
+        let w = MhaWeights::from_safetensors_file(dir.join("weights.safetensors"), heads).unwrap();
+        assert_eq!(w.config.d_model, meta["embed_dim"].as_u64().unwrap() as usize);
+        assert_eq!(w.config.kdim, meta["kdim"].as_u64().unwrap() as usize);
+        assert_eq!(w.config.vdim, meta["vdim"].as_u64().unwrap() as usize);
+        assert_eq!(w.b_q.is_some(), meta["bias"].as_bool().unwrap());
+        let q: Array3<f32> = read_npy(dir.join("query.npy")).unwrap();
+        let k: Array3<f32> = read_npy(dir.join("key.npy")).unwrap();
+        let v: Array3<f32> = read_npy(dir.join("value.npy")).unwrap();
+        let out: Array3<f64> = read_npy(dir.join("out.npy")).unwrap();
+        let avg: Array3<f64> = read_npy(dir.join("attn_weights_avg.npy")).unwrap();
+        let per_head: Array4<f64> = read_npy(dir.join("attn_weights_per_head.npy")).unwrap();
+        // PyTorch's boolean masks mean true = masked out; ours true = may attend.
+        let mut mask: Option<ArrayD<bool>> = None;
+        if dir.join("key_padding_mask.npy").exists() {
+            let kpm: Array2<bool> = read_npy(dir.join("key_padding_mask.npy")).unwrap();
+            let (b, s) = kpm.dim();
+            mask = Some(
+                kpm.mapv(|x| !x)
+                    .into_shape_with_order(IxDyn(&[b, 1, 1, s]))
+                    .unwrap(),
+            );
+        }
+        if dir.join("attn_mask.npy").exists() {
+            let am: Array2<bool> = read_npy(dir.join("attn_mask.npy")).unwrap();
+            mask = Some(am.mapv(|x| !x).into_dyn());
+        }
+        let spec = Spec {
+            mask: mask.as_ref().map(|m| m.view()),
+            ..Default::default()
+        };
+        let r = reference::mha(&w, &MhaInputs::cross(q.view(), k.view(), v.view()), &spec).unwrap();
+        assert_report(
+            compare(r.out.iter().copied(), out.iter().copied(), GOLDEN_TOL),
+            &format!("{name} reference out"),
+        );
+        assert_report(
+            compare(
+                reference::mean_over_heads(&r.weights).iter().copied(),
+                avg.iter().copied(),
+                GOLDEN_TOL,
+            ),
+            &format!("{name} reference avg weights"),
+        );
+
+        let Some(ctx) = ctx() else { continue };
+        let layer = MultiHeadAttention::new(ctx, &w).unwrap();
+        for path in [Path::Auto, Path::Unfused, Path::Fused] {
+            let mut f = layer.forward(&q).key_value(&k, &v).path(path);
+            if let Some(m) = &mask {
+                f = f.mask(m);
+            }
+            let o = f.run_blocking(ctx).unwrap();
+            assert_report(
+                compare(o.output.iter().copied(), out.iter().copied(), TOL),
+                &format!("{name} gpu {path:?}"),
+            );
+        }
+        let mut f = layer
+            .forward(&q)
+            .key_value(&k, &v)
+            .need_weights(NeedWeights::Averaged);
+        if let Some(m) = &mask {
+            f = f.mask(m);
+        }
+        let o = f.run_blocking(ctx).unwrap();
+        assert_report(
+            compare(o.avg_weights.unwrap().iter().copied(), avg.iter().copied(), TOL),
+            &format!("{name} gpu avg weights"),
+        );
+        let mut f = layer
+            .forward(&q)
+            .key_value(&k, &v)
+            .need_weights(NeedWeights::PerHead);
+        if let Some(m) = &mask {
+            f = f.mask(m);
+        }
+        let o = f.run_blocking(ctx).unwrap();
+        assert_report(
+            compare(o.weights.unwrap().iter().copied(), per_head.iter().copied(), TOL),
+            &format!("{name} gpu per-head weights"),
+        );
+        assert_report(
+            compare(o.output.iter().copied(), out.iter().copied(), TOL),
+            &format!("{name} gpu out (weights)"),
+        );
+    }
+}
+
+/// One grid case: the layer's config, batch, query and key lengths, and the options.
+struct Grid {
+    config: MhaConfig,
+    b: usize,
+    l: usize,
+    s: usize,
+    cross: bool,
+    causal: Causal,
+    mask: bool,
+    bias: bool,
+    lens: bool,
+    weights: NeedWeights,
+}
+
+fn run_grid_case(ctx: &wgpu_attention::Context, g: &Grid, seed: u64) {
+    let c = g.config;
+    let w = MhaWeights::xavier_uniform(c, seed).unwrap();
+    // Non-zero biases so that they are exercised.
+    let mut w = w;
+    let mut r = rng(seed + 1);
+    if c.bias {
+        w.b_q = Some(rand_array(&mut r, c.d_model));
+        w.b_k = Some(rand_array(&mut r, c.num_kv_heads * c.head_dim()));
+        w.b_v = Some(rand_array(&mut r, c.num_kv_heads * c.head_dim()));
+        w.b_o = Some(rand_array(&mut r, c.d_model));
+    }
+    let x: Array3<f32> = rand_array(&mut r, (g.b, g.l, c.d_model));
+    let k: Array3<f32> = rand_array(&mut r, (g.b, g.s, c.kdim));
+    let v: Array3<f32> = rand_array(&mut r, (g.b, g.s, c.vdim));
+    let mask: Option<ArrayD<bool>> = g.mask.then(|| {
+        let mut m = ArrayD::from_shape_fn(IxDyn(&[g.b, 1, g.l, g.s]), |i| {
+            (i[2] * 7 + i[3] * 3 + i[0]) % 5 != 0
+        });
+        // A fully masked query row.
+        m.slice_mut(ndarray::s![0, 0, g.l / 2, ..]).fill(false);
+        m
+    });
+    let bias: Option<ArrayD<f32>> = g
+        .bias
+        .then(|| rand_array(&mut r, IxDyn(&[1, c.num_heads, g.l, g.s])));
+    let lens: Option<Vec<usize>> = g.lens.then(|| {
+        (0..g.b)
+            .map(|i| {
+                if i == 0 {
+                    g.s / 2 + 1
+                } else if i == 1 {
+                    0
+                } else {
+                    g.s
+                }
+            })
+            .collect()
+    });
+    let inputs = if g.cross {
+        MhaInputs::cross(x.view(), k.view(), v.view())
+    } else {
+        MhaInputs::self_attention(x.view())
+    };
+    let spec = Spec {
+        causal: g.causal,
+        mask: mask.as_ref().map(|m| m.view()),
+        bias: bias.as_ref().map(|b| b.view()),
+        kv_lens: lens.as_deref(),
+        ..Default::default()
+    };
+    let r = reference::mha(&w, &inputs, &spec).unwrap();
+    let layer = MultiHeadAttention::new(ctx, &w).unwrap();
+    let mut f = layer.forward(&x).causal(g.causal).need_weights(g.weights);
+    if g.cross {
+        f = f.key_value(&k, &v);
+    }
+    if let Some(m) = &mask {
+        f = f.mask(m);
+    }
+    if let Some(b) = &bias {
+        f = f.bias(b);
+    }
+    if let Some(l) = &lens {
+        f = f.kv_lens(l);
+    }
+    let label = format!(
+        "config {c:?} b{} l{} s{} cross {} {:?} mask {} bias {} lens {} {:?}",
+        g.b, g.l, g.s, g.cross, g.causal, g.mask, g.bias, g.lens, g.weights
+    );
+    let o = f.run_blocking(ctx).unwrap();
+    assert_report(
+        compare(o.output.iter().copied(), r.out.iter().copied(), TOL),
+        &label,
+    );
+    match g.weights {
+        NeedWeights::PerHead => assert_report(
+            compare(o.weights.unwrap().iter().copied(), r.weights.iter().copied(), TOL),
+            &format!("{label} weights"),
+        ),
+        NeedWeights::Averaged => assert_report(
+            compare(
+                o.avg_weights.unwrap().iter().copied(),
+                reference::mean_over_heads(&r.weights).iter().copied(),
+                TOL,
+            ),
+            &format!("{label} avg weights"),
+        ),
+        NeedWeights::No => assert!(o.weights.is_none() && o.avg_weights.is_none()),
+    }
+}
+
+#[test]
+fn grid_matches_reference() {
+    let Some(ctx) = ctx() else { return };
+    let configs = [
+        MhaConfig::new(32, 4),
+        MhaConfig::new(48, 6).kv_heads(2),     // GQA, d_k = 8
+        MhaConfig::new(40, 4).kv_heads(1),     // MQA, d_k = 10 (not a multiple of 4)
+        MhaConfig::new(36, 3).kv_dims(20, 28), // cross widths != d_model, d_k = 12
+        MhaConfig::new(24, 2).bias(false),     // no biases
+    ];
+    let mut seed = 100;
+    for (ci, config) in configs.into_iter().enumerate() {
+        let cross = config.kdim != config.d_model || ci % 2 == 1;
+        for (b, l, s) in [(3, 67, 45), (2, 5, 131)] {
+            let (l, s) = if cross { (l, s) } else { (l, l) };
+            for (causal, mask, bias, lens, weights) in [
+                (Causal::None, false, false, false, NeedWeights::No),
+                (Causal::TopLeft, false, false, true, NeedWeights::Averaged),
+                (Causal::BottomRight, true, false, false, NeedWeights::No),
+                (Causal::None, true, true, true, NeedWeights::PerHead),
+            ] {
+                seed += 1;
+                run_grid_case(
+                    ctx,
+                    &Grid {
+                        config,
+                        b,
+                        l,
+                        s,
+                        cross,
+                        causal,
+                        mask,
+                        bias,
+                        lens,
+                        weights,
+                    },
+                    seed,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn constant_query_and_value_heads_broadcast_over_batch() {
+    let Some(ctx) = ctx() else { return };
+    let c = MhaConfig::new(32, 4).kv_heads(2);
+    let w = MhaWeights::xavier_uniform(c, 7).unwrap();
+    let mut r = rng(8);
+    let (b, l, s, d) = (3, 5, 19, c.head_dim());
+    let x: Array3<f32> = rand_array(&mut r, (b, s, 32));
+    let qh: Array4<f32> = rand_array(&mut r, (1, 4, l, d));
+    let vh: Array4<f32> = rand_array(&mut r, (1, 2, s, d));
+    let inputs = MhaInputs {
+        query_heads: Some(qh.view()),
+        value_heads: Some(vh.view()),
+        ..MhaInputs::self_attention(x.view())
+    };
+    let reference = reference::mha(&w, &inputs, &Spec::default()).unwrap();
+    let layer = MultiHeadAttention::new(ctx, &w).unwrap();
+    let o = layer
+        .forward(&x)
+        .query_heads(&qh)
+        .value_heads(&vh)
+        .run_blocking(ctx)
+        .unwrap();
+    assert_eq!(o.output.shape(), &[b, l, 32]);
+    assert_report(
+        compare(o.output.iter().copied(), reference.out.iter().copied(), TOL),
+        "constant q/v",
+    );
+    // Per-batch query heads too.
+    let qh3: Array4<f32> = rand_array(&mut r, (b, 4, l, d));
+    let inputs = MhaInputs {
+        query_heads: Some(qh3.view()),
+        ..MhaInputs::self_attention(x.view())
+    };
+    let reference = reference::mha(&w, &inputs, &Spec::default()).unwrap();
+    let o = layer.forward(&x).query_heads(&qh3).run_blocking(ctx).unwrap();
+    assert_report(
+        compare(o.output.iter().copied(), reference.out.iter().copied(), TOL),
+        "per-batch q",
+    );
+}
+
+#[test]
+fn gpu_buffer_inputs_and_profiled_run() {
+    let Some(ctx) = ctx() else { return };
+    let c = MhaConfig::new(64, 4);
+    let w = MhaWeights::xavier_uniform(c, 9).unwrap();
+    let x: Array3<f32> = rand_array(&mut rng(10), (2, 70, 64));
+    let buf = wgpu_attention::wgpu::util::DeviceExt::create_buffer_init(
+        ctx.device(),
+        &wgpu_attention::wgpu::util::BufferInitDescriptor {
+            label: None,
+            contents: bytemuck::cast_slice(x.as_slice().unwrap()),
+            usage: wgpu_attention::wgpu::BufferUsages::STORAGE,
+        },
+    );
+    let layer = MultiHeadAttention::new(ctx, &w).unwrap();
+    let r = reference::mha(&w, &MhaInputs::self_attention(x.view()), &Spec::default()).unwrap();
+    let o = layer
+        .forward(Tensor::from_buffer(&buf, 0, &[2, 70, 64]))
+        .profile()
+        .run_blocking(ctx)
+        .unwrap();
+    assert_report(
+        compare(o.output.iter().copied(), r.out.iter().copied(), TOL),
+        "gpu buffer input",
+    );
+    let t = o.timings.expect("profiled");
+    assert!(t.projections.as_nanos() > 0 && t.attention.as_nanos() > 0 && t.output.as_nanos() > 0);
+}
+
+#[test]
+fn bad_configs_and_inputs_are_typed_errors() {
+    // Config rules (no GPU needed).
+    assert!(matches!(
+        MhaConfig::new(30, 4).validate(),
+        Err(Error::InvalidConfig { .. })
+    ));
+    assert!(matches!(
+        MhaConfig::new(32, 4).kv_heads(3).validate(),
+        Err(Error::InvalidConfig { .. })
+    ));
+    assert!(matches!(
+        MhaConfig::new(0, 1).validate(),
+        Err(Error::InvalidConfig { .. })
+    ));
+    assert!(matches!(
+        MhaWeights::xavier_uniform(MhaConfig::new(32, 5), 0),
+        Err(Error::InvalidConfig { .. })
+    ));
+    let mut w = MhaWeights::xavier_uniform(MhaConfig::new(32, 4), 0).unwrap();
+    w.w_k = Array2::zeros((31, 32));
+    assert!(matches!(w.validate(), Err(Error::WeightShape { ref key, .. }) if key == "w_k"));
+    // Weight files.
+    assert!(matches!(
+        MhaWeights::from_safetensors(b"not a safetensors file", 4),
+        Err(Error::WeightFile { .. })
+    ));
+    let dir = FsPath::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mha/self_attn");
+    let bytes = std::fs::read(dir.join("weights.safetensors")).unwrap();
+    assert!(matches!(
+        MhaWeights::from_safetensors_prefixed(&bytes, "layer.", 4),
+        Err(Error::MissingWeight { ref key }) if key == "layer.q_proj_weight"
+    ));
+    assert!(matches!(
+        MhaWeights::from_safetensors(&bytes, 5),
+        Err(Error::InvalidConfig { .. })
+    ));
+    let e = MhaWeights::from_safetensors_file(dir.join("no-such-file"), 4).unwrap_err();
+    assert!(matches!(e, Error::WeightFile { .. }), "{e}");
+
+    let Some(ctx) = ctx() else { return };
+    let w = MhaWeights::xavier_uniform(MhaConfig::new(32, 4).kv_dims(10, 12), 1).unwrap();
+    let layer = MultiHeadAttention::new(ctx, &w).unwrap();
+    let x = Array3::<f32>::zeros((2, 5, 32));
+    let k = Array3::<f32>::zeros((2, 7, 10));
+    let v = Array3::<f32>::zeros((2, 7, 12));
+    // Self-attention needs kdim = vdim = d_model.
+    assert!(matches!(
+        layer.forward(&x).run_blocking(ctx),
+        Err(Error::ShapeMismatch { tensor: "query", .. })
+    ));
+    let bad_q = Array3::<f32>::zeros((2, 5, 31));
+    assert!(matches!(
+        layer.forward(&bad_q).key_value(&k, &v).run_blocking(ctx),
+        Err(Error::ShapeMismatch { tensor: "query", .. })
+    ));
+    let bad_v = Array3::<f32>::zeros((2, 6, 12));
+    assert!(matches!(
+        layer.forward(&x).key_value(&k, &bad_v).run_blocking(ctx),
+        Err(Error::ShapeMismatch { tensor: "value", .. })
+    ));
+    let bad_b = Array3::<f32>::zeros((3, 7, 10));
+    assert!(matches!(
+        layer.forward(&x).key_value(&bad_b, &v).run_blocking(ctx),
+        Err(Error::ShapeMismatch { tensor: "key", .. })
+    ));
+    let empty = Array3::<f32>::zeros((2, 0, 32));
+    assert!(matches!(
+        layer.forward(&empty).key_value(&k, &v).run_blocking(ctx),
+        Err(Error::ZeroSized { .. })
+    ));
+    assert!(matches!(
+        layer
+            .forward(&x)
+            .key_value(&k, &v)
+            .kv_lens(&[1])
+            .run_blocking(ctx),
+        Err(Error::KvLensCount { .. })
+    ));
+    assert!(matches!(
+        layer
+            .forward(&x)
+            .key_value(&k, &v)
+            .need_weights(NeedWeights::PerHead)
+            .path(Path::Fused)
+            .run_blocking(ctx),
+        Err(Error::Unsupported { .. })
+    ));
+    let bad_mask = ndarray::Array2::<bool>::from_elem((5, 8), true);
+    assert!(matches!(
+        layer
+            .forward(&x)
+            .key_value(&k, &v)
+            .mask(&bad_mask)
+            .run_blocking(ctx),
+        Err(Error::NotBroadcastable { .. })
+    ));
+}
