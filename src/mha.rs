@@ -186,7 +186,9 @@ impl MhaWeights {
     /// `q_proj_weight`, `k_proj_weight [E, kdim]`, `v_proj_weight [E, vdim]`), optional
     /// `in_proj_bias [3E]`, `out_proj.weight [E, E]`, optional `out_proj.bias [E]`. f32, f64,
     /// f16 and bf16 tensors are read (as f32). Missing or mis-shaped tensors are errors naming
-    /// the key. `add_bias_kv` (`bias_k`, `bias_v`) is not supported.
+    /// the key. `add_bias_kv` (`bias_k`, `bias_v`) is not supported. Grouped-query weights use
+    /// the separate keys with `k_proj_weight` and `v_proj_weight` of `G · d_k` rows (and
+    /// `in_proj_bias` of `E + 2 G d_k`); `G` is inferred.
     pub fn from_safetensors(bytes: &[u8], num_heads: usize) -> Result<Self> {
         Self::from_safetensors_prefixed(bytes, "", num_heads)
     }
@@ -267,8 +269,10 @@ impl MhaWeights {
             }
             let w_k = matrix("k_proj_weight", need("k_proj_weight")?, None)?;
             let w_v = matrix("v_proj_weight", need("v_proj_weight")?, None)?;
+            // PyTorch's rows are E; fewer rows (G · d_k) mean grouped-query heads.
+            let kv = w_k.nrows();
             for (name, w) in [("k_proj_weight", &w_k), ("v_proj_weight", &w_v)] {
-                if w.nrows() != e {
+                if w.nrows() != kv || w.nrows() > e || w.nrows() == 0 {
                     return Err(Error::WeightShape {
                         key: format!("{prefix}{name}"),
                         expected: vec![e, w.ncols()],
@@ -279,21 +283,35 @@ impl MhaWeights {
             (w_q, w_k, w_v, e)
         };
         let w_o = matrix("out_proj.weight", need("out_proj.weight")?, Some([e, e]))?;
+        let kv = w_k.nrows();
         let (b_q, b_k, b_v) = match get("in_proj_bias")? {
             Some(b) => {
-                let b = vector("in_proj_bias", b, 3 * e)?;
-                let part = |i: usize| Some(b.slice(ndarray::s![i * e..(i + 1) * e]).to_owned());
-                (part(0), part(1), part(2))
+                let b = vector("in_proj_bias", b, e + 2 * kv)?;
+                let part = |from: usize, n: usize| Some(b.slice(ndarray::s![from..from + n]).to_owned());
+                (part(0, e), part(e, kv), part(e + kv, kv))
             }
             None => (None, None, None),
         };
+        if num_heads == 0 || !e.is_multiple_of(num_heads) {
+            return Err(Error::InvalidConfig {
+                reason: format!("num_heads = {num_heads} does not divide d_model = {e}"),
+            });
+        }
+        let head_dim = e / num_heads;
+        if !kv.is_multiple_of(head_dim) {
+            return Err(Error::InvalidConfig {
+                reason: format!(
+                    "{num_heads} heads of d_model = {e}: key/value projections of {kv} rows are not whole heads"
+                ),
+            });
+        }
         let b_o = get("out_proj.bias")?
             .map(|b| vector("out_proj.bias", b, e))
             .transpose()?;
         let config = MhaConfig {
             d_model: e,
             num_heads,
-            num_kv_heads: num_heads,
+            num_kv_heads: kv / head_dim,
             kdim: w_k.ncols(),
             vdim: w_v.ncols(),
             bias: b_q.is_some(),
