@@ -1,5 +1,6 @@
 //! Criterion benchmarks of [`Sdpa::run_blocking`] on the small and medium named shapes, one
-//! group per shape and one benchmark per concrete [`Path`].
+//! group per shape and one benchmark per concrete [`Path`]; and of multi-head attention layers
+//! (whole forward pass, and its projection / attention / output stages).
 //!
 //! Inputs are uploaded once as GPU storage buffers; each iteration records and submits the
 //! kernels, waits for the GPU and reads the output back (as the CLI's `bench` does).
@@ -19,6 +20,9 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use wgpu_attention::{Context, Path};
 
+#[allow(dead_code)]
+#[path = "../src/bin/wgpu_attention_cli/mha_shapes.rs"]
+mod mha_shapes;
 #[allow(dead_code)]
 #[path = "../src/bin/wgpu_attention_cli/shapes.rs"]
 mod shapes;
@@ -87,5 +91,69 @@ fn attention(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, attention);
+/// Multi-head attention layers (BERT-base at L = 128 and 512): the whole forward pass, and
+/// its three stages timed separately (`proj`, `attn`, `out` from profiled passes).
+fn layers(c: &mut Criterion) {
+    let ctx = match Context::new_blocking() {
+        Ok(ctx) => ctx,
+        Err(e) => {
+            eprintln!("skipping layer benchmarks: no GPU context: {e}");
+            return;
+        }
+    };
+    for shape in mha_shapes::MHA_SHAPES.iter().filter(|s| s.default) {
+        let bench = match shape.prepare(&ctx) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("{}: skipped: {e}", shape.name);
+                continue;
+            }
+        };
+        if let Err(e) = bench.forward().run_blocking(&ctx) {
+            eprintln!("{}: skipped: {e}", shape.name);
+            continue;
+        }
+        let (proj, attn) = shape.flops();
+        let mut group = c.benchmark_group(shape.name);
+        group
+            .sample_size(10)
+            .sampling_mode(SamplingMode::Flat)
+            .warm_up_time(Duration::from_millis(500))
+            .measurement_time(Duration::from_secs(2))
+            .throughput(Throughput::Elements((proj + attn) as u64));
+        group.bench_function("forward", |b| {
+            b.iter(|| bench.forward().run_blocking(&ctx).expect("forward failed"))
+        });
+        group.finish();
+        // The stages, each measured inside a profiled pass (submitted and waited for alone);
+        // no throughput here (the FLOPs above are the whole pass's).
+        let mut group = c.benchmark_group(format!("{}_stages", shape.name));
+        group
+            .sample_size(10)
+            .sampling_mode(SamplingMode::Flat)
+            .warm_up_time(Duration::from_millis(500))
+            .measurement_time(Duration::from_secs(2));
+        for (stage, pick) in [("proj", 0usize), ("attn", 1), ("out", 2)] {
+            group.bench_function(stage, |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let t = bench
+                            .forward()
+                            .profile()
+                            .run_blocking(&ctx)
+                            .expect("profiled forward failed")
+                            .timings
+                            .expect("timings");
+                        total += [t.projections, t.attention, t.output][pick];
+                    }
+                    total
+                })
+            });
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, attention, layers);
 criterion_main!(benches);

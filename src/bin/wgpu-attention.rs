@@ -16,9 +16,12 @@ use wgpu_attention::{
     wgpu, Causal, Context, MhaWeights, MultiHeadAttention, NeedWeights, Output, Path, Sdpa,
 };
 
+#[path = "wgpu_attention_cli/mha_shapes.rs"]
+mod mha_shapes;
 #[path = "wgpu_attention_cli/shapes.rs"]
 mod shapes;
 
+use mha_shapes::MhaShape;
 use shapes::{GpuInputs, Shape};
 
 /// Errors are reported on stderr; the process exits with this status.
@@ -239,9 +242,11 @@ struct RunArgs {
 
 #[derive(Args)]
 struct BenchArgs {
-    /// Shapes to time, comma separated, or `all` [default: all but c_h8_s4096_causal].
-    /// Known: small_h4_s128, a_h8_s1024, b_h8_s1024_causal, c_h8_s4096_causal,
-    /// d_decode_h32_s4096_e128, e_b4_h12_s256_padmask, gpt2_h12_t1024_causal.
+    /// Shapes to time, comma separated, or `all` [default: all but c_h8_s4096_causal,
+    /// long_h1_s32768_causal and mha_gqa_h32_kv8_d128_l128]. Attention: small_h4_s128,
+    /// a_h8_s1024, b_h8_s1024_causal, c_h8_s4096_causal, d_decode_h32_s4096_e128,
+    /// e_b4_h12_s256_padmask, long_h1_s32768_causal, gpt2_h12_t1024_causal. Multi-head
+    /// attention layers: mha_bert_base_l128, mha_bert_base_l512, mha_gqa_h32_kv8_d128_l128.
     #[arg(long, value_delimiter = ',', value_name = "NAME,..")]
     shapes: Vec<String>,
     /// Paths to time, comma separated [default: every concrete path].
@@ -806,7 +811,7 @@ fn write_array<T: WritableElement>(path: &FsPath, what: &str, a: &ArrayD<T>) -> 
 // bench
 
 fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
-    let shapes = select_shapes(&a.shapes)?;
+    let (shapes, layers) = select_shapes(&a.shapes)?;
     let paths: Vec<Path> = if a.paths.is_empty() {
         Path::ALL.to_vec()
     } else {
@@ -873,31 +878,108 @@ fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
         }
     }
     pb.finish_and_clear();
+    bench_layers(&ctx, &layers, a)?;
     println!("{}", matmul_row(&ctx, a.iters)?);
     Ok(ExitCode::SUCCESS)
 }
 
-/// The shapes named on the command line (`all` for every one), or the default set.
-fn select_shapes(names: &[String]) -> CliResult<Vec<&'static Shape>> {
+/// The attention and layer shapes named on the command line (`all` for every one), or the
+/// default sets.
+fn select_shapes(names: &[String]) -> CliResult<(Vec<&'static Shape>, Vec<&'static MhaShape>)> {
     if names.is_empty() {
-        return Ok(shapes::SHAPES.iter().filter(|s| s.default).collect());
+        return Ok((
+            shapes::SHAPES.iter().filter(|s| s.default).collect(),
+            mha_shapes::MHA_SHAPES.iter().filter(|s| s.default).collect(),
+        ));
     }
-    let mut out = Vec::new();
+    let (mut out, mut layers) = (Vec::new(), Vec::new());
     for name in names {
         let name = name.trim();
         if name == "all" {
             out.extend(shapes::SHAPES.iter());
-        } else {
-            let s = shapes::find(name).ok_or_else(|| {
-                format!(
-                    "unknown shape {name:?}; known shapes: {}, or all",
-                    shapes::names()
-                )
-            })?;
+            layers.extend(mha_shapes::MHA_SHAPES.iter());
+        } else if let Some(s) = shapes::find(name) {
             out.push(s);
+        } else if let Some(s) = mha_shapes::find(name) {
+            layers.push(s);
+        } else {
+            let layer_names: Vec<&str> = mha_shapes::MHA_SHAPES.iter().map(|s| s.name).collect();
+            return Err(format!(
+                "unknown shape {name:?}; known shapes: {}, {}, or all",
+                shapes::names(),
+                layer_names.join(", ")
+            )
+            .into());
         }
     }
-    Ok(dedup(out))
+    Ok((dedup(out), dedup(layers)))
+}
+
+/// Time the multi-head attention layers: whole forward passes, then profiled passes split
+/// into projections (with the head split), attention, and output projection (with readback).
+fn bench_layers(ctx: &Context, layers: &[&'static MhaShape], a: &BenchArgs) -> CliResult<()> {
+    if layers.is_empty() {
+        return Ok(());
+    }
+    println!(
+        "\nmulti-head attention layers (self-attention, path auto); split from {} profiled runs:",
+        a.iters
+    );
+    println!(
+        "{:<26} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9}",
+        "layer", "first ms", "median ms", "GFLOP/s", "proj ms", "attn ms", "out ms"
+    );
+    for shape in layers {
+        let bench = match shape.prepare(ctx) {
+            Ok(b) => b,
+            Err(e) => {
+                println!("{:<26} error: {e}", shape.name);
+                continue;
+            }
+        };
+        let run = |profile: bool| -> CliResult<(Duration, Option<wgpu_attention::MhaTimings>)> {
+            let f = if profile {
+                bench.forward().profile()
+            } else {
+                bench.forward()
+            };
+            let started = Instant::now();
+            let r = f.run_blocking(ctx)?;
+            Ok((started.elapsed(), r.timings))
+        };
+        let first = run(false)?.0;
+        for _ in 1..a.warmup {
+            run(false)?;
+        }
+        let mut times: Vec<Duration> = (0..a.iters)
+            .map(|_| run(false).map(|r| r.0))
+            .collect::<CliResult<_>>()?;
+        times.sort();
+        let median = times[times.len() / 2];
+        let mut split = [vec![], vec![], vec![]];
+        for _ in 0..a.iters {
+            let t = run(true)?.1.ok_or("profiled run without timings")?;
+            split[0].push(t.projections);
+            split[1].push(t.attention);
+            split[2].push(t.output);
+        }
+        let med = |v: &mut Vec<Duration>| {
+            v.sort();
+            ms(v[v.len() / 2])
+        };
+        let (proj, attn) = shape.flops();
+        println!(
+            "{:<26} {:>10.3} {:>10.3} {:>9.2} {:>9.3} {:>9.3} {:>9.3}",
+            shape.name,
+            ms(first),
+            ms(median),
+            gflops(proj + attn, median),
+            med(&mut split[0]),
+            med(&mut split[1]),
+            med(&mut split[2]),
+        );
+    }
+    Ok(())
 }
 
 /// Drop repeats, keeping the first occurrence.
