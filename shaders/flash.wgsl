@@ -7,7 +7,11 @@
 //   const EV4: u32  -- value head dim Ev in vec4s, rounded up
 //   const BK: u32   -- keys per tile; BK * (E4 + EV4) * 16 bytes of workgroup memory
 //   const WG: u32   -- invocations per workgroup
-//   const KG: u32   -- keys per unrolled step (divides BK)
+//   const KG: u32   -- keys per unrolled step; NG = BK / KG steps per tile
+//   const SG_KV: bool -- the K/V tile lives in registers, one key per invocation, and is read
+//                      by subgroup shuffles (CPU adapters whose subgroup is exactly the
+//                      workgroup, BK = WG); else it is staged in workgroup memory. The prelude
+//                      defines key_at / value_at accordingly (flash_kv_*.wgsl).
 //   const HAS_MASK: bool, HAS_BIAS: bool -- a boolean mask / an additive bias is bound
 //   const UNROLL: bool -- unroll the loops marked `// unroll` (src/kernels/unroll.rs), so that
 //                      every index into a private array is a constant
@@ -66,6 +70,9 @@ const START: f32 = -3.4e38;
 
 var<workgroup> k_tile: array<vec4<f32>, BK * E4>;
 var<workgroup> v_tile: array<vec4<f32>, BK * EV4>;
+// With SG_KV: this invocation's key and value row of the current tile.
+var<private> k_reg: array<vec4<f32>, E4>;
+var<private> v_reg: array<vec4<f32>, EV4>;
 var<workgroup> wg_end: u32;
 
 @compute @workgroup_size(WG, 1, 1)
@@ -126,29 +133,41 @@ fn main(
     }
 
     for (var j0 = 0u; j0 < kv_end; j0 += BK) {
-        // Stage the K and V tiles; keys past kv_end are zero.
-        for (var t = tid; t < BK * E4; t += WG) {
-            let j = j0 + t / E4;
-            var x = vec4<f32>(0.0);
-            if (j < kv_end) {
-                x = load_k(kvh * p.s + j, t % E4);
+        if (SG_KV) {
+            // Invocation t holds key j0 + t (zero past kv_end); the others read it by shuffle.
+            let j = j0 + tid;
+            let row = kvh * p.s + min(j, p.s - 1u);
+            for (var d4 = 0u; d4 < E4; d4++) { // unroll
+                k_reg[d4] = select(vec4<f32>(0.0), load_k(row, d4), j < kv_end);
             }
-            k_tile[t] = x;
-        }
-        for (var t = tid; t < BK * EV4; t += WG) {
-            let j = j0 + t / EV4;
-            var x = vec4<f32>(0.0);
-            if (j < kv_end) {
-                x = load_v(kvh * p.s + j, t % EV4);
+            for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+                v_reg[d4] = select(vec4<f32>(0.0), load_v(row, d4), j < kv_end);
             }
-            v_tile[t] = x;
+        } else {
+            // Stage the K and V tiles; keys past kv_end are zero.
+            for (var t = tid; t < BK * E4; t += WG) {
+                let j = j0 + t / E4;
+                var x = vec4<f32>(0.0);
+                if (j < kv_end) {
+                    x = load_k(kvh * p.s + j, t % E4);
+                }
+                k_tile[t] = x;
+            }
+            for (var t = tid; t < BK * EV4; t += WG) {
+                let j = j0 + t / EV4;
+                var x = vec4<f32>(0.0);
+                if (j < kv_end) {
+                    x = load_v(kvh * p.s + j, t % EV4);
+                }
+                v_tile[t] = x;
+            }
+            workgroupBarrier();
         }
-        workgroupBarrier();
 
-        // The tile in steps of KG keys. Logits of every (row, key) of the step; each K element
-        // is read once for RQ rows.
-        let tile_end = min(BK, kv_end - j0);
-        for (var jg = 0u; jg < tile_end; jg += KG) {
+        // The tile in NG steps of KG keys (keys past kv_end have logit START and a zero V
+        // row). Logits of every (row, key) of the step; each K element is read once for RQ rows.
+        for (var g = 0u; g < NG; g++) { // unroll if SG_KV
+            let jg = g * KG;
             var sc: array<f32, RQ * KG>;
             for (var jj = 0u; jj < KG; jj++) { // unroll
                 var d: array<vec4<f32>, RQ>;
@@ -156,7 +175,7 @@ fn main(
                     d[r] = vec4<f32>(0.0);
                 }
                 for (var d4 = 0u; d4 < E4; d4++) { // unroll
-                    let kv = k_tile[(jg + jj) * E4 + d4];
+                    let kv = key_at(jg + jj, d4);
                     for (var r = 0u; r < RQ; r++) { // unroll
                         d[r] += qr[r * E4 + d4] * kv;
                     }
@@ -214,14 +233,16 @@ fn main(
             // p = 0 and a zero V row.
             for (var jj = 0u; jj < KG; jj++) { // unroll
                 for (var d4 = 0u; d4 < EV4; d4++) { // unroll
-                    let vv = v_tile[(jg + jj) * EV4 + d4];
+                    let vv = value_at(jg + jj, d4);
                     for (var r = 0u; r < RQ; r++) { // unroll
                         acc[r * EV4 + d4] += sc[r * KG + jj] * vv;
                     }
                 }
             }
         }
-        workgroupBarrier();
+        if (!SG_KV) {
+            workgroupBarrier();
+        }
     }
 
     for (var r = 0u; r < RQ; r++) { // unroll

@@ -232,7 +232,7 @@ impl<'a> Sdpa<'a> {
     }
 
     fn resolve(&self, ctx: &Context, p: &Problem) -> Result<Path> {
-        let fused_ok = flash::Config::new(p, ctx.limits(), ctx.is_cpu()).is_some();
+        let fused_ok = flash::Config::new(p, ctx.limits(), ctx.is_cpu(), ctx.fixed_subgroup_size()).is_some();
         let decode_ok = p.seq_q <= decode::MAX_ROWS && p.seq_kv >= decode::MIN_KEYS;
         match self.path {
             Path::Auto if !self.weights && decode_ok => Ok(Path::Decode),
@@ -808,7 +808,8 @@ fn record_unfused(
 }
 
 fn record_fused(ctx: &Context, encoder: &mut wgpu::CommandEncoder, p: &Problem, io: &Io) -> Result<()> {
-    let cfg = flash::Config::new(p, ctx.limits(), ctx.is_cpu()).expect("resolve() checked the fused config");
+    let cfg = flash::Config::new(p, ctx.limits(), ctx.is_cpu(), ctx.fixed_subgroup_size())
+        .expect("resolve() checked the fused config");
     let q_tiles = (p.seq_q as u32).div_ceil(cfg.rows());
     let total = q_tiles as u64 * p.batch_heads() as u64;
     let max = ctx.limits().max_compute_workgroups_per_dimension as u64;

@@ -302,6 +302,15 @@ impl Context {
         self.check_lost()
     }
 
+    /// The subgroup size when subgroup operations are enabled and the adapter reports a single
+    /// size (lavapipe: 8); `None` otherwise (or for an adopted device, whose adapter is unknown).
+    pub(crate) fn fixed_subgroup_size(&self) -> Option<u32> {
+        let info = self.adapter_info()?;
+        (self.features().contains(wgpu::Features::SUBGROUP)
+            && info.subgroup_min_size == info.subgroup_max_size)
+            .then_some(info.subgroup_min_size)
+    }
+
     /// Copy `size` bytes at `offset` of `buffer` (which needs `COPY_SRC`) back to the host as f32.
     pub async fn read_f32(&self, buffer: &wgpu::Buffer, offset: u64, size: u64) -> Result<Vec<f32>> {
         let device = &self.inner.device;

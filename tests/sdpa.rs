@@ -488,3 +488,19 @@ fn matmul_matches_plain_product() {
         Err(wgpu_attention::Error::ShapeMismatch { tensor: "b", .. })
     ));
 }
+
+/// A problem big enough (2.5e8 FLOPs) that CPU adapters take the production unrolled fused
+/// kernel (16 rows per invocation at E = 64), with every mask kind, a fully masked row, a
+/// zero key length and a tail on both sequence lengths.
+#[test]
+fn large_problem_on_the_unrolled_fused_kernel() {
+    let Some(ctx) = ctx() else { return };
+    let mut case = Case::random((2, 2, 1, 720, 737, 64, 64), 77)
+        .with_random_mask(78)
+        .with_random_bias(79)
+        .with_causal(Causal::BottomRight);
+    // with_random_mask masks rows 0 and L/2 fully.
+    case.kv_lens = Some(vec![700, 0]);
+    assert!(case.sdpa().problem().unwrap().flops() >= 2.5e8);
+    case.check(ctx, Path::Fused, TOL, "large unrolled");
+}

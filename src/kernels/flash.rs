@@ -17,6 +17,9 @@ pub(crate) const SPEC: KernelSpec = KernelSpec {
 /// The bindings and loads of q, k, v and out, by element type.
 pub(crate) const IO_VEC4: &str = include_str!("../../shaders/flash_io_vec4.wgsl");
 pub(crate) const IO_SCALAR: &str = include_str!("../../shaders/flash_io_scalar.wgsl");
+/// K/V tile access: staged in workgroup memory, or in registers shared by subgroup shuffles.
+const KV_SHARED: &str = include_str!("../../shaders/flash_kv_shared.wgsl");
+const KV_SUBGROUP: &str = include_str!("../../shaders/flash_kv_subgroup.wgsl");
 
 /// Workgroup memory the kernel may use: WebGPU's default 16 KiB, or less if the device has less.
 const WG_MEMORY: u32 = 16 * 1024;
@@ -54,6 +57,9 @@ pub(crate) struct Config {
     pub vec4_io: bool,
     /// Unroll the loops marked in the shader.
     pub unroll: bool,
+    /// The K/V tile is held one key per invocation and read by subgroup shuffles (`bk == wg`,
+    /// the workgroup is one subgroup).
+    pub sg_kv: bool,
     /// A boolean mask is bound (else its code is compiled out).
     pub has_mask: bool,
     /// An additive bias is bound (else its code is compiled out).
@@ -70,7 +76,15 @@ impl Config {
     /// more than arithmetic, so each invocation takes several rows, and where unrolled code runs
     /// about twice as fast but compiles for seconds (once per machine: Mesa caches it on disk),
     /// so only problems of at least [`CPU_UNROLL_MIN_FLOPS`] get it.
-    pub(crate) fn new(p: &Problem, limits: &wgpu::Limits, cpu: bool) -> Option<Config> {
+    /// `subgroup`: the device's subgroup size when it is fixed and subgroup operations are
+    /// enabled; on CPU adapters with a subgroup of 4 to 16 the K/V tile then lives in
+    /// registers and is shared by shuffles instead of workgroup memory.
+    pub(crate) fn new(
+        p: &Problem,
+        limits: &wgpu::Limits,
+        cpu: bool,
+        subgroup: Option<u32>,
+    ) -> Option<Config> {
         if p.head_dim > 256 || p.head_dim_v > 256 {
             return None;
         }
@@ -79,19 +93,25 @@ impl Config {
         // On CPUs: about 256 vec4s of q (and of accumulator) per invocation (measured on
         // lavapipe at E = 64: 8 rows 315 ms, 16 rows 203 ms; keys per step matter little).
         let cpu_rows = (256 / e4.max(ev4)).clamp(1, 16);
-        let (mut wg, mut rq, mut kg) = match (cpu, unroll) {
-            (false, _) => (64, 1, 4),
-            (true, true) => (8, cpu_rows, 2),
-            (true, false) => (8, 2, 4),
+        let sg = subgroup.filter(|s| cpu && unroll && (4..=16).contains(s));
+        let (mut wg, mut rq, mut kg) = match (cpu, unroll, sg) {
+            (false, _, _) => (64, 1, 4),
+            // Measured on lavapipe at E = 64 (a_h8_s1024): 4 rows x 4 keys per step 127 ms
+            // (5.8 s to compile), 8 rows 126 ms (11.5 s), 16 rows 246 ms (spills).
+            (true, true, Some(s)) => (s, (64 / e4.max(ev4)).clamp(1, 8), 4),
+            (true, true, None) => (8, cpu_rows, 2),
+            (true, false, _) => (8, 2, 4),
         };
         let mut unroll = unroll;
-        // Tuning override for experiments:
-        // WGPU_ATTENTION_FLASH=<invocations>,<rows per invocation>,<keys per step>,<unroll 0|1>.
+        let mut sg_kv = sg.is_some();
+        // Tuning override for experiments: WGPU_ATTENTION_FLASH=<invocations>,<rows per
+        // invocation>,<keys per step>,<unroll 0|1>[,<subgroup K/V 0|1>].
         #[cfg(not(target_arch = "wasm32"))]
         if let Ok(v) = std::env::var("WGPU_ATTENTION_FLASH") {
             let v: Vec<u32> = v.split(',').filter_map(|x| x.parse().ok()).collect();
-            if let [a, b, c, d] = v[..] {
+            if let [a, b, c, d, ..] = v[..] {
                 (wg, rq, kg, unroll) = (a, b, c, d != 0);
+                sg_kv = v.get(4).is_some_and(|&e| e != 0) && subgroup == Some(a) && unroll;
             }
         }
         if wg == 0
@@ -107,8 +127,10 @@ impl Config {
         let budget = WG_MEMORY
             .min(limits.max_compute_workgroup_storage_size)
             .saturating_sub(16);
-        [64u32, 32, 16, 8, 4]
-            .into_iter()
+        let tiles: &[u32] = if sg_kv { &[wg] } else { &[64, 32, 16, 8, 4] };
+        tiles
+            .iter()
+            .copied()
             .find(|bk| bk * (e4 + ev4) * 16 <= budget)
             .map(|bk| Config {
                 e4,
@@ -121,6 +143,7 @@ impl Config {
                 unroll,
                 has_mask: p.mask.is_some(),
                 has_bias: p.bias.is_some(),
+                sg_kv,
             })
     }
 
@@ -131,10 +154,23 @@ impl Config {
 
     fn prelude(&self) -> String {
         let io = if self.vec4_io { IO_VEC4 } else { IO_SCALAR };
+        // Naga takes the subgroup built-ins without `enable subgroups;` (which it rejects).
+        let kv = if self.sg_kv { KV_SUBGROUP } else { KV_SHARED };
         format!(
-            "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BK: u32 = {}u;\nconst WG: u32 = {}u;\nconst RQ: u32 = {}u;\nconst KG: u32 = {}u;\n\
-             const HAS_MASK: bool = {};\nconst HAS_BIAS: bool = {};\nconst UNROLL: bool = {};\n{io}",
-            self.e4, self.ev4, self.bk, self.wg, self.rq, self.kg, self.has_mask, self.has_bias, self.unroll
+            "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BK: u32 = {}u;\nconst WG: u32 = {}u;\n\
+             const RQ: u32 = {}u;\nconst KG: u32 = {}u;\nconst NG: u32 = {}u;\nconst HAS_MASK: bool = {};\n\
+             const HAS_BIAS: bool = {};\nconst UNROLL: bool = {};\nconst SG_KV: bool = {};\n{io}{kv}",
+            self.e4,
+            self.ev4,
+            self.bk,
+            self.wg,
+            self.rq,
+            self.kg,
+            self.bk / self.kg,
+            self.has_mask,
+            self.has_bias,
+            self.unroll,
+            self.sg_kv,
         )
     }
 }
@@ -174,11 +210,11 @@ mod tests {
         let limits = wgpu::Limits::default();
         for (e, ev) in [(1, 1), (64, 64), (72, 5), (128, 128), (256, 256), (256, 3)] {
             let p = Problem::new(&[1, 1, 1, e], &[1, 1, 1, e], &[1, 1, 1, ev]).unwrap();
-            let c = Config::new(&p, &limits, false).unwrap();
+            let c = Config::new(&p, &limits, false, None).unwrap();
             assert!(c.bk * (c.e4 + c.ev4) * 16 + 16 <= 16384, "{e} {ev} {c:?}");
             assert!(c.e4 * 4 >= e as u32 && c.ev4 * 4 >= ev as u32);
         }
         let p = Problem::new(&[1, 1, 1, 257], &[1, 1, 1, 257], &[1, 1, 1, 4]).unwrap();
-        assert!(Config::new(&p, &limits, false).is_none());
+        assert!(Config::new(&p, &limits, false, None).is_none());
     }
 }

@@ -15,15 +15,14 @@
 //! scratch memory with a per-lane loop on every access, a constant-indexed one in registers.
 //! GPU compilers usually unroll such loops themselves; unrolling at the source costs them nothing.
 //!
+//! `// unroll if NAME` unrolls only when the source also declares `const NAME: bool = true;`.
+//!
 //! The pass runs only on sources that declare `const UNROLL: bool = true;` (a kernel's prelude
 //! decides: unrolled code runs faster on CPU adapters but takes far longer to compile there).
 //! The shader stays valid WGSL without this pass (the marker is a comment), so the kernels read
 //! as ordinary loops. Bodies must not use `break` or `continue` (checked).
 
 use std::collections::HashMap;
-
-/// The marker that ends the `for` line of a loop to unroll.
-const MARKER: &str = "// unroll";
 
 /// Unroll every marked loop in `src` (nested ones included) if `src` declares
 /// `const UNROLL: bool = true;`; otherwise return it as is.
@@ -32,10 +31,33 @@ pub(crate) fn unroll(src: &str) -> String {
         return src.to_string();
     }
     let consts = consts(src);
+    let flags: Vec<String> = src
+        .lines()
+        .filter_map(|l| {
+            let name = l.trim().strip_prefix("const ")?.strip_suffix(": bool = true;")?;
+            Some(name.trim().to_string())
+        })
+        .collect();
     let lines: Vec<&str> = src.lines().collect();
     let mut out = String::with_capacity(src.len() * 4);
-    expand(&lines, &consts, &mut out);
+    expand(&lines, &consts, &flags, &mut out);
     out
+}
+
+/// Whether `line` is a loop header marked for unrolling (given the true flags).
+fn marked(line: &str, flags: &[String]) -> bool {
+    let Some((_, comment)) = line.split_once("//") else {
+        return false;
+    };
+    let comment = comment.trim();
+    match comment.strip_prefix("unroll") {
+        Some("") => true,
+        Some(rest) => rest
+            .trim()
+            .strip_prefix("if ")
+            .is_some_and(|flag| flags.iter().any(|f| f == flag.trim())),
+        None => false,
+    }
 }
 
 /// The `const NAME: u32 = Nu;` (or `= N;`) declarations of `src`.
@@ -59,7 +81,7 @@ fn consts(src: &str) -> HashMap<String, u32> {
 
 /// `for (var X = 0u; X < N; X++) { // unroll` -> (X, N).
 fn header(line: &str, consts: &HashMap<String, u32>) -> Option<(String, u32)> {
-    let code = line.trim().strip_suffix(MARKER)?.trim();
+    let code = line.split("//").next()?.trim();
     let inner = code.strip_prefix("for (var ")?.strip_suffix(") {")?;
     let mut parts = inner.split(';').map(str::trim);
     let (init, cond, step) = (parts.next()?, parts.next()?, parts.next()?);
@@ -82,11 +104,11 @@ fn depth(line: &str) -> i32 {
     code.matches('{').count() as i32 - code.matches('}').count() as i32
 }
 
-fn expand(lines: &[&str], consts: &HashMap<String, u32>, out: &mut String) {
+fn expand(lines: &[&str], consts: &HashMap<String, u32>, flags: &[String], out: &mut String) {
     let mut i = 0;
     while i < lines.len() {
         let line = lines[i];
-        if !line.trim_end().ends_with(MARKER) {
+        if !marked(line, flags) {
             out.push_str(line);
             out.push('\n');
             i += 1;
@@ -115,7 +137,7 @@ fn expand(lines: &[&str], consts: &HashMap<String, u32>, out: &mut String) {
             line.trim()
         );
         let mut inner = String::new();
-        expand(body, consts, &mut inner);
+        expand(body, consts, flags, &mut inner);
         for k in 0..n {
             out.push_str(&format!("{{ const {var} = {k}u;\n"));
             out.push_str(&inner);
@@ -140,6 +162,15 @@ mod tests {
         assert!(out.contains("for (var j = 0u; j < N; j++) {"));
         let code: String = out.lines().map(|l| l.split("//").next().unwrap()).collect();
         assert_eq!(code.matches('{').count(), code.matches('}').count());
+    }
+
+    #[test]
+    fn conditional_marker_follows_its_flag() {
+        let src = "const UNROLL: bool = true;\nconst A: bool = true;\nconst B: bool = false;\nfn f() {\n    for (var i = 0u; i < 2u; i++) { // unroll if A\n        x += 1.0;\n    }\n    for (var j = 0u; j < 2u; j++) { // unroll if B\n        y += 1.0;\n    }\n}\n";
+        let out = unroll(src);
+        assert_eq!(out.matches("x += 1.0;").count(), 2);
+        assert_eq!(out.matches("y += 1.0;").count(), 1);
+        assert!(out.contains("for (var j = 0u; j < 2u; j++) { // unroll if B"));
     }
 
     #[test]
