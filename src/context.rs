@@ -212,11 +212,14 @@ impl Context {
             return p.clone();
         }
         let device = &self.inner.device;
+        let storage_params = self.params_in_storage(spec.bindings.len());
+        let mut source = crate::kernels::unroll::unroll(&format!("{prelude}{}", spec.source));
+        if storage_params {
+            source = source.replace("var<uniform> p: Params;", "var<storage, read> p: Params;");
+        }
         let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
             label: Some(spec.name),
-            source: wgpu::ShaderSource::Wgsl(
-                crate::kernels::unroll::unroll(&format!("{prelude}{}", spec.source)).into(),
-            ),
+            source: wgpu::ShaderSource::Wgsl(source.into()),
         });
         let entries: Vec<wgpu::BindGroupLayoutEntry> = spec
             .bindings
@@ -237,7 +240,11 @@ impl Context {
                         min_binding_size: None,
                     },
                     Binding::Uniform => wgpu::BindingType::Buffer {
-                        ty: wgpu::BufferBindingType::Uniform,
+                        ty: if storage_params {
+                            wgpu::BufferBindingType::Storage { read_only: true }
+                        } else {
+                            wgpu::BufferBindingType::Uniform
+                        },
                         has_dynamic_offset: false,
                         min_binding_size: None,
                     },
@@ -300,6 +307,14 @@ impl Context {
                 other => Error::DeviceLost(other.to_string()),
             })?;
         self.check_lost()
+    }
+
+    /// Whether kernels read their params struct from a read-only storage buffer instead of a
+    /// uniform buffer: on CPU adapters that allow the extra storage binding. Mesa's lavapipe
+    /// inlines uniform-buffer values that feed loop bounds into the shader and recompiles it on
+    /// every dispatch (seconds for the unrolled kernels); storage buffers are not inlined.
+    pub(crate) fn params_in_storage(&self, bindings: usize) -> bool {
+        self.is_cpu() && self.limits().max_storage_buffers_per_shader_stage as usize >= bindings
     }
 
     /// The subgroup size when subgroup operations are enabled and the adapter reports a single

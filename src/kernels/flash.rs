@@ -1,7 +1,9 @@
-//! `shaders/flash.wgsl`: the fused FlashAttention-style kernel. One workgroup per 64-query tile
-//! of one head; K/V tiles streamed through workgroup memory; online softmax; every mask inside;
-//! whole key tiles skipped past the causal limit and the key length; GQA by indexing the shared
-//! K/V head. Memory is linear in L and S: the score matrix is never written.
+//! `shaders/flash.wgsl`: the fused FlashAttention-style kernel. One workgroup per tile of query
+//! rows of one head; K/V tiles streamed through workgroup memory (or, on CPU adapters with a
+//! fixed subgroup size, held one key per invocation and shared by subgroup shuffles); online
+//! softmax; every mask inside; whole key tiles skipped past the causal limit and the key length;
+//! GQA by indexing the shared K/V head. Memory is linear in L and S: the score matrix is never
+//! written. [`Config`] picks the form and tile sizes for the device.
 
 use super::{dispatch, grid_1d, KernelSpec};
 use crate::context::Context;

@@ -70,7 +70,8 @@ pub(crate) enum Binding {
     Read,
     /// `var<storage, read_write>`.
     ReadWrite,
-    /// `var<uniform>` (the params struct, always last).
+    /// `var<uniform> p: Params` (the params struct, always last); a read-only storage buffer
+    /// where [`Context::params_in_storage`] says so.
     Uniform,
 }
 
@@ -137,7 +138,8 @@ pub(crate) fn dispatch(
     let uniform = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
         label: Some(spec.name),
         contents: params,
-        usage: wgpu::BufferUsages::UNIFORM,
+        // Either binding type (see `Context::params_in_storage`).
+        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::STORAGE,
     });
     let mut entries: Vec<wgpu::BindGroupEntry> = buffers
         .iter()
