@@ -96,7 +96,8 @@ impl Config {
         // lavapipe at E = 64: 8 rows 315 ms, 16 rows 203 ms; keys per step matter little).
         let cpu_rows = (256 / e4.max(ev4)).clamp(1, 16);
         let sg = subgroup.filter(|s| cpu && unroll && (4..=16).contains(s));
-        let (mut wg, mut rq, mut kg) = match (cpu, unroll, sg) {
+        #[cfg_attr(target_arch = "wasm32", allow(unused_mut))]
+        let (mut wg, mut rq, mut kg): (u32, u32, u32) = match (cpu, unroll, sg) {
             (false, _, _) => (64, 1, 4),
             // Measured on lavapipe at E = 64 (a_h8_s1024): 4 rows x 4 keys per step 127 ms
             // (5.8 s to compile), 8 rows 126 ms (11.5 s), 16 rows 246 ms (spills).
@@ -104,7 +105,9 @@ impl Config {
             (true, true, None) => (8, cpu_rows, 2),
             (true, false, _) => (8, 2, 4),
         };
+        #[cfg_attr(target_arch = "wasm32", allow(unused_mut))]
         let mut unroll = unroll;
+        #[cfg_attr(target_arch = "wasm32", allow(unused_mut))]
         let mut sg_kv = sg.is_some();
         // Tuning override for experiments: WGPU_ATTENTION_FLASH=<invocations>,<rows per
         // invocation>,<keys per step>,<unroll 0|1>[,<subgroup K/V 0|1>].
