@@ -42,8 +42,9 @@ cargo test --locked
 # The fused kernel has three forms; small problems above take the loop form. Run the attention
 # tests again forcing each of the others on every problem: the unrolled CPU form whose K/V tile
 # is shared by subgroup shuffles (needs a fixed subgroup size of 8, as lavapipe has), and the
-# unrolled GPU form (64 invocations, one row each, K/V staged in workgroup memory).
+# unrolled GPU form (64 invocations, one row each, K/V staged in workgroup memory), with the
+# decode kernel's GPU form too (64 invocations, reductions through workgroup memory).
 echo "== attention tests, fused kernel forced to the unrolled subgroup form (small tiles)"
 WGPU_ATTENTION_FLASH=8,2,4,1,1 cargo test --locked --test sdpa --test golden --test mha
-echo "== attention tests, fused kernel forced to the GPU form (64 x 1 rows, workgroup memory)"
-WGPU_ATTENTION_FLASH=64,1,4,1,0 cargo test --locked --test sdpa --test golden --test mha
+echo "== attention tests, fused and decode kernels forced to their GPU forms (workgroup memory)"
+WGPU_ATTENTION_FLASH=64,1,4,1,0 WGPU_ATTENTION_DECODE=64,0 cargo test --locked --test sdpa --test golden --test mha

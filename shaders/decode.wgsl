@@ -54,8 +54,8 @@ const START: f32 = -3.4e38;
 @group(0) @binding(7) var<storage, read_write> part_lse: array<f32>;
 @group(0) @binding(8) var<uniform> p: Params;
 
-var<workgroup> red: array<f32, WG>;
-var<workgroup> red4: array<vec4<f32>, WG * RB>;
+// This invocation's accumulator over its keys.
+var<private> acc: array<vec4<f32>, EV4>;
 
 @compute @workgroup_size(WG, 1, 1)
 fn main(
@@ -89,7 +89,6 @@ fn main(
     for (var d4 = 0u; d4 < E4; d4++) { // unroll
         qr[d4] = load_q(row, d4) * p.scale;
     }
-    var acc: array<vec4<f32>, EV4>;
     for (var d4 = 0u; d4 < EV4; d4++) { // unroll
         acc[d4] = vec4<f32>(0.0);
     }
@@ -124,50 +123,16 @@ fn main(
         m = m_new;
     }
 
-    // The split's max, then every state rescaled to it and summed.
-    red[tid] = m;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
-        if (tid < stride) {
-            red[tid] = max(red[tid], red[tid + stride]);
-        }
-        workgroupBarrier();
-    }
-    let row_max = red[0];
-    workgroupBarrier();
+    // The split's max, then every state rescaled to it and summed (the prelude's wg_max,
+    // wg_sum and store_acc: workgroup-memory trees, or subgroup reductions).
+    let row_max = wg_max(m, tid);
     let f = exp(m - row_max);
-    red[tid] = sum * f;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
-        if (tid < stride) {
-            red[tid] = red[tid] + red[tid + stride];
-        }
-        workgroupBarrier();
-    }
-    let row_sum = red[0];
+    let row_sum = wg_sum(sum * f, tid);
     // A split with no allowed key has every weight 0: it writes 0 and logsumexp -inf.
     let inv = select(1.0 / row_sum, 0.0, row_sum == 0.0);
-
     let rows = p.total / p.splits;
     let orow = split * rows + row;
-    for (var rb = 0u; rb < NRB; rb++) { // unroll
-        for (var c = 0u; c < RB; c++) { // unroll
-            red4[tid * RB + c] = acc[rb * RB + c] * f;
-        }
-        workgroupBarrier();
-        for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
-            if (tid < stride) {
-                for (var c = 0u; c < RB; c++) { // unroll
-                    red4[tid * RB + c] += red4[(tid + stride) * RB + c];
-                }
-            }
-            workgroupBarrier();
-        }
-        if (tid < RB) {
-            store_out(orow, rb * RB + tid, red4[tid] * inv);
-        }
-        workgroupBarrier();
-    }
+    store_acc(tid, f, inv, orow);
     if (tid == 0u) {
         part_lse[orow] = select(row_max + log(row_sum), bitcast<f32>(0xff800000u), row_sum == 0.0);
     }

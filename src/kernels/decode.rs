@@ -74,28 +74,44 @@ pub(crate) fn split(p: &Problem) -> (usize, usize) {
 /// unrolls over it; beyond, plain loops.
 const UNROLL_MAX_DIM: usize = 256;
 
-/// The decode kernel's constants and I/O bindings (shared with the fused kernel). `cpu`: one
-/// SIMD batch of 8 invocations per workgroup (lavapipe), else 64.
-fn prelude(p: &Problem, cpu: bool) -> String {
+/// The decode kernel's constants, reductions and I/O bindings (shared with the fused kernel).
+/// `cpu`: one SIMD batch of 8 invocations per workgroup (lavapipe), else 64; `subgroup`: the
+/// fixed subgroup size, if any: where it equals the workgroup, reductions use subgroup
+/// operations instead of workgroup memory.
+fn prelude(p: &Problem, cpu: bool, subgroup: Option<u32>) -> String {
     let unroll = p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM;
     let vec4_io = p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4);
     let (e4, ev4) = (p.head_dim.div_ceil(4), p.head_dim_v.div_ceil(4));
     let rb = [8, 4, 2, 1].into_iter().find(|r| ev4 % r == 0).unwrap_or(1);
-    let wg = if cpu { 8 } else { 64 };
+    let mut wg = if cpu { 8 } else { 64 };
+    let mut sg = cpu && subgroup == Some(wg);
+    // Test override: WGPU_ATTENTION_DECODE=<invocations, a power of two>,<subgroup 0|1>.
+    #[cfg(not(target_arch = "wasm32"))]
+    if let Ok(v) = std::env::var("WGPU_ATTENTION_DECODE") {
+        let v: Vec<u32> = v.split(',').filter_map(|x| x.parse().ok()).collect();
+        if let [a, b] = v[..] {
+            if a.is_power_of_two() && a <= 256 {
+                wg = a;
+                sg = b != 0 && subgroup == Some(a);
+            }
+        }
+    }
+    let reductions = if sg { RED_SUBGROUP } else { RED_SHARED };
     format!(
         "const WG: u32 = {wg}u;\nconst E4: u32 = {e4}u;\n\
          const EV4: u32 = {ev4}u;\nconst RB: u32 = {rb}u;\nconst NRB: u32 = {}u;\n\
-         const HAS_MASK: bool = {};\nconst HAS_BIAS: bool = {};\nconst UNROLL: bool = {unroll};\n{}",
+         const HAS_MASK: bool = {};\nconst HAS_BIAS: bool = {};\nconst UNROLL: bool = {unroll};\n{}{reductions}",
         ev4 / rb,
         p.mask.is_some(),
         p.bias.is_some(),
-        if vec4_io {
-            super::flash::IO_VEC4
-        } else {
-            super::flash::IO_SCALAR
-        },
+        if vec4_io { super::flash::IO_VEC4 } else { super::flash::IO_SCALAR },
     )
 }
+
+/// Workgroup reductions of the decode kernel: through workgroup memory, or by subgroup
+/// operations.
+const RED_SHARED: &str = include_str!("../../shaders/decode_red_shared.wgsl");
+const RED_SUBGROUP: &str = include_str!("../../shaders/decode_red_subgroup.wgsl");
 
 /// Record the split pass. `buffers`: q, k, v, mask, bias, kv_lens, part_out, part_lse.
 pub(crate) fn record_decode(
@@ -106,7 +122,7 @@ pub(crate) fn record_decode(
     params: &Params,
 ) -> Result<()> {
     let grid = grid_1d(params.total, ctx.limits().max_compute_workgroups_per_dimension);
-    let prelude = prelude(p, ctx.is_cpu());
+    let prelude = prelude(p, ctx.is_cpu(), ctx.fixed_subgroup_size());
     dispatch(
         ctx,
         encoder,

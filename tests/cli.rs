@@ -1,0 +1,148 @@
+//! The command-line tool end to end: `mha` on the PyTorch fixtures (GPU and `--cpu`, masks in
+//! PyTorch's convention, weights and heatmap outputs) and its typed failures (exit status 2).
+#![cfg(feature = "cli")]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use ndarray::{Array3, Array4};
+use ndarray_npy::read_npy;
+use wgpu_attention::check::compare;
+
+fn fixture(case: &str, file: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/mha")
+        .join(case)
+        .join(file)
+}
+
+fn out_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("wgpu-attention-cli-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn cli(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_wgpu-attention"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn mha_cross_attention_on_the_gpu_with_weights_and_heatmap() {
+    if common::ctx().is_none() {
+        return;
+    }
+    let dir = out_dir("cross");
+    let (o, w, png) = (dir.join("o.npy"), dir.join("w.npy"), dir.join("map.png"));
+    let c = "cross_attn_kdim_vdim";
+    let r = cli(&[
+        "mha",
+        "--query",
+        s(&fixture(c, "query.npy")),
+        "--key",
+        s(&fixture(c, "key.npy")),
+        "--value",
+        s(&fixture(c, "value.npy")),
+        "--weights",
+        s(&fixture(c, "weights.safetensors")),
+        "--heads",
+        "3",
+        "--out",
+        s(&o),
+        "--weights-out",
+        s(&w),
+        "--heatmap",
+        s(&png),
+    ]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let got: Array3<f32> = read_npy(&o).unwrap();
+    let want: Array3<f64> = read_npy(fixture(c, "out.npy")).unwrap();
+    common::assert_report(
+        compare(got.iter().copied(), want.iter().copied(), common::TOL),
+        "cli out",
+    );
+    let got: Array4<f32> = read_npy(&w).unwrap();
+    let want: Array4<f64> = read_npy(fixture(c, "attn_weights_per_head.npy")).unwrap();
+    common::assert_report(
+        compare(got.iter().copied(), want.iter().copied(), common::TOL),
+        "cli weights",
+    );
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[1..4], b"PNG");
+}
+
+#[test]
+fn mha_key_padding_in_pytorch_convention_on_the_cpu_reference() {
+    let dir = out_dir("kpm");
+    let (o, w) = (dir.join("o.npy"), dir.join("w.npy"));
+    let c = "key_padding";
+    let r = cli(&[
+        "mha",
+        "--query",
+        s(&fixture(c, "query.npy")),
+        "--weights",
+        s(&fixture(c, "weights.safetensors")),
+        "--heads",
+        "2",
+        "--key-padding-mask",
+        s(&fixture(c, "key_padding_mask.npy")),
+        "--torch-masks",
+        "--out",
+        s(&o),
+        "--weights-out",
+        s(&w),
+        "--average-weights",
+        "--cpu",
+    ]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let got: Array3<f32> = read_npy(&o).unwrap();
+    let want: Array3<f64> = read_npy(fixture(c, "out.npy")).unwrap();
+    common::assert_report(
+        compare(got.iter().copied(), want.iter().copied(), common::TOL),
+        "cli cpu out",
+    );
+    let got: Array3<f32> = read_npy(&w).unwrap();
+    let want: Array3<f64> = read_npy(fixture(c, "attn_weights_avg.npy")).unwrap();
+    common::assert_report(
+        compare(got.iter().copied(), want.iter().copied(), common::TOL),
+        "cli avg weights",
+    );
+}
+
+#[test]
+fn mha_errors_exit_with_status_2_and_a_message() {
+    let dir = out_dir("err");
+    let o = dir.join("o.npy");
+    let c = "self_attn";
+    let run = |heads: &str, weights: &Path| {
+        cli(&[
+            "mha",
+            "--query",
+            s(&fixture(c, "query.npy")),
+            "--weights",
+            s(weights),
+            "--heads",
+            heads,
+            "--out",
+            s(&o),
+            "--cpu",
+        ])
+    };
+    let r = run("5", &fixture(c, "weights.safetensors"));
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("does not divide"));
+    let r = run("4", &fixture(c, "no-such.safetensors"));
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("no-such.safetensors"));
+    let r = run("4", &fixture(c, "query.npy"));
+    assert_eq!(r.status.code(), Some(2));
+    assert!(!o.exists());
+}
