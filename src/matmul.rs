@@ -21,23 +21,8 @@ pub async fn matmul<'a>(
     alpha: f32,
 ) -> Result<Array3<f32>> {
     let (a, b) = (a.into(), b.into());
-    let dims = |t: &Tensor, name: &'static str| -> Result<[usize; 3]> {
-        let s: [usize; 3] = t.shape().try_into().map_err(|_| Error::WrongRank {
-            tensor: name,
-            expected: 3,
-            actual: t.shape().len(),
-            shape: t.shape().to_vec(),
-        })?;
-        if s.contains(&0) {
-            return Err(Error::ZeroSized {
-                tensor: name,
-                shape: s.to_vec(),
-            });
-        }
-        Ok(s)
-    };
-    let [batch, m, k] = dims(&a, "a")?;
-    let [bb, b1, b2] = dims(&b, "b")?;
+    let [batch, m, k] = a.dims::<3>("a")?;
+    let [bb, b1, b2] = b.dims::<3>("b")?;
     let (n, bk) = if trans_b { (b1, b2) } else { (b2, b1) };
     if bk != k || (bb != batch && bb != 1) {
         let expected = if trans_b {

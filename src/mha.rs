@@ -628,37 +628,7 @@ impl<'a> MhaForward<'a> {
         let c = self.mha.config;
         c.validate()?;
         let (h, g, d, e) = (c.num_heads, c.num_kv_heads, c.head_dim(), c.d_model);
-        let rank3 = |t: &Tensor, name: &'static str| -> Result<[usize; 3]> {
-            let s: [usize; 3] = t.shape().try_into().map_err(|_| Error::WrongRank {
-                tensor: name,
-                expected: 3,
-                actual: t.shape().len(),
-                shape: t.shape().to_vec(),
-            })?;
-            if s.contains(&0) {
-                return Err(Error::ZeroSized {
-                    tensor: name,
-                    shape: s.to_vec(),
-                });
-            }
-            Ok(s)
-        };
-        let rank4 = |t: &Tensor, name: &'static str| -> Result<[usize; 4]> {
-            let s: [usize; 4] = t.shape().try_into().map_err(|_| Error::WrongRank {
-                tensor: name,
-                expected: 4,
-                actual: t.shape().len(),
-                shape: t.shape().to_vec(),
-            })?;
-            if s.contains(&0) {
-                return Err(Error::ZeroSized {
-                    tensor: name,
-                    shape: s.to_vec(),
-                });
-            }
-            Ok(s)
-        };
-        let [b, lq, wq] = rank3(&self.query, "query")?;
+        let [b, lq, wq] = self.query.dims::<3>("query")?;
         if self.query_heads.is_none() && wq != e {
             return Err(Error::ShapeMismatch {
                 tensor: "query",
@@ -668,7 +638,7 @@ impl<'a> MhaForward<'a> {
         }
         let l = match &self.query_heads {
             Some(qh) => {
-                let s = rank4(qh, "query_heads")?;
+                let s = qh.dims::<4>("query_heads")?;
                 if (s[0] != b && s[0] != 1) || s[1] != h || s[3] != d {
                     return Err(Error::ShapeMismatch {
                         tensor: "query_heads",
@@ -685,7 +655,7 @@ impl<'a> MhaForward<'a> {
             Some(k) => (k, "key"),
             None => (&self.query, "query"),
         };
-        let [kb, s, kw] = rank3(key, kname)?;
+        let [kb, s, kw] = key.dims::<3>(kname)?;
         if kb != b || kw != c.kdim {
             return Err(Error::ShapeMismatch {
                 tensor: kname,
@@ -695,7 +665,7 @@ impl<'a> MhaForward<'a> {
         }
         match &self.value_heads {
             Some(vh) => {
-                let sh = rank4(vh, "value_heads")?;
+                let sh = vh.dims::<4>("value_heads")?;
                 if (sh[0] != b && sh[0] != 1) || sh[1] != g || sh[2] != s || sh[3] != d {
                     return Err(Error::ShapeMismatch {
                         tensor: "value_heads",
@@ -709,7 +679,7 @@ impl<'a> MhaForward<'a> {
                     Some(v) => (v, "value"),
                     None => (&self.query, "query"),
                 };
-                let [vb, vs, vw] = rank3(value, vname)?;
+                let [vb, vs, vw] = value.dims::<3>(vname)?;
                 if vb != b || vs != s || vw != c.vdim {
                     return Err(Error::ShapeMismatch {
                         tensor: vname,

@@ -58,6 +58,27 @@ impl<'a> Tensor<'a> {
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
+
+    /// The shape as exactly `N` non-zero dimensions, or the typed error naming `name`.
+    pub(crate) fn dims<const N: usize>(&self, name: &'static str) -> crate::error::Result<[usize; N]> {
+        let s: [usize; N] = self
+            .shape
+            .as_slice()
+            .try_into()
+            .map_err(|_| crate::error::Error::WrongRank {
+                tensor: name,
+                expected: N,
+                actual: self.shape.len(),
+                shape: self.shape.clone(),
+            })?;
+        if s.contains(&0) {
+            return Err(crate::error::Error::ZeroSized {
+                tensor: name,
+                shape: s.to_vec(),
+            });
+        }
+        Ok(s)
+    }
 }
 
 impl<'a, S, D> From<&'a ArrayBase<S, D>> for Tensor<'a>
