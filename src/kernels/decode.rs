@@ -83,7 +83,9 @@ fn prelude(p: &Problem, cpu: bool, subgroup: Option<u32>) -> String {
     let vec4_io = p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4);
     let (e4, ev4) = (p.head_dim.div_ceil(4), p.head_dim_v.div_ceil(4));
     let rb = [8, 4, 2, 1].into_iter().find(|r| ev4 % r == 0).unwrap_or(1);
+    #[cfg_attr(target_arch = "wasm32", allow(unused_mut))]
     let mut wg = if cpu { 8 } else { 64 };
+    #[cfg_attr(target_arch = "wasm32", allow(unused_mut))]
     let mut sg = cpu && subgroup == Some(wg);
     // Test override: WGPU_ATTENTION_DECODE=<invocations, a power of two>,<subgroup 0|1>.
     #[cfg(not(target_arch = "wasm32"))]
