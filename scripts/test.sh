@@ -43,8 +43,8 @@ cargo test --locked
 # tests again forcing each of the others on every problem: the unrolled CPU form whose K/V tile
 # is shared by subgroup shuffles (needs a fixed subgroup size of 8, as lavapipe has), and the
 # unrolled GPU form (64 invocations, one row each, K/V staged in workgroup memory), with the
-# decode kernel's GPU form too (64 invocations, reductions through workgroup memory).
+# decode kernel's GPU form too (64 invocations, unrolled, reductions through workgroup memory).
 echo "== attention tests, fused kernel forced to the unrolled subgroup form (small tiles)"
 WGPU_ATTENTION_FLASH=8,2,4,1,1 cargo test --locked --test sdpa --test golden --test mha
 echo "== attention tests, fused and decode kernels forced to their GPU forms (workgroup memory)"
-WGPU_ATTENTION_FLASH=64,1,4,1,0 WGPU_ATTENTION_DECODE=64,0 cargo test --locked --test sdpa --test golden --test mha
+WGPU_ATTENTION_FLASH=64,1,4,1,0 WGPU_ATTENTION_DECODE=64,0,1 cargo test --locked --test sdpa --test golden --test mha

@@ -1,0 +1,28 @@
+//! Where a cold first call's time goes: device creation, upload, the first `Sdpa::run`
+//! (which includes compiling the kernel) and a second, warm run. Run it with Mesa's shader cache
+//! disabled to see a fresh machine's first call:
+//! `MESA_SHADER_CACHE_DISABLE=true cargo run --release --example first_call`
+use ndarray::Array4;
+use std::time::Instant;
+use wgpu_attention::{Context, Sdpa};
+
+fn main() -> Result<(), wgpu_attention::Error> {
+    let start = Instant::now();
+    let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
+    let ctx = Context::new_blocking()?;
+    println!("adapter: {}", ctx.describe());
+    println!("context     {:8.1} ms", ms(start));
+    // Shape `a` of the benchmarks: B1 H8 L=S=1024 E64.
+    let f = |i: usize| ((i * 7919) % 1000) as f32 / 500.0 - 1.0;
+    let q = Array4::from_shape_fn((1, 8, 1024, 64), |(_, h, l, e)| f(h * 131 + l * 17 + e));
+    let k = Array4::from_shape_fn((1, 8, 1024, 64), |(_, h, s, e)| f(h * 71 + s * 13 + e + 5));
+    let v = Array4::from_shape_fn((1, 8, 1024, 64), |(_, h, s, e)| f(h * 37 + s * 11 + e + 9));
+    let t = Instant::now();
+    let out = Sdpa::new(&q, &k, &v).run_blocking(&ctx)?;
+    println!("first run   {:8.1} ms (output {:?})", ms(t), out.output.shape());
+    println!("to result   {:8.1} ms", ms(start));
+    let t = Instant::now();
+    Sdpa::new(&q, &k, &v).run_blocking(&ctx)?;
+    println!("second run  {:8.1} ms", ms(t));
+    Ok(())
+}
