@@ -79,7 +79,8 @@ fn attention(c: &mut Criterion) {
             let sdpa = gpu.sdpa().path(path);
             // One untimed run first: it compiles the shaders, and a path that cannot serve
             // this shape on this device is skipped instead of panicking inside criterion.
-            if let Err(e) = sdpa.run_blocking(&ctx) {
+            // Then wait for the fastest forms (CPU adapters compile them in the background).
+            if let Err(e) = sdpa.run_blocking(&ctx).and_then(|_| ctx.wait_idle()) {
                 eprintln!("{name}/{}: skipped: {e}", path.name());
                 continue;
             }
@@ -109,7 +110,7 @@ fn layers(c: &mut Criterion) {
                 continue;
             }
         };
-        if let Err(e) = bench.forward().run_blocking(&ctx) {
+        if let Err(e) = bench.forward().run_blocking(&ctx).and_then(|_| ctx.wait_idle()) {
             eprintln!("{}: skipped: {e}", shape.name);
             continue;
         }

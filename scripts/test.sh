@@ -39,12 +39,17 @@ echo "== clippy"
 cargo clippy --all-targets --locked -- -D warnings
 echo "== tests"
 cargo test --locked
-# The fused kernel has three forms; small problems above take the loop form. Run the attention
-# tests again forcing each of the others on every problem: the unrolled CPU form whose K/V tile
-# is shared by subgroup shuffles (needs a fixed subgroup size of 8, as lavapipe has), and the
-# unrolled GPU form (64 invocations, one row each, K/V staged in workgroup memory), with the
-# decode kernel's GPU form too (64 invocations, unrolled, reductions through workgroup memory).
-echo "== attention tests, fused kernel forced to the unrolled subgroup form (small tiles)"
+# The fused kernel has several forms. On lavapipe the suite above runs the unrolled CPU form
+# whose K/V tile is shared by subgroup shuffles (needs a fixed subgroup size of 8), with one
+# query row per invocation for small problems and first uses and several for large ones. Run the
+# attention tests again forcing each of the others on every problem: that form with 2 rows per
+# invocation (small tiles); the unrolled GPU form (64 invocations, one row each, K/V staged in
+# workgroup memory) with the decode kernel's GPU form (64 invocations, unrolled, reductions
+# through workgroup memory); and the loop form (CPU adapters without a fixed subgroup size),
+# with 3 rows per invocation.
+echo "== attention tests, fused kernel forced to the unrolled subgroup form, 2 rows per invocation"
 WGPU_ATTENTION_FLASH=8,2,4,1,1 cargo test --locked --test sdpa --test golden --test mha
 echo "== attention tests, fused and decode kernels forced to their GPU forms (workgroup memory)"
 WGPU_ATTENTION_FLASH=64,1,4,1,0 WGPU_ATTENTION_DECODE=64,0,1 cargo test --locked --test sdpa --test golden --test mha
+echo "== attention tests, fused kernel forced to the loop form (workgroup memory), 3 rows"
+WGPU_ATTENTION_FLASH=8,3,2,0,0 cargo test --locked --test sdpa --test golden --test mha

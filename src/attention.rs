@@ -809,7 +809,8 @@ fn record_unfused(
 
 fn record_fused(ctx: &Context, encoder: &mut wgpu::CommandEncoder, p: &Problem, io: &Io) -> Result<()> {
     let cfg = flash::Config::new(p, ctx.limits(), ctx.is_cpu(), ctx.fixed_subgroup_size())
-        .expect("resolve() checked the fused config");
+        .expect("resolve() checked the fused config")
+        .for_now(ctx);
     let q_tiles = (p.seq_q as u32).div_ceil(cfg.rows());
     let total = q_tiles as u64 * p.batch_heads() as u64;
     let max = ctx.limits().max_compute_workgroups_per_dimension as u64;

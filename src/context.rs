@@ -1,7 +1,7 @@
 //! The GPU context: a `wgpu::Device` + `Queue`, owned or adopted, with its limits, features
 //! and a cache of compute pipelines.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
@@ -24,6 +24,10 @@ struct Inner {
     limits: wgpu::Limits,
     features: wgpu::Features,
     pipelines: Mutex<HashMap<PipelineKey, Arc<Pipeline>>>,
+    /// Pipelines being created and warmed on background threads (see [`Context::warm`]).
+    warming: Mutex<HashSet<PipelineKey>>,
+    #[cfg(not(target_arch = "wasm32"))]
+    warm_threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     lost: Arc<Mutex<Option<String>>>,
 }
 
@@ -32,6 +36,16 @@ struct PipelineKey {
     name: &'static str,
     prelude: String,
     constants: Vec<(&'static str, u64)>,
+}
+
+impl PipelineKey {
+    fn new(spec: &KernelSpec, prelude: &str, constants: &[(&'static str, f64)]) -> Self {
+        PipelineKey {
+            name: spec.name,
+            prelude: prelude.to_string(),
+            constants: constants.iter().map(|&(n, v)| (n, v.to_bits())).collect(),
+        }
+    }
 }
 
 /// A compute pipeline with its bind-group layout.
@@ -129,6 +143,9 @@ impl Context {
                 queue,
                 info,
                 pipelines: Mutex::new(HashMap::new()),
+                warming: Mutex::new(HashSet::new()),
+                #[cfg(not(target_arch = "wasm32"))]
+                warm_threads: Mutex::new(Vec::new()),
                 lost,
             }),
         }
@@ -203,11 +220,7 @@ impl Context {
         prelude: &str,
         constants: &[(&'static str, f64)],
     ) -> Arc<Pipeline> {
-        let key = PipelineKey {
-            name: spec.name,
-            prelude: prelude.to_string(),
-            constants: constants.iter().map(|&(n, v)| (n, v.to_bits())).collect(),
-        };
+        let key = PipelineKey::new(spec, prelude, constants);
         if let Some(p) = self.inner.pipelines.lock().unwrap().get(&key) {
             return p.clone();
         }
@@ -307,6 +320,88 @@ impl Context {
                 other => Error::DeviceLost(other.to_string()),
             })?;
         self.check_lost()
+    }
+
+    /// Tiered compilation, for kernels whose fastest form compiles slowly on CPU adapters
+    /// (lavapipe compiles a shader with LLVM at its first dispatch: seconds for the unrolled
+    /// fused kernel). Returns whether the pipeline of `spec` with `prelude` is ready. If it is
+    /// not, and this is a native CPU adapter, it is created on a background thread and
+    /// dispatched once on an empty problem (`params` all zero: the kernel returns at once) so
+    /// that the driver compiles it while the caller is served by a quicker-to-compile form;
+    /// returns `false` then, and the caller uses that form. Elsewhere (GPUs compile at pipeline
+    /// creation; the web has no threads) returns `true`: use the pipeline directly.
+    pub(crate) fn warm(&self, spec: &'static KernelSpec, prelude: String, params_size: usize) -> bool {
+        #[cfg(target_arch = "wasm32")]
+        {
+            let _ = (spec, prelude, params_size);
+            true
+        }
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            if !self.is_cpu() {
+                return true;
+            }
+            let key = PipelineKey::new(spec, &prelude, &[]);
+            if self.inner.pipelines.lock().unwrap().contains_key(&key) {
+                return true;
+            }
+            if !self.inner.warming.lock().unwrap().insert(key.clone()) {
+                return false;
+            }
+            let ctx = self.clone();
+            let handle = std::thread::spawn(move || {
+                // Errors here would recur, and be reported, where the pipeline is used.
+                let _ = pollster::block_on(ctx.scoped(|| {
+                    let device = ctx.device();
+                    let buffers: Vec<wgpu::Buffer> = (1..spec.bindings.len())
+                        .map(|_| {
+                            device.create_buffer(&wgpu::BufferDescriptor {
+                                label: Some("wgpu-attention warm-up"),
+                                size: 256,
+                                usage: wgpu::BufferUsages::STORAGE,
+                                mapped_at_creation: false,
+                            })
+                        })
+                        .collect();
+                    let bindings: Vec<wgpu::BufferBinding> =
+                        buffers.iter().map(|b| b.as_entire_buffer_binding()).collect();
+                    let mut encoder = device.create_command_encoder(&Default::default());
+                    crate::kernels::dispatch(
+                        &ctx,
+                        &mut encoder,
+                        spec,
+                        &prelude,
+                        &[],
+                        &bindings,
+                        &vec![0u8; params_size],
+                        [1, 1, 1],
+                    )?;
+                    ctx.queue().submit([encoder.finish()]);
+                    Ok(())
+                }));
+                ctx.inner.warming.lock().unwrap().remove(&key);
+            });
+            self.inner.warm_threads.lock().unwrap().push(handle);
+            false
+        }
+    }
+
+    /// Wait until the queue is idle and every kernel being compiled in the background (on CPU
+    /// adapters the fused kernel's fastest form is compiled on a thread after its first use, which
+    /// a quicker-to-compile form serves) is ready. Call it before timing steady-state runs, or
+    /// before the process exits so that no compilation is cut off.
+    pub fn wait_idle(&self) -> Result<()> {
+        #[cfg(not(target_arch = "wasm32"))]
+        loop {
+            let handle = self.inner.warm_threads.lock().unwrap().pop();
+            match handle {
+                Some(h) => {
+                    let _ = h.join();
+                }
+                None => break,
+            }
+        }
+        self.wait()
     }
 
     /// Whether kernels read their params struct from a read-only storage buffer instead of a

@@ -66,18 +66,21 @@ pub(crate) struct Config {
     pub has_mask: bool,
     /// An additive bias is bound (else its code is compiled out).
     pub has_bias: bool,
+    /// Set by the `WGPU_ATTENTION_FLASH` override: run exactly this form.
+    pub pinned: bool,
 }
 
-/// On CPU adapters, problems below this many FLOPs use the kernel with loops (compiles in a
-/// tenth of a second); larger ones the unrolled kernel.
+/// On CPU adapters without a fixed subgroup size, problems below this many FLOPs use the
+/// kernel with loops; larger ones the unrolled kernel. With subgroups, problems below it take
+/// one query row per invocation (quickest to compile), larger ones several rows per invocation
+/// (the fastest form; see [`Config::for_now`]).
 pub(crate) const CPU_UNROLL_MIN_FLOPS: f64 = 2.5e8;
 
 impl Config {
     /// `None` when the head dims do not fit (E or Ev beyond 256) or the device is too small.
     /// `cpu`: the adapter is a CPU (lavapipe/llvmpipe, WARP), where each memory access costs far
-    /// more than arithmetic, so each invocation takes several rows, and where unrolled code runs
-    /// about twice as fast but compiles for seconds (once per machine: Mesa caches it on disk),
-    /// so only problems of at least [`CPU_UNROLL_MIN_FLOPS`] get it.
+    /// more than arithmetic, so each invocation takes several rows, and where unrolled code
+    /// compiles for seconds (once per machine: Mesa caches it on disk).
     /// `subgroup`: the device's subgroup size when it is fixed and subgroup operations are
     /// enabled; on CPU adapters with a subgroup of 4 to 16 the K/V tile then lives in
     /// registers and is shared by shuffles instead of workgroup memory.
@@ -91,17 +94,20 @@ impl Config {
             return None;
         }
         let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
-        let unroll = !cpu || p.flops() >= CPU_UNROLL_MIN_FLOPS;
+        let large = p.flops() >= CPU_UNROLL_MIN_FLOPS;
+        let sg = subgroup.filter(|s| cpu && (4..=16).contains(s));
+        let unroll = !cpu || large || sg.is_some();
         // On CPUs: about 256 vec4s of q (and of accumulator) per invocation (measured on
         // lavapipe at E = 64: 8 rows 315 ms, 16 rows 203 ms; keys per step matter little).
         let cpu_rows = (256 / e4.max(ev4)).clamp(1, 16);
-        let sg = subgroup.filter(|s| cpu && unroll && (4..=16).contains(s));
         #[cfg_attr(target_arch = "wasm32", allow(unused_mut))]
         let (mut wg, mut rq, mut kg): (u32, u32, u32) = match (cpu, unroll, sg) {
             (false, _, _) => (64, 1, 4),
-            // Measured on lavapipe at E = 64 (a_h8_s1024): 4 rows x 4 keys per step 127 ms
-            // (5.8 s to compile), 8 rows 126 ms (11.5 s), 16 rows 246 ms (spills).
-            (true, true, Some(s)) => (s, (64 / e4.max(ev4)).clamp(1, 8), 4),
+            // Measured on lavapipe at E = 64 (a_h8_s1024): 4 rows x 4 keys per step 85 ms but
+            // 5 s to compile, 1 row 1.2 s and 1.6x the time. Small problems (small_h4_s128):
+            // 1 row 0.9 s to compile and 2.6 ms, 2 rows 1.5 s and 1.9 ms; the loop form 2.3 s
+            // and 15 ms.
+            (true, _, Some(s)) => (s, if large { (64 / e4.max(ev4)).clamp(1, 8) } else { 1 }, 4),
             (true, true, None) => (8, cpu_rows, 2),
             (true, false, _) => (8, 2, 4),
         };
@@ -109,6 +115,8 @@ impl Config {
         let mut unroll = unroll;
         #[cfg_attr(target_arch = "wasm32", allow(unused_mut))]
         let mut sg_kv = sg.is_some();
+        #[cfg_attr(target_arch = "wasm32", allow(unused_mut))]
+        let mut pinned = false;
         // Tuning override for experiments: WGPU_ATTENTION_FLASH=<invocations>,<rows per
         // invocation>,<keys per step>,<unroll 0|1>[,<subgroup K/V 0|1>].
         #[cfg(not(target_arch = "wasm32"))]
@@ -117,6 +125,7 @@ impl Config {
             if let [a, b, c, d, ..] = v[..] {
                 (wg, rq, kg, unroll) = (a, b, c, d != 0);
                 sg_kv = v.get(4).is_some_and(|&e| e != 0) && subgroup == Some(a) && unroll;
+                pinned = true;
             }
         }
         if wg == 0
@@ -149,7 +158,25 @@ impl Config {
                 has_mask: p.mask.is_some(),
                 has_bias: p.bias.is_some(),
                 sg_kv,
+                pinned,
             })
+    }
+
+    /// The configuration to run now. On CPU adapters the fastest form (several query rows per
+    /// invocation) takes seconds to compile the first time: lavapipe compiles at the first
+    /// dispatch, about 5 s at E = 64 on a machine without a warm Mesa cache. Until it is ready,
+    /// calls are served by the same kernel with one row per invocation (about 1.2 s to compile,
+    /// 1.6x the run time; each row's arithmetic is the same, so are the results) while the fast
+    /// form is compiled in the background ([`Context::warm`]); later calls get it.
+    pub(crate) fn for_now(self, ctx: &Context) -> Config {
+        if self.rq == 1 || self.pinned || !self.unroll {
+            return self;
+        }
+        if ctx.warm(&SPEC, self.prelude(), std::mem::size_of::<Params>()) {
+            self
+        } else {
+            Config { rq: 1, ..self }
+        }
     }
 
     /// Query rows per workgroup.

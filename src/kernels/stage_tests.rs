@@ -230,3 +230,47 @@ fn softmax_stage_matches_reference_masked_softmax() {
         assert!(r.passed(), "{causal:?} lse: {r}");
     }
 }
+
+/// Tiered compilation of the fused kernel: on a CPU adapter with a fixed subgroup size, a large
+/// problem's first call is served by the one-row-per-invocation form while the fastest form
+/// compiles in the background; after `wait_idle` the fastest form runs. Both match the
+/// reference, and give the same bits (each row's arithmetic is the same).
+#[test]
+fn fused_first_use_form_and_fastest_form_agree() {
+    use super::flash;
+    use crate::{Path, Sdpa};
+    let Some(ctx) = ctx() else { return };
+    // E = 64, Ev = 40 (4 rows per invocation on lavapipe), L and S not multiples of any tile.
+    let (b, h, l, s, e, ev) = (1, 4, 603, 611, 64, 40);
+    let q = Array4::from_shape_vec((b, h, l, e), lcg(b * h * l * e, 1)).unwrap();
+    let k = Array4::from_shape_vec((b, h, s, e), lcg(b * h * s * e, 2)).unwrap();
+    let v = Array4::from_shape_vec((b, h, s, ev), lcg(b * h * s * ev, 3)).unwrap();
+    let sdpa = || Sdpa::new(&q, &k, &v).path(Path::Fused);
+    let p = sdpa().problem().unwrap();
+    assert!(p.flops() >= flash::CPU_UNROLL_MIN_FLOPS);
+    let full = flash::Config::new(&p, ctx.limits(), ctx.is_cpu(), ctx.fixed_subgroup_size()).unwrap();
+    let tiered = ctx.is_cpu() && !full.pinned && full.rq > 1 && !cfg!(target_arch = "wasm32");
+    if tiered {
+        assert_eq!(
+            full.for_now(&ctx).rq,
+            1,
+            "a fresh context serves the one-row form first"
+        );
+    }
+    let first = sdpa().run_blocking(&ctx).unwrap().output;
+    ctx.wait_idle().unwrap();
+    assert_eq!(
+        full.for_now(&ctx),
+        full,
+        "after wait_idle the fastest form is ready"
+    );
+    let second = sdpa().run_blocking(&ctx).unwrap().output;
+    let want = reference::sdpa(q.view(), k.view(), v.view(), &Spec::default())
+        .unwrap()
+        .out;
+    for (name, got) in [("first use", &first), ("fastest", &second)] {
+        let r = compare(got.iter().copied(), want.iter().copied(), F32_TOLERANCE);
+        assert!(r.passed(), "{name}: {r}");
+    }
+    assert_eq!(first, second, "the two forms differ");
+}
