@@ -85,7 +85,8 @@ fn main(
     if (wid >= p.total) {
         return;
     }
-    let qt = wid % p.q_tiles;
+    // Heaviest query tiles (the last, under a causal mask) first: better balance at the end.
+    let qt = p.q_tiles - 1u - wid % p.q_tiles;
     let bh = wid / p.q_tiles;
     let b = bh / p.heads;
     let h = bh % p.heads;
