@@ -12,6 +12,11 @@ use crate::kernels::{Binding, KernelSpec};
 /// Create one with [`Context::new`] (wgpu's default adapter; `WGPU_BACKEND`,
 /// `WGPU_ADAPTER_NAME` and `WGPU_POWER_PREF` are honoured) or adopt your own device with
 /// [`Context::from_device`]. Cloning is cheap and shares the pipeline cache.
+///
+/// On CPU adapters (lavapipe), where compiling the fastest form of the fused kernel takes
+/// seconds, a large problem's first call is served by a quicker-to-compile form while the
+/// fastest one compiles in the background (same results, bit for bit). [`Context::wait_idle`]
+/// waits for that; call it before timing steady-state runs and before the process exits.
 #[derive(Clone)]
 pub struct Context {
     inner: Arc<Inner>,

@@ -804,83 +804,52 @@ impl<'a> MhaForward<'a> {
             let value = value_in.as_ref().map(|v| v.upload(ctx, "value"));
             let key_b = key.as_ref().map(|k| k.binding()).unwrap_or(query.binding());
             let value_b = value.as_ref().map(|v| v.binding()).unwrap_or(query.binding());
-            // Query heads: projected, or given (broadcast over the batch if its batch is 1).
-            match &qh_in {
-                Some(op) => {
-                    let given = op.upload(ctx, "query_heads");
-                    let bstride = if self.query_heads.as_ref().unwrap().shape()[0] == 1 {
-                        0
-                    } else {
-                        h * l * d
-                    };
-                    permute::record(
-                        ctx,
-                        encoder,
-                        given.binding(),
-                        binding(&qh, 0, qh.size()),
-                        [b, h, l, d],
-                        [bstride, l * d, d, 1],
-                    )?;
+            // Heads [B, n, T, d]: given (broadcast over the batch if its batch is 1), or the
+            // projection of `x` [B, T, in_dim], split.
+            let mut heads = |given: Option<(&Operand, &Tensor, &'static str)>,
+                             x: wgpu::BufferBinding<'_>,
+                             (w, bias): (&wgpu::Buffer, Option<&wgpu::Buffer>),
+                             dst: &wgpu::Buffer,
+                             [t, n, in_dim]: [usize; 3]|
+             -> Result<()> {
+                match given {
+                    Some((op, tensor, name)) => {
+                        let given = op.upload(ctx, name);
+                        let bstride = if tensor.shape()[0] == 1 { 0 } else { n * t * d };
+                        permute::record(
+                            ctx,
+                            encoder,
+                            given.binding(),
+                            binding(dst, 0, dst.size()),
+                            [b, n, t, d],
+                            [bstride, t * d, d, 1],
+                        )
+                    }
+                    None => {
+                        let proj = buffer("projection", b * t * n * d);
+                        project(ctx, encoder, x, w, bias, &proj, [b * t, n * d, in_dim], &dummy)?;
+                        split_heads(ctx, encoder, &proj, dst, [b, t, n, d])
+                    }
                 }
-                None => {
-                    let proj = buffer("query projection", b * l * h * d);
-                    project(
-                        ctx,
-                        encoder,
-                        query.binding(),
-                        &self.mha.w_q,
-                        self.mha.b_q.as_ref(),
-                        &proj,
-                        [b * l, h * d, e],
-                        &dummy,
-                    )?;
-                    split_heads(ctx, encoder, &proj, &qh, [b, l, h, d])?;
-                }
-            }
-            let proj = buffer("key projection", b * s * g * d);
-            project(
-                ctx,
-                encoder,
-                key_b,
-                &self.mha.w_k,
-                self.mha.b_k.as_ref(),
-                &proj,
-                [b * s, g * d, c.kdim],
-                &dummy,
+            };
+            let m = &self.mha;
+            let given_q = qh_in.as_ref().zip(self.query_heads.as_ref());
+            let given_v = vh_in.as_ref().zip(self.value_heads.as_ref());
+            heads(
+                given_q.map(|(o, t)| (o, t, "query_heads")),
+                query.binding(),
+                (&m.w_q, m.b_q.as_ref()),
+                &qh,
+                [l, h, e],
             )?;
-            split_heads(ctx, encoder, &proj, &kh, [b, s, g, d])?;
-            match &vh_in {
-                Some(op) => {
-                    let given = op.upload(ctx, "value_heads");
-                    let bstride = if self.value_heads.as_ref().unwrap().shape()[0] == 1 {
-                        0
-                    } else {
-                        g * s * d
-                    };
-                    permute::record(
-                        ctx,
-                        encoder,
-                        given.binding(),
-                        binding(&vh, 0, vh.size()),
-                        [b, g, s, d],
-                        [bstride, s * d, d, 1],
-                    )?;
-                }
-                None => {
-                    let proj = buffer("value projection", b * s * g * d);
-                    project(
-                        ctx,
-                        encoder,
-                        value_b,
-                        &self.mha.w_v,
-                        self.mha.b_v.as_ref(),
-                        &proj,
-                        [b * s, g * d, c.vdim],
-                        &dummy,
-                    )?;
-                    split_heads(ctx, encoder, &proj, &vh, [b, s, g, d])?;
-                }
-            }
+            heads(None, key_b, (&m.w_k, m.b_k.as_ref()), &kh, [s, g, c.kdim])?;
+            heads(
+                given_v.map(|(o, t)| (o, t, "value_heads")),
+                value_b,
+                (&m.w_v, m.b_v.as_ref()),
+                &vh,
+                [s, g, c.vdim],
+            )?;
             Ok(())
         };
         // Stage 2: attention.
