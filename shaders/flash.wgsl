@@ -209,17 +209,15 @@ fn main(
                     }
                 }
             }
-            // Online softmax: new max per row, rescale once, then weights.
+            // Online softmax: new max per row, the rescale factor, then weights.
+            var alpha: array<f32, RQ>;
             for (var r = 0u; r < RQ; r++) { // unroll
                 var smax = m[r];
                 for (var jj = 0u; jj < KG; jj++) { // unroll
                     smax = max(smax, sc[r * KG + jj]);
                 }
-                let alpha = exp(m[r] - smax);
-                sum[r] *= alpha;
-                for (var d4 = 0u; d4 < EV4; d4++) { // unroll
-                    acc[r * EV4 + d4] *= alpha;
-                }
+                alpha[r] = exp(m[r] - smax);
+                sum[r] *= alpha[r];
                 var s = 0.0;
                 for (var jj = 0u; jj < KG; jj++) { // unroll
                     let x = sc[r * KG + jj];
@@ -230,14 +228,20 @@ fn main(
                 sum[r] += s;
                 m[r] = smax;
             }
-            // Accumulate P V; each V element read once for RQ rows. Keys past kv_end have
-            // p = 0 and a zero V row.
-            for (var jj = 0u; jj < KG; jj++) { // unroll
-                for (var d4 = 0u; d4 < EV4; d4++) { // unroll
-                    let vv = value_at(jg + jj, d4);
-                    for (var r = 0u; r < RQ; r++) { // unroll
-                        acc[r * EV4 + d4] += sc[r * KG + jj] * vv;
+            // Rescale and accumulate P V, one vec4 column block at a time, so that each
+            // accumulator is read and written once per step; each V element is read once for
+            // RQ rows. Keys past kv_end have p = 0 and a zero V row.
+            for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+                var vv: array<vec4<f32>, KG>;
+                for (var jj = 0u; jj < KG; jj++) { // unroll
+                    vv[jj] = value_at(jg + jj, d4);
+                }
+                for (var r = 0u; r < RQ; r++) { // unroll
+                    var a = acc[r * EV4 + d4] * alpha[r];
+                    for (var jj = 0u; jj < KG; jj++) { // unroll
+                        a += sc[r * KG + jj] * vv[jj];
                     }
+                    acc[r * EV4 + d4] = a;
                 }
             }
         }
