@@ -5,7 +5,8 @@
 // 4, else flash_io_scalar.wgsl, which define q, k, v, out and load_q/load_k/load_v/store_out):
 //   const E4: u32   -- head dim E in vec4s, rounded up (zero padded)
 //   const EV4: u32  -- value head dim Ev in vec4s, rounded up
-//   const BK: u32   -- keys per tile; BK * (E4 + EV4) * 16 bytes of workgroup memory
+//   const BK: u32   -- keys per tile; KT * (E4 + EV4) * 16 bytes of workgroup memory, where
+//                      KT = BK, or 1 when SG_KV leaves the workgroup tiles unused
 //   const WG: u32   -- invocations per workgroup
 //   const KG: u32   -- keys per unrolled step; NG = BK / KG steps per tile
 //   const SG_KV: bool -- the K/V tile lives in registers, one key per invocation, and is read
@@ -68,8 +69,9 @@ const START: f32 = -3.4e38;
 @group(0) @binding(7) var<storage, read_write> lse: array<f32>;
 @group(0) @binding(8) var<uniform> p: Params;
 
-var<workgroup> k_tile: array<vec4<f32>, BK * E4>;
-var<workgroup> v_tile: array<vec4<f32>, BK * EV4>;
+// KT = BK rows, or 1 with SG_KV, where the tiles are unused (they must still be declared).
+var<workgroup> k_tile: array<vec4<f32>, KT * E4>;
+var<workgroup> v_tile: array<vec4<f32>, KT * EV4>;
 // With SG_KV: this invocation's key and value row of the current tile.
 var<private> k_reg: array<vec4<f32>, E4>;
 var<private> v_reg: array<vec4<f32>, EV4>;

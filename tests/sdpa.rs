@@ -55,6 +55,28 @@ fn grid_of_shapes_and_masks_matches_reference() {
     }
 }
 
+/// Head dims at and near the fused kernel's limit of 256, on every path (the fused kernel must
+/// serve them, not fall back), with every mask kind combined.
+#[test]
+fn head_dims_up_to_256_on_every_path() {
+    let Some(ctx) = ctx() else { return };
+    for (i, (e, ev)) in [(256, 256), (256, 3), (255, 129), (1, 256), (252, 200)]
+        .into_iter()
+        .enumerate()
+    {
+        let case = Case::random((1, 2, 1, 9, 21, e, ev), 40 + i as u64)
+            .with_causal(Causal::BottomRight)
+            .with_random_mask(41)
+            .with_random_bias(42);
+        assert_eq!(
+            case.sdpa().resolved_path(ctx).unwrap(),
+            Path::Fused,
+            "E {e}, Ev {ev}"
+        );
+        case.check_all_paths(ctx, TOL, &format!("E {e}, Ev {ev}"));
+    }
+}
+
 #[test]
 fn fully_masked_row_is_zero() {
     let Some(ctx) = ctx() else { return };

@@ -141,11 +141,14 @@ impl Config {
         let budget = WG_MEMORY
             .min(limits.max_compute_workgroup_storage_size)
             .saturating_sub(16);
+        // Keys per tile, and the rows of K/V the workgroup stages (none with subgroup sharing,
+        // but WGSL needs a non-empty array: one row).
         let tiles: &[u32] = if sg_kv { &[wg] } else { &[64, 32, 16, 8, 4] };
+        let staged = |bk: u32| if sg_kv { 1 } else { bk };
         tiles
             .iter()
             .copied()
-            .find(|bk| bk * (e4 + ev4) * 16 <= budget)
+            .find(|&bk| staged(bk) * (e4 + ev4) * 16 <= budget)
             .map(|bk| Config {
                 e4,
                 ev4,
@@ -189,12 +192,13 @@ impl Config {
         // Naga takes the subgroup built-ins without `enable subgroups;` (which it rejects).
         let kv = if self.sg_kv { KV_SUBGROUP } else { KV_SHARED };
         format!(
-            "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BK: u32 = {}u;\nconst WG: u32 = {}u;\n\
+            "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BK: u32 = {}u;\nconst KT: u32 = {}u;\nconst WG: u32 = {}u;\n\
              const RQ: u32 = {}u;\nconst KG: u32 = {}u;\nconst NG: u32 = {}u;\nconst HAS_MASK: bool = {};\n\
              const HAS_BIAS: bool = {};\nconst UNROLL: bool = {};\nconst SG_KV: bool = {};\n{io}{kv}",
             self.e4,
             self.ev4,
             self.bk,
+            if self.sg_kv { 1 } else { self.bk },
             self.wg,
             self.rq,
             self.kg,
@@ -248,5 +252,19 @@ mod tests {
         }
         let p = Problem::new(&[1, 1, 1, 257], &[1, 1, 1, 257], &[1, 1, 1, 4]).unwrap();
         assert!(Config::new(&p, &limits, false, None).is_none());
+    }
+
+    /// Every head dim up to 256 has a fused form on every kind of adapter (the subgroup form
+    /// stages no K/V tile in workgroup memory, so its budget must not count one).
+    #[test]
+    fn every_form_serves_head_dims_up_to_256() {
+        let limits = wgpu::Limits::default();
+        for (e, ev) in [(1, 1), (64, 64), (255, 129), (256, 256), (256, 3)] {
+            let p = Problem::new(&[1, 1, 1, e], &[1, 1, 1, e], &[1, 1, 1, ev]).unwrap();
+            for (cpu, sg) in [(false, None), (true, None), (true, Some(8)), (true, Some(32))] {
+                let c = Config::new(&p, &limits, cpu, sg);
+                assert!(c.is_some(), "E {e}, Ev {ev}, cpu {cpu}, subgroup {sg:?}");
+            }
+        }
     }
 }
