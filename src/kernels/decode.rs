@@ -82,8 +82,9 @@ fn prelude(p: &Problem, cpu: bool, subgroup: Option<u32>) -> String {
     // CPU adapters run the loops as written: on lavapipe at d_decode_h32_s4096_e128 the
     // unrolled kernel took 2.6 s to compile (each per-invocation load becomes a loop over the
     // SIMD lanes) and ran in 41 ms; the looped one compiles in 1.3 s and runs in 36 ms.
+    let fits = p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM;
     #[cfg_attr(target_arch = "wasm32", allow(unused_mut))]
-    let mut unroll = !cpu && p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM;
+    let mut unroll = !cpu && fits;
     let vec4_io = p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4);
     let (e4, ev4) = (p.head_dim.div_ceil(4), p.head_dim_v.div_ceil(4));
     let rb = [8, 4, 2, 1].into_iter().find(|r| ev4 % r == 0).unwrap_or(1);
@@ -101,7 +102,7 @@ fn prelude(p: &Problem, cpu: bool, subgroup: Option<u32>) -> String {
                 wg = a;
                 sg = b != 0 && subgroup == Some(a);
                 if let Some(&u) = v.get(2) {
-                    unroll = u != 0 && p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM;
+                    unroll = u != 0 && fits;
                 }
             }
         }

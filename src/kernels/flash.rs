@@ -141,14 +141,11 @@ impl Config {
         let budget = WG_MEMORY
             .min(limits.max_compute_workgroup_storage_size)
             .saturating_sub(16);
-        // Keys per tile, and the rows of K/V the workgroup stages (none with subgroup sharing,
-        // but WGSL needs a non-empty array: one row).
         let tiles: &[u32] = if sg_kv { &[wg] } else { &[64, 32, 16, 8, 4] };
-        let staged = |bk: u32| if sg_kv { 1 } else { bk };
         tiles
             .iter()
             .copied()
-            .find(|&bk| staged(bk) * (e4 + ev4) * 16 <= budget)
+            .find(|&bk| staged_rows(sg_kv, bk) * (e4 + ev4) * 16 <= budget)
             .map(|bk| Config {
                 e4,
                 ev4,
@@ -198,7 +195,7 @@ impl Config {
             self.e4,
             self.ev4,
             self.bk,
-            if self.sg_kv { 1 } else { self.bk },
+            staged_rows(self.sg_kv, self.bk),
             self.wg,
             self.rq,
             self.kg,
@@ -208,6 +205,17 @@ impl Config {
             self.unroll,
             self.sg_kv,
         )
+    }
+}
+
+/// Rows of K (and of V) the workgroup stages in workgroup memory, `KT` in the shader: the
+/// whole tile of `bk` keys, or, with subgroup sharing, none; WGSL needs a non-empty array,
+/// so one row then.
+fn staged_rows(sg_kv: bool, bk: u32) -> u32 {
+    if sg_kv {
+        1
+    } else {
+        bk
     }
 }
 
