@@ -1,7 +1,9 @@
 //! The GPU context: a `wgpu::Device` + `Queue`, owned or adopted, with its limits, features
 //! and a cache of compute pipelines.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
+#[cfg(not(target_arch = "wasm32"))]
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
@@ -30,6 +32,7 @@ struct Inner {
     features: wgpu::Features,
     pipelines: Mutex<HashMap<PipelineKey, Arc<Pipeline>>>,
     /// Pipelines being created and warmed on background threads (see [`Context::warm`]).
+    #[cfg(not(target_arch = "wasm32"))]
     warming: Mutex<HashSet<PipelineKey>>,
     #[cfg(not(target_arch = "wasm32"))]
     warm_threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
@@ -148,6 +151,7 @@ impl Context {
                 queue,
                 info,
                 pipelines: Mutex::new(HashMap::new()),
+                #[cfg(not(target_arch = "wasm32"))]
                 warming: Mutex::new(HashSet::new()),
                 #[cfg(not(target_arch = "wasm32"))]
                 warm_threads: Mutex::new(Vec::new()),
