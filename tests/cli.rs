@@ -7,7 +7,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use ndarray::{Array3, Array4};
+use ndarray::ArrayD;
 use ndarray_npy::read_npy;
 use wgpu_attention::check::compare;
 
@@ -33,6 +33,19 @@ fn cli(args: &[&str]) -> std::process::Output {
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
+}
+
+/// The f32 `.npy` the tool wrote at `got` has rank `ndim`, the shape of the f64 fixture
+/// `want`, and matches it at the crate tolerance.
+fn assert_npy_matches(got: &Path, want: &Path, ndim: usize, label: &str) {
+    let got: ArrayD<f32> = read_npy(got).unwrap();
+    let want: ArrayD<f64> = read_npy(want).unwrap();
+    assert_eq!(got.ndim(), ndim, "{label}: rank");
+    assert_eq!(got.shape(), want.shape(), "{label}: shape");
+    common::assert_report(
+        compare(got.iter().copied(), want.iter().copied(), common::TOL),
+        label,
+    );
 }
 
 #[test]
@@ -63,18 +76,8 @@ fn mha_cross_attention_on_the_gpu_with_weights_and_heatmap() {
         s(&png),
     ]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-    let got: Array3<f32> = read_npy(&o).unwrap();
-    let want: Array3<f64> = read_npy(fixture(c, "out.npy")).unwrap();
-    common::assert_report(
-        compare(got.iter().copied(), want.iter().copied(), common::TOL),
-        "cli out",
-    );
-    let got: Array4<f32> = read_npy(&w).unwrap();
-    let want: Array4<f64> = read_npy(fixture(c, "attn_weights_per_head.npy")).unwrap();
-    common::assert_report(
-        compare(got.iter().copied(), want.iter().copied(), common::TOL),
-        "cli weights",
-    );
+    assert_npy_matches(&o, &fixture(c, "out.npy"), 3, "cli out");
+    assert_npy_matches(&w, &fixture(c, "attn_weights_per_head.npy"), 4, "cli weights");
     let bytes = std::fs::read(&png).unwrap();
     assert_eq!(&bytes[1..4], b"PNG");
 }
@@ -103,18 +106,8 @@ fn mha_key_padding_in_pytorch_convention_on_the_cpu_reference() {
         "--cpu",
     ]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-    let got: Array3<f32> = read_npy(&o).unwrap();
-    let want: Array3<f64> = read_npy(fixture(c, "out.npy")).unwrap();
-    common::assert_report(
-        compare(got.iter().copied(), want.iter().copied(), common::TOL),
-        "cli cpu out",
-    );
-    let got: Array3<f32> = read_npy(&w).unwrap();
-    let want: Array3<f64> = read_npy(fixture(c, "attn_weights_avg.npy")).unwrap();
-    common::assert_report(
-        compare(got.iter().copied(), want.iter().copied(), common::TOL),
-        "cli avg weights",
-    );
+    assert_npy_matches(&o, &fixture(c, "out.npy"), 3, "cli cpu out");
+    assert_npy_matches(&w, &fixture(c, "attn_weights_avg.npy"), 3, "cli avg weights");
 }
 
 #[test]
