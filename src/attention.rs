@@ -49,16 +49,17 @@ impl Path {
 }
 
 impl std::str::FromStr for Path {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "auto" => Ok(Path::Auto),
-            "unfused" => Ok(Path::Unfused),
-            "fused" => Ok(Path::Fused),
-            other => Err(format!(
-                "unknown path {other:?} (expected auto, unfused or fused)"
-            )),
-        }
+    type Err = Error;
+    /// Parses the names [`Path::name`] gives: `auto`, `unfused`, `fused`, `decode`.
+    fn from_str(s: &str) -> Result<Self> {
+        std::iter::once(Path::Auto)
+            .chain(Path::ALL)
+            .find(|p| p.name() == s)
+            .ok_or_else(|| Error::UnknownName {
+                kind: "path",
+                name: s.to_string(),
+                expected: "auto, unfused, fused, decode",
+            })
     }
 }
 
@@ -1039,4 +1040,18 @@ pub fn merge_blocking(
     lse2: &Array3<f32>,
 ) -> Result<(Array4<f32>, Array3<f32>)> {
     pollster::block_on(merge(ctx, o1, lse1, o2, lse2))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every path parses from its own name (the CLI once mapped "decode" to auto).
+    #[test]
+    fn every_path_parses_from_its_name() {
+        for path in std::iter::once(Path::Auto).chain(Path::ALL) {
+            assert_eq!(path.name().parse::<Path>(), Ok(path));
+        }
+        assert!(matches!("flash".parse::<Path>(), Err(Error::UnknownName { kind: "path", .. })));
+    }
 }

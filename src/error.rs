@@ -53,6 +53,16 @@ pub enum Error {
         /// The shape it has.
         actual: Vec<usize>,
     },
+    /// A name (of a path, a kernel form, ...) that the crate does not know.
+    #[error("unknown {kind} {name:?} (expected one of: {expected})")]
+    UnknownName {
+        /// What was being named (`"path"`, ...).
+        kind: &'static str,
+        /// The name given.
+        name: String,
+        /// The names accepted.
+        expected: &'static str,
+    },
     /// A multi-head attention configuration breaks a divisibility rule.
     #[error("invalid multi-head attention config: {reason}")]
     InvalidConfig {

@@ -153,8 +153,8 @@ fn path_parser() -> impl TypedValueParser<Value = Path> {
         .chain(Path::ALL)
         .map(Path::name)
         .collect();
-    // Every listed name parses, so the default is never used.
-    clap::builder::PossibleValuesParser::new(names).map(|s| s.parse::<Path>().unwrap_or_default())
+    // A listed name that did not parse would be refused, never replaced by a default.
+    clap::builder::PossibleValuesParser::new(names).try_map(|s| s.parse::<Path>())
 }
 
 #[derive(Args)]
