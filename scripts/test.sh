@@ -33,23 +33,17 @@ if command -v rustup >/dev/null; then
   rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
 fi
 
-echo "== rustfmt"
-cargo fmt --all -- --check
-echo "== clippy"
-cargo clippy --all-targets --locked -- -D warnings
-echo "== tests"
-cargo test --locked
-# The fused kernel has several forms. On lavapipe the suite above runs the unrolled CPU form
-# whose K/V tile is shared by subgroup shuffles (needs a fixed subgroup size of 8), with one
-# query row per invocation for small problems and first uses and several for large ones. Run the
-# attention tests again forcing each of the others on every problem: that form with 2 rows per
-# invocation (small tiles); the unrolled GPU form (64 invocations, one row each, K/V staged in
-# workgroup memory) with the decode kernel's GPU form (64 invocations, unrolled, reductions
-# through workgroup memory); and the loop form (CPU adapters without a fixed subgroup size),
-# with 3 rows per invocation.
-echo "== attention tests, fused kernel forced to the unrolled subgroup form, 2 rows per invocation"
-WGPU_ATTENTION_FLASH=8,2,4,1,1 cargo test --locked --test sdpa --test golden --test mha
-echo "== attention tests, fused and decode kernels forced to their GPU forms (workgroup memory)"
-WGPU_ATTENTION_FLASH=64,1,4,1,0 WGPU_ATTENTION_DECODE=64,0,1 cargo test --locked --test sdpa --test golden --test mha
-echo "== attention tests, fused kernel forced to the loop form (workgroup memory), 3 rows"
-WGPU_ATTENTION_FLASH=8,3,2,0,0 cargo test --locked --test sdpa --test golden --test mha
+stage() { # stage <name> <command...>: run a stage and print its wall time
+  local name=$1 t0=$SECONDS; shift
+  echo "== $name"
+  "$@"
+  echo "== $name: $((SECONDS - t0)) s"
+}
+
+stage rustfmt cargo fmt --all -- --check
+stage clippy cargo clippy --all-targets --locked -- -D warnings
+# Every test with the kernels' default forms (the plan's choice on this device); tests/forms.rs
+# checks the form-dependent cases (shapes with tails, every mask kind, head dims up to 256, the
+# large case, decode shapes, the goldens, one MHA layer) against every other form the device
+# can run, in one process with one reference per case.
+stage tests cargo test --locked

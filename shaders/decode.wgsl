@@ -6,53 +6,23 @@
 // logsumexp. `merge.wgsl` then combines the splits by the logsumexp rule. A split with no
 // allowed key writes 0 and logsumexp -inf.
 //
-// The host prepends the constants WG (invocations, a power
-// of two), E4 and EV4 (head dims in vec4s), RB (a divisor of EV4, at most 8) and NRB = EV4 / RB, HAS_MASK, HAS_BIAS and UNROLL (see flash.wgsl), and the input/output bindings
-// (flash_io_vec4.wgsl or flash_io_scalar.wgsl; `out` is part_out, whose rows are Ev wide too).
+// The host (src/kernels/decode.rs) prepends `Params` (generated from the Rust struct: l, s,
+// e, ev, heads, group, splits, total, scale, chunk = keys per split, and the masks `m`), the
+// shared snippets common/softmax.wgsl, common/masks.wgsl, the input/output bindings
+// (common/io_vec4.wgsl or common/io_scalar.wgsl; `out` is part_out, whose rows are Ev wide
+// too), the workgroup reductions (common/reduce_shared.wgsl, or common/reduce_subgroup.wgsl
+// where the workgroup is one subgroup), and the constants WG (invocations, a power of two),
+// E4 and EV4 (head dims in vec4s), HAS_MASK, HAS_BIAS and UNROLL (see flash.wgsl).
 //
 // Each invocation takes a strided subset of the split's keys and keeps its own online softmax
 // state (running max, sum and accumulator over its keys, the query row in registers, vec4 loads
-// of K and V). The invocations' states are then merged through workgroup memory: the split's max,
-// each state rescaled to it, sums and accumulators added (the accumulator in blocks of RB vec4s).
+// of K and V). The invocations' states are then merged by the workgroup reductions: the
+// split's max, each state rescaled to it, sums and accumulators added.
 //
-// Bindings: 0 q, 1 k, 2 v, 3 mask, 4 bias, 5 kv_lens (read);
+// Bindings: 0 mask, 1 bias, 2 kv_lens, 3 q, 4 k, 5 v (read);
 //           6 part_out [splits][B*Hq*L][Ev], 7 part_lse [splits][B*Hq*L] (read_write); 8 params.
 
-struct Params {
-    l: u32,
-    s: u32,
-    e: u32,
-    ev: u32,
-    heads: u32,
-    group: u32,
-    splits: u32,
-    total: u32,
-    scale: f32,
-    has_causal: u32,
-    causal_off: i32,
-    has_mask: u32,
-    has_bias: u32,
-    has_lens: u32,
-    mask_b: u32,
-    mask_h: u32,
-    mask_l: u32,
-    bias_b: u32,
-    bias_h: u32,
-    bias_l: u32,
-    bias_s: u32,
-    chunk: u32, // keys per split
-    _pad1: u32,
-    _pad2: u32,
-}
-
-const MASKED: f32 = -3.0e38;
-const START: f32 = -3.4e38;
-
-@group(0) @binding(3) var<storage, read> mask: array<u32>;
-@group(0) @binding(4) var<storage, read> bias: array<f32>;
-@group(0) @binding(5) var<storage, read> kv_lens: array<u32>;
 @group(0) @binding(7) var<storage, read_write> part_lse: array<f32>;
-@group(0) @binding(8) var<uniform> p: Params;
 
 // This invocation's accumulator over its keys.
 var<private> acc: array<vec4<f32>, EV4>;
@@ -77,13 +47,7 @@ fn main(
 
     // Allowed keys of this row within the split: [j_begin, j_end).
     let j_begin = split * p.chunk;
-    var j_end = min(p.s, j_begin + p.chunk);
-    if (p.has_lens != 0u) {
-        j_end = min(j_end, kv_lens[b]);
-    }
-    if (p.has_causal != 0u) {
-        j_end = min(j_end, u32(clamp(i32(i) + p.causal_off + 1, 0, i32(p.s))));
-    }
+    let j_end = min(j_begin + p.chunk, key_end(b, i));
 
     var qr: array<vec4<f32>, E4>;
     for (var d4 = 0u; d4 < E4; d4++) { // unroll
@@ -102,20 +66,10 @@ fn main(
         for (var d4 = 0u; d4 < E4; d4++) { // unroll
             d += qr[d4] * load_k(kvrow, d4);
         }
-        var x = d.x + d.y + d.z + d.w;
-        var keep = j < j_end;
-        if (HAS_MASK) {
-            let w = mask[b * p.mask_b + h * p.mask_h + i * p.mask_l + min(j, p.s - 1u) / 32u];
-            keep = keep && (w & (1u << (j % 32u))) != 0u;
-        }
-        if (HAS_BIAS) {
-            x += bias[b * p.bias_b + h * p.bias_h + i * p.bias_l + min(j, p.s - 1u) * p.bias_s];
-        }
-        // Masked-out keys ignore the bias; a -inf bias masks.
-        x = select(START, x, keep && !(x < MASKED));
+        let x = masked_logit(d.x + d.y + d.z + d.w, j < j_end, b, h, i, j);
         let m_new = max(m, x);
-        let alpha = exp(m - m_new);
-        let pj = select(exp(x - m_new), 0.0, x < MASKED);
+        let alpha = rescale(m, m_new);
+        let pj = weight(x, m_new);
         sum = sum * alpha + pj;
         for (var d4 = 0u; d4 < EV4; d4++) { // unroll
             acc[d4] = acc[d4] * alpha + pj * load_v(kvrow, d4);
@@ -123,17 +77,21 @@ fn main(
         m = m_new;
     }
 
-    // The split's max, then every state rescaled to it and summed (the prelude's wg_max,
-    // wg_sum and store_acc: workgroup-memory trees, or subgroup reductions).
+    // The split's max, then every state rescaled to it and summed (common/reduce_*.wgsl).
     let row_max = wg_max(m, tid);
-    let f = exp(m - row_max);
+    let f = rescale(m, row_max);
     let row_sum = wg_sum(sum * f, tid);
     // A split with no allowed key has every weight 0: it writes 0 and logsumexp -inf.
     let inv = select(1.0 / row_sum, 0.0, row_sum == 0.0);
     let rows = p.total / p.splits;
     let orow = split * rows + row;
-    store_acc(tid, f, inv, orow);
+    for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+        let t = wg_sum4(acc[d4] * f, tid);
+        if (tid == 0u) {
+            store_out(orow, d4, t * inv);
+        }
+    }
     if (tid == 0u) {
-        part_lse[orow] = select(row_max + log(row_sum), bitcast<f32>(0xff800000u), row_sum == 0.0);
+        part_lse[orow] = row_lse(row_max, row_sum);
     }
 }

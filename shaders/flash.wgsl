@@ -1,8 +1,11 @@
 // Fused attention (FlashAttention-2 style forward), one workgroup per (query tile, head, batch).
 //
-// The host prepends the specialisation constants (naga cannot size function-scope arrays by
-// `override`) and the input/output bindings (flash_io_vec4.wgsl when E and Ev are multiples of
-// 4, else flash_io_scalar.wgsl, which define q, k, v, out and load_q/load_k/load_v/store_out):
+// The host (src/kernels/flash.rs) prepends `Params` (generated from the Rust struct:
+// l, s, e, ev, heads, group, q_tiles, total, scale, and the masks `m`), the shared snippets
+// common/softmax.wgsl (sentinels, online-softmax step) and common/masks.wgsl (mask bindings
+// and tests), the input/output bindings (common/io_vec4.wgsl when E and Ev are multiples of 4,
+// else common/io_scalar.wgsl: q, k, v, out and load_q/load_k/load_v/store_out), and the
+// specialisation constants (naga cannot size function-scope arrays by `override`):
 //   const E4: u32   -- head dim E in vec4s, rounded up (zero padded)
 //   const EV4: u32  -- value head dim Ev in vec4s, rounded up
 //   const BK: u32   -- keys per tile; KT * (E4 + EV4) * 16 bytes of workgroup memory, where
@@ -29,45 +32,12 @@
 // Outputs: O = acc / sum and the row logsumexp max + log(sum); a row with no allowed key
 // writes 0 and logsumexp = -inf. NaN logits propagate through the sum.
 //
-// Bindings: 0 q, 1 k, 2 v (prelude), 3 mask (u32 bits), 4 bias, 5 kv_lens (read);
-//           6 out (prelude), 7 lse (read_write); 8 params (uniform).
-
-struct Params {
-    l: u32,
-    s: u32,
-    e: u32,
-    ev: u32,
-    heads: u32,
-    group: u32,
-    q_tiles: u32,
-    total: u32,
-    scale: f32,
-    has_causal: u32,
-    causal_off: i32,
-    has_mask: u32,
-    has_bias: u32,
-    has_lens: u32,
-    mask_b: u32,
-    mask_h: u32,
-    mask_l: u32,
-    bias_b: u32,
-    bias_h: u32,
-    bias_l: u32,
-    bias_s: u32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
-}
+// Bindings: 0 mask (u32 bits), 1 bias, 2 kv_lens (common/masks.wgsl), 3 q, 4 k, 5 v (read),
+//           6 out (common/io_*.wgsl), 7 lse (read_write); 8 params.
 
 const BQ: u32 = WG * RQ;
-const MASKED: f32 = -3.0e38;
-const START: f32 = -3.4e38;
 
-@group(0) @binding(3) var<storage, read> mask: array<u32>;
-@group(0) @binding(4) var<storage, read> bias: array<f32>;
-@group(0) @binding(5) var<storage, read> kv_lens: array<u32>;
 @group(0) @binding(7) var<storage, read_write> lse: array<f32>;
-@group(0) @binding(8) var<uniform> p: Params;
 
 // KT = BK rows, or 1 with SG_KV, where the tiles are unused (they must still be declared).
 var<workgroup> k_tile: array<vec4<f32>, KT * E4>;
@@ -104,15 +74,8 @@ fn main(
 
     // Keys [0, kv_end) can matter to some row of this tile; later tiles are skipped whole.
     if (tid == 0u) {
-        var end = p.s;
-        if (p.has_lens != 0u) {
-            end = min(end, kv_lens[b]);
-        }
-        if (p.has_causal != 0u) {
-            let last_row = min(qt * BQ + BQ, p.l) - 1u;
-            end = min(end, u32(clamp(i32(last_row) + p.causal_off + 1, 0, i32(p.s))));
-        }
-        wg_end = end;
+        let last_row = min(qt * BQ + BQ, p.l) - 1u;
+        wg_end = key_end(b, last_row);
     }
     let kv_end = workgroupUniformLoad(&wg_end);
 
@@ -129,8 +92,8 @@ fn main(
         m[r] = START;
         sum[r] = 0.0;
         var end = select(0u, kv_end, valid);
-        if (p.has_causal != 0u) {
-            end = min(end, u32(clamp(i32(i) + p.causal_off + 1, 0, i32(p.s))));
+        if (p.m.has_causal != 0u) {
+            end = min(end, causal_end(i));
         }
         row_end[r] = end;
     }
@@ -196,18 +159,8 @@ fn main(
                     let j = j0 + jg + jj;
                     for (var r = 0u; r < RQ; r++) { // unroll
                         let i = min(qt * BQ + r * WG + tid, p.l - 1u);
-                        var x = sc[r * KG + jj];
-                        var keep = x != START;
-                        if (HAS_MASK) {
-                            let w = mask[b * p.mask_b + h * p.mask_h + i * p.mask_l + min(j, p.s - 1u) / 32u];
-                            keep = keep && (w & (1u << (j % 32u))) != 0u;
-                        }
-                        if (HAS_BIAS) {
-                            let bj = min(j, p.s - 1u);
-                            x += bias[b * p.bias_b + h * p.bias_h + i * p.bias_l + bj * p.bias_s];
-                        }
-                        // Masked-out keys ignore the bias; a -inf bias masks.
-                        sc[r * KG + jj] = select(START, x, keep && !(x < MASKED));
+                        let x = sc[r * KG + jj];
+                        sc[r * KG + jj] = masked_logit(x, x != START, b, h, i, j);
                     }
                 }
             }
@@ -218,12 +171,12 @@ fn main(
                 for (var jj = 0u; jj < KG; jj++) { // unroll
                     smax = max(smax, sc[r * KG + jj]);
                 }
-                alpha[r] = exp(m[r] - smax);
+                alpha[r] = rescale(m[r], smax);
                 sum[r] *= alpha[r];
                 var s = 0.0;
                 for (var jj = 0u; jj < KG; jj++) { // unroll
                     let x = sc[r * KG + jj];
-                    let pj = select(exp(x - smax), 0.0, x < MASKED);
+                    let pj = weight(x, smax);
                     sc[r * KG + jj] = pj;
                     s += pj;
                 }
@@ -260,13 +213,13 @@ fn main(
                 for (var d4 = 0u; d4 < EV4; d4++) { // unroll
                     store_out(row, d4, vec4<f32>(0.0));
                 }
-                lse[row] = bitcast<f32>(0xff800000u);
+                lse[row] = neg_inf();
             } else {
                 let inv = 1.0 / sum[r];
                 for (var d4 = 0u; d4 < EV4; d4++) { // unroll
                     store_out(row, d4, acc[r * EV4 + d4] * inv);
                 }
-                lse[row] = m[r] + log(sum[r]);
+                lse[row] = row_lse(m[r], sum[r]);
             }
         }
     }

@@ -13,30 +13,9 @@
 // (grouped-query attention): global batch-head gz = b_z0 + z maps to
 // kv slice (gz / heads) * (heads / group) + (gz % heads) / group.
 //
+// The host prepends `Params`, generated from the Rust struct in src/kernels/matmul.rs.
+//
 // Bindings: 0 a (read), 1 b (read), 2 bias (read), 3 c (read_write), 4 params (uniform).
-
-struct Params {
-    m: u32,
-    n: u32,
-    k: u32,
-    heads: u32,
-    group: u32,
-    a_z0: u32,
-    b_z0: u32,
-    c_z0: u32,
-    a_batch: u32,
-    a_row: u32,
-    a_off: u32,
-    b_batch: u32,
-    b_row: u32,
-    c_batch: u32,
-    c_row: u32,
-    c_off: u32,
-    alpha: f32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
-}
 
 override TRANS_B: bool = true;
 override HAS_BIAS: bool = false;
@@ -49,7 +28,6 @@ const BK: u32 = 16u;
 @group(0) @binding(1) var<storage, read> b: array<f32>;
 @group(0) @binding(2) var<storage, read> bias: array<f32>;
 @group(0) @binding(3) var<storage, read_write> c: array<f32>;
-@group(0) @binding(4) var<uniform> p: Params;
 
 // [BK][BM / 4] and [BK][BN / 4]: a row of 4 consecutive m (or n) per vec4.
 var<workgroup> a_tile: array<vec4<f32>, 256>;

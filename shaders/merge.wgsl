@@ -4,15 +4,11 @@
 // Parts with lse = -inf (no allowed key) weigh 0; if every part is empty the row is 0 with
 // lse -inf. One workgroup per row.
 //
+// The host prepends `Params` (generated from src/kernels/decode.rs: rows, splits, ev) and
+// common/softmax.wgsl (sentinels).
+//
 // Bindings: 0 part_out [splits][rows][Ev], 1 part_lse [splits][rows] (read);
 //           2 out [rows][Ev], 3 lse [rows] (read_write); 4 params.
-
-struct Params {
-    rows: u32,
-    splits: u32,
-    ev: u32,
-    _pad: u32,
-}
 
 const WG: u32 = 64u;
 
@@ -20,7 +16,6 @@ const WG: u32 = 64u;
 @group(0) @binding(1) var<storage, read> part_lse: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
 @group(0) @binding(3) var<storage, read_write> lse: array<f32>;
-@group(0) @binding(4) var<uniform> p: Params;
 
 @compute @workgroup_size(64, 1, 1)
 fn main(
@@ -32,13 +27,11 @@ fn main(
     if (row >= p.rows) {
         return;
     }
-    // -3.0e38 stands for -inf: exp(l - M) of an empty part is then 0 (or 1 if all are empty,
-    // which the total == 0 test below catches through the empty check).
-    var mx = -3.4e38;
+    var mx = START;
     var any = false;
     for (var s = 0u; s < p.splits; s++) {
         let l = part_lse[s * p.rows + row];
-        if (!(l < -3.0e38)) {
+        if (!is_empty_lse(l)) {
             mx = max(mx, l);
             any = true;
         }
@@ -48,15 +41,14 @@ fn main(
             out[row * p.ev + d] = 0.0;
         }
         if (tid == 0u) {
-            var bits = 0xff800000u;
-            lse[row] = bitcast<f32>(bits);
+            lse[row] = neg_inf();
         }
         return;
     }
     var total = 0.0;
     for (var s = 0u; s < p.splits; s++) {
         let l = part_lse[s * p.rows + row];
-        if (!(l < -3.0e38)) {
+        if (!is_empty_lse(l)) {
             total += exp(l - mx);
         }
     }
@@ -64,7 +56,7 @@ fn main(
         var o = 0.0;
         for (var s = 0u; s < p.splits; s++) {
             let l = part_lse[s * p.rows + row];
-            if (!(l < -3.0e38)) {
+            if (!is_empty_lse(l)) {
                 o += exp(l - mx) * part_out[(s * p.rows + row) * p.ev + d];
             }
         }

@@ -6,24 +6,14 @@
 // broadcasts (a learned constant query shared by the batch). One invocation per element; the
 // 1-D grid folds over x and y.
 //
+// The host prepends `Params`, generated from the Rust struct in src/kernels/permute.rs.
+//
 // Bindings: 0 src (read), 1 dst (read_write), 2 params (uniform).
-
-struct Params {
-    n1: u32,
-    n2: u32,
-    n3: u32,
-    total: u32,
-    s0: u32,
-    s1: u32,
-    s2: u32,
-    s3: u32,
-}
 
 const WG: u32 = 256u;
 
 @group(0) @binding(0) var<storage, read> src: array<f32>;
 @group(0) @binding(1) var<storage, read_write> dst: array<f32>;
-@group(0) @binding(2) var<uniform> p: Params;
 
 @compute @workgroup_size(WG, 1, 1)
 fn main(

@@ -1,15 +1,14 @@
 //! The GPU context: a `wgpu::Device` + `Queue`, owned or adopted, with its limits, features
 //! and a cache of compute pipelines.
 
-use std::collections::HashMap;
-#[cfg(not(target_arch = "wasm32"))]
-use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
-use crate::kernels::{Binding, KernelSpec};
+use crate::forms::{Caps, Forms};
+use crate::pipelines::PipelineCache;
 
-/// A device and queue plus what this crate needs to know about them.
+/// A device and queue plus what this crate needs to know about them, and the cache of the
+/// kernels' pipelines.
 ///
 /// Create one with [`Context::new`] (wgpu's default adapter; `WGPU_BACKEND`,
 /// `WGPU_ADAPTER_NAME` and `WGPU_POWER_PREF` are honoured) or adopt your own device with
@@ -19,9 +18,14 @@ use crate::kernels::{Binding, KernelSpec};
 /// seconds, a large problem's first call is served by a quicker-to-compile form while the
 /// fastest one compiles in the background (same results, bit for bit). [`Context::wait_idle`]
 /// waits for that; call it before timing steady-state runs and before the process exits.
+///
+/// The kernels' forms are chosen per call by [`Plan`](crate::Plan); [`Context::with_forms`]
+/// (or the environment variable `WGPU_ATTENTION_FORMS`, read once when the context is made)
+/// pins them.
 #[derive(Clone)]
 pub struct Context {
     inner: Arc<Inner>,
+    forms: Forms,
 }
 
 struct Inner {
@@ -30,36 +34,8 @@ struct Inner {
     info: Option<wgpu::AdapterInfo>,
     limits: wgpu::Limits,
     features: wgpu::Features,
-    pipelines: Mutex<HashMap<PipelineKey, Arc<Pipeline>>>,
-    /// Pipelines being created and warmed on background threads (see [`Context::warm`]).
-    #[cfg(not(target_arch = "wasm32"))]
-    warming: Mutex<HashSet<PipelineKey>>,
-    #[cfg(not(target_arch = "wasm32"))]
-    warm_threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    pipelines: PipelineCache,
     lost: Arc<Mutex<Option<String>>>,
-}
-
-#[derive(Clone, PartialEq, Eq, Hash)]
-struct PipelineKey {
-    name: &'static str,
-    prelude: String,
-    constants: Vec<(&'static str, u64)>,
-}
-
-impl PipelineKey {
-    fn new(spec: &KernelSpec, prelude: &str, constants: &[(&'static str, f64)]) -> Self {
-        PipelineKey {
-            name: spec.name,
-            prelude: prelude.to_string(),
-            constants: constants.iter().map(|&(n, v)| (n, v.to_bits())).collect(),
-        }
-    }
-}
-
-/// A compute pipeline with its bind-group layout.
-pub(crate) struct Pipeline {
-    pub(crate) pipeline: wgpu::ComputePipeline,
-    pub(crate) layout: wgpu::BindGroupLayout,
 }
 
 impl std::fmt::Debug for Context {
@@ -67,6 +43,7 @@ impl std::fmt::Debug for Context {
         f.debug_struct("Context")
             .field("adapter", &self.inner.info.as_ref().map(|i| &i.name))
             .field("backend", &self.inner.info.as_ref().map(|i| i.backend))
+            .field("forms", &self.forms)
             .finish()
     }
 }
@@ -143,6 +120,18 @@ impl Context {
         device.set_device_lost_callback(move |reason, msg| {
             *lost2.lock().unwrap() = Some(format!("{reason:?}: {msg}"));
         });
+        // Forms pinned for tuning experiments, read once. A malformed value is reported and
+        // ignored rather than failing every call.
+        #[cfg(not(target_arch = "wasm32"))]
+        let forms = match std::env::var("WGPU_ATTENTION_FORMS") {
+            Ok(v) => Forms::parse(&v).unwrap_or_else(|e| {
+                eprintln!("wgpu-attention: ignoring WGPU_ATTENTION_FORMS: {e}");
+                Forms::default()
+            }),
+            Err(_) => Forms::default(),
+        };
+        #[cfg(target_arch = "wasm32")]
+        let forms = Forms::default();
         Context {
             inner: Arc::new(Inner {
                 limits: device.limits(),
@@ -150,14 +139,36 @@ impl Context {
                 device,
                 queue,
                 info,
-                pipelines: Mutex::new(HashMap::new()),
-                #[cfg(not(target_arch = "wasm32"))]
-                warming: Mutex::new(HashSet::new()),
-                #[cfg(not(target_arch = "wasm32"))]
-                warm_threads: Mutex::new(Vec::new()),
+                pipelines: PipelineCache::default(),
                 lost,
             }),
+            forms,
         }
+    }
+
+    /// The same device, queue and pipeline cache with the kernels' forms pinned (for tests,
+    /// benchmarks and tuning; [`Forms::default`] lets the plan choose again). A pinned form
+    /// the device cannot run makes calls fail with [`Error::Unsupported`].
+    pub fn with_forms(&self, forms: Forms) -> Context {
+        Context {
+            inner: self.inner.clone(),
+            forms,
+        }
+    }
+
+    /// The forms pinned on this context.
+    pub fn forms(&self) -> Forms {
+        self.forms
+    }
+
+    /// What the device offers the kernels: the input of [`Plan`](crate::Plan).
+    pub fn caps(&self) -> Caps {
+        Caps::new(&self.inner.limits, self.is_cpu(), self.fixed_subgroup_size()).with_forms(self.forms)
+    }
+
+    /// The pipeline cache.
+    pub(crate) fn pipelines(&self) -> &PipelineCache {
+        &self.inner.pipelines
     }
 
     /// The device.
@@ -221,84 +232,6 @@ impl Context {
         }
     }
 
-    /// The cached pipeline for a kernel specialised with `constants`.
-    /// `prelude` (WGSL `const` declarations generated by the host) is prepended to the source.
-    pub(crate) fn pipeline(
-        &self,
-        spec: &KernelSpec,
-        prelude: &str,
-        constants: &[(&'static str, f64)],
-    ) -> Arc<Pipeline> {
-        let key = PipelineKey::new(spec, prelude, constants);
-        if let Some(p) = self.inner.pipelines.lock().unwrap().get(&key) {
-            return p.clone();
-        }
-        let device = &self.inner.device;
-        let storage_params = self.params_in_storage(spec.bindings.len());
-        let mut source = crate::kernels::unroll::unroll(&format!("{prelude}{}", spec.source));
-        if storage_params {
-            source = source.replace("var<uniform> p: Params;", "var<storage, read> p: Params;");
-        }
-        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some(spec.name),
-            source: wgpu::ShaderSource::Wgsl(source.into()),
-        });
-        let entries: Vec<wgpu::BindGroupLayoutEntry> = spec
-            .bindings
-            .iter()
-            .enumerate()
-            .map(|(i, b)| wgpu::BindGroupLayoutEntry {
-                binding: i as u32,
-                visibility: wgpu::ShaderStages::COMPUTE,
-                ty: match b {
-                    Binding::Read => wgpu::BindingType::Buffer {
-                        ty: wgpu::BufferBindingType::Storage { read_only: true },
-                        has_dynamic_offset: false,
-                        min_binding_size: None,
-                    },
-                    Binding::ReadWrite => wgpu::BindingType::Buffer {
-                        ty: wgpu::BufferBindingType::Storage { read_only: false },
-                        has_dynamic_offset: false,
-                        min_binding_size: None,
-                    },
-                    Binding::Uniform => wgpu::BindingType::Buffer {
-                        ty: if storage_params {
-                            wgpu::BufferBindingType::Storage { read_only: true }
-                        } else {
-                            wgpu::BufferBindingType::Uniform
-                        },
-                        has_dynamic_offset: false,
-                        min_binding_size: None,
-                    },
-                },
-                count: None,
-            })
-            .collect();
-        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-            label: Some(spec.name),
-            entries: &entries,
-        });
-        let pl = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-            label: Some(spec.name),
-            bind_group_layouts: &[Some(&layout)],
-            immediate_size: 0,
-        });
-        let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some(spec.name),
-            layout: Some(&pl),
-            module: &module,
-            entry_point: Some("main"),
-            compilation_options: wgpu::PipelineCompilationOptions {
-                constants,
-                zero_initialize_workgroup_memory: false,
-            },
-            cache: None,
-        });
-        let p = Arc::new(Pipeline { pipeline, layout });
-        self.inner.pipelines.lock().unwrap().insert(key, p.clone());
-        p
-    }
-
     /// Run `f` inside validation, out-of-memory and internal error scopes and return the
     /// first error captured, if any.
     pub(crate) async fn scoped<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
@@ -331,85 +264,12 @@ impl Context {
         self.check_lost()
     }
 
-    /// Tiered compilation, for kernels whose fastest form compiles slowly on CPU adapters
-    /// (lavapipe compiles a shader with LLVM at its first dispatch: seconds for the unrolled
-    /// fused kernel). Returns whether the pipeline of `spec` with `prelude` is ready. If it is
-    /// not, and this is a native CPU adapter, it is created on a background thread and
-    /// dispatched once on an empty problem (`params` all zero: the kernel returns at once) so
-    /// that the driver compiles it while the caller is served by a quicker-to-compile form;
-    /// returns `false` then, and the caller uses that form. Elsewhere (GPUs compile at pipeline
-    /// creation; the web has no threads) returns `true`: use the pipeline directly.
-    pub(crate) fn warm(&self, spec: &'static KernelSpec, prelude: String, params_size: usize) -> bool {
-        #[cfg(target_arch = "wasm32")]
-        {
-            let _ = (spec, prelude, params_size);
-            true
-        }
-        #[cfg(not(target_arch = "wasm32"))]
-        {
-            if !self.is_cpu() {
-                return true;
-            }
-            let key = PipelineKey::new(spec, &prelude, &[]);
-            if self.inner.pipelines.lock().unwrap().contains_key(&key) {
-                return true;
-            }
-            if !self.inner.warming.lock().unwrap().insert(key.clone()) {
-                return false;
-            }
-            let ctx = self.clone();
-            let handle = std::thread::spawn(move || {
-                // Errors here would recur, and be reported, where the pipeline is used.
-                let _ = pollster::block_on(ctx.scoped(|| {
-                    let device = ctx.device();
-                    let buffers: Vec<wgpu::Buffer> = (1..spec.bindings.len())
-                        .map(|_| {
-                            device.create_buffer(&wgpu::BufferDescriptor {
-                                label: Some("wgpu-attention warm-up"),
-                                size: 256,
-                                usage: wgpu::BufferUsages::STORAGE,
-                                mapped_at_creation: false,
-                            })
-                        })
-                        .collect();
-                    let bindings: Vec<wgpu::BufferBinding> =
-                        buffers.iter().map(|b| b.as_entire_buffer_binding()).collect();
-                    let mut encoder = device.create_command_encoder(&Default::default());
-                    crate::kernels::dispatch(
-                        &ctx,
-                        &mut encoder,
-                        spec,
-                        &prelude,
-                        &[],
-                        &bindings,
-                        &vec![0u8; params_size],
-                        [1, 1, 1],
-                    )?;
-                    ctx.queue().submit([encoder.finish()]);
-                    Ok(())
-                }));
-                ctx.inner.warming.lock().unwrap().remove(&key);
-            });
-            self.inner.warm_threads.lock().unwrap().push(handle);
-            false
-        }
-    }
-
     /// Wait until the queue is idle and every kernel being compiled in the background (on CPU
     /// adapters the fused kernel's fastest form is compiled on a thread after its first use, which
     /// a quicker-to-compile form serves) is ready. Call it before timing steady-state runs, or
     /// before the process exits so that no compilation is cut off.
     pub fn wait_idle(&self) -> Result<()> {
-        #[cfg(not(target_arch = "wasm32"))]
-        loop {
-            let handle = self.inner.warm_threads.lock().unwrap().pop();
-            match handle {
-                Some(h) => {
-                    let _ = h.join();
-                }
-                None => break,
-            }
-        }
+        self.inner.pipelines.join();
         self.wait()
     }
 

@@ -1,29 +1,35 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
-mod attention;
+mod buffers;
 pub mod check;
 mod context;
 mod error;
+mod forms;
 #[cfg(feature = "heatmap")]
 pub mod heatmap;
 mod kernels;
 mod matmul;
 mod mha;
+mod pipelines;
 pub mod problem;
 pub mod reference;
+mod sdpa;
 mod tensor;
 
-#[cfg(not(target_arch = "wasm32"))]
-pub use attention::merge_blocking;
-pub use attention::{merge, GpuOutput, Output, Path, Sdpa};
 pub use context::Context;
 pub use error::{Error, Result};
+pub use forms::{Caps, DecodeForm, Forms, FusedForm};
 pub use matmul::matmul;
 #[cfg(not(target_arch = "wasm32"))]
 pub use matmul::matmul_blocking;
 pub use mha::{MhaConfig, MhaForward, MhaOutput, MhaTimings, MhaWeights, MultiHeadAttention, NeedWeights};
 pub use problem::{Causal, Problem};
+pub use sdpa::merge::merge;
+#[cfg(not(target_arch = "wasm32"))]
+pub use sdpa::merge::merge_blocking;
+pub use sdpa::plan::{Form, Plan, Tiles};
+pub use sdpa::{GpuOutput, Output, Path, Sdpa};
 pub use tensor::{Mask, Tensor};
 /// Re-exported so callers use the same wgpu version.
 pub use wgpu;

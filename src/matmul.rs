@@ -4,7 +4,7 @@
 
 use ndarray::Array3;
 
-use crate::attention::{binding, fits, Operand};
+use crate::buffers::{binding, fits, Operand};
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::matmul as kernel;

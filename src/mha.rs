@@ -25,11 +25,12 @@
 use ndarray::{Array1, Array2, Array3, Array4, Axis};
 use wgpu::util::DeviceExt;
 
-use crate::attention::{binding, fits, Operand, Path, Sdpa};
+use crate::buffers::{binding, fits, Operand};
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::{matmul as mm, permute};
 use crate::problem::Causal;
+use crate::sdpa::{Path, Sdpa};
 use crate::tensor::{Mask, Tensor};
 
 /// The shape of a multi-head attention layer.

@@ -1,29 +1,35 @@
 //! `shaders/decode.wgsl` and `shaders/merge.wgsl`: split-K attention for few query rows and long
 //! key sequences. The keys are split so that there are hundreds of workgroups even for one
 //! query row; each split writes a normalised partial output and logsumexp, and the merge kernel
-//! combines them by the logsumexp rule (also exposed as [`crate::merge`]).
+//! combines them by the logsumexp rule (also exposed as [`crate::merge`]). [`Config`] picks the
+//! form ([`DecodeForm`]) and the split for the device.
 
-use super::{dispatch, grid_1d, Binding, KernelSpec, MaskParams};
+use super::{common, dispatch, grid_1d, params_of, Binding, KernelSpec, Masks};
 use crate::context::Context;
 use crate::error::Result;
+use crate::forms::{Caps, DecodeForm};
 use crate::problem::Problem;
 
 pub(crate) const DECODE: KernelSpec = KernelSpec {
     name: "decode",
     source: include_str!("../../shaders/decode.wgsl"),
+    common: &[common::SOFTMAX, common::MASKS],
     bindings: super::ATTENTION_BINDINGS,
+    params: params_of::<Params>,
 };
 
 pub(crate) const MERGE: KernelSpec = KernelSpec {
     name: "merge",
     source: include_str!("../../shaders/merge.wgsl"),
+    common: &[common::SOFTMAX],
     bindings: &[
         Binding::Read,
         Binding::Read,
         Binding::ReadWrite,
         Binding::ReadWrite,
-        Binding::Uniform,
+        Binding::Params,
     ],
+    params: params_of::<MergeParams>,
 };
 
 /// Query rows up to which [`crate::Path::Auto`] prefers the decode path (with a long `S`).
@@ -33,33 +39,34 @@ pub(crate) const MIN_KEYS: usize = 512;
 /// Workgroups the split aims for: enough to fill a GPU with dozens of compute units.
 const TARGET_WORKGROUPS: usize = 512;
 
-/// Mirrors `Params` in `decode.wgsl`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
-pub(crate) struct Params {
-    pub l: u32,
-    pub s: u32,
-    pub e: u32,
-    pub ev: u32,
-    pub heads: u32,
-    pub group: u32,
-    pub splits: u32,
-    pub total: u32,
-    pub scale: f32,
-    pub masks: MaskParams,
-    /// Keys per split.
-    pub chunk: u32,
-    pub _pad: [u32; 2],
+wgsl_struct! {
+    /// The decode kernel's params (`p` in `decode.wgsl`).
+    pub(crate) struct Params {
+        m: Masks,
+        l: u32,
+        s: u32,
+        e: u32,
+        ev: u32,
+        heads: u32,
+        group: u32,
+        splits: u32,
+        total: u32,
+        scale: f32,
+        /// Keys per split.
+        chunk: u32,
+        _pad0: u32,
+        _pad1: u32,
+    }
 }
 
-/// Mirrors `Params` in `merge.wgsl`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
-pub(crate) struct MergeParams {
-    pub rows: u32,
-    pub splits: u32,
-    pub ev: u32,
-    pub _pad: u32,
+wgsl_struct! {
+    /// The merge kernel's params (`p` in `merge.wgsl`).
+    pub(crate) struct MergeParams {
+        rows: u32,
+        splits: u32,
+        ev: u32,
+        _pad0: u32,
+    }
 }
 
 /// Keys per split (a multiple of 64, at most 1024) and the number of splits.
@@ -70,75 +77,104 @@ pub(crate) fn split(p: &Problem) -> (usize, usize) {
     (chunk, p.seq_kv.div_ceil(chunk))
 }
 
-/// Head dims (E and Ev) up to which the decode kernel, on GPUs, unrolls its loops over the
-/// head dims (see `prelude`); beyond, plain loops.
+/// Head dims (E and Ev) up to which the decode kernel's GPU form unrolls its loops over the
+/// head dims; beyond, plain loops.
 const UNROLL_MAX_DIM: usize = 256;
 
-/// The decode kernel's constants, reductions and I/O bindings (shared with the fused kernel).
-/// `cpu`: one SIMD batch of 8 invocations per workgroup (lavapipe), else 64; `subgroup`: the
-/// fixed subgroup size, if any: where it equals the workgroup, reductions use subgroup
-/// operations instead of workgroup memory.
-fn prelude(p: &Problem, cpu: bool, subgroup: Option<u32>) -> String {
-    // CPU adapters run the loops as written: on lavapipe at d_decode_h32_s4096_e128 the
-    // unrolled kernel took 2.6 s to compile (each per-invocation load becomes a loop over the
-    // SIMD lanes) and ran in 41 ms; the looped one compiles in 1.3 s and runs in 36 ms.
-    let fits = p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM;
-    #[cfg_attr(target_arch = "wasm32", allow(unused_mut))]
-    let mut unroll = !cpu && fits;
-    let vec4_io = p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4);
-    let (e4, ev4) = (p.head_dim.div_ceil(4), p.head_dim_v.div_ceil(4));
-    let rb = [8, 4, 2, 1].into_iter().find(|r| ev4 % r == 0).unwrap_or(1);
-    #[cfg_attr(target_arch = "wasm32", allow(unused_mut))]
-    let mut wg = if cpu { 8 } else { 64 };
-    #[cfg_attr(target_arch = "wasm32", allow(unused_mut))]
-    let mut sg = cpu && subgroup == Some(wg);
-    // Test override: WGPU_ATTENTION_DECODE=<invocations, a power of two>,<subgroup 0|1>
-    // [,<unroll 0|1>].
-    #[cfg(not(target_arch = "wasm32"))]
-    if let Ok(v) = std::env::var("WGPU_ATTENTION_DECODE") {
-        let v: Vec<u32> = v.split(',').filter_map(|x| x.parse().ok()).collect();
-        if let [a, b, ..] = v[..] {
-            if a.is_power_of_two() && a <= 256 {
-                wg = a;
-                sg = b != 0 && subgroup == Some(a);
-                if let Some(&u) = v.get(2) {
-                    unroll = u != 0 && fits;
-                }
-            }
-        }
-    }
-    let reductions = if sg { RED_SUBGROUP } else { RED_SHARED };
-    format!(
-        "const WG: u32 = {wg}u;\nconst E4: u32 = {e4}u;\n\
-         const EV4: u32 = {ev4}u;\nconst RB: u32 = {rb}u;\nconst NRB: u32 = {}u;\n\
-         const HAS_MASK: bool = {};\nconst HAS_BIAS: bool = {};\nconst UNROLL: bool = {unroll};\n{}{reductions}",
-        ev4 / rb,
-        p.mask.is_some(),
-        p.bias.is_some(),
-        if vec4_io { super::flash::IO_VEC4 } else { super::flash::IO_SCALAR },
-    )
+/// The decode kernel's form, workgroup and split for one problem.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Config {
+    pub form: DecodeForm,
+    /// Invocations per workgroup (a power of two).
+    pub wg: u32,
+    /// Keys per split and the number of splits.
+    pub chunk: usize,
+    pub splits: usize,
+    unroll: bool,
+    e4: usize,
+    ev4: usize,
+    io: &'static str,
+    masks: bool,
+    bias: bool,
 }
 
-/// Workgroup reductions of the decode kernel: through workgroup memory, or by subgroup
-/// operations.
-const RED_SHARED: &str = include_str!("../../shaders/decode_red_shared.wgsl");
-const RED_SUBGROUP: &str = include_str!("../../shaders/decode_red_subgroup.wgsl");
+impl Config {
+    /// The pinned form (`caps.forms.decode`) or the default one: the GPU form on GPUs; on CPU
+    /// adapters one SIMD batch of 8 invocations (lavapipe), whose reductions are subgroup
+    /// operations where the workgroup is one subgroup. Or why the form cannot run here.
+    pub(crate) fn new(p: &Problem, caps: &Caps) -> std::result::Result<Config, String> {
+        let form = caps
+            .forms
+            .decode
+            .unwrap_or(match (caps.cpu, caps.decode_subgroup()) {
+                (false, _) => DecodeForm::Gpu,
+                (true, Some(8)) => DecodeForm::Subgroup,
+                (true, _) => DecodeForm::Cpu,
+            });
+        // CPU adapters run the loops as written: on lavapipe at d_decode_h32_s4096_e128 the
+        // unrolled kernel took 2.6 s to compile (each per-invocation load becomes a loop over
+        // the SIMD lanes) and ran in 41 ms; the looped one compiles in 1.3 s and runs in 36 ms.
+        let (wg, unroll) = match form {
+            DecodeForm::Gpu => (64, p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM),
+            DecodeForm::Cpu => (8, false),
+            DecodeForm::Subgroup => (
+                caps.decode_subgroup().ok_or_else(|| {
+                    format!(
+                        "the subgroup decode form needs a fixed subgroup size, a power of two up to 64 \
+                         (device: {:?})",
+                        caps.subgroup
+                    )
+                })?,
+                false,
+            ),
+        };
+        if caps.max_invocations < wg || caps.max_workgroup_size_x < wg {
+            return Err(format!("the {} decode form needs {wg} invocations", form.name()));
+        }
+        let (chunk, splits) = split(p);
+        Ok(Config {
+            form,
+            wg,
+            chunk,
+            splits,
+            unroll,
+            e4: p.head_dim.div_ceil(4),
+            ev4: p.head_dim_v.div_ceil(4),
+            io: common::io(p.head_dim, p.head_dim_v),
+            masks: p.mask.is_some(),
+            bias: p.bias.is_some(),
+        })
+    }
 
-/// Record the split pass. `buffers`: q, k, v, mask, bias, kv_lens, part_out, part_lse.
+    /// The kernel's constants, reductions and I/O snippet.
+    pub(crate) fn prelude(&self) -> String {
+        let reductions = if self.form == DecodeForm::Subgroup {
+            common::REDUCE_SUBGROUP
+        } else {
+            common::REDUCE_SHARED
+        };
+        format!(
+            "const WG: u32 = {}u;\nconst E4: u32 = {}u;\nconst EV4: u32 = {}u;\n\
+             const HAS_MASK: bool = {};\nconst HAS_BIAS: bool = {};\nconst UNROLL: bool = {};\n{}{reductions}",
+            self.wg, self.e4, self.ev4, self.masks, self.bias, self.unroll, self.io,
+        )
+    }
+}
+
+/// Record the split pass. `buffers`: mask, bias, kv_lens, q, k, v, part_out, part_lse.
 pub(crate) fn record_decode(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
-    p: &Problem,
+    cfg: &Config,
     buffers: [wgpu::BufferBinding<'_>; 8],
     params: &Params,
 ) -> Result<()> {
     let grid = grid_1d(params.total, ctx.limits().max_compute_workgroups_per_dimension);
-    let prelude = prelude(p, ctx.is_cpu(), ctx.fixed_subgroup_size());
     dispatch(
         ctx,
         encoder,
         &DECODE,
-        &prelude,
+        &cfg.prelude(),
         &[],
         &buffers,
         bytemuck::bytes_of(params),
@@ -171,12 +207,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn params_sizes_match_wgsl() {
-        assert_eq!(std::mem::size_of::<Params>(), 96);
-        assert_eq!(std::mem::size_of::<MergeParams>(), 16);
-    }
-
-    #[test]
     fn decode_of_one_row_makes_hundreds_of_workgroups() {
         let p = Problem::new(&[1, 32, 1, 128], &[1, 32, 4096, 128], &[1, 32, 4096, 128]).unwrap();
         let (chunk, splits) = split(&p);
@@ -185,5 +215,25 @@ mod tests {
         let p = Problem::new(&[1, 1, 1, 8], &[1, 1, 100_000, 8], &[1, 1, 100_000, 8]).unwrap();
         let (chunk, splits) = split(&p);
         assert!(chunk <= 1024 && chunk * splits >= 100_000);
+    }
+
+    #[test]
+    fn decode_forms_by_device() {
+        let p = Problem::new(&[1, 32, 1, 128], &[1, 32, 4096, 128], &[1, 32, 4096, 128]).unwrap();
+        let caps = |cpu, sg| Caps::new(&wgpu::Limits::default(), cpu, sg);
+        assert_eq!(
+            Config::new(&p, &caps(false, Some(32))).unwrap().form,
+            DecodeForm::Gpu
+        );
+        assert_eq!(
+            Config::new(&p, &caps(true, Some(8))).unwrap().form,
+            DecodeForm::Subgroup
+        );
+        assert_eq!(Config::new(&p, &caps(true, None)).unwrap().form, DecodeForm::Cpu);
+        let pinned = caps(true, None).with_forms(crate::Forms {
+            fused: None,
+            decode: Some(DecodeForm::Subgroup),
+        });
+        assert!(Config::new(&p, &pinned).is_err());
     }
 }

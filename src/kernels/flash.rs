@@ -5,20 +5,20 @@
 //! GQA by indexing the shared K/V head. Memory is linear in L and S: the score matrix is never
 //! written. [`Config`] picks the form and tile sizes for the device.
 
-use super::{dispatch, grid_1d, KernelSpec};
+use super::{common, dispatch, grid_1d, params_of, KernelSpec, Masks};
 use crate::context::Context;
 use crate::error::Result;
+use crate::forms::{Caps, FusedForm};
 use crate::problem::Problem;
 
 pub(crate) const SPEC: KernelSpec = KernelSpec {
     name: "flash",
     source: include_str!("../../shaders/flash.wgsl"),
+    common: &[common::SOFTMAX, common::MASKS],
     bindings: super::ATTENTION_BINDINGS,
+    params: params_of::<Params>,
 };
 
-/// The bindings and loads of q, k, v and out, by element type.
-pub(crate) const IO_VEC4: &str = include_str!("../../shaders/flash_io_vec4.wgsl");
-pub(crate) const IO_SCALAR: &str = include_str!("../../shaders/flash_io_scalar.wgsl");
 /// K/V tile access: staged in workgroup memory, or in registers shared by subgroup shuffles.
 const KV_SHARED: &str = include_str!("../../shaders/flash_kv_shared.wgsl");
 const KV_SUBGROUP: &str = include_str!("../../shaders/flash_kv_subgroup.wgsl");
@@ -26,26 +26,29 @@ const KV_SUBGROUP: &str = include_str!("../../shaders/flash_kv_subgroup.wgsl");
 /// Workgroup memory the kernel may use: WebGPU's default 16 KiB, or less if the device has less.
 const WG_MEMORY: u32 = 16 * 1024;
 
-/// Mirrors `Params` in `flash.wgsl`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
-pub(crate) struct Params {
-    pub l: u32,
-    pub s: u32,
-    pub e: u32,
-    pub ev: u32,
-    pub heads: u32,
-    pub group: u32,
-    pub q_tiles: u32,
-    pub total: u32,
-    pub scale: f32,
-    pub masks: super::MaskParams,
-    pub _pad: [u32; 3],
+wgsl_struct! {
+    /// The fused kernel's params (`p` in `flash.wgsl`).
+    pub(crate) struct Params {
+        m: Masks,
+        l: u32,
+        s: u32,
+        e: u32,
+        ev: u32,
+        heads: u32,
+        group: u32,
+        q_tiles: u32,
+        total: u32,
+        scale: f32,
+        _pad0: u32,
+        _pad1: u32,
+        _pad2: u32,
+    }
 }
 
-/// The specialisation: head dims in vec4s (rounded up) and keys per tile.
+/// The specialisation: the form, head dims in vec4s (rounded up) and keys per tile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Config {
+    pub form: FusedForm,
     pub e4: u32,
     pub ev4: u32,
     pub bk: u32,
@@ -66,7 +69,7 @@ pub(crate) struct Config {
     pub has_mask: bool,
     /// An additive bias is bound (else its code is compiled out).
     pub has_bias: bool,
-    /// Set by the `WGPU_ATTENTION_FLASH` override: run exactly this form.
+    /// The form was pinned ([`crate::Context::with_forms`]): run exactly it, no tiering.
     pub pinned: bool,
 }
 
@@ -76,90 +79,91 @@ pub(crate) struct Config {
 /// (the fastest form; see [`Config::for_now`]).
 pub(crate) const CPU_UNROLL_MIN_FLOPS: f64 = 2.5e8;
 
+/// The fused kernel's form for `p` on a device with `caps` when none is pinned.
+pub(crate) fn default_form(p: &Problem, caps: &Caps) -> FusedForm {
+    let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
+    let large = p.flops() >= CPU_UNROLL_MIN_FLOPS;
+    let sg = caps.subgroup.filter(|s| caps.cpu && (4..=16).contains(s));
+    match (caps.cpu, sg, large) {
+        (false, _, _) => FusedForm::Gpu,
+        // Measured on lavapipe at E = 64 (a_h8_s1024): 4 rows x 4 keys per step 85 ms but
+        // 5 s to compile, 1 row 1.2 s and 1.6x the time. Small problems (small_h4_s128):
+        // 1 row 0.9 s to compile and 2.6 ms, 2 rows 1.5 s and 1.9 ms; the loop form 2.3 s
+        // and 15 ms.
+        (true, Some(_), true) => FusedForm::Subgroup {
+            rows: (64 / e4.max(ev4)).clamp(1, 8),
+        },
+        (true, Some(_), false) => FusedForm::Subgroup { rows: 1 },
+        // About 256 vec4s of q (and of accumulator) per invocation (measured on lavapipe at
+        // E = 64: 8 rows 315 ms, 16 rows 203 ms; keys per step matter little).
+        (true, None, true) => FusedForm::Tiled {
+            rows: (256 / e4.max(ev4)).clamp(1, 16),
+        },
+        (true, None, false) => FusedForm::Loop { rows: 2 },
+    }
+}
+
 impl Config {
-    /// `None` when the head dims do not fit (E or Ev beyond 256) or the device is too small.
-    /// `cpu`: the adapter is a CPU (lavapipe/llvmpipe, WARP), where each memory access costs far
-    /// more than arithmetic, so each invocation takes several rows, and where unrolled code
-    /// compiles for seconds (once per machine: Mesa caches it on disk).
-    /// `subgroup`: the device's subgroup size when it is fixed and subgroup operations are
-    /// enabled; on CPU adapters with a subgroup of 4 to 16 the K/V tile then lives in
-    /// registers and is shared by shuffles instead of workgroup memory.
-    pub(crate) fn new(
-        p: &Problem,
-        limits: &wgpu::Limits,
-        cpu: bool,
-        subgroup: Option<u32>,
-    ) -> Option<Config> {
+    /// The configuration of the pinned form (`caps.forms.fused`) or the default one, or why
+    /// the fused kernel cannot run `p` on this device.
+    pub(crate) fn new(p: &Problem, caps: &Caps) -> std::result::Result<Config, String> {
         if p.head_dim > 256 || p.head_dim_v > 256 {
-            return None;
+            return Err(format!(
+                "head dims E = {}, Ev = {} exceed 256",
+                p.head_dim, p.head_dim_v
+            ));
+        }
+        let pinned = caps.forms.fused;
+        let form = pinned.unwrap_or_else(|| default_form(p, caps));
+        let (wg, rq, kg, unroll, sg_kv) = match form {
+            FusedForm::Gpu => (64, 1, 4, true, false),
+            FusedForm::Subgroup { rows } => {
+                let s = caps.subgroup.filter(|s| (4..=16).contains(s)).ok_or_else(|| {
+                    format!(
+                        "the {} form needs a fixed subgroup size of 4 to 16 (device: {:?})",
+                        form.name(),
+                        caps.subgroup
+                    )
+                })?;
+                (s, rows, 4, true, true)
+            }
+            FusedForm::Tiled { rows } => (8, rows, 2, true, false),
+            FusedForm::Loop { rows } => (8, rows, 4, false, false),
+        };
+        if !(1..=16).contains(&rq) || caps.max_invocations < wg || caps.max_workgroup_size_x < wg {
+            return Err(format!(
+                "the {} form needs {wg} invocations per workgroup and 1 to 16 rows",
+                form.name()
+            ));
         }
         let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
-        let large = p.flops() >= CPU_UNROLL_MIN_FLOPS;
-        let sg = subgroup.filter(|s| cpu && (4..=16).contains(s));
-        let unroll = !cpu || large || sg.is_some();
-        // On CPUs: about 256 vec4s of q (and of accumulator) per invocation (measured on
-        // lavapipe at E = 64: 8 rows 315 ms, 16 rows 203 ms; keys per step matter little).
-        let cpu_rows = (256 / e4.max(ev4)).clamp(1, 16);
-        #[cfg_attr(target_arch = "wasm32", allow(unused_mut))]
-        let (mut wg, mut rq, mut kg): (u32, u32, u32) = match (cpu, unroll, sg) {
-            (false, _, _) => (64, 1, 4),
-            // Measured on lavapipe at E = 64 (a_h8_s1024): 4 rows x 4 keys per step 85 ms but
-            // 5 s to compile, 1 row 1.2 s and 1.6x the time. Small problems (small_h4_s128):
-            // 1 row 0.9 s to compile and 2.6 ms, 2 rows 1.5 s and 1.9 ms; the loop form 2.3 s
-            // and 15 ms.
-            (true, _, Some(s)) => (s, if large { (64 / e4.max(ev4)).clamp(1, 8) } else { 1 }, 4),
-            (true, true, None) => (8, cpu_rows, 2),
-            (true, false, _) => (8, 2, 4),
-        };
-        #[cfg_attr(target_arch = "wasm32", allow(unused_mut))]
-        let mut unroll = unroll;
-        #[cfg_attr(target_arch = "wasm32", allow(unused_mut))]
-        let mut sg_kv = sg.is_some();
-        #[cfg_attr(target_arch = "wasm32", allow(unused_mut))]
-        let mut pinned = false;
-        // Tuning override for experiments: WGPU_ATTENTION_FLASH=<invocations>,<rows per
-        // invocation>,<keys per step>,<unroll 0|1>[,<subgroup K/V 0|1>].
-        #[cfg(not(target_arch = "wasm32"))]
-        if let Ok(v) = std::env::var("WGPU_ATTENTION_FLASH") {
-            let v: Vec<u32> = v.split(',').filter_map(|x| x.parse().ok()).collect();
-            if let [a, b, c, d, ..] = v[..] {
-                (wg, rq, kg, unroll) = (a, b, c, d != 0);
-                sg_kv = v.get(4).is_some_and(|&e| e != 0) && subgroup == Some(a) && unroll;
-                pinned = true;
-            }
-        }
-        if wg == 0
-            || rq == 0
-            || !kg.is_power_of_two()
-            || kg > 64
-            || limits.max_compute_invocations_per_workgroup < wg
-            || limits.max_compute_workgroup_size_x < wg
-        {
-            return None;
-        }
-        let vec4_io = p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4);
-        let budget = WG_MEMORY
-            .min(limits.max_compute_workgroup_storage_size)
-            .saturating_sub(16);
+        let budget = WG_MEMORY.min(caps.workgroup_storage).saturating_sub(16);
         let tiles: &[u32] = if sg_kv { &[wg] } else { &[64, 32, 16, 8, 4] };
-        tiles
+        let bk = tiles
             .iter()
             .copied()
             .find(|&bk| staged_rows(sg_kv, bk) * (e4 + ev4) * 16 <= budget)
-            .map(|bk| Config {
-                e4,
-                ev4,
-                bk,
-                wg,
-                rq,
-                kg: kg.min(bk),
-                vec4_io,
-                unroll,
-                has_mask: p.mask.is_some(),
-                has_bias: p.bias.is_some(),
-                sg_kv,
-                pinned,
-            })
+            .ok_or_else(|| {
+                format!(
+                    "its K/V tile for E = {}, Ev = {} does not fit {budget} bytes of workgroup memory",
+                    p.head_dim, p.head_dim_v
+                )
+            })?;
+        Ok(Config {
+            form,
+            e4,
+            ev4,
+            bk,
+            wg,
+            rq,
+            kg: kg.min(bk),
+            vec4_io: p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4),
+            unroll,
+            sg_kv,
+            has_mask: p.mask.is_some(),
+            has_bias: p.bias.is_some(),
+            pinned: pinned.is_some(),
+        })
     }
 
     /// The configuration to run now. On CPU adapters the fastest form (several query rows per
@@ -167,15 +171,19 @@ impl Config {
     /// dispatch, about 5 s at E = 64 on a machine without a warm Mesa cache. Until it is ready,
     /// calls are served by the same kernel with one row per invocation (about 1.2 s to compile,
     /// 1.6x the run time; each row's arithmetic is the same, so are the results) while the fast
-    /// form is compiled in the background ([`Context::warm`]); later calls get it.
+    /// form is compiled in the background ([`super::warm`]); later calls get it.
     pub(crate) fn for_now(self, ctx: &Context) -> Config {
         if self.rq == 1 || self.pinned || !self.unroll {
             return self;
         }
-        if ctx.warm(&SPEC, self.prelude(), std::mem::size_of::<Params>()) {
+        if super::warm(ctx, &SPEC, self.prelude(), std::mem::size_of::<Params>()) {
             self
         } else {
-            Config { rq: 1, ..self }
+            Config {
+                rq: 1,
+                form: self.form.with_rows(1),
+                ..self
+            }
         }
     }
 
@@ -184,8 +192,12 @@ impl Config {
         self.wg * self.rq
     }
 
-    fn prelude(&self) -> String {
-        let io = if self.vec4_io { IO_VEC4 } else { IO_SCALAR };
+    pub(crate) fn prelude(&self) -> String {
+        let io = if self.vec4_io {
+            common::IO_VEC4
+        } else {
+            common::IO_SCALAR
+        };
         // Naga takes the subgroup built-ins without `enable subgroups;` (which it rejects).
         let kv = if self.sg_kv { KV_SUBGROUP } else { KV_SHARED };
         format!(
@@ -219,7 +231,7 @@ fn staged_rows(sg_kv: bool, bk: u32) -> u32 {
     }
 }
 
-/// Record the fused kernel. `buffers`: q, k, v, mask, bias, kv_lens, out, lse.
+/// Record the fused kernel. `buffers`: mask, bias, kv_lens, q, k, v, out, lse.
 pub(crate) fn record(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
@@ -244,35 +256,76 @@ pub(crate) fn record(
 mod tests {
     use super::*;
 
-    #[test]
-    fn params_size_matches_wgsl() {
-        assert_eq!(std::mem::size_of::<Params>(), 96);
+    fn caps(cpu: bool, subgroup: Option<u32>) -> Caps {
+        Caps::new(&wgpu::Limits::default(), cpu, subgroup)
     }
 
     #[test]
     fn config_fits_16k_up_to_256() {
-        let limits = wgpu::Limits::default();
         for (e, ev) in [(1, 1), (64, 64), (72, 5), (128, 128), (256, 256), (256, 3)] {
             let p = Problem::new(&[1, 1, 1, e], &[1, 1, 1, e], &[1, 1, 1, ev]).unwrap();
-            let c = Config::new(&p, &limits, false, None).unwrap();
+            let c = Config::new(&p, &caps(false, None)).unwrap();
             assert!(c.bk * (c.e4 + c.ev4) * 16 + 16 <= 16384, "{e} {ev} {c:?}");
             assert!(c.e4 * 4 >= e as u32 && c.ev4 * 4 >= ev as u32);
         }
         let p = Problem::new(&[1, 1, 1, 257], &[1, 1, 1, 257], &[1, 1, 1, 4]).unwrap();
-        assert!(Config::new(&p, &limits, false, None).is_none());
+        assert!(Config::new(&p, &caps(false, None)).is_err());
     }
 
-    /// Every head dim up to 256 has a fused form on every kind of adapter (the subgroup form
-    /// stages no K/V tile in workgroup memory, so its budget must not count one).
+    /// Every head dim up to 256 has a fused configuration in every form on every kind of
+    /// adapter that can run the form (the subgroup form stages no K/V tile in workgroup
+    /// memory, so its budget must not count one).
     #[test]
     fn every_form_serves_head_dims_up_to_256() {
-        let limits = wgpu::Limits::default();
         for (e, ev) in [(1, 1), (64, 64), (255, 129), (256, 256), (256, 3)] {
             let p = Problem::new(&[1, 1, 1, e], &[1, 1, 1, e], &[1, 1, 1, ev]).unwrap();
             for (cpu, sg) in [(false, None), (true, None), (true, Some(8)), (true, Some(32))] {
-                let c = Config::new(&p, &limits, cpu, sg);
-                assert!(c.is_some(), "E {e}, Ev {ev}, cpu {cpu}, subgroup {sg:?}");
+                let c = caps(cpu, sg);
+                assert!(
+                    Config::new(&p, &c).is_ok(),
+                    "E {e}, Ev {ev}, cpu {cpu}, subgroup {sg:?}"
+                );
+                for form in c.fused_forms() {
+                    let pinned = c.with_forms(crate::Forms {
+                        fused: Some(form),
+                        decode: None,
+                    });
+                    let cfg = Config::new(&p, &pinned).unwrap();
+                    assert_eq!(cfg.form, form);
+                }
             }
         }
+    }
+
+    /// The default forms: GPUs one row per invocation; CPU adapters with subgroups one row
+    /// for small problems and several for large ones; without subgroups the loop form for
+    /// small problems and the tiled form for large ones. A subgroup form pinned on a device
+    /// without a fixed subgroup size is refused.
+    #[test]
+    fn default_forms_by_device_and_size() {
+        let small = Problem::new(&[1, 4, 128, 64], &[1, 4, 128, 64], &[1, 4, 128, 64]).unwrap();
+        let large = Problem::new(&[1, 8, 1024, 64], &[1, 8, 1024, 64], &[1, 8, 1024, 64]).unwrap();
+        assert_eq!(default_form(&large, &caps(false, Some(32))), FusedForm::Gpu);
+        assert_eq!(
+            default_form(&small, &caps(true, Some(8))),
+            FusedForm::Subgroup { rows: 1 }
+        );
+        assert_eq!(
+            default_form(&large, &caps(true, Some(8))),
+            FusedForm::Subgroup { rows: 4 }
+        );
+        assert_eq!(
+            default_form(&small, &caps(true, None)),
+            FusedForm::Loop { rows: 2 }
+        );
+        assert_eq!(
+            default_form(&large, &caps(true, None)),
+            FusedForm::Tiled { rows: 16 }
+        );
+        let pinned = caps(true, None).with_forms(crate::Forms {
+            fused: Some(FusedForm::Subgroup { rows: 2 }),
+            decode: None,
+        });
+        assert!(Config::new(&small, &pinned).is_err());
     }
 }

@@ -2,47 +2,75 @@
 //! scores (`scale · Q Kᵀ`, `TRANS_B`) and the value weighting (`P V`), and by benchmarks as the
 //! crate's plain matmul. 64×64 output tile per workgroup, 4×4 per invocation, K in steps of 16.
 
-use super::{dispatch, Binding, KernelSpec};
+use super::{dispatch, params_of, Binding, KernelSpec};
 use crate::context::Context;
 use crate::error::Result;
 
 pub(crate) const SPEC: KernelSpec = KernelSpec {
     name: "matmul",
     source: include_str!("../../shaders/matmul.wgsl"),
+    common: &[],
     bindings: &[
         Binding::Read,
         Binding::Read,
         Binding::Read,
         Binding::ReadWrite,
-        Binding::Uniform,
+        Binding::Params,
     ],
+    params: params_of::<Params>,
 };
 
 /// Output tile edge (rows and columns) per workgroup.
 pub(crate) const TILE: u32 = 64;
 
-/// Mirrors `Params` in `matmul.wgsl`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
-pub(crate) struct Params {
-    pub m: u32,
-    pub n: u32,
-    pub k: u32,
-    pub heads: u32,
-    pub group: u32,
-    pub a_z0: u32,
-    pub b_z0: u32,
-    pub c_z0: u32,
-    pub a_batch: u32,
-    pub a_row: u32,
-    pub a_off: u32,
-    pub b_batch: u32,
-    pub b_row: u32,
-    pub c_batch: u32,
-    pub c_row: u32,
-    pub c_off: u32,
-    pub alpha: f32,
-    pub _pad: [u32; 3],
+wgsl_struct! {
+    /// The matmul kernel's params (`p` in `matmul.wgsl`): sizes, strides (elements) and
+    /// batch offsets of A, B and C, and the factor `alpha`.
+    pub(crate) struct Params {
+        m: u32,
+        n: u32,
+        k: u32,
+        heads: u32,
+        group: u32,
+        a_z0: u32,
+        b_z0: u32,
+        c_z0: u32,
+        a_batch: u32,
+        a_row: u32,
+        a_off: u32,
+        b_batch: u32,
+        b_row: u32,
+        c_batch: u32,
+        c_row: u32,
+        c_off: u32,
+        alpha: f32,
+        _pad0: u32,
+        _pad1: u32,
+        _pad2: u32,
+    }
+}
+
+impl Params {
+    /// `C[z] = alpha · A[z] op(B[z])` for row-major, contiguous `[M, K]` slices of A,
+    /// `[N, K]` (`trans_b`) or `[K, N]` slices of B and `[M, N]` slices of C, one B per z
+    /// (heads = group = 1), no offsets. Callers override the strides and offsets that differ.
+    pub(crate) fn dense(m: u32, n: u32, k: u32, trans_b: bool, alpha: f32) -> Params {
+        Params {
+            m,
+            n,
+            k,
+            heads: 1,
+            group: 1,
+            a_batch: m * k,
+            a_row: k,
+            b_batch: n * k,
+            b_row: if trans_b { k } else { n },
+            c_batch: m * n,
+            c_row: n,
+            alpha,
+            ..Default::default()
+        }
+    }
 }
 
 /// Operands of one batched product; `batch` slices go on the grid's z axis.
@@ -81,14 +109,5 @@ impl Matmul<'_> {
             bytemuck::bytes_of(p),
             grid,
         )
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn params_size_matches_wgsl() {
-        // 20 four-byte fields in the WGSL struct.
-        assert_eq!(std::mem::size_of::<super::Params>(), 80);
     }
 }

@@ -1,9 +1,13 @@
-//! Kernel stages: each module owns one WGSL file from `shaders/`, its parameter struct (mirrored
-//! field for field in WGSL) and the code that records its dispatch.
+//! Kernel stages: each module owns one WGSL file from `shaders/`, its params struct (declared
+//! once with `wgsl_struct!`; the WGSL twin is generated), the prelude of
+//! constants and snippets that picks its form, and the code that records its dispatch.
 //!
-//! Pipelines are built once per (kernel, override constants) and cached in the
-//! [`Context`](crate::Context).
+//! [`source`] assembles a kernel's WGSL (generated params, prelude, `shaders/common/`
+//! snippets, the kernel file); [`pipeline`] builds it once per (kernel, prelude, override
+//! constants) in the context's [`PipelineCache`](crate::pipelines::PipelineCache).
 
+#[macro_use]
+pub(crate) mod wgsl;
 pub(crate) mod decode;
 pub(crate) mod flash;
 pub(crate) mod matmul;
@@ -17,40 +21,67 @@ use wgpu::util::DeviceExt;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
+use crate::pipelines::{Key, Pipeline};
+use wgsl::WgslType;
 
-/// The mask fields shared by the softmax and fused kernels (flattened into their WGSL
-/// `Params` in this order): causal limit, packed boolean mask and bias strides, key lengths.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
-pub(crate) struct MaskParams {
-    pub has_causal: u32,
-    pub causal_off: i32,
-    pub has_mask: u32,
-    pub has_bias: u32,
-    pub has_lens: u32,
-    pub mask_b: u32,
-    pub mask_h: u32,
-    pub mask_l: u32,
-    pub bias_b: u32,
-    pub bias_h: u32,
-    pub bias_l: u32,
-    pub bias_s: u32,
+/// The WGSL snippets the kernels share (`shaders/common/`), prepended by the host.
+pub(crate) mod common {
+    /// Sentinels and the online-softmax step.
+    pub(crate) const SOFTMAX: &str = include_str!("../../shaders/common/softmax.wgsl");
+    /// Mask bindings 0-2 and the mask tests (causal limit, key length, bits, bias).
+    pub(crate) const MASKS: &str = include_str!("../../shaders/common/masks.wgsl");
+    /// q, k, v, out as vec4 rows (E and Ev multiples of 4).
+    pub(crate) const IO_VEC4: &str = include_str!("../../shaders/common/io_vec4.wgsl");
+    /// q, k, v, out as scalar rows (any E and Ev).
+    pub(crate) const IO_SCALAR: &str = include_str!("../../shaders/common/io_scalar.wgsl");
+    /// Workgroup reductions through workgroup memory.
+    pub(crate) const REDUCE_SHARED: &str = include_str!("../../shaders/common/reduce_shared.wgsl");
+    /// Workgroup reductions by subgroup operations (the workgroup is one subgroup).
+    pub(crate) const REDUCE_SUBGROUP: &str = include_str!("../../shaders/common/reduce_subgroup.wgsl");
+
+    /// The input/output snippet for head dims `e` and `ev`.
+    pub(crate) fn io(e: usize, ev: usize) -> &'static str {
+        if e.is_multiple_of(4) && ev.is_multiple_of(4) {
+            IO_VEC4
+        } else {
+            IO_SCALAR
+        }
+    }
 }
 
-impl MaskParams {
+wgsl_struct! {
+    /// The masks of an attention problem as the kernels read them (`shaders/common/masks.wgsl`):
+    /// the causal limit, key lengths, and the strides of the packed boolean mask (in u32 words)
+    /// and of the bias (in elements), 0 on broadcast dimensions.
+    pub(crate) struct Masks {
+        has_causal: u32,
+        /// Query `i` may see keys `j <= i + causal_off`.
+        causal_off: i32,
+        has_lens: u32,
+        mask_b: u32,
+        mask_h: u32,
+        mask_l: u32,
+        bias_b: u32,
+        bias_h: u32,
+        bias_l: u32,
+        bias_s: u32,
+        _pad0: u32,
+        _pad1: u32,
+    }
+}
+
+impl Masks {
     /// From the problem and the word strides of its packed mask (if any).
     pub(crate) fn new(p: &crate::problem::Problem, mask_strides: Option<[u32; 3]>) -> Self {
         let bias = p.bias.map(|b| b.strides()).unwrap_or([0; 4]);
         let mask = mask_strides.unwrap_or([0; 3]);
-        MaskParams {
+        Masks {
             has_causal: (p.causal != crate::problem::Causal::None) as u32,
             causal_off: p
                 .causal
                 .offset(p.seq_q, p.seq_kv)
                 .unwrap_or(0)
                 .clamp(i32::MIN as i64, i32::MAX as i64) as i32,
-            has_mask: mask_strides.is_some() as u32,
-            has_bias: p.bias.is_some() as u32,
             has_lens: p.kv_lens.is_some() as u32,
             mask_b: mask[0],
             mask_h: mask[1],
@@ -59,8 +90,19 @@ impl MaskParams {
             bias_h: bias[1] as u32,
             bias_l: bias[2] as u32,
             bias_s: bias[3] as u32,
+            ..Default::default()
         }
     }
+}
+
+/// The constants a masked kernel's prelude declares: whether a boolean mask and a bias are
+/// bound (their code is compiled out when absent).
+pub(crate) fn mask_consts(p: &crate::problem::Problem) -> String {
+    format!(
+        "const HAS_MASK: bool = {};\nconst HAS_BIAS: bool = {};\n",
+        p.mask.is_some(),
+        p.bias.is_some()
+    )
 }
 
 /// How a kernel binds one buffer; the binding number is the index in [`KernelSpec::bindings`].
@@ -70,12 +112,12 @@ pub(crate) enum Binding {
     Read,
     /// `var<storage, read_write>`.
     ReadWrite,
-    /// `var<uniform> p: Params` (the params struct, always last); a read-only storage buffer
-    /// where [`Context::params_in_storage`] says so.
-    Uniform,
+    /// `p: Params` (always last): a uniform buffer, or a read-only storage buffer where
+    /// [`Context::params_in_storage`] says so. Declared by the host, not in the WGSL file.
+    Params,
 }
 
-/// The bindings of the fused and decode kernels: q, k, v, mask, bias, kv_lens (read), two
+/// The bindings of the fused and decode kernels: mask, bias, kv_lens, q, k, v (read), two
 /// outputs (read_write), params.
 pub(crate) const ATTENTION_BINDINGS: &[Binding] = &[
     Binding::Read,
@@ -86,14 +128,77 @@ pub(crate) const ATTENTION_BINDINGS: &[Binding] = &[
     Binding::Read,
     Binding::ReadWrite,
     Binding::ReadWrite,
-    Binding::Uniform,
+    Binding::Params,
 ];
 
-/// A kernel: its name, WGSL source and bindings in order.
+/// A kernel: its name, WGSL source, the shared snippets it always uses, its bindings in order
+/// and its params struct.
 pub(crate) struct KernelSpec {
     pub(crate) name: &'static str,
     pub(crate) source: &'static str,
+    /// Snippets from `shaders/common/` every form of the kernel uses; a form's own choices
+    /// (I/O, reductions) come in its prelude.
+    pub(crate) common: &'static [&'static str],
     pub(crate) bindings: &'static [Binding],
+    /// The WGSL declarations of the params struct and its name.
+    pub(crate) params: fn() -> (String, &'static str),
+}
+
+/// [`KernelSpec::params`] of a struct declared by `wgsl_struct!`.
+pub(crate) fn params_of<T: WgslType>() -> (String, &'static str) {
+    (T::wgsl_decls(), T::wgsl_name())
+}
+
+/// The full WGSL of `spec` with `prelude`: the generated params struct and its binding, the
+/// prelude, the shared snippets and the kernel, with marked loops unrolled where the prelude
+/// asks for it.
+pub(crate) fn source(spec: &KernelSpec, prelude: &str, params_in_storage: bool) -> String {
+    let (decls, name) = (spec.params)();
+    let space = if params_in_storage {
+        "storage, read"
+    } else {
+        "uniform"
+    };
+    let mut s = format!(
+        "// {} (assembled by src/kernels/mod.rs)\n{decls}@group(0) @binding({}) var<{space}> p: {name};\n{prelude}",
+        spec.name,
+        spec.bindings.len() - 1,
+    );
+    for c in spec.common {
+        s.push_str(c);
+    }
+    s.push_str(spec.source);
+    unroll::unroll(&s)
+}
+
+/// The cached pipeline of `spec` with `prelude` and override `constants` on `ctx`.
+pub(crate) fn pipeline(
+    ctx: &Context,
+    spec: &KernelSpec,
+    prelude: &str,
+    constants: &[(&'static str, f64)],
+) -> std::sync::Arc<Pipeline> {
+    ctx.pipelines()
+        .get_or_build(Key::new(spec.name, prelude, constants), || {
+            let storage = ctx.params_in_storage(spec.bindings.len());
+            let types: Vec<wgpu::BufferBindingType> = spec
+                .bindings
+                .iter()
+                .map(|b| match b {
+                    Binding::Read => wgpu::BufferBindingType::Storage { read_only: true },
+                    Binding::ReadWrite => wgpu::BufferBindingType::Storage { read_only: false },
+                    Binding::Params if storage => wgpu::BufferBindingType::Storage { read_only: true },
+                    Binding::Params => wgpu::BufferBindingType::Uniform,
+                })
+                .collect();
+            Pipeline::new(
+                ctx.device(),
+                spec.name,
+                source(spec, prelude, storage),
+                &types,
+                constants,
+            )
+        })
 }
 
 /// Split `n` workgroups over x and y so that neither exceeds `max`; kernels recover the linear
@@ -107,7 +212,7 @@ pub(crate) fn grid_1d(n: u32, max: u32) -> [u32; 3] {
 }
 
 /// Record one dispatch of `spec` in its own compute pass. `buffers` are bound in order to
-/// bindings `0..buffers.len()`; `params` goes to the final uniform binding.
+/// bindings `0..buffers.len()`; `params` goes to the final params binding.
 #[allow(clippy::too_many_arguments)] // each argument is a distinct part of one dispatch
 pub(crate) fn dispatch(
     ctx: &Context,
@@ -134,7 +239,7 @@ pub(crate) fn dispatch(
     }
     debug_assert_eq!(buffers.len() + 1, spec.bindings.len());
     let device = ctx.device();
-    let pipeline = ctx.pipeline(spec, prelude, constants);
+    let pipeline = pipeline(ctx, spec, prelude, constants);
     let uniform = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
         label: Some(spec.name),
         contents: params,
@@ -168,9 +273,185 @@ pub(crate) fn dispatch(
     Ok(())
 }
 
+/// Tiered compilation, for kernels whose fastest form compiles slowly on CPU adapters
+/// (lavapipe compiles a shader with LLVM at its first dispatch: seconds for the unrolled
+/// fused kernel). Returns whether the pipeline of `spec` with `prelude` is ready. If it is
+/// not, and this is a native CPU adapter, it is created on a background thread and
+/// dispatched once on an empty problem (`params` all zero: the kernel returns at once) so
+/// that the driver compiles it while the caller is served by a quicker-to-compile form;
+/// returns `false` then, and the caller uses that form. Elsewhere (GPUs compile at pipeline
+/// creation; the web has no threads) returns `true`: use the pipeline directly.
+pub(crate) fn warm(ctx: &Context, spec: &'static KernelSpec, prelude: String, params_size: usize) -> bool {
+    #[cfg(target_arch = "wasm32")]
+    {
+        let _ = (ctx, spec, prelude, params_size);
+        true
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        if !ctx.is_cpu() {
+            return true;
+        }
+        let key = Key::new(spec.name, &prelude, &[]);
+        if ctx.pipelines().contains(&key) {
+            return true;
+        }
+        if !ctx.pipelines().start_warming(key.clone()) {
+            return false;
+        }
+        let bg = ctx.clone();
+        let handle = std::thread::spawn(move || {
+            // Errors here would recur, and be reported, where the pipeline is used.
+            let _ = pollster::block_on(bg.scoped(|| {
+                let device = bg.device();
+                let buffers: Vec<wgpu::Buffer> = (1..spec.bindings.len())
+                    .map(|_| {
+                        device.create_buffer(&wgpu::BufferDescriptor {
+                            label: Some("wgpu-attention warm-up"),
+                            size: 256,
+                            usage: wgpu::BufferUsages::STORAGE,
+                            mapped_at_creation: false,
+                        })
+                    })
+                    .collect();
+                let bindings: Vec<wgpu::BufferBinding> =
+                    buffers.iter().map(|b| b.as_entire_buffer_binding()).collect();
+                let mut encoder = device.create_command_encoder(&Default::default());
+                dispatch(
+                    &bg,
+                    &mut encoder,
+                    spec,
+                    &prelude,
+                    &[],
+                    &bindings,
+                    &vec![0u8; params_size],
+                    [1, 1, 1],
+                )?;
+                bg.queue().submit([encoder.finish()]);
+                Ok(())
+            }));
+            bg.pipelines().end_warming(&key);
+        });
+        ctx.pipelines().push_thread(handle);
+        false
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use crate::forms::{Caps, Forms};
+    use crate::problem::{Causal, Problem};
+    use wgsl::WgslStruct;
+
+    /// Parse and validate `src` with naga (the front end wgpu uses), then check that the WGSL
+    /// struct `T` has the Rust struct's fields, in order, at the same offsets.
+    fn validate_with<T: WgslStruct>(label: &str, src: &str) {
+        let module = naga::front::wgsl::parse_str(src)
+            .unwrap_or_else(|e| panic!("{label}: {}", e.emit_to_string(src)));
+        naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::all(),
+        )
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{label}: {e:?}"));
+        check_struct::<T>(label, &module);
+    }
+
+    fn check_struct<T: WgslStruct>(label: &str, module: &naga::Module) {
+        let name = T::wgsl_name();
+        let (_, ty) = module
+            .types
+            .iter()
+            .find(|(_, t)| t.name.as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("{label}: no struct {name}"));
+        let naga::TypeInner::Struct { members, span } = &ty.inner else {
+            panic!("{label}: {name} is not a struct")
+        };
+        let wgsl: Vec<(&str, usize)> = members
+            .iter()
+            .map(|m| (m.name.as_deref().unwrap(), m.offset as usize))
+            .collect();
+        assert_eq!(wgsl, T::fields(), "{label}: {name} fields and offsets");
+        assert_eq!(*span as usize, std::mem::size_of::<T>(), "{label}: {name} size");
+        assert_eq!(
+            std::mem::size_of::<T>() % 16,
+            0,
+            "{name}: uniform structs are multiples of 16 bytes"
+        );
+    }
+
+    /// Every kernel, in every form and specialisation, assembles into WGSL that naga accepts,
+    /// and its params struct has the Rust struct's layout field by field (the nested masks
+    /// included). Runs without a GPU.
+    #[test]
+    fn every_kernel_assembles_and_params_match_rust() {
+        let caps_list = [
+            Caps::new(&wgpu::Limits::default(), false, Some(32)),
+            Caps::new(&wgpu::Limits::default(), true, Some(8)),
+            Caps::new(&wgpu::Limits::default(), true, None),
+        ];
+        for (e, ev) in [(64, 64), (37, 5)] {
+            for masked in [false, true] {
+                let mut p = Problem::new(&[2, 4, 9, e], &[2, 2, 600, e], &[2, 2, 600, ev]).unwrap();
+                if masked {
+                    p = p
+                        .with_causal(Causal::BottomRight)
+                        .with_mask(&[9, 600])
+                        .unwrap()
+                        .with_bias(&[4, 1, 600])
+                        .unwrap()
+                        .with_kv_lens(&[5, 600])
+                        .unwrap();
+                }
+                for caps in caps_list {
+                    for form in caps.fused_forms() {
+                        let c = caps.with_forms(Forms {
+                            fused: Some(form),
+                            decode: None,
+                        });
+                        let cfg = flash::Config::new(&p, &c).unwrap();
+                        for storage in [false, true] {
+                            let label = format!("flash {form:?} E {e} Ev {ev} masked {masked}");
+                            validate_with::<flash::Params>(
+                                &label,
+                                &source(&flash::SPEC, &cfg.prelude(), storage),
+                            );
+                        }
+                    }
+                    for form in caps.decode_forms() {
+                        let c = caps.with_forms(Forms {
+                            fused: None,
+                            decode: Some(form),
+                        });
+                        let cfg = decode::Config::new(&p, &c).unwrap();
+                        let label = format!("decode {form:?} E {e} Ev {ev} masked {masked}");
+                        validate_with::<decode::Params>(
+                            &label,
+                            &source(&decode::DECODE, &cfg.prelude(), false),
+                        );
+                    }
+                }
+                validate_with::<softmax::Params>("softmax", &source(&softmax::SPEC, &mask_consts(&p), false));
+            }
+        }
+        validate_with::<decode::MergeParams>("merge", &source(&decode::MERGE, "", false));
+        validate_with::<matmul::Params>("matmul", &source(&matmul::SPEC, "", false));
+        let module = naga::front::wgsl::parse_str(&source(&permute::SPEC, "", false)).unwrap();
+        assert!(module
+            .types
+            .iter()
+            .any(|(_, t)| t.name.as_deref() == Some("Params")));
+        // The nested masks, through the fused kernel.
+        let cfg = flash::Config::new(
+            &Problem::new(&[1, 1, 1, 4], &[1, 1, 1, 4], &[1, 1, 1, 4]).unwrap(),
+            &caps_list[0],
+        )
+        .unwrap();
+        let src = source(&flash::SPEC, &cfg.prelude(), false);
+        check_struct::<Masks>("masks", &naga::front::wgsl::parse_str(&src).unwrap());
+    }
 
     #[test]
     fn grid_folds_over_the_limit() {

@@ -2,31 +2,34 @@
 //! uses it to split projections `[B, L, H, d]` into heads `[B, H, L, d]`, to merge the attention
 //! output back, and to broadcast a batch-1 constant over the batch (stride 0).
 
-use super::{dispatch, grid_1d, Binding, KernelSpec};
+use super::{dispatch, grid_1d, params_of, Binding, KernelSpec};
 use crate::context::Context;
 use crate::error::Result;
 
 pub(crate) const SPEC: KernelSpec = KernelSpec {
     name: "permute",
     source: include_str!("../../shaders/permute.wgsl"),
-    bindings: &[Binding::Read, Binding::ReadWrite, Binding::Uniform],
+    common: &[],
+    bindings: &[Binding::Read, Binding::ReadWrite, Binding::Params],
+    params: params_of::<Params>,
 };
 
 /// Invocations per workgroup (`WG` in the shader).
 const WG: u32 = 256;
 
-/// Mirrors `Params` in `permute.wgsl`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
-struct Params {
-    n1: u32,
-    n2: u32,
-    n3: u32,
-    total: u32,
-    s0: u32,
-    s1: u32,
-    s2: u32,
-    s3: u32,
+wgsl_struct! {
+    /// The permute kernel's params (`p` in `permute.wgsl`): the trailing dims of dst, the
+    /// element count and src's strides.
+    struct Params {
+        n1: u32,
+        n2: u32,
+        n3: u32,
+        total: u32,
+        s0: u32,
+        s1: u32,
+        s2: u32,
+        s3: u32,
+    }
 }
 
 /// Record `dst[i0][i1][i2][i3] = src[Σ ik · strides[k]]` for the contiguous `dims` of `dst`.

@@ -1,42 +1,47 @@
 //! `shaders/softmax.wgsl`: scaled masked softmax, one workgroup per score row, in place, with
 //! every mask kind applied inside and the row logsumexp written out.
 
-use super::{dispatch, grid_1d, Binding, KernelSpec};
+use super::{common, dispatch, grid_1d, mask_consts, params_of, Binding, KernelSpec, Masks};
 use crate::context::Context;
 use crate::error::Result;
+use crate::problem::Problem;
 
 pub(crate) const SPEC: KernelSpec = KernelSpec {
     name: "softmax",
     source: include_str!("../../shaders/softmax.wgsl"),
+    common: &[common::SOFTMAX, common::MASKS, common::REDUCE_SHARED],
     bindings: &[
-        Binding::ReadWrite,
         Binding::Read,
         Binding::Read,
         Binding::Read,
         Binding::ReadWrite,
-        Binding::Uniform,
+        Binding::ReadWrite,
+        Binding::Params,
     ],
+    params: params_of::<Params>,
 };
 
-/// Mirrors `Params` in `softmax.wgsl`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
-pub(crate) struct Params {
-    pub rows: u32,
-    pub total: u32,
-    pub s: u32,
-    pub l: u32,
-    pub z0: u32,
-    pub i0: u32,
-    pub heads: u32,
-    pub masks: super::MaskParams,
-    pub _pad0: u32,
+wgsl_struct! {
+    /// The softmax kernel's params (`p` in `softmax.wgsl`).
+    pub(crate) struct Params {
+        m: Masks,
+        rows: u32,
+        total: u32,
+        s: u32,
+        l: u32,
+        z0: u32,
+        i0: u32,
+        heads: u32,
+        _pad0: u32,
+    }
 }
 
-/// Record the softmax over `params.total` rows of `scores`.
+/// Record the softmax over `params.total` rows of `scores`. `buffers`: mask, bias, kv_lens,
+/// scores, lse.
 pub(crate) fn record(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
+    p: &Problem,
     buffers: [wgpu::BufferBinding<'_>; 5],
     params: &Params,
 ) -> Result<()> {
@@ -45,18 +50,10 @@ pub(crate) fn record(
         ctx,
         encoder,
         &SPEC,
-        "",
+        &mask_consts(p),
         &[],
         &buffers,
         bytemuck::bytes_of(params),
         grid,
     )
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn params_size_matches_wgsl() {
-        assert_eq!(std::mem::size_of::<super::Params>(), 80);
-    }
 }

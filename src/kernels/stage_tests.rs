@@ -190,7 +190,7 @@ fn softmax_stage_matches_reference_masked_softmax() {
             .with_kv_lens(&lens)
             .unwrap();
         let m = crate::tensor::Mask::from(&mask);
-        let (words, mstr) = crate::attention::pack_mask(&p, &m);
+        let (words, mstr) = crate::sdpa::forward::pack_mask(&p, &m);
         let sc = buf(&ctx, bytemuck::cast_slice(&scores32));
         let lse = buf(&ctx, &vec![0u8; b * hq * l * 4]);
         let mask_b = buf(&ctx, bytemuck::cast_slice(&words));
@@ -201,20 +201,21 @@ fn softmax_stage_matches_reference_masked_softmax() {
         softmax::record(
             &ctx,
             &mut enc,
+            &p,
             [
-                sc.as_entire_buffer_binding(),
                 mask_b.as_entire_buffer_binding(),
                 bias_b.as_entire_buffer_binding(),
                 lens_b.as_entire_buffer_binding(),
+                sc.as_entire_buffer_binding(),
                 lse.as_entire_buffer_binding(),
             ],
             &softmax::Params {
+                m: super::Masks::new(&p, Some(mstr)),
                 rows: l as u32,
                 total: (b * hq * l) as u32,
                 s: s as u32,
                 l: l as u32,
                 heads: hq as u32,
-                masks: super::MaskParams::new(&p, Some(mstr)),
                 ..Default::default()
             },
         )
@@ -248,7 +249,7 @@ fn fused_first_use_form_and_fastest_form_agree() {
     let sdpa = || Sdpa::new(&q, &k, &v).path(Path::Fused);
     let p = sdpa().problem().unwrap();
     assert!(p.flops() >= flash::CPU_UNROLL_MIN_FLOPS);
-    let full = flash::Config::new(&p, ctx.limits(), ctx.is_cpu(), ctx.fixed_subgroup_size()).unwrap();
+    let full = flash::Config::new(&p, &ctx.caps()).unwrap();
     let tiered = ctx.is_cpu() && !full.pinned && full.rq > 1 && !cfg!(target_arch = "wasm32");
     if tiered {
         assert_eq!(

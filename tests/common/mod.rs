@@ -155,7 +155,18 @@ impl Case {
     /// Run `path` on the GPU (with weights where the path offers them, and lse) and compare
     /// everything with the reference at `tol`. Panics with a report on mismatch.
     pub fn check(&self, ctx: &Context, path: Path, tol: Tolerance, label: &str) {
-        let want = self.reference();
+        self.check_against(&self.reference(), ctx, path, tol, label);
+    }
+
+    /// [`Case::check`] against a reference computed once.
+    pub fn check_against(
+        &self,
+        want: &reference::Output,
+        ctx: &Context,
+        path: Path,
+        tol: Tolerance,
+        label: &str,
+    ) {
         let mut run = self.sdpa().path(path).return_lse();
         let weights = path == Path::Unfused;
         if weights {
@@ -188,3 +199,95 @@ pub fn assert_report(r: Report, label: &str) {
 }
 
 pub const TOL: Tolerance = F32_TOLERANCE;
+
+/// A PyTorch float64 golden (`tests/fixtures/sdpa/<name>`, written by `scripts/make_goldens.py`):
+/// the case (scale rounded to f32 for the GPU) and PyTorch's outputs.
+pub struct Golden {
+    pub name: String,
+    pub case: Case,
+    /// The scale as PyTorch used it (f64), for the reference.
+    pub scale: Option<f64>,
+    pub out: ndarray::Array4<f64>,
+    pub lse: ndarray::Array3<f64>,
+    pub weights: ndarray::Array4<f64>,
+}
+
+impl Golden {
+    /// The reference's spec for this golden, with PyTorch's f64 scale.
+    pub fn spec(&self) -> Spec<'_> {
+        Spec {
+            scale: self.scale,
+            ..self.case.spec()
+        }
+    }
+
+    /// Compare a GPU output and logsumexp (and weights, if any) with PyTorch's at `tol`.
+    pub fn assert_matches(&self, got: &wgpu_attention::Output, tol: Tolerance, label: &str) {
+        use wgpu_attention::check::compare;
+        let name = &self.name;
+        let rep = compare(got.output.iter().copied(), self.out.iter().copied(), tol);
+        assert!(rep.passed(), "{name} {label} out: {rep}");
+        let rep = compare(
+            got.lse.as_ref().unwrap().iter().copied(),
+            self.lse.iter().copied(),
+            tol,
+        );
+        assert!(rep.passed(), "{name} {label} lse: {rep}");
+        if let Some(w) = &got.weights {
+            let rep = compare(w.iter().copied(), self.weights.iter().copied(), tol);
+            assert!(rep.passed(), "{name} {label} weights: {rep}");
+        }
+    }
+}
+
+/// Every SDPA golden, sorted by name.
+pub fn goldens() -> Vec<Golden> {
+    use ndarray_npy::read_npy;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sdpa");
+    let mut dirs: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    dirs.sort();
+    let g: Vec<Golden> = dirs
+        .iter()
+        .map(|dir| {
+            let meta: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+            let causal = match meta["causal"].as_str().unwrap() {
+                "none" => Causal::None,
+                "top_left" => Causal::TopLeft,
+                "bottom_right" => Causal::BottomRight,
+                other => panic!("unknown causal {other}"),
+            };
+            let opt = |file: &str| Some(dir.join(file)).filter(|p| p.exists());
+            let scale = meta["scale"].as_f64();
+            Golden {
+                name: dir.file_name().unwrap().to_string_lossy().into_owned(),
+                case: Case {
+                    q: read_npy(dir.join("q.npy")).unwrap(),
+                    k: read_npy(dir.join("k.npy")).unwrap(),
+                    v: read_npy(dir.join("v.npy")).unwrap(),
+                    mask: opt("mask.npy").map(|p| read_npy(p).unwrap()),
+                    bias: opt("bias.npy").map(|p| read_npy(p).unwrap()),
+                    kv_lens: opt("kv_lens.npy").map(|p| {
+                        let a: ndarray::Array1<i64> = read_npy(p).unwrap();
+                        a.iter().map(|&x| x as usize).collect()
+                    }),
+                    causal,
+                    scale: scale.map(|s| s as f32),
+                },
+                scale,
+                out: read_npy(dir.join("out.npy")).unwrap(),
+                lse: read_npy(dir.join("lse.npy")).unwrap(),
+                weights: read_npy(dir.join("weights.npy")).unwrap(),
+            }
+        })
+        .collect();
+    assert!(
+        g.len() >= 12,
+        "expected at least a dozen golden cases, found {}",
+        g.len()
+    );
+    g
+}

@@ -1,7 +1,8 @@
-// flash.wgsl's inputs and output for any E and Ev: scalar rows, the last block zero padded.
-@group(0) @binding(0) var<storage, read> q: array<f32>;
-@group(0) @binding(1) var<storage, read> k: array<f32>;
-@group(0) @binding(2) var<storage, read> v: array<f32>;
+// The attention kernels' inputs and output for any E and Ev: scalar rows, the last vec4
+// block zero padded. Bindings 3 q, 4 k, 5 v (read), 6 out (read_write): after the masks (0-2).
+@group(0) @binding(3) var<storage, read> q: array<f32>;
+@group(0) @binding(4) var<storage, read> k: array<f32>;
+@group(0) @binding(5) var<storage, read> v: array<f32>;
 @group(0) @binding(6) var<storage, read_write> out: array<f32>;
 
 // Column block `c4` (4 elements) of row `row` of q or k ([rows, E]) or v and out ([rows, Ev]).

@@ -1,0 +1,58 @@
+// The masks every attention kernel applies, in one place: the causal limit, the key lengths,
+// the packed boolean mask and the additive bias. Bindings 0-2 of every attention kernel.
+//
+// The including kernel's `Params` (generated from Rust) has `m: Masks` and the key length
+// `s`; its prelude declares HAS_MASK and HAS_BIAS (the mask and bias code is compiled out when
+// absent: CPU adapters execute both sides of every branch). `Masks` fields: has_causal,
+// causal_off (query i may see keys j <= i + causal_off), has_lens, the packed mask's word
+// strides mask_b, mask_h, mask_l (0 on broadcast dimensions) and the bias's element strides
+// bias_b, bias_h, bias_l, bias_s.
+
+@group(0) @binding(0) var<storage, read> mask: array<u32>;
+@group(0) @binding(1) var<storage, read> bias: array<f32>;
+@group(0) @binding(2) var<storage, read> kv_lens: array<u32>;
+
+// End (exclusive) of the keys query row `i` may see under the causal limit.
+fn causal_end(i: u32) -> u32 {
+    return u32(clamp(i32(i) + p.m.causal_off + 1, 0, i32(p.s)));
+}
+
+// End (exclusive) of the keys query row `i` of batch `b` may see under the causal limit and
+// the key length; the boolean mask and the bias act within it.
+fn key_end(b: u32, i: u32) -> u32 {
+    var end = p.s;
+    if (p.m.has_lens != 0u) {
+        end = min(end, kv_lens[b]);
+    }
+    if (p.m.has_causal != 0u) {
+        end = min(end, causal_end(i));
+    }
+    return end;
+}
+
+// Whether the boolean mask (32 keys per u32, bit set = may attend) lets row `i` of batch `b`,
+// head `h` see key `j` (clamped into the row, so keys past S read in bounds).
+fn mask_allows(b: u32, h: u32, i: u32, j: u32) -> bool {
+    let w = mask[b * p.m.mask_b + h * p.m.mask_h + i * p.m.mask_l + min(j, p.s - 1u) / 32u];
+    return (w & (1u << (j % 32u))) != 0u;
+}
+
+// The bias of (b, h, i, j), j clamped into the row.
+fn bias_at(b: u32, h: u32, i: u32, j: u32) -> f32 {
+    return bias[b * p.m.bias_b + h * p.m.bias_h + i * p.m.bias_l + min(j, p.s - 1u) * p.m.bias_s];
+}
+
+// The logit `x` of key `j` for row `i` after the boolean mask and the bias: START when `keep`
+// is false, when the mask forbids the key, or when the biased logit is -inf. Masked-out keys
+// ignore the bias; a -inf bias masks.
+fn masked_logit(x: f32, keep: bool, b: u32, h: u32, i: u32, j: u32) -> f32 {
+    var y = x;
+    var k = keep;
+    if (HAS_MASK) {
+        k = k && mask_allows(b, h, i, j);
+    }
+    if (HAS_BIAS) {
+        y += bias_at(b, h, i, j);
+    }
+    return select(START, y, k && !(y < MASKED));
+}

@@ -1,0 +1,161 @@
+//! Buffers: element sizes, size checks against the device, uploads of host inputs (or the
+//! caller's own buffers bound in place) and readback.
+
+use std::num::NonZeroU64;
+
+use wgpu::util::DeviceExt;
+
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::tensor::{Tensor, TensorData};
+
+/// Bytes per element of the f32 storage every buffer uses today.
+pub(crate) const F32: u64 = 4;
+
+/// Bytes of `elems` f32 elements.
+pub(crate) fn f32_bytes(elems: usize) -> u64 {
+    elems as u64 * F32
+}
+
+/// Bytes of an f32 tensor of `shape`.
+pub(crate) fn shape_bytes(shape: &[usize]) -> u64 {
+    f32_bytes(shape.iter().product())
+}
+
+pub(crate) fn check_len(tensor: &'static str, shape: &[usize], actual: usize) -> Result<()> {
+    let expected: usize = shape.iter().product();
+    if expected != actual {
+        return Err(Error::DataLength {
+            tensor,
+            shape: shape.to_vec(),
+            expected,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+pub(crate) fn fits(what: &str, bytes: u64, limit: u64, limit_name: &'static str) -> Result<()> {
+    if bytes > limit {
+        return Err(Error::TooLargeForDevice {
+            what: what.to_string(),
+            bytes,
+            limit_name,
+            limit,
+            hint: "",
+        });
+    }
+    Ok(())
+}
+
+pub(crate) fn check_gpu_buffer(
+    ctx: &Context,
+    tensor: &'static str,
+    buf: &wgpu::Buffer,
+    offset: u64,
+    bytes: u64,
+) -> Result<()> {
+    let align = ctx.limits().min_storage_buffer_offset_alignment as u64;
+    let bad = |reason: String| Err(Error::BadBuffer { tensor, reason });
+    if !buf.usage().contains(wgpu::BufferUsages::STORAGE) {
+        return bad(format!("usage {:?} lacks STORAGE", buf.usage()));
+    }
+    if !offset.is_multiple_of(align) {
+        return bad(format!(
+            "offset {offset} is not a multiple of min_storage_buffer_offset_alignment ({align})"
+        ));
+    }
+    if offset.checked_add(bytes).is_none_or(|end| end > buf.size()) {
+        return bad(format!(
+            "needs {bytes} bytes at offset {offset}, buffer has {}",
+            buf.size()
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn binding(buf: &wgpu::Buffer, offset: u64, bytes: u64) -> wgpu::BufferBinding<'_> {
+    wgpu::BufferBinding {
+        buffer: buf,
+        offset,
+        size: NonZeroU64::new(bytes),
+    }
+}
+
+/// A storage buffer holding `contents` (read-only input of the kernels).
+pub(crate) fn storage_init(ctx: &Context, label: &str, contents: &[u8]) -> wgpu::Buffer {
+    ctx.device()
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some(label),
+            contents,
+            usage: wgpu::BufferUsages::STORAGE,
+        })
+}
+
+/// An uninitialised buffer of `bytes` the kernels write and the host may read back or copy.
+pub(crate) fn output(ctx: &Context, label: &str, bytes: u64) -> wgpu::Buffer {
+    ctx.device().create_buffer(&wgpu::BufferDescriptor {
+        label: Some(label),
+        size: bytes,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    })
+}
+
+/// A GPU-only scratch buffer of `bytes`.
+pub(crate) fn scratch(ctx: &Context, label: &str, bytes: u64) -> wgpu::Buffer {
+    ctx.device().create_buffer(&wgpu::BufferDescriptor {
+        label: Some(label),
+        size: bytes,
+        usage: wgpu::BufferUsages::STORAGE,
+        mapped_at_creation: false,
+    })
+}
+
+/// The buffer bound where a kernel's optional input (mask, bias, key lengths) is absent.
+pub(crate) fn dummy(ctx: &Context) -> wgpu::Buffer {
+    storage_init(ctx, "wgpu-attention dummy", &[0u8; 16])
+}
+
+/// A validated input, before upload.
+pub(crate) struct Operand<'t, 'a> {
+    tensor: &'t Tensor<'a>,
+    bytes: u64,
+}
+
+/// An input on the GPU: our upload, or the caller's buffer.
+pub(crate) enum Uploaded<'a> {
+    Owned(wgpu::Buffer, u64),
+    Borrowed(&'a wgpu::Buffer, u64, u64),
+}
+
+impl<'t, 'a> Operand<'t, 'a> {
+    pub(crate) fn check(ctx: &Context, name: &'static str, t: &'t Tensor<'a>) -> Result<Self> {
+        let elems: usize = t.shape.iter().product();
+        let bytes = f32_bytes(elems);
+        match &t.data {
+            TensorData::Host(d) => check_len(name, &t.shape, d.len())?,
+            TensorData::Gpu { buffer, offset } => check_gpu_buffer(ctx, name, buffer, *offset, bytes)?,
+        }
+        fits(name, bytes, ctx.max_binding(), "max_storage_buffer_binding_size")?;
+        Ok(Operand { tensor: t, bytes })
+    }
+
+    pub(crate) fn upload(&self, ctx: &Context, label: &str) -> Uploaded<'a> {
+        match &self.tensor.data {
+            TensorData::Host(d) => {
+                Uploaded::Owned(storage_init(ctx, label, bytemuck::cast_slice(d)), self.bytes)
+            }
+            TensorData::Gpu { buffer, offset } => Uploaded::Borrowed(buffer, *offset, self.bytes),
+        }
+    }
+}
+
+impl Uploaded<'_> {
+    pub(crate) fn binding(&self) -> wgpu::BufferBinding<'_> {
+        match self {
+            Uploaded::Owned(b, bytes) => binding(b, 0, *bytes),
+            Uploaded::Borrowed(b, off, bytes) => binding(b, *off, *bytes),
+        }
+    }
+}

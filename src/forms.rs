@@ -1,0 +1,278 @@
+//! The forms of the kernels: how a kernel lays its work out on a device. Each path's kernel has
+//! several forms that compute the same thing (tests check every one against the reference);
+//! [`Plan`](crate::Plan) picks one per call from the device's capabilities, or takes the one
+//! pinned by [`Context::with_forms`](crate::Context::with_forms).
+
+use crate::error::{Error, Result};
+
+/// A form of the fused kernel (`shaders/flash.wgsl`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FusedForm {
+    /// 64 invocations, one query row each, K/V tiles staged in workgroup memory, loops
+    /// unrolled. The form for GPUs.
+    Gpu,
+    /// One subgroup per workgroup, `rows` query rows per invocation; each invocation holds
+    /// one key of the K/V tile in registers and the others read it by subgroup shuffles (no
+    /// workgroup memory, no barriers); unrolled. CPU adapters with a fixed subgroup size of 4
+    /// to 16 (lavapipe: 8).
+    Subgroup {
+        /// Query rows per invocation (1 to 16).
+        rows: u32,
+    },
+    /// 8 invocations, `rows` rows each, K/V tiles in workgroup memory, unrolled. Large problems
+    /// on CPU adapters without a fixed subgroup size.
+    Tiled {
+        /// Query rows per invocation (1 to 16).
+        rows: u32,
+    },
+    /// 8 invocations, `rows` rows each, K/V tiles in workgroup memory, loops as written
+    /// (quickest to compile). Small problems on CPU adapters without a fixed subgroup size.
+    Loop {
+        /// Query rows per invocation (1 to 16).
+        rows: u32,
+    },
+}
+
+impl FusedForm {
+    /// Query rows per invocation.
+    pub fn rows(self) -> u32 {
+        match self {
+            FusedForm::Gpu => 1,
+            FusedForm::Subgroup { rows } | FusedForm::Tiled { rows } | FusedForm::Loop { rows } => rows,
+        }
+    }
+
+    /// The same form with `rows` query rows per invocation (the GPU form has one).
+    pub fn with_rows(self, rows: u32) -> FusedForm {
+        match self {
+            FusedForm::Gpu => FusedForm::Gpu,
+            FusedForm::Subgroup { .. } => FusedForm::Subgroup { rows },
+            FusedForm::Tiled { .. } => FusedForm::Tiled { rows },
+            FusedForm::Loop { .. } => FusedForm::Loop { rows },
+        }
+    }
+
+    /// Whether the form needs subgroup operations with a fixed subgroup size.
+    pub fn needs_subgroups(self) -> bool {
+        matches!(self, FusedForm::Subgroup { .. })
+    }
+
+    /// The name: `gpu`, `subgroup:R`, `tiled:R`, `loop:R` (R rows per invocation).
+    pub fn name(self) -> String {
+        match self {
+            FusedForm::Gpu => "gpu".into(),
+            FusedForm::Subgroup { rows } => format!("subgroup:{rows}"),
+            FusedForm::Tiled { rows } => format!("tiled:{rows}"),
+            FusedForm::Loop { rows } => format!("loop:{rows}"),
+        }
+    }
+}
+
+impl std::str::FromStr for FusedForm {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || Error::UnknownName {
+            kind: "fused kernel form",
+            name: s.to_string(),
+            expected: "gpu, subgroup:R, tiled:R, loop:R (R = rows per invocation, 1 to 16)",
+        };
+        let (kind, rows) = match s.split_once(':') {
+            Some((k, r)) => (k, Some(r.parse::<u32>().map_err(|_| bad())?)),
+            None => (s, None),
+        };
+        if rows.is_some_and(|r| !(1..=16).contains(&r)) {
+            return Err(bad());
+        }
+        let rows = rows.unwrap_or(1);
+        match kind {
+            "gpu" => Ok(FusedForm::Gpu),
+            "subgroup" => Ok(FusedForm::Subgroup { rows }),
+            "tiled" => Ok(FusedForm::Tiled { rows }),
+            "loop" => Ok(FusedForm::Loop { rows }),
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// A form of the decode kernel (`shaders/decode.wgsl`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DecodeForm {
+    /// 64 invocations, loops over the head dims unrolled, reductions through workgroup memory.
+    /// The form for GPUs.
+    Gpu,
+    /// One subgroup per workgroup, loops as written, reductions by subgroup operations. CPU
+    /// adapters with a fixed subgroup size.
+    Subgroup,
+    /// 8 invocations, loops as written, reductions through workgroup memory. CPU adapters
+    /// without a fixed subgroup size.
+    Cpu,
+}
+
+impl DecodeForm {
+    /// Every decode form.
+    pub const ALL: [DecodeForm; 3] = [DecodeForm::Gpu, DecodeForm::Subgroup, DecodeForm::Cpu];
+
+    /// The name: `gpu`, `subgroup`, `cpu`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DecodeForm::Gpu => "gpu",
+            DecodeForm::Subgroup => "subgroup",
+            DecodeForm::Cpu => "cpu",
+        }
+    }
+}
+
+impl std::str::FromStr for DecodeForm {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        DecodeForm::ALL
+            .into_iter()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| Error::UnknownName {
+                kind: "decode kernel form",
+                name: s.to_string(),
+                expected: "gpu, subgroup, cpu",
+            })
+    }
+}
+
+/// Forms pinned for a context's calls (tests, benchmarks, tuning); `None` lets the plan choose.
+/// A pinned form the device cannot run makes the call fail with [`Error::Unsupported`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Forms {
+    /// The fused kernel's form.
+    pub fused: Option<FusedForm>,
+    /// The decode kernel's form.
+    pub decode: Option<DecodeForm>,
+}
+
+impl Forms {
+    /// Parse `fused=<form>,decode=<form>` (either part may be left out), the syntax of the
+    /// `WGPU_ATTENTION_FORMS` environment variable.
+    pub fn parse(s: &str) -> Result<Forms> {
+        let mut forms = Forms::default();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            match part.split_once('=') {
+                Some(("fused", f)) => forms.fused = Some(f.parse()?),
+                Some(("decode", f)) => forms.decode = Some(f.parse()?),
+                _ => {
+                    return Err(Error::UnknownName {
+                        kind: "kernel form setting",
+                        name: part.to_string(),
+                        expected: "fused=<form>, decode=<form>",
+                    })
+                }
+            }
+        }
+        Ok(forms)
+    }
+}
+
+/// What a device offers the kernels, as the plan sees it: read from a
+/// [`Context`](crate::Context) by [`Context::caps`](crate::Context::caps), or written down for
+/// a device one does not have (plans are pure functions of the problem and these).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caps {
+    /// A CPU implementation (lavapipe, llvmpipe, WARP): memory accesses cost far more than
+    /// arithmetic, and unrolled code compiles for seconds.
+    pub cpu: bool,
+    /// The subgroup size, when subgroup operations are enabled and the adapter has one size.
+    pub subgroup: Option<u32>,
+    /// `max_compute_invocations_per_workgroup`.
+    pub max_invocations: u32,
+    /// `max_compute_workgroup_size_x`.
+    pub max_workgroup_size_x: u32,
+    /// `max_compute_workgroup_storage_size`, bytes.
+    pub workgroup_storage: u32,
+    /// `max_compute_workgroups_per_dimension`.
+    pub max_workgroups: u32,
+    /// The largest storage binding, bytes (`max_storage_buffer_binding_size`, at most
+    /// `max_buffer_size`).
+    pub max_binding: u64,
+    /// `max_buffer_size`, bytes.
+    pub max_buffer: u64,
+    /// Forms pinned by the context.
+    pub forms: Forms,
+}
+
+impl Caps {
+    /// A device with `limits`, a CPU or not, with a fixed subgroup size or not; no pinned forms.
+    pub fn new(limits: &wgpu::Limits, cpu: bool, subgroup: Option<u32>) -> Caps {
+        Caps {
+            cpu,
+            subgroup,
+            max_invocations: limits.max_compute_invocations_per_workgroup,
+            max_workgroup_size_x: limits.max_compute_workgroup_size_x,
+            workgroup_storage: limits.max_compute_workgroup_storage_size,
+            max_workgroups: limits.max_compute_workgroups_per_dimension,
+            max_binding: limits.max_storage_buffer_binding_size.min(limits.max_buffer_size),
+            max_buffer: limits.max_buffer_size,
+            forms: Forms::default(),
+        }
+    }
+
+    /// The same device with `forms` pinned.
+    pub fn with_forms(self, forms: Forms) -> Caps {
+        Caps { forms, ..self }
+    }
+
+    /// The fused kernel's forms this device can run (the ones the tests check it with): the
+    /// GPU form, the loop and tiled forms, and the subgroup form where subgroups allow.
+    pub fn fused_forms(&self) -> Vec<FusedForm> {
+        let mut v = vec![
+            FusedForm::Gpu,
+            FusedForm::Loop { rows: 3 },
+            FusedForm::Tiled { rows: 2 },
+        ];
+        if self.subgroup.is_some_and(|s| (4..=16).contains(&s)) {
+            v.extend([FusedForm::Subgroup { rows: 1 }, FusedForm::Subgroup { rows: 2 }]);
+        }
+        v
+    }
+
+    /// The decode kernel's forms this device can run.
+    pub fn decode_forms(&self) -> Vec<DecodeForm> {
+        DecodeForm::ALL
+            .into_iter()
+            .filter(|f| *f != DecodeForm::Subgroup || self.decode_subgroup().is_some())
+            .collect()
+    }
+
+    /// The workgroup size of the decode kernel's subgroup form: the subgroup size, when it is
+    /// fixed, a power of two and at most 64.
+    pub(crate) fn decode_subgroup(&self) -> Option<u32> {
+        self.subgroup
+            .filter(|s| s.is_power_of_two() && (4..=64).contains(s) && *s <= self.max_invocations)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forms_parse_from_their_names() {
+        for f in [
+            FusedForm::Gpu,
+            FusedForm::Subgroup { rows: 2 },
+            FusedForm::Tiled { rows: 16 },
+            FusedForm::Loop { rows: 3 },
+        ] {
+            assert_eq!(f.name().parse::<FusedForm>(), Ok(f));
+        }
+        for f in DecodeForm::ALL {
+            assert_eq!(f.name().parse::<DecodeForm>(), Ok(f));
+        }
+        assert!("loop:0".parse::<FusedForm>().is_err());
+        assert!("loop:17".parse::<FusedForm>().is_err());
+        assert!("warp".parse::<FusedForm>().is_err());
+        assert_eq!(
+            Forms::parse("fused=subgroup:2, decode=gpu"),
+            Ok(Forms {
+                fused: Some(FusedForm::Subgroup { rows: 2 }),
+                decode: Some(DecodeForm::Gpu)
+            })
+        );
+        assert!(Forms::parse("flash=gpu").is_err());
+    }
+}

@@ -1,0 +1,151 @@
+//! The pipeline cache a [`Context`](crate::Context) owns: compute pipelines with their
+//! bind-group layouts, built once per (kernel, prelude, override constants), and the kernels
+//! being compiled on background threads (tiered compilation on CPU adapters, see
+//! [`crate::kernels::warm`]).
+//!
+//! This module knows nothing about the kernels: it is given a finished WGSL source and the
+//! binding types. The kernels (`src/kernels/`) assemble their sources and use it through the
+//! context, so the context never imports the kernels.
+
+use std::collections::HashMap;
+#[cfg(not(target_arch = "wasm32"))]
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+/// What makes two pipelines the same: the kernel, the host-generated prelude (constants and
+/// chosen snippets) and the override constants.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct Key {
+    name: &'static str,
+    prelude: String,
+    constants: Vec<(&'static str, u64)>,
+}
+
+impl Key {
+    pub(crate) fn new(name: &'static str, prelude: &str, constants: &[(&'static str, f64)]) -> Self {
+        Key {
+            name,
+            prelude: prelude.to_string(),
+            constants: constants.iter().map(|&(n, v)| (n, v.to_bits())).collect(),
+        }
+    }
+}
+
+/// A compute pipeline with its bind-group layout.
+pub(crate) struct Pipeline {
+    pub(crate) pipeline: wgpu::ComputePipeline,
+    pub(crate) layout: wgpu::BindGroupLayout,
+}
+
+impl Pipeline {
+    /// Create the pipeline of `source` (entry point `main`) whose bindings `0..` have `bindings`
+    /// types, all visible to the compute stage.
+    pub(crate) fn new(
+        device: &wgpu::Device,
+        label: &str,
+        source: String,
+        bindings: &[wgpu::BufferBindingType],
+        constants: &[(&'static str, f64)],
+    ) -> Self {
+        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(label),
+            source: wgpu::ShaderSource::Wgsl(source.into()),
+        });
+        let entries: Vec<wgpu::BindGroupLayoutEntry> = bindings
+            .iter()
+            .enumerate()
+            .map(|(i, &ty)| wgpu::BindGroupLayoutEntry {
+                binding: i as u32,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty,
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            })
+            .collect();
+        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some(label),
+            entries: &entries,
+        });
+        let pl = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some(label),
+            bind_group_layouts: &[Some(&layout)],
+            immediate_size: 0,
+        });
+        let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(label),
+            layout: Some(&pl),
+            module: &module,
+            entry_point: Some("main"),
+            compilation_options: wgpu::PipelineCompilationOptions {
+                constants,
+                zero_initialize_workgroup_memory: false,
+            },
+            cache: None,
+        });
+        Pipeline { pipeline, layout }
+    }
+}
+
+/// Pipelines by [`Key`], and the background compilations in flight.
+#[derive(Default)]
+pub(crate) struct PipelineCache {
+    ready: Mutex<HashMap<Key, Arc<Pipeline>>>,
+    #[cfg(not(target_arch = "wasm32"))]
+    warming: Mutex<HashSet<Key>>,
+    #[cfg(not(target_arch = "wasm32"))]
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+impl PipelineCache {
+    /// The pipeline of `key`, built by `build` the first time.
+    pub(crate) fn get_or_build(&self, key: Key, build: impl FnOnce() -> Pipeline) -> Arc<Pipeline> {
+        if let Some(p) = self.ready.lock().unwrap().get(&key) {
+            return p.clone();
+        }
+        // Built outside the lock: compiling may take seconds, and other kernels may be wanted
+        // meanwhile. Two threads building the same key both build; the first insert wins.
+        let p = Arc::new(build());
+        self.ready.lock().unwrap().entry(key).or_insert(p).clone()
+    }
+
+    /// Whether the pipeline of `key` has been built.
+    #[cfg_attr(target_arch = "wasm32", allow(dead_code))]
+    pub(crate) fn contains(&self, key: &Key) -> bool {
+        self.ready.lock().unwrap().contains_key(key)
+    }
+
+    /// Mark `key` as being compiled in the background; false if it already is.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub(crate) fn start_warming(&self, key: Key) -> bool {
+        self.warming.lock().unwrap().insert(key)
+    }
+
+    /// The background compilation of `key` has ended.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub(crate) fn end_warming(&self, key: &Key) {
+        self.warming.lock().unwrap().remove(key);
+    }
+
+    /// Keep the thread compiling in the background, to be joined by [`PipelineCache::join`].
+    #[cfg(not(target_arch = "wasm32"))]
+    pub(crate) fn push_thread(&self, handle: std::thread::JoinHandle<()>) {
+        self.threads.lock().unwrap().push(handle);
+    }
+
+    /// Wait for every background compilation.
+    pub(crate) fn join(&self) {
+        #[cfg(not(target_arch = "wasm32"))]
+        loop {
+            let handle = self.threads.lock().unwrap().pop();
+            match handle {
+                Some(h) => {
+                    let _ = h.join();
+                }
+                None => break,
+            }
+        }
+    }
+}

@@ -1,0 +1,377 @@
+//! Recording one attention call: validating sizes against the device, uploading the inputs
+//! and recording the kernels of the planned path (unfused, fused or decode).
+
+use crate::buffers::{
+    binding, check_gpu_buffer, dummy, f32_bytes, fits, output, scratch, storage_init, Operand,
+};
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::kernels::{decode, flash, matmul, softmax, Masks};
+use crate::problem::Problem;
+use crate::tensor::Mask;
+
+use super::plan::{ChunkPlan, Kernel, Plan};
+use super::{GpuOutput, Sdpa};
+
+/// [`Sdpa::record`]: plan once, validate every size against the device, upload, record.
+pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<GpuOutput> {
+    let p = sdpa.problem()?;
+    let plan = Plan::new(&p, &sdpa.request(), &ctx.caps())?;
+    let max_binding = ctx.max_binding();
+    let binding_limit = "max_storage_buffer_binding_size";
+
+    // Validate every size against the device before creating anything.
+    let q = Operand::check(ctx, "q", &sdpa.q)?;
+    let k = Operand::check(ctx, "k", &sdpa.k)?;
+    let v = Operand::check(ctx, "v", &sdpa.v)?;
+    let bias = sdpa
+        .bias
+        .as_ref()
+        .map(|b| Operand::check(ctx, "bias", b))
+        .transpose()?;
+    let out_bytes = f32_bytes(p.out_shape().iter().product());
+    fits("output", out_bytes, max_binding, binding_limit)?;
+    if let Some((buf, off)) = sdpa.out_buffer {
+        check_gpu_buffer(ctx, "output", buf, off, out_bytes)?;
+    }
+    let weights_bytes = f32_bytes(p.batch_heads() * p.seq_q * p.seq_kv);
+    if sdpa.weights {
+        fits(
+            "attention weights",
+            weights_bytes,
+            ctx.limits().max_buffer_size,
+            "max_buffer_size",
+        )?;
+    }
+    let packed_mask = sdpa.mask.as_ref().map(|m| pack_mask(&p, m));
+    if let Some((words, _)) = &packed_mask {
+        fits("packed mask", f32_bytes(words.len()), max_binding, binding_limit)?;
+    }
+
+    // Buffers.
+    let q = q.upload(ctx, "q");
+    let k = k.upload(ctx, "k");
+    let v = v.upload(ctx, "v");
+    let bias = bias.map(|b| b.upload(ctx, "bias"));
+    let dummy = dummy(ctx);
+    let mask_buf = packed_mask
+        .as_ref()
+        .map(|(w, _)| storage_init(ctx, "mask", bytemuck::cast_slice(w)));
+    let lens_buf = p
+        .kv_lens
+        .as_ref()
+        .map(|l| storage_init(ctx, "kv_lens", bytemuck::cast_slice(l)));
+    let (out_buf, out_off) = match sdpa.out_buffer {
+        Some((b, off)) => (b.clone(), off),
+        None => (output(ctx, "output", out_bytes), 0),
+    };
+    let lse_buf = output(ctx, "lse", f32_bytes(p.batch_heads() * p.seq_q));
+    let weights_buf = sdpa.weights.then(|| output(ctx, "weights", weights_bytes));
+
+    let io = Io {
+        q: q.binding(),
+        k: k.binding(),
+        v: v.binding(),
+        bias: bias.as_ref().map(|b| b.binding()),
+        mask: mask_buf
+            .as_ref()
+            .zip(packed_mask.as_ref())
+            .map(|(b, (_, st))| (b, *st)),
+        lens: lens_buf.as_ref(),
+        out: binding(&out_buf, out_off, out_bytes),
+        lse: &lse_buf,
+        weights: weights_buf.as_ref(),
+        dummy: &dummy,
+    };
+    match &plan.kernel {
+        Kernel::Unfused(chunks) => record_unfused(ctx, encoder, &p, chunks, &io)?,
+        Kernel::Fused(cfg) => record_fused(ctx, encoder, &p, cfg, &io)?,
+        Kernel::Decode(cfg) => record_decode(ctx, encoder, &p, cfg, &io)?,
+    }
+    Ok(GpuOutput {
+        output: out_buf,
+        output_offset: out_off,
+        lse: lse_buf,
+        weights: weights_buf,
+        problem: p,
+    })
+}
+
+/// Pack a boolean mask into bits: `[Bm, Hm, Lm, ceil(S/32)]` u32 words (S always expanded),
+/// returning the words and the word strides (b, h, l), 0 on broadcast dimensions.
+pub(crate) fn pack_mask(p: &Problem, m: &Mask) -> (Vec<u32>, [u32; 3]) {
+    let bc = p.mask.expect("mask validated");
+    let [bm, hm, lm, sm] = bc.shape;
+    let s = p.seq_kv;
+    let words = s.div_ceil(32);
+    let mut out = vec![0u32; bm * hm * lm * words];
+    for r in 0..bm * hm * lm {
+        for j in 0..s {
+            let allowed = if sm == 1 { m.data[r] } else { m.data[r * s + j] };
+            if allowed {
+                out[r * words + j / 32] |= 1 << (j % 32);
+            }
+        }
+    }
+    let stride = |dim: usize, dense: usize| if dim == 1 { 0 } else { dense as u32 };
+    let strides = [
+        stride(bm, hm * lm * words),
+        stride(hm, lm * words),
+        stride(lm, words),
+    ];
+    (out, strides)
+}
+
+/// Everything bound by the kernels of one attention call.
+struct Io<'b> {
+    q: wgpu::BufferBinding<'b>,
+    k: wgpu::BufferBinding<'b>,
+    v: wgpu::BufferBinding<'b>,
+    bias: Option<wgpu::BufferBinding<'b>>,
+    mask: Option<(&'b wgpu::Buffer, [u32; 3])>,
+    lens: Option<&'b wgpu::Buffer>,
+    out: wgpu::BufferBinding<'b>,
+    lse: &'b wgpu::Buffer,
+    weights: Option<&'b wgpu::Buffer>,
+    dummy: &'b wgpu::Buffer,
+}
+
+impl<'b> Io<'b> {
+    /// The mask, bias and key-length bindings (bindings 0-2 of every masked kernel), with the
+    /// dummy buffer where one is absent.
+    fn mask_bindings(&self) -> [wgpu::BufferBinding<'b>; 3] {
+        [
+            self.mask
+                .map_or(self.dummy, |(b, _)| b)
+                .as_entire_buffer_binding(),
+            self.bias.clone().unwrap_or(self.dummy.as_entire_buffer_binding()),
+            self.lens.unwrap_or(self.dummy).as_entire_buffer_binding(),
+        ]
+    }
+
+    /// [`Io::mask_bindings`], then q, k, v, then the two outputs `a` and `b`: the bindings of
+    /// the fused and decode kernels.
+    fn attention(
+        &self,
+        a: wgpu::BufferBinding<'b>,
+        b: wgpu::BufferBinding<'b>,
+    ) -> [wgpu::BufferBinding<'b>; 8] {
+        let [mask, bias, lens] = self.mask_bindings();
+        [
+            mask,
+            bias,
+            lens,
+            self.q.clone(),
+            self.k.clone(),
+            self.v.clone(),
+            a,
+            b,
+        ]
+    }
+
+    /// The kernels' masks for `p`.
+    fn masks(&self, p: &Problem) -> Masks {
+        Masks::new(p, self.mask.map(|(_, st)| st))
+    }
+}
+
+fn record_unfused(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    p: &Problem,
+    chunks: &ChunkPlan,
+    io: &Io,
+) -> Result<()> {
+    let (l, s, e, ev) = (
+        p.seq_q as u32,
+        p.seq_kv as u32,
+        p.head_dim as u32,
+        p.head_dim_v as u32,
+    );
+    let bh = p.batch_heads();
+    let scores = output(
+        ctx,
+        "scores chunk",
+        f32_bytes(chunks.heads * chunks.rows * p.seq_kv),
+    );
+    let masks = io.masks(p);
+    let (heads, group) = (p.q_heads as u32, p.group() as u32);
+    for z0 in (0..bh).step_by(chunks.heads) {
+        let nz = chunks.heads.min(bh - z0);
+        for i0 in (0..p.seq_q).step_by(chunks.rows) {
+            let lc = chunks.rows.min(p.seq_q - i0);
+            let chunk_bytes = f32_bytes(nz * lc * p.seq_kv);
+            let sc = binding(&scores, 0, chunk_bytes);
+            // 1. scores = scale * Q K^T: rows i0.. of each head's Q, that head's K (GQA)
+            matmul::Matmul {
+                a: io.q.clone(),
+                b: io.k.clone(),
+                bias: None,
+                c: sc.clone(),
+                params: matmul::Params {
+                    heads,
+                    group,
+                    a_z0: z0 as u32,
+                    b_z0: z0 as u32,
+                    a_batch: l * e,
+                    a_off: i0 as u32 * e,
+                    ..matmul::Params::dense(lc as u32, s, e, true, p.scale)
+                },
+                batch: nz as u32,
+                trans_b: true,
+            }
+            .record(ctx, encoder, io.dummy)?;
+            // 2. masked softmax in place, logsumexp out
+            let [mask, bias, lens] = io.mask_bindings();
+            softmax::record(
+                ctx,
+                encoder,
+                p,
+                [mask, bias, lens, sc.clone(), io.lse.as_entire_buffer_binding()],
+                &softmax::Params {
+                    m: masks,
+                    rows: lc as u32,
+                    total: (nz * lc) as u32,
+                    s,
+                    l,
+                    z0: z0 as u32,
+                    i0: i0 as u32,
+                    heads,
+                    ..Default::default()
+                },
+            )?;
+            // 3. the weights, if asked for: this chunk is one contiguous block of [BH, L, S]
+            if let Some(w) = io.weights {
+                let dst = f32_bytes((z0 * p.seq_q + i0) * p.seq_kv);
+                encoder.copy_buffer_to_buffer(&scores, 0, w, dst, chunk_bytes);
+            }
+            // 4. O = P V into rows i0.. of each head's output
+            matmul::Matmul {
+                a: sc,
+                b: io.v.clone(),
+                bias: None,
+                c: io.out.clone(),
+                params: matmul::Params {
+                    heads,
+                    group,
+                    b_z0: z0 as u32,
+                    c_z0: z0 as u32,
+                    c_batch: l * ev,
+                    c_off: i0 as u32 * ev,
+                    ..matmul::Params::dense(lc as u32, ev, s, false, 1.0)
+                },
+                batch: nz as u32,
+                trans_b: false,
+            }
+            .record(ctx, encoder, io.dummy)?;
+        }
+    }
+    Ok(())
+}
+
+fn record_fused(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    p: &Problem,
+    cfg: &flash::Config,
+    io: &Io,
+) -> Result<()> {
+    let cfg = cfg.for_now(ctx);
+    let q_tiles = (p.seq_q as u32).div_ceil(cfg.rows());
+    let total = q_tiles as u64 * p.batch_heads() as u64;
+    let max = ctx.limits().max_compute_workgroups_per_dimension as u64;
+    if total > max * max {
+        return Err(Error::TooLargeForDevice {
+            what: format!("fused dispatch of {total} workgroups"),
+            bytes: 0,
+            limit_name: "max_compute_workgroups_per_dimension",
+            limit: max,
+            hint: " (squared)",
+        });
+    }
+    flash::record(
+        ctx,
+        encoder,
+        &cfg,
+        io.attention(io.out.clone(), io.lse.as_entire_buffer_binding()),
+        &flash::Params {
+            m: io.masks(p),
+            l: p.seq_q as u32,
+            s: p.seq_kv as u32,
+            e: p.head_dim as u32,
+            ev: p.head_dim_v as u32,
+            heads: p.q_heads as u32,
+            group: p.group() as u32,
+            q_tiles,
+            total: total as u32,
+            scale: p.scale,
+            ..Default::default()
+        },
+    )
+}
+
+fn record_decode(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    p: &Problem,
+    cfg: &decode::Config,
+    io: &Io,
+) -> Result<()> {
+    let rows = p.batch_heads() * p.seq_q;
+    let part_bytes = f32_bytes(cfg.splits * rows * p.head_dim_v);
+    fits(
+        "decode partial outputs",
+        part_bytes,
+        ctx.max_binding(),
+        "max_storage_buffer_binding_size",
+    )?;
+    let total = cfg.splits as u64 * rows as u64;
+    let max = ctx.limits().max_compute_workgroups_per_dimension as u64;
+    fits(
+        "decode workgroups",
+        total,
+        max * max,
+        "max_compute_workgroups_per_dimension (squared)",
+    )?;
+    let part_out = scratch(ctx, "decode partial outputs", part_bytes);
+    let part_lse = scratch(ctx, "decode partial lse", f32_bytes(cfg.splits * rows));
+    decode::record_decode(
+        ctx,
+        encoder,
+        cfg,
+        io.attention(
+            part_out.as_entire_buffer_binding(),
+            part_lse.as_entire_buffer_binding(),
+        ),
+        &decode::Params {
+            m: io.masks(p),
+            l: p.seq_q as u32,
+            s: p.seq_kv as u32,
+            e: p.head_dim as u32,
+            ev: p.head_dim_v as u32,
+            heads: p.q_heads as u32,
+            group: p.group() as u32,
+            splits: cfg.splits as u32,
+            total: total as u32,
+            scale: p.scale,
+            chunk: cfg.chunk as u32,
+            ..Default::default()
+        },
+    )?;
+    decode::record_merge(
+        ctx,
+        encoder,
+        [
+            part_out.as_entire_buffer_binding(),
+            part_lse.as_entire_buffer_binding(),
+            io.out.clone(),
+            io.lse.as_entire_buffer_binding(),
+        ],
+        &decode::MergeParams {
+            rows: rows as u32,
+            splits: cfg.splits as u32,
+            ev: p.head_dim_v as u32,
+            ..Default::default()
+        },
+    )
+}

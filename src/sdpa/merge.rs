@@ -1,0 +1,102 @@
+//! The logsumexp merge of partial attention results, on the GPU.
+
+use ndarray::{Array3, Array4};
+
+use crate::buffers::{f32_bytes, fits, output, storage_init};
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::kernels::decode;
+
+/// Combine two partial attention results computed over disjoint key sets (the rule behind
+/// split-K decoding, sequence-parallel and ring attention):
+/// `lse = logaddexp(lse1, lse2)`, `o = (e^{lse1} o1 + e^{lse2} o2) / e^{lse}`.
+/// o `[B, H, L, Ev]`, lse `[B, H, L]`; a part with `lse = -inf` (no allowed key) contributes
+/// nothing, and two empty parts give 0 and `-inf`. Runs on the GPU.
+pub async fn merge(
+    ctx: &Context,
+    o1: &Array4<f32>,
+    lse1: &Array3<f32>,
+    o2: &Array4<f32>,
+    lse2: &Array3<f32>,
+) -> Result<(Array4<f32>, Array3<f32>)> {
+    let shape = o1.shape().to_vec();
+    if shape.contains(&0) {
+        return Err(Error::ZeroSized { tensor: "o1", shape });
+    }
+    let (b, h, l, ev) = o1.dim();
+    for (name, s) in [("o2", o2.shape())] {
+        if s != shape.as_slice() {
+            return Err(Error::ShapeMismatch {
+                tensor: name,
+                expected: shape.clone(),
+                actual: s.to_vec(),
+            });
+        }
+    }
+    for (name, s) in [("lse1", lse1.shape()), ("lse2", lse2.shape())] {
+        if s != [b, h, l] {
+            return Err(Error::ShapeMismatch {
+                tensor: name,
+                expected: vec![b, h, l],
+                actual: s.to_vec(),
+            });
+        }
+    }
+    let rows = b * h * l;
+    let out_bytes = f32_bytes(rows * ev);
+    fits(
+        "merge inputs",
+        2 * out_bytes,
+        ctx.max_binding(),
+        "max_storage_buffer_binding_size",
+    )?;
+    let parts: Vec<f32> = o1.iter().chain(o2.iter()).copied().collect();
+    let lses: Vec<f32> = lse1.iter().chain(lse2.iter()).copied().collect();
+    let (out, lse) = ctx
+        .scoped(|| {
+            let po = storage_init(ctx, "merge parts", bytemuck::cast_slice(&parts));
+            let pl = storage_init(ctx, "merge lse parts", bytemuck::cast_slice(&lses));
+            let out = output(ctx, "merged output", out_bytes);
+            let lse = output(ctx, "merged lse", f32_bytes(rows));
+            let mut encoder = ctx
+                .device()
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("merge") });
+            decode::record_merge(
+                ctx,
+                &mut encoder,
+                [
+                    po.as_entire_buffer_binding(),
+                    pl.as_entire_buffer_binding(),
+                    out.as_entire_buffer_binding(),
+                    lse.as_entire_buffer_binding(),
+                ],
+                &decode::MergeParams {
+                    rows: rows as u32,
+                    splits: 2,
+                    ev: ev as u32,
+                    ..Default::default()
+                },
+            )?;
+            ctx.queue().submit([encoder.finish()]);
+            Ok((out, lse))
+        })
+        .await?;
+    let o = ctx.read_f32(&out, 0, out_bytes).await?;
+    let s = ctx.read_f32(&lse, 0, f32_bytes(rows)).await?;
+    Ok((
+        Array4::from_shape_vec((b, h, l, ev), o).expect("merged output length"),
+        Array3::from_shape_vec((b, h, l), s).expect("merged lse length"),
+    ))
+}
+
+/// Blocking version of [`merge`].
+#[cfg(not(target_arch = "wasm32"))]
+pub fn merge_blocking(
+    ctx: &Context,
+    o1: &Array4<f32>,
+    lse1: &Array3<f32>,
+    o2: &Array4<f32>,
+    lse2: &Array3<f32>,
+) -> Result<(Array4<f32>, Array3<f32>)> {
+    pollster::block_on(merge(ctx, o1, lse1, o2, lse2))
+}

@@ -1,0 +1,361 @@
+//! Scaled dot-product attention: the public entry point [`Sdpa`], its [`Plan`] (path, form,
+//! tiles), the recorders of the three paths ([`forward`]) and the logsumexp [`merge`].
+//!
+//! | path | kernels (`src/kernels/`, `shaders/`) | reference stage (`src/reference.rs`) |
+//! |---|---|---|
+//! | [`Path::Unfused`] | `matmul`, `softmax`, `matmul` | `scores`, `masked_softmax`, `weighted_sum` |
+//! | [`Path::Fused`] | `flash` | `sdpa` |
+//! | [`Path::Decode`] | `decode`, `merge` | `sdpa` |
+
+use ndarray::{Array3, Array4};
+
+use crate::buffers::{check_len, f32_bytes, shape_bytes};
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::problem::{Causal, Problem};
+use crate::tensor::{Mask, Tensor};
+
+pub(crate) mod forward;
+pub(crate) mod merge;
+pub(crate) mod plan;
+
+use plan::{Kernel, Plan, Request};
+
+/// Which implementation runs the attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum Path {
+    /// Let the crate choose: [`Path::Decode`] for at most 16 query rows and at least 512 keys,
+    /// else [`Path::Fused`]; [`Path::Unfused`] when the weights are requested or the head dims
+    /// exceed what the fused kernel supports.
+    #[default]
+    Auto,
+    /// Three kernels: scores matmul, masked softmax, value weighting. Materialises the score
+    /// matrix in chunks that fit the device's binding limit; always works; the only path that
+    /// can return the attention weights.
+    Unfused,
+    /// One FlashAttention-style kernel: K/V tiles streamed through workgroup memory with an
+    /// online softmax; memory linear in L and S; every mask inside; causal and key-length tiles
+    /// skipped whole. Head dims up to 256. Cannot return the weights.
+    Fused,
+    /// Split-K for few query rows and long key sequences (KV-cache decoding): the keys are
+    /// split across many workgroups, each writing a partial output and logsumexp, then merged
+    /// by the logsumexp rule. Every mask inside. Cannot return the weights.
+    Decode,
+}
+
+impl Path {
+    /// Every concrete path, for tests and benchmarks.
+    pub const ALL: [Path; 3] = [Path::Unfused, Path::Fused, Path::Decode];
+
+    /// The name used by the CLI.
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Auto => "auto",
+            Path::Unfused => "unfused",
+            Path::Fused => "fused",
+            Path::Decode => "decode",
+        }
+    }
+}
+
+impl std::str::FromStr for Path {
+    type Err = Error;
+    /// Parses the names [`Path::name`] gives: `auto`, `unfused`, `fused`, `decode`.
+    fn from_str(s: &str) -> Result<Self> {
+        std::iter::once(Path::Auto)
+            .chain(Path::ALL)
+            .find(|p| p.name() == s)
+            .ok_or_else(|| Error::UnknownName {
+                kind: "path",
+                name: s.to_string(),
+                expected: "auto, unfused, fused, decode",
+            })
+    }
+}
+
+/// Attention results on the host.
+#[derive(Debug, Clone)]
+pub struct Output {
+    /// `[B, Hq, L, Ev]`.
+    pub output: Array4<f32>,
+    /// Attention weights `[B, Hq, L, S]`, when requested with [`Sdpa::return_weights`].
+    pub weights: Option<Array4<f32>>,
+    /// Row logsumexp `[B, Hq, L]` (natural log; `-inf` on fully masked rows), when requested
+    /// with [`Sdpa::return_lse`].
+    pub lse: Option<Array3<f32>>,
+}
+
+/// Attention results left on the GPU by [`Sdpa::record`].
+#[derive(Debug, Clone)]
+pub struct GpuOutput {
+    /// Buffer holding the output `[B, Hq, L, Ev]` (the caller's, if one was given).
+    pub output: wgpu::Buffer,
+    /// Byte offset of the output in [`GpuOutput::output`].
+    pub output_offset: u64,
+    /// Row logsumexp `[B, Hq, L]`.
+    pub lse: wgpu::Buffer,
+    /// Attention weights `[B, Hq, L, S]`, when requested.
+    pub weights: Option<wgpu::Buffer>,
+    /// The validated problem.
+    pub problem: Problem,
+}
+
+/// Scaled dot-product attention, `softmax(scale · Q Kᵀ + bias, masks) V`, PyTorch semantics.
+///
+/// q `[B, Hq, L, E]`, k `[B, Hkv, S, E]`, v `[B, Hkv, S, Ev]`; output `[B, Hq, L, Ev]`.
+/// Build it, then [`run`](Sdpa::run) (async), [`run_blocking`](Sdpa::run_blocking), or
+/// [`record`](Sdpa::record) into your own command encoder.
+///
+/// ```no_run
+/// use ndarray::Array4;
+/// use wgpu_attention::{Causal, Context, Sdpa};
+/// let ctx = Context::new_blocking()?;
+/// let q = Array4::<f32>::zeros((1, 8, 128, 64));
+/// let k = Array4::<f32>::zeros((1, 8, 128, 64));
+/// let v = Array4::<f32>::zeros((1, 8, 128, 64));
+/// let out = Sdpa::new(&q, &k, &v).causal(Causal::TopLeft).run_blocking(&ctx)?;
+/// assert_eq!(out.output.shape(), &[1, 8, 128, 64]);
+/// # Ok::<(), wgpu_attention::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Sdpa<'a> {
+    q: Tensor<'a>,
+    k: Tensor<'a>,
+    v: Tensor<'a>,
+    mask: Option<Mask<'a>>,
+    bias: Option<Tensor<'a>>,
+    kv_lens: Option<Vec<usize>>,
+    causal: Causal,
+    scale: Option<f32>,
+    path: Path,
+    weights: bool,
+    lse: bool,
+    max_scores_bytes: Option<u64>,
+    out_buffer: Option<(&'a wgpu::Buffer, u64)>,
+}
+
+impl<'a> Sdpa<'a> {
+    /// Attention over q, k, v (host arrays/slices or GPU buffers, see [`Tensor`]).
+    pub fn new(q: impl Into<Tensor<'a>>, k: impl Into<Tensor<'a>>, v: impl Into<Tensor<'a>>) -> Self {
+        Sdpa {
+            q: q.into(),
+            k: k.into(),
+            v: v.into(),
+            mask: None,
+            bias: None,
+            kv_lens: None,
+            causal: Causal::None,
+            scale: None,
+            path: Path::Auto,
+            weights: false,
+            lse: false,
+            max_scores_bytes: None,
+            out_buffer: None,
+        }
+    }
+
+    /// Causal masking with the given alignment.
+    pub fn causal(mut self, causal: Causal) -> Self {
+        self.causal = causal;
+        self
+    }
+
+    /// The softmax scale (default `1/sqrt(E)`; `1.0` gives the unscaled dot product).
+    pub fn scale(mut self, scale: f32) -> Self {
+        self.scale = Some(scale);
+        self
+    }
+
+    /// A boolean mask, true = may attend, broadcastable to `[B, Hq, L, S]`.
+    pub fn mask(mut self, mask: impl Into<Mask<'a>>) -> Self {
+        self.mask = Some(mask.into());
+        self
+    }
+
+    /// An additive bias added to the scaled scores, broadcastable to `[B, Hq, L, S]`.
+    /// A `-inf` entry masks that key.
+    pub fn bias(mut self, bias: impl Into<Tensor<'a>>) -> Self {
+        self.bias = Some(bias.into());
+        self
+    }
+
+    /// Per-batch key lengths (padding): batch `b` attends keys `j < kv_lens[b]` only.
+    pub fn kv_lens(mut self, lens: &[usize]) -> Self {
+        self.kv_lens = Some(lens.to_vec());
+        self
+    }
+
+    /// Force a path (default [`Path::Auto`]).
+    pub fn path(mut self, path: Path) -> Self {
+        self.path = path;
+        self
+    }
+
+    /// Also return the attention weights `[B, Hq, L, S]`.
+    pub fn return_weights(mut self) -> Self {
+        self.weights = true;
+        self
+    }
+
+    /// Also return the per-row logsumexp `[B, Hq, L]`.
+    pub fn return_lse(mut self) -> Self {
+        self.lse = true;
+        self
+    }
+
+    /// Cap the bytes of score matrix materialised at once by the unfused path (default: the
+    /// device's largest storage binding). Smaller values trade speed for memory.
+    pub fn max_scores_bytes(mut self, bytes: u64) -> Self {
+        self.max_scores_bytes = Some(bytes);
+        self
+    }
+
+    /// Write the output into a caller's buffer (needs `STORAGE`; `COPY_SRC` to read it back
+    /// with [`run`](Sdpa::run)) at byte `offset`.
+    pub fn output_buffer(mut self, buffer: &'a wgpu::Buffer, offset: u64) -> Self {
+        self.out_buffer = Some((buffer, offset));
+        self
+    }
+
+    /// Validate shapes and options into a [`Problem`] (no GPU work).
+    pub fn problem(&self) -> Result<Problem> {
+        let mut p = Problem::new(&self.q.shape, &self.k.shape, &self.v.shape)?
+            .with_scale(self.scale)?
+            .with_causal(self.causal);
+        if let Some(m) = &self.mask {
+            p = p.with_mask(&m.shape)?;
+            check_len("mask", &m.shape, m.data.len())?;
+        }
+        if let Some(b) = &self.bias {
+            p = p.with_bias(&b.shape)?;
+        }
+        if let Some(l) = &self.kv_lens {
+            p = p.with_kv_lens(l)?;
+        }
+        Ok(p)
+    }
+
+    /// The plan of this call on `ctx`: the concrete path ([`Path::Auto`] resolved), the form
+    /// of its kernel and its tiles; or why a forced path (or a pinned form) cannot run it.
+    pub fn plan(&self, ctx: &Context) -> Result<Plan> {
+        let p = self.problem()?;
+        Plan::new(&p, &self.request(), &ctx.caps())
+    }
+
+    /// The concrete path that runs this problem on `ctx` ([`Path::Auto`] resolved), or why
+    /// a forced path cannot run it. Shorthand for `plan(ctx)?.path()`.
+    pub fn resolved_path(&self, ctx: &Context) -> Result<Path> {
+        Ok(self.plan(ctx)?.path())
+    }
+
+    pub(crate) fn request(&self) -> Request {
+        Request {
+            path: self.path,
+            weights: self.weights,
+            max_scores_bytes: self.max_scores_bytes,
+        }
+    }
+
+    /// Bytes of GPU memory one call uses: q, k, v, masks, output and logsumexp, plus the path's
+    /// temporaries (the unfused path's score chunk and weights, the decode path's partials).
+    /// The fused path's total is linear in L and S.
+    pub fn device_memory(&self, ctx: &Context) -> Result<u64> {
+        let p = self.problem()?;
+        let plan = Plan::new(&p, &self.request(), &ctx.caps())?;
+        let bytes = shape_bytes;
+        let mut total = bytes(&p.q_shape())
+            + bytes(&p.k_shape())
+            + bytes(&p.v_shape())
+            + bytes(&p.out_shape())
+            + bytes(&[p.batch_heads(), p.seq_q]);
+        if let Some(m) = p.mask {
+            let [b, h, l, _] = m.shape;
+            total += bytes(&[b, h, l, p.seq_kv.div_ceil(32)]);
+        }
+        if let Some(b) = p.bias {
+            total += bytes(&b.shape);
+        }
+        if p.kv_lens.is_some() {
+            total += bytes(&[p.batch]);
+        }
+        match &plan.kernel {
+            Kernel::Unfused(chunks) => {
+                total += bytes(&[chunks.heads, chunks.rows, p.seq_kv]);
+                if self.weights {
+                    total += bytes(&p.score_shape());
+                }
+            }
+            Kernel::Decode(c) => {
+                total += bytes(&[c.splits, p.batch_heads() * p.seq_q, p.head_dim_v + 1]);
+            }
+            Kernel::Fused(_) => {}
+        }
+        Ok(total)
+    }
+
+    /// Run on the GPU and read the results back.
+    pub async fn run(&self, ctx: &Context) -> Result<Output> {
+        let gpu = ctx
+            .scoped(|| {
+                let mut encoder = ctx
+                    .device()
+                    .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                        label: Some("wgpu-attention sdpa"),
+                    });
+                let out = self.record(ctx, &mut encoder)?;
+                ctx.queue().submit([encoder.finish()]);
+                Ok(out)
+            })
+            .await?;
+        let p = &gpu.problem;
+        let output = ctx
+            .read_f32(&gpu.output, gpu.output_offset, shape_bytes(&p.out_shape()))
+            .await?;
+        let output = Array4::from_shape_vec(p.out_shape(), output).expect("output length");
+        let lse = if self.lse {
+            let v = ctx
+                .read_f32(&gpu.lse, 0, f32_bytes(p.batch_heads() * p.seq_q))
+                .await?;
+            Some(Array3::from_shape_vec((p.batch, p.q_heads, p.seq_q), v).expect("lse length"))
+        } else {
+            None
+        };
+        let weights = match &gpu.weights {
+            Some(w) => {
+                let v = ctx.read_f32(w, 0, w.size()).await?;
+                Some(Array4::from_shape_vec(p.score_shape(), v).expect("weights length"))
+            }
+            None => None,
+        };
+        Ok(Output { output, weights, lse })
+    }
+
+    /// Blocking version of [`run`](Sdpa::run).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn run_blocking(&self, ctx: &Context) -> Result<Output> {
+        pollster::block_on(self.run(ctx))
+    }
+
+    /// Upload host inputs (with `queue.write_buffer`, ordered before the encoder's commands once
+    /// it is submitted) and record every dispatch into `encoder`. Nothing is submitted; the
+    /// results are in the returned buffers after the caller submits the encoder.
+    pub fn record(&self, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<GpuOutput> {
+        forward::record(self, ctx, encoder)
+    }
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every path parses from its own name (the CLI once mapped "decode" to auto).
+    #[test]
+    fn every_path_parses_from_its_name() {
+        for path in std::iter::once(Path::Auto).chain(Path::ALL) {
+            assert_eq!(path.name().parse::<Path>(), Ok(path));
+        }
+        assert!(matches!(
+            "flash".parse::<Path>(),
+            Err(Error::UnknownName { kind: "path", .. })
+        ));
+    }
+}

@@ -1,0 +1,349 @@
+//! The plan of one call: which path runs, in which form of its kernel, with which tiles.
+//! [`Plan`] is a pure function of the problem, the request (path, weights, score budget) and
+//! the device's [`Caps`], computed once per call; tests check it without a GPU.
+
+use crate::error::{Error, Result};
+use crate::forms::{Caps, DecodeForm, Forms, FusedForm};
+use crate::kernels::{decode, flash, matmul};
+use crate::problem::Problem;
+
+use super::Path;
+
+/// The form of the kernel a plan runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Form {
+    /// The unfused path's kernels (matmul, softmax, matmul) have one form.
+    Unfused,
+    /// The fused kernel's form.
+    Fused(FusedForm),
+    /// The decode kernel's form.
+    Decode(DecodeForm),
+}
+
+/// How a plan tiles the problem.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tiles {
+    /// The unfused path materialises the scores `[B·Hq, L, S]` in chunks of `heads`
+    /// batch-heads × `rows` query rows.
+    Unfused {
+        /// Batch-heads per chunk.
+        heads: usize,
+        /// Query rows per chunk.
+        rows: usize,
+    },
+    /// The fused kernel: one workgroup of `invocations` per `invocations × rows` query rows,
+    /// streaming `keys` keys per tile.
+    Fused {
+        /// Invocations per workgroup.
+        invocations: u32,
+        /// Query rows per invocation (the steady state: a first call on a CPU adapter may be
+        /// served with one while the faster form compiles, with the same results).
+        rows: u32,
+        /// Keys per tile.
+        keys: u32,
+    },
+    /// The decode kernel: one workgroup of `invocations` per (query row, split of
+    /// `keys_per_split` keys).
+    Decode {
+        /// Invocations per workgroup.
+        invocations: u32,
+        /// Keys per split.
+        keys_per_split: usize,
+        /// Number of splits.
+        splits: usize,
+    },
+}
+
+/// What one call asks for, besides the problem.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Request {
+    pub path: Path,
+    pub weights: bool,
+    pub max_scores_bytes: Option<u64>,
+}
+
+/// The plan of one call (see the module docs); from [`crate::Sdpa::plan`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub(crate) kernel: Kernel,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Kernel {
+    Unfused(ChunkPlan),
+    Fused(flash::Config),
+    Decode(decode::Config),
+}
+
+const NO_WEIGHTS: &str = "it never materialises the attention weights; use Path::Unfused or Path::Auto";
+
+impl Plan {
+    /// The plan for `p` and `req` on a device with `caps`, or why the requested path (or a
+    /// pinned form) cannot run it.
+    pub(crate) fn new(p: &Problem, req: &Request, caps: &Caps) -> Result<Plan> {
+        let fused = flash::Config::new(p, caps);
+        // A pinned form that cannot run a problem the default form could is an error, not a
+        // silent fallback.
+        let pinned_refused = |pinned: bool, default_ok: bool| pinned && default_ok;
+        let unpinned = caps.with_forms(Forms::default());
+        if let Err(reason) = &fused {
+            if pinned_refused(
+                caps.forms.fused.is_some(),
+                flash::Config::new(p, &unpinned).is_ok(),
+            ) && matches!(req.path, Path::Auto | Path::Fused)
+            {
+                return Err(Error::Unsupported {
+                    path: "fused",
+                    reason: format!("the pinned form cannot run here: {reason}"),
+                });
+            }
+        }
+        let decode_shape = p.seq_q <= decode::MAX_ROWS && p.seq_kv >= decode::MIN_KEYS;
+        let path = match req.path {
+            Path::Auto if !req.weights && decode_shape => Path::Decode,
+            Path::Auto if !req.weights && fused.is_ok() => Path::Fused,
+            Path::Auto => Path::Unfused,
+            Path::Fused | Path::Decode if req.weights => {
+                return Err(Error::Unsupported {
+                    path: req.path.name(),
+                    reason: NO_WEIGHTS.into(),
+                })
+            }
+            other => other,
+        };
+        let kernel = match path {
+            Path::Unfused => {
+                let budget = req
+                    .max_scores_bytes
+                    .unwrap_or(caps.max_binding)
+                    .min(caps.max_binding);
+                Kernel::Unfused(ChunkPlan::new(p, budget, caps)?)
+            }
+            Path::Fused => Kernel::Fused(fused.map_err(|reason| Error::Unsupported {
+                path: "fused",
+                reason: format!("{reason}; Path::Auto falls back to Path::Unfused"),
+            })?),
+            Path::Decode | Path::Auto => {
+                Kernel::Decode(decode::Config::new(p, caps).map_err(|reason| Error::Unsupported {
+                    path: "decode",
+                    reason,
+                })?)
+            }
+        };
+        Ok(Plan { kernel })
+    }
+
+    /// The concrete path.
+    pub fn path(&self) -> Path {
+        match self.kernel {
+            Kernel::Unfused(_) => Path::Unfused,
+            Kernel::Fused(_) => Path::Fused,
+            Kernel::Decode(_) => Path::Decode,
+        }
+    }
+
+    /// The form of the path's kernel.
+    pub fn form(&self) -> Form {
+        match &self.kernel {
+            Kernel::Unfused(_) => Form::Unfused,
+            Kernel::Fused(c) => Form::Fused(c.form),
+            Kernel::Decode(c) => Form::Decode(c.form),
+        }
+    }
+
+    /// The tiles.
+    pub fn tiles(&self) -> Tiles {
+        match &self.kernel {
+            Kernel::Unfused(c) => Tiles::Unfused {
+                heads: c.heads,
+                rows: c.rows,
+            },
+            Kernel::Fused(c) => Tiles::Fused {
+                invocations: c.wg,
+                rows: c.rq,
+                keys: c.bk,
+            },
+            Kernel::Decode(c) => Tiles::Decode {
+                invocations: c.wg,
+                keys_per_split: c.chunk,
+                splits: c.splits,
+            },
+        }
+    }
+}
+
+/// How the unfused path splits the score matrix `[B·Hq, L, S]` so one chunk fits a binding:
+/// whole heads at a time when `L·S` fits, else row blocks of one head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ChunkPlan {
+    /// Batch-heads per chunk.
+    pub heads: usize,
+    /// Query rows per chunk (`L` unless `heads == 1`).
+    pub rows: usize,
+}
+
+impl ChunkPlan {
+    pub(crate) fn new(p: &Problem, budget_bytes: u64, caps: &Caps) -> Result<Self> {
+        let max_grid = caps.max_workgroups as usize;
+        let tile = matmul::TILE as usize;
+        let budget = (budget_bytes / 4) as usize;
+        let (l, s) = (p.seq_q, p.seq_kv);
+        if s > max_grid * tile {
+            return Err(Error::TooLargeForDevice {
+                what: format!("key length S = {s}"),
+                bytes: s as u64 * 4,
+                limit_name: "max_compute_workgroups_per_dimension",
+                limit: (max_grid * tile) as u64 * 4,
+                hint: " (S may be at most 64 x max_compute_workgroups_per_dimension)",
+            });
+        }
+        if s > budget {
+            return Err(Error::TooLargeForDevice {
+                what: format!("one row of scores (S = {s})"),
+                bytes: s as u64 * 4,
+                limit_name: "max_storage_buffer_binding_size",
+                limit: budget_bytes,
+                hint: "; even the smallest chunk of the unfused path does not fit",
+            });
+        }
+        let max_rows = (max_grid * tile).min(l);
+        if l * s <= budget && l <= max_rows {
+            let heads = (budget / (l * s)).min(p.batch_heads()).min(max_grid);
+            Ok(ChunkPlan { heads, rows: l })
+        } else {
+            Ok(ChunkPlan {
+                heads: 1,
+                rows: (budget / s).min(max_rows),
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn caps(cpu: bool, subgroup: Option<u32>) -> Caps {
+        Caps::new(&wgpu::Limits::default(), cpu, subgroup)
+    }
+
+    fn req(path: Path) -> Request {
+        Request {
+            path,
+            weights: false,
+            max_scores_bytes: None,
+        }
+    }
+
+    /// Auto: decode for few rows over many keys, else fused, else unfused (weights asked
+    /// for, head dims beyond 256); forced paths run or are refused with a typed error.
+    #[test]
+    fn auto_and_forced_paths() {
+        let lavapipe = caps(true, Some(8));
+        let decode = Problem::new(&[1, 32, 1, 128], &[1, 32, 4096, 128], &[1, 32, 4096, 128]).unwrap();
+        let plan = Plan::new(&decode, &req(Path::Auto), &lavapipe).unwrap();
+        assert_eq!(plan.path(), Path::Decode);
+        assert_eq!(plan.form(), Form::Decode(DecodeForm::Subgroup));
+        let small = Problem::new(&[1, 4, 128, 64], &[1, 4, 128, 64], &[1, 4, 128, 64]).unwrap();
+        let plan = Plan::new(&small, &req(Path::Auto), &lavapipe).unwrap();
+        assert_eq!(plan.form(), Form::Fused(FusedForm::Subgroup { rows: 1 }));
+        assert_eq!(
+            plan.tiles(),
+            Tiles::Fused {
+                invocations: 8,
+                rows: 1,
+                keys: 8
+            }
+        );
+        let weights = Request {
+            weights: true,
+            ..req(Path::Auto)
+        };
+        assert_eq!(
+            Plan::new(&small, &weights, &lavapipe).unwrap().path(),
+            Path::Unfused
+        );
+        let forced = Request {
+            weights: true,
+            ..req(Path::Decode)
+        };
+        assert!(matches!(
+            Plan::new(&small, &forced, &lavapipe),
+            Err(Error::Unsupported { path: "decode", .. })
+        ));
+        // A forced decode path runs whatever the shape.
+        assert_eq!(
+            Plan::new(&small, &req(Path::Decode), &lavapipe).unwrap().path(),
+            Path::Decode
+        );
+        let wide = Problem::new(&[1, 1, 4, 300], &[1, 1, 4, 300], &[1, 1, 4, 8]).unwrap();
+        assert_eq!(
+            Plan::new(&wide, &req(Path::Auto), &lavapipe).unwrap().path(),
+            Path::Unfused
+        );
+        assert!(matches!(
+            Plan::new(&wide, &req(Path::Fused), &lavapipe),
+            Err(Error::Unsupported { path: "fused", .. })
+        ));
+        // GPUs: the GPU forms.
+        let gpu = caps(false, Some(32));
+        assert_eq!(
+            Plan::new(&small, &req(Path::Auto), &gpu).unwrap().form(),
+            Form::Fused(FusedForm::Gpu)
+        );
+        assert_eq!(
+            Plan::new(&decode, &req(Path::Auto), &gpu).unwrap().form(),
+            Form::Decode(DecodeForm::Gpu)
+        );
+    }
+
+    /// A pinned form that the device cannot run is refused, not silently replaced; a pinned
+    /// form is what runs.
+    #[test]
+    fn pinned_forms_run_or_are_refused() {
+        let small = Problem::new(&[1, 4, 128, 64], &[1, 4, 128, 64], &[1, 4, 128, 64]).unwrap();
+        let no_subgroups = caps(true, None).with_forms(Forms {
+            fused: Some(FusedForm::Subgroup { rows: 2 }),
+            decode: None,
+        });
+        assert!(matches!(
+            Plan::new(&small, &req(Path::Auto), &no_subgroups),
+            Err(Error::Unsupported { path: "fused", .. })
+        ));
+        let pinned = caps(true, Some(8)).with_forms(Forms {
+            fused: Some(FusedForm::Loop { rows: 3 }),
+            decode: Some(DecodeForm::Gpu),
+        });
+        let plan = Plan::new(&small, &req(Path::Auto), &pinned).unwrap();
+        assert_eq!(plan.form(), Form::Fused(FusedForm::Loop { rows: 3 }));
+        let plan = Plan::new(&small, &req(Path::Decode), &pinned).unwrap();
+        assert_eq!(plan.form(), Form::Decode(DecodeForm::Gpu));
+    }
+
+    /// The unfused path's chunks fit the budget: whole heads when L·S fits, else row blocks.
+    #[test]
+    fn unfused_chunks_fit_the_budget() {
+        let p = Problem::new(&[2, 3, 50, 8], &[2, 1, 45, 8], &[2, 1, 45, 12]).unwrap();
+        let c = caps(true, Some(8));
+        let plan = |budget| {
+            let r = Request {
+                max_scores_bytes: Some(budget),
+                ..req(Path::Unfused)
+            };
+            Plan::new(&p, &r, &c).unwrap().tiles()
+        };
+        assert_eq!(plan(20_000), Tiles::Unfused { heads: 2, rows: 50 });
+        assert_eq!(plan(4096), Tiles::Unfused { heads: 1, rows: 22 });
+        assert!(matches!(
+            Plan::new(
+                &p,
+                &Request {
+                    max_scores_bytes: Some(100),
+                    ..req(Path::Unfused)
+                },
+                &c
+            ),
+            Err(Error::TooLargeForDevice { .. })
+        ));
+    }
+}

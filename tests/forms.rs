@@ -1,0 +1,260 @@
+//! The form matrix: every case whose result depends on the kernel's form, checked in one
+//! process against every form of the fused and decode kernels this device can run
+//! ([`Caps::fused_forms`], [`Caps::decode_forms`]), with one reference per case. The other
+//! test files run the default forms (the plan's choice); this file pins each form through
+//! [`Context::with_forms`].
+//!
+//! Cases: shapes with tails on every tile edge (L != S, E != Ev, GQA/MQA) with no mask and with
+//! every mask kind combined; head dims up to 256; a problem large enough for the fastest CPU
+//! form; decode shapes; the PyTorch goldens; one multi-head attention layer.
+//!
+//! [`Caps::fused_forms`]: wgpu_attention::Caps::fused_forms
+//! [`Caps::decode_forms`]: wgpu_attention::Caps::decode_forms
+
+mod common;
+
+use common::{ctx, goldens, Case, Shape, TOL};
+use wgpu_attention::check::compare;
+use wgpu_attention::{Causal, Context, DecodeForm, Form, Forms, FusedForm, Path};
+
+/// Shapes with tails: no dimension a multiple of the tiles except where noted.
+const SHAPES: &[Shape] = &[
+    (1, 1, 1, 1, 1, 1, 1),
+    (2, 3, 3, 17, 17, 16, 16),
+    (1, 2, 2, 70, 130, 33, 65),
+    (2, 4, 2, 65, 63, 64, 64),
+    (1, 4, 1, 5, 129, 8, 20),
+    (1, 2, 2, 130, 7, 128, 5),
+];
+
+/// Every mask kind at once: bottom-right causal, a boolean mask with fully masked rows, a
+/// bias and key lengths.
+fn all_masks(c: Case, seed: u64) -> Case {
+    c.with_causal(Causal::BottomRight)
+        .with_random_mask(seed)
+        .with_random_bias(seed + 1)
+        .with_kv_lens()
+}
+
+/// A context per fused form, each pinned (the device, queue and pipeline cache are shared).
+fn fused_contexts(ctx: &Context) -> Vec<(FusedForm, Context)> {
+    ctx.caps()
+        .fused_forms()
+        .into_iter()
+        .map(|f| {
+            let forms = Forms {
+                fused: Some(f),
+                decode: None,
+            };
+            (f, ctx.with_forms(forms))
+        })
+        .collect()
+}
+
+fn decode_contexts(ctx: &Context) -> Vec<(DecodeForm, Context)> {
+    ctx.caps()
+        .decode_forms()
+        .into_iter()
+        .map(|f| {
+            let forms = Forms {
+                fused: None,
+                decode: Some(f),
+            };
+            (f, ctx.with_forms(forms))
+        })
+        .collect()
+}
+
+/// Check `case` on the fused path in every fused form, against one reference.
+fn check_fused_forms(ctx: &Context, case: &Case, label: &str) {
+    let want = case.reference();
+    for (form, fctx) in fused_contexts(ctx) {
+        let plan = case.sdpa().path(Path::Fused).plan(&fctx).unwrap();
+        assert_eq!(plan.form(), Form::Fused(form), "{label}: the pinned form runs");
+        case.check_against(
+            &want,
+            &fctx,
+            Path::Fused,
+            TOL,
+            &format!("{label} [{}]", form.name()),
+        );
+    }
+}
+
+#[test]
+fn the_forms_this_device_offers() {
+    let Some(ctx) = ctx() else { return };
+    let caps = ctx.caps();
+    let fused = caps.fused_forms();
+    assert!(fused.contains(&FusedForm::Gpu) && fused.len() >= 3, "{fused:?}");
+    eprintln!(
+        "fused forms: {:?}; decode forms: {:?}",
+        fused.iter().map(|f| f.name()).collect::<Vec<_>>(),
+        caps.decode_forms().iter().map(|f| f.name()).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn shapes_with_tails_no_mask_and_all_masks_in_every_fused_form() {
+    let Some(ctx) = ctx() else { return };
+    for (si, &shape) in SHAPES.iter().enumerate() {
+        let plain = Case::random(shape, si as u64);
+        check_fused_forms(ctx, &plain, &format!("{shape:?} no mask"));
+        let masked = all_masks(Case::random(shape, 100 + si as u64), 9);
+        check_fused_forms(ctx, &masked, &format!("{shape:?} all masks"));
+    }
+}
+
+#[test]
+fn head_dims_up_to_256_in_every_fused_form() {
+    let Some(ctx) = ctx() else { return };
+    for (i, (e, ev)) in [(256, 256), (256, 3), (255, 129), (1, 256), (252, 200)]
+        .into_iter()
+        .enumerate()
+    {
+        let case = Case::random((1, 2, 1, 9, 21, e, ev), 40 + i as u64)
+            .with_causal(Causal::BottomRight)
+            .with_random_mask(41)
+            .with_random_bias(42);
+        check_fused_forms(ctx, &case, &format!("E {e}, Ev {ev}"));
+    }
+}
+
+/// 2.5e8 FLOPs: large enough for the fastest CPU forms (several rows per invocation), with
+/// every mask kind, fully masked rows and a zero key length.
+#[test]
+fn large_problem_in_every_fused_form() {
+    let Some(ctx) = ctx() else { return };
+    let mut case = Case::random((2, 2, 1, 720, 737, 64, 64), 77)
+        .with_random_mask(78)
+        .with_random_bias(79)
+        .with_causal(Causal::BottomRight);
+    case.kv_lens = Some(vec![700, 0]);
+    assert!(case.sdpa().problem().unwrap().flops() >= 2.5e8);
+    let want = case.reference();
+    let mut forms = fused_contexts(ctx);
+    // The fastest CPU form of the default plan too (4 rows per invocation on lavapipe).
+    if let Form::Fused(f) = case.sdpa().path(Path::Fused).plan(ctx).unwrap().form() {
+        if !forms.iter().any(|(g, _)| *g == f) {
+            forms.push((
+                f,
+                ctx.with_forms(Forms {
+                    fused: Some(f),
+                    decode: None,
+                }),
+            ));
+        }
+    }
+    for (form, fctx) in forms {
+        case.check_against(
+            &want,
+            &fctx,
+            Path::Fused,
+            TOL,
+            &format!("large [{}]", form.name()),
+        );
+    }
+}
+
+#[test]
+fn decode_shapes_in_every_decode_form() {
+    let Some(ctx) = ctx() else { return };
+    let cases = [
+        ("plain", Case::random((2, 4, 2, 3, 1500, 16, 24), 15)),
+        (
+            "all masks",
+            all_masks(Case::random((2, 4, 2, 3, 1500, 16, 24), 16), 17),
+        ),
+        (
+            "E 37 Ev 5",
+            all_masks(Case::random((1, 2, 1, 2, 700, 37, 5), 18), 19),
+        ),
+        (
+            "L=1 top-left",
+            Case::random((1, 8, 1, 1, 777, 64, 64), 20).with_causal(Causal::TopLeft),
+        ),
+    ];
+    for (name, case) in cases {
+        let want = case.reference();
+        for (form, dctx) in decode_contexts(ctx) {
+            let plan = case.sdpa().plan(&dctx).unwrap();
+            assert_eq!(plan.form(), Form::Decode(form), "{name}");
+            case.check_against(
+                &want,
+                &dctx,
+                Path::Decode,
+                TOL,
+                &format!("decode {name} [{}]", form.name()),
+            );
+        }
+    }
+}
+
+#[test]
+fn pytorch_goldens_in_every_form() {
+    let Some(ctx) = ctx() else { return };
+    for g in goldens() {
+        for (form, fctx) in fused_contexts(ctx) {
+            let got = g
+                .case
+                .sdpa()
+                .path(Path::Fused)
+                .return_lse()
+                .run_blocking(&fctx)
+                .unwrap_or_else(|e| panic!("{} [{}]: {e}", g.name, form.name()));
+            g.assert_matches(&got, TOL, &format!("fused [{}]", form.name()));
+        }
+        for (form, dctx) in decode_contexts(ctx) {
+            let got = g
+                .case
+                .sdpa()
+                .path(Path::Decode)
+                .return_lse()
+                .run_blocking(&dctx)
+                .unwrap();
+            g.assert_matches(&got, TOL, &format!("decode [{}]", form.name()));
+        }
+    }
+}
+
+/// One multi-head attention layer (GQA, cross-attention, every mask kind) in every fused form.
+#[test]
+fn multi_head_attention_in_every_fused_form() {
+    use ndarray::{Array, IxDyn};
+    use wgpu_attention::reference::{self, MhaInputs, Spec};
+    use wgpu_attention::{MhaConfig, MhaWeights, MultiHeadAttention};
+    let Some(ctx) = ctx() else { return };
+    let config = MhaConfig::new(24, 4).kv_heads(2).kv_dims(10, 14);
+    let w = MhaWeights::xavier_uniform(config, 3).unwrap();
+    let mut r = common::rng(4);
+    let x = common::rand_array(&mut r, (2, 13, 24));
+    let k = common::rand_array(&mut r, (2, 19, 10));
+    let v = common::rand_array(&mut r, (2, 19, 14));
+    let mask = Array::from_shape_simple_fn(IxDyn(&[13, 19]), || {
+        rand::Rng::random_range(&mut r, 0.0..1.0) > 0.3
+    });
+    let lens = [19, 11];
+    let spec = Spec {
+        causal: Causal::BottomRight,
+        mask: Some(mask.view()),
+        kv_lens: Some(&lens),
+        ..Default::default()
+    };
+    let want = reference::mha(&w, &MhaInputs::cross(x.view(), k.view(), v.view()), &spec).unwrap();
+    for (form, fctx) in fused_contexts(ctx) {
+        let layer = MultiHeadAttention::new(&fctx, &w).unwrap();
+        let got = layer
+            .forward(&x)
+            .key_value(&k, &v)
+            .causal(Causal::BottomRight)
+            .mask(&mask)
+            .kv_lens(&lens)
+            .path(Path::Fused)
+            .run_blocking(&fctx)
+            .unwrap();
+        common::assert_report(
+            compare(got.output.iter().copied(), want.out.iter().copied(), TOL),
+            &format!("mha [{}]", form.name()),
+        );
+    }
+}
