@@ -10,6 +10,8 @@ mod forms;
 pub mod heatmap;
 mod kernels;
 mod matmul;
+#[macro_use]
+mod options;
 mod mha;
 mod pipelines;
 pub mod problem;
@@ -24,6 +26,7 @@ pub use matmul::matmul;
 #[cfg(not(target_arch = "wasm32"))]
 pub use matmul::matmul_blocking;
 pub use mha::{MhaConfig, MhaForward, MhaOutput, MhaTimings, MhaWeights, MultiHeadAttention, NeedWeights};
+pub use options::Options;
 pub use problem::{Causal, Problem};
 pub use sdpa::merge::merge;
 #[cfg(not(target_arch = "wasm32"))]

@@ -25,6 +25,7 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
     let k = Operand::check(ctx, "k", &sdpa.k)?;
     let v = Operand::check(ctx, "v", &sdpa.v)?;
     let bias = sdpa
+        .options
         .bias
         .as_ref()
         .map(|b| Operand::check(ctx, "bias", b))
@@ -43,7 +44,7 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
             "max_buffer_size",
         )?;
     }
-    let packed_mask = sdpa.mask.as_ref().map(|m| pack_mask(&p, m));
+    let packed_mask = sdpa.options.mask.as_ref().map(|m| pack_mask(&p, m));
     if let Some((words, _)) = &packed_mask {
         fits("packed mask", f32_bytes(words.len()), max_binding, binding_limit)?;
     }

@@ -9,11 +9,12 @@
 
 use ndarray::{Array3, Array4};
 
-use crate::buffers::{check_len, f32_bytes, shape_bytes};
+use crate::buffers::{f32_bytes, shape_bytes};
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::problem::{Causal, Problem};
-use crate::tensor::{Mask, Tensor};
+use crate::options::Options;
+use crate::problem::Problem;
+use crate::tensor::Tensor;
 
 pub(crate) mod forward;
 pub(crate) mod merge;
@@ -122,11 +123,7 @@ pub struct Sdpa<'a> {
     q: Tensor<'a>,
     k: Tensor<'a>,
     v: Tensor<'a>,
-    mask: Option<Mask<'a>>,
-    bias: Option<Tensor<'a>>,
-    kv_lens: Option<Vec<usize>>,
-    causal: Causal,
-    scale: Option<f32>,
+    options: Options<'a>,
     path: Path,
     weights: bool,
     lse: bool,
@@ -141,11 +138,7 @@ impl<'a> Sdpa<'a> {
             q: q.into(),
             k: k.into(),
             v: v.into(),
-            mask: None,
-            bias: None,
-            kv_lens: None,
-            causal: Causal::None,
-            scale: None,
+            options: Options::default(),
             path: Path::Auto,
             weights: false,
             lse: false,
@@ -154,36 +147,7 @@ impl<'a> Sdpa<'a> {
         }
     }
 
-    /// Causal masking with the given alignment.
-    pub fn causal(mut self, causal: Causal) -> Self {
-        self.causal = causal;
-        self
-    }
-
-    /// The softmax scale (default `1/sqrt(E)`; `1.0` gives the unscaled dot product).
-    pub fn scale(mut self, scale: f32) -> Self {
-        self.scale = Some(scale);
-        self
-    }
-
-    /// A boolean mask, true = may attend, broadcastable to `[B, Hq, L, S]`.
-    pub fn mask(mut self, mask: impl Into<Mask<'a>>) -> Self {
-        self.mask = Some(mask.into());
-        self
-    }
-
-    /// An additive bias added to the scaled scores, broadcastable to `[B, Hq, L, S]`.
-    /// A `-inf` entry masks that key.
-    pub fn bias(mut self, bias: impl Into<Tensor<'a>>) -> Self {
-        self.bias = Some(bias.into());
-        self
-    }
-
-    /// Per-batch key lengths (padding): batch `b` attends keys `j < kv_lens[b]` only.
-    pub fn kv_lens(mut self, lens: &[usize]) -> Self {
-        self.kv_lens = Some(lens.to_vec());
-        self
-    }
+    option_setters!();
 
     /// Force a path (default [`Path::Auto`]).
     pub fn path(mut self, path: Path) -> Self {
@@ -219,20 +183,7 @@ impl<'a> Sdpa<'a> {
 
     /// Validate shapes and options into a [`Problem`] (no GPU work).
     pub fn problem(&self) -> Result<Problem> {
-        let mut p = Problem::new(&self.q.shape, &self.k.shape, &self.v.shape)?
-            .with_scale(self.scale)?
-            .with_causal(self.causal);
-        if let Some(m) = &self.mask {
-            p = p.with_mask(&m.shape)?;
-            check_len("mask", &m.shape, m.data.len())?;
-        }
-        if let Some(b) = &self.bias {
-            p = p.with_bias(&b.shape)?;
-        }
-        if let Some(l) = &self.kv_lens {
-            p = p.with_kv_lens(l)?;
-        }
-        Ok(p)
+        self.options.problem(&self.q.shape, &self.k.shape, &self.v.shape)
     }
 
     /// The plan of this call on `ctx`: the concrete path ([`Path::Auto`] resolved), the form

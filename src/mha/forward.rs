@@ -1,0 +1,503 @@
+//! One forward pass of the layer: projections, head split, attention, merge, output projection.
+
+use ndarray::{Array3, Array4, Axis};
+
+use crate::buffers::{binding, fits, Operand};
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::kernels::{matmul as mm, permute};
+use crate::options::Options;
+use crate::sdpa::{Path, Sdpa};
+use crate::tensor::Tensor;
+
+use super::{MhaOutput, MhaTimings, MultiHeadAttention, NeedWeights};
+
+/// Builder of one forward pass of a [`MultiHeadAttention`]; finish with
+/// [`run`](MhaForward::run) or [`run_blocking`](MhaForward::run_blocking).
+#[derive(Debug, Clone)]
+pub struct MhaForward<'a> {
+    mha: &'a MultiHeadAttention,
+    query: Tensor<'a>,
+    key: Option<Tensor<'a>>,
+    value: Option<Tensor<'a>>,
+    query_heads: Option<Tensor<'a>>,
+    value_heads: Option<Tensor<'a>>,
+    options: Options<'a>,
+    need_weights: NeedWeights,
+    path: Path,
+    profile: bool,
+}
+
+/// Shapes of one forward pass, validated.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    b: usize,
+    l: usize,
+    s: usize,
+    h: usize,
+    g: usize,
+    d: usize,
+    e: usize,
+}
+
+impl<'a> MhaForward<'a> {
+    /// A forward pass of `mha` over `query` with default options.
+    pub(super) fn new(mha: &'a MultiHeadAttention, query: Tensor<'a>) -> Self {
+        MhaForward {
+            mha,
+            query,
+            key: None,
+            value: None,
+            query_heads: None,
+            value_heads: None,
+            options: Options::default(),
+            need_weights: NeedWeights::No,
+            path: Path::Auto,
+            profile: false,
+        }
+    }
+
+    /// Cross-attention: keys from `key` `[B, S, kdim]`, values from `value` `[B, S, vdim]`.
+    pub fn key_value(mut self, key: impl Into<Tensor<'a>>, value: impl Into<Tensor<'a>>) -> Self {
+        self.key = Some(key.into());
+        self.value = Some(value.into());
+        self
+    }
+
+    /// Use these query heads `[B or 1, H, L, d_k]` (e.g. a learned constant query, broadcast
+    /// over the batch when its batch is 1) instead of projecting the query input, which then
+    /// only supplies keys and values (self-attention) or is ignored (with
+    /// [`key_value`](Self::key_value)); `L` comes from these heads.
+    pub fn query_heads(mut self, q: impl Into<Tensor<'a>>) -> Self {
+        self.query_heads = Some(q.into());
+        self
+    }
+
+    /// Use these value heads `[B or 1, G, S, d_k]` instead of projecting the value input.
+    pub fn value_heads(mut self, v: impl Into<Tensor<'a>>) -> Self {
+        self.value_heads = Some(v.into());
+        self
+    }
+
+    option_setters!();
+
+    /// Return the attention weights, per head or averaged (runs the unfused path).
+    pub fn need_weights(mut self, w: NeedWeights) -> Self {
+        self.need_weights = w;
+        self
+    }
+
+    /// Force an attention path (default [`Path::Auto`]).
+    pub fn path(mut self, path: Path) -> Self {
+        self.path = path;
+        self
+    }
+
+    /// Submit each stage on its own and time it ([`MhaOutput::timings`]); slower, for
+    /// benchmarks.
+    pub fn profile(mut self) -> Self {
+        self.profile = true;
+        self
+    }
+
+    /// Validate every shape; nothing touches the GPU.
+    fn dims(&self) -> Result<Dims> {
+        let c = self.mha.config;
+        c.validate()?;
+        let (h, g, d, e) = (c.num_heads, c.num_kv_heads, c.head_dim(), c.d_model);
+        let [b, lq, wq] = self.query.dims::<3>("query")?;
+        if self.query_heads.is_none() && wq != e {
+            return Err(Error::ShapeMismatch {
+                tensor: "query",
+                expected: vec![b, lq, e],
+                actual: self.query.shape().to_vec(),
+            });
+        }
+        let l = match &self.query_heads {
+            Some(qh) => {
+                let s = qh.dims::<4>("query_heads")?;
+                if (s[0] != b && s[0] != 1) || s[1] != h || s[3] != d {
+                    return Err(Error::ShapeMismatch {
+                        tensor: "query_heads",
+                        expected: vec![b, h, s[2], d],
+                        actual: s.to_vec(),
+                    });
+                }
+                s[2]
+            }
+            None => lq,
+        };
+        // Keys: the key input, or the query input (self-attention).
+        let (key, kname) = match &self.key {
+            Some(k) => (k, "key"),
+            None => (&self.query, "query"),
+        };
+        let [kb, s, kw] = key.dims::<3>(kname)?;
+        if kb != b || kw != c.kdim {
+            return Err(Error::ShapeMismatch {
+                tensor: kname,
+                expected: vec![b, s, c.kdim],
+                actual: key.shape().to_vec(),
+            });
+        }
+        match &self.value_heads {
+            Some(vh) => {
+                let sh = vh.dims::<4>("value_heads")?;
+                if (sh[0] != b && sh[0] != 1) || sh[1] != g || sh[2] != s || sh[3] != d {
+                    return Err(Error::ShapeMismatch {
+                        tensor: "value_heads",
+                        expected: vec![b, g, s, d],
+                        actual: sh.to_vec(),
+                    });
+                }
+            }
+            None => {
+                let (value, vname) = match &self.value {
+                    Some(v) => (v, "value"),
+                    None => (&self.query, "query"),
+                };
+                let [vb, vs, vw] = value.dims::<3>(vname)?;
+                if vb != b || vs != s || vw != c.vdim {
+                    return Err(Error::ShapeMismatch {
+                        tensor: vname,
+                        expected: vec![b, s, c.vdim],
+                        actual: value.shape().to_vec(),
+                    });
+                }
+            }
+        }
+        // Every index of the split/merge copies must fit in u32.
+        let biggest = [b * l * e, b * s * g * d, b * l * h * d]
+            .into_iter()
+            .max()
+            .unwrap_or(0);
+        fits(
+            "multi-head attention activations",
+            biggest as u64 * 4,
+            u32::MAX as u64,
+            "u32 element indices",
+        )?;
+        Ok(Dims { b, l, s, h, g, d, e })
+    }
+
+    /// The attention call's options on `sdpa`.
+    fn configure<'s>(&'s self, sdpa: Sdpa<'s>) -> Sdpa<'s> {
+        let mut sdpa = sdpa.options(self.options.clone()).path(self.path);
+        if self.need_weights != NeedWeights::No {
+            sdpa = sdpa.return_weights();
+        }
+        sdpa
+    }
+
+    /// Run on the GPU and read the output (and the weights, if asked for) back.
+    pub async fn run(&self, ctx: &Context) -> Result<MhaOutput> {
+        let dims = self.dims()?;
+        let Dims { b, l, s, h, g, d, e } = dims;
+        let c = self.mha.config;
+        let max = ctx.max_binding();
+        for (what, n) in [
+            ("query projection", b * l * e),
+            ("key/value projection", b * s * g * d),
+            ("attention output", b * l * h * d),
+        ] {
+            fits(what, n as u64 * 4, max, "max_storage_buffer_binding_size")?;
+        }
+        let tiles = ctx.limits().max_compute_workgroups_per_dimension as usize * mm::TILE as usize;
+        if b * l.max(s) > tiles {
+            return Err(Error::TooLargeForDevice {
+                what: format!("projection of {} rows", b * l.max(s)),
+                bytes: 0,
+                limit_name: "max_compute_workgroups_per_dimension",
+                limit: tiles as u64,
+                hint: " (rows = batch x sequence, 64 per workgroup)",
+            });
+        }
+        // The attention problem is validated before any GPU work too.
+        let heads_q = [b, h, l, d];
+        let heads_kv = [b, g, s, d];
+        let empty: &[f32] = &[];
+        let placeholder = Sdpa::new(
+            Tensor::from_slice(empty, &heads_q),
+            Tensor::from_slice(empty, &heads_kv),
+            Tensor::from_slice(empty, &heads_kv),
+        );
+        let check = self.configure(placeholder);
+        check.problem()?;
+        check.resolved_path(ctx)?;
+
+        let device = ctx.device();
+        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
+        let buffer = |label: &str, elems: usize| {
+            device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: (elems.max(1) * 4) as u64,
+                usage,
+                mapped_at_creation: false,
+            })
+        };
+        let query_in = Operand::check(ctx, "query", &self.query)?;
+        let key_in = self
+            .key
+            .as_ref()
+            .map(|k| Operand::check(ctx, "key", k))
+            .transpose()?;
+        let value_in = self
+            .value
+            .as_ref()
+            .map(|v| Operand::check(ctx, "value", v))
+            .transpose()?;
+        let qh_in = self
+            .query_heads
+            .as_ref()
+            .map(|q| Operand::check(ctx, "query_heads", q))
+            .transpose()?;
+        let vh_in = self
+            .value_heads
+            .as_ref()
+            .map(|v| Operand::check(ctx, "value_heads", v))
+            .transpose()?;
+
+        let qh = buffer("query heads", b * h * l * d);
+        let kh = buffer("key heads", b * g * s * d);
+        let vh = buffer("value heads", b * g * s * d);
+        let merged = buffer("merged heads", b * l * h * d);
+        let out = buffer("mha output", b * l * e);
+        let dummy = buffer("dummy", 4);
+        let mut times = [0.0f64; 3];
+
+        // Stage 1: uploads, projections, head split.
+        let stage1 = |encoder: &mut wgpu::CommandEncoder| -> Result<()> {
+            let query = query_in.upload(ctx, "query");
+            let key = key_in.as_ref().map(|k| k.upload(ctx, "key"));
+            let value = value_in.as_ref().map(|v| v.upload(ctx, "value"));
+            let key_b = key.as_ref().map(|k| k.binding()).unwrap_or(query.binding());
+            let value_b = value.as_ref().map(|v| v.binding()).unwrap_or(query.binding());
+            // Heads [B, n, T, d]: given (broadcast over the batch if its batch is 1), or the
+            // projection of `x` [B, T, in_dim], split.
+            let mut heads = |given: Option<(&Operand, &Tensor, &'static str)>,
+                             x: wgpu::BufferBinding<'_>,
+                             (w, bias): (&wgpu::Buffer, Option<&wgpu::Buffer>),
+                             dst: &wgpu::Buffer,
+                             [t, n, in_dim]: [usize; 3]|
+             -> Result<()> {
+                match given {
+                    Some((op, tensor, name)) => {
+                        let given = op.upload(ctx, name);
+                        let bstride = if tensor.shape()[0] == 1 { 0 } else { n * t * d };
+                        permute::record(
+                            ctx,
+                            encoder,
+                            given.binding(),
+                            binding(dst, 0, dst.size()),
+                            [b, n, t, d],
+                            [bstride, t * d, d, 1],
+                        )
+                    }
+                    None => {
+                        let proj = buffer("projection", b * t * n * d);
+                        project(ctx, encoder, x, w, bias, &proj, [b * t, n * d, in_dim], &dummy)?;
+                        split_heads(ctx, encoder, &proj, dst, [b, t, n, d])
+                    }
+                }
+            };
+            let m = &self.mha;
+            let given_q = qh_in.as_ref().zip(self.query_heads.as_ref());
+            let given_v = vh_in.as_ref().zip(self.value_heads.as_ref());
+            heads(
+                given_q.map(|(o, t)| (o, t, "query_heads")),
+                query.binding(),
+                (&m.w_q, m.b_q.as_ref()),
+                &qh,
+                [l, h, e],
+            )?;
+            heads(None, key_b, (&m.w_k, m.b_k.as_ref()), &kh, [s, g, c.kdim])?;
+            heads(
+                given_v.map(|(o, t)| (o, t, "value_heads")),
+                value_b,
+                (&m.w_v, m.b_v.as_ref()),
+                &vh,
+                [s, g, c.vdim],
+            )?;
+            Ok(())
+        };
+        // Stage 2: attention.
+        let sdpa = self.configure(Sdpa::new(
+            Tensor::from_buffer(&qh, 0, &heads_q),
+            Tensor::from_buffer(&kh, 0, &heads_kv),
+            Tensor::from_buffer(&vh, 0, &heads_kv),
+        ));
+        let stage2 = |encoder: &mut wgpu::CommandEncoder| sdpa.record(ctx, encoder);
+        // Stage 3: merge heads [B, H, L, d] -> [B, L, H, d], output projection.
+        let stage3 = |encoder: &mut wgpu::CommandEncoder, attn: &wgpu::Buffer, off: u64| -> Result<()> {
+            permute::record(
+                ctx,
+                encoder,
+                binding(attn, off, (b * h * l * d) as u64 * 4),
+                binding(&merged, 0, merged.size()),
+                [b, l, h, d],
+                [h * l * d, d, l * d, 1],
+            )?;
+            project(
+                ctx,
+                encoder,
+                binding(&merged, 0, merged.size()),
+                &self.mha.w_o,
+                self.mha.b_o.as_ref(),
+                &out,
+                [b * l, e, h * d],
+                &dummy,
+            )
+        };
+        let encoder = || {
+            device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("wgpu-attention mha"),
+            })
+        };
+        let gpu = if self.profile {
+            let t0 = web_time_now();
+            ctx.scoped(|| {
+                let mut enc = encoder();
+                stage1(&mut enc)?;
+                ctx.queue().submit([enc.finish()]);
+                Ok(())
+            })
+            .await?;
+            ctx.wait()?;
+            let t1 = web_time_now();
+            let gpu = ctx
+                .scoped(|| {
+                    let mut enc = encoder();
+                    let gpu = stage2(&mut enc)?;
+                    ctx.queue().submit([enc.finish()]);
+                    Ok(gpu)
+                })
+                .await?;
+            ctx.wait()?;
+            let t2 = web_time_now();
+            ctx.scoped(|| {
+                let mut enc = encoder();
+                stage3(&mut enc, &gpu.output, gpu.output_offset)?;
+                ctx.queue().submit([enc.finish()]);
+                Ok(())
+            })
+            .await?;
+            ctx.wait()?;
+            times = [t1 - t0, t2 - t1, web_time_now() - t2];
+            gpu
+        } else {
+            ctx.scoped(|| {
+                let mut enc = encoder();
+                stage1(&mut enc)?;
+                let gpu = stage2(&mut enc)?;
+                stage3(&mut enc, &gpu.output, gpu.output_offset)?;
+                ctx.queue().submit([enc.finish()]);
+                Ok(gpu)
+            })
+            .await?
+        };
+        let t3 = web_time_now();
+        let output = ctx.read_f32(&out, 0, (b * l * e) as u64 * 4).await?;
+        let output = Array3::from_shape_vec((b, l, e), output).expect("output length");
+        if self.profile {
+            times[2] += web_time_now() - t3;
+        }
+        let (mut weights, mut avg_weights) = (None, None);
+        if let Some(w) = &gpu.weights {
+            let v = ctx.read_f32(w, 0, w.size()).await?;
+            let w = Array4::from_shape_vec((b, h, l, s), v).expect("weights length");
+            match self.need_weights {
+                NeedWeights::Averaged => avg_weights = Some(w.mean_axis(Axis(1)).expect("heads")),
+                _ => weights = Some(w),
+            }
+        }
+        let timings = self.profile.then(|| MhaTimings {
+            projections: std::time::Duration::from_secs_f64(times[0]),
+            attention: std::time::Duration::from_secs_f64(times[1]),
+            output: std::time::Duration::from_secs_f64(times[2]),
+        });
+        Ok(MhaOutput {
+            output,
+            weights,
+            avg_weights,
+            timings,
+        })
+    }
+
+    /// Blocking version of [`run`](MhaForward::run).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn run_blocking(&self, ctx: &Context) -> Result<MhaOutput> {
+        pollster::block_on(self.run(ctx))
+    }
+}
+
+/// Seconds since an arbitrary origin (0 on the web, where profiling is not available).
+fn web_time_now() -> f64 {
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        use std::sync::OnceLock;
+        static ORIGIN: OnceLock<std::time::Instant> = OnceLock::new();
+        ORIGIN
+            .get_or_init(std::time::Instant::now)
+            .elapsed()
+            .as_secs_f64()
+    }
+    #[cfg(target_arch = "wasm32")]
+    {
+        0.0
+    }
+}
+
+/// Record `out[rows, n] = x[rows, k] · Wᵀ + b` with the tiled matmul kernel (bias in its
+/// epilogue). `mnk` = `[rows, n, k]`.
+#[allow(clippy::too_many_arguments)] // each is a distinct operand
+fn project(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    x: wgpu::BufferBinding<'_>,
+    w: &wgpu::Buffer,
+    b: Option<&wgpu::Buffer>,
+    out: &wgpu::Buffer,
+    mnk: [usize; 3],
+    dummy: &wgpu::Buffer,
+) -> Result<()> {
+    let [m, n, k] = mnk;
+    mm::Matmul {
+        a: x,
+        b: w.as_entire_buffer_binding(),
+        bias: b.map(|b| b.as_entire_buffer_binding()),
+        c: binding(out, 0, (m * n) as u64 * 4),
+        params: mm::Params {
+            m: m as u32,
+            n: n as u32,
+            k: k as u32,
+            heads: 1,
+            group: 1,
+            a_row: k as u32,
+            b_row: k as u32,
+            c_row: n as u32,
+            alpha: 1.0,
+            ..Default::default()
+        },
+        batch: 1,
+        trans_b: true,
+    }
+    .record(ctx, encoder, dummy)
+}
+
+/// `[B, T, heads, d]` (a projection) to `[B, heads, T, d]`.
+fn split_heads(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    src: &wgpu::Buffer,
+    dst: &wgpu::Buffer,
+    [b, t, heads, d]: [usize; 4],
+) -> Result<()> {
+    permute::record(
+        ctx,
+        encoder,
+        binding(src, 0, (b * t * heads * d) as u64 * 4),
+        binding(dst, 0, (b * t * heads * d) as u64 * 4),
+        [b, heads, t, d],
+        [t * heads * d, d, heads * d, 1],
+    )
+}

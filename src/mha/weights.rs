@@ -1,0 +1,296 @@
+//! The layer's parameters on the host: PyTorch state dicts (safetensors), Xavier init, checks.
+
+use ndarray::{Array1, Array2};
+
+use crate::error::{Error, Result};
+
+use super::MhaConfig;
+
+/// Host copies of the layer's parameters, in PyTorch's `nn.Linear` layout (`[out, in]`, applied
+/// as `x Wᵀ + b`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MhaWeights {
+    /// The layer's shape.
+    pub config: MhaConfig,
+    /// `[H·d_k, d_model]`.
+    pub w_q: Array2<f32>,
+    /// `[G·d_k, kdim]`.
+    pub w_k: Array2<f32>,
+    /// `[G·d_k, vdim]`.
+    pub w_v: Array2<f32>,
+    /// `[d_model, H·d_k]`.
+    pub w_o: Array2<f32>,
+    /// `[H·d_k]`.
+    pub b_q: Option<Array1<f32>>,
+    /// `[G·d_k]`.
+    pub b_k: Option<Array1<f32>>,
+    /// `[G·d_k]`.
+    pub b_v: Option<Array1<f32>>,
+    /// `[d_model]`.
+    pub b_o: Option<Array1<f32>>,
+}
+
+impl MhaWeights {
+    /// PyTorch's initialisation: Xavier-uniform projections (jointly over the packed
+    /// `in_proj_weight` when the widths allow packing, as PyTorch does), output projection
+    /// uniform in `±1/sqrt(d_model)` (`nn.Linear`'s default), zero biases. Deterministic in `seed`.
+    pub fn xavier_uniform(config: MhaConfig, seed: u64) -> Result<Self> {
+        use rand::{Rng, SeedableRng};
+        config.validate()?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let (e, kv) = (config.d_model, config.kv_width());
+        let packed = config.kdim == e && config.vdim == e && kv == e;
+        let mut uniform = |rows: usize, cols: usize, bound: f64| {
+            Array2::from_shape_simple_fn((rows, cols), || rng.random_range(-bound..bound) as f32)
+        };
+        let xavier = |fan_in: usize, fan_out: usize| (6.0 / (fan_in + fan_out) as f64).sqrt();
+        let (bq, bk, bv) = if packed {
+            let b = xavier(e, 3 * e);
+            (b, b, b)
+        } else {
+            (xavier(e, e), xavier(config.kdim, kv), xavier(config.vdim, kv))
+        };
+        let w_q = uniform(e, e, bq);
+        let w_k = uniform(kv, config.kdim, bk);
+        let w_v = uniform(kv, config.vdim, bv);
+        let w_o = uniform(e, e, 1.0 / (e as f64).sqrt());
+        let zeros = |n: usize| config.bias.then(|| Array1::zeros(n));
+        Ok(MhaWeights {
+            config,
+            w_q,
+            w_k,
+            w_v,
+            w_o,
+            b_q: zeros(e),
+            b_k: zeros(kv),
+            b_v: zeros(kv),
+            b_o: zeros(e),
+        })
+    }
+
+    /// Load a PyTorch `nn.MultiheadAttention` state dict saved with safetensors
+    /// (`safetensors.torch.save_file(mha.state_dict(), ...)`): `in_proj_weight [3E, E]` (or
+    /// `q_proj_weight`, `k_proj_weight [E, kdim]`, `v_proj_weight [E, vdim]`), optional
+    /// `in_proj_bias [3E]`, `out_proj.weight [E, E]`, optional `out_proj.bias [E]`. f32, f64,
+    /// f16 and bf16 tensors are read (as f32). Missing or mis-shaped tensors are errors naming
+    /// the key. `add_bias_kv` (`bias_k`, `bias_v`) is not supported. Grouped-query weights use
+    /// the separate keys with `k_proj_weight` and `v_proj_weight` of `G · d_k` rows (and
+    /// `in_proj_bias` of `E + 2 G d_k`); `G` is inferred.
+    pub fn from_safetensors(bytes: &[u8], num_heads: usize) -> Result<Self> {
+        Self::from_safetensors_prefixed(bytes, "", num_heads)
+    }
+
+    /// [`from_safetensors`](Self::from_safetensors) for a layer inside a larger model: every key
+    /// is looked up as `prefix + key` (e.g. `"encoder.layers.0.self_attn."`).
+    pub fn from_safetensors_prefixed(bytes: &[u8], prefix: &str, num_heads: usize) -> Result<Self> {
+        let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| Error::WeightFile {
+            reason: e.to_string(),
+        })?;
+        let get = |name: &str| -> Result<Option<(Vec<usize>, Vec<f32>)>> {
+            let key = format!("{prefix}{name}");
+            match st.tensor(&key) {
+                Ok(t) => Ok(Some((t.shape().to_vec(), to_f32(&key, t.dtype(), t.data())?))),
+                Err(safetensors::SafeTensorError::TensorNotFound(_)) => Ok(None),
+                Err(e) => Err(Error::WeightFile {
+                    reason: format!("{key}: {e}"),
+                }),
+            }
+        };
+        let need = |name: &str| -> Result<(Vec<usize>, Vec<f32>)> {
+            get(name)?.ok_or_else(|| Error::MissingWeight {
+                key: format!("{prefix}{name}"),
+            })
+        };
+        for unsupported in ["bias_k", "bias_v"] {
+            if get(unsupported)?.is_some() {
+                return Err(Error::WeightFile {
+                    reason: format!("{prefix}{unsupported}: add_bias_kv is not supported"),
+                });
+            }
+        }
+        let matrix = |name: &str, t: (Vec<usize>, Vec<f32>), expected: Option<[usize; 2]>| {
+            let key = format!("{prefix}{name}");
+            let (shape, data) = t;
+            let ok = shape.len() == 2 && expected.is_none_or(|e| shape == e);
+            if !ok {
+                return Err(Error::WeightShape {
+                    key,
+                    expected: expected.map(|e| e.to_vec()).unwrap_or_default(),
+                    actual: shape,
+                });
+            }
+            Ok(Array2::from_shape_vec((shape[0], shape[1]), data).expect("safetensors length"))
+        };
+        let vector = |name: &str, t: (Vec<usize>, Vec<f32>), n: usize| {
+            if t.0 != [n] {
+                return Err(Error::WeightShape {
+                    key: format!("{prefix}{name}"),
+                    expected: vec![n],
+                    actual: t.0,
+                });
+            }
+            Ok(Array1::from_vec(t.1))
+        };
+        let (w_q, w_k, w_v, e) = if let Some(packed) = get("in_proj_weight")? {
+            let rows = packed.0.first().copied().unwrap_or(0);
+            let e = rows / 3;
+            let w = matrix("in_proj_weight", packed, Some([3 * e.max(1), e.max(1)]))?;
+            if rows % 3 != 0 || e == 0 {
+                return Err(Error::WeightShape {
+                    key: format!("{prefix}in_proj_weight"),
+                    expected: vec![3 * e.max(1), e.max(1)],
+                    actual: w.shape().to_vec(),
+                });
+            }
+            let part = |i: usize| w.slice(ndarray::s![i * e..(i + 1) * e, ..]).to_owned();
+            (part(0), part(1), part(2), e)
+        } else {
+            let w_q = matrix("q_proj_weight", need("q_proj_weight")?, None)?;
+            let e = w_q.nrows();
+            if w_q.ncols() != e {
+                return Err(Error::WeightShape {
+                    key: format!("{prefix}q_proj_weight"),
+                    expected: vec![e, e],
+                    actual: w_q.shape().to_vec(),
+                });
+            }
+            let w_k = matrix("k_proj_weight", need("k_proj_weight")?, None)?;
+            let w_v = matrix("v_proj_weight", need("v_proj_weight")?, None)?;
+            // PyTorch's rows are E; fewer rows (G · d_k) mean grouped-query heads.
+            let kv = w_k.nrows();
+            for (name, w) in [("k_proj_weight", &w_k), ("v_proj_weight", &w_v)] {
+                if w.nrows() != kv || w.nrows() > e || w.nrows() == 0 {
+                    return Err(Error::WeightShape {
+                        key: format!("{prefix}{name}"),
+                        expected: vec![e, w.ncols()],
+                        actual: w.shape().to_vec(),
+                    });
+                }
+            }
+            (w_q, w_k, w_v, e)
+        };
+        let w_o = matrix("out_proj.weight", need("out_proj.weight")?, Some([e, e]))?;
+        let kv = w_k.nrows();
+        let (b_q, b_k, b_v) = match get("in_proj_bias")? {
+            Some(b) => {
+                let b = vector("in_proj_bias", b, e + 2 * kv)?;
+                let part = |from: usize, n: usize| Some(b.slice(ndarray::s![from..from + n]).to_owned());
+                (part(0, e), part(e, kv), part(e + kv, kv))
+            }
+            None => (None, None, None),
+        };
+        if num_heads == 0 || !e.is_multiple_of(num_heads) {
+            return Err(Error::InvalidConfig {
+                reason: format!("num_heads = {num_heads} does not divide d_model = {e}"),
+            });
+        }
+        let head_dim = e / num_heads;
+        if !kv.is_multiple_of(head_dim) {
+            return Err(Error::InvalidConfig {
+                reason: format!(
+                    "{num_heads} heads of d_model = {e}: key/value projections of {kv} rows are not whole heads"
+                ),
+            });
+        }
+        let b_o = get("out_proj.bias")?
+            .map(|b| vector("out_proj.bias", b, e))
+            .transpose()?;
+        let config = MhaConfig {
+            d_model: e,
+            num_heads,
+            num_kv_heads: kv / head_dim,
+            kdim: w_k.ncols(),
+            vdim: w_v.ncols(),
+            bias: b_q.is_some(),
+        };
+        let w = MhaWeights {
+            config,
+            w_q,
+            w_k,
+            w_v,
+            w_o,
+            b_q,
+            b_k,
+            b_v,
+            b_o,
+        };
+        w.validate()?;
+        Ok(w)
+    }
+
+    /// [`from_safetensors`](Self::from_safetensors) from a file.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn from_safetensors_file(path: impl AsRef<std::path::Path>, num_heads: usize) -> Result<Self> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|e| Error::WeightFile {
+            reason: format!("{}: {e}", path.display()),
+        })?;
+        Self::from_safetensors(&bytes, num_heads)
+    }
+
+    /// Check the config and every parameter's shape against it.
+    pub fn validate(&self) -> Result<()> {
+        let c = &self.config;
+        c.validate()?;
+        let (e, kv) = (c.d_model, c.kv_width());
+        let m = |key: &str, w: &Array2<f32>, shape: [usize; 2]| {
+            if w.shape() != shape {
+                return Err(Error::WeightShape {
+                    key: key.to_string(),
+                    expected: shape.to_vec(),
+                    actual: w.shape().to_vec(),
+                });
+            }
+            Ok(())
+        };
+        m("w_q", &self.w_q, [e, e])?;
+        m("w_k", &self.w_k, [kv, c.kdim])?;
+        m("w_v", &self.w_v, [kv, c.vdim])?;
+        m("w_o", &self.w_o, [e, e])?;
+        for (key, b, n) in [
+            ("b_q", &self.b_q, e),
+            ("b_k", &self.b_k, kv),
+            ("b_v", &self.b_v, kv),
+            ("b_o", &self.b_o, e),
+        ] {
+            if let Some(b) = b {
+                if b.len() != n {
+                    return Err(Error::WeightShape {
+                        key: key.to_string(),
+                        expected: vec![n],
+                        actual: b.shape().to_vec(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Little-endian tensor bytes to f32.
+fn to_f32(key: &str, dtype: safetensors::Dtype, data: &[u8]) -> Result<Vec<f32>> {
+    use safetensors::Dtype;
+    Ok(match dtype {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
+        Dtype::F64 => data
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32)
+            .collect(),
+        Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => data
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        other => {
+            return Err(Error::WeightFile {
+                reason: format!("{key}: dtype {other:?} is not a float type"),
+            })
+        }
+    })
+}

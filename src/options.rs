@@ -1,0 +1,87 @@
+//! The attention options every entry point shares: causal alignment, scale, boolean mask,
+//! additive bias and key lengths. [`Sdpa`](crate::Sdpa) and
+//! [`MhaForward`](crate::MhaForward) hold one [`Options`] and get the same setters from one
+//! macro; the validation into a [`Problem`] is written once here.
+
+use crate::buffers::check_len;
+use crate::error::Result;
+use crate::problem::{Causal, Problem};
+use crate::tensor::{Mask, Tensor};
+
+/// Attention options (PyTorch `scaled_dot_product_attention` semantics; see the crate docs).
+#[derive(Debug, Clone, Default)]
+pub struct Options<'a> {
+    /// Causal masking and its alignment.
+    pub causal: Causal,
+    /// The softmax scale; `None` is `1/sqrt(E)`.
+    pub scale: Option<f32>,
+    /// Boolean mask, **true = may attend**, broadcastable to `[B, Hq, L, S]`.
+    pub mask: Option<Mask<'a>>,
+    /// Additive bias, broadcastable to `[B, Hq, L, S]`; a `-inf` entry masks that key.
+    pub bias: Option<Tensor<'a>>,
+    /// Per-batch key lengths: batch `b` attends keys `j < kv_lens[b]` only.
+    pub kv_lens: Option<Vec<usize>>,
+}
+
+impl Options<'_> {
+    /// The problem of q, k, v shapes with these options, validated (no GPU work).
+    pub fn problem(&self, q: &[usize], k: &[usize], v: &[usize]) -> Result<Problem> {
+        let mut p = Problem::new(q, k, v)?
+            .with_scale(self.scale)?
+            .with_causal(self.causal);
+        if let Some(m) = &self.mask {
+            p = p.with_mask(&m.shape)?;
+            check_len("mask", &m.shape, m.data.len())?;
+        }
+        if let Some(b) = &self.bias {
+            p = p.with_bias(&b.shape)?;
+        }
+        if let Some(l) = &self.kv_lens {
+            p = p.with_kv_lens(l)?;
+        }
+        Ok(p)
+    }
+}
+
+/// The setters of [`Options`] for a builder with an `options: Options<'a>` field.
+macro_rules! option_setters {
+    () => {
+        /// Causal masking with the given alignment (see [`Causal`](crate::Causal)).
+        pub fn causal(mut self, causal: $crate::Causal) -> Self {
+            self.options.causal = causal;
+            self
+        }
+
+        /// The softmax scale (default `1/sqrt(E)`; `1.0` gives the unscaled dot product).
+        pub fn scale(mut self, scale: f32) -> Self {
+            self.options.scale = Some(scale);
+            self
+        }
+
+        /// A boolean mask, **true = may attend**, broadcastable to `[B, Hq, L, S]` (PyTorch's
+        /// `nn.MultiheadAttention` uses the opposite convention: negate its masks).
+        pub fn mask(mut self, mask: impl Into<$crate::Mask<'a>>) -> Self {
+            self.options.mask = Some(mask.into());
+            self
+        }
+
+        /// An additive bias added to the scaled scores, broadcastable to `[B, Hq, L, S]`
+        /// (PyTorch's float `attn_mask`). A `-inf` entry masks that key.
+        pub fn bias(mut self, bias: impl Into<$crate::Tensor<'a>>) -> Self {
+            self.options.bias = Some(bias.into());
+            self
+        }
+
+        /// Per-batch key lengths (padding): batch `b` attends keys `j < kv_lens[b]` only.
+        pub fn kv_lens(mut self, lens: &[usize]) -> Self {
+            self.options.kv_lens = Some(lens.to_vec());
+            self
+        }
+
+        /// Every option at once, replacing those set before.
+        pub fn options(mut self, options: $crate::Options<'a>) -> Self {
+            self.options = options;
+            self
+        }
+    };
+}
