@@ -2,8 +2,8 @@
 //! CPU reference. `cargo run --release --example basic`
 use ndarray::Array4;
 use wgpu_attention::check::{compare, F32_TOLERANCE};
-use wgpu_attention::reference::{self, Spec};
-use wgpu_attention::{Causal, Context, Sdpa};
+use wgpu_attention::reference;
+use wgpu_attention::{Causal, Context, Options, Sdpa};
 
 fn main() -> Result<(), wgpu_attention::Error> {
     let ctx = Context::new_blocking()?;
@@ -24,7 +24,7 @@ fn main() -> Result<(), wgpu_attention::Error> {
         out.lse.as_ref().map(|l| l.shape().to_vec())
     );
 
-    let spec = Spec {
+    let spec = Options {
         causal: Causal::BottomRight,
         ..Default::default()
     };

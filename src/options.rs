@@ -3,8 +3,10 @@
 //! [`MhaForward`](crate::MhaForward) hold one [`Options`] and get the same setters from one
 //! macro; the validation into a [`Problem`] is written once here.
 
+use ndarray::{ArrayViewD, IxDyn};
+
 use crate::buffers::check_len;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::problem::{Causal, Problem};
 use crate::tensor::{Mask, Tensor};
 
@@ -13,8 +15,9 @@ use crate::tensor::{Mask, Tensor};
 pub struct Options<'a> {
     /// Causal masking and its alignment.
     pub causal: Causal,
-    /// The softmax scale; `None` is `1/sqrt(E)`.
-    pub scale: Option<f32>,
+    /// The softmax scale; `None` is `1/sqrt(E)`. Kept in f64 for the reference (and for
+    /// PyTorch goldens); the kernels use its f32 rounding.
+    pub scale: Option<f64>,
     /// Boolean mask, **true = may attend**, broadcastable to `[B, Hq, L, S]`.
     pub mask: Option<Mask<'a>>,
     /// Additive bias, broadcastable to `[B, Hq, L, S]`; a `-inf` entry masks that key.
@@ -23,7 +26,7 @@ pub struct Options<'a> {
     pub kv_lens: Option<Vec<usize>>,
 }
 
-impl Options<'_> {
+impl<'a> Options<'a> {
     /// The problem of q, k, v shapes with these options, validated (no GPU work).
     pub fn problem(&self, q: &[usize], k: &[usize], v: &[usize]) -> Result<Problem> {
         let mut p = Problem::new(q, k, v)?
@@ -41,6 +44,34 @@ impl Options<'_> {
         }
         Ok(p)
     }
+
+    /// The mask as an array view (for the CPU reference), its length checked.
+    pub(crate) fn mask_view(&self) -> Result<Option<ArrayViewD<'_, bool>>> {
+        self.mask
+            .as_ref()
+            .map(|m| {
+                check_len("mask", &m.shape, m.data.len())?;
+                Ok(ArrayViewD::from_shape(IxDyn(&m.shape), &m.data).expect("length checked"))
+            })
+            .transpose()
+    }
+
+    /// The bias as an array view (for the CPU reference): host data only.
+    pub(crate) fn bias_view(&self) -> Result<Option<ArrayViewD<'_, f32>>> {
+        self.bias
+            .as_ref()
+            .map(|b| match &b.data {
+                crate::tensor::TensorData::Host(d) => {
+                    check_len("bias", &b.shape, d.len())?;
+                    Ok(ArrayViewD::from_shape(IxDyn(&b.shape), d).expect("length checked"))
+                }
+                crate::tensor::TensorData::Gpu { .. } => Err(Error::BadBuffer {
+                    tensor: "bias",
+                    reason: "the CPU reference reads host data, not a GPU buffer".into(),
+                }),
+            })
+            .transpose()
+    }
 }
 
 /// The setters of [`Options`] for a builder with an `options: Options<'a>` field.
@@ -54,7 +85,7 @@ macro_rules! option_setters {
 
         /// The softmax scale (default `1/sqrt(E)`; `1.0` gives the unscaled dot product).
         pub fn scale(mut self, scale: f32) -> Self {
-            self.options.scale = Some(scale);
+            self.options.scale = Some(scale as f64);
             self
         }
 

@@ -179,12 +179,14 @@ impl Problem {
     }
 
     /// Set the scale (must be finite).
-    pub fn with_scale(mut self, scale: Option<f32>) -> Result<Self> {
+    /// The kernels use its f32 rounding, which must be finite too.
+    pub fn with_scale(mut self, scale: Option<f64>) -> Result<Self> {
         if let Some(s) = scale {
-            if !s.is_finite() {
-                return Err(Error::InvalidScale { scale: s });
+            let s32 = s as f32;
+            if !s.is_finite() || !s32.is_finite() {
+                return Err(Error::InvalidScale { scale: s32 });
             }
-            self.scale = s;
+            self.scale = s32;
         }
         Ok(self)
     }

@@ -5,25 +5,11 @@
 //! key lengths; fully masked rows give zeros), [`weighted_sum`] (`P V`). [`sdpa`] chains them.
 //! Users may call it to verify their own GPU results.
 
-use ndarray::{Array1, Array2, Array3, Array4, ArrayView3, ArrayView4, ArrayViewD, Axis, Ix4};
+use ndarray::{Array1, Array2, Array3, Array4, ArrayView3, ArrayView4, Axis, Ix4};
 
 use crate::error::Result;
-use crate::problem::{Causal, Problem};
-
-/// Masks and options for the reference; mirrors [`crate::Sdpa`]'s builder.
-#[derive(Debug, Clone, Default)]
-pub struct Spec<'a> {
-    /// Scale; `None` means `1/sqrt(E)`.
-    pub scale: Option<f64>,
-    /// Causal alignment.
-    pub causal: Causal,
-    /// Boolean mask, broadcastable to `[B, Hq, L, S]`, true = may attend.
-    pub mask: Option<ArrayViewD<'a, bool>>,
-    /// Additive bias, broadcastable to `[B, Hq, L, S]`.
-    pub bias: Option<ArrayViewD<'a, f32>>,
-    /// Per-batch key lengths.
-    pub kv_lens: Option<&'a [usize]>,
-}
+use crate::options::Options;
+use crate::problem::Causal;
 
 /// All reference outputs, in f64.
 #[derive(Debug, Clone)]
@@ -60,19 +46,20 @@ pub fn scores<T: Copy + Into<f64>>(q: ArrayView4<T>, k: ArrayView4<T>, scale: f6
 
 /// Whether query `i` may attend key `j` of batch `b`, head `h` (mask, causal, key lengths).
 fn allowed(
-    spec: &Spec,
+    causal: Causal,
+    kv_lens: Option<&[usize]>,
     mask: Option<&ndarray::ArrayView4<bool>>,
     idx: [usize; 4],
     l: usize,
     s: usize,
 ) -> bool {
     let [b, _h, i, j] = idx;
-    if let Some(d) = spec.causal.offset(l, s) {
+    if let Some(d) = causal.offset(l, s) {
         if j as i64 > i as i64 + d {
             return false;
         }
     }
-    if let Some(lens) = spec.kv_lens {
+    if let Some(lens) = kv_lens {
         if j >= lens[b] {
             return false;
         }
@@ -87,16 +74,19 @@ fn allowed(
 
 /// Stage 2: add the bias, apply every mask, softmax each row with the max subtracted.
 /// Returns the weights and each row's logsumexp. A row with no allowed key (or whose allowed
-/// logits are all `-inf`) gives all-zero weights and logsumexp `-inf`.
-pub fn masked_softmax(scores: &Array4<f64>, spec: &Spec) -> (Array4<f64>, Array3<f64>) {
+/// logits are all `-inf`) gives all-zero weights and logsumexp `-inf`. The options' scale is
+/// not used (the scores are already scaled); a bias must be host data.
+pub fn masked_softmax(scores: &Array4<f64>, opts: &Options) -> Result<(Array4<f64>, Array3<f64>)> {
     let (b, h, l, s) = scores.dim();
-    let mask = spec.mask.as_ref().map(|m| {
+    let (mask_view, bias_view) = (opts.mask_view()?, opts.bias_view()?);
+    let kv_lens = opts.kv_lens.as_deref();
+    let mask = mask_view.as_ref().map(|m| {
         m.broadcast((b, h, l, s))
             .expect("mask broadcasts")
             .into_dimensionality::<Ix4>()
             .unwrap()
     });
-    let bias = spec.bias.as_ref().map(|m| {
+    let bias = bias_view.as_ref().map(|m| {
         m.broadcast((b, h, l, s))
             .expect("bias broadcasts")
             .into_dimensionality::<Ix4>()
@@ -111,7 +101,7 @@ pub fn masked_softmax(scores: &Array4<f64>, spec: &Spec) -> (Array4<f64>, Array3
             for i in 0..l {
                 let mut max = f64::NEG_INFINITY;
                 for j in 0..s {
-                    ok[j] = allowed(spec, mask.as_ref(), [bi, hi, i, j], l, s);
+                    ok[j] = allowed(opts.causal, kv_lens, mask.as_ref(), [bi, hi, i, j], l, s);
                     logits[j] =
                         scores[[bi, hi, i, j]] + bias.as_ref().map_or(0.0, |x| x[[bi, hi, i, j]] as f64);
                     if ok[j] {
@@ -141,7 +131,7 @@ pub fn masked_softmax(scores: &Array4<f64>, spec: &Spec) -> (Array4<f64>, Array3
             }
         }
     }
-    (weights, lse)
+    Ok((weights, lse))
 }
 
 /// Stage 3: `P V` as `[B, Hq, L, Ev]`; query head `h` reads value head `h / (Hq / Hkv)`.
@@ -168,28 +158,18 @@ pub fn weighted_sum<T: Copy + Into<f64>>(p: &Array4<f64>, v: ArrayView4<T>) -> A
     out
 }
 
-/// The whole of `softmax(scale · Q Kᵀ + bias, masked) V`, validated like the GPU entry points.
+/// The whole of `softmax(scale · Q Kᵀ + bias, masked) V`, validated like the GPU entry points
+/// (the same [`Options`]; the mask and bias must be host data). The scale is used in f64.
 pub fn sdpa<T: Copy + Into<f64>>(
     q: ArrayView4<T>,
     k: ArrayView4<T>,
     v: ArrayView4<T>,
-    spec: &Spec,
+    opts: &Options,
 ) -> Result<Output> {
-    let mut p = Problem::new(q.shape(), k.shape(), v.shape())?
-        .with_causal(spec.causal)
-        .with_scale(spec.scale.map(|s| s as f32))?;
-    if let Some(m) = &spec.mask {
-        p = p.with_mask(m.shape())?;
-    }
-    if let Some(m) = &spec.bias {
-        p = p.with_bias(m.shape())?;
-    }
-    if let Some(l) = spec.kv_lens {
-        p = p.with_kv_lens(l)?;
-    }
-    let scale = spec.scale.unwrap_or(1.0 / (p.head_dim as f64).sqrt());
+    let p = opts.problem(q.shape(), k.shape(), v.shape())?;
+    let scale = opts.scale.unwrap_or(1.0 / (p.head_dim as f64).sqrt());
     let s = scores(q, k, scale);
-    let (weights, lse) = masked_softmax(&s, spec);
+    let (weights, lse) = masked_softmax(&s, opts)?;
     let out = weighted_sum(&weights, v);
     Ok(Output { out, weights, lse })
 }
@@ -287,7 +267,7 @@ fn given_heads(x: ArrayView4<f32>, b: usize) -> Array4<f64> {
 /// Multi-head attention, the plain way: f64 projections, [`scores`], [`masked_softmax`],
 /// [`weighted_sum`], head merge, output projection. Validated like the GPU layer (the same
 /// typed errors for bad shapes).
-pub fn mha(w: &crate::MhaWeights, inputs: &MhaInputs, spec: &Spec) -> Result<MhaOutput> {
+pub fn mha(w: &crate::MhaWeights, inputs: &MhaInputs, opts: &Options) -> Result<MhaOutput> {
     w.validate()?;
     let c = &w.config;
     let (h, g, d) = (c.num_heads, c.num_kv_heads, c.head_dim());
@@ -305,9 +285,9 @@ pub fn mha(w: &crate::MhaWeights, inputs: &MhaInputs, spec: &Spec) -> Result<Mha
             g,
         ),
     };
-    let mut spec = spec.clone();
-    spec.scale = spec.scale.or(Some(1.0 / (d as f64).sqrt()));
-    let o = sdpa(q.view(), k.view(), v.view(), &spec)?;
+    let mut opts = opts.clone();
+    opts.scale = opts.scale.or(Some(1.0 / (d as f64).sqrt()));
+    let o = sdpa(q.view(), k.view(), v.view(), &opts)?;
     let (_, _, l, _) = o.out.dim();
     let merged = o
         .out

@@ -15,7 +15,7 @@ mod common;
 
 use common::{ctx, goldens, Case, Shape, TOL};
 use wgpu_attention::check::compare;
-use wgpu_attention::{Causal, Context, DecodeForm, Form, Forms, FusedForm, Path};
+use wgpu_attention::{Causal, Context, DecodeForm, Form, Forms, FusedForm, Options, Path};
 
 /// Shapes with tails: no dimension a multiple of the tiles except where noted.
 const SHAPES: &[Shape] = &[
@@ -221,7 +221,7 @@ fn pytorch_goldens_in_every_form() {
 #[test]
 fn multi_head_attention_in_every_fused_form() {
     use ndarray::{Array, IxDyn};
-    use wgpu_attention::reference::{self, MhaInputs, Spec};
+    use wgpu_attention::reference::{self, MhaInputs};
     use wgpu_attention::{MhaConfig, MhaWeights, MultiHeadAttention};
     let Some(ctx) = ctx() else { return };
     let config = MhaConfig::new(24, 4).kv_heads(2).kv_dims(10, 14);
@@ -234,10 +234,10 @@ fn multi_head_attention_in_every_fused_form() {
         rand::Rng::random_range(&mut r, 0.0..1.0) > 0.3
     });
     let lens = [19, 11];
-    let spec = Spec {
+    let spec = Options {
         causal: Causal::BottomRight,
-        mask: Some(mask.view()),
-        kv_lens: Some(&lens),
+        mask: Some((&mask).into()),
+        kv_lens: Some(lens.to_vec()),
         ..Default::default()
     };
     let want = reference::mha(&w, &MhaInputs::cross(x.view(), k.view(), v.view()), &spec).unwrap();

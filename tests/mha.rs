@@ -11,7 +11,8 @@ use common::{assert_report, ctx, rand_array, rng, TOL};
 use ndarray::{Array2, Array3, Array4, ArrayD, IxDyn};
 use ndarray_npy::read_npy;
 use wgpu_attention::check::{compare, Tolerance};
-use wgpu_attention::reference::{self, MhaInputs, Spec};
+use wgpu_attention::reference::{self, MhaInputs};
+use wgpu_attention::Options;
 use wgpu_attention::{Causal, Error, MhaConfig, MhaWeights, MultiHeadAttention, NeedWeights, Path, Tensor};
 
 const GOLDEN_TOL: Tolerance = Tolerance {
@@ -60,8 +61,8 @@ fn pytorch_goldens_reference_and_gpu() {
             let am: Array2<bool> = read_npy(dir.join("attn_mask.npy")).unwrap();
             mask = Some(am.mapv(|x| !x).into_dyn());
         }
-        let spec = Spec {
-            mask: mask.as_ref().map(|m| m.view()),
+        let spec = Options {
+            mask: mask.as_ref().map(|m| m.into()),
             ..Default::default()
         };
         let r = reference::mha(&w, &MhaInputs::cross(q.view(), k.view(), v.view()), &spec).unwrap();
@@ -180,11 +181,11 @@ fn run_grid_case(ctx: &wgpu_attention::Context, g: &Grid, seed: u64) {
     } else {
         MhaInputs::self_attention(x.view())
     };
-    let spec = Spec {
+    let spec = Options {
         causal: g.causal,
-        mask: mask.as_ref().map(|m| m.view()),
-        bias: bias.as_ref().map(|b| b.view()),
-        kv_lens: lens.as_deref(),
+        mask: mask.as_ref().map(|m| m.into()),
+        bias: bias.as_ref().map(|b| b.into()),
+        kv_lens: lens.clone(),
         ..Default::default()
     };
     let r = reference::mha(&w, &inputs, &spec).unwrap();
@@ -286,7 +287,7 @@ fn constant_query_and_value_heads_broadcast_over_batch() {
         value_heads: Some(vh.view()),
         ..MhaInputs::self_attention(x.view())
     };
-    let reference = reference::mha(&w, &inputs, &Spec::default()).unwrap();
+    let reference = reference::mha(&w, &inputs, &Options::default()).unwrap();
     let layer = MultiHeadAttention::new(ctx, &w).unwrap();
     let o = layer
         .forward(&x)
@@ -305,7 +306,7 @@ fn constant_query_and_value_heads_broadcast_over_batch() {
         query_heads: Some(qh3.view()),
         ..MhaInputs::self_attention(x.view())
     };
-    let reference = reference::mha(&w, &inputs, &Spec::default()).unwrap();
+    let reference = reference::mha(&w, &inputs, &Options::default()).unwrap();
     let o = layer.forward(&x).query_heads(&qh3).run_blocking(ctx).unwrap();
     assert_report(
         compare(o.output.iter().copied(), reference.out.iter().copied(), TOL),
@@ -328,7 +329,7 @@ fn gpu_buffer_inputs_and_profiled_run() {
         },
     );
     let layer = MultiHeadAttention::new(ctx, &w).unwrap();
-    let r = reference::mha(&w, &MhaInputs::self_attention(x.view()), &Spec::default()).unwrap();
+    let r = reference::mha(&w, &MhaInputs::self_attention(x.view()), &Options::default()).unwrap();
     let o = layer
         .forward(Tensor::from_buffer(&buf, 0, &[2, 70, 64]))
         .profile()

@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use ndarray::{ArrayD, Ix4};
 use ndarray_npy::{read_npy, write_npy, ReadNpyError, WritableElement};
 use wgpu_attention::check::{self, F32_TOLERANCE};
-use wgpu_attention::reference::{self, MhaInputs, Spec};
+use wgpu_attention::reference::{self, MhaInputs};
 use wgpu_attention::{
     wgpu, Causal, Context, MhaWeights, MultiHeadAttention, NeedWeights, Output, Path, Sdpa,
 };
@@ -427,9 +427,9 @@ fn demo(a: &DemoArgs) -> CliResult<ExitCode> {
     }
     println!("checking against the CPU reference (f64)...");
     let started = Instant::now();
-    let spec = Spec {
+    let spec = wgpu_attention::Options {
         causal: shape.causal,
-        ..Spec::default()
+        ..Default::default()
     };
     let want = reference::sdpa(host.q.view(), host.k.view(), host.v.view(), &spec)?;
     let report = check::compare(
@@ -546,12 +546,12 @@ fn run(a: &RunArgs) -> CliResult<ExitCode> {
     let causal: Causal = a.causal.into();
 
     let (out, weights, lse, how) = if a.cpu {
-        let spec = Spec {
+        let spec = wgpu_attention::Options {
             scale: a.scale.map(f64::from),
             causal,
-            mask: mask.as_ref().map(|m| m.view()),
-            bias: bias.as_ref().map(|b| b.view()),
-            kv_lens: a.kv_lens.as_deref(),
+            mask: mask.as_ref().map(|m| m.into()),
+            bias: bias.as_ref().map(|b| b.into()),
+            kv_lens: a.kv_lens.clone(),
         };
         let started = Instant::now();
         let r = reference::sdpa(q.view(), k.view(), v.view(), &spec)?;
@@ -719,10 +719,10 @@ fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
             (Some(k), Some(v)) => MhaInputs::cross(x.view(), k.view(), v.view()),
             _ => MhaInputs::self_attention(x.view()),
         };
-        let spec = Spec {
+        let spec = wgpu_attention::Options {
             causal,
-            mask: mask.as_ref().map(|m| m.view()),
-            kv_lens: a.kv_lens.as_deref(),
+            mask: mask.as_ref().map(|m| m.into()),
+            kv_lens: a.kv_lens.clone(),
             ..Default::default()
         };
         let started = Instant::now();

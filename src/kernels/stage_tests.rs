@@ -8,8 +8,9 @@ use wgpu::util::DeviceExt;
 
 use super::{matmul, softmax};
 use crate::check::{compare, F32_TOLERANCE};
+use crate::options::Options;
 use crate::problem::{Causal, Problem};
-use crate::reference::{self, Spec};
+use crate::reference;
 use crate::Context;
 
 fn ctx() -> Option<Context> {
@@ -173,12 +174,12 @@ fn softmax_stage_matches_reference_masked_softmax() {
     let bias = Array::from_shape_vec(IxDyn(&[1, hq, l, s]), lcg(hq * l * s, 6)).unwrap();
     let lens = [s, s - 20];
     for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
-        let spec = Spec {
+        let spec = Options {
             scale: None,
             causal,
-            mask: Some(mask.view()),
-            bias: Some(bias.view()),
-            kv_lens: Some(&lens),
+            mask: Some((&mask).into()),
+            bias: Some((&bias).into()),
+            kv_lens: Some(lens.to_vec()),
         };
         let p = Problem::new(&[b, hq, l, e], &[b, hkv, s, e], &[b, hkv, s, ev])
             .unwrap()
@@ -224,7 +225,7 @@ fn softmax_stage_matches_reference_masked_softmax() {
         let got_p = pollster::block_on(ctx.read_f32(&sc, 0, scores32.len() as u64 * 4)).unwrap();
         let got_lse = pollster::block_on(ctx.read_f32(&lse, 0, (b * hq * l) as u64 * 4)).unwrap();
         // The reference softmax starts from the f64 scores; the kernel from their f32 rounding.
-        let (want_p, want_lse) = reference::masked_softmax(&scores, &spec);
+        let (want_p, want_lse) = reference::masked_softmax(&scores, &spec).unwrap();
         let r = compare(got_p, want_p.iter().copied(), F32_TOLERANCE);
         assert!(r.passed(), "{causal:?} weights: {r}");
         let r = compare(got_lse, want_lse.iter().copied(), F32_TOLERANCE);
@@ -266,7 +267,7 @@ fn fused_first_use_form_and_fastest_form_agree() {
         "after wait_idle the fastest form is ready"
     );
     let second = sdpa().run_blocking(&ctx).unwrap().output;
-    let want = reference::sdpa(q.view(), k.view(), v.view(), &Spec::default())
+    let want = reference::sdpa(q.view(), k.view(), v.view(), &Options::default())
         .unwrap()
         .out;
     for (name, got) in [("first use", &first), ("fastest", &second)] {

@@ -8,8 +8,8 @@ use ndarray::{Array, Array4, ArrayD, IxDyn};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use wgpu_attention::check::{compare, Report, Tolerance, F32_TOLERANCE};
-use wgpu_attention::reference::{self, Spec};
-use wgpu_attention::{Causal, Context, Path, Sdpa};
+use wgpu_attention::reference;
+use wgpu_attention::{Causal, Context, Options, Path, Sdpa};
 
 /// The shared GPU context. Without an adapter: `None` (the test returns early) unless
 /// `WGPU_ATTENTION_REQUIRE_GPU=1`, in which case the test fails.
@@ -49,7 +49,8 @@ pub struct Case {
     pub bias: Option<ArrayD<f32>>,
     pub kv_lens: Option<Vec<usize>>,
     pub causal: Causal,
-    pub scale: Option<f32>,
+    /// f64, as PyTorch's goldens give it; the GPU uses its f32 rounding.
+    pub scale: Option<f64>,
 }
 
 impl Case {
@@ -114,35 +115,25 @@ impl Case {
         self
     }
 
-    pub fn sdpa(&self) -> Sdpa<'_> {
-        let mut s = Sdpa::new(&self.q, &self.k, &self.v).causal(self.causal);
-        if let Some(m) = &self.mask {
-            s = s.mask(m);
-        }
-        if let Some(b) = &self.bias {
-            s = s.bias(b);
-        }
-        if let Some(l) = &self.kv_lens {
-            s = s.kv_lens(l);
-        }
-        if let Some(sc) = self.scale {
-            s = s.scale(sc);
-        }
-        s
+    /// The case's options, shared by the GPU call and the reference.
+    pub fn options(&self) -> Options<'_> {
+        let mut o = Options {
+            causal: self.causal,
+            scale: self.scale,
+            kv_lens: self.kv_lens.clone(),
+            ..Options::default()
+        };
+        o.mask = self.mask.as_ref().map(|m| m.into());
+        o.bias = self.bias.as_ref().map(|b| b.into());
+        o
     }
 
-    pub fn spec(&self) -> Spec<'_> {
-        Spec {
-            scale: self.scale.map(|s| s as f64),
-            causal: self.causal,
-            mask: self.mask.as_ref().map(|m| m.view()),
-            bias: self.bias.as_ref().map(|m| m.view()),
-            kv_lens: self.kv_lens.as_deref(),
-        }
+    pub fn sdpa(&self) -> Sdpa<'_> {
+        Sdpa::new(&self.q, &self.k, &self.v).options(self.options())
     }
 
     pub fn reference(&self) -> reference::Output {
-        reference::sdpa(self.q.view(), self.k.view(), self.v.view(), &self.spec()).unwrap()
+        reference::sdpa(self.q.view(), self.k.view(), self.v.view(), &self.options()).unwrap()
     }
 
     /// [`Case::check`] on every path.
@@ -201,26 +192,16 @@ pub fn assert_report(r: Report, label: &str) {
 pub const TOL: Tolerance = F32_TOLERANCE;
 
 /// A PyTorch float64 golden (`tests/fixtures/sdpa/<name>`, written by `scripts/make_goldens.py`):
-/// the case (scale rounded to f32 for the GPU) and PyTorch's outputs.
+/// the case and PyTorch's outputs.
 pub struct Golden {
     pub name: String,
     pub case: Case,
-    /// The scale as PyTorch used it (f64), for the reference.
-    pub scale: Option<f64>,
     pub out: ndarray::Array4<f64>,
     pub lse: ndarray::Array3<f64>,
     pub weights: ndarray::Array4<f64>,
 }
 
 impl Golden {
-    /// The reference's spec for this golden, with PyTorch's f64 scale.
-    pub fn spec(&self) -> Spec<'_> {
-        Spec {
-            scale: self.scale,
-            ..self.case.spec()
-        }
-    }
-
     /// Compare a GPU output and logsumexp (and weights, if any) with PyTorch's at `tol`.
     pub fn assert_matches(&self, got: &wgpu_attention::Output, tol: Tolerance, label: &str) {
         use wgpu_attention::check::compare;
@@ -275,9 +256,8 @@ pub fn goldens() -> Vec<Golden> {
                         a.iter().map(|&x| x as usize).collect()
                     }),
                     causal,
-                    scale: scale.map(|s| s as f32),
+                    scale,
                 },
-                scale,
                 out: read_npy(dir.join("out.npy")).unwrap(),
                 lse: read_npy(dir.join("lse.npy")).unwrap(),
                 weights: read_npy(dir.join("weights.npy")).unwrap(),
