@@ -2,12 +2,12 @@
 
 use ndarray::{Array3, Array4, Axis};
 
-use crate::buffers::{binding, fits, Operand};
+use crate::buffers::{binding, f32_bytes, fits, output, Operand};
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::{matmul as mm, permute};
 use crate::options::Options;
-use crate::sdpa::{Path, Sdpa};
+use crate::sdpa::{GpuOutput, Path, Sdpa};
 use crate::tensor::Tensor;
 
 use super::{MhaOutput, MhaTimings, MultiHeadAttention, NeedWeights};
@@ -38,6 +38,18 @@ struct Dims {
     g: usize,
     d: usize,
     e: usize,
+}
+
+impl Dims {
+    /// Query heads `[B, H, L, d]`.
+    fn heads_q(&self) -> [usize; 4] {
+        [self.b, self.h, self.l, self.d]
+    }
+
+    /// Key and value heads `[B, G, S, d]`.
+    fn heads_kv(&self) -> [usize; 4] {
+        [self.b, self.g, self.s, self.d]
+    }
 }
 
 impl<'a> MhaForward<'a> {
@@ -191,16 +203,50 @@ impl<'a> MhaForward<'a> {
 
     /// Run on the GPU and read the output (and the weights, if asked for) back.
     pub async fn run(&self, ctx: &Context) -> Result<MhaOutput> {
-        let dims = self.dims()?;
+        let pass = Pass::new(self, ctx)?;
+        let (gpu, times) = pass.submit().await?;
+        pass.read_back(&gpu, times).await
+    }
+
+    /// Blocking version of [`run`](MhaForward::run).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn run_blocking(&self, ctx: &Context) -> Result<MhaOutput> {
+        pollster::block_on(self.run(ctx))
+    }
+}
+
+/// One validated forward pass: the checked inputs and the buffers of every stage. Built
+/// before any GPU work, so every bad input is an error before anything is submitted.
+struct Pass<'p, 'a> {
+    fwd: &'p MhaForward<'a>,
+    ctx: &'p Context,
+    dims: Dims,
+    query: Operand<'p, 'a>,
+    key: Option<Operand<'p, 'a>>,
+    value: Option<Operand<'p, 'a>>,
+    given_q: Option<Operand<'p, 'a>>,
+    given_v: Option<Operand<'p, 'a>>,
+    /// Query, key and value heads `[B, H|G, T, d]`.
+    qh: wgpu::Buffer,
+    kh: wgpu::Buffer,
+    vh: wgpu::Buffer,
+    /// Attention output merged back to `[B, L, H·d]`, and the layer output `[B, L, E]`.
+    merged: wgpu::Buffer,
+    out: wgpu::Buffer,
+    dummy: wgpu::Buffer,
+}
+
+impl<'p, 'a> Pass<'p, 'a> {
+    fn new(fwd: &'p MhaForward<'a>, ctx: &'p Context) -> Result<Self> {
+        let dims = fwd.dims()?;
         let Dims { b, l, s, h, g, d, e } = dims;
-        let c = self.mha.config;
         let max = ctx.max_binding();
         for (what, n) in [
             ("query projection", b * l * e),
             ("key/value projection", b * s * g * d),
             ("attention output", b * l * h * d),
         ] {
-            fits(what, n as u64 * 4, max, "max_storage_buffer_binding_size")?;
+            fits(what, f32_bytes(n), max, "max_storage_buffer_binding_size")?;
         }
         let tiles = ctx.limits().max_compute_workgroups_per_dimension as usize * mm::TILE as usize;
         if b * l.max(s) > tiles {
@@ -212,205 +258,224 @@ impl<'a> MhaForward<'a> {
                 hint: " (rows = batch x sequence, 64 per workgroup)",
             });
         }
-        // The attention problem is validated before any GPU work too.
-        let heads_q = [b, h, l, d];
-        let heads_kv = [b, g, s, d];
+        // The attention problem is validated (and planned) before any GPU work too.
         let empty: &[f32] = &[];
-        let placeholder = Sdpa::new(
-            Tensor::from_slice(empty, &heads_q),
-            Tensor::from_slice(empty, &heads_kv),
-            Tensor::from_slice(empty, &heads_kv),
-        );
-        let check = self.configure(placeholder);
-        check.problem()?;
-        check.resolved_path(ctx)?;
-
-        let device = ctx.device();
-        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
-        let buffer = |label: &str, elems: usize| {
-            device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some(label),
-                size: (elems.max(1) * 4) as u64,
-                usage,
-                mapped_at_creation: false,
-            })
-        };
-        let query_in = Operand::check(ctx, "query", &self.query)?;
-        let key_in = self
-            .key
-            .as_ref()
-            .map(|k| Operand::check(ctx, "key", k))
-            .transpose()?;
-        let value_in = self
-            .value
-            .as_ref()
-            .map(|v| Operand::check(ctx, "value", v))
-            .transpose()?;
-        let qh_in = self
-            .query_heads
-            .as_ref()
-            .map(|q| Operand::check(ctx, "query_heads", q))
-            .transpose()?;
-        let vh_in = self
-            .value_heads
-            .as_ref()
-            .map(|v| Operand::check(ctx, "value_heads", v))
-            .transpose()?;
-
-        let qh = buffer("query heads", b * h * l * d);
-        let kh = buffer("key heads", b * g * s * d);
-        let vh = buffer("value heads", b * g * s * d);
-        let merged = buffer("merged heads", b * l * h * d);
-        let out = buffer("mha output", b * l * e);
-        let dummy = buffer("dummy", 4);
-        let mut times = [0.0f64; 3];
-
-        // Stage 1: uploads, projections, head split.
-        let stage1 = |encoder: &mut wgpu::CommandEncoder| -> Result<()> {
-            let query = query_in.upload(ctx, "query");
-            let key = key_in.as_ref().map(|k| k.upload(ctx, "key"));
-            let value = value_in.as_ref().map(|v| v.upload(ctx, "value"));
-            let key_b = key.as_ref().map(|k| k.binding()).unwrap_or(query.binding());
-            let value_b = value.as_ref().map(|v| v.binding()).unwrap_or(query.binding());
-            // Heads [B, n, T, d]: given (broadcast over the batch if its batch is 1), or the
-            // projection of `x` [B, T, in_dim], split.
-            let mut heads = |given: Option<(&Operand, &Tensor, &'static str)>,
-                             x: wgpu::BufferBinding<'_>,
-                             (w, bias): (&wgpu::Buffer, Option<&wgpu::Buffer>),
-                             dst: &wgpu::Buffer,
-                             [t, n, in_dim]: [usize; 3]|
-             -> Result<()> {
-                match given {
-                    Some((op, tensor, name)) => {
-                        let given = op.upload(ctx, name);
-                        let bstride = if tensor.shape()[0] == 1 { 0 } else { n * t * d };
-                        permute::record(
-                            ctx,
-                            encoder,
-                            given.binding(),
-                            binding(dst, 0, dst.size()),
-                            [b, n, t, d],
-                            [bstride, t * d, d, 1],
-                        )
-                    }
-                    None => {
-                        let proj = buffer("projection", b * t * n * d);
-                        project(ctx, encoder, x, w, bias, &proj, [b * t, n * d, in_dim], &dummy)?;
-                        split_heads(ctx, encoder, &proj, dst, [b, t, n, d])
-                    }
-                }
-            };
-            let m = &self.mha;
-            let given_q = qh_in.as_ref().zip(self.query_heads.as_ref());
-            let given_v = vh_in.as_ref().zip(self.value_heads.as_ref());
-            heads(
-                given_q.map(|(o, t)| (o, t, "query_heads")),
-                query.binding(),
-                (&m.w_q, m.b_q.as_ref()),
-                &qh,
-                [l, h, e],
-            )?;
-            heads(None, key_b, (&m.w_k, m.b_k.as_ref()), &kh, [s, g, c.kdim])?;
-            heads(
-                given_v.map(|(o, t)| (o, t, "value_heads")),
-                value_b,
-                (&m.w_v, m.b_v.as_ref()),
-                &vh,
-                [s, g, c.vdim],
-            )?;
-            Ok(())
-        };
-        // Stage 2: attention.
-        let sdpa = self.configure(Sdpa::new(
-            Tensor::from_buffer(&qh, 0, &heads_q),
-            Tensor::from_buffer(&kh, 0, &heads_kv),
-            Tensor::from_buffer(&vh, 0, &heads_kv),
+        let check = fwd.configure(Sdpa::new(
+            Tensor::from_slice(empty, &dims.heads_q()),
+            Tensor::from_slice(empty, &dims.heads_kv()),
+            Tensor::from_slice(empty, &dims.heads_kv()),
         ));
-        let stage2 = |encoder: &mut wgpu::CommandEncoder| sdpa.record(ctx, encoder);
-        // Stage 3: merge heads [B, H, L, d] -> [B, L, H, d], output projection.
-        let stage3 = |encoder: &mut wgpu::CommandEncoder, attn: &wgpu::Buffer, off: u64| -> Result<()> {
-            permute::record(
-                ctx,
-                encoder,
-                binding(attn, off, (b * h * l * d) as u64 * 4),
-                binding(&merged, 0, merged.size()),
-                [b, l, h, d],
-                [h * l * d, d, l * d, 1],
-            )?;
-            project(
-                ctx,
-                encoder,
-                binding(&merged, 0, merged.size()),
-                &self.mha.w_o,
-                self.mha.b_o.as_ref(),
-                &out,
-                [b * l, e, h * d],
-                &dummy,
-            )
-        };
+        check.plan(ctx)?;
+        let optional =
+            |t: &'p Option<Tensor<'a>>, name| t.as_ref().map(|t| Operand::check(ctx, name, t)).transpose();
+        // An empty activation still needs a non-empty buffer.
+        let buffer = |label: &str, elems: usize| output(ctx, label, f32_bytes(elems.max(1)));
+        Ok(Pass {
+            fwd,
+            ctx,
+            dims,
+            query: Operand::check(ctx, "query", &fwd.query)?,
+            key: optional(&fwd.key, "key")?,
+            value: optional(&fwd.value, "value")?,
+            given_q: optional(&fwd.query_heads, "query_heads")?,
+            given_v: optional(&fwd.value_heads, "value_heads")?,
+            qh: buffer("query heads", b * h * l * d),
+            kh: buffer("key heads", b * g * s * d),
+            vh: buffer("value heads", b * g * s * d),
+            merged: buffer("merged heads", b * l * h * d),
+            out: buffer("mha output", b * l * e),
+            dummy: buffer("dummy", 1),
+        })
+    }
+
+    /// Stage 1: upload the inputs, then the query, key and value heads, each given
+    /// (broadcast over the batch if its batch is 1) or projected and split.
+    fn record_heads(&self, encoder: &mut wgpu::CommandEncoder) -> Result<()> {
+        let (c, m) = (&self.fwd.mha.config, &self.fwd.mha);
+        let Dims { l, s, h, g, e, .. } = self.dims;
+        let query = self.query.upload(self.ctx, "query");
+        let key = self.key.as_ref().map(|k| k.upload(self.ctx, "key"));
+        let value = self.value.as_ref().map(|v| v.upload(self.ctx, "value"));
+        let key_b = key.as_ref().map_or(query.binding(), |k| k.binding());
+        let value_b = value.as_ref().map_or(query.binding(), |v| v.binding());
+        let given_q = self.given_q.as_ref().zip(self.fwd.query_heads.as_ref());
+        let given_v = self.given_v.as_ref().zip(self.fwd.value_heads.as_ref());
+        self.heads(
+            encoder,
+            given_q,
+            query.binding(),
+            (&m.w_q, m.b_q.as_ref()),
+            &self.qh,
+            [l, h, e],
+        )?;
+        self.heads(
+            encoder,
+            None,
+            key_b,
+            (&m.w_k, m.b_k.as_ref()),
+            &self.kh,
+            [s, g, c.kdim],
+        )?;
+        self.heads(
+            encoder,
+            given_v,
+            value_b,
+            (&m.w_v, m.b_v.as_ref()),
+            &self.vh,
+            [s, g, c.vdim],
+        )
+    }
+
+    /// Heads `[B, n, t, d]` into `dst`: the `given` ones, or the projection of `x`
+    /// `[B, t, in_dim]` by `(w, bias)`, split.
+    #[allow(clippy::too_many_arguments)] // each is a distinct operand
+    fn heads(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        given: Option<(&Operand<'p, 'a>, &Tensor<'a>)>,
+        x: wgpu::BufferBinding<'_>,
+        (w, bias): (&wgpu::Buffer, Option<&wgpu::Buffer>),
+        dst: &wgpu::Buffer,
+        [t, n, in_dim]: [usize; 3],
+    ) -> Result<()> {
+        let Dims { b, d, .. } = self.dims;
+        match given {
+            Some((op, tensor)) => {
+                let given = op.upload(self.ctx, "given heads");
+                let bstride = if tensor.shape()[0] == 1 { 0 } else { n * t * d };
+                permute::record(
+                    self.ctx,
+                    encoder,
+                    given.binding(),
+                    binding(dst, 0, dst.size()),
+                    [b, n, t, d],
+                    [bstride, t * d, d, 1],
+                )
+            }
+            None => {
+                let proj = output(self.ctx, "projection", f32_bytes((b * t * n * d).max(1)));
+                project(
+                    self.ctx,
+                    encoder,
+                    x,
+                    w,
+                    bias,
+                    &proj,
+                    [b * t, n * d, in_dim],
+                    &self.dummy,
+                )?;
+                split_heads(self.ctx, encoder, &proj, dst, [b, t, n, d])
+            }
+        }
+    }
+
+    /// Stage 2: attention over the heads.
+    fn sdpa(&self) -> Sdpa<'_> {
+        self.fwd.configure(Sdpa::new(
+            Tensor::from_buffer(&self.qh, 0, &self.dims.heads_q()),
+            Tensor::from_buffer(&self.kh, 0, &self.dims.heads_kv()),
+            Tensor::from_buffer(&self.vh, 0, &self.dims.heads_kv()),
+        ))
+    }
+
+    /// Stage 3: merge the heads `[B, H, L, d]` (at `off` in `attn`) to `[B, L, H, d]`, then the
+    /// output projection.
+    fn record_output(&self, encoder: &mut wgpu::CommandEncoder, attn: &wgpu::Buffer, off: u64) -> Result<()> {
+        let Dims { b, l, h, d, e, .. } = self.dims;
+        permute::record(
+            self.ctx,
+            encoder,
+            binding(attn, off, f32_bytes(b * h * l * d)),
+            binding(&self.merged, 0, self.merged.size()),
+            [b, l, h, d],
+            [h * l * d, d, l * d, 1],
+        )?;
+        project(
+            self.ctx,
+            encoder,
+            binding(&self.merged, 0, self.merged.size()),
+            &self.fwd.mha.w_o,
+            self.fwd.mha.b_o.as_ref(),
+            &self.out,
+            [b * l, e, h * d],
+            &self.dummy,
+        )
+    }
+
+    /// Submit the three stages: in one submission, or (profiling) one each, waited for, with
+    /// their wall times in seconds.
+    async fn submit(&self) -> Result<(GpuOutput, [f64; 3])> {
+        let ctx = self.ctx;
         let encoder = || {
-            device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("wgpu-attention mha"),
-            })
+            ctx.device()
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("wgpu-attention mha"),
+                })
         };
-        let gpu = if self.profile {
-            let t0 = web_time_now();
-            ctx.scoped(|| {
-                let mut enc = encoder();
-                stage1(&mut enc)?;
-                ctx.queue().submit([enc.finish()]);
-                Ok(())
-            })
-            .await?;
-            ctx.wait()?;
-            let t1 = web_time_now();
+        let sdpa = self.sdpa();
+        if !self.fwd.profile {
             let gpu = ctx
                 .scoped(|| {
                     let mut enc = encoder();
-                    let gpu = stage2(&mut enc)?;
+                    self.record_heads(&mut enc)?;
+                    let gpu = sdpa.record(ctx, &mut enc)?;
+                    self.record_output(&mut enc, &gpu.output, gpu.output_offset)?;
                     ctx.queue().submit([enc.finish()]);
                     Ok(gpu)
                 })
                 .await?;
-            ctx.wait()?;
-            let t2 = web_time_now();
-            ctx.scoped(|| {
+            return Ok((gpu, [0.0; 3]));
+        }
+        // Each stage submitted and waited for on its own.
+        let t0 = web_time_now();
+        ctx.scoped(|| {
+            let mut enc = encoder();
+            self.record_heads(&mut enc)?;
+            ctx.queue().submit([enc.finish()]);
+            Ok(())
+        })
+        .await?;
+        ctx.wait()?;
+        let t1 = web_time_now();
+        let gpu = ctx
+            .scoped(|| {
                 let mut enc = encoder();
-                stage3(&mut enc, &gpu.output, gpu.output_offset)?;
-                ctx.queue().submit([enc.finish()]);
-                Ok(())
-            })
-            .await?;
-            ctx.wait()?;
-            times = [t1 - t0, t2 - t1, web_time_now() - t2];
-            gpu
-        } else {
-            ctx.scoped(|| {
-                let mut enc = encoder();
-                stage1(&mut enc)?;
-                let gpu = stage2(&mut enc)?;
-                stage3(&mut enc, &gpu.output, gpu.output_offset)?;
+                let gpu = sdpa.record(ctx, &mut enc)?;
                 ctx.queue().submit([enc.finish()]);
                 Ok(gpu)
             })
-            .await?
-        };
+            .await?;
+        ctx.wait()?;
+        let t2 = web_time_now();
+        ctx.scoped(|| {
+            let mut enc = encoder();
+            self.record_output(&mut enc, &gpu.output, gpu.output_offset)?;
+            ctx.queue().submit([enc.finish()]);
+            Ok(())
+        })
+        .await?;
+        ctx.wait()?;
+        Ok((gpu, [t1 - t0, t2 - t1, web_time_now() - t2]))
+    }
+
+    /// Read the output (and the weights, if asked for) back; the readback counts as the
+    /// output stage's time.
+    async fn read_back(&self, gpu: &GpuOutput, mut times: [f64; 3]) -> Result<MhaOutput> {
+        let Dims { b, l, s, h, e, .. } = self.dims;
         let t3 = web_time_now();
-        let output = ctx.read_f32(&out, 0, (b * l * e) as u64 * 4).await?;
+        let output = self.ctx.read_f32(&self.out, 0, f32_bytes(b * l * e)).await?;
         let output = Array3::from_shape_vec((b, l, e), output).expect("output length");
-        if self.profile {
-            times[2] += web_time_now() - t3;
-        }
+        times[2] += web_time_now() - t3;
         let (mut weights, mut avg_weights) = (None, None);
         if let Some(w) = &gpu.weights {
-            let v = ctx.read_f32(w, 0, w.size()).await?;
+            let v = self.ctx.read_f32(w, 0, w.size()).await?;
             let w = Array4::from_shape_vec((b, h, l, s), v).expect("weights length");
-            match self.need_weights {
+            match self.fwd.need_weights {
                 NeedWeights::Averaged => avg_weights = Some(w.mean_axis(Axis(1)).expect("heads")),
                 _ => weights = Some(w),
             }
         }
-        let timings = self.profile.then(|| MhaTimings {
+        let timings = self.fwd.profile.then(|| MhaTimings {
             projections: std::time::Duration::from_secs_f64(times[0]),
             attention: std::time::Duration::from_secs_f64(times[1]),
             output: std::time::Duration::from_secs_f64(times[2]),
@@ -421,12 +486,6 @@ impl<'a> MhaForward<'a> {
             avg_weights,
             timings,
         })
-    }
-
-    /// Blocking version of [`run`](MhaForward::run).
-    #[cfg(not(target_arch = "wasm32"))]
-    pub fn run_blocking(&self, ctx: &Context) -> Result<MhaOutput> {
-        pollster::block_on(self.run(ctx))
     }
 }
 
