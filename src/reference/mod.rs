@@ -1,0 +1,13 @@
+//! The CPU reference: plain ndarray, f64 accumulation, the same semantics as the GPU paths.
+//!
+//! Written for obviousness, not speed, and split by stage so that each GPU kernel is checked
+//! against its own stage: [`scores`] (`scale · Q Kᵀ`), [`masked_softmax`] (masks, bias, causal,
+//! key lengths; fully masked rows give zeros), [`weighted_sum`] (`P V`). [`sdpa`] chains them.
+//! Users may call it to verify their own GPU results. One file per family: `sdpa.rs` (the
+//! stages and their chain), `mha.rs` (the layer).
+
+mod mha;
+mod sdpa;
+
+pub use mha::{mha, MhaInputs, MhaOutput};
+pub use sdpa::{masked_softmax, mean_over_heads, scores, sdpa, weighted_sum, Output};
