@@ -258,3 +258,83 @@ fn multi_head_attention_in_every_fused_form() {
         );
     }
 }
+
+/// Mask and bias broadcast shapes (every rank and broadcast dimension), a `-inf` bias that
+/// masks a key and a whole row, and logits near ±1e4: the mask indexing and the sentinels in
+/// every fused and decode form.
+#[test]
+fn broadcasts_infinite_bias_and_large_logits_in_every_form() {
+    use ndarray::{Array, Array4, IxDyn};
+    let Some(ctx) = ctx() else { return };
+    let base = Case::random((2, 3, 3, 6, 10, 8, 8), 4);
+    let mut r = common::rng(5);
+    let mut cases = Vec::new();
+    for shape in [
+        vec![10],
+        vec![6, 10],
+        vec![3, 6, 10],
+        vec![2, 1, 1, 10],
+        vec![2, 3, 6, 1],
+        vec![1, 3, 1, 10],
+    ] {
+        let m =
+            Array::from_shape_simple_fn(IxDyn(&shape), || rand::Rng::random_range(&mut r, 0.0..1.0) > 0.4);
+        let b = Array::from_shape_simple_fn(IxDyn(&shape), || rand::Rng::random_range(&mut r, -1.0f32..1.0));
+        let case = Case {
+            mask: Some(m),
+            bias: Some(b),
+            q: base.q.clone(),
+            k: base.k.clone(),
+            v: base.v.clone(),
+            kv_lens: None,
+            causal: Causal::None,
+            scale: None,
+        };
+        cases.push((format!("mask/bias {shape:?}"), case));
+    }
+    let mut inf = Case::random((2, 3, 3, 6, 10, 8, 8), 6);
+    let mut bias = Array::zeros(IxDyn(&[6, 10]));
+    bias[[0, 1]] = f32::NEG_INFINITY;
+    for j in 0..10 {
+        bias[[2, j]] = f32::NEG_INFINITY;
+    }
+    inf.bias = Some(bias);
+    cases.push(("-inf bias".into(), inf));
+    let mut int = |shape: (usize, usize, usize, usize)| {
+        Array4::from_shape_simple_fn(shape, || rand::Rng::random_range(&mut r, -3i32..=3) as f32)
+    };
+    for offset in [1.0e4f32, -1.0e4] {
+        let case = Case {
+            q: int((2, 3, 6, 8)),
+            k: int((2, 3, 10, 8)),
+            v: int((2, 3, 10, 8)),
+            mask: None,
+            bias: Some(Array::from_elem(IxDyn(&[1]), offset)),
+            kv_lens: None,
+            causal: Causal::None,
+            scale: Some(1.0),
+        };
+        cases.push((format!("logits around {offset}"), case));
+    }
+    for (name, case) in &cases {
+        let want = case.reference();
+        for (form, fctx) in fused_contexts(ctx) {
+            case.check_against(
+                &want,
+                &fctx,
+                Path::Fused,
+                TOL,
+                &format!("{name} [{}]", form.name()),
+            );
+        }
+        for (form, dctx) in decode_contexts(ctx) {
+            case.check_against(
+                &want,
+                &dctx,
+                Path::Decode,
+                TOL,
+                &format!("{name} [{}]", form.name()),
+            );
+        }
+    }
+}
