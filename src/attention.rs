@@ -1052,6 +1052,9 @@ mod tests {
         for path in std::iter::once(Path::Auto).chain(Path::ALL) {
             assert_eq!(path.name().parse::<Path>(), Ok(path));
         }
-        assert!(matches!("flash".parse::<Path>(), Err(Error::UnknownName { kind: "path", .. })));
+        assert!(matches!(
+            "flash".parse::<Path>(),
+            Err(Error::UnknownName { kind: "path", .. })
+        ));
     }
 }
