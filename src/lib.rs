@@ -12,6 +12,8 @@ mod matmul;
 mod mha;
 pub mod problem;
 pub mod reference;
+#[cfg(feature = "shapes")]
+pub mod shapes;
 mod tensor;
 
 #[cfg(not(target_arch = "wasm32"))]

@@ -12,17 +12,11 @@ use ndarray::{ArrayD, Ix4};
 use ndarray_npy::{read_npy, write_npy, ReadNpyError, WritableElement};
 use wgpu_attention::check::{self, F32_TOLERANCE};
 use wgpu_attention::reference::{self, MhaInputs, Spec};
+use wgpu_attention::shapes::mha::{self as mha_shapes, MhaShape};
+use wgpu_attention::shapes::{self, GpuInputs, Shape};
 use wgpu_attention::{
     wgpu, Causal, Context, MhaWeights, MultiHeadAttention, NeedWeights, Output, Path, Sdpa,
 };
-
-#[path = "wgpu_attention_cli/mha_shapes.rs"]
-mod mha_shapes;
-#[path = "wgpu_attention_cli/shapes.rs"]
-mod shapes;
-
-use mha_shapes::MhaShape;
-use shapes::{GpuInputs, Shape};
 
 /// Errors are reported on stderr; the process exits with this status.
 const EXIT_ERROR: u8 = 2;
