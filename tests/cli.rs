@@ -1,5 +1,6 @@
 //! The command-line tool end to end: `mha` on the PyTorch fixtures (GPU and `--cpu`, masks in
-//! PyTorch's convention, weights and heatmap outputs) and its typed failures (exit status 2).
+//! PyTorch's convention, weights and heatmap outputs) and its typed failures (exit status 2);
+//! and `.npy` files whose header claims more (or less) data than they hold.
 #![cfg(feature = "cli")]
 
 mod common;
@@ -137,5 +138,53 @@ fn mha_errors_exit_with_status_2_and_a_message() {
     assert!(String::from_utf8_lossy(&r.stderr).contains("no-such.safetensors"));
     let r = run("4", &fixture(c, "query.npy"));
     assert_eq!(r.status.code(), Some(2));
+    assert!(!o.exists());
+}
+
+/// A version 1.0 `.npy` file: a header claiming `shape` (a Python tuple literal) of `descr`,
+/// padded as numpy pads it, then `data_bytes` zero bytes.
+fn npy_with_header(path: &Path, descr: &str, shape: &str, data_bytes: usize) {
+    let dict = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    let unpadded = 10 + dict.len() + 1;
+    let text = format!("{dict}{}\n", " ".repeat(unpadded.next_multiple_of(64) - unpadded));
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend(u16::try_from(text.len()).unwrap().to_le_bytes());
+    bytes.extend(text.as_bytes());
+    bytes.resize(bytes.len() + data_bytes, 0);
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// `run` with `q` as --q, --k and --v (it is read first).
+fn run_on(q: &Path, out: &Path) -> std::process::Output {
+    cli(&["run", "--q", s(q), "--k", s(q), "--v", s(q), "--out", s(out)])
+}
+
+#[test]
+fn npy_claiming_a_huge_shape_is_an_error_not_an_aborted_allocation() {
+    let dir = out_dir("npy-huge");
+    let (q, o) = (dir.join("q.npy"), dir.join("o.npy"));
+    // 16 PB of f32 claimed, 8 bytes present: ndarray-npy would allocate the claim and abort.
+    npy_with_header(&q, "<f4", "(2000000, 2000000, 1000)", 8);
+    let r = run_on(&q, &o);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{err}");
+    assert!(err.contains("[2000000, 2000000, 1000]"), "{err}");
+    assert!(err.contains("q.npy") && err.contains("8 bytes"), "{err}");
+    assert!(!err.contains("memory allocation"), "{err}");
+    assert!(!o.exists());
+}
+
+#[test]
+fn npy_with_fewer_data_bytes_than_its_shape_needs_is_an_error() {
+    let dir = out_dir("npy-short");
+    let (q, o) = (dir.join("q.npy"), dir.join("o.npy"));
+    npy_with_header(&q, "<f4", "(4, 4)", 8);
+    let r = run_on(&q, &o);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("[4, 4]") && err.contains("64 bytes") && err.contains("8 bytes"),
+        "{err}"
+    );
     assert!(!o.exists());
 }
