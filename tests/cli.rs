@@ -1,6 +1,7 @@
 //! The command-line tool end to end: `mha` on the PyTorch fixtures (GPU and `--cpu`, masks in
 //! PyTorch's convention, weights and heatmap outputs) and its typed failures (exit status 2);
-//! and `.npy` files whose header claims more (or less) data than they hold.
+//! `.npy` files whose header claims more (or less) data than they hold; and `--path` /
+//! `--paths` naming the path that really runs.
 #![cfg(feature = "cli")]
 
 mod common;
@@ -8,8 +9,8 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use ndarray::ArrayD;
-use ndarray_npy::read_npy;
+use ndarray::{Array4, ArrayD};
+use ndarray_npy::{read_npy, write_npy};
 use wgpu_attention::check::compare;
 
 fn fixture(case: &str, file: &str) -> PathBuf {
@@ -187,4 +188,89 @@ fn npy_with_fewer_data_bytes_than_its_shape_needs_is_an_error() {
         "{err}"
     );
     assert!(!o.exists());
+}
+
+/// Decode-shaped inputs (one query row, 512 keys) in `dir`: the paths of q, k and v.
+fn decode_inputs(dir: &Path) -> [PathBuf; 3] {
+    let names = ["q.npy", "k.npy", "v.npy"].map(|n| dir.join(n));
+    let fill =
+        |shape: [usize; 4]| Array4::from_shape_fn(shape, |(_, _, i, j)| ((i * 7 + j) % 5) as f32 * 0.1);
+    write_npy(&names[0], &fill([1, 2, 1, 8])).unwrap();
+    write_npy(&names[1], &fill([1, 2, 512, 8])).unwrap();
+    write_npy(&names[2], &fill([1, 2, 512, 8])).unwrap();
+    names
+}
+
+/// `--path decode` runs the decode path and says so ("path decode"); `--path auto` on the
+/// same inputs resolves to it and says "path auto -> decode", which is what `--path decode`
+/// printed when the CLI mapped "decode" to auto.
+#[test]
+fn run_path_decode_runs_the_decode_path() {
+    if common::ctx().is_none() {
+        return;
+    }
+    let dir = out_dir("run-decode");
+    let [q, k, v] = decode_inputs(&dir);
+    let o = dir.join("o.npy");
+    let run = |path: &str| {
+        let r = cli(&[
+            "run",
+            "--q",
+            s(&q),
+            "--k",
+            s(&k),
+            "--v",
+            s(&v),
+            "--path",
+            path,
+            "--out",
+            s(&o),
+        ]);
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        String::from_utf8_lossy(&r.stdout).into_owned()
+    };
+    let out = run("decode");
+    assert!(out.contains(", path decode, in "), "{out}");
+    let out = run("auto");
+    assert!(out.contains(", path auto -> decode, in "), "{out}");
+}
+
+/// `bench --paths decode` times the decode path: its row is labelled `decode` (the requested
+/// path), not `auto`.
+#[test]
+fn bench_paths_decode_times_the_decode_path() {
+    if common::ctx().is_none() {
+        return;
+    }
+    let r = cli(&[
+        "bench",
+        "--paths",
+        "decode",
+        "--shapes",
+        "small_h4_s128",
+        "--iters",
+        "1",
+    ]);
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success(), "{out}{}", String::from_utf8_lossy(&r.stderr));
+    let rows: Vec<Vec<&str>> = out
+        .lines()
+        .filter(|l| l.starts_with("small_h4_s128 "))
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 1, "{out}");
+    assert_eq!(rows[0][1], "decode", "{out}");
+    assert!(!rows[0].contains(&"error:"), "{out}");
+}
+
+#[test]
+fn unknown_path_names_are_usage_errors() {
+    let r = cli(&[
+        "run", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy", "--out", "o.npy", "--path", "flash",
+    ]);
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("flash"));
+    let r = cli(&["bench", "--paths", "fused,flash"]);
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("flash"));
 }
