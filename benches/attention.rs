@@ -18,14 +18,8 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
+use wgpu_attention::shapes::{self, mha as mha_shapes};
 use wgpu_attention::{Context, Path};
-
-#[allow(dead_code)]
-#[path = "../src/bin/wgpu_attention_cli/mha_shapes.rs"]
-mod mha_shapes;
-#[allow(dead_code)]
-#[path = "../src/bin/wgpu_attention_cli/shapes.rs"]
-mod shapes;
 
 /// The shapes timed here (the larger ones are left to `wgpu-attention bench`).
 const SHAPES: [&str; 5] = [

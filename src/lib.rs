@@ -17,6 +17,8 @@ mod pipelines;
 pub mod problem;
 pub mod reference;
 mod sdpa;
+#[cfg(feature = "shapes")]
+pub mod shapes;
 mod tensor;
 
 pub use context::Context;

@@ -1,5 +1,7 @@
 //! The command-line tool end to end: `mha` on the PyTorch fixtures (GPU and `--cpu`, masks in
-//! PyTorch's convention, weights and heatmap outputs) and its typed failures (exit status 2).
+//! PyTorch's convention, weights and heatmap outputs) and its typed failures (exit status 2);
+//! `.npy` files whose header claims more (or less) data than they hold; and `--path` /
+//! `--paths` naming the path that really runs.
 #![cfg(feature = "cli")]
 
 mod common;
@@ -7,8 +9,8 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use ndarray::ArrayD;
-use ndarray_npy::read_npy;
+use ndarray::{Array4, ArrayD};
+use ndarray_npy::{read_npy, write_npy};
 use wgpu_attention::check::compare;
 
 fn fixture(case: &str, file: &str) -> PathBuf {
@@ -138,4 +140,137 @@ fn mha_errors_exit_with_status_2_and_a_message() {
     let r = run("4", &fixture(c, "query.npy"));
     assert_eq!(r.status.code(), Some(2));
     assert!(!o.exists());
+}
+
+/// A version 1.0 `.npy` file: a header claiming `shape` (a Python tuple literal) of `descr`,
+/// padded as numpy pads it, then `data_bytes` zero bytes.
+fn npy_with_header(path: &Path, descr: &str, shape: &str, data_bytes: usize) {
+    let dict = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    let unpadded = 10 + dict.len() + 1;
+    let text = format!("{dict}{}\n", " ".repeat(unpadded.next_multiple_of(64) - unpadded));
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend(u16::try_from(text.len()).unwrap().to_le_bytes());
+    bytes.extend(text.as_bytes());
+    bytes.resize(bytes.len() + data_bytes, 0);
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// `run` with `q` as --q, --k and --v (it is read first).
+fn run_on(q: &Path, out: &Path) -> std::process::Output {
+    cli(&["run", "--q", s(q), "--k", s(q), "--v", s(q), "--out", s(out)])
+}
+
+#[test]
+fn npy_claiming_a_huge_shape_is_an_error_not_an_aborted_allocation() {
+    let dir = out_dir("npy-huge");
+    let (q, o) = (dir.join("q.npy"), dir.join("o.npy"));
+    // 16 PB of f32 claimed, 8 bytes present: ndarray-npy would allocate the claim and abort.
+    npy_with_header(&q, "<f4", "(2000000, 2000000, 1000)", 8);
+    let r = run_on(&q, &o);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{err}");
+    assert!(err.contains("[2000000, 2000000, 1000]"), "{err}");
+    assert!(err.contains("q.npy") && err.contains("8 bytes"), "{err}");
+    assert!(!err.contains("memory allocation"), "{err}");
+    assert!(!o.exists());
+}
+
+#[test]
+fn npy_with_fewer_data_bytes_than_its_shape_needs_is_an_error() {
+    let dir = out_dir("npy-short");
+    let (q, o) = (dir.join("q.npy"), dir.join("o.npy"));
+    npy_with_header(&q, "<f4", "(4, 4)", 8);
+    let r = run_on(&q, &o);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("[4, 4]") && err.contains("64 bytes") && err.contains("8 bytes"),
+        "{err}"
+    );
+    assert!(!o.exists());
+}
+
+/// Decode-shaped inputs (one query row, 512 keys) in `dir`: the paths of q, k and v.
+fn decode_inputs(dir: &Path) -> [PathBuf; 3] {
+    let names = ["q.npy", "k.npy", "v.npy"].map(|n| dir.join(n));
+    let fill =
+        |shape: [usize; 4]| Array4::from_shape_fn(shape, |(_, _, i, j)| ((i * 7 + j) % 5) as f32 * 0.1);
+    write_npy(&names[0], &fill([1, 2, 1, 8])).unwrap();
+    write_npy(&names[1], &fill([1, 2, 512, 8])).unwrap();
+    write_npy(&names[2], &fill([1, 2, 512, 8])).unwrap();
+    names
+}
+
+/// `--path decode` runs the decode path and says so ("path decode"); `--path auto` on the
+/// same inputs resolves to it and says "path auto -> decode", which is what `--path decode`
+/// printed when the CLI mapped "decode" to auto.
+#[test]
+fn run_path_decode_runs_the_decode_path() {
+    if common::ctx().is_none() {
+        return;
+    }
+    let dir = out_dir("run-decode");
+    let [q, k, v] = decode_inputs(&dir);
+    let o = dir.join("o.npy");
+    let run = |path: &str| {
+        let r = cli(&[
+            "run",
+            "--q",
+            s(&q),
+            "--k",
+            s(&k),
+            "--v",
+            s(&v),
+            "--path",
+            path,
+            "--out",
+            s(&o),
+        ]);
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        String::from_utf8_lossy(&r.stdout).into_owned()
+    };
+    let out = run("decode");
+    assert!(out.contains(", path decode, in "), "{out}");
+    let out = run("auto");
+    assert!(out.contains(", path auto -> decode, in "), "{out}");
+}
+
+/// `bench --paths decode` times the decode path: its row is labelled `decode` (the requested
+/// path), not `auto`.
+#[test]
+fn bench_paths_decode_times_the_decode_path() {
+    if common::ctx().is_none() {
+        return;
+    }
+    let r = cli(&[
+        "bench",
+        "--paths",
+        "decode",
+        "--shapes",
+        "small_h4_s128",
+        "--iters",
+        "1",
+    ]);
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success(), "{out}{}", String::from_utf8_lossy(&r.stderr));
+    let rows: Vec<Vec<&str>> = out
+        .lines()
+        .filter(|l| l.starts_with("small_h4_s128 "))
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 1, "{out}");
+    assert_eq!(rows[0][1], "decode", "{out}");
+    assert!(!rows[0].contains(&"error:"), "{out}");
+}
+
+#[test]
+fn unknown_path_names_are_usage_errors() {
+    let r = cli(&[
+        "run", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy", "--out", "o.npy", "--path", "flash",
+    ]);
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("flash"));
+    let r = cli(&["bench", "--paths", "fused,flash"]);
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("flash"));
 }

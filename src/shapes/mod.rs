@@ -1,12 +1,16 @@
-//! Named benchmark shapes and seeded random inputs, shared by the command-line tool
-//! (`src/bin/wgpu-attention.rs`) and the criterion benchmark (`benches/attention.rs`).
+//! Named benchmark shapes and seeded random inputs (the `shapes` feature), shared by the
+//! command-line tool's `bench` and the criterion benchmark (`benches/attention.rs`); the
+//! multi-head attention layers are in [`mha`].
 //!
 //! Inputs are uploaded once as GPU storage buffers, so a timed [`Sdpa::run`] measures the
 //! kernels and the readback of the output, not the upload.
 
+pub mod mha;
+
 use ndarray::Array4;
-use wgpu_attention::wgpu::{self, util::DeviceExt};
-use wgpu_attention::{Causal, Context, Problem, Sdpa, Tensor};
+use wgpu::util::DeviceExt;
+
+use crate::{Causal, Context, Problem, Sdpa, Tensor};
 
 /// One attention problem size: `q [B, Hq, L, E]`, `k [B, Hkv, S, E]`, `v [B, Hkv, S, Ev]`.
 #[derive(Debug, Clone, PartialEq)]
@@ -298,7 +302,8 @@ impl GpuInputs {
     }
 }
 
-/// A small seeded generator (SplitMix64), so the tool needs no `rand` dependency.
+/// A small seeded generator (SplitMix64): a seed gives the same inputs whatever `rand`'s
+/// version.
 pub struct SplitMix64(pub u64);
 
 impl SplitMix64 {

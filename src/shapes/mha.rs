@@ -3,8 +3,9 @@
 //! once, so a timed forward pass measures projections, attention and the readback of the
 //! output.
 
-use wgpu_attention::wgpu::{self, util::DeviceExt};
-use wgpu_attention::{Causal, Context, MhaConfig, MhaForward, MhaWeights, MultiHeadAttention, Tensor};
+use wgpu::util::DeviceExt;
+
+use crate::{Causal, Context, MhaConfig, MhaForward, MhaWeights, MultiHeadAttention, Tensor};
 
 /// A self-attention layer and its input size.
 #[derive(Debug, Clone, PartialEq)]
@@ -85,7 +86,7 @@ impl MhaShape {
     }
 
     /// Upload the layer and its input.
-    pub fn prepare(&'static self, ctx: &Context) -> Result<MhaBench, wgpu_attention::Error> {
+    pub fn prepare(&'static self, ctx: &Context) -> crate::Result<MhaBench> {
         let weights = MhaWeights::xavier_uniform(self.config(), 0)?;
         let layer = MultiHeadAttention::new(ctx, &weights)?;
         let n = self.batch * self.seq * self.d_model;

@@ -1,0 +1,262 @@
+//! `bench`: time named shapes on every path, the multi-head attention layers and the crate's
+//! matmul, and print a table.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use wgpu_attention::shapes::mha::{self as mha_shapes, MhaShape};
+use wgpu_attention::shapes::{self, GpuInputs, Shape};
+use wgpu_attention::{wgpu, Context, Path};
+
+use crate::timing::{gflops, ms, time_runs};
+use crate::{context, path_parser, CliResult};
+
+#[derive(Args)]
+pub(crate) struct BenchArgs {
+    /// Shapes to time, comma separated, or `all` [default: all but c_h8_s4096_causal,
+    /// long_h1_s32768_causal and mha_gqa_h32_kv8_d128_l128]. Attention: small_h4_s128,
+    /// a_h8_s1024, b_h8_s1024_causal, c_h8_s4096_causal, d_decode_h32_s4096_e128,
+    /// e_b4_h12_s256_padmask, long_h1_s32768_causal, gpt2_h12_t1024_causal. Multi-head
+    /// attention layers: mha_bert_base_l128, mha_bert_base_l512, mha_gqa_h32_kv8_d128_l128.
+    #[arg(long, value_delimiter = ',', value_name = "NAME,..")]
+    shapes: Vec<String>,
+    /// Paths to time, comma separated [default: every concrete path].
+    #[arg(long, value_delimiter = ',', value_parser = path_parser(), value_name = "PATH,..")]
+    paths: Vec<Path>,
+    /// Timed runs per shape and path.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    iters: u32,
+    /// Untimed warm-up runs (the first is reported as "first": it includes shader compilation;
+    /// the timed runs start once the kernels' fastest forms are compiled).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    warmup: u32,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+/// `bench`: the table of timings.
+pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
+    let (shapes, layers) = select_shapes(&a.shapes)?;
+    let paths: Vec<Path> = if a.paths.is_empty() {
+        Path::ALL.to_vec()
+    } else {
+        dedup(a.paths.clone())
+    };
+    let ctx = context()?;
+    println!("adapter: {}", ctx.describe());
+    println!(
+        "{} warm-up + {} timed runs per row; wall clock per Sdpa::run incl. output readback, \
+         inputs pre-uploaded; \"first\" includes shader compilation, timed runs use the \
+         fastest forms",
+        a.warmup, a.iters
+    );
+    println!(
+        "{:<24} {:<8} {:>10} {:>10} {:>10} {:>9} {:>9}",
+        "shape", "path", "first ms", "median ms", "min ms", "GFLOP/s", "GPU MiB"
+    );
+
+    let per_row = u64::from(a.warmup + a.iters);
+    let pb = ProgressBar::new(per_row * (shapes.len() * paths.len()) as u64);
+    pb.set_style(ProgressStyle::with_template(
+        "[{elapsed_precise}] {bar:24} {pos}/{len} runs  {wide_msg}",
+    )?);
+    for shape in shapes {
+        pb.set_message(shape.name);
+        let prepared = shape
+            .check_fits(&ctx)
+            .and_then(|()| GpuInputs::upload(&ctx, shape, &shape.random_inputs(a.seed)));
+        let gpu = match prepared {
+            Ok(g) => g,
+            Err(e) => {
+                for path in &paths {
+                    pb.suspend(|| println!("{:<24} {:<8} error: {e}", shape.name, path.name()));
+                    pb.inc(per_row);
+                }
+                continue;
+            }
+        };
+        for &path in &paths {
+            pb.set_message(format!("{} / {}", shape.name, path.name()));
+            let sdpa = gpu.sdpa().path(path);
+            let done_before = pb.position();
+            let row = sdpa.problem().and_then(|p| {
+                let mem = sdpa.device_memory(&ctx)?;
+                let t = time_runs(&ctx, &sdpa, a.warmup, a.iters, || pb.inc(1))?;
+                Ok((p.flops(), t, mem))
+            });
+            let line = match row {
+                Ok((flops, t, mem)) => format!(
+                    "{:<24} {:<8} {:>10.3} {:>10.3} {:>10.3} {:>9.2} {:>9.1}",
+                    shape.name,
+                    path.name(),
+                    ms(t.first),
+                    ms(t.median),
+                    ms(t.min),
+                    gflops(flops, t.median),
+                    mem as f64 / (1024.0 * 1024.0)
+                ),
+                Err(e) => {
+                    pb.set_position(done_before + per_row);
+                    format!("{:<24} {:<8} error: {e}", shape.name, path.name())
+                }
+            };
+            pb.suspend(|| println!("{line}"));
+        }
+    }
+    pb.finish_and_clear();
+    bench_layers(&ctx, &layers, a)?;
+    println!("{}", matmul_row(&ctx, a.iters)?);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The attention and layer shapes named on the command line (`all` for every one), or the
+/// default sets.
+fn select_shapes(names: &[String]) -> CliResult<(Vec<&'static Shape>, Vec<&'static MhaShape>)> {
+    if names.is_empty() {
+        return Ok((
+            shapes::SHAPES.iter().filter(|s| s.default).collect(),
+            mha_shapes::MHA_SHAPES.iter().filter(|s| s.default).collect(),
+        ));
+    }
+    let (mut out, mut layers) = (Vec::new(), Vec::new());
+    for name in names {
+        let name = name.trim();
+        if name == "all" {
+            out.extend(shapes::SHAPES.iter());
+            layers.extend(mha_shapes::MHA_SHAPES.iter());
+        } else if let Some(s) = shapes::find(name) {
+            out.push(s);
+        } else if let Some(s) = mha_shapes::find(name) {
+            layers.push(s);
+        } else {
+            let layer_names: Vec<&str> = mha_shapes::MHA_SHAPES.iter().map(|s| s.name).collect();
+            return Err(format!(
+                "unknown shape {name:?}; known shapes: {}, {}, or all",
+                shapes::names(),
+                layer_names.join(", ")
+            )
+            .into());
+        }
+    }
+    Ok((dedup(out), dedup(layers)))
+}
+
+/// Time the multi-head attention layers: whole forward passes, then profiled passes split
+/// into projections (with the head split), attention, and output projection (with readback).
+fn bench_layers(ctx: &Context, layers: &[&'static MhaShape], a: &BenchArgs) -> CliResult<()> {
+    if layers.is_empty() {
+        return Ok(());
+    }
+    println!(
+        "\nmulti-head attention layers (self-attention, path auto); split from {} profiled runs:",
+        a.iters
+    );
+    println!(
+        "{:<26} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9}",
+        "layer", "first ms", "median ms", "GFLOP/s", "proj ms", "attn ms", "out ms"
+    );
+    for shape in layers {
+        let bench = match shape.prepare(ctx) {
+            Ok(b) => b,
+            Err(e) => {
+                println!("{:<26} error: {e}", shape.name);
+                continue;
+            }
+        };
+        let run = |profile: bool| -> CliResult<(Duration, Option<wgpu_attention::MhaTimings>)> {
+            let f = if profile {
+                bench.forward().profile()
+            } else {
+                bench.forward()
+            };
+            let started = Instant::now();
+            let r = f.run_blocking(ctx)?;
+            Ok((started.elapsed(), r.timings))
+        };
+        let first = run(false)?.0;
+        for _ in 1..a.warmup {
+            run(false)?;
+        }
+        ctx.wait_idle()?;
+        let mut times: Vec<Duration> = (0..a.iters)
+            .map(|_| run(false).map(|r| r.0))
+            .collect::<CliResult<_>>()?;
+        times.sort();
+        let median = times[times.len() / 2];
+        let mut split = [vec![], vec![], vec![]];
+        for _ in 0..a.iters {
+            let t = run(true)?.1.ok_or("profiled run without timings")?;
+            split[0].push(t.projections);
+            split[1].push(t.attention);
+            split[2].push(t.output);
+        }
+        let med = |v: &mut Vec<Duration>| {
+            v.sort();
+            ms(v[v.len() / 2])
+        };
+        let (proj, attn) = shape.flops();
+        println!(
+            "{:<26} {:>10.3} {:>10.3} {:>9.2} {:>9.3} {:>9.3} {:>9.3}",
+            shape.name,
+            ms(first),
+            ms(median),
+            gflops(proj + attn, median),
+            med(&mut split[0]),
+            med(&mut split[1]),
+            med(&mut split[2]),
+        );
+    }
+    Ok(())
+}
+
+/// Drop repeats, keeping the first occurrence.
+fn dedup<T: PartialEq>(items: Vec<T>) -> Vec<T> {
+    let mut out: Vec<T> = Vec::with_capacity(items.len());
+    for i in items {
+        if !out.contains(&i) {
+            out.push(i);
+        }
+    }
+    out
+}
+
+/// The crate's own matmul kernel on a 1024 x 1024 x 1024 product (inputs pre-uploaded, output
+/// read back), the yardstick for the attention paths' GFLOP/s.
+fn matmul_row(ctx: &Context, iters: u32) -> CliResult<String> {
+    use wgpu::util::DeviceExt;
+    let n = 1024usize;
+    let data: Vec<f32> = (0..n * n)
+        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
+    let buf = ctx
+        .device()
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("matmul bench"),
+            contents: bytemuck::cast_slice(&data),
+            usage: wgpu::BufferUsages::STORAGE,
+        });
+    let t = || wgpu_attention::Tensor::from_buffer(&buf, 0, &[1, n, n]);
+    let start = Instant::now();
+    wgpu_attention::matmul_blocking(ctx, t(), t(), true, 1.0)?;
+    let first = start.elapsed();
+    let mut times = Vec::new();
+    for _ in 0..iters.max(1) {
+        let start = Instant::now();
+        wgpu_attention::matmul_blocking(ctx, t(), t(), true, 1.0)?;
+        times.push(start.elapsed());
+    }
+    times.sort();
+    let median = times[times.len() / 2];
+    Ok(format!(
+        "{:<24} {:<8} {:>10.3} {:>10.3} {:>10.3} {:>9.2}",
+        "matmul_1024x1024x1024",
+        "matmul",
+        ms(first),
+        ms(median),
+        ms(times[0]),
+        gflops(2.0 * (n * n * n) as f64, median)
+    ))
+}

@@ -1,0 +1,153 @@
+//! `wgpu-attention`: inspect the GPU, run attention on `.npy` files, verify against the CPU
+//! reference and benchmark named shapes.
+//!
+//! One module per command (`info`, `demo`, `run`, `mha`, `bench`); every `.npy` read and
+//! write is in `npy`, the timing of repeated runs in `timing`. This file holds the command
+//! line, the exit codes and what the commands share.
+
+mod bench;
+mod demo;
+mod info;
+mod mha;
+mod npy;
+mod run;
+mod timing;
+
+use std::process::ExitCode;
+
+use clap::builder::TypedValueParser;
+use clap::{Parser, Subcommand, ValueEnum};
+use wgpu_attention::{Causal, Context, Path, Sdpa};
+
+use bench::BenchArgs;
+use demo::DemoArgs;
+use mha::MhaArgs;
+use run::RunArgs;
+
+/// Errors are reported on stderr; the process exits with this status.
+pub(crate) const EXIT_ERROR: u8 = 2;
+/// `demo` exits with this status when the GPU result disagrees with the reference.
+pub(crate) const EXIT_CHECK_FAILED: u8 = 1;
+
+/// What a command returns; an error is printed and exits with [`EXIT_ERROR`].
+pub(crate) type CliResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+#[derive(Parser)]
+#[command(
+    name = "wgpu-attention",
+    version,
+    about = "Scaled dot-product attention on the GPU (wgpu/WGSL), checked against a CPU reference",
+    long_about = "Scaled dot-product attention, softmax(scale * Q K^T + bias, masks) V, with \
+                  PyTorch semantics, on any wgpu backend (Vulkan, Metal, DX12, GL), checked \
+                  against an f64 CPU reference.\n\n\
+                  Shapes: q [B, Hq, L, E], k [B, Hkv, S, E], v [B, Hkv, S, Ev] -> out [B, Hq, L, Ev].",
+    after_help = "Environment: WGPU_BACKEND (vulkan|metal|dx12|gl), WGPU_ADAPTER_NAME (substring of \
+                  the adapter name) and WGPU_POWER_PREF (low|high) choose the adapter.\n\
+                  Exit status: 0 on success, 1 when `demo` finds a mismatch with the reference, \
+                  2 on any error.",
+    propagate_version = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show the GPU adapter, backend, driver and the limits and features that matter.
+    Info,
+    /// Random inputs on the GPU: time them and verify the output against the CPU reference.
+    Demo(DemoArgs),
+    /// Attention on .npy files (f32 q/k/v/bias, bool mask); writes f32 .npy outputs.
+    Run(RunArgs),
+    /// Multi-head attention layer (PyTorch nn.MultiheadAttention weights) on .npy inputs.
+    Mha(MhaArgs),
+    /// Time named shapes on every path and print a table (median of several runs).
+    Bench(BenchArgs),
+}
+
+/// Causal masking, by alignment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum CausalArg {
+    /// No causal mask.
+    None,
+    /// PyTorch is_causal=True: query i sees keys j <= i.
+    TopLeft,
+    /// KV-cache / FlashAttention alignment: query i sees keys j <= i + S - L.
+    BottomRight,
+}
+
+impl From<CausalArg> for Causal {
+    fn from(c: CausalArg) -> Causal {
+        match c {
+            CausalArg::None => Causal::None,
+            CausalArg::TopLeft => Causal::TopLeft,
+            CausalArg::BottomRight => Causal::BottomRight,
+        }
+    }
+}
+
+/// Parses `auto` or any concrete path name, listing them in `--help`.
+pub(crate) fn path_parser() -> impl TypedValueParser<Value = Path> {
+    let names: Vec<&'static str> = std::iter::once(Path::Auto)
+        .chain(Path::ALL)
+        .map(Path::name)
+        .collect();
+    // A listed name that did not parse would be refused, never replaced by a default.
+    clap::builder::PossibleValuesParser::new(names).try_map(|s| s.parse::<Path>())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Info => info::info(),
+        Command::Demo(args) => demo::demo(&args),
+        Command::Run(args) => run::run(&args),
+        Command::Mha(args) => mha::mha(&args),
+        Command::Bench(args) => bench::bench(&args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("wgpu-attention: error: {e}");
+            ExitCode::from(EXIT_ERROR)
+        }
+    }
+}
+
+/// The GPU context, or an error saying it could not be set up.
+pub(crate) fn context() -> CliResult<Idle> {
+    Context::new_blocking()
+        .map(Idle)
+        .map_err(|e| format!("could not set up the GPU: {e}").into())
+}
+
+/// The context, waited on when a command ends, so that no kernel the adapter compiles in the
+/// background (CPU adapters, after a kernel's first use) is cut off by the process exiting.
+pub(crate) struct Idle(Context);
+
+impl std::ops::Deref for Idle {
+    type Target = Context;
+    fn deref(&self) -> &Context {
+        &self.0
+    }
+}
+
+impl Drop for Idle {
+    fn drop(&mut self) {
+        let _ = self.0.wait_idle();
+    }
+}
+
+/// `unfused`, or `auto -> unfused`.
+pub(crate) fn path_label(sdpa: &Sdpa, ctx: &Context, requested: Path) -> String {
+    let resolved = match sdpa.resolved_path(ctx) {
+        Ok(p) => p,
+        Err(e) => return format!("{} (cannot run: {e})", requested.name()),
+    };
+    if requested == resolved {
+        resolved.name().to_string()
+    } else {
+        format!("{} -> {}", requested.name(), resolved.name())
+    }
+}

@@ -1,0 +1,189 @@
+//! `mha`: a multi-head attention layer (PyTorch `nn.MultiheadAttention` weights) on `.npy`
+//! inputs.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::Args;
+use wgpu_attention::reference::{self, MhaInputs};
+use wgpu_attention::{MhaWeights, MultiHeadAttention, NeedWeights, Options};
+
+use crate::npy::{combine_masks, read_3d, read_array, write_array};
+use crate::timing::ms;
+use crate::{context, CausalArg, CliResult};
+
+#[derive(Args)]
+pub(crate) struct MhaArgs {
+    /// Query input [B, L, d_model] (f32); also keys and values unless --key/--value are given.
+    #[arg(long, value_name = "X.npy")]
+    query: PathBuf,
+    /// Key input [B, S, kdim] for cross-attention (needs --value).
+    #[arg(long, value_name = "XK.npy", requires = "value")]
+    key: Option<PathBuf>,
+    /// Value input [B, S, vdim] for cross-attention (needs --key).
+    #[arg(long, value_name = "XV.npy", requires = "key")]
+    value: Option<PathBuf>,
+    /// safetensors state dict of torch.nn.MultiheadAttention (in_proj_weight or
+    /// q/k/v_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias).
+    #[arg(long, value_name = "MHA.safetensors")]
+    weights: PathBuf,
+    /// Prefix of the layer's keys in the state dict (e.g. "encoder.layers.0.self_attn.").
+    #[arg(long, default_value = "")]
+    prefix: String,
+    /// Query heads.
+    #[arg(long)]
+    heads: usize,
+    /// Key/value heads (grouped-query); checked against the weights, which determine it.
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    /// Boolean mask broadcastable to [B, H, L, S]; true = may attend (see --torch-masks).
+    #[arg(long, value_name = "M.npy")]
+    mask: Option<PathBuf>,
+    /// Key padding mask [B, S]; true = real key (see --torch-masks). Combined with --mask.
+    #[arg(long, value_name = "KPM.npy")]
+    key_padding_mask: Option<PathBuf>,
+    /// --mask and --key-padding-mask use PyTorch's nn.MultiheadAttention convention
+    /// (true = masked out / padding).
+    #[arg(long)]
+    torch_masks: bool,
+    /// Causal mask.
+    #[arg(long, value_enum, default_value_t = CausalArg::None)]
+    causal: CausalArg,
+    /// Valid key length of each batch element (masks key tails).
+    #[arg(long, value_delimiter = ',', value_name = "LEN,..")]
+    kv_lens: Option<Vec<usize>>,
+    /// Output [B, L, d_model] (f32).
+    #[arg(long, value_name = "O.npy")]
+    out: PathBuf,
+    /// Write the attention weights: [B, H, L, S], or [B, L, S] with --average-weights.
+    #[arg(long, value_name = "W.npy")]
+    weights_out: Option<PathBuf>,
+    /// Average the weights over heads (PyTorch's average_attn_weights=True).
+    #[arg(long)]
+    average_weights: bool,
+    /// Draw the first batch element's attention weights as a PNG (one panel per head, or one
+    /// for --average-weights).
+    #[arg(long, value_name = "MAP.png")]
+    heatmap: Option<PathBuf>,
+    /// Pixels per weight in the heatmap.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
+    cell: u32,
+    /// Run the f64 CPU reference instead of the GPU.
+    #[arg(long)]
+    cpu: bool,
+}
+
+/// `mha`: the multi-head attention layer on the `.npy` inputs.
+pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
+    let weights = MhaWeights::from_safetensors_prefixed(
+        &std::fs::read(&a.weights)
+            .map_err(|e| format!("weights: cannot read {}: {e}", a.weights.display()))?,
+        &a.prefix,
+        a.heads,
+    )?;
+    if let Some(g) = a.kv_heads {
+        if g != weights.config.num_kv_heads {
+            return Err(format!(
+                "--kv-heads {g}, but the weights have {} key/value heads",
+                weights.config.num_kv_heads
+            )
+            .into());
+        }
+    }
+    let x = read_3d(&a.query, "query", "[B, L, d_model]")?;
+    let key = a
+        .key
+        .as_deref()
+        .map(|p| read_3d(p, "key", "[B, S, kdim]"))
+        .transpose()?;
+    let value = a
+        .value
+        .as_deref()
+        .map(|p| read_3d(p, "value", "[B, S, vdim]"))
+        .transpose()?;
+    let mask = a
+        .mask
+        .as_deref()
+        .map(|p| read_array::<bool>(p, "mask", "bool ('|b1')", "np.asarray(m, dtype=bool)"))
+        .transpose()?
+        .map(|m| if a.torch_masks { m.mapv(|x| !x) } else { m });
+    let kpm = a
+        .key_padding_mask
+        .as_deref()
+        .map(|p| read_array::<bool>(p, "key padding mask", "bool ('|b1')", "np.asarray(m, dtype=bool)"))
+        .transpose()?
+        .map(|m| if a.torch_masks { m.mapv(|x| !x) } else { m });
+    let mask = combine_masks(mask, kpm)?;
+    // One set of options for the GPU layer and the CPU reference.
+    let options = Options {
+        causal: a.causal.into(),
+        mask: mask.as_ref().map(|m| m.into()),
+        kv_lens: a.kv_lens.clone(),
+        ..Default::default()
+    };
+    let need = match (a.weights_out.is_some() || a.heatmap.is_some(), a.average_weights) {
+        (false, _) => NeedWeights::No,
+        (true, false) => NeedWeights::PerHead,
+        (true, true) => NeedWeights::Averaged,
+    };
+    let (out, w, how) = if a.cpu {
+        let inputs = match (&key, &value) {
+            (Some(k), Some(v)) => MhaInputs::cross(x.view(), k.view(), v.view()),
+            _ => MhaInputs::self_attention(x.view()),
+        };
+        let started = Instant::now();
+        let r = reference::mha(&weights, &inputs, &options)?;
+        let how = format!(
+            "ran the CPU reference (f64, written as f32) in {:.3} ms",
+            ms(started.elapsed())
+        );
+        let w = match need {
+            NeedWeights::No => None,
+            NeedWeights::PerHead => Some(r.weights.mapv(|x| x as f32).into_dyn()),
+            NeedWeights::Averaged => Some(
+                reference::mean_over_heads(&r.weights)
+                    .mapv(|x| x as f32)
+                    .into_dyn(),
+            ),
+        };
+        (r.out.mapv(|x| x as f32).into_dyn(), w, how)
+    } else {
+        let ctx = context()?;
+        let layer = MultiHeadAttention::new(&ctx, &weights)?;
+        let mut f = layer.forward(&x).options(options.clone()).need_weights(need);
+        if let (Some(k), Some(v)) = (&key, &value) {
+            f = f.key_value(k, v);
+        }
+        let started = Instant::now();
+        let r = f.run_blocking(&ctx)?;
+        let how = format!(
+            "ran on {} in {:.3} ms (incl. upload, shader compilation and readback)",
+            ctx.describe(),
+            ms(started.elapsed())
+        );
+        let w = r
+            .weights
+            .map(|w| w.into_dyn())
+            .or(r.avg_weights.map(|w| w.into_dyn()));
+        (r.output.into_dyn(), w, how)
+    };
+    println!("{how}");
+    write_array(&a.out, "output", &out)?;
+    if let Some(p) = &a.weights_out {
+        write_array(p, "weights", w.as_ref().ok_or("no attention weights")?)?;
+    }
+    if let Some(p) = &a.heatmap {
+        let w = w.as_ref().ok_or("no attention weights")?;
+        // Batch element 0: [H, L, S] per head, [1, L, S] averaged.
+        let first = w.index_axis(ndarray::Axis(0), 0).to_owned();
+        let panels = match first.ndim() {
+            2 => first.insert_axis(ndarray::Axis(0)),
+            _ => first,
+        }
+        .into_dimensionality::<ndarray::Ix3>()?;
+        wgpu_attention::heatmap::write_heatmap(p, panels.view(), a.cell)?;
+        println!("wrote heatmap of {} panel(s) to {}", panels.dim().0, p.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,134 @@
+//! `run`: attention on `.npy` files, on the GPU or the CPU reference.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::Args;
+use wgpu_attention::reference;
+use wgpu_attention::{Options, Path, Sdpa};
+
+use crate::npy::{read_array, read_qkv, write_array};
+use crate::timing::ms;
+use crate::{context, path_label, path_parser, CausalArg, CliResult};
+
+#[derive(Args)]
+pub(crate) struct RunArgs {
+    /// Queries, f32 .npy [B, Hq, L, E].
+    #[arg(long, value_name = "Q.npy")]
+    q: PathBuf,
+    /// Keys, f32 .npy [B, Hkv, S, E].
+    #[arg(long, value_name = "K.npy")]
+    k: PathBuf,
+    /// Values, f32 .npy [B, Hkv, S, Ev].
+    #[arg(long, value_name = "V.npy")]
+    v: PathBuf,
+    /// Boolean mask .npy (true = may attend), rank 1-4, broadcastable to [B, Hq, L, S].
+    #[arg(long, value_name = "M.npy")]
+    mask: Option<PathBuf>,
+    /// Additive f32 bias .npy, rank 1-4, broadcastable to [B, Hq, L, S] (-inf masks a key).
+    #[arg(long, value_name = "B.npy")]
+    bias: Option<PathBuf>,
+    /// Per-batch key lengths (key padding), comma separated: batch b attends keys j < len[b].
+    #[arg(long, value_delimiter = ',', value_name = "LEN,..")]
+    kv_lens: Option<Vec<usize>>,
+    /// Causal mask alignment.
+    #[arg(long, value_enum, default_value_t = CausalArg::None)]
+    causal: CausalArg,
+    /// Softmax scale [default: 1/sqrt(E)].
+    #[arg(long, allow_negative_numbers = true)]
+    scale: Option<f32>,
+    /// Implementation to run on the GPU.
+    #[arg(long, value_parser = path_parser(), default_value = "auto")]
+    path: Path,
+    /// Run the CPU reference (f64, slow) instead of the GPU; outputs are written as f32.
+    #[arg(long, conflicts_with = "path")]
+    cpu: bool,
+    /// Where to write the output, f32 .npy [B, Hq, L, Ev].
+    #[arg(long, value_name = "O.npy")]
+    out: PathBuf,
+    /// Also write the attention weights, f32 .npy [B, Hq, L, S].
+    #[arg(long, value_name = "W.npy")]
+    weights_out: Option<PathBuf>,
+    /// Also write the row logsumexp, f32 .npy [B, Hq, L] (-inf on fully masked rows).
+    #[arg(long, value_name = "LSE.npy")]
+    lse_out: Option<PathBuf>,
+}
+
+/// `run`: attention on the `.npy` inputs, on the GPU or (`--cpu`) the CPU reference.
+pub(crate) fn run(a: &RunArgs) -> CliResult<ExitCode> {
+    let q = read_qkv(&a.q, "q", "[B, Hq, L, E]")?;
+    let k = read_qkv(&a.k, "k", "[B, Hkv, S, E]")?;
+    let v = read_qkv(&a.v, "v", "[B, Hkv, S, Ev]")?;
+    let mask = a
+        .mask
+        .as_deref()
+        .map(|p| read_array::<bool>(p, "mask", "bool ('|b1')", "np.asarray(m, dtype=bool)"))
+        .transpose()?;
+    let bias = a
+        .bias
+        .as_deref()
+        .map(|p| read_array::<f32>(p, "bias", "float32 ('<f4')", "b.astype(np.float32)"))
+        .transpose()?;
+    // One set of options for the GPU call and the CPU reference.
+    let options = Options {
+        causal: a.causal.into(),
+        scale: a.scale.map(f64::from),
+        mask: mask.as_ref().map(|m| m.into()),
+        bias: bias.as_ref().map(|b| b.into()),
+        kv_lens: a.kv_lens.clone(),
+    };
+
+    let (out, weights, lse, how) = if a.cpu {
+        let started = Instant::now();
+        let r = reference::sdpa(q.view(), k.view(), v.view(), &options)?;
+        let elapsed = started.elapsed();
+        let to_f32 = |x: f64| x as f32;
+        (
+            r.out.mapv(to_f32).into_dyn(),
+            Some(r.weights.mapv(to_f32).into_dyn()),
+            Some(r.lse.mapv(to_f32).into_dyn()),
+            format!(
+                "ran the CPU reference (f64, written as f32) in {:.3} ms",
+                ms(elapsed)
+            ),
+        )
+    } else {
+        let mut sdpa = Sdpa::new(&q, &k, &v).options(options.clone()).path(a.path);
+        if a.weights_out.is_some() {
+            sdpa = sdpa.return_weights();
+        }
+        if a.lse_out.is_some() {
+            sdpa = sdpa.return_lse();
+        }
+        // Validate before creating the device, so input errors come first.
+        sdpa.problem()?;
+        let ctx = context()?;
+        let started = Instant::now();
+        let r = sdpa.run_blocking(&ctx)?;
+        let how = format!(
+            "ran on {}, path {}, in {:.3} ms (incl. upload, shader compilation and readback)",
+            ctx.describe(),
+            path_label(&sdpa, &ctx, a.path),
+            ms(started.elapsed())
+        );
+        (
+            r.output.into_dyn(),
+            r.weights.map(|w| w.into_dyn()),
+            r.lse.map(|l| l.into_dyn()),
+            how,
+        )
+    };
+    println!("{how}");
+
+    write_array(&a.out, "output", &out)?;
+    if let Some(p) = &a.weights_out {
+        let w = weights.ok_or("the path did not return attention weights")?;
+        write_array(p, "weights", &w)?;
+    }
+    if let Some(p) = &a.lse_out {
+        let l = lse.ok_or("the path did not return the logsumexp")?;
+        write_array(p, "lse", &l)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}

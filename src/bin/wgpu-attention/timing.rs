@@ -1,0 +1,69 @@
+//! Wall-clock timing of repeated [`Sdpa::run_blocking`] calls, and the units reported.
+
+use std::time::{Duration, Instant};
+
+use wgpu_attention::{Context, Output, Sdpa};
+
+/// Wall-clock times of [`Sdpa::run_blocking`].
+pub(crate) struct Timing {
+    pub(crate) first: Duration,
+    pub(crate) median: Duration,
+    pub(crate) min: Duration,
+    /// The result of the last timed run.
+    pub(crate) last: Output,
+}
+
+/// `warmup` untimed runs (the first one's time is kept), then `iters` timed runs;
+/// `tick` is called after each run.
+pub(crate) fn time_runs(
+    ctx: &Context,
+    sdpa: &Sdpa,
+    warmup: u32,
+    iters: u32,
+    mut tick: impl FnMut(),
+) -> wgpu_attention::Result<Timing> {
+    let mut first = Duration::ZERO;
+    for i in 0..warmup {
+        let t = Instant::now();
+        sdpa.run_blocking(ctx)?;
+        if i == 0 {
+            first = t.elapsed();
+        }
+        tick();
+    }
+    // Time the steady state: the fastest forms, which CPU adapters compile in the background
+    // after a kernel's first use.
+    ctx.wait_idle()?;
+    let mut times = Vec::with_capacity(iters as usize);
+    let mut last = None;
+    for _ in 0..iters.max(1) {
+        let t = Instant::now();
+        let out = sdpa.run_blocking(ctx)?;
+        times.push(t.elapsed());
+        last = Some(out);
+        tick();
+    }
+    times.sort();
+    let n = times.len();
+    let median = if n % 2 == 1 {
+        times[n / 2]
+    } else {
+        (times[n / 2 - 1] + times[n / 2]) / 2
+    };
+    Ok(Timing {
+        first,
+        median,
+        min: times[0],
+        last: last.expect("at least one timed run"),
+    })
+}
+
+/// Milliseconds.
+pub(crate) fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// GFLOP/s of `flops` done in `d`.
+pub(crate) fn gflops(flops: f64, d: Duration) -> f64 {
+    flops / d.as_secs_f64() / 1e9
+}
