@@ -36,8 +36,20 @@ fn all_masks(c: Case, seed: u64) -> Case {
         .with_kv_lens()
 }
 
-/// A context per fused form, each pinned (the device, queue and pipeline cache are shared).
-fn fused_contexts(ctx: &Context) -> Vec<(FusedForm, Context)> {
+/// A context per fused form this device offers, each pinned (the device, queue and pipeline
+/// cache are shared), except `case`'s default form: the plan's own choice, which the rest of
+/// the suite (`tests/sdpa.rs`, `tests/golden.rs`, `tests/mha.rs`) checks on the same kinds of
+/// case.
+fn fused_contexts(ctx: &Context, case: &Case) -> Vec<(FusedForm, Context)> {
+    let default = case.sdpa().path(Path::Fused).plan(ctx).map(|p| p.form()).ok();
+    every_fused_context(ctx)
+        .into_iter()
+        .filter(|(f, _)| default != Some(Form::Fused(*f)))
+        .collect()
+}
+
+/// A context per fused form this device offers, the default one included.
+fn every_fused_context(ctx: &Context) -> Vec<(FusedForm, Context)> {
     ctx.caps()
         .fused_forms()
         .into_iter()
@@ -51,10 +63,13 @@ fn fused_contexts(ctx: &Context) -> Vec<(FusedForm, Context)> {
         .collect()
 }
 
-fn decode_contexts(ctx: &Context) -> Vec<(DecodeForm, Context)> {
+/// [`fused_contexts`] for the decode kernel.
+fn decode_contexts(ctx: &Context, case: &Case) -> Vec<(DecodeForm, Context)> {
+    let default = case.sdpa().path(Path::Decode).plan(ctx).map(|p| p.form()).ok();
     ctx.caps()
         .decode_forms()
         .into_iter()
+        .filter(|f| default != Some(Form::Decode(*f)))
         .map(|f| {
             let forms = Forms {
                 fused: None,
@@ -68,7 +83,7 @@ fn decode_contexts(ctx: &Context) -> Vec<(DecodeForm, Context)> {
 /// Check `case` on the fused path in every fused form, against one reference.
 fn check_fused_forms(ctx: &Context, case: &Case, label: &str) {
     let want = case.reference();
-    for (form, fctx) in fused_contexts(ctx) {
+    for (form, fctx) in fused_contexts(ctx, case) {
         let plan = case.sdpa().path(Path::Fused).plan(&fctx).unwrap();
         assert_eq!(plan.form(), Form::Fused(form), "{label}: the pinned form runs");
         case.check_against(
@@ -95,29 +110,43 @@ fn the_forms_this_device_offers() {
 }
 
 #[test]
-fn shapes_with_tails_no_mask_and_all_masks_in_every_fused_form() {
+fn shapes_with_tails_in_every_fused_form() {
     let Some(ctx) = ctx() else { return };
     for (si, &shape) in SHAPES.iter().enumerate() {
         let plain = Case::random(shape, si as u64);
         check_fused_forms(ctx, &plain, &format!("{shape:?} no mask"));
+    }
+}
+
+#[test]
+fn shapes_with_tails_and_every_mask_kind_in_every_fused_form() {
+    let Some(ctx) = ctx() else { return };
+    for (si, &shape) in SHAPES.iter().enumerate() {
         let masked = all_masks(Case::random(shape, 100 + si as u64), 9);
         check_fused_forms(ctx, &masked, &format!("{shape:?} all masks"));
     }
 }
 
-#[test]
-fn head_dims_up_to_256_in_every_fused_form() {
+/// Head dims at the limit in every fused form: the largest (vec4 I/O) and the largest odd
+/// ones (scalar I/O); tests/sdpa.rs runs more in the default forms. Two tests, so that they
+/// compile in parallel.
+fn check_head_dims(e: usize, ev: usize, seed: u64) {
     let Some(ctx) = ctx() else { return };
-    for (i, (e, ev)) in [(256, 256), (256, 3), (255, 129), (1, 256), (252, 200)]
-        .into_iter()
-        .enumerate()
-    {
-        let case = Case::random((1, 2, 1, 9, 21, e, ev), 40 + i as u64)
-            .with_causal(Causal::BottomRight)
-            .with_random_mask(41)
-            .with_random_bias(42);
-        check_fused_forms(ctx, &case, &format!("E {e}, Ev {ev}"));
-    }
+    let case = Case::random((1, 2, 1, 9, 21, e, ev), seed)
+        .with_causal(Causal::BottomRight)
+        .with_random_mask(41)
+        .with_random_bias(42);
+    check_fused_forms(ctx, &case, &format!("E {e}, Ev {ev}"));
+}
+
+#[test]
+fn head_dims_256_in_every_fused_form() {
+    check_head_dims(256, 256, 40);
+}
+
+#[test]
+fn head_dims_255_129_in_every_fused_form() {
+    check_head_dims(255, 129, 41);
 }
 
 /// 2.5e8 FLOPs: large enough for the fastest CPU forms (several rows per invocation), with
@@ -132,7 +161,7 @@ fn large_problem_in_every_fused_form() {
     case.kv_lens = Some(vec![700, 0]);
     assert!(case.sdpa().problem().unwrap().flops() >= 2.5e8);
     let want = case.reference();
-    let mut forms = fused_contexts(ctx);
+    let mut forms = fused_contexts(ctx, &case);
     // The fastest CPU form of the default plan too (4 rows per invocation on lavapipe).
     if let Form::Fused(f) = case.sdpa().path(Path::Fused).plan(ctx).unwrap().form() {
         if !forms.iter().any(|(g, _)| *g == f) {
@@ -176,7 +205,7 @@ fn decode_shapes_in_every_decode_form() {
     ];
     for (name, case) in cases {
         let want = case.reference();
-        for (form, dctx) in decode_contexts(ctx) {
+        for (form, dctx) in decode_contexts(ctx, &case) {
             let plan = case.sdpa().plan(&dctx).unwrap();
             assert_eq!(plan.form(), Form::Decode(form), "{name}");
             case.check_against(
@@ -194,7 +223,7 @@ fn decode_shapes_in_every_decode_form() {
 fn pytorch_goldens_in_every_form() {
     let Some(ctx) = ctx() else { return };
     for g in goldens() {
-        for (form, fctx) in fused_contexts(ctx) {
+        for (form, fctx) in fused_contexts(ctx, &g.case) {
             let got = g
                 .case
                 .sdpa()
@@ -204,7 +233,7 @@ fn pytorch_goldens_in_every_form() {
                 .unwrap_or_else(|e| panic!("{} [{}]: {e}", g.name, form.name()));
             g.assert_matches(&got, TOL, &format!("fused [{}]", form.name()));
         }
-        for (form, dctx) in decode_contexts(ctx) {
+        for (form, dctx) in decode_contexts(ctx, &g.case) {
             let got = g
                 .case
                 .sdpa()
@@ -241,7 +270,7 @@ fn multi_head_attention_in_every_fused_form() {
         ..Default::default()
     };
     let want = reference::mha(&w, &MhaInputs::cross(x.view(), k.view(), v.view()), &spec).unwrap();
-    for (form, fctx) in fused_contexts(ctx) {
+    for (form, fctx) in every_fused_context(ctx) {
         let layer = MultiHeadAttention::new(&fctx, &w).unwrap();
         let got = layer
             .forward(&x)
@@ -318,7 +347,7 @@ fn broadcasts_infinite_bias_and_large_logits_in_every_form() {
     }
     for (name, case) in &cases {
         let want = case.reference();
-        for (form, fctx) in fused_contexts(ctx) {
+        for (form, fctx) in fused_contexts(ctx, case) {
             case.check_against(
                 &want,
                 &fctx,
@@ -327,7 +356,7 @@ fn broadcasts_infinite_bias_and_large_logits_in_every_form() {
                 &format!("{name} [{}]", form.name()),
             );
         }
-        for (form, dctx) in decode_contexts(ctx) {
+        for (form, dctx) in decode_contexts(ctx, case) {
             case.check_against(
                 &want,
                 &dctx,

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{ctx, Case, TOL};
+use common::{thread_ctx, Case, TOL};
 use proptest::prelude::*;
 use wgpu_attention::{Causal, Path};
 
@@ -50,7 +50,7 @@ fn check(
     lens: bool,
     seed: u64,
 ) {
-    let Some(ctx) = ctx() else { return };
+    let Some(ctx) = thread_ctx() else { return };
     let mut case = Case::random((b, hkv * group, hkv, l, s, e, ev), seed)
         .with_causal([Causal::None, Causal::TopLeft, Causal::BottomRight][causal as usize]);
     if mask {

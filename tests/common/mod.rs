@@ -2,8 +2,6 @@
 //! and the comparison of a GPU run with the CPU reference.
 #![allow(dead_code)]
 
-use std::sync::OnceLock;
-
 use ndarray::{Array, Array4, ArrayD, IxDyn};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -11,12 +9,14 @@ use wgpu_attention::check::{compare, Report, Tolerance, F32_TOLERANCE};
 use wgpu_attention::reference;
 use wgpu_attention::{Causal, Context, Options, Path, Sdpa};
 
-/// The shared GPU context. Without an adapter: `None` (the test returns early) unless
-/// `WGPU_ATTENTION_REQUIRE_GPU=1`, in which case the test fails.
+/// A GPU context for one test: its own device, so that tests running in parallel compile
+/// their shaders in parallel (lavapipe compiles a pipeline on its device's queue thread; one
+/// shared device would serialise every compilation). Without an adapter: `None` (the test
+/// returns early) unless `WGPU_ATTENTION_REQUIRE_GPU=1`, in which case the test fails.
 pub fn ctx() -> Option<&'static Context> {
-    static CTX: OnceLock<Option<Context>> = OnceLock::new();
-    let c = CTX.get_or_init(|| match Context::new_blocking() {
-        Ok(c) => Some(c),
+    match Context::new_blocking() {
+        // Leaked: the context lives as long as the test process, like a static one.
+        Ok(c) => Some(Box::leak(Box::new(c))),
         Err(e) => {
             if std::env::var("WGPU_ATTENTION_REQUIRE_GPU").is_ok_and(|v| v == "1") {
                 panic!("WGPU_ATTENTION_REQUIRE_GPU=1 but no GPU context: {e}");
@@ -24,8 +24,14 @@ pub fn ctx() -> Option<&'static Context> {
             eprintln!("skipping GPU test: {e}");
             None
         }
-    });
-    c.as_ref()
+    }
+}
+
+/// [`ctx`] made once per thread: for property tests, whose cases reuse one device and its
+/// pipelines.
+pub fn thread_ctx() -> Option<&'static Context> {
+    thread_local!(static CTX: std::cell::OnceCell<Option<&'static Context>> = const { std::cell::OnceCell::new() });
+    CTX.with(|c| *c.get_or_init(ctx))
 }
 
 /// Uniform values in [-1, 1).
