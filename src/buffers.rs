@@ -159,3 +159,56 @@ impl Uploaded<'_> {
         }
     }
 }
+
+/// Copy `size` bytes at `offset` of `buffer` (which needs `COPY_SRC`) back to the host as f32,
+/// staged in pieces no larger than a quarter of the buffer limit (and 256 MiB).
+pub(crate) async fn read_f32(
+    ctx: &Context,
+    buffer: &wgpu::Buffer,
+    offset: u64,
+    size: u64,
+) -> Result<Vec<f32>> {
+    let device = ctx.device();
+    let mut out = vec![0f32; (size / F32) as usize];
+    // Stage in pieces no larger than a quarter of the buffer limit (and 256 MiB).
+    let piece_max = (ctx.limits().max_buffer_size / 4).clamp(F32, 256 << 20) & !(F32 - 1);
+    let mut done = 0u64;
+    while done < size {
+        let n = piece_max.min(size - done);
+        let staging = ctx.scoped(|| {
+            let staging = device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("wgpu-attention readback"),
+                size: n,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            let mut enc = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("wgpu-attention readback"),
+            });
+            enc.copy_buffer_to_buffer(buffer, offset + done, &staging, 0, n);
+            ctx.queue().submit([enc.finish()]);
+            Ok(staging)
+        });
+        let staging = staging.await?;
+        let (tx, rx) = futures_intrusive::channel::shared::oneshot_channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+            let _ = tx.send(r);
+        });
+        ctx.wait()?;
+        match rx.receive().await {
+            Some(Ok(())) => {}
+            Some(Err(e)) => return Err(Error::Readback(e.to_string())),
+            None => return Err(Error::Readback("map callback dropped".into())),
+        }
+        {
+            let view = staging
+                .get_mapped_range(..)
+                .map_err(|e| Error::Readback(e.to_string()))?;
+            let start = (done / F32) as usize;
+            out[start..start + (n / F32) as usize].copy_from_slice(bytemuck::cast_slice(&view));
+        }
+        staging.unmap();
+        done += n;
+    }
+    Ok(out)
+}

@@ -4,7 +4,7 @@
 
 use ndarray::Array3;
 
-use crate::buffers::{binding, fits, Operand};
+use crate::buffers::{binding, f32_bytes, fits, Operand};
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::matmul as kernel;
@@ -36,7 +36,7 @@ pub async fn matmul<'a>(
             actual: b.shape().to_vec(),
         });
     }
-    let c_bytes = (batch * m * n) as u64 * 4;
+    let c_bytes = f32_bytes(batch * m * n);
     fits("c", c_bytes, ctx.max_binding(), "max_storage_buffer_binding_size")?;
     let a_op = Operand::check(ctx, "a", &a)?;
     let b_op = Operand::check(ctx, "b", &b)?;
@@ -78,19 +78,9 @@ pub async fn matmul<'a>(
                 bias: None,
                 c: binding(&c, 0, c_bytes),
                 params: kernel::Params {
-                    m: m as u32,
-                    n: n as u32,
-                    k: k as u32,
                     heads: heads as u32,
                     group: group as u32,
-                    a_batch: (m * k) as u32,
-                    a_row: k as u32,
-                    b_batch: (n * k) as u32,
-                    b_row: b2 as u32,
-                    c_batch: (m * n) as u32,
-                    c_row: n as u32,
-                    alpha,
-                    ..Default::default()
+                    ..kernel::Params::dense(m as u32, n as u32, k as u32, trans_b, alpha)
                 },
                 batch: batch as u32,
                 trans_b,

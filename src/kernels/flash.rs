@@ -58,8 +58,8 @@ pub(crate) struct Config {
     pub rq: u32,
     /// Keys per unrolled step of the inner loop (divides `bk`).
     pub kg: u32,
-    /// E and Ev are multiples of 4: q, k, v and out are bound as `array<vec4<f32>>`.
-    pub vec4_io: bool,
+    /// The I/O snippet: vec4 rows when E and Ev are multiples of 4, else scalar rows.
+    pub io: &'static str,
     /// Unroll the loops marked in the shader.
     pub unroll: bool,
     /// The K/V tile is held one key per invocation and read by subgroup shuffles (`bk == wg`,
@@ -157,7 +157,7 @@ impl Config {
             wg,
             rq,
             kg: kg.min(bk),
-            vec4_io: p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4),
+            io: common::io(p.head_dim, p.head_dim_v),
             unroll,
             sg_kv,
             has_mask: p.mask.is_some(),
@@ -193,11 +193,7 @@ impl Config {
     }
 
     pub(crate) fn prelude(&self) -> String {
-        let io = if self.vec4_io {
-            common::IO_VEC4
-        } else {
-            common::IO_SCALAR
-        };
+        let io = self.io;
         // Naga takes the subgroup built-ins without `enable subgroups;` (which it rejects).
         let kv = if self.sg_kv { KV_SUBGROUP } else { KV_SHARED };
         format!(

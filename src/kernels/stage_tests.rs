@@ -59,31 +59,12 @@ fn inputs() -> (Array4<f32>, Array4<f32>, Array4<f32>) {
     )
 }
 
-#[allow(clippy::too_many_arguments)]
-fn mm_params(
-    m: usize,
-    n: usize,
-    k: usize,
-    a_batch: usize,
-    b_batch: usize,
-    c_batch: usize,
-    b_row: usize,
-    alpha: f32,
-) -> matmul::Params {
+/// A dense product over the shape's batch-heads (GQA: B shared by groups of heads).
+fn mm_params(m: usize, n: usize, k: usize, trans_b: bool, alpha: f32) -> matmul::Params {
     matmul::Params {
-        m: m as u32,
-        n: n as u32,
-        k: k as u32,
         heads: SHAPE.1 as u32,
         group: (SHAPE.1 / SHAPE.2) as u32,
-        a_batch: a_batch as u32,
-        a_row: k as u32,
-        b_batch: b_batch as u32,
-        b_row: b_row as u32,
-        c_batch: c_batch as u32,
-        c_row: n as u32,
-        alpha,
-        ..Default::default()
+        ..matmul::Params::dense(m as u32, n as u32, k as u32, trans_b, alpha)
     }
 }
 
@@ -125,7 +106,7 @@ fn scores_stage_matches_reference_scores() {
         &buf(&ctx, bytemuck::cast_slice(q.as_slice().unwrap())),
         &buf(&ctx, bytemuck::cast_slice(k.as_slice().unwrap())),
         b * hq * l * s,
-        mm_params(l, s, e, l * e, s * e, l * s, e, scale),
+        mm_params(l, s, e, true, scale),
         b * hq,
         true,
     );
@@ -150,7 +131,7 @@ fn value_stage_matches_reference_weighted_sum() {
         &buf(&ctx, bytemuck::cast_slice(&p32)),
         &buf(&ctx, bytemuck::cast_slice(v.as_slice().unwrap())),
         b * hq * l * ev,
-        mm_params(l, ev, s, l * s, s * ev, l * ev, ev, 1.0),
+        mm_params(l, ev, s, false, 1.0),
         b * hq,
         false,
     );

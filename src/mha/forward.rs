@@ -185,7 +185,7 @@ impl<'a> MhaForward<'a> {
             .unwrap_or(0);
         fits(
             "multi-head attention activations",
-            biggest as u64 * 4,
+            f32_bytes(biggest),
             u32::MAX as u64,
             "u32 element indices",
         )?;
@@ -524,19 +524,8 @@ fn project(
         a: x,
         b: w.as_entire_buffer_binding(),
         bias: b.map(|b| b.as_entire_buffer_binding()),
-        c: binding(out, 0, (m * n) as u64 * 4),
-        params: mm::Params {
-            m: m as u32,
-            n: n as u32,
-            k: k as u32,
-            heads: 1,
-            group: 1,
-            a_row: k as u32,
-            b_row: k as u32,
-            c_row: n as u32,
-            alpha: 1.0,
-            ..Default::default()
-        },
+        c: binding(out, 0, f32_bytes(m * n)),
+        params: mm::Params::dense(m as u32, n as u32, k as u32, true, 1.0),
         batch: 1,
         trans_b: true,
     }
@@ -554,8 +543,8 @@ fn split_heads(
     permute::record(
         ctx,
         encoder,
-        binding(src, 0, (b * t * heads * d) as u64 * 4),
-        binding(dst, 0, (b * t * heads * d) as u64 * 4),
+        binding(src, 0, f32_bytes(b * t * heads * d)),
+        binding(dst, 0, f32_bytes(b * t * heads * d)),
         [b, heads, t, d],
         [t * heads * d, d, heads * d, 1],
     )

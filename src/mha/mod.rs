@@ -33,7 +33,7 @@ pub use weights::MhaWeights;
 use ndarray::{Array1, Array2, Array3, Array4};
 use wgpu::util::DeviceExt;
 
-use crate::buffers::fits;
+use crate::buffers::{f32_bytes, fits};
 use crate::context::Context;
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -99,7 +99,7 @@ impl MultiHeadAttention {
             ("w_v", &weights.w_v),
             ("w_o", &weights.w_o),
         ] {
-            fits(name, w.len() as u64 * 4, max, "max_storage_buffer_binding_size")?;
+            fits(name, f32_bytes(w.len()), max, "max_storage_buffer_binding_size")?;
         }
         let upload = |label: &str, data: &[f32]| {
             ctx.device()

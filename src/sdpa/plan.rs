@@ -2,6 +2,7 @@
 //! [`Plan`] is a pure function of the problem, the request (path, weights, score budget) and
 //! the device's [`Caps`], computed once per call; tests check it without a GPU.
 
+use crate::buffers::{f32_bytes, F32};
 use crate::error::{Error, Result};
 use crate::forms::{Caps, DecodeForm, Forms, FusedForm};
 use crate::kernels::{decode, flash, matmul};
@@ -186,21 +187,21 @@ impl ChunkPlan {
     pub(crate) fn new(p: &Problem, budget_bytes: u64, caps: &Caps) -> Result<Self> {
         let max_grid = caps.max_workgroups as usize;
         let tile = matmul::TILE as usize;
-        let budget = (budget_bytes / 4) as usize;
+        let budget = (budget_bytes / F32) as usize;
         let (l, s) = (p.seq_q, p.seq_kv);
         if s > max_grid * tile {
             return Err(Error::TooLargeForDevice {
                 what: format!("key length S = {s}"),
-                bytes: s as u64 * 4,
+                bytes: f32_bytes(s),
                 limit_name: "max_compute_workgroups_per_dimension",
-                limit: (max_grid * tile) as u64 * 4,
+                limit: f32_bytes(max_grid * tile),
                 hint: " (S may be at most 64 x max_compute_workgroups_per_dimension)",
             });
         }
         if s > budget {
             return Err(Error::TooLargeForDevice {
                 what: format!("one row of scores (S = {s})"),
-                bytes: s as u64 * 4,
+                bytes: f32_bytes(s),
                 limit_name: "max_storage_buffer_binding_size",
                 limit: budget_bytes,
                 hint: "; even the smallest chunk of the unfused path does not fit",

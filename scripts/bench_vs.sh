@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Interleaved speed comparison against a peer: peer, ours, peer, ours ... for ROUNDS rounds per
+# case, each run its own process, then each round's ratio (peer median / our median) and the
+# range of the per-round ratios. The machine's speed drifts by up to 2x within minutes, so only
+# same-round ratios are reported, never one sitting's best.
+#
+#   scripts/bench_vs.sh burn PEER_BURN_BINARY [CASES] [ROUNDS] [ITERS]
+#       the peer is burn's attention (../shared/peers/burn, built outside this repository):
+#       `PEER_BURN_BINARY <case> api <iters>` prints `median_ms=`
+#   scripts/bench_vs.sh self OTHER_WGPU_ATTENTION_BINARY [CASES] [ROUNDS] [ITERS]
+#       the peer is another build of this crate's CLI (e.g. the previous commit's), run with the
+#       same `bench` arguments as ours
+#
+# CASES: letters of the benchmark shapes (default "a b c d e"): a a_h8_s1024, b
+# b_h8_s1024_causal, c c_h8_s4096_causal, d d_decode_h32_s4096_e128, e e_b4_h12_s256_padmask.
+# ROUNDS default 3, ITERS (timed runs per process) default 7. Ours is target/release/wgpu-attention
+# (built first), `bench --shapes <shape> --paths auto --iters ITERS`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+kind=${1:?"usage: $0 burn|self BINARY [CASES] [ROUNDS] [ITERS]"}
+peer=${2:?"usage: $0 burn|self BINARY [CASES] [ROUNDS] [ITERS]"}
+cases=${3:-"a b c d e"}
+rounds=${4:-3}
+iters=${5:-7}
+cargo build --release --locked --quiet
+ours=target/release/wgpu-attention
+
+shape_of() {
+  case $1 in
+    a) echo a_h8_s1024 ;; b) echo b_h8_s1024_causal ;; c) echo c_h8_s4096_causal ;;
+    d) echo d_decode_h32_s4096_e128 ;; e) echo e_b4_h12_s256_padmask ;;
+    *) echo "unknown case $1" >&2; exit 2 ;;
+  esac
+}
+
+# The median (ms) of one `bench` process of a wgpu-attention binary.
+bench_median() { # binary shape
+  "$1" bench --shapes "$2" --paths auto --iters "$iters" | awk -v s="$2" '$1 == s && $2 == "auto" { print $4 }'
+}
+
+peer_median() { # case
+  if [ "$kind" = burn ]; then
+    "$peer" "$1" api "$iters" | grep -oP 'median_ms=\K[0-9.]+'
+  else
+    bench_median "$peer" "$(shape_of "$1")"
+  fi
+}
+
+echo "peer: $kind ($peer); ours: $ours; $rounds rounds of (peer, ours), $iters timed runs each"
+printf '%-26s %5s %12s %12s %8s\n' shape round "peer ms" "ours ms" ratio
+for c in $cases; do
+  shape=$(shape_of "$c")
+  ratios=()
+  for r in $(seq 1 "$rounds"); do
+    p=$(peer_median "$c")
+    o=$(bench_median "$ours" "$shape")
+    ratio=$(awk -v p="$p" -v o="$o" 'BEGIN { printf "%.2f", p / o }')
+    ratios+=("$ratio")
+    printf '%-26s %5s %12s %12s %8s\n' "$shape" "$r" "$p" "$o" "$ratio"
+  done
+  sorted=$(printf '%s\n' "${ratios[@]}" | sort -g)
+  printf '%-26s ratio range %s-%s (peer ms / ours ms per round)\n' "$shape" "$(head -1 <<<"$sorted")" "$(tail -1 <<<"$sorted")"
+done
