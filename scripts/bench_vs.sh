@@ -24,6 +24,9 @@ rounds=${4:-3}
 iters=${5:-7}
 cargo build --release --locked --quiet
 ours=target/release/wgpu-attention
+# Both programs' stderr (progress, harmless EGL/XDG lines) goes here.
+log=${TMPDIR:-/tmp}/bench_vs.stderr
+: >"$log"
 
 shape_of() {
   case $1 in
@@ -35,12 +38,18 @@ shape_of() {
 
 # The median (ms) of one `bench` process of a wgpu-attention binary.
 bench_median() { # binary shape
-  "$1" bench --shapes "$2" --paths auto --iters "$iters" | awk -v s="$2" '$1 == s && $2 == "auto" { print $4 }'
+  local m
+  m=$("$1" bench --shapes "$2" --paths auto --iters "$iters" 2>>"$log" | awk -v s="$2" '$1 == s && $2 == "auto" { print $4 }')
+  [ -n "$m" ] || { echo "no median from $1 for $2 (stderr in $log)" >&2; exit 1; }
+  echo "$m"
 }
 
 peer_median() { # case
   if [ "$kind" = burn ]; then
-    "$peer" "$1" api "$iters" | grep -oP 'median_ms=\K[0-9.]+'
+    local m
+    m=$("$peer" "$1" api "$iters" 2>>"$log" | grep -oP 'median_ms=\K[0-9.]+' || true)
+    [ -n "$m" ] || { echo "no median from $peer for case $1 (stderr in $log)" >&2; exit 1; }
+    echo "$m"
   else
     bench_median "$peer" "$(shape_of "$1")"
   fi
