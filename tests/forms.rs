@@ -5,8 +5,11 @@
 //! [`Context::with_forms`].
 //!
 //! Cases: shapes with tails on every tile edge (L != S, E != Ev, GQA/MQA) with no mask and with
-//! every mask kind combined; head dims up to 256; a problem large enough for the fastest CPU
-//! form; decode shapes; the PyTorch goldens; one multi-head attention layer.
+//! every mask kind combined (bottom-right causal, a boolean mask with fully masked rows, a bias,
+//! key lengths); head dims at the limit of 256; a problem large enough for the fastest CPU
+//! form, with a zero key length; decode shapes; mask and bias broadcasts, `-inf` biases and
+//! ±1e4 logits; batch × heads over 65,535; the PyTorch goldens; one multi-head attention layer.
+//! Each case skips its default form, which the rest of the suite checks.
 //!
 //! [`Caps::fused_forms`]: wgpu_attention::Caps::fused_forms
 //! [`Caps::decode_forms`]: wgpu_attention::Caps::decode_forms
@@ -295,32 +298,8 @@ fn multi_head_attention_in_every_fused_form() {
 fn broadcasts_infinite_bias_and_large_logits_in_every_form() {
     use ndarray::{Array, Array4, IxDyn};
     let Some(ctx) = ctx() else { return };
-    let base = Case::random((2, 3, 3, 6, 10, 8, 8), 4);
     let mut r = common::rng(5);
-    let mut cases = Vec::new();
-    for shape in [
-        vec![10],
-        vec![6, 10],
-        vec![3, 6, 10],
-        vec![2, 1, 1, 10],
-        vec![2, 3, 6, 1],
-        vec![1, 3, 1, 10],
-    ] {
-        let m =
-            Array::from_shape_simple_fn(IxDyn(&shape), || rand::Rng::random_range(&mut r, 0.0..1.0) > 0.4);
-        let b = Array::from_shape_simple_fn(IxDyn(&shape), || rand::Rng::random_range(&mut r, -1.0f32..1.0));
-        let case = Case {
-            mask: Some(m),
-            bias: Some(b),
-            q: base.q.clone(),
-            k: base.k.clone(),
-            v: base.v.clone(),
-            kv_lens: None,
-            causal: Causal::None,
-            scale: None,
-        };
-        cases.push((format!("mask/bias {shape:?}"), case));
-    }
+    let mut cases = common::broadcast_cases();
     let mut inf = Case::random((2, 3, 3, 6, 10, 8, 8), 6);
     let mut bias = Array::zeros(IxDyn(&[6, 10]));
     bias[[0, 1]] = f32::NEG_INFINITY;
@@ -365,5 +344,31 @@ fn broadcasts_infinite_bias_and_large_logits_in_every_form() {
                 &format!("{name} [{}]", form.name()),
             );
         }
+    }
+}
+
+/// Batch × heads over 65,535: the grid folds over x and y in every form.
+#[test]
+fn batch_times_heads_over_65535_in_every_form() {
+    let Some(ctx) = ctx() else { return };
+    let case = Case::random((2, 33_000, 33_000, 2, 3, 4, 3), 8).with_causal(Causal::BottomRight);
+    let want = case.reference();
+    for (form, fctx) in fused_contexts(ctx, &case) {
+        case.check_against(
+            &want,
+            &fctx,
+            Path::Fused,
+            TOL,
+            &format!("B*H = 66000 [{}]", form.name()),
+        );
+    }
+    for (form, dctx) in decode_contexts(ctx, &case) {
+        case.check_against(
+            &want,
+            &dctx,
+            Path::Decode,
+            TOL,
+            &format!("B*H = 66000 [{}]", form.name()),
+        );
     }
 }

@@ -131,31 +131,8 @@ fn zero_kv_len_gives_zero_rows() {
 #[test]
 fn mask_broadcast_shapes() {
     let Some(ctx) = ctx() else { return };
-    let base = Case::random((2, 3, 3, 6, 10, 8, 8), 4);
-    let mut r = common::rng(5);
-    for shape in [
-        vec![10],
-        vec![6, 10],
-        vec![1, 6, 10],
-        vec![3, 6, 10],
-        vec![2, 1, 1, 10],
-        vec![2, 3, 6, 1],
-        vec![1, 3, 1, 10],
-    ] {
-        let m =
-            Array::from_shape_simple_fn(IxDyn(&shape), || rand::Rng::random_range(&mut r, 0.0..1.0) > 0.4);
-        let b = Array::from_shape_simple_fn(IxDyn(&shape), || rand::Rng::random_range(&mut r, -1.0f32..1.0));
-        let case = Case {
-            mask: Some(m),
-            bias: Some(b),
-            q: base.q.clone(),
-            k: base.k.clone(),
-            v: base.v.clone(),
-            kv_lens: None,
-            causal: Causal::None,
-            scale: None,
-        };
-        case.check_all_paths(ctx, TOL, &format!("mask/bias {shape:?}"));
+    for (name, case) in common::broadcast_cases() {
+        case.check_all_paths(ctx, TOL, &name);
     }
 }
 

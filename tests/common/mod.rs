@@ -197,6 +197,39 @@ pub fn assert_report(r: Report, label: &str) {
 
 pub const TOL: Tolerance = F32_TOLERANCE;
 
+/// A mask and a bias of every broadcast shape (every rank, every broadcast dimension) over one
+/// `[2, 3, 6, 10]` problem, labelled by shape.
+pub fn broadcast_cases() -> Vec<(String, Case)> {
+    let base = Case::random((2, 3, 3, 6, 10, 8, 8), 4);
+    let mut r = rng(5);
+    [
+        vec![10],
+        vec![6, 10],
+        vec![1, 6, 10],
+        vec![3, 6, 10],
+        vec![2, 1, 1, 10],
+        vec![2, 3, 6, 1],
+        vec![1, 3, 1, 10],
+    ]
+    .into_iter()
+    .map(|shape| {
+        let mask = Array::from_shape_simple_fn(IxDyn(&shape), || r.random_range(0.0..1.0) > 0.4);
+        let bias = Array::from_shape_simple_fn(IxDyn(&shape), || r.random_range(-1.0f32..1.0));
+        let case = Case {
+            mask: Some(mask),
+            bias: Some(bias),
+            q: base.q.clone(),
+            k: base.k.clone(),
+            v: base.v.clone(),
+            kv_lens: None,
+            causal: Causal::None,
+            scale: None,
+        };
+        (format!("mask/bias {shape:?}"), case)
+    })
+    .collect()
+}
+
 /// A PyTorch float64 golden (`tests/fixtures/sdpa/<name>`, written by `scripts/make_goldens.py`):
 /// the case and PyTorch's outputs.
 pub struct Golden {
