@@ -10,9 +10,11 @@
 // e, ev, heads, group, splits, total, scale, chunk = keys per split, and the masks `m`), the
 // shared snippets common/softmax.wgsl, common/masks.wgsl, the input/output bindings
 // (common/io_vec4.wgsl or common/io_scalar.wgsl; `out` is part_out, whose rows are Ev wide
-// too), the workgroup reductions (common/reduce_shared.wgsl, or common/reduce_subgroup.wgsl
-// where the workgroup is one subgroup), and the constants WG (invocations, a power of two),
-// E4 and EV4 (head dims in vec4s), HAS_MASK, HAS_BIAS and UNROLL (see flash.wgsl).
+// too), the workgroup reductions (common/reduce_shared.wgsl and decode_acc_shared.wgsl, or
+// common/reduce_subgroup.wgsl and decode_acc_subgroup.wgsl where the workgroup is one
+// subgroup), and the constants WG (invocations, a power of two), E4 and EV4 (head dims in
+// vec4s), RB (a divisor of EV4, at most 8) and NRB = EV4 / RB, HAS_MASK, HAS_BIAS and UNROLL
+// (see flash.wgsl).
 //
 // Each invocation takes a strided subset of the split's keys and keeps its own online softmax
 // state (running max, sum and accumulator over its keys, the query row in registers, vec4 loads
@@ -77,7 +79,8 @@ fn main(
         m = m_new;
     }
 
-    // The split's max, then every state rescaled to it and summed (common/reduce_*.wgsl).
+    // The split's max, then every state rescaled to it and summed (common/reduce_*.wgsl,
+    // decode_acc_*.wgsl).
     let row_max = wg_max(m, tid);
     let f = rescale(m, row_max);
     let row_sum = wg_sum(sum * f, tid);
@@ -85,12 +88,7 @@ fn main(
     let inv = select(1.0 / row_sum, 0.0, row_sum == 0.0);
     let rows = p.total / p.splits;
     let orow = split * rows + row;
-    for (var d4 = 0u; d4 < EV4; d4++) { // unroll
-        let t = wg_sum4(acc[d4] * f, tid);
-        if (tid == 0u) {
-            store_out(orow, d4, t * inv);
-        }
-    }
+    store_acc(tid, f, inv, orow);
     if (tid == 0u) {
         part_lse[orow] = row_lse(row_max, row_sum);
     }

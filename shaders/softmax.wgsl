@@ -58,7 +58,9 @@ fn main(
     for (var j = tid; j < p.s; j += WG) {
         var w = 0.0;
         if (j < jend) {
-            w = weight(masked_logit(scores[row_base + j], true, b, h, i, j), row_max) * inv;
+            // A masked key weighs 0 even in a NaN row (0 * NaN would be NaN).
+            let x = masked_logit(scores[row_base + j], true, b, h, i, j);
+            w = select(weight(x, row_max) * inv, 0.0, x < MASKED);
         }
         scores[row_base + j] = w;
     }

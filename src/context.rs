@@ -218,10 +218,7 @@ impl Context {
 
     /// Largest size of one storage binding, in bytes.
     pub(crate) fn max_binding(&self) -> u64 {
-        self.inner
-            .limits
-            .max_storage_buffer_binding_size
-            .min(self.inner.limits.max_buffer_size)
+        crate::forms::max_binding(&self.inner.limits)
     }
 
     /// Return the device-lost reason if the device is gone.

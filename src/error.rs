@@ -155,11 +155,11 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
-    /// The scale is NaN or infinite.
-    #[error("scale must be finite, got {scale}")]
+    /// The scale is NaN or infinite (or too large for the kernels' f32).
+    #[error("scale must be finite in f32, got {scale}")]
     InvalidScale {
-        /// The rejected scale.
-        scale: f32,
+        /// The rejected scale, as given.
+        scale: f64,
     },
     /// An option combination that a path cannot serve.
     #[error("path {path} cannot run this problem: {reason}")]

@@ -83,9 +83,13 @@ impl std::str::FromStr for FusedForm {
         if rows.is_some_and(|r| !(1..=16).contains(&r)) {
             return Err(bad());
         }
+        match (kind, rows) {
+            ("gpu", None) => return Ok(FusedForm::Gpu),
+            ("gpu", Some(_)) => return Err(bad()),
+            _ => {}
+        }
         let rows = rows.unwrap_or(1);
         match kind {
-            "gpu" => Ok(FusedForm::Gpu),
             "subgroup" => Ok(FusedForm::Subgroup { rows }),
             "tiled" => Ok(FusedForm::Tiled { rows }),
             "loop" => Ok(FusedForm::Loop { rows }),
@@ -195,6 +199,12 @@ pub struct Caps {
     pub forms: Forms,
 }
 
+/// The largest storage binding a device allows, bytes: `max_storage_buffer_binding_size`, at most
+/// `max_buffer_size`.
+pub(crate) fn max_binding(limits: &wgpu::Limits) -> u64 {
+    limits.max_storage_buffer_binding_size.min(limits.max_buffer_size)
+}
+
 impl Caps {
     /// A device with `limits`, a CPU or not, with a fixed subgroup size or not; no pinned forms.
     pub fn new(limits: &wgpu::Limits, cpu: bool, subgroup: Option<u32>) -> Caps {
@@ -205,7 +215,7 @@ impl Caps {
             max_workgroup_size_x: limits.max_compute_workgroup_size_x,
             workgroup_storage: limits.max_compute_workgroup_storage_size,
             max_workgroups: limits.max_compute_workgroups_per_dimension,
-            max_binding: limits.max_storage_buffer_binding_size.min(limits.max_buffer_size),
+            max_binding: max_binding(limits),
             max_buffer: limits.max_buffer_size,
             forms: Forms::default(),
         }
@@ -224,7 +234,7 @@ impl Caps {
             FusedForm::Loop { rows: 3 },
             FusedForm::Tiled { rows: 2 },
         ];
-        if self.subgroup.is_some_and(|s| (4..=16).contains(&s)) {
+        if self.fused_subgroup().is_some() {
             v.extend([FusedForm::Subgroup { rows: 1 }, FusedForm::Subgroup { rows: 2 }]);
         }
         v
@@ -236,6 +246,12 @@ impl Caps {
             .into_iter()
             .filter(|f| *f != DecodeForm::Subgroup || self.decode_subgroup().is_some())
             .collect()
+    }
+
+    /// The subgroup size of the fused kernel's subgroup form: the subgroup size, when it is fixed
+    /// and 4 to 16 (the workgroup is one subgroup, each invocation holding one key of the tile).
+    pub(crate) fn fused_subgroup(&self) -> Option<u32> {
+        self.subgroup.filter(|s| (4..=16).contains(s))
     }
 
     /// The workgroup size of the decode kernel's subgroup form: the subgroup size, when it is
@@ -264,6 +280,7 @@ mod tests {
             assert_eq!(f.name().parse::<DecodeForm>(), Ok(f));
         }
         assert!("loop:0".parse::<FusedForm>().is_err());
+        assert!("gpu:2".parse::<FusedForm>().is_err());
         assert!("loop:17".parse::<FusedForm>().is_err());
         assert!("warp".parse::<FusedForm>().is_err());
         assert_eq!(

@@ -1,7 +1,8 @@
 //! The problem description: shapes, masks and options, validated once.
 //!
 //! [`Problem`] knows every size the kernels need, the FLOP count used in benchmarks and the
-//! broadcast strides of masks and biases. It is built by [`crate::Sdpa`] before any GPU work.
+//! broadcast strides of masks and biases. It is built by [`Options::problem`](crate::Options::problem)
+//! (for [`crate::Sdpa`], the layer and the reference) before any GPU work.
 
 use crate::error::{Error, Result};
 
@@ -184,7 +185,7 @@ impl Problem {
         if let Some(s) = scale {
             let s32 = s as f32;
             if !s.is_finite() || !s32.is_finite() {
-                return Err(Error::InvalidScale { scale: s32 });
+                return Err(Error::InvalidScale { scale: s });
             }
             self.scale = s32;
         }

@@ -264,6 +264,35 @@ fn nan_input_propagates_without_crash() {
         .all(|x| x.is_finite()));
 }
 
+/// A NaN logit makes its row NaN, but keys the boolean mask (or a -inf bias) removes keep
+/// weight 0 in that row, as in the reference (the unfused path returns the weights). Only the
+/// unfused path: with a mask or bias, lavapipe's compiler folds the fused and decode kernels'
+/// NaN comparisons (WGSL lets implementations assume no NaNs) and their NaN row comes out 0.
+#[test]
+fn nan_row_keeps_masked_weights_zero() {
+    let Some(ctx) = ctx() else { return };
+    let mut case = Case::random((1, 2, 2, 5, 7, 4, 4), 11).with_random_mask(12);
+    case.q[[0, 1, 1, 0]] = f32::NAN;
+    let mut bias = ndarray::Array::zeros(IxDyn(&[5, 7]));
+    bias[[1, 3]] = f32::NEG_INFINITY;
+    case.bias = Some(bias);
+    case.check(ctx, Path::Unfused, TOL, "NaN row with mask and -inf bias");
+    let w = case
+        .sdpa()
+        .path(Path::Unfused)
+        .return_weights()
+        .run_blocking(ctx)
+        .unwrap()
+        .weights
+        .unwrap();
+    assert_eq!(
+        w[[0, 1, 1, 3]],
+        0.0,
+        "a key removed by a -inf bias weighs 0 in a NaN row"
+    );
+    assert!(w.slice(ndarray::s![0, 1, 1, ..]).iter().any(|x| x.is_nan()));
+}
+
 #[test]
 fn caller_buffers_in_and_out() {
     let Some(ctx) = ctx() else { return };

@@ -2,7 +2,6 @@
 // (any device). Every invocation calls them, in uniform control flow; every one gets the result.
 
 var<workgroup> red: array<f32, WG>;
-var<workgroup> red4: array<vec4<f32>, WG>;
 
 fn wg_max(x: f32, tid: u32) -> f32 {
     red[tid] = x;
@@ -28,20 +27,6 @@ fn wg_sum(x: f32, tid: u32) -> f32 {
         workgroupBarrier();
     }
     let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
-fn wg_sum4(x: vec4<f32>, tid: u32) -> vec4<f32> {
-    red4[tid] = x;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
-        if (tid < stride) {
-            red4[tid] = red4[tid] + red4[tid + stride];
-        }
-        workgroupBarrier();
-    }
-    let r = red4[0];
     workgroupBarrier();
     return r;
 }

@@ -9,7 +9,3 @@ fn wg_max(x: f32, tid: u32) -> f32 {
 fn wg_sum(x: f32, tid: u32) -> f32 {
     return subgroupAdd(x);
 }
-
-fn wg_sum4(x: vec4<f32>, tid: u32) -> vec4<f32> {
-    return subgroupAdd(x);
-}

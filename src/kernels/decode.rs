@@ -32,6 +32,10 @@ pub(crate) const MERGE: KernelSpec = KernelSpec {
     params: params_of::<MergeParams>,
 };
 
+/// The accumulator reductions: through workgroup memory in blocks, or by subgroup operations.
+const ACC_SHARED: &str = include_str!("../../shaders/decode_acc_shared.wgsl");
+const ACC_SUBGROUP: &str = include_str!("../../shaders/decode_acc_subgroup.wgsl");
+
 /// Query rows up to which [`crate::Path::Auto`] prefers the decode path (with a long `S`).
 pub(crate) const MAX_ROWS: usize = 16;
 /// Key length from which [`crate::Path::Auto`] prefers the decode path.
@@ -149,14 +153,27 @@ impl Config {
     /// The kernel's constants, reductions and I/O snippet.
     pub(crate) fn prelude(&self) -> String {
         let reductions = if self.form == DecodeForm::Subgroup {
-            common::REDUCE_SUBGROUP
+            [common::REDUCE_SUBGROUP, ACC_SUBGROUP]
         } else {
-            common::REDUCE_SHARED
+            [common::REDUCE_SHARED, ACC_SHARED]
         };
+        // The shared accumulator reduction sums RB vec4s per tree (a divisor of EV4, at most 8).
+        let rb = [8, 4, 2, 1]
+            .into_iter()
+            .find(|r| self.ev4.is_multiple_of(*r))
+            .unwrap_or(1);
         format!(
-            "const WG: u32 = {}u;\nconst E4: u32 = {}u;\nconst EV4: u32 = {}u;\n\
-             const HAS_MASK: bool = {};\nconst HAS_BIAS: bool = {};\nconst UNROLL: bool = {};\n{}{reductions}",
-            self.wg, self.e4, self.ev4, self.masks, self.bias, self.unroll, self.io,
+            "const WG: u32 = {}u;\nconst E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst RB: u32 = {rb}u;\n\
+             const NRB: u32 = {}u;\nconst UNROLL: bool = {};\n{}{}{}{}",
+            self.wg,
+            self.e4,
+            self.ev4,
+            self.ev4 / rb,
+            self.unroll,
+            super::mask_consts(self.masks, self.bias),
+            self.io,
+            reductions[0],
+            reductions[1],
         )
     }
 }

@@ -83,7 +83,7 @@ pub(crate) const CPU_UNROLL_MIN_FLOPS: f64 = 2.5e8;
 pub(crate) fn default_form(p: &Problem, caps: &Caps) -> FusedForm {
     let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
     let large = p.flops() >= CPU_UNROLL_MIN_FLOPS;
-    let sg = caps.subgroup.filter(|s| caps.cpu && (4..=16).contains(s));
+    let sg = caps.fused_subgroup().filter(|_| caps.cpu);
     match (caps.cpu, sg, large) {
         (false, _, _) => FusedForm::Gpu,
         // Measured on lavapipe at E = 64 (a_h8_s1024): 4 rows x 4 keys per step 85 ms but
@@ -118,7 +118,7 @@ impl Config {
         let (wg, rq, kg, unroll, sg_kv) = match form {
             FusedForm::Gpu => (64, 1, 4, true, false),
             FusedForm::Subgroup { rows } => {
-                let s = caps.subgroup.filter(|s| (4..=16).contains(s)).ok_or_else(|| {
+                let s = caps.fused_subgroup().ok_or_else(|| {
                     format!(
                         "the {} form needs a fixed subgroup size of 4 to 16 (device: {:?})",
                         form.name(),
@@ -198,8 +198,8 @@ impl Config {
         let kv = if self.sg_kv { KV_SUBGROUP } else { KV_SHARED };
         format!(
             "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BK: u32 = {}u;\nconst KT: u32 = {}u;\nconst WG: u32 = {}u;\n\
-             const RQ: u32 = {}u;\nconst KG: u32 = {}u;\nconst NG: u32 = {}u;\nconst HAS_MASK: bool = {};\n\
-             const HAS_BIAS: bool = {};\nconst UNROLL: bool = {};\nconst SG_KV: bool = {};\n{io}{kv}",
+             const RQ: u32 = {}u;\nconst KG: u32 = {}u;\nconst NG: u32 = {}u;\n\
+             const UNROLL: bool = {};\nconst SG_KV: bool = {};\n{}{io}{kv}",
             self.e4,
             self.ev4,
             self.bk,
@@ -208,10 +208,9 @@ impl Config {
             self.rq,
             self.kg,
             self.bk / self.kg,
-            self.has_mask,
-            self.has_bias,
             self.unroll,
             self.sg_kv,
+            super::mask_consts(self.has_mask, self.has_bias),
         )
     }
 }

@@ -95,14 +95,10 @@ impl Masks {
     }
 }
 
-/// The constants a masked kernel's prelude declares: whether a boolean mask and a bias are
+/// The constants every masked kernel's prelude declares: whether a boolean mask and a bias are
 /// bound (their code is compiled out when absent).
-pub(crate) fn mask_consts(p: &crate::problem::Problem) -> String {
-    format!(
-        "const HAS_MASK: bool = {};\nconst HAS_BIAS: bool = {};\n",
-        p.mask.is_some(),
-        p.bias.is_some()
-    )
+pub(crate) fn mask_consts(has_mask: bool, has_bias: bool) -> String {
+    format!("const HAS_MASK: bool = {has_mask};\nconst HAS_BIAS: bool = {has_bias};\n")
 }
 
 /// How a kernel binds one buffer; the binding number is the index in [`KernelSpec::bindings`].
@@ -433,7 +429,14 @@ mod tests {
                         );
                     }
                 }
-                validate_with::<softmax::Params>("softmax", &source(&softmax::SPEC, &mask_consts(&p), false));
+                validate_with::<softmax::Params>(
+                    "softmax",
+                    &source(
+                        &softmax::SPEC,
+                        &mask_consts(p.mask.is_some(), p.bias.is_some()),
+                        false,
+                    ),
+                );
             }
         }
         validate_with::<decode::MergeParams>("merge", &source(&decode::MERGE, "", false));

@@ -9,7 +9,7 @@ use wgpu::util::DeviceExt;
 use super::{matmul, softmax};
 use crate::check::{compare, F32_TOLERANCE};
 use crate::options::Options;
-use crate::problem::{Causal, Problem};
+use crate::problem::Causal;
 use crate::reference;
 use crate::Context;
 
@@ -162,14 +162,8 @@ fn softmax_stage_matches_reference_masked_softmax() {
             bias: Some((&bias).into()),
             kv_lens: Some(lens.to_vec()),
         };
-        let p = Problem::new(&[b, hq, l, e], &[b, hkv, s, e], &[b, hkv, s, ev])
-            .unwrap()
-            .with_causal(causal)
-            .with_mask(mask.shape())
-            .unwrap()
-            .with_bias(bias.shape())
-            .unwrap()
-            .with_kv_lens(&lens)
+        let p = spec
+            .problem(&[b, hq, l, e], &[b, hkv, s, e], &[b, hkv, s, ev])
             .unwrap();
         let m = crate::tensor::Mask::from(&mask);
         let (words, mstr) = crate::sdpa::forward::pack_mask(&p, &m);

@@ -15,7 +15,7 @@ pub struct MhaConfig {
     pub kdim: usize,
     /// Width of the value input (cross-attention); `d_model` by default.
     pub vdim: usize,
-    /// Whether the projections have biases (used by [`MhaWeights::xavier_uniform`]).
+    /// Whether the projections have biases (used by [`MhaWeights::xavier_uniform`](crate::MhaWeights::xavier_uniform)).
     pub bias: bool,
 }
 

@@ -51,7 +51,7 @@ impl<'a> MhaInputs<'a> {
 pub struct MhaOutput {
     /// `[B, L, d_model]`.
     pub out: Array3<f64>,
-    /// Per-head weights `[B, H, L, S]`; [`mean_over_heads`] gives PyTorch's averaged weights.
+    /// Per-head weights `[B, H, L, S]`; [`mean_over_heads`](super::mean_over_heads) gives PyTorch's averaged weights.
     pub weights: Array4<f64>,
 }
 
@@ -92,8 +92,8 @@ fn given_heads(x: ArrayView4<f32>, b: usize) -> Array4<f64> {
         .mapv(|v| v as f64)
 }
 
-/// Multi-head attention, the plain way: f64 projections, [`scores`], [`masked_softmax`],
-/// [`weighted_sum`], head merge, output projection. Validated like the GPU layer (the same
+/// Multi-head attention, the plain way: f64 projections, [`scores`](super::scores),
+/// [`masked_softmax`](super::masked_softmax), [`weighted_sum`](super::weighted_sum), head merge, output projection. Validated like the GPU layer (the same
 /// typed errors for bad shapes).
 pub fn mha(w: &crate::MhaWeights, inputs: &MhaInputs, opts: &Options) -> Result<MhaOutput> {
     w.validate()?;

@@ -2,7 +2,7 @@
 //!
 //! Written for obviousness, not speed, and split by stage so that each GPU kernel is checked
 //! against its own stage: [`scores`] (`scale · Q Kᵀ`), [`masked_softmax`] (masks, bias, causal,
-//! key lengths; fully masked rows give zeros), [`weighted_sum`] (`P V`). [`sdpa`] chains them.
+//! key lengths; fully masked rows give zeros), [`weighted_sum`] (`P V`). [`sdpa()`] chains them.
 //! Users may call it to verify their own GPU results. One file per family: `sdpa.rs` (the
 //! stages and their chain), `mha.rs` (the layer).
 

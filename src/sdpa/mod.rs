@@ -1,7 +1,7 @@
 //! Scaled dot-product attention: the public entry point [`Sdpa`], its [`Plan`] (path, form,
 //! tiles), the recorders of the three paths ([`forward`]) and the logsumexp [`merge`].
 //!
-//! | path | kernels (`src/kernels/`, `shaders/`) | reference stage (`src/reference.rs`) |
+//! | path | kernels (`src/kernels/`, `shaders/`) | reference stage (`src/reference/sdpa.rs`) |
 //! |---|---|---|
 //! | [`Path::Unfused`] | `matmul`, `softmax`, `matmul` | `scores`, `masked_softmax`, `weighted_sum` |
 //! | [`Path::Fused`] | `flash` | `sdpa` |

@@ -63,7 +63,11 @@ pub(crate) struct Request {
     pub max_scores_bytes: Option<u64>,
 }
 
-/// The plan of one call (see the module docs); from [`crate::Sdpa::plan`].
+/// The plan of one call: which path runs, in which form of its kernel ([`Form`]), with which
+/// [`Tiles`]. A pure function of the problem, the request (path, weights, score budget) and
+/// the device's [`Caps`], computed once per call; from [`crate::Sdpa::plan`]. On CPU adapters
+/// a large problem's first call may be served by the one-row form of the planned fused form
+/// while the planned one compiles (same results; see the crate docs on tiered compilation).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
     pub(crate) kernel: Kernel,
@@ -83,26 +87,15 @@ impl Plan {
     /// pinned form) cannot run it.
     pub(crate) fn new(p: &Problem, req: &Request, caps: &Caps) -> Result<Plan> {
         let fused = flash::Config::new(p, caps);
-        // A pinned form that cannot run a problem the default form could is an error, not a
-        // silent fallback.
-        let pinned_refused = |pinned: bool, default_ok: bool| pinned && default_ok;
-        let unpinned = caps.with_forms(Forms::default());
-        if let Err(reason) = &fused {
-            if pinned_refused(
-                caps.forms.fused.is_some(),
-                flash::Config::new(p, &unpinned).is_ok(),
-            ) && matches!(req.path, Path::Auto | Path::Fused)
-            {
-                return Err(Error::Unsupported {
-                    path: "fused",
-                    reason: format!("the pinned form cannot run here: {reason}"),
-                });
-            }
-        }
+        // A pinned fused form that cannot run a problem the default form could: where the
+        // fused path is chosen, an error, not a silent fallback to the unfused path.
+        let pinned_refused = fused.is_err()
+            && caps.forms.fused.is_some()
+            && flash::Config::new(p, &caps.with_forms(Forms::default())).is_ok();
         let decode_shape = p.seq_q <= decode::MAX_ROWS && p.seq_kv >= decode::MIN_KEYS;
         let path = match req.path {
             Path::Auto if !req.weights && decode_shape => Path::Decode,
-            Path::Auto if !req.weights && fused.is_ok() => Path::Fused,
+            Path::Auto if !req.weights && (fused.is_ok() || pinned_refused) => Path::Fused,
             Path::Auto => Path::Unfused,
             Path::Fused | Path::Decode if req.weights => {
                 return Err(Error::Unsupported {
@@ -122,7 +115,11 @@ impl Plan {
             }
             Path::Fused => Kernel::Fused(fused.map_err(|reason| Error::Unsupported {
                 path: "fused",
-                reason: format!("{reason}; Path::Auto falls back to Path::Unfused"),
+                reason: if pinned_refused {
+                    format!("the pinned form cannot run here: {reason}")
+                } else {
+                    format!("{reason}; Path::Auto falls back to Path::Unfused")
+                },
             })?),
             Path::Decode | Path::Auto => {
                 Kernel::Decode(decode::Config::new(p, caps).map_err(|reason| Error::Unsupported {
@@ -311,6 +308,22 @@ mod tests {
             Plan::new(&small, &req(Path::Auto), &no_subgroups),
             Err(Error::Unsupported { path: "fused", .. })
         ));
+        // ... but only where the fused kernel would run: decoding and the weights do not need it.
+        let decode = Problem::new(&[1, 32, 1, 128], &[1, 32, 4096, 128], &[1, 32, 4096, 128]).unwrap();
+        assert_eq!(
+            Plan::new(&decode, &req(Path::Auto), &no_subgroups)
+                .unwrap()
+                .path(),
+            Path::Decode
+        );
+        let weights = Request {
+            weights: true,
+            ..req(Path::Auto)
+        };
+        assert_eq!(
+            Plan::new(&small, &weights, &no_subgroups).unwrap().path(),
+            Path::Unfused
+        );
         let pinned = caps(true, Some(8)).with_forms(Forms {
             fused: Some(FusedForm::Loop { rows: 3 }),
             decode: Some(DecodeForm::Gpu),

@@ -42,7 +42,8 @@ pub(crate) type CliResult<T> = Result<T, Box<dyn std::error::Error>>;
                   against an f64 CPU reference.\n\n\
                   Shapes: q [B, Hq, L, E], k [B, Hkv, S, E], v [B, Hkv, S, Ev] -> out [B, Hq, L, Ev].",
     after_help = "Environment: WGPU_BACKEND (vulkan|metal|dx12|gl), WGPU_ADAPTER_NAME (substring of \
-                  the adapter name) and WGPU_POWER_PREF (low|high) choose the adapter.\n\
+                  the adapter name) and WGPU_POWER_PREF (low|high) choose the adapter; \
+                  WGPU_ATTENTION_FORMS (e.g. fused=loop:3,decode=gpu) pins the kernels' forms.\n\
                   Exit status: 0 on success, 1 when `demo` finds a mismatch with the reference, \
                   2 on any error.",
     propagate_version = true
