@@ -148,11 +148,14 @@ impl Context {
 
     /// The same device, queue and pipeline cache with the kernels' forms pinned (for tests,
     /// benchmarks and tuning; [`Forms::default`] lets the plan choose again). A pinned form
-    /// the device cannot run makes calls fail with [`Error::Unsupported`].
-    pub fn with_forms(&self, forms: Forms) -> Context {
+    /// the device cannot run makes calls fail with [`Error::Unsupported`]. A [`FusedForm`] or
+    /// [`DecodeForm`](crate::DecodeForm) pins that kernel's form alone.
+    ///
+    /// [`FusedForm`]: crate::FusedForm
+    pub fn with_forms(&self, forms: impl Into<Forms>) -> Context {
         Context {
             inner: self.inner.clone(),
-            forms,
+            forms: forms.into(),
         }
     }
 

@@ -150,6 +150,26 @@ pub struct Forms {
     pub decode: Option<DecodeForm>,
 }
 
+/// Only the fused kernel's form pinned.
+impl From<FusedForm> for Forms {
+    fn from(f: FusedForm) -> Forms {
+        Forms {
+            fused: Some(f),
+            decode: None,
+        }
+    }
+}
+
+/// Only the decode kernel's form pinned.
+impl From<DecodeForm> for Forms {
+    fn from(f: DecodeForm) -> Forms {
+        Forms {
+            fused: None,
+            decode: Some(f),
+        }
+    }
+}
+
 impl Forms {
     /// Parse `fused=<form>,decode=<form>` (either part may be left out), the syntax of the
     /// `WGPU_ATTENTION_FORMS` environment variable.
@@ -221,9 +241,12 @@ impl Caps {
         }
     }
 
-    /// The same device with `forms` pinned.
-    pub fn with_forms(self, forms: Forms) -> Caps {
-        Caps { forms, ..self }
+    /// The same device with `forms` pinned (a [`FusedForm`] or [`DecodeForm`] pins that one).
+    pub fn with_forms(self, forms: impl Into<Forms>) -> Caps {
+        Caps {
+            forms: forms.into(),
+            ..self
+        }
     }
 
     /// The fused kernel's forms this device can run (the ones the tests check it with): the

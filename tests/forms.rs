@@ -18,7 +18,7 @@ mod common;
 
 use common::{ctx, goldens, Case, Shape, TOL};
 use wgpu_attention::check::compare;
-use wgpu_attention::{Causal, Context, DecodeForm, Form, Forms, FusedForm, Options, Path};
+use wgpu_attention::{Causal, Context, DecodeForm, Form, FusedForm, Options, Path};
 
 /// Shapes with tails: no dimension a multiple of the tiles except where noted.
 const SHAPES: &[Shape] = &[
@@ -56,13 +56,7 @@ fn every_fused_context(ctx: &Context) -> Vec<(FusedForm, Context)> {
     ctx.caps()
         .fused_forms()
         .into_iter()
-        .map(|f| {
-            let forms = Forms {
-                fused: Some(f),
-                decode: None,
-            };
-            (f, ctx.with_forms(forms))
-        })
+        .map(|f| (f, ctx.with_forms(f)))
         .collect()
 }
 
@@ -73,13 +67,7 @@ fn decode_contexts(ctx: &Context, case: &Case) -> Vec<(DecodeForm, Context)> {
         .decode_forms()
         .into_iter()
         .filter(|f| default != Some(Form::Decode(*f)))
-        .map(|f| {
-            let forms = Forms {
-                fused: None,
-                decode: Some(f),
-            };
-            (f, ctx.with_forms(forms))
-        })
+        .map(|f| (f, ctx.with_forms(f)))
         .collect()
 }
 
@@ -157,24 +145,13 @@ fn head_dims_255_129_in_every_fused_form() {
 #[test]
 fn large_problem_in_every_fused_form() {
     let Some(ctx) = ctx() else { return };
-    let mut case = Case::random((2, 2, 1, 720, 737, 64, 64), 77)
-        .with_random_mask(78)
-        .with_random_bias(79)
-        .with_causal(Causal::BottomRight);
-    case.kv_lens = Some(vec![700, 0]);
-    assert!(case.sdpa().problem().unwrap().flops() >= 2.5e8);
+    let case = Case::large();
     let want = case.reference();
     let mut forms = fused_contexts(ctx, &case);
     // The fastest CPU form of the default plan too (4 rows per invocation on lavapipe).
     if let Form::Fused(f) = case.sdpa().path(Path::Fused).plan(ctx).unwrap().form() {
         if !forms.iter().any(|(g, _)| *g == f) {
-            forms.push((
-                f,
-                ctx.with_forms(Forms {
-                    fused: Some(f),
-                    decode: None,
-                }),
-            ));
+            forms.push((f, ctx.with_forms(f)));
         }
     }
     for (form, fctx) in forms {

@@ -247,10 +247,7 @@ mod tests {
             DecodeForm::Subgroup
         );
         assert_eq!(Config::new(&p, &caps(true, None)).unwrap().form, DecodeForm::Cpu);
-        let pinned = caps(true, None).with_forms(crate::Forms {
-            fused: None,
-            decode: Some(DecodeForm::Subgroup),
-        });
+        let pinned = caps(true, None).with_forms(DecodeForm::Subgroup);
         assert!(Config::new(&p, &pinned).is_err());
     }
 }

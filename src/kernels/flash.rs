@@ -281,10 +281,7 @@ mod tests {
                     "E {e}, Ev {ev}, cpu {cpu}, subgroup {sg:?}"
                 );
                 for form in c.fused_forms() {
-                    let pinned = c.with_forms(crate::Forms {
-                        fused: Some(form),
-                        decode: None,
-                    });
+                    let pinned = c.with_forms(form);
                     let cfg = Config::new(&p, &pinned).unwrap();
                     assert_eq!(cfg.form, form);
                 }
@@ -317,10 +314,7 @@ mod tests {
             default_form(&large, &caps(true, None)),
             FusedForm::Tiled { rows: 16 }
         );
-        let pinned = caps(true, None).with_forms(crate::Forms {
-            fused: Some(FusedForm::Subgroup { rows: 2 }),
-            decode: None,
-        });
+        let pinned = caps(true, None).with_forms(FusedForm::Subgroup { rows: 2 });
         assert!(Config::new(&small, &pinned).is_err());
     }
 }

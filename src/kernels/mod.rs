@@ -337,7 +337,7 @@ pub(crate) fn warm(ctx: &Context, spec: &'static KernelSpec, prelude: String, pa
 mod tests {
     use super::*;
 
-    use crate::forms::{Caps, Forms};
+    use crate::forms::Caps;
     use crate::problem::{Causal, Problem};
     use wgsl::WgslStruct;
 
@@ -403,10 +403,7 @@ mod tests {
                 }
                 for caps in caps_list {
                     for form in caps.fused_forms() {
-                        let c = caps.with_forms(Forms {
-                            fused: Some(form),
-                            decode: None,
-                        });
+                        let c = caps.with_forms(form);
                         let cfg = flash::Config::new(&p, &c).unwrap();
                         for storage in [false, true] {
                             let label = format!("flash {form:?} E {e} Ev {ev} masked {masked}");
@@ -417,10 +414,7 @@ mod tests {
                         }
                     }
                     for form in caps.decode_forms() {
-                        let c = caps.with_forms(Forms {
-                            fused: None,
-                            decode: Some(form),
-                        });
+                        let c = caps.with_forms(form);
                         let cfg = decode::Config::new(&p, &c).unwrap();
                         let label = format!("decode {form:?} E {e} Ev {ev} masked {masked}");
                         validate_with::<decode::Params>(

@@ -300,10 +300,7 @@ mod tests {
     #[test]
     fn pinned_forms_run_or_are_refused() {
         let small = Problem::new(&[1, 4, 128, 64], &[1, 4, 128, 64], &[1, 4, 128, 64]).unwrap();
-        let no_subgroups = caps(true, None).with_forms(Forms {
-            fused: Some(FusedForm::Subgroup { rows: 2 }),
-            decode: None,
-        });
+        let no_subgroups = caps(true, None).with_forms(FusedForm::Subgroup { rows: 2 });
         assert!(matches!(
             Plan::new(&small, &req(Path::Auto), &no_subgroups),
             Err(Error::Unsupported { path: "fused", .. })

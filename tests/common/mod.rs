@@ -116,6 +116,19 @@ impl Case {
         self
     }
 
+    /// 2.5e8 FLOPs, enough for CPU adapters' fastest fused forms (several rows per
+    /// invocation), with every mask kind: bottom-right causal, a mask with rows 0 and L/2 fully
+    /// masked, a bias, and key lengths 700 and 0; tails on both sequence lengths.
+    pub fn large() -> Case {
+        let mut case = Case::random((2, 2, 1, 720, 737, 64, 64), 77)
+            .with_random_mask(78)
+            .with_random_bias(79)
+            .with_causal(Causal::BottomRight);
+        case.kv_lens = Some(vec![700, 0]);
+        assert!(case.sdpa().problem().unwrap().flops() >= 2.5e8);
+        case
+    }
+
     pub fn with_causal(mut self, c: Causal) -> Case {
         self.causal = c;
         self
