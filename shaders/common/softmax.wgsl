@@ -10,8 +10,13 @@
 const MASKED: f32 = -3.0e38;
 const START: f32 = -3.4e38;
 
+// -inf, made at run time: a constant expression whose value is infinite is a shader-creation
+// error (Tint refuses `bitcast<f32>(0xff800000u)`; naga accepts it), a private variable is not
+// a constant expression.
+var<private> NEG_INF_BITS: u32 = 0xff800000u;
+
 fn neg_inf() -> f32 {
-    return bitcast<f32>(0xff800000u);
+    return bitcast<f32>(NEG_INF_BITS);
 }
 
 // The weight exp(x - m) of logit `x` under the running max `m`; 0 for a masked logit.
