@@ -215,6 +215,13 @@ pub struct Caps {
     pub max_binding: u64,
     /// `max_buffer_size`, bytes.
     pub max_buffer: u64,
+    /// Kernels can be compiled on a background thread while a quicker-to-compile form serves
+    /// (native; not on the web, which has no threads). Without it a CPU adapter's default fused
+    /// form stays small enough to compile in about a second: Chromium's SwiftShader adapter
+    /// spends over a minute on the 8-row tiled form at E = 64 and its GPU process is then
+    /// killed by the browser's watchdog (measured: `tiled:4` 1.6 s to a first result, 82 ms
+    /// after; `tiled:8` device lost after 90 s).
+    pub background_compile: bool,
     /// Forms pinned by the context.
     pub forms: Forms,
 }
@@ -237,6 +244,7 @@ impl Caps {
             max_workgroups: limits.max_compute_workgroups_per_dimension,
             max_binding: max_binding(limits),
             max_buffer: limits.max_buffer_size,
+            background_compile: cfg!(not(target_arch = "wasm32")),
             forms: Forms::default(),
         }
     }

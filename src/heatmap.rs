@@ -18,8 +18,9 @@ const BAR: u32 = 14;
 /// Largest picture side accepted.
 const MAX_SIDE: u64 = 16_384;
 
-/// A viridis-like colour map: `t` in [0, 1] to RGB.
-fn colour(t: f32) -> [u8; 3] {
+/// The colour map of the pictures (viridis-like): `t` in [0, 1] to RGB (NaN as 0). The web
+/// demo draws its canvas heatmap with it.
+pub fn colour(t: f32) -> [u8; 3] {
     const STOPS: [[f32; 3]; 5] = [
         [68.0, 1.0, 84.0],
         [59.0, 82.0, 139.0],

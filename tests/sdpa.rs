@@ -3,51 +3,17 @@
 
 mod common;
 
-use common::{ctx, Case, Shape, TOL};
+use common::{ctx, mask_kinds, Case, SHAPES, TOL};
 use ndarray::{Array, Array4, IxDyn};
 use wgpu_attention::check::compare;
 use wgpu_attention::{Causal, Path, Sdpa};
-
-/// Shapes chosen so that no dimension is a multiple of the 64-wide tiles except where noted.
-const SHAPES: &[Shape] = &[
-    (1, 1, 1, 1, 1, 1, 1),
-    (2, 3, 3, 17, 17, 16, 16),
-    (1, 2, 2, 70, 130, 33, 65),
-    (2, 4, 2, 65, 63, 64, 64),
-    (1, 4, 1, 5, 129, 8, 20),
-    (1, 2, 2, 130, 7, 128, 5),
-];
-
-type MaskKind = (&'static str, fn(Case) -> Case);
-
-fn masks() -> Vec<MaskKind> {
-    vec![
-        ("none", |c| c),
-        ("causal_top_left", |c| c.with_causal(Causal::TopLeft)),
-        ("causal_bottom_right", |c| c.with_causal(Causal::BottomRight)),
-        ("bool_mask", |c| c.with_random_mask(7)),
-        ("bias", |c| c.with_random_bias(8)),
-        ("kv_lens", |c| c.with_kv_lens()),
-        ("all_combined", |c| {
-            c.with_causal(Causal::BottomRight)
-                .with_random_mask(9)
-                .with_random_bias(10)
-                .with_kv_lens()
-        }),
-        ("top_left_mask_bias", |c| {
-            c.with_causal(Causal::TopLeft)
-                .with_random_mask(11)
-                .with_random_bias(12)
-        }),
-    ]
-}
 
 #[test]
 fn grid_of_shapes_and_masks_matches_reference() {
     let Some(ctx) = ctx() else { return };
     for path in Path::ALL {
         for (si, &shape) in SHAPES.iter().enumerate() {
-            for (name, apply) in masks() {
+            for (name, apply) in mask_kinds() {
                 let case = apply(Case::random(shape, si as u64));
                 case.check(ctx, path, TOL, &format!("{path:?} {shape:?} {name}"));
             }

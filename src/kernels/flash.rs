@@ -95,9 +95,14 @@ pub(crate) fn default_form(p: &Problem, caps: &Caps) -> FusedForm {
         },
         (true, Some(_), false) => FusedForm::Subgroup { rows: 1 },
         // About 256 vec4s of q (and of accumulator) per invocation (measured on lavapipe at
-        // E = 64: 8 rows 315 ms, 16 rows 203 ms; keys per step matter little).
-        (true, None, true) => FusedForm::Tiled {
+        // E = 64: 8 rows 315 ms, 16 rows 203 ms; keys per step matter little), while the
+        // one-row form serves the first calls. Without background compilation (the web) about
+        // 64 vec4s, which compile in a second or two (see `Caps::background_compile`).
+        (true, None, true) if caps.background_compile => FusedForm::Tiled {
             rows: (256 / e4.max(ev4)).clamp(1, 16),
+        },
+        (true, None, true) => FusedForm::Tiled {
+            rows: (64 / e4.max(ev4)).clamp(1, 4),
         },
         (true, None, false) => FusedForm::Loop { rows: 2 },
     }
@@ -314,6 +319,14 @@ mod tests {
             default_form(&large, &caps(true, None)),
             FusedForm::Tiled { rows: 16 }
         );
+        // Without background compilation (the web): a form that compiles quickly.
+        let web_cpu = Caps {
+            background_compile: false,
+            ..caps(true, None)
+        };
+        assert_eq!(default_form(&large, &web_cpu), FusedForm::Tiled { rows: 4 });
+        let wide = Problem::new(&[1, 8, 1024, 256], &[1, 8, 1024, 256], &[1, 8, 1024, 256]).unwrap();
+        assert_eq!(default_form(&wide, &web_cpu), FusedForm::Tiled { rows: 1 });
         let pinned = caps(true, None).with_forms(FusedForm::Subgroup { rows: 2 });
         assert!(Config::new(&small, &pinned).is_err());
     }

@@ -1,13 +1,14 @@
-//! Shared test support: the GPU context (skip or fail when there is none), random inputs,
-//! and the comparison of a GPU run with the CPU reference.
+//! Shared test support for the native suite: the GPU context (skip or fail when there is none),
+//! the blocking runs of the cases in `cases.rs` (shared with the browser suite) and the golden
+//! files.
 #![allow(dead_code)]
 
-use ndarray::{Array, Array4, ArrayD, IxDyn};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use wgpu_attention::check::{compare, Report, Tolerance, F32_TOLERANCE};
+mod cases;
+
+pub use cases::*;
+use wgpu_attention::check::Tolerance;
 use wgpu_attention::reference;
-use wgpu_attention::{Causal, Context, Options, Path, Sdpa};
+use wgpu_attention::{Context, Path};
 
 /// A GPU context for one test: its own device, so that tests running in parallel compile
 /// their shaders in parallel (lavapipe compiles a pipeline on its device's queue thread; one
@@ -34,127 +35,7 @@ pub fn thread_ctx() -> Option<&'static Context> {
     CTX.with(|c| *c.get_or_init(ctx))
 }
 
-/// Uniform values in [-1, 1).
-pub fn rand_array<Sh: ndarray::ShapeBuilder>(rng: &mut StdRng, shape: Sh) -> Array<f32, Sh::Dim> {
-    Array::from_shape_simple_fn(shape, || rng.random_range(-1.0f32..1.0))
-}
-
-pub fn rng(seed: u64) -> StdRng {
-    StdRng::seed_from_u64(seed)
-}
-
-/// Shapes `(B, Hq, Hkv, L, S, E, Ev)`.
-pub type Shape = (usize, usize, usize, usize, usize, usize, usize);
-
-/// One attention case: inputs and options.
-pub struct Case {
-    pub q: Array4<f32>,
-    pub k: Array4<f32>,
-    pub v: Array4<f32>,
-    pub mask: Option<ArrayD<bool>>,
-    pub bias: Option<ArrayD<f32>>,
-    pub kv_lens: Option<Vec<usize>>,
-    pub causal: Causal,
-    /// f64, as PyTorch's goldens give it; the GPU uses its f32 rounding.
-    pub scale: Option<f64>,
-}
-
 impl Case {
-    pub fn random(shape: Shape, seed: u64) -> Case {
-        let (b, hq, hkv, l, s, e, ev) = shape;
-        let mut r = rng(seed);
-        Case {
-            q: rand_array(&mut r, (b, hq, l, e)),
-            k: rand_array(&mut r, (b, hkv, s, e)),
-            v: rand_array(&mut r, (b, hkv, s, ev)),
-            mask: None,
-            bias: None,
-            kv_lens: None,
-            causal: Causal::None,
-            scale: None,
-        }
-    }
-
-    pub fn dims(&self) -> (usize, usize, usize, usize) {
-        let (b, h, l, _) = self.q.dim();
-        (b, h, l, self.k.dim().2)
-    }
-
-    /// A `[B, 1, L, S]` mask, about 30% false, with rows 0 and L/2 fully masked.
-    pub fn with_random_mask(mut self, seed: u64) -> Case {
-        let (b, _, l, s) = self.dims();
-        let mut r = rng(seed);
-        let mut m = Array::from_shape_simple_fn(IxDyn(&[b, 1, l, s]), || r.random_range(0.0..1.0) > 0.3);
-        for bi in 0..b {
-            for j in 0..s {
-                m[[bi, 0, 0, j]] = false;
-                m[[bi, 0, l / 2, j]] = false;
-            }
-        }
-        self.mask = Some(m);
-        self
-    }
-
-    /// A `[1, H, L, S]` bias of magnitude ~2.
-    pub fn with_random_bias(mut self, seed: u64) -> Case {
-        let (_, h, l, s) = self.dims();
-        let mut r = rng(seed);
-        self.bias = Some(Array::from_shape_simple_fn(IxDyn(&[1, h, l, s]), || {
-            r.random_range(-2.0..2.0)
-        }));
-        self
-    }
-
-    /// Key lengths `S, S - 3, 1, ...` cycling over the batch.
-    pub fn with_kv_lens(mut self) -> Case {
-        let (b, _, _, s) = self.dims();
-        self.kv_lens = Some(
-            (0..b)
-                .map(|i| [s, s.saturating_sub(3).max(1), 1][i % 3])
-                .collect(),
-        );
-        self
-    }
-
-    /// 2.5e8 FLOPs, enough for CPU adapters' fastest fused forms (several rows per
-    /// invocation), with every mask kind: bottom-right causal, a mask with rows 0 and L/2 fully
-    /// masked, a bias, and key lengths 700 and 0; tails on both sequence lengths.
-    pub fn large() -> Case {
-        let mut case = Case::random((2, 2, 1, 720, 737, 64, 64), 77)
-            .with_random_mask(78)
-            .with_random_bias(79)
-            .with_causal(Causal::BottomRight);
-        case.kv_lens = Some(vec![700, 0]);
-        assert!(case.sdpa().problem().unwrap().flops() >= 2.5e8);
-        case
-    }
-
-    pub fn with_causal(mut self, c: Causal) -> Case {
-        self.causal = c;
-        self
-    }
-
-    /// The case's options, shared by the GPU call and the reference.
-    pub fn options(&self) -> Options<'_> {
-        let mut o = Options {
-            causal: self.causal,
-            scale: self.scale,
-            kv_lens: self.kv_lens.clone(),
-            ..Options::default()
-        };
-        o.mask = self.mask.as_ref().map(|m| m.into());
-        o.bias = self.bias.as_ref().map(|b| b.into());
-        o
-    }
-
-    pub fn sdpa(&self) -> Sdpa<'_> {
-        Sdpa::new(&self.q, &self.k, &self.v).options(self.options())
-    }
-
-    pub fn reference(&self) -> reference::Output {
-        reference::sdpa(self.q.view(), self.k.view(), self.v.view(), &self.options()).unwrap()
-    }
-
     /// [`Case::check`] on every path.
     pub fn check_all_paths(&self, ctx: &Context, tol: Tolerance, label: &str) {
         for path in Path::ALL {
@@ -183,99 +64,13 @@ impl Case {
             run = run.return_weights();
         }
         let got = run.run_blocking(ctx).unwrap_or_else(|e| panic!("{label}: {e}"));
-        assert_report(
-            compare(got.output.iter().copied(), want.out.iter().copied(), tol),
-            &format!("{label} output"),
-        );
-        assert_report(
-            compare(got.lse.unwrap().iter().copied(), want.lse.iter().copied(), tol),
-            &format!("{label} lse"),
-        );
-        if weights {
-            assert_report(
-                compare(
-                    got.weights.unwrap().iter().copied(),
-                    want.weights.iter().copied(),
-                    tol,
-                ),
-                &format!("{label} weights"),
-            );
-        }
+        self.assert_output(got, want, weights, tol, label);
     }
 }
 
-pub fn assert_report(r: Report, label: &str) {
-    assert!(r.passed(), "{label}: {r}");
-}
 
-pub const TOL: Tolerance = F32_TOLERANCE;
-
-/// A mask and a bias of every broadcast shape (every rank, every broadcast dimension) over one
-/// `[2, 3, 6, 10]` problem, labelled by shape.
-pub fn broadcast_cases() -> Vec<(String, Case)> {
-    let base = Case::random((2, 3, 3, 6, 10, 8, 8), 4);
-    let mut r = rng(5);
-    [
-        vec![10],
-        vec![6, 10],
-        vec![1, 6, 10],
-        vec![3, 6, 10],
-        vec![2, 1, 1, 10],
-        vec![2, 3, 6, 1],
-        vec![1, 3, 1, 10],
-    ]
-    .into_iter()
-    .map(|shape| {
-        let mask = Array::from_shape_simple_fn(IxDyn(&shape), || r.random_range(0.0..1.0) > 0.4);
-        let bias = Array::from_shape_simple_fn(IxDyn(&shape), || r.random_range(-1.0f32..1.0));
-        let case = Case {
-            mask: Some(mask),
-            bias: Some(bias),
-            q: base.q.clone(),
-            k: base.k.clone(),
-            v: base.v.clone(),
-            kv_lens: None,
-            causal: Causal::None,
-            scale: None,
-        };
-        (format!("mask/bias {shape:?}"), case)
-    })
-    .collect()
-}
-
-/// A PyTorch float64 golden (`tests/fixtures/sdpa/<name>`, written by `scripts/make_goldens.py`):
-/// the case and PyTorch's outputs.
-pub struct Golden {
-    pub name: String,
-    pub case: Case,
-    pub out: ndarray::Array4<f64>,
-    pub lse: ndarray::Array3<f64>,
-    pub weights: ndarray::Array4<f64>,
-}
-
-impl Golden {
-    /// Compare a GPU output and logsumexp (and weights, if any) with PyTorch's at `tol`.
-    pub fn assert_matches(&self, got: &wgpu_attention::Output, tol: Tolerance, label: &str) {
-        use wgpu_attention::check::compare;
-        let name = &self.name;
-        let rep = compare(got.output.iter().copied(), self.out.iter().copied(), tol);
-        assert!(rep.passed(), "{name} {label} out: {rep}");
-        let rep = compare(
-            got.lse.as_ref().unwrap().iter().copied(),
-            self.lse.iter().copied(),
-            tol,
-        );
-        assert!(rep.passed(), "{name} {label} lse: {rep}");
-        if let Some(w) = &got.weights {
-            let rep = compare(w.iter().copied(), self.weights.iter().copied(), tol);
-            assert!(rep.passed(), "{name} {label} weights: {rep}");
-        }
-    }
-}
-
-/// Every SDPA golden, sorted by name.
+/// Every SDPA golden (`tests/fixtures/sdpa/<name>`), sorted by name.
 pub fn goldens() -> Vec<Golden> {
-    use ndarray_npy::read_npy;
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sdpa");
     let mut dirs: Vec<_> = std::fs::read_dir(&root)
         .unwrap()
@@ -285,35 +80,8 @@ pub fn goldens() -> Vec<Golden> {
     let g: Vec<Golden> = dirs
         .iter()
         .map(|dir| {
-            let meta: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
-            let causal = match meta["causal"].as_str().unwrap() {
-                "none" => Causal::None,
-                "top_left" => Causal::TopLeft,
-                "bottom_right" => Causal::BottomRight,
-                other => panic!("unknown causal {other}"),
-            };
-            let opt = |file: &str| Some(dir.join(file)).filter(|p| p.exists());
-            let scale = meta["scale"].as_f64();
-            Golden {
-                name: dir.file_name().unwrap().to_string_lossy().into_owned(),
-                case: Case {
-                    q: read_npy(dir.join("q.npy")).unwrap(),
-                    k: read_npy(dir.join("k.npy")).unwrap(),
-                    v: read_npy(dir.join("v.npy")).unwrap(),
-                    mask: opt("mask.npy").map(|p| read_npy(p).unwrap()),
-                    bias: opt("bias.npy").map(|p| read_npy(p).unwrap()),
-                    kv_lens: opt("kv_lens.npy").map(|p| {
-                        let a: ndarray::Array1<i64> = read_npy(p).unwrap();
-                        a.iter().map(|&x| x as usize).collect()
-                    }),
-                    causal,
-                    scale,
-                },
-                out: read_npy(dir.join("out.npy")).unwrap(),
-                lse: read_npy(dir.join("lse.npy")).unwrap(),
-                weights: read_npy(dir.join("weights.npy")).unwrap(),
-            }
+            let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+            golden(&name, |f| std::fs::read(dir.join(f)).ok())
         })
         .collect();
     assert!(

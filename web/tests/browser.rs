@@ -1,21 +1,458 @@
+//! The test suite inside a real browser: WebGPU in headless Chromium (Dawn/Tint on SwiftShader in
+//! CI), run by `scripts/web.sh test` (wasm-bindgen-test). Every path (fused, decode, unfused),
+//! every mask kind and their combination, GQA/MQA, weights and logsumexp, every kernel form the
+//! browser's adapter offers, the PyTorch goldens, `merge`, the MHA layer, the caller's buffers
+//! and `record`, and the error paths, each checked against the CPU reference computed here in
+//! the browser. The cases are the native suite's (`tests/common/cases.rs`, included by path).
+//! A missing adapter fails every test: nothing here skips.
 #![cfg(target_arch = "wasm32")]
+
+#[path = "../../tests/common/cases.rs"]
+mod cases;
+
+mod goldens {
+    include!(concat!(env!("OUT_DIR"), "/goldens.rs"));
+}
+
+use cases::*;
+use ndarray::{s, Array, Array3, Array4, ArrayD, IxDyn};
 use wasm_bindgen_test::*;
-use wgpu_attention::{Context, Path, Sdpa, Causal};
-use ndarray::Array4;
+use wgpu_attention::check::compare;
+use wgpu_attention::reference::{self, MhaInputs};
+use wgpu_attention::{
+    Causal, Context, Error, FusedForm, MhaConfig, MhaWeights, MultiHeadAttention, NeedWeights, Options, Path, Sdpa,
+    Tensor,
+};
+
 wasm_bindgen_test_configure!(run_in_browser);
 
-#[wasm_bindgen_test]
-async fn spike() {
-    let ctx = Context::new().await.unwrap();
-    web_sys::console::log_1(&format!("{} {:?}", ctx.describe(), ctx.caps()).into());
-    let q = Array4::<f32>::from_shape_fn((1, 2, 37, 20), |(a, b, c, d)| ((a + 3*b + 7*c + 11*d) % 13) as f32 / 13.0 - 0.5);
-    let k = Array4::<f32>::from_shape_fn((1, 2, 41, 20), |(a, b, c, d)| ((a + 5*b + 3*c + 7*d) % 11) as f32 / 11.0 - 0.5);
-    let v = k.clone();
-    for path in Path::ALL {
-        let out = Sdpa::new(&q, &k, &v).causal(Causal::BottomRight).path(path).run(&ctx).await.unwrap();
-        let want = wgpu_attention::reference::sdpa(q.view(), k.view(), v.view(), &wgpu_attention::Options { causal: Causal::BottomRight, ..Default::default() }).unwrap();
-        let r = wgpu_attention::check::compare(out.output.iter().copied(), want.out.iter().copied(), wgpu_attention::check::F32_TOLERANCE);
-        web_sys::console::log_1(&format!("{path:?}: {r}").into());
-        assert!(r.passed());
+/// A context on the browser's WebGPU adapter; no adapter is a failure.
+async fn ctx() -> Context {
+    match Context::new().await {
+        Ok(c) => c,
+        Err(e) => panic!("no WebGPU adapter in this browser: {e}"),
     }
 }
+
+fn log(msg: &str) {
+    web_sys::console::log_1(&msg.into());
+}
+
+/// Run `path` (with weights on the unfused path, and lse) and compare with `want`.
+async fn check_against(case: &Case, want: &reference::Output, ctx: &Context, path: Path, label: &str) {
+    let mut run = case.sdpa().path(path).return_lse();
+    let weights = path == Path::Unfused;
+    if weights {
+        run = run.return_weights();
+    }
+    let got = run.run(ctx).await.unwrap_or_else(|e| panic!("{label}: {e}"));
+    case.assert_output(got, want, weights, TOL, label);
+}
+
+/// [`check_against`] on every path, against one reference.
+async fn check_all_paths(case: &Case, ctx: &Context, label: &str) {
+    let want = case.reference();
+    for path in Path::ALL {
+        check_against(case, &want, ctx, path, &format!("{label} [{path:?}]")).await;
+    }
+}
+
+#[wasm_bindgen_test]
+async fn adapter_is_the_browsers_webgpu_within_default_limits() {
+    let ctx = ctx().await;
+    let info = ctx.adapter_info().expect("adapter info");
+    assert_eq!(info.backend, wgpu_attention::wgpu::Backend::BrowserWebGpu);
+    let l = ctx.limits();
+    log(&format!(
+        "adapter: {}; {:?}; storage buffers per stage {}, workgroup memory {} B, invocations {}",
+        ctx.describe(),
+        ctx.caps(),
+        l.max_storage_buffers_per_shader_stage,
+        l.max_compute_workgroup_storage_size,
+        l.max_compute_invocations_per_workgroup
+    ));
+    // WebGPU guarantees 8 storage buffers per stage; every kernel binds at most that many.
+    assert!(l.max_storage_buffers_per_shader_stage >= 8);
+}
+
+#[wasm_bindgen_test]
+async fn grid_of_shapes_and_masks_on_every_path() {
+    let ctx = ctx().await;
+    for (si, &shape) in SHAPES.iter().enumerate() {
+        for (name, apply) in mask_kinds() {
+            let case = apply(Case::random(shape, si as u64));
+            check_all_paths(&case, &ctx, &format!("{shape:?} {name}")).await;
+        }
+    }
+}
+
+/// Every fused and decode form the browser's device can run, on shapes with tails and every
+/// mask kind combined (the default forms run in every other test).
+#[wasm_bindgen_test]
+async fn every_kernel_form_the_device_offers() {
+    let ctx = ctx().await;
+    let caps = ctx.caps();
+    let cases: Vec<Case> = [(1, 2, 2, 70, 130, 33, 65), (2, 4, 2, 65, 63, 64, 64), (1, 2, 1, 9, 21, 255, 129)]
+        .into_iter()
+        .enumerate()
+        .map(|(i, shape)| {
+            Case::random(shape, 30 + i as u64)
+                .with_causal(Causal::BottomRight)
+                .with_random_mask(31)
+                .with_random_bias(32)
+                .with_kv_lens()
+        })
+        .collect();
+    let decode = Case::random((2, 4, 2, 3, 700, 16, 24), 33)
+        .with_causal(Causal::BottomRight)
+        .with_random_mask(34)
+        .with_random_bias(35)
+        .with_kv_lens();
+    for form in caps.fused_forms() {
+        let pinned = ctx.with_forms(form);
+        for case in cases.iter().chain([&decode]) {
+            let want = case.reference();
+            check_against(case, &want, &pinned, Path::Fused, &format!("fused {}", form.name())).await;
+        }
+    }
+    for form in caps.decode_forms() {
+        let pinned = ctx.with_forms(form);
+        for case in cases.iter().chain([&decode]) {
+            let want = case.reference();
+            check_against(case, &want, &pinned, Path::Decode, &format!("decode {}", form.name())).await;
+        }
+    }
+    // The browser exposes no subgroups to wgpu: the subgroup form is refused, typed.
+    if !caps.fused_forms().iter().any(|f| f.needs_subgroups()) {
+        let e = cases[0]
+            .sdpa()
+            .path(Path::Fused)
+            .run(&ctx.with_forms(FusedForm::Subgroup { rows: 1 }))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+    }
+}
+
+/// A large problem (2.5e8 FLOPs, every mask kind, a zero key length) on the fused path.
+#[wasm_bindgen_test]
+async fn large_case_with_every_mask_on_the_fused_path() {
+    let ctx = ctx().await;
+    let case = Case::large();
+    let want = case.reference();
+    let t = web_sys::window().unwrap().performance().unwrap();
+    let t0 = t.now();
+    check_against(&case, &want, &ctx, Path::Fused, "large fused").await;
+    log(&format!("large fused: {:.0} ms, plan {:?}", t.now() - t0, case.sdpa().plan(&ctx).unwrap()));
+}
+
+#[wasm_bindgen_test]
+async fn decode_shapes_on_every_path() {
+    let ctx = ctx().await;
+    let base = Case::random((2, 4, 2, 3, 1500, 16, 24), 15);
+    assert_eq!(base.sdpa().resolved_path(&ctx).unwrap(), Path::Decode);
+    check_all_paths(&base, &ctx, "decode plain").await;
+    let one = Case::random((1, 8, 1, 1, 777, 64, 64), 19).with_causal(Causal::TopLeft);
+    check_all_paths(&one, &ctx, "decode L=1 top-left (one key)").await;
+}
+
+#[wasm_bindgen_test]
+async fn head_dims_up_to_256_on_every_path() {
+    let ctx = ctx().await;
+    for (i, (e, ev)) in [(256, 256), (255, 129), (1, 256)].into_iter().enumerate() {
+        let case = Case::random((1, 2, 1, 9, 21, e, ev), 40 + i as u64)
+            .with_causal(Causal::BottomRight)
+            .with_random_mask(41)
+            .with_random_bias(42);
+        assert_eq!(case.sdpa().resolved_path(&ctx).unwrap(), Path::Fused, "E {e}, Ev {ev}");
+        check_all_paths(&case, &ctx, &format!("E {e}, Ev {ev}")).await;
+    }
+}
+
+#[wasm_bindgen_test]
+async fn fully_masked_rows_are_zero_with_minus_inf_lse() {
+    let ctx = ctx().await;
+    let case = Case::random((2, 2, 2, 9, 11, 8, 8), 1).with_random_mask(3);
+    for path in Path::ALL {
+        let out = case.sdpa().path(path).return_lse().run(&ctx).await.unwrap();
+        for b in 0..2 {
+            for h in 0..2 {
+                for i in [0, 4] {
+                    assert!(out.output.slice(s![b, h, i, ..]).iter().all(|&x| x == 0.0), "{path:?}");
+                    assert_eq!(out.lse.as_ref().unwrap()[[b, h, i]], f32::NEG_INFINITY, "{path:?}");
+                }
+            }
+        }
+        assert!(out.output.iter().all(|x| x.is_finite()), "{path:?}");
+    }
+    let mut zero = Case::random((2, 2, 2, 5, 7, 4, 4), 3);
+    zero.kv_lens = Some(vec![0, 7]);
+    check_all_paths(&zero, &ctx, "kv_len 0").await;
+}
+
+#[wasm_bindgen_test]
+async fn mask_and_bias_broadcasts_and_minus_inf_bias() {
+    let ctx = ctx().await;
+    for (name, case) in broadcast_cases() {
+        check_all_paths(&case, &ctx, &name).await;
+    }
+    let mut case = Case::random((1, 1, 1, 4, 5, 4, 4), 6);
+    let mut bias = Array::zeros(IxDyn(&[4, 5]));
+    bias[[0, 1]] = f32::NEG_INFINITY;
+    bias.slice_mut(s![2, ..]).fill(f32::NEG_INFINITY);
+    case.bias = Some(bias);
+    check_all_paths(&case, &ctx, "-inf bias").await;
+}
+
+/// Logits near ±1e4, exact in f32: the max subtraction keeps every value finite.
+#[wasm_bindgen_test]
+async fn large_magnitude_logits_stay_finite() {
+    let ctx = ctx().await;
+    let ints = |shape: (usize, usize, usize, usize), seed: u64| {
+        Array4::from_shape_fn(shape, |(a, b, c, d)| ((a * 5 + b * 7 + c * 3 + d + seed as usize) % 7) as f32 - 3.0)
+    };
+    for offset in [1.0e4f32, -1.0e4] {
+        let case = Case {
+            q: ints((1, 2, 9, 16), 1),
+            k: ints((1, 2, 13, 16), 2),
+            v: ints((1, 2, 13, 8), 3),
+            mask: None,
+            bias: Some(Array::from_elem(IxDyn(&[1]), offset)),
+            kv_lens: None,
+            causal: Causal::None,
+            scale: Some(1.0),
+        };
+        check_all_paths(&case, &ctx, &format!("logits around {offset}")).await;
+    }
+}
+
+#[wasm_bindgen_test]
+async fn pytorch_goldens_on_every_path() {
+    let ctx = ctx().await;
+    assert!(goldens::GOLDENS.len() >= 12, "embedded goldens");
+    for (name, files) in goldens::GOLDENS {
+        let g = golden(name, |f| files.iter().find(|(n, _)| *n == f).map(|(_, b)| b.to_vec()));
+        for path in Path::ALL {
+            let mut run = g.case.sdpa().path(path).return_lse();
+            if path == Path::Unfused {
+                run = run.return_weights();
+            }
+            let got = run.run(&ctx).await.unwrap_or_else(|e| panic!("{name} {path:?}: {e}"));
+            g.assert_matches(&got, TOL, &format!("{path:?}"));
+        }
+    }
+}
+
+/// Two halves of the keys attended separately and merged on the GPU equal the whole; an empty
+/// part contributes nothing; shapes are checked.
+#[wasm_bindgen_test]
+async fn merge_of_disjoint_key_halves_is_the_whole() {
+    let ctx = ctx().await;
+    let case = Case::random((1, 2, 2, 7, 30, 8, 5), 20).with_causal(Causal::BottomRight);
+    let want = case.reference();
+    let half = |a: &Array4<f32>, first: bool| {
+        if first {
+            a.slice(s![.., .., ..13, ..]).to_owned()
+        } else {
+            a.slice(s![.., .., 13.., ..]).to_owned()
+        }
+    };
+    let (k1, v1, k2, v2) = (half(&case.k, true), half(&case.v, true), half(&case.k, false), half(&case.v, false));
+    // Bottom-right causal over the whole keys: the first half is fully visible to every row that
+    // sees any key of the second half, so each part is attended with its own visibility mask.
+    let (l, s_all) = (7usize, 30usize);
+    let part_mask = |lo: usize, hi: usize| {
+        ArrayD::from_shape_fn(IxDyn(&[l, hi - lo]), |i| lo + i[1] <= i[0] + s_all - l)
+    };
+    let (m1, m2) = (part_mask(0, 13), part_mask(13, 30));
+    let a = Sdpa::new(&case.q, &k1, &v1).mask(&m1).return_lse().run(&ctx).await.unwrap();
+    let b = Sdpa::new(&case.q, &k2, &v2).mask(&m2).return_lse().run(&ctx).await.unwrap();
+    let (o, lse) = wgpu_attention::merge(&ctx, &a.output, a.lse.as_ref().unwrap(), &b.output, b.lse.as_ref().unwrap())
+        .await
+        .unwrap();
+    assert_report(compare(o.iter().copied(), want.out.iter().copied(), TOL), "merged output");
+    assert_report(compare(lse.iter().copied(), want.lse.iter().copied(), TOL), "merged lse");
+    let empty_o = Array4::<f32>::zeros(a.output.dim());
+    let empty_lse = Array3::from_elem(a.lse.as_ref().unwrap().dim(), f32::NEG_INFINITY);
+    let (o, lse) = wgpu_attention::merge(&ctx, &a.output, a.lse.as_ref().unwrap(), &empty_o, &empty_lse)
+        .await
+        .unwrap();
+    assert_report(compare(o.iter().copied(), a.output.iter().copied(), TOL), "merge with empty");
+    assert_report(
+        compare(lse.iter().copied(), a.lse.as_ref().unwrap().iter().copied(), TOL),
+        "lse with empty",
+    );
+    let bad = Array3::<f32>::zeros((1, 2, 6));
+    let e = wgpu_attention::merge(&ctx, &a.output, &bad, &b.output, &bad).await.unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
+}
+
+/// The multi-head attention layer against the f64 reference: self-attention with biases,
+/// cross-attention with kdim/vdim != d_model, GQA and MQA, every mask kind, weights per head
+/// and averaged.
+#[wasm_bindgen_test]
+async fn mha_layer_matches_reference() {
+    let ctx = ctx().await;
+    let configs = [
+        (MhaConfig::new(32, 4), false),
+        (MhaConfig::new(48, 6).kv_heads(2), true),
+        (MhaConfig::new(40, 4).kv_heads(1), false),
+        (MhaConfig::new(36, 3).kv_dims(20, 28), true),
+    ];
+    for (ci, (config, cross)) in configs.into_iter().enumerate() {
+        let mut r = rng(200 + ci as u64);
+        let w = MhaWeights::xavier_uniform(config, 300 + ci as u64).unwrap();
+        let (b, l, s) = if cross { (2, 19, 37) } else { (2, 23, 23) };
+        let x: Array3<f32> = rand_array(&mut r, (b, l, config.d_model));
+        let k: Array3<f32> = rand_array(&mut r, (b, s, config.kdim));
+        let v: Array3<f32> = rand_array(&mut r, (b, s, config.vdim));
+        let mut mask = ArrayD::from_shape_fn(IxDyn(&[b, 1, l, s]), |i| (i[2] * 7 + i[3] * 3 + i[0]) % 5 != 0);
+        mask.slice_mut(s![0, 0, l / 2, ..]).fill(false);
+        let bias: ArrayD<f32> = rand_array(&mut r, IxDyn(&[1, config.num_heads, l, s]));
+        let lens = vec![s / 2 + 1, 0];
+        for (variant, weights) in [
+            ("plain", NeedWeights::No),
+            ("causal + lens", NeedWeights::Averaged),
+            ("every mask", NeedWeights::PerHead),
+        ] {
+            let mut opts = Options::default();
+            if variant != "plain" {
+                opts.causal = Causal::BottomRight;
+                opts.kv_lens = Some(lens.clone());
+            }
+            if variant == "every mask" {
+                opts.mask = Some((&mask).into());
+                opts.bias = Some((&bias).into());
+            }
+            let inputs = if cross {
+                MhaInputs::cross(x.view(), k.view(), v.view())
+            } else {
+                MhaInputs::self_attention(x.view())
+            };
+            let want = reference::mha(&w, &inputs, &opts).unwrap();
+            let layer = MultiHeadAttention::new(&ctx, &w).unwrap();
+            let mut f = layer.forward(&x).options(opts.clone()).need_weights(weights);
+            if cross {
+                f = f.key_value(&k, &v);
+            }
+            let label = format!("{config:?} cross {cross} {variant}");
+            let got = f.run(&ctx).await.unwrap_or_else(|e| panic!("{label}: {e}"));
+            assert_report(compare(got.output.iter().copied(), want.out.iter().copied(), TOL), &label);
+            match weights {
+                NeedWeights::PerHead => assert_report(
+                    compare(got.weights.unwrap().iter().copied(), want.weights.iter().copied(), TOL),
+                    &format!("{label} weights"),
+                ),
+                NeedWeights::Averaged => assert_report(
+                    compare(
+                        got.avg_weights.unwrap().iter().copied(),
+                        reference::mean_over_heads(&want.weights).iter().copied(),
+                        TOL,
+                    ),
+                    &format!("{label} avg weights"),
+                ),
+                NeedWeights::No => assert!(got.weights.is_none() && got.avg_weights.is_none()),
+            }
+        }
+    }
+}
+
+/// The caller's buffers in and out, and `record` into the caller's encoder.
+#[wasm_bindgen_test]
+async fn caller_buffers_and_record() {
+    use wgpu_attention::wgpu::{self, util::DeviceExt};
+    let ctx = ctx().await;
+    let case = Case::random((1, 2, 2, 10, 12, 8, 6), 12).with_causal(Causal::TopLeft);
+    let want = case.reference();
+    let dev = ctx.device();
+    let upload = |a: &Array4<f32>| {
+        dev.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("caller input"),
+            contents: bytemuck::cast_slice(a.as_slice().unwrap()),
+            usage: wgpu::BufferUsages::STORAGE,
+        })
+    };
+    let (qb, kb, vb) = (upload(&case.q), upload(&case.k), upload(&case.v));
+    let align = ctx.limits().min_storage_buffer_offset_alignment as u64;
+    let out_buf = dev.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("caller output"),
+        size: align + 2 * 10 * 6 * 4,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    for path in Path::ALL {
+        let got = Sdpa::new(
+            Tensor::from_buffer(&qb, 0, &[1, 2, 10, 8]),
+            Tensor::from_buffer(&kb, 0, &[1, 2, 12, 8]),
+            Tensor::from_buffer(&vb, 0, &[1, 2, 12, 6]),
+        )
+        .causal(Causal::TopLeft)
+        .path(path)
+        .output_buffer(&out_buf, align)
+        .run(&ctx)
+        .await
+        .unwrap();
+        assert_report(
+            compare(got.output.iter().copied(), want.out.iter().copied(), TOL),
+            &format!("caller buffers {path:?}"),
+        );
+        let back = ctx.read_f32(&out_buf, align, 2 * 10 * 6 * 4).await.unwrap();
+        assert_report(compare(back.iter().copied(), want.out.iter().copied(), TOL), "output buffer");
+    }
+    let mut enc = dev.create_command_encoder(&Default::default());
+    let gpu = case.sdpa().record(&ctx, &mut enc).unwrap();
+    ctx.queue().submit([enc.finish()]);
+    let v = ctx.read_f32(&gpu.output, gpu.output_offset, 2 * 10 * 6 * 4).await.unwrap();
+    assert_report(compare(v.iter().copied(), want.out.iter().copied(), TOL), "record");
+}
+
+/// Bad input is a typed error before any GPU work; a device error from the browser (a destroyed
+/// buffer) comes back as the crate's typed error, and the context stays usable.
+#[wasm_bindgen_test]
+async fn errors_are_typed() {
+    let ctx = ctx().await;
+    let q = Array4::<f32>::zeros((1, 4, 5, 8));
+    let k = Array4::<f32>::zeros((1, 3, 6, 8));
+    let v = Array4::<f32>::zeros((1, 3, 6, 8));
+    let e = Sdpa::new(&q, &k, &v).run(&ctx).await.unwrap_err();
+    assert!(matches!(e, Error::HeadsNotDivisible { .. }), "{e}");
+    let k2 = Array4::<f32>::zeros((1, 4, 6, 7));
+    let e = Sdpa::new(&q, &k2, &k2).run(&ctx).await.unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
+    let k4 = Array4::<f32>::zeros((1, 4, 6, 8));
+    let bad_mask = ArrayD::from_elem(IxDyn(&[3, 6]), true);
+    let e = Sdpa::new(&q, &k4, &k4).mask(&bad_mask).run(&ctx).await.unwrap_err();
+    assert!(matches!(e, Error::NotBroadcastable { .. }), "{e}");
+    let e = Sdpa::new(&q, &k4, &k4).kv_lens(&[7]).run(&ctx).await.unwrap_err();
+    assert!(matches!(e, Error::KvLenOutOfRange { .. }), "{e}");
+    let e = Sdpa::new(&q, &k4, &k4)
+        .path(Path::Fused)
+        .return_weights()
+        .run(&ctx)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Unsupported { path: "fused", .. }), "{e}");
+    let data = [0f32; 10];
+    let e = Sdpa::new(Tensor::from_slice(&data, &[1, 4, 5, 8]), &k4, &k4)
+        .run(&ctx)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::DataLength { .. }), "{e}");
+
+    use wgpu_attention::wgpu::{self, util::DeviceExt};
+    let buf = ctx.device().create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        label: None,
+        contents: &[0u8; 48],
+        usage: wgpu::BufferUsages::STORAGE,
+    });
+    buf.destroy();
+    let kk = Array4::<f32>::zeros((1, 1, 3, 4));
+    let e = Sdpa::new(Tensor::from_buffer(&buf, 0, &[1, 1, 3, 4]), &kk, &kk)
+        .run(&ctx)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Validation(_)), "{e}");
+    let case = Case::random((1, 1, 1, 2, 3, 2, 2), 2);
+    check_all_paths(&case, &ctx, "after a device error").await;
+}
+

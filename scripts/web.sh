@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The crate in the browser (WebGPU), from Debian's packages and crates.io only.
+#
+#   scripts/web.sh tools          install what is missing: the wasm32 target, wasm-bindgen-cli at the
+#                                 wasm-bindgen version in Cargo.lock, Debian's chromium and chromium-driver
+#   scripts/web.sh test           the browser test suite (web/tests/browser.rs, wasm-bindgen-test) in
+#                                 headless Chromium's WebGPU; fails when the browser finds no adapter
+#   scripts/web.sh build          the demo site into target/web/ (index.html, the wasm and its JS glue)
+#   scripts/web.sh serve [PORT]   serve target/web/ on http://127.0.0.1:PORT (default 8080)
+#   scripts/web.sh check          build, serve, load the page in headless Chromium, require "check: PASS"
+#                                 in #status, save a screenshot to target/web/screenshot.png
+#   scripts/web.sh bench [SHAPES] [ITERS]
+#                                 the named bench shapes (default: a,b,d,e) timed in headless Chromium
+#
+# Chromium's flags (WebGPU on SwiftShader when there is no GPU) are in web/webdriver.json, read by
+# both wasm-bindgen-test and scripts/web_driver.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else "$@"; fi; }
+wasm_bindgen_version() { awk '/^name = "wasm-bindgen"$/ { getline; gsub(/"/, "", $3); print $3 }' Cargo.lock; }
+WEB_PROFILE=release
+
+tools() {
+  if command -v rustup >/dev/null && ! rustup target list --installed | grep -q '^wasm32-unknown-unknown$'; then
+    rustup target add wasm32-unknown-unknown
+  fi
+  local want; want=$(wasm_bindgen_version)
+  if ! wasm-bindgen --version 2>/dev/null | grep -q " $want\$"; then
+    echo "== installing wasm-bindgen-cli $want (the wasm-bindgen version in Cargo.lock)"
+    # --locked pins the CLI's own dependencies; when one of them has been yanked since, resolve anew.
+    cargo install -q wasm-bindgen-cli --version "$want" --locked 2>/dev/null ||
+      cargo install -q wasm-bindgen-cli --version "$want"
+  fi
+  if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    if command -v apt-get >/dev/null; then
+      echo "== installing Debian's chromium and chromium-driver"
+      as_root apt-get update -qq
+      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver
+    else
+      echo "chromium and chromedriver are needed (no apt-get here to install them)" >&2
+      exit 1
+    fi
+  fi
+}
+
+build() {
+  tools
+  cargo build --locked --profile "$WEB_PROFILE" -p wgpu-attention-web --target wasm32-unknown-unknown
+  rm -rf target/web && mkdir -p target/web
+  wasm-bindgen --target web --no-typescript --out-dir target/web \
+    "target/wasm32-unknown-unknown/$WEB_PROFILE/wgpu_attention_web.wasm"
+  cp web/index.html target/web/
+  echo "== built target/web/ ($(du -sh target/web | cut -f1))"
+}
+
+serve() { # serve PORT: in the foreground
+  echo "== serving target/web/ on http://127.0.0.1:$1/ (WebGPU needs a secure context: 127.0.0.1 or localhost)"
+  exec python3 -m http.server "$1" --bind 127.0.0.1 --directory target/web
+}
+
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+with_server() { # with_server CMD...: serve target/web on a free port while CMD runs ($URL set)
+  local port; port=$(free_port)
+  python3 -m http.server "$port" --bind 127.0.0.1 --directory target/web >/dev/null 2>&1 &
+  local pid=$!
+  trap 'kill $pid 2>/dev/null || true' EXIT
+  URL="http://127.0.0.1:$port/" "$@"
+}
+
+case "${1:-}" in
+  tools) tools ;;
+  test)
+    tools
+    cd web
+    CHROMEDRIVER=$(command -v chromedriver) WASM_BINDGEN_TEST_TIMEOUT=${WASM_BINDGEN_TEST_TIMEOUT:-1800} \
+      CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
+      cargo test --locked --profile "$WEB_PROFILE" --target wasm32-unknown-unknown --test browser -- "${@:2}"
+    ;;
+  build) build ;;
+  serve) [ -f target/web/index.html ] || build; serve "${2:-8080}" ;;
+  check)
+    build
+    with_server sh -c 'python3 scripts/web_driver.py check "$URL" --screenshot target/web/screenshot.png'
+    ;;
+  bench)
+    [ -f target/web/index.html ] || build
+    shapes=${2:-a,b,d,e} iters=${3:-5}
+    with_server sh -c "python3 scripts/web_driver.py bench \"\${URL}?bench=$shapes&iters=$iters\""
+    ;;
+  *) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+esac
