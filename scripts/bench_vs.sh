@@ -10,6 +10,12 @@
 #   scripts/bench_vs.sh self OTHER_WGPU_ATTENTION_BINARY [CASES] [ROUNDS] [ITERS]
 #       the peer is another build of this crate's CLI (e.g. the previous commit's), run with the
 #       same `bench` arguments as ours
+#   scripts/bench_vs.sh gl - [CASES] [ROUNDS] [ITERS]
+#       the peer is this crate on wgpu's GL backend (WGPU_BACKEND=gl, Mesa's llvmpipe), ours the
+#       default adapter (lavapipe's Vulkan): the same binary and arguments, backends interleaved
+#   scripts/bench_vs.sh browser - [CASES] [ROUNDS] [ITERS]
+#       the peer is this crate in headless Chromium's WebGPU (scripts/web.sh bench: the demo page's
+#       bench mode, a fresh browser per round; the same shapes and timing rule as `bench`)
 #
 # CASES: letters of the benchmark shapes (default "a b c d e"): a a_h8_s1024, b
 # b_h8_s1024_causal, c c_h8_s4096_causal, d d_decode_h32_s4096_e128, e e_b4_h12_s256_padmask.
@@ -17,8 +23,8 @@
 # (built first), `bench --shapes <shape> --paths auto --iters ITERS`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-kind=${1:?"usage: $0 burn|self BINARY [CASES] [ROUNDS] [ITERS]"}
-peer=${2:?"usage: $0 burn|self BINARY [CASES] [ROUNDS] [ITERS]"}
+kind=${1:?"usage: $0 burn|self|gl|browser BINARY|- [CASES] [ROUNDS] [ITERS]"}
+peer=${2:?"usage: $0 burn|self|gl|browser BINARY|- [CASES] [ROUNDS] [ITERS]"}
 cases=${3:-"a b c d e"}
 rounds=${4:-3}
 iters=${5:-7}
@@ -45,7 +51,14 @@ bench_median() { # binary shape
 }
 
 peer_median() { # case
-  if [ "$kind" = burn ]; then
+  if [ "$kind" = gl ]; then
+    WGPU_BACKEND=gl bench_median "$ours" "$(shape_of "$1")"
+  elif [ "$kind" = browser ]; then
+    local m
+    m=$(./scripts/web.sh bench "$(shape_of "$1")" "$iters" 2>>"$log" | awk -v s="$(shape_of "$1")" '$1 == s { print $(NF - 1) }')
+    [ -n "$m" ] || { echo "no median from the browser for case $1 (stderr in $log)" >&2; exit 1; }
+    echo "$m"
+  elif [ "$kind" = burn ]; then
     local m
     m=$("$peer" "$1" api "$iters" 2>>"$log" | grep -oP 'median_ms=\K[0-9.]+' || true)
     [ -n "$m" ] || { echo "no median from $peer for case $1 (stderr in $log)" >&2; exit 1; }

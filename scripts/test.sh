@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
-# The project's test command: installs Mesa's software Vulkan driver when the machine has no
-# Vulkan driver at all (Debian/Ubuntu), then rustfmt, clippy (-D warnings) and the test suite.
-# Set WGPU_ATTENTION_REQUIRE_GPU=1 to make GPU tests fail instead of skipping without an adapter.
+# The project's test command: rustfmt, clippy (-D warnings), then the test suite on three real
+# backends, installing what a Debian/Ubuntu machine lacks:
+#   vulkan   the whole suite on the default adapter (Mesa's software Vulkan driver, lavapipe, is
+#            installed when the machine has no Vulkan driver at all)
+#   gl       the attention, golden, MHA, error and form-matrix tests on wgpu's GL backend
+#            (WGPU_BACKEND=gl; Mesa's llvmpipe through EGL, installed when missing)
+#   browser  the browser suite in headless Chromium's WebGPU (scripts/web.sh test; Debian's
+#            chromium and chromium-driver, wasm-bindgen-cli from crates.io)
+#   web-demo the demo page built and loaded in headless Chromium, which must say "check: PASS"
+# WGPU_ATTENTION_BACKENDS picks among them (default: all four, in that order).
+# Set WGPU_ATTENTION_REQUIRE_GPU=1 to make GPU tests fail instead of skipping without an adapter
+# (the GL and browser passes always fail without one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,4 +55,29 @@ stage clippy cargo clippy --all-targets --locked -- -D warnings
 # checks the form-dependent cases (shapes with tails, every mask kind, head dims up to 256, the
 # large case, decode shapes, the goldens, one MHA layer) against every other form the device
 # can run, in one process with one reference per case.
-stage tests cargo test --locked
+BACKENDS=${WGPU_ATTENTION_BACKENDS:-vulkan gl browser web-demo}
+has() { case " $BACKENDS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+if has vulkan; then stage tests cargo test --locked; fi
+
+if has gl; then
+  if [ "$(uname -s)" = Linux ] && command -v dpkg >/dev/null &&
+    ! dpkg -s libegl1 libegl-mesa0 libgles2 libgl1-mesa-dri >/dev/null 2>&1; then
+    echo "== installing Mesa's GL (llvmpipe through EGL) for wgpu's GL backend"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      libegl1 libegl-mesa0 libgles2 libgl1-mesa-dri
+  fi
+  # A GL adapter has no subgroups: the plan picks the loop, tiled and cpu decode forms there,
+  # and tests/forms.rs checks every form GL offers. Every test asserts the backend is GL.
+  stage "tests on GL" env WGPU_BACKEND=gl WGPU_ATTENTION_REQUIRE_GPU=1 \
+    cargo test --locked --test sdpa --test golden --test mha --test errors --test forms
+fi
+
+if has browser; then
+  ./scripts/web.sh tools
+  stage "clippy (wasm32: the browser suite and the demo)" cargo clippy --locked -p wgpu-attention-web \
+    --target wasm32-unknown-unknown --all-targets -- -D warnings
+  stage "tests in Chromium (WebGPU)" ./scripts/web.sh test
+fi
+if has web-demo; then stage "web demo in Chromium" ./scripts/web.sh check; fi

@@ -8,7 +8,8 @@
 #   scripts/web.sh build          the demo site into target/web/ (index.html, the wasm and its JS glue)
 #   scripts/web.sh serve [PORT]   serve target/web/ on http://127.0.0.1:PORT (default 8080)
 #   scripts/web.sh check          build, serve, load the page in headless Chromium, require "check: PASS"
-#                                 in #status, save a screenshot to target/web/screenshot.png
+#                                 in #status, save a screenshot to target/web/screenshot.png; then
+#                                 load it in a Chromium without WebGPU, which must read why
 #   scripts/web.sh bench [SHAPES] [ITERS]
 #                                 the named bench shapes (default: a,b,d,e) timed in headless Chromium
 #
@@ -64,8 +65,10 @@ free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1
 with_server() { # with_server CMD...: serve target/web on a free port while CMD runs ($URL set)
   local port; port=$(free_port)
   python3 -m http.server "$port" --bind 127.0.0.1 --directory target/web >/dev/null 2>&1 &
-  local pid=$!
-  trap 'kill $pid 2>/dev/null || true' EXIT
+  SERVER_PID=$!
+  trap 'kill "$SERVER_PID" 2>/dev/null || true' EXIT
+  # Wait until the server answers.
+  for _ in $(seq 50); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/')" 2>/dev/null && break; sleep 0.1; done
   URL="http://127.0.0.1:$port/" "$@"
 }
 
@@ -82,12 +85,13 @@ case "${1:-}" in
   serve) [ -f target/web/index.html ] || build; serve "${2:-8080}" ;;
   check)
     build
-    with_server sh -c 'python3 scripts/web_driver.py check "$URL" --screenshot target/web/screenshot.png'
+    with_server sh -c 'python3 scripts/web_driver.py check "$URL" --screenshot target/web/screenshot.png &&
+      python3 scripts/web_driver.py no-webgpu "$URL"'
     ;;
   bench)
     [ -f target/web/index.html ] || build
     shapes=${2:-a,b,d,e} iters=${3:-5}
     with_server sh -c "python3 scripts/web_driver.py bench \"\${URL}?bench=$shapes&iters=$iters\""
     ;;
-  *) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 2 ;;
 esac

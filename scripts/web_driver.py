@@ -6,6 +6,8 @@ Python's standard library only) and wait for its verdict.
                                               screenshot; exit 0 on "check: PASS", 1 otherwise
   web_driver.py bench URL                     wait until the bench table is done (?bench=...),
                                               print its lines; exit 1 on failure
+  web_driver.py no-webgpu URL                 the page in a Chromium without WebGPU must say why
+                                              in #status (a readable "check: FAIL ... WebGPU ...")
 
 Chromium's flags come from web/webdriver.json, the file wasm-bindgen-test reads too.
 """
@@ -42,7 +44,7 @@ def free_port():
 
 
 class Browser:
-    def __init__(self):
+    def __init__(self, webgpu=True):
         driver = shutil.which("chromedriver")
         if not driver:
             sys.exit("chromedriver not found: run scripts/web.sh tools")
@@ -58,7 +60,10 @@ class Browser:
                 time.sleep(0.1)
         with open(os.path.join(ROOT, "web", "webdriver.json")) as f:
             caps = json.load(f)
-        caps["goog:chromeOptions"]["args"] = caps["goog:chromeOptions"]["args"] + ["--window-size=1100,1500"]
+        args = caps["goog:chromeOptions"]["args"] + ["--window-size=1100,1500"]
+        if not webgpu:
+            args = [a for a in args if "webgpu" not in a] + ["--disable-features=WebGPU"]
+        caps["goog:chromeOptions"]["args"] = args
         caps["browserName"] = "chrome"
         value = request(self.base, "POST", "/session", {"capabilities": {"alwaysMatch": caps}})
         self.session = f"/session/{value['sessionId']}"
@@ -95,16 +100,22 @@ class Browser:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["check", "bench"])
+    ap.add_argument("mode", choices=["check", "bench", "no-webgpu"])
     ap.add_argument("url")
     ap.add_argument("--screenshot")
     ap.add_argument("--timeout", type=float, default=900)
     args = ap.parse_args()
-    b = Browser()
+    b = Browser(webgpu=args.mode != "no-webgpu")
     try:
         t0 = time.time()
         b.go(args.url)
         status_js = "const s = document.getElementById('status'); return s ? s.textContent : null;"
+        if args.mode == "no-webgpu":
+            verdict = b.wait_for(
+                "const s = document.getElementById('status');"
+                "return s && s.textContent.startsWith('check: ') ? s.textContent : null;", 120)
+            print(f"without WebGPU: {verdict}")
+            return 0 if verdict and verdict.startswith("check: FAIL") and "WebGPU" in verdict else 1
         if args.mode == "check":
             verdict = b.wait_for(
                 "const s = document.getElementById('status');"

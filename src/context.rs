@@ -211,10 +211,17 @@ impl Context {
     /// A one-line description of the adapter (name, backend, driver).
     pub fn describe(&self) -> String {
         match &self.inner.info {
-            Some(i) => format!(
-                "{} ({:?}, {:?}, driver {} {})",
-                i.name, i.backend, i.device_type, i.driver, i.driver_info
-            ),
+            Some(i) => {
+                // Browsers leave the name and driver empty unless the page asks for more.
+                let name = if i.name.is_empty() { "unnamed adapter" } else { &i.name };
+                let driver = format!("{} {}", i.driver, i.driver_info);
+                let driver = driver.trim();
+                let mut s = format!("{name} ({:?}, {:?}", i.backend, i.device_type);
+                if !driver.is_empty() {
+                    s += &format!(", driver {driver}");
+                }
+                s + ")"
+            }
             None => "caller-provided device".to_string(),
         }
     }

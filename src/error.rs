@@ -12,9 +12,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     /// wgpu found no adapter at all.
     #[error(
-        "no GPU adapter found ({details}). On a machine without a GPU, install Mesa's software \
-         Vulkan driver (Debian/Ubuntu: `apt-get install mesa-vulkan-drivers libvulkan1`), or \
-         select another backend with WGPU_BACKEND=vulkan|metal|dx12|gl"
+        "no GPU adapter found ({details}). {hint}",
+        hint = NO_ADAPTER_HINT
     )]
     NoAdapter {
         /// What wgpu reported.
@@ -212,3 +211,13 @@ impl From<wgpu::Error> for Error {
         }
     }
 }
+
+/// What to do when no adapter is found, where the crate runs.
+#[cfg(not(target_arch = "wasm32"))]
+const NO_ADAPTER_HINT: &str = "On a machine without a GPU, install Mesa's software Vulkan driver \
+     (Debian/Ubuntu: `apt-get install mesa-vulkan-drivers libvulkan1`), or select another backend \
+     with WGPU_BACKEND=vulkan|metal|dx12|gl";
+#[cfg(target_arch = "wasm32")]
+const NO_ADAPTER_HINT: &str = "This browser offers no WebGPU adapter: use one with WebGPU enabled \
+     (Chrome or Edge 113+, Safari 26+, Firefox 141+ on Windows; on Linux Chrome with \
+     --enable-unsafe-webgpu), served from a secure context (https, localhost or 127.0.0.1)";

@@ -17,13 +17,21 @@ fn main() {
     let mut src = String::from("pub static GOLDENS: &[(&str, &[(&str, &[u8])])] = &[\n");
     for dir in cases {
         let name = dir.file_name().unwrap().to_string_lossy().into_owned();
-        let mut files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+        let mut files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
         files.sort();
         writeln!(src, "    ({name:?}, &[").unwrap();
         for f in files {
             let file = f.file_name().unwrap().to_string_lossy().into_owned();
             let abs = f.canonicalize().unwrap();
-            writeln!(src, "        ({file:?}, include_bytes!({:?})),", abs.display().to_string()).unwrap();
+            writeln!(
+                src,
+                "        ({file:?}, include_bytes!({:?})),",
+                abs.display().to_string()
+            )
+            .unwrap();
         }
         src.push_str("    ]),\n");
     }

@@ -341,6 +341,24 @@ mod tests {
     use crate::problem::{Causal, Problem};
     use wgsl::WgslStruct;
 
+    /// Every kernel fits WebGPU's default of 8 storage buffers per shader stage with its params
+    /// in a uniform buffer (the params move to a storage buffer only where the device allows one
+    /// more), and its params binding comes last.
+    #[test]
+    fn every_kernel_fits_webgpu_default_binding_limits() {
+        for spec in [&flash::SPEC, &decode::DECODE, &decode::MERGE, &matmul::SPEC, &permute::SPEC, &softmax::SPEC] {
+            let storage = spec.bindings.iter().filter(|b| !matches!(b, Binding::Params)).count();
+            assert!(storage <= 8, "{}: {storage} storage buffers", spec.name);
+            assert!(
+                matches!(spec.bindings.last(), Some(Binding::Params)),
+                "{}: params last",
+                spec.name
+            );
+            let limits = wgpu::Limits::default(); // WebGPU's defaults
+            assert!(storage as u32 <= limits.max_storage_buffers_per_shader_stage);
+        }
+    }
+
     /// Parse and validate `src` with naga (the front end wgpu uses), then check that the WGSL
     /// struct `T` has the Rust struct's fields, in order, at the same offsets.
     fn validate_with<T: WgslStruct>(label: &str, src: &str) {

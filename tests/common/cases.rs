@@ -134,7 +134,14 @@ impl Case {
 
     /// Compare a GPU run's output and logsumexp (and weights when `weights`) with `want` at
     /// `tol`. Panics with a report on mismatch.
-    pub fn assert_output(&self, got: Output, want: &reference::Output, weights: bool, tol: Tolerance, label: &str) {
+    pub fn assert_output(
+        &self,
+        got: Output,
+        want: &reference::Output,
+        weights: bool,
+        tol: Tolerance,
+        label: &str,
+    ) {
         assert_report(
             compare(got.output.iter().copied(), want.out.iter().copied(), tol),
             &format!("{label} output"),

@@ -8,7 +8,7 @@ mod cases;
 pub use cases::*;
 use wgpu_attention::check::Tolerance;
 use wgpu_attention::reference;
-use wgpu_attention::{Context, Path};
+use wgpu_attention::{wgpu, Context, Path};
 
 /// A GPU context for one test: its own device, so that tests running in parallel compile
 /// their shaders in parallel (lavapipe compiles a pipeline on its device's queue thread; one
@@ -16,8 +16,18 @@ use wgpu_attention::{Context, Path};
 /// returns early) unless `WGPU_ATTENTION_REQUIRE_GPU=1`, in which case the test fails.
 pub fn ctx() -> Option<&'static Context> {
     match Context::new_blocking() {
-        // Leaked: the context lives as long as the test process, like a static one.
-        Ok(c) => Some(Box::leak(Box::new(c))),
+        Ok(c) => {
+            // A backend asked for by name (scripts/test.sh's GL pass) is the one that runs.
+            if let Some(want) = wgpu::Backends::from_env() {
+                let got = c.adapter_info().map(|i| i.backend).expect("adapter info");
+                assert!(
+                    want.contains(got.into()),
+                    "WGPU_BACKEND asks for {want:?}, got {got:?}"
+                );
+            }
+            // Leaked: the context lives as long as the test process, like a static one.
+            Some(Box::leak(Box::new(c)))
+        }
         Err(e) => {
             if std::env::var("WGPU_ATTENTION_REQUIRE_GPU").is_ok_and(|v| v == "1") {
                 panic!("WGPU_ATTENTION_REQUIRE_GPU=1 but no GPU context: {e}");
@@ -67,7 +77,6 @@ impl Case {
         self.assert_output(got, want, weights, tol, label);
     }
 }
-
 
 /// Every SDPA golden (`tests/fixtures/sdpa/<name>`), sorted by name.
 pub fn goldens() -> Vec<Golden> {

@@ -34,7 +34,9 @@ async fn context() -> Result<Context, String> {
     if let Some(c) = CTX.with(|c| c.borrow().clone()) {
         return Ok(c);
     }
-    let ctx = Context::new().await.map_err(|e| format!("no WebGPU device: {e}"))?;
+    let ctx = Context::new()
+        .await
+        .map_err(|e| format!("no WebGPU device: {e}"))?;
     CTX.with(|c| *c.borrow_mut() = Some(ctx.clone()));
     Ok(ctx)
 }
@@ -79,7 +81,11 @@ fn median(mut times: Vec<f64>) -> f64 {
 
 /// Time `sdpa`: its first call (which compiles its kernels), then the median of `iters` calls.
 /// Each call uploads nothing it was not given as a host array and reads the output back.
-async fn time(ctx: &Context, sdpa: &Sdpa<'_>, iters: usize) -> Result<(f64, f64, wgpu_attention::Output), String> {
+async fn time(
+    ctx: &Context,
+    sdpa: &Sdpa<'_>,
+    iters: usize,
+) -> Result<(f64, f64, wgpu_attention::Output), String> {
     let t = now_ms();
     let mut out = sdpa.run(ctx).await.map_err(|e| e.to_string())?;
     let first = now_ms() - t;
@@ -123,8 +129,16 @@ async fn self_check_inner() -> Result<(), String> {
     );
     // A prefill (causal self-attention) and a KV-cache decoding step with grouped heads.
     let problems: [(&str, (usize, usize, usize, usize, usize, usize), Causal); 2] = [
-        ("prefill B1 H8 L=S=256 E64 causal", (1, 8, 8, 256, 256, 64), Causal::TopLeft),
-        ("decode B1 Hq8 Hkv2 L1 S2048 E64", (1, 8, 2, 1, 2048, 64), Causal::BottomRight),
+        (
+            "prefill B1 H8 L=S=256 E64 causal",
+            (1, 8, 8, 256, 256, 64),
+            Causal::TopLeft,
+        ),
+        (
+            "decode B1 Hq8 Hkv2 L1 S2048 E64",
+            (1, 8, 2, 1, 2048, 64),
+            Causal::BottomRight,
+        ),
     ];
     let mut rows = String::new();
     let mut failures = Vec::new();
@@ -143,8 +157,14 @@ async fn self_check_inner() -> Result<(), String> {
             let sdpa = Sdpa::new(&q, &k, &v).options(opts.clone()).path(path);
             let plan = sdpa.plan(&ctx).map_err(|e| e.to_string())?;
             let flops = sdpa.problem().map_err(|e| e.to_string())?.flops();
-            let (first, med, out) = time(&ctx, &sdpa, 5).await.map_err(|e| format!("{name} {}: {e}", path.name()))?;
-            let rep = compare(out.output.iter().copied(), want.out.iter().copied(), F32_TOLERANCE);
+            let (first, med, out) = time(&ctx, &sdpa, 5)
+                .await
+                .map_err(|e| format!("{name} {}: {e}", path.name()))?;
+            let rep = compare(
+                out.output.iter().copied(),
+                want.out.iter().copied(),
+                F32_TOLERANCE,
+            );
             if !rep.passed() {
                 failures.push(format!("{name} {}: {rep}", path.name()));
             }
@@ -171,8 +191,9 @@ async fn self_check_inner() -> Result<(), String> {
 
 /// FNV-1a: the toy embedding's word hash.
 fn fnv1a(word: &str) -> u64 {
-    word.bytes()
-        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+    word.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// The words of `sentence`, lower-cased, without surrounding punctuation (at most 40).
@@ -209,7 +230,9 @@ fn embed(words: &[String]) -> Array4<f32> {
 /// with id `canvas_id`, queries down the left, keys along the top.
 #[wasm_bindgen]
 pub async fn draw_sentence(sentence: String, canvas_id: String) -> Result<(), JsValue> {
-    draw(&sentence, &canvas_id).await.map_err(|e| JsValue::from_str(&e))
+    draw(&sentence, &canvas_id)
+        .await
+        .map_err(|e| JsValue::from_str(&e))
 }
 
 async fn draw(sentence: &str, canvas_id: &str) -> Result<(), String> {
@@ -291,7 +314,11 @@ async fn bench_inner(names: &str, iters: usize) -> Result<String, String> {
             .filter(|n| !n.is_empty())
             .map(|n| {
                 shapes::find(n)
-                    .or_else(|| shapes::SHAPES.iter().find(|s| s.name.split('_').next() == Some(n)))
+                    .or_else(|| {
+                        shapes::SHAPES
+                            .iter()
+                            .find(|s| s.name.split('_').next() == Some(n))
+                    })
                     .ok_or_else(|| format!("unknown shape {n}: one of {}", shapes::names()))
             })
             .collect::<Result<_, _>>()?
@@ -308,7 +335,13 @@ async fn bench_inner(names: &str, iters: usize) -> Result<String, String> {
         sdpa.run(&ctx).await.map_err(|e| e.to_string())?;
         let (_, med, _) = time(&ctx, &sdpa, iters).await?;
         let gflops = flops / (med * 1e-3) / 1e9;
-        let _ = writeln!(text, "{} {} {:?} {med:.2} {gflops:.2}", shape.name, plan.path().name(), plan.form());
+        let _ = writeln!(
+            text,
+            "{} {} {:?} {med:.2} {gflops:.2}",
+            shape.name,
+            plan.path().name(),
+            plan.form()
+        );
         let _ = write!(
             html,
             "<tr><td>{}</td><td>{}</td><td>{:?}</td><td>{med:.1}</td><td>{gflops:.2}</td></tr>",

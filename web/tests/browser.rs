@@ -20,8 +20,8 @@ use wasm_bindgen_test::*;
 use wgpu_attention::check::compare;
 use wgpu_attention::reference::{self, MhaInputs};
 use wgpu_attention::{
-    Causal, Context, Error, FusedForm, MhaConfig, MhaWeights, MultiHeadAttention, NeedWeights, Options, Path, Sdpa,
-    Tensor,
+    Causal, Context, Error, FusedForm, MhaConfig, MhaWeights, MultiHeadAttention, NeedWeights, Options, Path,
+    Sdpa, Tensor,
 };
 
 wasm_bindgen_test_configure!(run_in_browser);
@@ -92,17 +92,21 @@ async fn grid_of_shapes_and_masks_on_every_path() {
 async fn every_kernel_form_the_device_offers() {
     let ctx = ctx().await;
     let caps = ctx.caps();
-    let cases: Vec<Case> = [(1, 2, 2, 70, 130, 33, 65), (2, 4, 2, 65, 63, 64, 64), (1, 2, 1, 9, 21, 255, 129)]
-        .into_iter()
-        .enumerate()
-        .map(|(i, shape)| {
-            Case::random(shape, 30 + i as u64)
-                .with_causal(Causal::BottomRight)
-                .with_random_mask(31)
-                .with_random_bias(32)
-                .with_kv_lens()
-        })
-        .collect();
+    let cases: Vec<Case> = [
+        (1, 2, 2, 70, 130, 33, 65),
+        (2, 4, 2, 65, 63, 64, 64),
+        (1, 2, 1, 9, 21, 255, 129),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, shape)| {
+        Case::random(shape, 30 + i as u64)
+            .with_causal(Causal::BottomRight)
+            .with_random_mask(31)
+            .with_random_bias(32)
+            .with_kv_lens()
+    })
+    .collect();
     let decode = Case::random((2, 4, 2, 3, 700, 16, 24), 33)
         .with_causal(Causal::BottomRight)
         .with_random_mask(34)
@@ -112,14 +116,28 @@ async fn every_kernel_form_the_device_offers() {
         let pinned = ctx.with_forms(form);
         for case in cases.iter().chain([&decode]) {
             let want = case.reference();
-            check_against(case, &want, &pinned, Path::Fused, &format!("fused {}", form.name())).await;
+            check_against(
+                case,
+                &want,
+                &pinned,
+                Path::Fused,
+                &format!("fused {}", form.name()),
+            )
+            .await;
         }
     }
     for form in caps.decode_forms() {
         let pinned = ctx.with_forms(form);
         for case in cases.iter().chain([&decode]) {
             let want = case.reference();
-            check_against(case, &want, &pinned, Path::Decode, &format!("decode {}", form.name())).await;
+            check_against(
+                case,
+                &want,
+                &pinned,
+                Path::Decode,
+                &format!("decode {}", form.name()),
+            )
+            .await;
         }
     }
     // The browser exposes no subgroups to wgpu: the subgroup form is refused, typed.
@@ -143,7 +161,11 @@ async fn large_case_with_every_mask_on_the_fused_path() {
     let t = web_sys::window().unwrap().performance().unwrap();
     let t0 = t.now();
     check_against(&case, &want, &ctx, Path::Fused, "large fused").await;
-    log(&format!("large fused: {:.0} ms, plan {:?}", t.now() - t0, case.sdpa().plan(&ctx).unwrap()));
+    log(&format!(
+        "large fused: {:.0} ms, plan {:?}",
+        t.now() - t0,
+        case.sdpa().plan(&ctx).unwrap()
+    ));
 }
 
 #[wasm_bindgen_test]
@@ -164,7 +186,11 @@ async fn head_dims_up_to_256_on_every_path() {
             .with_causal(Causal::BottomRight)
             .with_random_mask(41)
             .with_random_bias(42);
-        assert_eq!(case.sdpa().resolved_path(&ctx).unwrap(), Path::Fused, "E {e}, Ev {ev}");
+        assert_eq!(
+            case.sdpa().resolved_path(&ctx).unwrap(),
+            Path::Fused,
+            "E {e}, Ev {ev}"
+        );
         check_all_paths(&case, &ctx, &format!("E {e}, Ev {ev}")).await;
     }
 }
@@ -178,8 +204,15 @@ async fn fully_masked_rows_are_zero_with_minus_inf_lse() {
         for b in 0..2 {
             for h in 0..2 {
                 for i in [0, 4] {
-                    assert!(out.output.slice(s![b, h, i, ..]).iter().all(|&x| x == 0.0), "{path:?}");
-                    assert_eq!(out.lse.as_ref().unwrap()[[b, h, i]], f32::NEG_INFINITY, "{path:?}");
+                    assert!(
+                        out.output.slice(s![b, h, i, ..]).iter().all(|&x| x == 0.0),
+                        "{path:?}"
+                    );
+                    assert_eq!(
+                        out.lse.as_ref().unwrap()[[b, h, i]],
+                        f32::NEG_INFINITY,
+                        "{path:?}"
+                    );
                 }
             }
         }
@@ -209,7 +242,9 @@ async fn mask_and_bias_broadcasts_and_minus_inf_bias() {
 async fn large_magnitude_logits_stay_finite() {
     let ctx = ctx().await;
     let ints = |shape: (usize, usize, usize, usize), seed: u64| {
-        Array4::from_shape_fn(shape, |(a, b, c, d)| ((a * 5 + b * 7 + c * 3 + d + seed as usize) % 7) as f32 - 3.0)
+        Array4::from_shape_fn(shape, |(a, b, c, d)| {
+            ((a * 5 + b * 7 + c * 3 + d + seed as usize) % 7) as f32 - 3.0
+        })
     };
     for offset in [1.0e4f32, -1.0e4] {
         let case = Case {
@@ -231,13 +266,18 @@ async fn pytorch_goldens_on_every_path() {
     let ctx = ctx().await;
     assert!(goldens::GOLDENS.len() >= 12, "embedded goldens");
     for (name, files) in goldens::GOLDENS {
-        let g = golden(name, |f| files.iter().find(|(n, _)| *n == f).map(|(_, b)| b.to_vec()));
+        let g = golden(name, |f| {
+            files.iter().find(|(n, _)| *n == f).map(|(_, b)| b.to_vec())
+        });
         for path in Path::ALL {
             let mut run = g.case.sdpa().path(path).return_lse();
             if path == Path::Unfused {
                 run = run.return_weights();
             }
-            let got = run.run(&ctx).await.unwrap_or_else(|e| panic!("{name} {path:?}: {e}"));
+            let got = run
+                .run(&ctx)
+                .await
+                .unwrap_or_else(|e| panic!("{name} {path:?}: {e}"));
             g.assert_matches(&got, TOL, &format!("{path:?}"));
         }
     }
@@ -257,33 +297,64 @@ async fn merge_of_disjoint_key_halves_is_the_whole() {
             a.slice(s![.., .., 13.., ..]).to_owned()
         }
     };
-    let (k1, v1, k2, v2) = (half(&case.k, true), half(&case.v, true), half(&case.k, false), half(&case.v, false));
+    let (k1, v1, k2, v2) = (
+        half(&case.k, true),
+        half(&case.v, true),
+        half(&case.k, false),
+        half(&case.v, false),
+    );
     // Bottom-right causal over the whole keys: the first half is fully visible to every row that
     // sees any key of the second half, so each part is attended with its own visibility mask.
     let (l, s_all) = (7usize, 30usize);
-    let part_mask = |lo: usize, hi: usize| {
-        ArrayD::from_shape_fn(IxDyn(&[l, hi - lo]), |i| lo + i[1] <= i[0] + s_all - l)
-    };
+    let part_mask =
+        |lo: usize, hi: usize| ArrayD::from_shape_fn(IxDyn(&[l, hi - lo]), |i| lo + i[1] <= i[0] + s_all - l);
     let (m1, m2) = (part_mask(0, 13), part_mask(13, 30));
-    let a = Sdpa::new(&case.q, &k1, &v1).mask(&m1).return_lse().run(&ctx).await.unwrap();
-    let b = Sdpa::new(&case.q, &k2, &v2).mask(&m2).return_lse().run(&ctx).await.unwrap();
-    let (o, lse) = wgpu_attention::merge(&ctx, &a.output, a.lse.as_ref().unwrap(), &b.output, b.lse.as_ref().unwrap())
+    let a = Sdpa::new(&case.q, &k1, &v1)
+        .mask(&m1)
+        .return_lse()
+        .run(&ctx)
         .await
         .unwrap();
-    assert_report(compare(o.iter().copied(), want.out.iter().copied(), TOL), "merged output");
-    assert_report(compare(lse.iter().copied(), want.lse.iter().copied(), TOL), "merged lse");
+    let b = Sdpa::new(&case.q, &k2, &v2)
+        .mask(&m2)
+        .return_lse()
+        .run(&ctx)
+        .await
+        .unwrap();
+    let (o, lse) = wgpu_attention::merge(
+        &ctx,
+        &a.output,
+        a.lse.as_ref().unwrap(),
+        &b.output,
+        b.lse.as_ref().unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_report(
+        compare(o.iter().copied(), want.out.iter().copied(), TOL),
+        "merged output",
+    );
+    assert_report(
+        compare(lse.iter().copied(), want.lse.iter().copied(), TOL),
+        "merged lse",
+    );
     let empty_o = Array4::<f32>::zeros(a.output.dim());
     let empty_lse = Array3::from_elem(a.lse.as_ref().unwrap().dim(), f32::NEG_INFINITY);
     let (o, lse) = wgpu_attention::merge(&ctx, &a.output, a.lse.as_ref().unwrap(), &empty_o, &empty_lse)
         .await
         .unwrap();
-    assert_report(compare(o.iter().copied(), a.output.iter().copied(), TOL), "merge with empty");
+    assert_report(
+        compare(o.iter().copied(), a.output.iter().copied(), TOL),
+        "merge with empty",
+    );
     assert_report(
         compare(lse.iter().copied(), a.lse.as_ref().unwrap().iter().copied(), TOL),
         "lse with empty",
     );
     let bad = Array3::<f32>::zeros((1, 2, 6));
-    let e = wgpu_attention::merge(&ctx, &a.output, &bad, &b.output, &bad).await.unwrap_err();
+    let e = wgpu_attention::merge(&ctx, &a.output, &bad, &b.output, &bad)
+        .await
+        .unwrap_err();
     assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
 }
 
@@ -337,10 +408,17 @@ async fn mha_layer_matches_reference() {
             }
             let label = format!("{config:?} cross {cross} {variant}");
             let got = f.run(&ctx).await.unwrap_or_else(|e| panic!("{label}: {e}"));
-            assert_report(compare(got.output.iter().copied(), want.out.iter().copied(), TOL), &label);
+            assert_report(
+                compare(got.output.iter().copied(), want.out.iter().copied(), TOL),
+                &label,
+            );
             match weights {
                 NeedWeights::PerHead => assert_report(
-                    compare(got.weights.unwrap().iter().copied(), want.weights.iter().copied(), TOL),
+                    compare(
+                        got.weights.unwrap().iter().copied(),
+                        want.weights.iter().copied(),
+                        TOL,
+                    ),
                     &format!("{label} weights"),
                 ),
                 NeedWeights::Averaged => assert_report(
@@ -397,13 +475,22 @@ async fn caller_buffers_and_record() {
             &format!("caller buffers {path:?}"),
         );
         let back = ctx.read_f32(&out_buf, align, 2 * 10 * 6 * 4).await.unwrap();
-        assert_report(compare(back.iter().copied(), want.out.iter().copied(), TOL), "output buffer");
+        assert_report(
+            compare(back.iter().copied(), want.out.iter().copied(), TOL),
+            "output buffer",
+        );
     }
     let mut enc = dev.create_command_encoder(&Default::default());
     let gpu = case.sdpa().record(&ctx, &mut enc).unwrap();
     ctx.queue().submit([enc.finish()]);
-    let v = ctx.read_f32(&gpu.output, gpu.output_offset, 2 * 10 * 6 * 4).await.unwrap();
-    assert_report(compare(v.iter().copied(), want.out.iter().copied(), TOL), "record");
+    let v = ctx
+        .read_f32(&gpu.output, gpu.output_offset, 2 * 10 * 6 * 4)
+        .await
+        .unwrap();
+    assert_report(
+        compare(v.iter().copied(), want.out.iter().copied(), TOL),
+        "record",
+    );
 }
 
 /// Bad input is a typed error before any GPU work; a device error from the browser (a destroyed
@@ -421,7 +508,11 @@ async fn errors_are_typed() {
     assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
     let k4 = Array4::<f32>::zeros((1, 4, 6, 8));
     let bad_mask = ArrayD::from_elem(IxDyn(&[3, 6]), true);
-    let e = Sdpa::new(&q, &k4, &k4).mask(&bad_mask).run(&ctx).await.unwrap_err();
+    let e = Sdpa::new(&q, &k4, &k4)
+        .mask(&bad_mask)
+        .run(&ctx)
+        .await
+        .unwrap_err();
     assert!(matches!(e, Error::NotBroadcastable { .. }), "{e}");
     let e = Sdpa::new(&q, &k4, &k4).kv_lens(&[7]).run(&ctx).await.unwrap_err();
     assert!(matches!(e, Error::KvLenOutOfRange { .. }), "{e}");
@@ -440,11 +531,13 @@ async fn errors_are_typed() {
     assert!(matches!(e, Error::DataLength { .. }), "{e}");
 
     use wgpu_attention::wgpu::{self, util::DeviceExt};
-    let buf = ctx.device().create_buffer_init(&wgpu::util::BufferInitDescriptor {
-        label: None,
-        contents: &[0u8; 48],
-        usage: wgpu::BufferUsages::STORAGE,
-    });
+    let buf = ctx
+        .device()
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: None,
+            contents: &[0u8; 48],
+            usage: wgpu::BufferUsages::STORAGE,
+        });
     buf.destroy();
     let kk = Array4::<f32>::zeros((1, 1, 3, 4));
     let e = Sdpa::new(Tensor::from_buffer(&buf, 0, &[1, 1, 3, 4]), &kk, &kk)
@@ -456,3 +549,18 @@ async fn errors_are_typed() {
     check_all_paths(&case, &ctx, "after a device error").await;
 }
 
+/// A device lost mid-session (destroyed here) gives typed errors, never a panic or a hang, and
+/// a new context works again.
+#[wasm_bindgen_test]
+async fn lost_device_is_a_typed_error_and_a_new_context_works() {
+    let ctx = ctx().await;
+    let case = Case::random((1, 2, 2, 5, 9, 8, 8), 50);
+    check_all_paths(&case, &ctx, "before the loss").await;
+    ctx.device().destroy();
+    let first = case.sdpa().run(&ctx).await;
+    assert!(first.is_err(), "a call on a destroyed device must fail");
+    let e = case.sdpa().run(&ctx).await.unwrap_err();
+    assert!(matches!(e, Error::DeviceLost(_)), "{e}");
+    let again = Context::new().await.expect("a new context after a lost device");
+    check_all_paths(&case, &again, "after the loss, new context").await;
+}
