@@ -114,6 +114,9 @@ impl Context {
         Self::build(device, queue, None)
     }
 
+    // On the web wgpu's handles are neither Send nor Sync (one thread); the Arc shares them
+    // between clones of the context all the same.
+    #[cfg_attr(target_arch = "wasm32", allow(clippy::arc_with_non_send_sync))]
     fn build(device: wgpu::Device, queue: wgpu::Queue, info: Option<wgpu::AdapterInfo>) -> Self {
         let lost = Arc::new(Mutex::new(None));
         let lost2 = lost.clone();
@@ -213,7 +216,11 @@ impl Context {
         match &self.inner.info {
             Some(i) => {
                 // Browsers leave the name and driver empty unless the page asks for more.
-                let name = if i.name.is_empty() { "unnamed adapter" } else { &i.name };
+                let name = if i.name.is_empty() {
+                    "unnamed adapter"
+                } else {
+                    &i.name
+                };
                 let driver = format!("{} {}", i.driver, i.driver_info);
                 let driver = driver.trim();
                 let mut s = format!("{name} ({:?}, {:?}", i.backend, i.device_type);

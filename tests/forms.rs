@@ -16,19 +16,9 @@
 
 mod common;
 
-use common::{ctx, goldens, Case, Shape, TOL};
+use common::{ctx, goldens, Case, SHAPES, TOL};
 use wgpu_attention::check::compare;
 use wgpu_attention::{Causal, Context, DecodeForm, Form, FusedForm, Options, Path};
-
-/// Shapes with tails: no dimension a multiple of the tiles except where noted.
-const SHAPES: &[Shape] = &[
-    (1, 1, 1, 1, 1, 1, 1),
-    (2, 3, 3, 17, 17, 16, 16),
-    (1, 2, 2, 70, 130, 33, 65),
-    (2, 4, 2, 65, 63, 64, 64),
-    (1, 4, 1, 5, 129, 8, 20),
-    (1, 2, 2, 130, 7, 128, 5),
-];
 
 /// Every mask kind at once: bottom-right causal, a boolean mask with fully masked rows, a
 /// bias and key lengths.

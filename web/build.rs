@@ -14,7 +14,10 @@ fn main() {
         .filter(|p| p.is_dir())
         .collect();
     cases.sort();
-    let mut src = String::from("pub static GOLDENS: &[(&str, &[(&str, &[u8])])] = &[\n");
+    let mut src = String::from(
+        "/// A golden's files: name and bytes.\npub type Files = &'static [(&'static str, &'static [u8])];\n\
+         pub static GOLDENS: &[(&str, Files)] = &[\n",
+    );
     for dir in cases {
         let name = dir.file_name().unwrap().to_string_lossy().into_owned();
         let mut files: Vec<_> = std::fs::read_dir(&dir)

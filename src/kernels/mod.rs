@@ -346,8 +346,19 @@ mod tests {
     /// more), and its params binding comes last.
     #[test]
     fn every_kernel_fits_webgpu_default_binding_limits() {
-        for spec in [&flash::SPEC, &decode::DECODE, &decode::MERGE, &matmul::SPEC, &permute::SPEC, &softmax::SPEC] {
-            let storage = spec.bindings.iter().filter(|b| !matches!(b, Binding::Params)).count();
+        for spec in [
+            &flash::SPEC,
+            &decode::DECODE,
+            &decode::MERGE,
+            &matmul::SPEC,
+            &permute::SPEC,
+            &softmax::SPEC,
+        ] {
+            let storage = spec
+                .bindings
+                .iter()
+                .filter(|b| !matches!(b, Binding::Params))
+                .count();
             assert!(storage <= 8, "{}: {storage} storage buffers", spec.name);
             assert!(
                 matches!(spec.bindings.last(), Some(Binding::Params)),

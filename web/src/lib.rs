@@ -68,6 +68,9 @@ fn random(shape: (usize, usize, usize, usize), seed: u64) -> Array4<f32> {
     Array4::from_shape_simple_fn(shape, || r.random_range(-1.0f32..1.0))
 }
 
+/// `(B, Hq, Hkv, L, S, E)` of a self-check problem.
+type Dims = (usize, usize, usize, usize, usize, usize);
+
 /// Median of `times` (not empty).
 fn median(mut times: Vec<f64>) -> f64 {
     times.sort_by(f64::total_cmp);
@@ -128,7 +131,7 @@ async fn self_check_inner() -> Result<(), String> {
         )),
     );
     // A prefill (causal self-attention) and a KV-cache decoding step with grouped heads.
-    let problems: [(&str, (usize, usize, usize, usize, usize, usize), Causal); 2] = [
+    let problems: [(&str, Dims, Causal); 2] = [
         (
             "prefill B1 H8 L=S=256 E64 causal",
             (1, 8, 8, 256, 256, 64),

@@ -20,8 +20,8 @@ use wasm_bindgen_test::*;
 use wgpu_attention::check::compare;
 use wgpu_attention::reference::{self, MhaInputs};
 use wgpu_attention::{
-    Causal, Context, Error, FusedForm, MhaConfig, MhaWeights, MultiHeadAttention, NeedWeights, Options, Path,
-    Sdpa, Tensor,
+    Causal, Context, Error, Forms, FusedForm, MhaConfig, MhaWeights, MultiHeadAttention, NeedWeights,
+    Options, Path, Sdpa, Tensor,
 };
 
 wasm_bindgen_test_configure!(run_in_browser);
@@ -112,32 +112,19 @@ async fn every_kernel_form_the_device_offers() {
         .with_random_mask(34)
         .with_random_bias(35)
         .with_kv_lens();
-    for form in caps.fused_forms() {
-        let pinned = ctx.with_forms(form);
+    let pinned = caps
+        .fused_forms()
+        .into_iter()
+        .map(|f| (Path::Fused, Forms::from(f), format!("fused {}", f.name())))
+        .chain(
+            caps.decode_forms()
+                .into_iter()
+                .map(|f| (Path::Decode, Forms::from(f), format!("decode {}", f.name()))),
+        );
+    for (path, forms, label) in pinned {
+        let pinned_ctx = ctx.with_forms(forms);
         for case in cases.iter().chain([&decode]) {
-            let want = case.reference();
-            check_against(
-                case,
-                &want,
-                &pinned,
-                Path::Fused,
-                &format!("fused {}", form.name()),
-            )
-            .await;
-        }
-    }
-    for form in caps.decode_forms() {
-        let pinned = ctx.with_forms(form);
-        for case in cases.iter().chain([&decode]) {
-            let want = case.reference();
-            check_against(
-                case,
-                &want,
-                &pinned,
-                Path::Decode,
-                &format!("decode {}", form.name()),
-            )
-            .await;
+            check_against(case, &case.reference(), &pinned_ctx, path, &label).await;
         }
     }
     // The browser exposes no subgroups to wgpu: the subgroup form is refused, typed.
