@@ -83,7 +83,8 @@ fn median(mut times: Vec<f64>) -> f64 {
 }
 
 /// Time `sdpa`: its first call (which compiles its kernels), then the median of `iters` calls.
-/// Each call uploads nothing it was not given as a host array and reads the output back.
+/// A call uploads the inputs given as host arrays (none for GPU buffers), runs the kernels and
+/// reads the output back.
 async fn time(
     ctx: &Context,
     sdpa: &Sdpa<'_>,
