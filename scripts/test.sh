@@ -75,7 +75,7 @@ if has gl; then
 fi
 
 if has browser; then
-  ./scripts/web.sh tools
+  stage "browser tools (installed when missing)" ./scripts/web.sh tools
   stage "clippy (wasm32: the browser suite and the demo)" cargo clippy --locked -p wgpu-attention-web \
     --target wasm32-unknown-unknown --all-targets -- -D warnings
   stage "tests in Chromium (WebGPU)" ./scripts/web.sh test
