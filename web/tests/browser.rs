@@ -551,3 +551,25 @@ async fn lost_device_is_a_typed_error_and_a_new_context_works() {
     let again = Context::new().await.expect("a new context after a lost device");
     check_all_paths(&case, &again, "after the loss, new context").await;
 }
+
+/// A NaN input makes its row NaN on every path (no mask: the README notes where a compiler may
+/// fold NaN away under masks) and leaves the other rows finite; nothing crashes or hangs.
+#[wasm_bindgen_test]
+async fn nan_input_propagates_on_every_path() {
+    let ctx = ctx().await;
+    let mut case = Case::random((1, 1, 1, 3, 4, 2, 2), 11);
+    case.q[[0, 0, 1, 0]] = f32::NAN;
+    for path in Path::ALL {
+        let out = case.sdpa().path(path).run(&ctx).await.unwrap();
+        assert!(
+            out.output.slice(s![0, 0, 1, ..]).iter().all(|x| x.is_nan()),
+            "{path:?}"
+        );
+        for row in [0, 2] {
+            assert!(
+                out.output.slice(s![0, 0, row, ..]).iter().all(|x| x.is_finite()),
+                "{path:?}"
+            );
+        }
+    }
+}
