@@ -51,14 +51,29 @@ stage() { # stage <name> <command...>: run a stage and print its wall time
 
 stage rustfmt cargo fmt --all -- --check
 stage clippy cargo clippy --all-targets --locked -- -D warnings
+BACKENDS=${WGPU_ATTENTION_BACKENDS:-vulkan gl browser web-demo}
+for b in $BACKENDS; do
+  case $b in vulkan | gl | browser | web-demo) ;; *)
+    echo "WGPU_ATTENTION_BACKENDS: unknown pass '$b' (vulkan, gl, browser, web-demo)" >&2
+    exit 2
+    ;;
+  esac
+done
+has() { case " $BACKENDS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
 # Every test with the kernels' default forms (the plan's choice on this device); tests/forms.rs
 # checks the form-dependent cases (shapes with tails, every mask kind, head dims up to 256, the
 # large case, decode shapes, the goldens, one MHA layer) against every other form the device
-# can run, in one process with one reference per case.
-BACKENDS=${WGPU_ATTENTION_BACKENDS:-vulkan gl browser web-demo}
-has() { case " $BACKENDS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
-
-if has vulkan; then stage tests cargo test --locked; fi
+# can run, in one process with one reference per case. On Linux the backend is named, so that a
+# broken Vulkan driver fails here instead of falling back to GL (every test asserts the backend
+# that WGPU_BACKEND names); elsewhere wgpu's default (Metal, DX12).
+if has vulkan; then
+  if [ "$(uname -s)" = Linux ]; then
+    stage "tests on Vulkan" env WGPU_BACKEND=vulkan cargo test --locked
+  else
+    stage tests cargo test --locked
+  fi
+fi
 
 if has gl; then
   if [ "$(uname -s)" = Linux ] && command -v dpkg >/dev/null &&

@@ -68,7 +68,12 @@ with_server() { # with_server CMD...: serve target/web on a free port while CMD 
   SERVER_PID=$!
   trap 'kill "$SERVER_PID" 2>/dev/null || true' EXIT
   # Wait until the server answers.
-  for _ in $(seq 50); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/')" 2>/dev/null && break; sleep 0.1; done
+  local up=0
+  for _ in $(seq 100); do
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/')" 2>/dev/null && { up=1; break; }
+    sleep 0.1
+  done
+  [ "$up" = 1 ] || { echo "the HTTP server on port $port did not answer" >&2; exit 1; }
   URL="http://127.0.0.1:$port/" "$@"
 }
 
@@ -82,14 +87,14 @@ case "${1:-}" in
       cargo test --locked --profile "$WEB_PROFILE" --target wasm32-unknown-unknown --test browser -- "${@:2}"
     ;;
   build) build ;;
-  serve) [ -f target/web/index.html ] || build; serve "${2:-8080}" ;;
+  serve) build; serve "${2:-8080}" ;;
   check)
     build
     with_server sh -c 'python3 scripts/web_driver.py check "$URL" --screenshot target/web/screenshot.png &&
       python3 scripts/web_driver.py no-webgpu "$URL"'
     ;;
   bench)
-    [ -f target/web/index.html ] || build
+    build >&2
     shapes=${2:-a,b,d,e} iters=${3:-5}
     with_server sh -c "python3 scripts/web_driver.py bench \"\${URL}?bench=$shapes&iters=$iters\""
     ;;

@@ -58,6 +58,10 @@ class Browser:
                 break
             except (OSError, RuntimeError):
                 time.sleep(0.1)
+        else:
+            self.proc.terminate()
+            raise RuntimeError(f"chromedriver did not answer on port {port}")
+        self.session = None
         with open(os.path.join(ROOT, "web", "webdriver.json")) as f:
             caps = json.load(f)
         args = caps["goog:chromeOptions"]["args"] + ["--window-size=1100,1500"]
@@ -65,7 +69,11 @@ class Browser:
             args = [a for a in args if "webgpu" not in a] + ["--disable-features=WebGPU"]
         caps["goog:chromeOptions"]["args"] = args
         caps["browserName"] = "chrome"
-        value = request(self.base, "POST", "/session", {"capabilities": {"alwaysMatch": caps}})
+        try:
+            value = request(self.base, "POST", "/session", {"capabilities": {"alwaysMatch": caps}})
+        except Exception:
+            self.proc.terminate()
+            raise
         self.session = f"/session/{value['sessionId']}"
 
     def go(self, url):
@@ -92,7 +100,8 @@ class Browser:
 
     def close(self):
         try:
-            request(self.base, "DELETE", self.session, timeout=10)
+            if self.session:
+                request(self.base, "DELETE", self.session, timeout=10)
         except Exception:
             pass
         self.proc.terminate()
@@ -110,16 +119,14 @@ def main():
         t0 = time.time()
         b.go(args.url)
         status_js = "const s = document.getElementById('status'); return s ? s.textContent : null;"
+        verdict_js = ("const s = document.getElementById('status');"
+                      "return s && s.textContent.startsWith('check: ') ? s.textContent : null;")
         if args.mode == "no-webgpu":
-            verdict = b.wait_for(
-                "const s = document.getElementById('status');"
-                "return s && s.textContent.startsWith('check: ') ? s.textContent : null;", 120)
+            verdict = b.wait_for(verdict_js, 120)
             print(f"without WebGPU: {verdict}")
             return 0 if verdict and verdict.startswith("check: FAIL") and "WebGPU" in verdict else 1
         if args.mode == "check":
-            verdict = b.wait_for(
-                "const s = document.getElementById('status');"
-                "return s && s.textContent.startsWith('check: ') ? s.textContent : null;", args.timeout)
+            verdict = b.wait_for(verdict_js, args.timeout)
             rows = b.js("return Array.from(document.querySelectorAll('#results tr'))"
                         ".map(r => Array.from(r.cells).map(c => c.textContent).join(' | '));") or []
             print("adapter:", b.js("return document.getElementById('adapter').textContent;"))
@@ -133,10 +140,14 @@ def main():
         done = b.wait_for(
             "const t = document.getElementById('bench');"
             "const s = document.getElementById('status').textContent;"
-            "return t && t.dataset.done ? t.dataset.done : (s.startsWith('bench: FAIL') ? s : null);",
+            "if (/^(bench|check): FAIL/.test(s)) return s;"
+            "return t && t.dataset.done !== undefined ? 'done\\n' + t.dataset.done : null;",
             args.timeout)
-        print((done or f"no result: {b.js(status_js)}").rstrip())
-        return 0 if done and not done.startswith("bench: FAIL") else 1
+        if done and done.startswith("done"):
+            print(done.split("\n", 1)[1].rstrip())
+        else:
+            print(done or f"no result: {b.js(status_js)}")
+        return 0 if done and done.startswith("done") else 1
     finally:
         b.close()
 

@@ -20,7 +20,7 @@ use wasm_bindgen_test::*;
 use wgpu_attention::check::compare;
 use wgpu_attention::reference::{self, MhaInputs};
 use wgpu_attention::{
-    Causal, Context, Error, Forms, FusedForm, MhaConfig, MhaWeights, MultiHeadAttention, NeedWeights,
+    Causal, Context, Error, Form, Forms, FusedForm, MhaConfig, MhaWeights, MultiHeadAttention, NeedWeights,
     Options, Path, Sdpa, Tensor,
 };
 
@@ -115,15 +115,22 @@ async fn every_kernel_form_the_device_offers() {
     let pinned = caps
         .fused_forms()
         .into_iter()
-        .map(|f| (Path::Fused, Forms::from(f), format!("fused {}", f.name())))
+        .map(|f| (Path::Fused, Forms::from(f), Form::Fused(f)))
         .chain(
             caps.decode_forms()
                 .into_iter()
-                .map(|f| (Path::Decode, Forms::from(f), format!("decode {}", f.name()))),
+                .map(|f| (Path::Decode, Forms::from(f), Form::Decode(f))),
         );
-    for (path, forms, label) in pinned {
+    for (path, forms, form) in pinned {
         let pinned_ctx = ctx.with_forms(forms);
+        let label = format!("{path:?} {form:?}");
         for case in cases.iter().chain([&decode]) {
+            // The pinned form is the one that runs.
+            assert_eq!(
+                case.sdpa().path(path).plan(&pinned_ctx).unwrap().form(),
+                form,
+                "{label}"
+            );
             check_against(case, &case.reference(), &pinned_ctx, path, &label).await;
         }
     }
@@ -251,7 +258,12 @@ async fn large_magnitude_logits_stay_finite() {
 #[wasm_bindgen_test]
 async fn pytorch_goldens_on_every_path() {
     let ctx = ctx().await;
-    assert!(goldens::GOLDENS.len() >= 12, "embedded goldens");
+    // Every fixture directory is embedded (web/build.rs); 19 when this was written.
+    assert!(
+        goldens::GOLDENS.len() >= 19,
+        "embedded goldens: {}",
+        goldens::GOLDENS.len()
+    );
     for (name, files) in goldens::GOLDENS {
         let g = golden(name, |f| {
             files.iter().find(|(n, _)| *n == f).map(|(_, b)| b.to_vec())
