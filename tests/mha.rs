@@ -7,7 +7,7 @@ mod common;
 
 use std::path::Path as FsPath;
 
-use common::{assert_report, ctx, rand_array, rng, TOL};
+use common::{assert_mha_output, assert_report, ctx, rand_array, rng, TOL};
 use ndarray::{Array2, Array3, Array4, ArrayD, IxDyn};
 use ndarray_npy::read_npy;
 use wgpu_attention::check::{compare, Tolerance};
@@ -208,25 +208,7 @@ fn run_grid_case(ctx: &wgpu_attention::Context, g: &Grid, seed: u64) {
         g.b, g.l, g.s, g.cross, g.causal, g.mask, g.bias, g.lens, g.weights
     );
     let o = f.run_blocking(ctx).unwrap();
-    assert_report(
-        compare(o.output.iter().copied(), r.out.iter().copied(), TOL),
-        &label,
-    );
-    match g.weights {
-        NeedWeights::PerHead => assert_report(
-            compare(o.weights.unwrap().iter().copied(), r.weights.iter().copied(), TOL),
-            &format!("{label} weights"),
-        ),
-        NeedWeights::Averaged => assert_report(
-            compare(
-                o.avg_weights.unwrap().iter().copied(),
-                reference::mean_over_heads(&r.weights).iter().copied(),
-                TOL,
-            ),
-            &format!("{label} avg weights"),
-        ),
-        NeedWeights::No => assert!(o.weights.is_none() && o.avg_weights.is_none()),
-    }
+    assert_mha_output(&o, &r, g.weights, TOL, &label);
 }
 
 #[test]

@@ -9,7 +9,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use wgpu_attention::check::{compare, Report, Tolerance, F32_TOLERANCE};
 use wgpu_attention::reference;
-use wgpu_attention::{Causal, Options, Output, Sdpa};
+use wgpu_attention::{Causal, MhaOutput, NeedWeights, Options, Output, Path, Sdpa};
 
 /// Uniform values in [-1, 1).
 pub fn rand_array<Sh: ndarray::ShapeBuilder>(rng: &mut StdRng, shape: Sh) -> Array<f32, Sh::Dim> {
@@ -132,13 +132,25 @@ impl Case {
         reference::sdpa(self.q.view(), self.k.view(), self.v.view(), &self.options()).unwrap()
     }
 
-    /// Compare a GPU run's output and logsumexp (and weights when `weights`) with `want` at
-    /// `tol`. Panics with a report on mismatch.
+    /// The call the checks run on `path`: the logsumexp always, and the weights where the path
+    /// returns them (the unfused path).
+    pub fn checked_sdpa(&self, path: Path) -> Sdpa<'_> {
+        let run = self.sdpa().path(path).return_lse();
+        if path == Path::Unfused {
+            run.return_weights()
+        } else {
+            run
+        }
+    }
+
+    /// Compare the output and logsumexp of [`Case::checked_sdpa`]'s run on `path` (and the
+    /// weights where the path returns them) with `want` at `tol`. Panics with a report on
+    /// mismatch.
     pub fn assert_output(
         &self,
-        got: Output,
+        got: &Output,
         want: &reference::Output,
-        weights: bool,
+        path: Path,
         tol: Tolerance,
         label: &str,
     ) {
@@ -147,13 +159,17 @@ impl Case {
             &format!("{label} output"),
         );
         assert_report(
-            compare(got.lse.unwrap().iter().copied(), want.lse.iter().copied(), tol),
+            compare(
+                got.lse.as_ref().unwrap().iter().copied(),
+                want.lse.iter().copied(),
+                tol,
+            ),
             &format!("{label} lse"),
         );
-        if weights {
+        if path == Path::Unfused {
             assert_report(
                 compare(
-                    got.weights.unwrap().iter().copied(),
+                    got.weights.as_ref().unwrap().iter().copied(),
                     want.weights.iter().copied(),
                     tol,
                 ),
@@ -244,28 +260,48 @@ pub fn mask_kinds() -> Vec<MaskKind> {
 pub struct Golden {
     pub name: String,
     pub case: Case,
-    pub out: ndarray::Array4<f64>,
-    pub lse: ndarray::Array3<f64>,
-    pub weights: ndarray::Array4<f64>,
+    pub pytorch: reference::Output,
 }
 
 impl Golden {
-    /// Compare a GPU output and logsumexp (and weights, if any) with PyTorch's at `tol`.
-    pub fn assert_matches(&self, got: &wgpu_attention::Output, tol: Tolerance, label: &str) {
-        use wgpu_attention::check::compare;
-        let name = &self.name;
-        let rep = compare(got.output.iter().copied(), self.out.iter().copied(), tol);
-        assert!(rep.passed(), "{name} {label} out: {rep}");
-        let rep = compare(
-            got.lse.as_ref().unwrap().iter().copied(),
-            self.lse.iter().copied(),
-            tol,
-        );
-        assert!(rep.passed(), "{name} {label} lse: {rep}");
-        if let Some(w) = &got.weights {
-            let rep = compare(w.iter().copied(), self.weights.iter().copied(), tol);
-            assert!(rep.passed(), "{name} {label} weights: {rep}");
-        }
+    /// [`Case::assert_output`] against PyTorch's outputs.
+    pub fn assert_matches(&self, got: &Output, path: Path, tol: Tolerance, label: &str) {
+        let label = format!("{} {label}", self.name);
+        self.case.assert_output(got, &self.pytorch, path, tol, &label);
+    }
+}
+
+/// Compare a multi-head attention layer's GPU output (and the weights `weights` asked for) with
+/// the reference's at `tol`.
+pub fn assert_mha_output(
+    got: &MhaOutput,
+    want: &reference::MhaOutput,
+    weights: NeedWeights,
+    tol: Tolerance,
+    label: &str,
+) {
+    assert_report(
+        compare(got.output.iter().copied(), want.out.iter().copied(), tol),
+        label,
+    );
+    match weights {
+        NeedWeights::PerHead => assert_report(
+            compare(
+                got.weights.as_ref().unwrap().iter().copied(),
+                want.weights.iter().copied(),
+                tol,
+            ),
+            &format!("{label} weights"),
+        ),
+        NeedWeights::Averaged => assert_report(
+            compare(
+                got.avg_weights.as_ref().unwrap().iter().copied(),
+                reference::mean_over_heads(&want.weights).iter().copied(),
+                tol,
+            ),
+            &format!("{label} avg weights"),
+        ),
+        NeedWeights::No => assert!(got.weights.is_none() && got.avg_weights.is_none(), "{label}"),
     }
 }
 
@@ -299,8 +335,10 @@ pub fn golden(name: &str, file: impl Fn(&str) -> Option<Vec<u8>>) -> Golden {
             causal,
             scale: meta["scale"].as_f64(),
         },
-        out: npy(need("out.npy")),
-        lse: npy(need("lse.npy")),
-        weights: npy(need("weights.npy")),
+        pytorch: reference::Output {
+            out: npy(need("out.npy")),
+            weights: npy(need("weights.npy")),
+            lse: npy(need("lse.npy")),
+        },
     }
 }

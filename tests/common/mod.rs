@@ -68,13 +68,11 @@ impl Case {
         tol: Tolerance,
         label: &str,
     ) {
-        let mut run = self.sdpa().path(path).return_lse();
-        let weights = path == Path::Unfused;
-        if weights {
-            run = run.return_weights();
-        }
-        let got = run.run_blocking(ctx).unwrap_or_else(|e| panic!("{label}: {e}"));
-        self.assert_output(got, want, weights, tol, label);
+        let got = self
+            .checked_sdpa(path)
+            .run_blocking(ctx)
+            .unwrap_or_else(|e| panic!("{label}: {e}"));
+        self.assert_output(&got, want, path, tol, label);
     }
 }
 

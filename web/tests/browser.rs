@@ -40,13 +40,12 @@ fn log(msg: &str) {
 
 /// Run `path` (with weights on the unfused path, and lse) and compare with `want`.
 async fn check_against(case: &Case, want: &reference::Output, ctx: &Context, path: Path, label: &str) {
-    let mut run = case.sdpa().path(path).return_lse();
-    let weights = path == Path::Unfused;
-    if weights {
-        run = run.return_weights();
-    }
-    let got = run.run(ctx).await.unwrap_or_else(|e| panic!("{label}: {e}"));
-    case.assert_output(got, want, weights, TOL, label);
+    let got = case
+        .checked_sdpa(path)
+        .run(ctx)
+        .await
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+    case.assert_output(&got, want, path, TOL, label);
 }
 
 /// [`check_against`] on every path, against one reference.
@@ -269,15 +268,13 @@ async fn pytorch_goldens_on_every_path() {
             files.iter().find(|(n, _)| *n == f).map(|(_, b)| b.to_vec())
         });
         for path in Path::ALL {
-            let mut run = g.case.sdpa().path(path).return_lse();
-            if path == Path::Unfused {
-                run = run.return_weights();
-            }
-            let got = run
+            let got = g
+                .case
+                .checked_sdpa(path)
                 .run(&ctx)
                 .await
                 .unwrap_or_else(|e| panic!("{name} {path:?}: {e}"));
-            g.assert_matches(&got, TOL, &format!("{path:?}"));
+            g.assert_matches(&got, path, TOL, &format!("{path:?}"));
         }
     }
 }
@@ -407,29 +404,7 @@ async fn mha_layer_matches_reference() {
             }
             let label = format!("{config:?} cross {cross} {variant}");
             let got = f.run(&ctx).await.unwrap_or_else(|e| panic!("{label}: {e}"));
-            assert_report(
-                compare(got.output.iter().copied(), want.out.iter().copied(), TOL),
-                &label,
-            );
-            match weights {
-                NeedWeights::PerHead => assert_report(
-                    compare(
-                        got.weights.unwrap().iter().copied(),
-                        want.weights.iter().copied(),
-                        TOL,
-                    ),
-                    &format!("{label} weights"),
-                ),
-                NeedWeights::Averaged => assert_report(
-                    compare(
-                        got.avg_weights.unwrap().iter().copied(),
-                        reference::mean_over_heads(&want.weights).iter().copied(),
-                        TOL,
-                    ),
-                    &format!("{label} avg weights"),
-                ),
-                NeedWeights::No => assert!(got.weights.is_none() && got.avg_weights.is_none()),
-            }
+            assert_mha_output(&got, &want, weights, TOL, &label);
         }
     }
 }
