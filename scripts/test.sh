@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else "$@"; fi; }
+. scripts/apt.sh
 
 if [ "$(uname -s)" = Linux ]; then
   have_icd=0
@@ -23,9 +23,7 @@ if [ "$(uname -s)" = Linux ]; then
   done
   if [ "$have_icd" = 0 ] || ! ldconfig -p 2>/dev/null | grep -q 'libvulkan\.so\.1'; then
     if command -v apt-get >/dev/null; then
-      echo "== no Vulkan driver found: installing Mesa's software Vulkan driver (lavapipe)"
-      as_root apt-get update -qq
-      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      apt_install "Mesa's software Vulkan driver (lavapipe), as no Vulkan driver was found" \
         mesa-vulkan-drivers libvulkan1
     else
       echo "== no Vulkan driver found and no apt-get: GPU tests will skip (or fail with WGPU_ATTENTION_REQUIRE_GPU=1)"
@@ -78,9 +76,7 @@ fi
 if has gl; then
   if [ "$(uname -s)" = Linux ] && command -v dpkg >/dev/null &&
     ! dpkg -s libegl1 libegl-mesa0 libgles2 libgl1-mesa-dri >/dev/null 2>&1; then
-    echo "== installing Mesa's GL (llvmpipe through EGL) for wgpu's GL backend"
-    as_root apt-get update -qq
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    apt_install "Mesa's GL (llvmpipe through EGL) for wgpu's GL backend" \
       libegl1 libegl-mesa0 libgles2 libgl1-mesa-dri
   fi
   # A GL adapter has no subgroups: the plan picks the loop, tiled and cpu decode forms there,

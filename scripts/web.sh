@@ -18,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else "$@"; fi; }
+. scripts/apt.sh
 wasm_bindgen_version() { awk '/^name = "wasm-bindgen"$/ { getline; gsub(/"/, "", $3); print $3 }' Cargo.lock; }
 WEB_PROFILE=release
 
@@ -34,14 +34,7 @@ tools() {
       cargo install -q wasm-bindgen-cli --version "$want"
   fi
   if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
-    if command -v apt-get >/dev/null; then
-      echo "== installing Debian's chromium and chromium-driver"
-      as_root apt-get update -qq
-      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver
-    else
-      echo "chromium and chromedriver are needed (no apt-get here to install them)" >&2
-      exit 1
-    fi
+    apt_install "Chromium and ChromeDriver for the browser tests" chromium chromium-driver || exit 1
   fi
 }
 
