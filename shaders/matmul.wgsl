@@ -13,7 +13,10 @@
 // (grouped-query attention): global batch-head gz = b_z0 + z maps to
 // kv slice (gz / heads) * (heads / group) + (gz % heads) / group.
 //
-// The host prepends `Params`, generated from the Rust struct in src/kernels/matmul.rs.
+// The host prepends `Params`, generated from the Rust struct in src/kernels/matmul.rs, and
+// the declarations of a, b, bias and c in their storage formats (src/kernels/access.rs) with
+// `store_c4(i, n_left, x)`, which stores the first min(n_left, 4) elements of x at element i
+// of c (whole words where the layout allows, else element by element).
 //
 // Bindings: 0 a (read), 1 b (read), 2 bias (read), 3 c (read_write), 4 params (uniform).
 
@@ -23,11 +26,6 @@ override HAS_BIAS: bool = false;
 const BM: u32 = 64u;
 const BN: u32 = 64u;
 const BK: u32 = 16u;
-
-@group(0) @binding(0) var<storage, read> a: array<f32>;
-@group(0) @binding(1) var<storage, read> b: array<f32>;
-@group(0) @binding(2) var<storage, read> bias: array<f32>;
-@group(0) @binding(3) var<storage, read_write> c: array<f32>;
 
 // [BK][BM / 4] and [BK][BN / 4]: a row of 4 consecutive m (or n) per vec4.
 var<workgroup> a_tile: array<vec4<f32>, 256>;
@@ -65,7 +63,7 @@ fn main(
             let gk = k0 + kk;
             var val = 0.0;
             if (gr < p.m && gk < p.k) {
-                val = a[a_base + gr * p.a_row + gk];
+                val = a_get(a_base + gr * p.a_row + gk);
             }
             a_tile[kk * (BM / 4u) + r / 4u][r % 4u] = val;
         }
@@ -86,9 +84,9 @@ fn main(
             var val = 0.0;
             if (gc < p.n && gk < p.k) {
                 if (TRANS_B) {
-                    val = b[b_base + gc * p.b_row + gk];
+                    val = b_get(b_base + gc * p.b_row + gk);
                 } else {
-                    val = b[b_base + gk * p.b_row + gc];
+                    val = b_get(b_base + gk * p.b_row + gc);
                 }
             }
             b_tile[kk * (BN / 4u) + cc / 4u][cc % 4u] = val;
@@ -110,15 +108,15 @@ fn main(
         if (r >= p.m) {
             break;
         }
-        for (var j = 0u; j < 4u; j++) {
-            let cc = col0 + tx * 4u + j;
-            if (cc < p.n) {
-                var val = p.alpha * acc[i][j];
-                if (HAS_BIAS) {
-                    val += bias[cc];
+        let cc = col0 + tx * 4u;
+        if (cc < p.n) {
+            var val = p.alpha * acc[i];
+            if (HAS_BIAS) {
+                for (var j = 0u; j < 4u; j++) {
+                    val[j] += bias_get(min(cc + j, p.n - 1u));
                 }
-                c[c_base + r * p.c_row + cc] = val;
             }
+            store_c4(c_base + r * p.c_row + cc, p.n - cc, val);
         }
     }
 }

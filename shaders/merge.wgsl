@@ -4,17 +4,18 @@
 // Parts with lse = -inf (no allowed key) weigh 0; if every part is empty the row is 0 with
 // lse -inf. One workgroup per row.
 //
-// The host prepends `Params` (generated from src/kernels/decode.rs: rows, splits, ev) and
-// common/softmax.wgsl (sentinels).
+// The host prepends `Params` (generated from src/kernels/decode.rs: rows, splits, ev),
+// common/softmax.wgsl (sentinels), and the declarations of part_out (binding 0) and out
+// (binding 2) in their storage formats with `store2(i, x)`, which stores elements i and i + 1
+// of out (i + 1 only when i + 1 < Ev: whole words, or element by element) (src/kernels/access.rs).
+// Each invocation computes pairs of elements, so half outputs are stored in whole words.
 //
 // Bindings: 0 part_out [splits][rows][Ev], 1 part_lse [splits][rows] (read);
 //           2 out [rows][Ev], 3 lse [rows] (read_write); 4 params.
 
 const WG: u32 = 64u;
 
-@group(0) @binding(0) var<storage, read> part_out: array<f32>;
 @group(0) @binding(1) var<storage, read> part_lse: array<f32>;
-@group(0) @binding(2) var<storage, read_write> out: array<f32>;
 @group(0) @binding(3) var<storage, read_write> lse: array<f32>;
 
 @compute @workgroup_size(64, 1, 1)
@@ -37,8 +38,8 @@ fn main(
         }
     }
     if (!any) {
-        for (var d = tid; d < p.ev; d += WG) {
-            out[row * p.ev + d] = 0.0;
+        for (var d = 2u * tid; d < p.ev; d += 2u * WG) {
+            store2(row * p.ev, d, vec2<f32>(0.0));
         }
         if (tid == 0u) {
             lse[row] = neg_inf();
@@ -52,15 +53,17 @@ fn main(
             total += exp(l - mx);
         }
     }
-    for (var d = tid; d < p.ev; d += WG) {
-        var o = 0.0;
+    for (var d = 2u * tid; d < p.ev; d += 2u * WG) {
+        var o = vec2<f32>(0.0);
+        let d1 = min(d + 1u, p.ev - 1u);
         for (var s = 0u; s < p.splits; s++) {
             let l = part_lse[s * p.rows + row];
             if (!is_empty_lse(l)) {
-                o += exp(l - mx) * part_out[(s * p.rows + row) * p.ev + d];
+                let base = (s * p.rows + row) * p.ev;
+                o += exp(l - mx) * vec2<f32>(part_out_get(base + d), part_out_get(base + d1));
             }
         }
-        out[row * p.ev + d] = o / total;
+        store2(row * p.ev, d, o / total);
     }
     if (tid == 0u) {
         lse[row] = mx + log(total);

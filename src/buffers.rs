@@ -7,6 +7,7 @@ use wgpu::util::DeviceExt;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
+use crate::storage::Storage;
 use crate::tensor::{Tensor, TensorData};
 
 /// Bytes per element of the f32 storage every buffer uses today.
@@ -120,7 +121,8 @@ pub(crate) fn dummy(ctx: &Context) -> wgpu::Buffer {
 /// A validated input, before upload.
 pub(crate) struct Operand<'t, 'a> {
     tensor: &'t Tensor<'a>,
-    bytes: u64,
+    pub(crate) bytes: u64,
+    pub(crate) storage: Storage,
 }
 
 /// An input on the GPU: our upload, or the caller's buffer.
@@ -132,21 +134,24 @@ pub(crate) enum Uploaded<'a> {
 impl<'t, 'a> Operand<'t, 'a> {
     pub(crate) fn check(ctx: &Context, name: &'static str, t: &'t Tensor<'a>) -> Result<Self> {
         let elems: usize = t.shape.iter().product();
-        let bytes = f32_bytes(elems);
+        let storage = t.storage();
+        let bytes = storage.bytes(elems);
         match &t.data {
             TensorData::Host(d) => check_len(name, &t.shape, d.len())?,
-            TensorData::Gpu { buffer, offset } => check_gpu_buffer(ctx, name, buffer, *offset, bytes)?,
+            TensorData::Gpu { buffer, offset, .. } => check_gpu_buffer(ctx, name, buffer, *offset, bytes)?,
         }
         fits(name, bytes, ctx.max_binding(), "max_storage_buffer_binding_size")?;
-        Ok(Operand { tensor: t, bytes })
+        Ok(Operand {
+            tensor: t,
+            bytes,
+            storage,
+        })
     }
 
     pub(crate) fn upload(&self, ctx: &Context, label: &str) -> Uploaded<'a> {
         match &self.tensor.data {
-            TensorData::Host(d) => {
-                Uploaded::Owned(storage_init(ctx, label, bytemuck::cast_slice(d)), self.bytes)
-            }
-            TensorData::Gpu { buffer, offset } => Uploaded::Borrowed(buffer, *offset, self.bytes),
+            TensorData::Host(d) => Uploaded::Owned(storage_init(ctx, label, &d.bytes()), self.bytes),
+            TensorData::Gpu { buffer, offset, .. } => Uploaded::Borrowed(buffer, *offset, self.bytes),
         }
     }
 }
@@ -160,16 +165,40 @@ impl Uploaded<'_> {
     }
 }
 
-/// Copy `size` bytes at `offset` of `buffer` (which needs `COPY_SRC`) back to the host as f32,
-/// staged in pieces no larger than a quarter of the buffer limit (and 256 MiB).
+/// Copy `size` bytes at `offset` of `buffer` (which needs `COPY_SRC`) back to the host as f32.
 pub(crate) async fn read_f32(
     ctx: &Context,
     buffer: &wgpu::Buffer,
     offset: u64,
     size: u64,
 ) -> Result<Vec<f32>> {
+    let bytes = read_bytes(ctx, buffer, offset, size).await?;
+    Ok(Storage::F32.decode(&bytes, (size / F32) as usize))
+}
+
+/// Read `elems` elements of format `storage` at `offset` of `buffer` (which needs
+/// `COPY_SRC`), widened to f32 (exact).
+pub(crate) async fn read_as_f32(
+    ctx: &Context,
+    buffer: &wgpu::Buffer,
+    offset: u64,
+    elems: usize,
+    storage: Storage,
+) -> Result<Vec<f32>> {
+    let bytes = read_bytes(ctx, buffer, offset, storage.bytes(elems)).await?;
+    Ok(storage.decode(&bytes, elems))
+}
+
+/// Copy `size` bytes (a multiple of 4) at `offset` of `buffer` (which needs `COPY_SRC`) back
+/// to the host, staged in pieces no larger than a quarter of the buffer limit (and 256 MiB).
+pub(crate) async fn read_bytes(
+    ctx: &Context,
+    buffer: &wgpu::Buffer,
+    offset: u64,
+    size: u64,
+) -> Result<Vec<u8>> {
     let device = ctx.device();
-    let mut out = vec![0f32; (size / F32) as usize];
+    let mut out = vec![0u8; size as usize];
     // Stage in pieces no larger than a quarter of the buffer limit (and 256 MiB).
     let piece_max = (ctx.limits().max_buffer_size / 4).clamp(F32, 256 << 20) & !(F32 - 1);
     let mut done = 0u64;
@@ -204,8 +233,7 @@ pub(crate) async fn read_f32(
             let view = staging
                 .get_mapped_range(..)
                 .map_err(|e| Error::Readback(e.to_string()))?;
-            let start = (done / F32) as usize;
-            out[start..start + (n / F32) as usize].copy_from_slice(bytemuck::cast_slice(&view));
+            out[done as usize..(done + n) as usize].copy_from_slice(&view);
         }
         staging.unmap();
         done += n;

@@ -12,6 +12,31 @@ pub const F32_TOLERANCE: Tolerance = Tolerance {
     rtol: 1e-4,
 };
 
+/// The tolerance for f16 outputs (f16 inputs and output, f32 accumulation) against the f64
+/// reference computed on the rounded inputs: about 8 f16 rounding steps (2⁻¹¹ each).
+pub const F16_TOLERANCE: Tolerance = Tolerance {
+    atol: 1e-3,
+    rtol: 4e-3,
+};
+
+/// The tolerance for bf16 outputs against the f64 reference on the rounded inputs: about
+/// 4 bf16 rounding steps (2⁻⁸ each).
+pub const BF16_TOLERANCE: Tolerance = Tolerance {
+    atol: 2e-3,
+    rtol: 1.6e-2,
+};
+
+impl Tolerance {
+    /// The tolerance for outputs stored in `s`.
+    pub fn for_storage(s: crate::Storage) -> Tolerance {
+        match s {
+            crate::Storage::F32 => F32_TOLERANCE,
+            crate::Storage::F16 => F16_TOLERANCE,
+            crate::Storage::Bf16 => BF16_TOLERANCE,
+        }
+    }
+}
+
 /// Absolute and relative tolerance.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Tolerance {

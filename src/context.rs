@@ -308,6 +308,18 @@ impl Context {
     pub async fn read_f32(&self, buffer: &wgpu::Buffer, offset: u64, size: u64) -> Result<Vec<f32>> {
         crate::buffers::read_f32(self, buffer, offset, size).await
     }
+
+    /// Read `elems` elements held in format `storage` at byte `offset` of `buffer` (which needs
+    /// `COPY_SRC`), widened to f32 (exactly: every f16 and bf16 value is an f32).
+    pub async fn read_as_f32(
+        &self,
+        buffer: &wgpu::Buffer,
+        offset: u64,
+        elems: usize,
+        storage: crate::Storage,
+    ) -> Result<Vec<f32>> {
+        crate::buffers::read_as_f32(self, buffer, offset, elems, storage).await
+    }
 }
 
 /// Pick the adapter: `WGPU_ADAPTER_NAME` if set, else wgpu's default choice.

@@ -168,6 +168,18 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// Tensors whose storage formats must agree do not.
+    #[error("{tensor}: storage format {actual} where {expected} is required ({why})")]
+    StorageMismatch {
+        /// Which tensor.
+        tensor: &'static str,
+        /// The format it must have.
+        expected: crate::Storage,
+        /// The format it has.
+        actual: crate::Storage,
+        /// Why the formats must agree.
+        why: &'static str,
+    },
     /// A buffer would exceed a device limit.
     #[error("{what} needs {bytes} bytes, over the device limit {limit_name} = {limit}{hint}")]
     TooLargeForDevice {

@@ -19,11 +19,14 @@ pub mod reference;
 mod sdpa;
 #[cfg(feature = "shapes")]
 pub mod shapes;
+mod storage;
 mod tensor;
 
 pub use context::Context;
 pub use error::{Error, Result};
 pub use forms::{Caps, DecodeForm, Forms, FusedForm};
+/// Re-exported: the half-precision host types ([`half::f16`], [`half::bf16`]).
+pub use half;
 pub use matmul::matmul;
 #[cfg(not(target_arch = "wasm32"))]
 pub use matmul::matmul_blocking;
@@ -35,6 +38,7 @@ pub use sdpa::merge::merge;
 pub use sdpa::merge::merge_blocking;
 pub use sdpa::plan::{Form, Plan, Tiles};
 pub use sdpa::{GpuOutput, Output, Path, Sdpa};
+pub use storage::{Element, Formats, Storage};
 pub use tensor::{Mask, Tensor};
 /// Re-exported so callers use the same wgpu version.
 pub use wgpu;

@@ -8,6 +8,7 @@ use crate::buffers::{binding, f32_bytes, fits, Operand};
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::matmul as kernel;
+use crate::storage::Storage;
 use crate::tensor::Tensor;
 
 /// `C[i] = alpha · A[i] · op(B[i])`, f32, row-major: A `[batch, M, K]`; B `[batch | 1, N, K]` when
@@ -84,6 +85,7 @@ pub async fn matmul<'a>(
                 },
                 batch: batch as u32,
                 trans_b,
+                formats: [a_op.storage, b_op.storage, Storage::F32, Storage::F32],
             }
             .record(ctx, &mut encoder, &dummy)?;
             ctx.queue().submit([encoder.finish()]);

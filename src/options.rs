@@ -57,15 +57,22 @@ impl<'a> Options<'a> {
     }
 
     /// The bias as an array view (for the CPU reference): host data only.
-    pub(crate) fn bias_view(&self) -> Result<Option<ArrayViewD<'_, f32>>> {
+    pub(crate) fn bias_view(&self) -> Result<Option<ndarray::CowArray<'_, f32, IxDyn>>> {
         self.bias
             .as_ref()
-            .map(|b| match &b.data {
-                crate::tensor::TensorData::Host(d) => {
+            .map(|b| match b.host_f32() {
+                Some(d) => {
                     check_len("bias", &b.shape, d.len())?;
-                    Ok(ArrayViewD::from_shape(IxDyn(&b.shape), d).expect("length checked"))
+                    Ok(match d {
+                        std::borrow::Cow::Borrowed(d) => ArrayViewD::from_shape(IxDyn(&b.shape), d)
+                            .expect("length checked")
+                            .into(),
+                        std::borrow::Cow::Owned(d) => ndarray::ArrayD::from_shape_vec(IxDyn(&b.shape), d)
+                            .expect("length checked")
+                            .into(),
+                    })
                 }
-                crate::tensor::TensorData::Gpu { .. } => Err(Error::BadBuffer {
+                None => Err(Error::BadBuffer {
                     tensor: "bias",
                     reason: "the CPU reference reads host data, not a GPU buffer".into(),
                 }),

@@ -119,6 +119,8 @@ pub struct Problem {
     pub bias: Option<Broadcast>,
     /// Per-batch key lengths, if any.
     pub kv_lens: Option<Vec<u32>>,
+    /// The storage formats of q, k, v, the bias and the output (all f32 by default).
+    pub storage: crate::storage::Formats,
 }
 
 fn dims4(tensor: &'static str, shape: &[usize]) -> Result<[usize; 4]> {
@@ -176,7 +178,14 @@ impl Problem {
             mask: None,
             bias: None,
             kv_lens: None,
+            storage: Default::default(),
         })
+    }
+
+    /// Set the storage formats.
+    pub fn with_storage(mut self, storage: crate::storage::Formats) -> Self {
+        self.storage = storage;
+        self
     }
 
     /// Set the scale (must be finite).

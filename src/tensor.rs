@@ -4,6 +4,8 @@ use std::borrow::Cow;
 
 use ndarray::{ArrayBase, Data, Dimension};
 
+use crate::storage::{Element, HostData, Storage};
+
 /// Borrow a standard-layout array's data; copy any other layout into row-major order.
 fn row_major<T: Copy, S: Data<Elem = T>, D: Dimension>(a: &ArrayBase<S, D>) -> Cow<'_, [T]> {
     match a.as_slice() {
@@ -20,8 +22,10 @@ fn view_row_major<T: Copy, D: Dimension>(a: ndarray::ArrayView<'_, T, D>) -> Cow
     }
 }
 
-/// An f32 tensor given to the GPU: host data (copied up once) or a caller's GPU buffer
-/// (bound in place, no copy). Row-major, contiguous.
+/// A tensor given to the GPU: host data (copied up once) or a caller's GPU buffer (bound in
+/// place, no copy). Row-major, contiguous. Host data is `f32`, [`half::f16`] or [`half::bf16`]
+/// (slices or ndarray arrays) and keeps its format on the device; a GPU buffer holds the
+/// format declared with [`Tensor::with_storage`] (default f32).
 #[derive(Debug, Clone)]
 pub struct Tensor<'a> {
     pub(crate) data: TensorData<'a>,
@@ -30,16 +34,20 @@ pub struct Tensor<'a> {
 
 #[derive(Debug, Clone)]
 pub(crate) enum TensorData<'a> {
-    Host(Cow<'a, [f32]>),
-    Gpu { buffer: &'a wgpu::Buffer, offset: u64 },
+    Host(HostData<'a>),
+    Gpu {
+        buffer: &'a wgpu::Buffer,
+        offset: u64,
+        storage: Storage,
+    },
 }
 
 impl<'a> Tensor<'a> {
     /// Host data in row-major order with the given shape (the length is checked against the
     /// shape before any GPU work).
-    pub fn from_slice(data: &'a [f32], shape: &[usize]) -> Self {
+    pub fn from_slice<T: Element>(data: &'a [T], shape: &[usize]) -> Self {
         Tensor {
-            data: TensorData::Host(Cow::Borrowed(data)),
+            data: TensorData::Host(T::host_data(Cow::Borrowed(data))),
             shape: shape.to_vec(),
         }
     }
@@ -47,10 +55,56 @@ impl<'a> Tensor<'a> {
     /// A caller's GPU buffer holding the tensor, row-major, starting at byte `offset`.
     /// The buffer needs `STORAGE` usage (and `COPY_SRC` if it is read back); `offset` must be a
     /// multiple of the device's `min_storage_buffer_offset_alignment`.
+    /// The buffer holds f32 elements unless declared otherwise with [`Tensor::with_storage`].
     pub fn from_buffer(buffer: &'a wgpu::Buffer, offset: u64, shape: &[usize]) -> Self {
         Tensor {
-            data: TensorData::Gpu { buffer, offset },
+            data: TensorData::Gpu {
+                buffer,
+                offset,
+                storage: Storage::F32,
+            },
             shape: shape.to_vec(),
+        }
+    }
+
+    /// The device format of this tensor. For a GPU buffer this declares what the buffer holds
+    /// (half formats: two elements per 4-byte word, little-endian, the buffer's size rounded up
+    /// to whole words). Host data is converted to the format (round to nearest even) when it
+    /// is not in it already.
+    pub fn with_storage(mut self, storage: Storage) -> Self {
+        match &mut self.data {
+            TensorData::Gpu { storage: s, .. } => *s = storage,
+            TensorData::Host(d) if d.storage() != storage => {
+                let f = d.to_f32();
+                let data = match storage {
+                    Storage::F32 => HostData::F32(Cow::Owned(f.into_owned())),
+                    Storage::F16 => {
+                        HostData::F16(Cow::Owned(f.iter().map(|&x| half::f16::from_f32(x)).collect()))
+                    }
+                    Storage::Bf16 => {
+                        HostData::Bf16(Cow::Owned(f.iter().map(|&x| half::bf16::from_f32(x)).collect()))
+                    }
+                };
+                self.data = TensorData::Host(data);
+            }
+            TensorData::Host(_) => {}
+        }
+        self
+    }
+
+    /// The device format.
+    pub fn storage(&self) -> Storage {
+        match &self.data {
+            TensorData::Host(d) => d.storage(),
+            TensorData::Gpu { storage, .. } => *storage,
+        }
+    }
+
+    /// Host data widened to f32 (exact), or `None` for a GPU buffer.
+    pub(crate) fn host_f32(&self) -> Option<Cow<'_, [f32]>> {
+        match &self.data {
+            TensorData::Host(d) => Some(d.to_f32()),
+            TensorData::Gpu { .. } => None,
         }
     }
 
@@ -81,26 +135,27 @@ impl<'a> Tensor<'a> {
     }
 }
 
-impl<'a, S, D> From<&'a ArrayBase<S, D>> for Tensor<'a>
+impl<'a, T, S, D> From<&'a ArrayBase<S, D>> for Tensor<'a>
 where
-    S: Data<Elem = f32>,
+    T: Element,
+    S: Data<Elem = T>,
     D: Dimension,
 {
     /// Borrows standard-layout arrays; copies others into row-major order.
     fn from(a: &'a ArrayBase<S, D>) -> Self {
         Tensor {
-            data: TensorData::Host(row_major(a)),
+            data: TensorData::Host(T::host_data(row_major(a))),
             shape: a.shape().to_vec(),
         }
     }
 }
 
-impl<'a, D: Dimension> From<ndarray::ArrayView<'a, f32, D>> for Tensor<'a> {
+impl<'a, T: Element, D: Dimension> From<ndarray::ArrayView<'a, T, D>> for Tensor<'a> {
     /// Borrows standard-layout views; copies others into row-major order.
-    fn from(a: ndarray::ArrayView<'a, f32, D>) -> Self {
+    fn from(a: ndarray::ArrayView<'a, T, D>) -> Self {
         let shape = a.shape().to_vec();
         Tensor {
-            data: TensorData::Host(view_row_major(a)),
+            data: TensorData::Host(T::host_data(view_row_major(a))),
             shape,
         }
     }

@@ -288,6 +288,7 @@ fn broadcasts_infinite_bias_and_large_logits_in_every_form() {
             kv_lens: None,
             causal: Causal::None,
             scale: Some(1.0),
+            storage: wgpu_attention::Storage::F32,
         };
         cases.push((format!("logits around {offset}"), case));
     }

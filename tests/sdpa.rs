@@ -141,6 +141,7 @@ fn large_magnitude_logits_stay_finite() {
             kv_lens: None,
             causal: Causal::None,
             scale: Some(1.0),
+            storage: wgpu_attention::Storage::F32,
         };
         case.check_all_paths(ctx, TOL, &format!("logits around {offset}"));
     }
@@ -154,6 +155,7 @@ fn large_magnitude_logits_stay_finite() {
         kv_lens: None,
         causal: Causal::TopLeft,
         scale: Some(1.0),
+        storage: wgpu_attention::Storage::F32,
     };
     case.check_all_paths(ctx, TOL, "logits up to 9e3");
 }

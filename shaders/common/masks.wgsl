@@ -1,5 +1,6 @@
 // The masks every attention kernel applies, in one place: the causal limit, the key lengths,
-// the packed boolean mask and the additive bias. Bindings 0-2 of every attention kernel.
+// the packed boolean mask and the additive bias. Bindings 0-2 of every attention kernel; the
+// bias (binding 1) is declared by the host in its storage format (src/kernels/access.rs).
 //
 // The including kernel's `Params` (generated from Rust) has `m: Masks` and the key length
 // `s`; its prelude declares HAS_MASK and HAS_BIAS (the mask and bias code is compiled out when
@@ -9,7 +10,6 @@
 // bias_b, bias_h, bias_l, bias_s.
 
 @group(0) @binding(0) var<storage, read> mask: array<u32>;
-@group(0) @binding(1) var<storage, read> bias: array<f32>;
 @group(0) @binding(2) var<storage, read> kv_lens: array<u32>;
 
 // End (exclusive) of the keys query row `i` may see under the causal limit.
@@ -39,7 +39,7 @@ fn mask_allows(b: u32, h: u32, i: u32, j: u32) -> bool {
 
 // The bias of (b, h, i, j), j clamped into the row.
 fn bias_at(b: u32, h: u32, i: u32, j: u32) -> f32 {
-    return bias[b * p.m.bias_b + h * p.m.bias_h + i * p.m.bias_l + min(j, p.s - 1u) * p.m.bias_s];
+    return bias_get(b * p.m.bias_b + h * p.m.bias_h + i * p.m.bias_l + min(j, p.s - 1u) * p.m.bias_s);
 }
 
 // The logit `x` of key `j` for row `i` after the boolean mask and the bias: START when `keep`

@@ -97,7 +97,9 @@ pub(crate) struct Config {
     unroll: bool,
     e4: usize,
     ev4: usize,
-    io: &'static str,
+    formats: crate::storage::Formats,
+    vec4: bool,
+    ev_odd: bool,
     masks: bool,
     bias: bool,
 }
@@ -144,7 +146,9 @@ impl Config {
             unroll,
             e4: p.head_dim.div_ceil(4),
             ev4: p.head_dim_v.div_ceil(4),
-            io: common::io(p.head_dim, p.head_dim_v),
+            formats: p.storage,
+            vec4: p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4),
+            ev_odd: p.head_dim_v % 2 == 1,
             masks: p.mask.is_some(),
             bias: p.bias.is_some(),
         })
@@ -170,8 +174,9 @@ impl Config {
             self.ev4,
             self.ev4 / rb,
             self.unroll,
-            super::mask_consts(self.masks, self.bias),
-            self.io,
+            super::mask_consts(self.masks, self.bias, self.formats.bias),
+            // The partial outputs are f32 scratch; the merge writes the output's format.
+            super::access::attention_io(&self.formats, crate::Storage::F32, self.vec4, self.ev_odd),
             reductions[0],
             reductions[1],
         )
@@ -199,19 +204,42 @@ pub(crate) fn record_decode(
     )
 }
 
+/// The merge's declarations of part_out (format `parts`) and out (format `out`, rows of `ev`).
+pub(crate) fn merge_prelude(parts: crate::Storage, out: crate::Storage, ev: u32) -> String {
+    use super::access::{array, Access};
+    // Half outputs with an even Ev are stored in whole words; with an odd one, by atomics.
+    let words = out.is_half() && ev.is_multiple_of(2);
+    let access = if out.is_half() && !words {
+        Access::Atomic
+    } else {
+        Access::Write
+    };
+    let store = if words {
+        "fn store2(row0: u32, d: u32, x: vec2<f32>) {\n    out_set2(row0 + d, x);\n}\n"
+    } else {
+        "fn store2(row0: u32, d: u32, x: vec2<f32>) {\n    out_set(row0 + d, x.x);\n    if (d + 1u < p.ev) { out_set(row0 + d + 1u, x.y); }\n}\n"
+    };
+    format!(
+        "{}{}{store}",
+        array("part_out", 0, parts, false, Access::Read),
+        array("out", 2, out, false, access)
+    )
+}
+
 /// Record the merge. `buffers`: part_out, part_lse, out, lse.
 pub(crate) fn record_merge(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
     buffers: [wgpu::BufferBinding<'_>; 4],
     params: &MergeParams,
+    formats: (crate::Storage, crate::Storage),
 ) -> Result<()> {
     let grid = grid_1d(params.rows, ctx.limits().max_compute_workgroups_per_dimension);
     dispatch(
         ctx,
         encoder,
         &MERGE,
-        "",
+        &merge_prelude(formats.0, formats.1, params.ev),
         &[],
         &buffers,
         bytemuck::bytes_of(params),

@@ -58,8 +58,12 @@ pub(crate) struct Config {
     pub rq: u32,
     /// Keys per unrolled step of the inner loop (divides `bk`).
     pub kg: u32,
-    /// The I/O snippet: vec4 rows when E and Ev are multiples of 4, else scalar rows.
-    pub io: &'static str,
+    /// The storage formats of q, k, v, bias and out.
+    pub formats: crate::storage::Formats,
+    /// vec4 rows (E and Ev multiples of 4), else scalar rows.
+    pub vec4: bool,
+    /// Ev is odd (half outputs are then stored element by element, with atomics).
+    pub ev_odd: bool,
     /// Unroll the loops marked in the shader.
     pub unroll: bool,
     /// The K/V tile is held one key per invocation and read by subgroup shuffles (`bk == wg`,
@@ -162,7 +166,9 @@ impl Config {
             wg,
             rq,
             kg: kg.min(bk),
-            io: common::io(p.head_dim, p.head_dim_v),
+            formats: p.storage,
+            vec4: p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4),
+            ev_odd: p.head_dim_v % 2 == 1,
             unroll,
             sg_kv,
             has_mask: p.mask.is_some(),
@@ -198,7 +204,7 @@ impl Config {
     }
 
     pub(crate) fn prelude(&self) -> String {
-        let io = self.io;
+        let io = super::access::attention_io(&self.formats, self.formats.out, self.vec4, self.ev_odd);
         // Naga takes the subgroup built-ins without `enable subgroups;` (which it rejects).
         let kv = if self.sg_kv { KV_SUBGROUP } else { KV_SHARED };
         format!(
@@ -215,7 +221,7 @@ impl Config {
             self.bk / self.kg,
             self.unroll,
             self.sg_kv,
-            super::mask_consts(self.has_mask, self.has_bias),
+            super::mask_consts(self.has_mask, self.has_bias, self.formats.bias),
         )
     }
 }

@@ -2,9 +2,11 @@
 //! scores (`scale · Q Kᵀ`, `TRANS_B`) and the value weighting (`P V`), and by benchmarks as the
 //! crate's plain matmul. 64×64 output tile per workgroup, 4×4 per invocation, K in steps of 16.
 
+use super::access::{array, Access};
 use super::{dispatch, params_of, Binding, KernelSpec};
 use crate::context::Context;
 use crate::error::Result;
+use crate::storage::Storage;
 
 pub(crate) const SPEC: KernelSpec = KernelSpec {
     name: "matmul",
@@ -20,8 +22,83 @@ pub(crate) const SPEC: KernelSpec = KernelSpec {
     params: params_of::<Params>,
 };
 
-/// Output tile edge (rows and columns) per workgroup.
+/// The form for CPU adapters whose subgroup is exactly 8 invocations (lavapipe):
+/// `shaders/matmul_sg.wgsl`.
+pub(crate) const SG_SPEC: KernelSpec = KernelSpec {
+    name: "matmul_sg",
+    source: include_str!("../../shaders/matmul_sg.wgsl"),
+    common: &[],
+    bindings: SPEC.bindings,
+    params: params_of::<Params>,
+};
+
+/// Output tile edge (rows and columns) per workgroup of the tiled form; the grid is sized for
+/// it (the subgroup form's tiles are smaller, see [`Form::tile`]).
 pub(crate) const TILE: u32 = 64;
+
+/// How the product is laid out on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Form {
+    /// 16 x 16 invocations, a 64 x 64 tile staged through workgroup memory: GPUs, and CPU
+    /// adapters without a fixed subgroup of 8.
+    Tiled,
+    /// One subgroup of 8, `rows` rows per invocation, B shared by shuffles, unrolled
+    /// (`matmul_sg.wgsl`): CPU adapters with a subgroup of 8.
+    Subgroup { rows: u32 },
+}
+
+impl Form {
+    /// The form for `ctx`'s adapter.
+    pub(crate) fn for_device(caps: &crate::forms::Caps) -> Form {
+        if caps.cpu && caps.subgroup == Some(8) {
+            // Measured on lavapipe at 1024^3 (benches, `wgpu-attention bench`).
+            Form::Subgroup { rows: SG_ROWS }
+        } else {
+            Form::Tiled
+        }
+    }
+
+    /// Rows and columns of C per workgroup.
+    pub(crate) fn tile(self) -> [u32; 2] {
+        match self {
+            Form::Tiled => [TILE, TILE],
+            Form::Subgroup { rows } => [8 * rows, 8],
+        }
+    }
+}
+
+/// Rows per invocation of the subgroup form.
+pub(crate) const SG_ROWS: u32 = 8;
+/// vec4 steps of k per unrolled chunk of the subgroup form.
+pub(crate) const SG_KC4: u32 = 4;
+
+/// `load_a`/`load_b` of the subgroup form: 4 consecutive k of a row of A (of column `col` of
+/// B'), zero past M, N or K. `vec4`: one vec4 load (K and every row start multiples of 4).
+pub(crate) fn sg_prelude(rows: u32, trans_b: bool, a_vec4: bool, b_vec4: bool) -> String {
+    let mut s = format!("const RQ: u32 = {rows}u;\nconst RQ2: u32 = {}u;\nconst KC4: u32 = {SG_KC4}u;\nconst UNROLL: bool = true;\n", 2 * rows);
+    let rowwise = |name: &str, x: &str, lim: &str, row_stride: &str, vec4: bool| {
+        let body = if vec4 {
+            format!("    if (k < p.k) {{ return {x}_get4(base + r * {row_stride} + k); }}\n    return vec4<f32>(0.0);\n")
+        } else {
+            format!(
+                "    var x = vec4<f32>(0.0);\n    for (var c = 0u; c < 4u; c++) {{ // unroll\n        \
+                 if (k + c < p.k) {{ x[c] = {x}_get(base + r * {row_stride} + k + c); }}\n    }}\n    return x;\n"
+            )
+        };
+        format!(
+            "fn {name}(base: u32, r: u32, k: u32) -> vec4<f32> {{\n    if (r >= {lim}) {{ return vec4<f32>(0.0); }}\n{body}}}\n"
+        )
+    };
+    s += &rowwise("load_a", "a", "p.m", "p.a_row", a_vec4);
+    if trans_b {
+        s += &rowwise("load_b", "b", "p.n", "p.b_row", b_vec4);
+    } else {
+        s += "fn load_b(base: u32, col: u32, k: u32) -> vec4<f32> {\n    var x = vec4<f32>(0.0);\n    \
+              if (col >= p.n) { return x; }\n    for (var c = 0u; c < 4u; c++) { // unroll\n        \
+              if (k + c < p.k) { x[c] = b_get(base + (k + c) * p.b_row + col); }\n    }\n    return x;\n}\n";
+    }
+    s
+}
 
 wgsl_struct! {
     /// The matmul kernel's params (`p` in `matmul.wgsl`): sizes, strides (elements) and
@@ -73,6 +150,36 @@ impl Params {
     }
 }
 
+/// The declarations of a, b, bias, c in `formats` and `store_c4`. `c_words`: every row of c
+/// starts at an even element and N is even, so half-format pairs are whole words (else they
+/// are stored element by element, by atomics).
+pub(crate) fn prelude(formats: [Storage; 4], c_words: bool) -> String {
+    prelude_vec4(formats, c_words, [false, false])
+}
+
+/// [`prelude`] with a and b in the vec4 layout where `vec4` says so.
+pub(crate) fn prelude_vec4(formats: [Storage; 4], c_words: bool, vec4: [bool; 2]) -> String {
+    let [fa, fb, fbias, fc] = formats;
+    let atomic = fc.is_half() && !c_words;
+    let mut s = array("a", 0, fa, vec4[0], Access::Read);
+    s += &array("b", 1, fb, vec4[1], Access::Read);
+    s += &array("bias", 2, fbias, false, Access::Read);
+    s += &array(
+        "c",
+        3,
+        fc,
+        false,
+        if atomic { Access::Atomic } else { Access::Write },
+    );
+    s += if fc.is_half() && !atomic {
+        // N even and rows at even elements: n_left is even too.
+        "fn store_c4(i: u32, n_left: u32, x: vec4<f32>) {\n    c_set2(i, x.xy);\n    if (n_left > 2u) { c_set2(i + 2u, x.zw); }\n}\n"
+    } else {
+        "fn store_c4(i: u32, n_left: u32, x: vec4<f32>) {\n    for (var j = 0u; j < 4u; j++) {\n        if (j < n_left) { c_set(i + j, x[j]); }\n    }\n}\n"
+    };
+    s
+}
+
 /// Operands of one batched product; `batch` slices go on the grid's z axis.
 pub(crate) struct Matmul<'a> {
     pub a: wgpu::BufferBinding<'a>,
@@ -82,6 +189,8 @@ pub(crate) struct Matmul<'a> {
     pub params: Params,
     pub batch: u32,
     pub trans_b: bool,
+    /// Storage formats of a, b, bias, c.
+    pub formats: [Storage; 4],
 }
 
 impl Matmul<'_> {
@@ -92,18 +201,47 @@ impl Matmul<'_> {
         encoder: &mut wgpu::CommandEncoder,
         dummy: &wgpu::Buffer,
     ) -> Result<()> {
+        let form = Form::for_device(&ctx.caps());
+        self.record_form(ctx, encoder, dummy, form)
+    }
+
+    /// [`Matmul::record`] in `form`.
+    pub(crate) fn record_form(
+        &self,
+        ctx: &Context,
+        encoder: &mut wgpu::CommandEncoder,
+        dummy: &wgpu::Buffer,
+        form: Form,
+    ) -> Result<()> {
         let p = &self.params;
-        let grid = [p.n.div_ceil(TILE), p.m.div_ceil(TILE), self.batch];
+        let [tm, tn] = form.tile();
+        let grid = [p.n.div_ceil(tn), p.m.div_ceil(tm), self.batch];
         let bias = self.bias.clone().unwrap_or(dummy.as_entire_buffer_binding());
         let constants = [
             ("TRANS_B", self.trans_b as u32 as f64),
             ("HAS_BIAS", self.bias.is_some() as u32 as f64),
         ];
+        let c_words = p.n.is_multiple_of(2)
+            && p.c_row.is_multiple_of(2)
+            && p.c_off.is_multiple_of(2)
+            && p.c_batch.is_multiple_of(2);
+        let (spec, prelude) = match form {
+            Form::Tiled => (&SPEC, prelude(self.formats, c_words)),
+            Form::Subgroup { rows } => {
+                let aligned = |x: u32| x.is_multiple_of(4);
+                let a4 = aligned(p.k) && aligned(p.a_row) && aligned(p.a_batch) && aligned(p.a_off);
+                let b4 = self.trans_b && aligned(p.k) && aligned(p.b_row) && aligned(p.b_batch);
+                (
+                    &SG_SPEC,
+                    prelude_vec4(self.formats, c_words, [a4, b4]) + &sg_prelude(rows, self.trans_b, a4, b4),
+                )
+            }
+        };
         dispatch(
             ctx,
             encoder,
-            &SPEC,
-            "",
+            spec,
+            &prelude,
             &constants,
             &[self.a.clone(), self.b.clone(), bias, self.c.clone()],
             bytemuck::bytes_of(p),

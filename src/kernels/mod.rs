@@ -8,6 +8,7 @@
 
 #[macro_use]
 pub(crate) mod wgsl;
+pub(crate) mod access;
 pub(crate) mod decode;
 pub(crate) mod flash;
 pub(crate) mod matmul;
@@ -30,23 +31,10 @@ pub(crate) mod common {
     pub(crate) const SOFTMAX: &str = include_str!("../../shaders/common/softmax.wgsl");
     /// Mask bindings 0-2 and the mask tests (causal limit, key length, bits, bias).
     pub(crate) const MASKS: &str = include_str!("../../shaders/common/masks.wgsl");
-    /// q, k, v, out as vec4 rows (E and Ev multiples of 4).
-    pub(crate) const IO_VEC4: &str = include_str!("../../shaders/common/io_vec4.wgsl");
-    /// q, k, v, out as scalar rows (any E and Ev).
-    pub(crate) const IO_SCALAR: &str = include_str!("../../shaders/common/io_scalar.wgsl");
     /// Workgroup reductions through workgroup memory.
     pub(crate) const REDUCE_SHARED: &str = include_str!("../../shaders/common/reduce_shared.wgsl");
     /// Workgroup reductions by subgroup operations (the workgroup is one subgroup).
     pub(crate) const REDUCE_SUBGROUP: &str = include_str!("../../shaders/common/reduce_subgroup.wgsl");
-
-    /// The input/output snippet for head dims `e` and `ev`.
-    pub(crate) fn io(e: usize, ev: usize) -> &'static str {
-        if e.is_multiple_of(4) && ev.is_multiple_of(4) {
-            IO_VEC4
-        } else {
-            IO_SCALAR
-        }
-    }
 }
 
 wgsl_struct! {
@@ -97,8 +85,12 @@ impl Masks {
 
 /// The constants every masked kernel's prelude declares: whether a boolean mask and a bias are
 /// bound (their code is compiled out when absent).
-pub(crate) fn mask_consts(has_mask: bool, has_bias: bool) -> String {
-    format!("const HAS_MASK: bool = {has_mask};\nconst HAS_BIAS: bool = {has_bias};\n")
+/// The bias (binding 1) is declared in its format `bias`.
+pub(crate) fn mask_consts(has_mask: bool, has_bias: bool, bias: crate::Storage) -> String {
+    format!(
+        "const HAS_MASK: bool = {has_mask};\nconst HAS_BIAS: bool = {has_bias};\n{}",
+        access::bias(bias)
+    )
 }
 
 /// How a kernel binds one buffer; the binding number is the index in [`KernelSpec::bindings`].
@@ -156,9 +148,10 @@ pub(crate) fn source(spec: &KernelSpec, prelude: &str, params_in_storage: bool) 
         "uniform"
     };
     let mut s = format!(
-        "// {} (assembled by src/kernels/mod.rs)\n{decls}@group(0) @binding({}) var<{space}> p: {name};\n{prelude}",
+        "// {} (assembled by src/kernels/mod.rs)\n{decls}@group(0) @binding({}) var<{space}> p: {name};\n{}{prelude}",
         spec.name,
         spec.bindings.len() - 1,
+        access::HELPERS,
     );
     for c in spec.common {
         s.push_str(c);
@@ -353,6 +346,7 @@ mod tests {
             &decode::DECODE,
             &decode::MERGE,
             &matmul::SPEC,
+            &matmul::SG_SPEC,
             &permute::SPEC,
             &softmax::SPEC,
         ] {
@@ -417,9 +411,30 @@ mod tests {
             Caps::new(&wgpu::Limits::default(), true, Some(8)),
             Caps::new(&wgpu::Limits::default(), true, None),
         ];
-        for (e, ev) in [(64, 64), (37, 5)] {
+        use crate::storage::{Formats, Storage};
+        let formats = [
+            Formats::all(Storage::F32),
+            Formats::all(Storage::F16),
+            Formats::all(Storage::Bf16),
+            Formats {
+                out: Storage::F32,
+                bias: Storage::F16,
+                ..Formats::all(Storage::Bf16)
+            },
+        ];
+        for (e, ev, fi) in [
+            (64, 64, 0),
+            (37, 5, 0),
+            (64, 64, 1),
+            (37, 5, 1),
+            (64, 64, 2),
+            (37, 6, 2),
+            (37, 5, 3),
+        ] {
             for masked in [false, true] {
-                let mut p = Problem::new(&[2, 4, 9, e], &[2, 2, 600, e], &[2, 2, 600, ev]).unwrap();
+                let mut p = Problem::new(&[2, 4, 9, e], &[2, 2, 600, e], &[2, 2, 600, ev])
+                    .unwrap()
+                    .with_storage(formats[fi]);
                 if masked {
                     p = p
                         .with_causal(Causal::BottomRight)
@@ -435,7 +450,7 @@ mod tests {
                         let c = caps.with_forms(form);
                         let cfg = flash::Config::new(&p, &c).unwrap();
                         for storage in [false, true] {
-                            let label = format!("flash {form:?} E {e} Ev {ev} masked {masked}");
+                            let label = format!("flash {form:?} E {e} Ev {ev} masked {masked} formats {fi}");
                             validate_with::<flash::Params>(
                                 &label,
                                 &source(&flash::SPEC, &cfg.prelude(), storage),
@@ -445,7 +460,7 @@ mod tests {
                     for form in caps.decode_forms() {
                         let c = caps.with_forms(form);
                         let cfg = decode::Config::new(&p, &c).unwrap();
-                        let label = format!("decode {form:?} E {e} Ev {ev} masked {masked}");
+                        let label = format!("decode {form:?} E {e} Ev {ev} masked {masked} formats {fi}");
                         validate_with::<decode::Params>(
                             &label,
                             &source(&decode::DECODE, &cfg.prelude(), false),
@@ -456,14 +471,37 @@ mod tests {
                     "softmax",
                     &source(
                         &softmax::SPEC,
-                        &mask_consts(p.mask.is_some(), p.bias.is_some()),
+                        &mask_consts(p.mask.is_some(), p.bias.is_some(), p.storage.bias),
                         false,
                     ),
                 );
             }
         }
-        validate_with::<decode::MergeParams>("merge", &source(&decode::MERGE, "", false));
-        validate_with::<matmul::Params>("matmul", &source(&matmul::SPEC, "", false));
+        for parts in Storage::ALL {
+            for out in Storage::ALL {
+                for ev in [4, 5] {
+                    validate_with::<decode::MergeParams>(
+                        "merge",
+                        &source(&decode::MERGE, &decode::merge_prelude(parts, out, ev), false),
+                    );
+                }
+            }
+        }
+        for f in Storage::ALL {
+            for words in [false, true] {
+                validate_with::<matmul::Params>(
+                    "matmul",
+                    &source(&matmul::SPEC, &matmul::prelude([f, f, f, f], words), false),
+                );
+                for trans_b in [false, true] {
+                    for vec4 in [false, true] {
+                        let pre = matmul::prelude_vec4([f, f, f, f], words, [vec4, vec4])
+                            + &matmul::sg_prelude(3, trans_b, vec4, vec4 && trans_b);
+                        validate_with::<matmul::Params>("matmul_sg", &source(&matmul::SG_SPEC, &pre, false));
+                    }
+                }
+            }
+        }
         let module = naga::front::wgsl::parse_str(&source(&permute::SPEC, "", false)).unwrap();
         assert!(module
             .types

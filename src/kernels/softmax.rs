@@ -50,7 +50,7 @@ pub(crate) fn record(
         ctx,
         encoder,
         &SPEC,
-        &mask_consts(p.mask.is_some(), p.bias.is_some()),
+        &mask_consts(p.mask.is_some(), p.bias.is_some(), p.storage.bias),
         &[],
         &buffers,
         bytemuck::bytes_of(params),

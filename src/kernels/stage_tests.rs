@@ -88,6 +88,7 @@ fn run_matmul(
         params,
         batch: batch as u32,
         trans_b,
+        formats: [crate::Storage::F32; 4],
     }
     .record(ctx, &mut enc, &dummy)
     .unwrap();
@@ -250,4 +251,98 @@ fn fused_first_use_form_and_fastest_form_agree() {
         assert!(r.passed(), "{name}: {r}");
     }
     assert_eq!(first, second, "the two forms differ");
+}
+
+/// Both matmul forms (the subgroup one where the device has a subgroup of 8), every storage
+/// format of a, b, bias and c, transposed and plain B, with and without bias, batches with a
+/// shared B (GQA mapping), row offsets, tails on every tile edge and K not a multiple of 4,
+/// against the f64 product of the rounded inputs.
+#[test]
+fn matmul_forms_and_formats_match_f64_product() {
+    use crate::storage::Storage;
+    let Some(ctx) = ctx() else { return };
+    let mut forms = vec![matmul::Form::Tiled];
+    if ctx.caps().subgroup == Some(8) {
+        forms.extend([
+            matmul::Form::Subgroup { rows: 8 },
+            matmul::Form::Subgroup { rows: 3 },
+        ]);
+    }
+    let mixed = [Storage::F16, Storage::Bf16, Storage::F32, Storage::F16];
+    let format_sets = [[Storage::F32; 4], [Storage::F16; 4], [Storage::Bf16; 4], mixed];
+    // (batch, m, n, k, a_off rows): tails everywhere; aligned (vec4 loads); K % 4 != 0.
+    for (batch, m, n, k, off) in [
+        (2, 67, 45, 19, 0),
+        (2, 33, 64, 64, 3),
+        (1, 9, 130, 6, 1),
+        (3, 70, 8, 37, 0),
+    ] {
+        for trans_b in [true, false] {
+            for fs in format_sets {
+                let [fa, fb, fbias, fc] = fs;
+                let rows = m + off;
+                let a: Vec<f32> = lcg(batch * rows * k, 7).iter().map(|&x| fa.round(x)).collect();
+                // One B shared by the batch (heads = group = batch).
+                let b: Vec<f32> = lcg(n * k, 8).iter().map(|&x| fb.round(x)).collect();
+                let bias: Vec<f32> = lcg(n, 9).iter().map(|&x| fbias.round(x)).collect();
+                let alpha = 0.75f32;
+                let (ab, bb, biasb) = (
+                    buf(&ctx, &fa.encode(&a)),
+                    buf(&ctx, &fb.encode(&b)),
+                    buf(&ctx, &fbias.encode(&bias)),
+                );
+                let c_elems = batch * m * n;
+                for with_bias in [false, true] {
+                    let mut want = vec![0f64; c_elems];
+                    for z in 0..batch {
+                        for i in 0..m {
+                            for j in 0..n {
+                                let mut acc = 0f64;
+                                for kk in 0..k {
+                                    let bv = if trans_b { b[j * k + kk] } else { b[kk * n + j] };
+                                    acc += a[(z * rows + off + i) * k + kk] as f64 * bv as f64;
+                                }
+                                let bias_v = if with_bias { bias[j] as f64 } else { 0.0 };
+                                want[(z * m + i) * n + j] = alpha as f64 * acc + bias_v;
+                            }
+                        }
+                    }
+                    for &form in &forms {
+                        let c = buf(&ctx, &vec![0u8; fc.bytes(c_elems) as usize]);
+                        let dummy = buf(&ctx, &[0u8; 16]);
+                        let mut enc = ctx.device().create_command_encoder(&Default::default());
+                        matmul::Matmul {
+                            a: ab.as_entire_buffer_binding(),
+                            b: bb.as_entire_buffer_binding(),
+                            bias: with_bias.then(|| biasb.as_entire_buffer_binding()),
+                            c: c.as_entire_buffer_binding(),
+                            params: matmul::Params {
+                                heads: batch as u32,
+                                group: batch as u32,
+                                a_batch: (rows * k) as u32,
+                                a_off: (off * k) as u32,
+                                ..matmul::Params::dense(m as u32, n as u32, k as u32, trans_b, alpha)
+                            },
+                            batch: batch as u32,
+                            trans_b,
+                            formats: fs,
+                        }
+                        .record_form(&ctx, &mut enc, &dummy, form)
+                        .unwrap();
+                        ctx.queue().submit([enc.finish()]);
+                        let got = pollster::block_on(ctx.read_as_f32(&c, 0, c_elems, fc)).unwrap();
+                        let r = compare(
+                            got,
+                            want.iter().copied(),
+                            crate::check::Tolerance::for_storage(fc),
+                        );
+                        assert!(
+                            r.passed(),
+                            "{form:?} {fs:?} trans_b {trans_b} bias {with_bias} [{batch}, {m}, {n}, {k}] off {off}: {r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }

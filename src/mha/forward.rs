@@ -528,6 +528,7 @@ fn project(
         params: mm::Params::dense(m as u32, n as u32, k as u32, true, 1.0),
         batch: 1,
         trans_b: true,
+        formats: [crate::Storage::F32; 4],
     }
     .record(ctx, encoder, dummy)
 }

@@ -8,6 +8,7 @@ use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::{decode, flash, matmul, softmax, Masks};
 use crate::problem::Problem;
+use crate::storage::Storage;
 use crate::tensor::Mask;
 
 use super::plan::{ChunkPlan, Kernel, Plan};
@@ -30,7 +31,7 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         .as_ref()
         .map(|b| Operand::check(ctx, "bias", b))
         .transpose()?;
-    let out_bytes = f32_bytes(p.out_shape().iter().product());
+    let out_bytes = p.storage.out.bytes(p.out_shape().iter().product());
     fits("output", out_bytes, max_binding, binding_limit)?;
     if let Some((buf, off)) = sdpa.out_buffer {
         check_gpu_buffer(ctx, "output", buf, off, out_bytes)?;
@@ -220,6 +221,7 @@ fn record_unfused(
                 },
                 batch: nz as u32,
                 trans_b: true,
+                formats: [p.storage.q, p.storage.k, Storage::F32, Storage::F32],
             }
             .record(ctx, encoder, io.dummy)?;
             // 2. masked softmax in place, logsumexp out
@@ -263,6 +265,7 @@ fn record_unfused(
                 },
                 batch: nz as u32,
                 trans_b: false,
+                formats: [Storage::F32, p.storage.v, Storage::F32, p.storage.out],
             }
             .record(ctx, encoder, io.dummy)?;
         }
@@ -374,5 +377,6 @@ fn record_decode(
             ev: p.head_dim_v as u32,
             ..Default::default()
         },
+        (Storage::F32, p.storage.out),
     )
 }

@@ -6,6 +6,7 @@ use crate::buffers::{f32_bytes, fits, output, storage_init};
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::decode;
+use crate::storage::Storage;
 
 /// Combine two partial attention results computed over disjoint key sets (the rule behind
 /// split-K decoding, sequence-parallel and ring attention):
@@ -76,6 +77,7 @@ pub async fn merge(
                     ev: ev as u32,
                     ..Default::default()
                 },
+                (Storage::F32, Storage::F32),
             )?;
             ctx.queue().submit([encoder.finish()]);
             Ok((out, lse))

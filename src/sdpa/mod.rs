@@ -14,6 +14,7 @@ use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::options::Options;
 use crate::problem::Problem;
+use crate::storage::{Formats, Storage};
 use crate::tensor::Tensor;
 
 pub(crate) mod forward;
@@ -77,7 +78,7 @@ impl std::str::FromStr for Path {
 /// Attention results on the host.
 #[derive(Debug, Clone)]
 pub struct Output {
-    /// `[B, Hq, L, Ev]`.
+    /// `[B, Hq, L, Ev]`, widened to f32 from the output's storage format (exact).
     pub output: Array4<f32>,
     /// Attention weights `[B, Hq, L, S]`, when requested with [`Sdpa::return_weights`].
     pub weights: Option<Array4<f32>>,
@@ -129,6 +130,7 @@ pub struct Sdpa<'a> {
     lse: bool,
     max_scores_bytes: Option<u64>,
     out_buffer: Option<(&'a wgpu::Buffer, u64)>,
+    out_storage: Option<Storage>,
 }
 
 impl<'a> Sdpa<'a> {
@@ -144,6 +146,7 @@ impl<'a> Sdpa<'a> {
             lse: false,
             max_scores_bytes: None,
             out_buffer: None,
+            out_storage: None,
         }
     }
 
@@ -181,9 +184,26 @@ impl<'a> Sdpa<'a> {
         self
     }
 
+    /// The output's storage format (default: q's). An [`output_buffer`](Sdpa::output_buffer)
+    /// holds this format; host results are widened to f32 (exactly) on readback.
+    pub fn output_storage(mut self, storage: Storage) -> Self {
+        self.out_storage = Some(storage);
+        self
+    }
+
     /// Validate shapes and options into a [`Problem`] (no GPU work).
     pub fn problem(&self) -> Result<Problem> {
-        self.options.problem(&self.q.shape, &self.k.shape, &self.v.shape)
+        let q = self.q.storage();
+        Ok(self
+            .options
+            .problem(&self.q.shape, &self.k.shape, &self.v.shape)?
+            .with_storage(Formats {
+                q,
+                k: self.k.storage(),
+                v: self.v.storage(),
+                bias: self.options.bias.as_ref().map_or(Storage::F32, |b| b.storage()),
+                out: self.out_storage.unwrap_or(q),
+            }))
     }
 
     /// The plan of this call on `ctx`: the concrete path ([`Path::Auto`] resolved), the form
@@ -214,17 +234,19 @@ impl<'a> Sdpa<'a> {
         let p = self.problem()?;
         let plan = Plan::new(&p, &self.request(), &ctx.caps())?;
         let bytes = shape_bytes;
-        let mut total = bytes(&p.q_shape())
-            + bytes(&p.k_shape())
-            + bytes(&p.v_shape())
-            + bytes(&p.out_shape())
+        let fmt = |s: Storage, shape: &[usize]| s.bytes(shape.iter().product());
+        let f = p.storage;
+        let mut total = fmt(f.q, &p.q_shape())
+            + fmt(f.k, &p.k_shape())
+            + fmt(f.v, &p.v_shape())
+            + fmt(f.out, &p.out_shape())
             + bytes(&[p.batch_heads(), p.seq_q]);
         if let Some(m) = p.mask {
             let [b, h, l, _] = m.shape;
             total += bytes(&[b, h, l, p.seq_kv.div_ceil(32)]);
         }
         if let Some(b) = p.bias {
-            total += bytes(&b.shape);
+            total += fmt(f.bias, &b.shape);
         }
         if p.kv_lens.is_some() {
             total += bytes(&[p.batch]);
@@ -260,7 +282,12 @@ impl<'a> Sdpa<'a> {
             .await?;
         let p = &gpu.problem;
         let output = ctx
-            .read_f32(&gpu.output, gpu.output_offset, shape_bytes(&p.out_shape()))
+            .read_as_f32(
+                &gpu.output,
+                gpu.output_offset,
+                p.out_shape().iter().product(),
+                p.storage.out,
+            )
             .await?;
         let output = Array4::from_shape_vec(p.out_shape(), output).expect("output length");
         let lse = if self.lse {

@@ -9,7 +9,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use wgpu_attention::check::{compare, Report, Tolerance, F32_TOLERANCE};
 use wgpu_attention::reference;
-use wgpu_attention::{Causal, MhaOutput, NeedWeights, Options, Output, Path, Sdpa};
+use wgpu_attention::{Causal, MhaOutput, NeedWeights, Options, Output, Path, Sdpa, Storage, Tensor};
 
 /// Uniform values in [-1, 1).
 pub fn rand_array<Sh: ndarray::ShapeBuilder>(rng: &mut StdRng, shape: Sh) -> Array<f32, Sh::Dim> {
@@ -34,6 +34,9 @@ pub struct Case {
     pub causal: Causal,
     /// f64, as PyTorch's goldens give it; the GPU uses its f32 rounding.
     pub scale: Option<f64>,
+    /// The device format of q, k, v, the bias and the output; the f32 arrays hold values
+    /// already rounded to it (see [`Case::with_storage`]).
+    pub storage: Storage,
 }
 
 impl Case {
@@ -49,7 +52,21 @@ impl Case {
             kv_lens: None,
             causal: Causal::None,
             scale: None,
+            storage: Storage::F32,
         }
+    }
+
+    /// The case in format `s`: q, k, v and the bias rounded to it (so the reference sees the
+    /// values the device holds), and the GPU call declaring it for every tensor.
+    pub fn with_storage(mut self, s: Storage) -> Case {
+        self.q.mapv_inplace(|x| s.round(x));
+        self.k.mapv_inplace(|x| s.round(x));
+        self.v.mapv_inplace(|x| s.round(x));
+        if let Some(b) = &mut self.bias {
+            b.mapv_inplace(|x| s.round(x));
+        }
+        self.storage = s;
+        self
     }
 
     pub fn dims(&self) -> (usize, usize, usize, usize) {
@@ -120,12 +137,16 @@ impl Case {
             ..Options::default()
         };
         o.mask = self.mask.as_ref().map(|m| m.into());
-        o.bias = self.bias.as_ref().map(|b| b.into());
+        o.bias = self
+            .bias
+            .as_ref()
+            .map(|b| Tensor::from(b).with_storage(self.storage));
         o
     }
 
     pub fn sdpa(&self) -> Sdpa<'_> {
-        Sdpa::new(&self.q, &self.k, &self.v).options(self.options())
+        let t = |a| Tensor::from(a).with_storage(self.storage);
+        Sdpa::new(t(&self.q), t(&self.k), t(&self.v)).options(self.options())
     }
 
     pub fn reference(&self) -> reference::Output {
@@ -212,6 +233,7 @@ pub fn broadcast_cases() -> Vec<(String, Case)> {
             kv_lens: None,
             causal: Causal::None,
             scale: None,
+            storage: Storage::F32,
         };
         (format!("mask/bias {shape:?}"), case)
     })
@@ -334,6 +356,7 @@ pub fn golden(name: &str, file: impl Fn(&str) -> Option<Vec<u8>>) -> Golden {
             }),
             causal,
             scale: meta["scale"].as_f64(),
+            storage: Storage::F32,
         },
         pytorch: reference::Output {
             out: npy(need("out.npy")),

@@ -249,6 +249,7 @@ async fn large_magnitude_logits_stay_finite() {
             kv_lens: None,
             causal: Causal::None,
             scale: Some(1.0),
+            storage: wgpu_attention::Storage::F32,
         };
         check_all_paths(&case, &ctx, &format!("logits around {offset}")).await;
     }

@@ -1,0 +1,73 @@
+// The batched matrix product of matmul.wgsl (same params, bindings, batching, bias epilogue
+// and storage formats) in the form for CPU adapters whose workgroup is one subgroup of 8
+// (lavapipe): no workgroup memory, no barriers; the operands are shared by subgroup shuffles.
+//
+//   C[z][m][n] = alpha * sum_k A[z][m][k] * B'[z][k][n]  (+ bias[n])
+//
+// A workgroup of 8 invocations computes a tile of 8 * RQ rows by 8 columns of C. Invocation l
+// owns RQ rows (l, l + 8, ...) and holds, for each step of 4 k, the 4 values of column l of B'
+// in a register (one vec4 load when TRANS_B, where B is [N, K]); the other invocations read
+// them by shuffle (a broadcast: the loops are unrolled, the lane a constant). Each step does
+// 8 * RQ dot products of 4 per invocation for RQ + 1 loads and 8 shuffles. KC4 steps per
+// unrolled chunk.
+//
+// The host prepends `Params` (src/kernels/matmul.rs), the declarations of a, b, bias and c
+// with `store_c4`, `load_a(z_base, row, k)` and `load_b(z_base, col, k)` (4 consecutive k,
+// zero past M, N or K; src/kernels/matmul.rs), and the constants RQ, RQ2 = 2 * RQ, KC4, UNROLL.
+
+override TRANS_B: bool = true;
+override HAS_BIAS: bool = false;
+
+@compute @workgroup_size(8, 1, 1)
+fn main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(local_invocation_index) lane: u32,
+) {
+    let z = wg.z;
+    let a_base = (p.a_z0 + z) * p.a_batch + p.a_off;
+    let gz = p.b_z0 + z;
+    let b_slice = (gz / p.heads) * (p.heads / p.group) + (gz % p.heads) / p.group;
+    let b_base = b_slice * p.b_batch;
+    let c_base = (p.c_z0 + z) * p.c_batch + p.c_off;
+    let row0 = wg.y * (8u * RQ) + lane;
+    let col0 = wg.x * 8u;
+
+    var acc: array<vec4<f32>, RQ2>;
+    for (var r = 0u; r < RQ2; r++) { // unroll
+        acc[r] = vec4<f32>(0.0);
+    }
+    var a_reg: array<vec4<f32>, RQ * KC4>;
+    var b_reg: array<vec4<f32>, KC4>;
+    for (var k0 = 0u; k0 < p.k; k0 += 4u * KC4) {
+        for (var c = 0u; c < KC4; c++) { // unroll
+            b_reg[c] = load_b(b_base, col0 + lane, k0 + 4u * c);
+            for (var r = 0u; r < RQ; r++) { // unroll
+                a_reg[r * KC4 + c] = load_a(a_base, row0 + 8u * r, k0 + 4u * c);
+            }
+        }
+        for (var c = 0u; c < KC4; c++) { // unroll
+            for (var j = 0u; j < 8u; j++) { // unroll
+                let bj = subgroupShuffle(b_reg[c], j);
+                for (var r = 0u; r < RQ; r++) { // unroll
+                    acc[2u * r + j / 4u][j % 4u] += dot(a_reg[r * KC4 + c], bj);
+                }
+            }
+        }
+    }
+
+    for (var r = 0u; r < RQ; r++) { // unroll
+        let row = row0 + 8u * r;
+        for (var h = 0u; h < 2u; h++) { // unroll
+            let cc = col0 + 4u * h;
+            if (row < p.m && cc < p.n) {
+                var val = p.alpha * acc[2u * r + h];
+                if (HAS_BIAS) {
+                    for (var j = 0u; j < 4u; j++) { // unroll
+                        val[j] += bias_get(min(cc + j, p.n - 1u));
+                    }
+                }
+                store_c4(c_base + row * p.c_row + cc, p.n - cc, val);
+            }
+        }
+    }
+}

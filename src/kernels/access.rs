@@ -1,0 +1,198 @@
+//! Storage-format access for the kernels: the host generates each buffer's declaration and
+//! its accessors for the buffer's [`Storage`], so a kernel reads and writes f32, f16 or bf16
+//! through the same calls and accumulates in f32:
+//!
+//! - `NAME_get(i) -> f32`: element `i`;
+//! - `NAME_get4(i) -> vec4<f32>`: elements `i .. i + 4` (`i` a multiple of 4 in the vec4 layout);
+//! - `NAME_set4(i, x)`, `NAME_set2(i, x)`: store 4 (2) elements at `i`, a multiple of 4 (2);
+//! - `NAME_set(i, x)`: store one element (f32, or a half format declared [`Access::Atomic`]).
+//!
+//! Layouts: f32 as `array<vec4<f32>>` (vec4 layout) or `array<f32>`; half formats two per
+//! `u32` word, as `array<vec2<u32>>` (vec4 layout) or `array<u32>`. Half words are converted
+//! with WGSL's core `unpack2x16float`/`pack2x16float` (f16; no `shader-f16` needed) or by
+//! shifts (bf16, the upper half of an f32, rounded to nearest even on store). Two invocations
+//! that store the two halves of one word race, so a half output whose stores are not whole
+//! words is declared [`Access::Atomic`]: each element is stored by an `atomicAnd` clearing its
+//! half and an `atomicOr` setting it, which commute with the other half's.
+
+use crate::storage::{Formats, Storage};
+
+/// How a kernel uses a buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Access {
+    /// Read only.
+    Read,
+    /// Written in whole words (`set4`, `set2`; `set` for f32).
+    Write,
+    /// Written element by element (`set`): atomics for half formats.
+    Atomic,
+}
+
+/// The WGSL helpers the half formats need (declared once per kernel).
+pub(crate) const HELPERS: &str = "\
+fn bf16_unpack2(w: u32) -> vec2<f32> {
+    return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xffff0000u));
+}
+fn bf16_bits(x: f32) -> u32 {
+    let b = bitcast<u32>(x);
+    if ((b & 0x7fffffffu) > 0x7f800000u) {
+        return (b >> 16u) | 0x40u; // NaN stays a (quiet) NaN
+    }
+    return (b + 0x7fffu + ((b >> 16u) & 1u)) >> 16u; // round to nearest even
+}
+fn bf16_pack2(x: vec2<f32>) -> u32 {
+    return bf16_bits(x.x) | (bf16_bits(x.y) << 16u);
+}
+";
+
+fn unpack(s: Storage) -> &'static str {
+    match s {
+        Storage::F16 => "unpack2x16float",
+        _ => "bf16_unpack2",
+    }
+}
+
+fn pack(s: Storage) -> &'static str {
+    match s {
+        Storage::F16 => "pack2x16float",
+        _ => "bf16_pack2",
+    }
+}
+
+/// The declaration of `name` at `binding` in format `s` and its accessors. `vec4`: the vec4
+/// layout (every `get4`/`set4` index a multiple of 4; the binding's size a multiple of 16
+/// bytes for f32, 8 for half formats).
+pub(crate) fn array(name: &str, binding: u32, s: Storage, vec4: bool, access: Access) -> String {
+    let mode = if access == Access::Read {
+        "read"
+    } else {
+        "read_write"
+    };
+    let n = name;
+    let mut w = String::new();
+    let decl = |ty: &str| format!("@group(0) @binding({binding}) var<storage, {mode}> {n}: array<{ty}>;\n");
+    match (s, vec4) {
+        (Storage::F32, true) => {
+            w += &decl("vec4<f32>");
+            w += &format!("fn {n}_get(i: u32) -> f32 {{ return {n}[i >> 2u][i & 3u]; }}\n");
+            w += &format!("fn {n}_get4(i: u32) -> vec4<f32> {{ return {n}[i >> 2u]; }}\n");
+            if access != Access::Read {
+                w += &format!("fn {n}_set(i: u32, x: f32) {{ {n}[i >> 2u][i & 3u] = x; }}\n");
+                w += &format!(
+                    "fn {n}_set2(i: u32, x: vec2<f32>) {{ {n}_set(i, x.x); {n}_set(i + 1u, x.y); }}\n"
+                );
+                w += &format!("fn {n}_set4(i: u32, x: vec4<f32>) {{ {n}[i >> 2u] = x; }}\n");
+            }
+        }
+        (Storage::F32, false) => {
+            w += &decl("f32");
+            w += &format!("fn {n}_get(i: u32) -> f32 {{ return {n}[i]; }}\n");
+            w += &format!(
+                "fn {n}_get4(i: u32) -> vec4<f32> {{ return vec4<f32>({n}[i], {n}[i + 1u], {n}[i + 2u], {n}[i + 3u]); }}\n"
+            );
+            if access != Access::Read {
+                w += &format!("fn {n}_set(i: u32, x: f32) {{ {n}[i] = x; }}\n");
+                w += &format!("fn {n}_set2(i: u32, x: vec2<f32>) {{ {n}[i] = x.x; {n}[i + 1u] = x.y; }}\n");
+                w += &format!(
+                    "fn {n}_set4(i: u32, x: vec4<f32>) {{ {n}[i] = x.x; {n}[i + 1u] = x.y; {n}[i + 2u] = x.z; {n}[i + 3u] = x.w; }}\n"
+                );
+            }
+        }
+        (_, _) if access == Access::Atomic => {
+            let (up, pk) = (unpack(s), pack(s));
+            let _ = up;
+            w += &decl("atomic<u32>");
+            w += &format!(
+                "fn {n}_set(i: u32, x: f32) {{\n    let sh = (i & 1u) * 16u;\n    let h = ({pk}(vec2<f32>(x, x)) & 0xffffu) << sh;\n    \
+                 atomicAnd(&{n}[i >> 1u], ~(0xffffu << sh));\n    atomicOr(&{n}[i >> 1u], h);\n}}\n"
+            );
+            w += &format!("fn {n}_set2(i: u32, x: vec2<f32>) {{ {n}_set(i, x.x); {n}_set(i + 1u, x.y); }}\n");
+            w += &format!(
+                "fn {n}_set4(i: u32, x: vec4<f32>) {{ {n}_set2(i, x.xy); {n}_set2(i + 2u, x.zw); }}\n"
+            );
+        }
+        (_, true) => {
+            let (up, pk) = (unpack(s), pack(s));
+            w += &decl("vec2<u32>");
+            w += &format!(
+                "fn {n}_get(i: u32) -> f32 {{ return {up}({n}[i >> 2u][(i >> 1u) & 1u])[i & 1u]; }}\n"
+            );
+            w += &format!(
+                "fn {n}_get4(i: u32) -> vec4<f32> {{ let w = {n}[i >> 2u]; return vec4<f32>({up}(w.x), {up}(w.y)); }}\n"
+            );
+            if access != Access::Read {
+                w += &format!(
+                    "fn {n}_set2(i: u32, x: vec2<f32>) {{ {n}[i >> 2u][(i >> 1u) & 1u] = {pk}(x); }}\n"
+                );
+                w += &format!(
+                    "fn {n}_set4(i: u32, x: vec4<f32>) {{ {n}[i >> 2u] = vec2<u32>({pk}(x.xy), {pk}(x.zw)); }}\n"
+                );
+            }
+        }
+        (_, false) => {
+            let (up, pk) = (unpack(s), pack(s));
+            w += &decl("u32");
+            w += &format!("fn {n}_get(i: u32) -> f32 {{ return {up}({n}[i >> 1u])[i & 1u]; }}\n");
+            w += &format!(
+                "fn {n}_get4(i: u32) -> vec4<f32> {{ return vec4<f32>({n}_get(i), {n}_get(i + 1u), {n}_get(i + 2u), {n}_get(i + 3u)); }}\n"
+            );
+            if access != Access::Read {
+                w += &format!("fn {n}_set2(i: u32, x: vec2<f32>) {{ {n}[i >> 1u] = {pk}(x); }}\n");
+                w += &format!(
+                    "fn {n}_set4(i: u32, x: vec4<f32>) {{ {n}_set2(i, x.xy); {n}_set2(i + 2u, x.zw); }}\n"
+                );
+            }
+        }
+    }
+    w
+}
+
+/// The attention kernels' q, k, v (bindings 3-5) and out (binding 6) in their formats, with
+/// `load_q`/`load_k`/`load_v(row, c4) -> vec4<f32>` (column block `c4` of a row, zero padded
+/// past the head dim) and `store_out(row, c4, x)`. `vec4`: E and Ev are multiples of 4 (one
+/// load per block; `E4`/`EV4` are the dims in vec4s); else every element is bounds-checked
+/// against `p.e` / `p.ev`. `out` is `out_fmt` (f32 scratch for the decode kernel's partials).
+pub(crate) fn attention_io(f: &Formats, out_fmt: Storage, vec4: bool, ev_odd: bool) -> String {
+    let out_access = if out_fmt.is_half() && !vec4 && ev_odd {
+        Access::Atomic
+    } else {
+        Access::Write
+    };
+    let mut s = String::new();
+    s += &array("q", 3, f.q, vec4, Access::Read);
+    s += &array("k", 4, f.k, vec4, Access::Read);
+    s += &array("v", 5, f.v, vec4, Access::Read);
+    s += &array("out", 6, out_fmt, vec4, out_access);
+    if vec4 {
+        for (x, d) in [("q", "E4"), ("k", "E4"), ("v", "EV4")] {
+            s += &format!(
+                "fn load_{x}(row: u32, c4: u32) -> vec4<f32> {{ return {x}_get4((row * {d} + c4) * 4u); }}\n"
+            );
+        }
+        s += "fn store_out(row: u32, c4: u32, x: vec4<f32>) { out_set4((row * EV4 + c4) * 4u, x); }\n";
+    } else {
+        for (x, d) in [("q", "p.e"), ("k", "p.e"), ("v", "p.ev")] {
+            s += &format!(
+                "fn load_{x}(row: u32, c4: u32) -> vec4<f32> {{\n    var x = vec4<f32>(0.0);\n    \
+                 for (var c = 0u; c < 4u; c++) {{ // unroll\n        if (c4 * 4u + c < {d}) {{\n            \
+                 x[c] = {x}_get(row * {d} + c4 * 4u + c);\n        }}\n    }}\n    return x;\n}}\n"
+            );
+        }
+        if out_fmt.is_half() && out_access == Access::Write {
+            // Ev even: element pairs never straddle a row, whole words.
+            s += "fn store_out(row: u32, c4: u32, x: vec4<f32>) {\n    \
+                  if (c4 * 4u < p.ev) { out_set2(row * p.ev + c4 * 4u, x.xy); }\n    \
+                  if (c4 * 4u + 2u < p.ev) { out_set2(row * p.ev + c4 * 4u + 2u, x.zw); }\n}\n";
+        } else {
+            s += "fn store_out(row: u32, c4: u32, x: vec4<f32>) {\n    \
+                  for (var c = 0u; c < 4u; c++) { // unroll\n        if (c4 * 4u + c < p.ev) {\n            \
+                  out_set(row * p.ev + c4 * 4u + c, x[c]);\n        }\n    }\n}\n";
+        }
+    }
+    s
+}
+
+/// The bias binding (1) of the masked kernels in format `s`.
+pub(crate) fn bias(s: Storage) -> String {
+    array("bias", 1, s, false, Access::Read)
+}

@@ -1,0 +1,290 @@
+//! Storage formats: how a tensor's elements are held on the device.
+//!
+//! Every kernel reads and writes f32, f16 or bf16 storage and accumulates in f32. Half formats
+//! are packed two per `u32` word and converted with WGSL's core `unpack2x16float` /
+//! `pack2x16float` (f16) or by bit shifts (bf16 is the upper half of an f32), so they need no
+//! optional device feature and run on every backend, the browser included.
+
+use std::borrow::Cow;
+
+use half::{bf16, f16};
+
+use crate::error::{Error, Result};
+
+/// The format of a tensor's elements on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Storage {
+    /// IEEE binary32, 4 bytes.
+    #[default]
+    F32,
+    /// IEEE binary16 (`half::f16`), 2 bytes: 11-bit significand, range ±65504.
+    F16,
+    /// bfloat16 (`half::bf16`), 2 bytes: the upper half of an f32 (8-bit significand, f32's
+    /// range).
+    Bf16,
+}
+
+impl Storage {
+    /// Every format.
+    pub const ALL: [Storage; 3] = [Storage::F32, Storage::F16, Storage::Bf16];
+
+    /// The name used by the CLI: `f32`, `f16`, `bf16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Storage::F32 => "f32",
+            Storage::F16 => "f16",
+            Storage::Bf16 => "bf16",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn element_bytes(self) -> u64 {
+        match self {
+            Storage::F32 => 4,
+            Storage::F16 | Storage::Bf16 => 2,
+        }
+    }
+
+    /// Bytes of `elems` elements on the device, rounded up to whole 4-byte words (WGSL reads
+    /// half formats two per `u32`).
+    pub fn bytes(self, elems: usize) -> u64 {
+        (elems as u64 * self.element_bytes()).next_multiple_of(4)
+    }
+
+    /// Whether the format packs two elements per 32-bit word.
+    pub fn is_half(self) -> bool {
+        self != Storage::F32
+    }
+
+    /// `x` rounded to this format (round to nearest, ties to even) and widened back to f32:
+    /// the value the device holds. NaN stays NaN, out-of-range values become ±inf.
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            Storage::F32 => x,
+            Storage::F16 => f16::from_f32(x).to_f32(),
+            Storage::Bf16 => bf16::from_f32(x).to_f32(),
+        }
+    }
+
+    /// The largest finite value of the format.
+    pub fn max_finite(self) -> f32 {
+        match self {
+            Storage::F32 => f32::MAX,
+            Storage::F16 => f16::MAX.to_f32(),
+            Storage::Bf16 => bf16::MAX.to_f32(),
+        }
+    }
+
+    /// Little-endian bytes of `data` in this format, padded to whole words.
+    pub(crate) fn encode(self, data: &[f32]) -> Vec<u8> {
+        let mut bytes = match self {
+            Storage::F32 => bytemuck::cast_slice(data).to_vec(),
+            Storage::F16 => data
+                .iter()
+                .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+                .collect(),
+            Storage::Bf16 => data
+                .iter()
+                .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+                .collect(),
+        };
+        bytes.resize(self.bytes(data.len()) as usize, 0);
+        bytes
+    }
+
+    /// The first `elems` elements of little-endian `bytes` in this format, widened to f32.
+    pub(crate) fn decode(self, bytes: &[u8], elems: usize) -> Vec<f32> {
+        let n = self.element_bytes() as usize;
+        let bytes = &bytes[..elems * n];
+        match self {
+            Storage::F32 => bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            Storage::F16 => bytes
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            Storage::Bf16 => bytes
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        }
+    }
+}
+
+impl std::fmt::Display for Storage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Storage {
+    type Err = Error;
+    /// Parses `f32`, `f16`, `bf16`.
+    fn from_str(s: &str) -> Result<Self> {
+        Storage::ALL
+            .into_iter()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| Error::UnknownName {
+                kind: "storage format",
+                name: s.to_string(),
+                expected: "f32, f16, bf16",
+            })
+    }
+}
+
+/// The storage formats of one attention call's tensors ([`crate::Problem::storage`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Formats {
+    /// q.
+    pub q: Storage,
+    /// k.
+    pub k: Storage,
+    /// v.
+    pub v: Storage,
+    /// The additive bias (f32 when there is none).
+    pub bias: Storage,
+    /// The output.
+    pub out: Storage,
+}
+
+impl Formats {
+    /// Every tensor in `s`.
+    pub fn all(s: Storage) -> Formats {
+        Formats {
+            q: s,
+            k: s,
+            v: s,
+            bias: s,
+            out: s,
+        }
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// An element type the crate takes from the host: `f32`, [`half::f16`] or [`half::bf16`].
+pub trait Element: sealed::Sealed + bytemuck::Pod + Copy + Send + Sync + 'static {
+    /// The device format that holds this type.
+    const STORAGE: Storage;
+    /// Host data of this type as [`HostData`].
+    #[doc(hidden)]
+    fn host_data(data: Cow<'_, [Self]>) -> HostData<'_>;
+}
+
+impl Element for f32 {
+    const STORAGE: Storage = Storage::F32;
+    fn host_data(data: Cow<'_, [Self]>) -> HostData<'_> {
+        HostData::F32(data)
+    }
+}
+
+impl Element for f16 {
+    const STORAGE: Storage = Storage::F16;
+    fn host_data(data: Cow<'_, [Self]>) -> HostData<'_> {
+        HostData::F16(data)
+    }
+}
+
+impl Element for bf16 {
+    const STORAGE: Storage = Storage::Bf16;
+    fn host_data(data: Cow<'_, [Self]>) -> HostData<'_> {
+        HostData::Bf16(data)
+    }
+}
+
+/// Host elements in one of the [`Element`] types.
+#[doc(hidden)]
+#[derive(Debug, Clone)]
+pub enum HostData<'a> {
+    /// f32 elements.
+    F32(Cow<'a, [f32]>),
+    /// f16 elements.
+    F16(Cow<'a, [f16]>),
+    /// bf16 elements.
+    Bf16(Cow<'a, [bf16]>),
+}
+
+impl HostData<'_> {
+    /// The number of elements.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            HostData::F32(d) => d.len(),
+            HostData::F16(d) => d.len(),
+            HostData::Bf16(d) => d.len(),
+        }
+    }
+
+    /// The format.
+    pub(crate) fn storage(&self) -> Storage {
+        match self {
+            HostData::F32(_) => Storage::F32,
+            HostData::F16(_) => Storage::F16,
+            HostData::Bf16(_) => Storage::Bf16,
+        }
+    }
+
+    /// The device bytes, padded to whole words.
+    pub(crate) fn bytes(&self) -> Cow<'_, [u8]> {
+        let (raw, storage): (&[u8], Storage) = match self {
+            HostData::F32(d) => (bytemuck::cast_slice(d), Storage::F32),
+            HostData::F16(d) => (bytemuck::cast_slice(d), Storage::F16),
+            HostData::Bf16(d) => (bytemuck::cast_slice(d), Storage::Bf16),
+        };
+        let padded = storage.bytes(self.len()) as usize;
+        if raw.len() == padded && cfg!(target_endian = "little") {
+            Cow::Borrowed(raw)
+        } else {
+            let mut v = raw.to_vec();
+            v.resize(padded, 0);
+            Cow::Owned(v)
+        }
+    }
+
+    /// The elements widened to f32 (exact).
+    pub(crate) fn to_f32(&self) -> Cow<'_, [f32]> {
+        match self {
+            HostData::F32(d) => Cow::Borrowed(d),
+            HostData::F16(d) => Cow::Owned(d.iter().map(|x| x.to_f32()).collect()),
+            HostData::Bf16(d) => Cow::Owned(d.iter().map(|x| x.to_f32()).collect()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_rounds_to_nearest_even() {
+        for s in Storage::ALL {
+            assert_eq!(s.name().parse::<Storage>(), Ok(s));
+            let xs = [
+                0.0f32,
+                -1.5,
+                1.0 + 1.0 / 4096.0,
+                3.0e4,
+                f32::INFINITY,
+                -f32::INFINITY,
+            ];
+            let back = s.decode(&s.encode(&xs), xs.len());
+            for (x, y) in xs.iter().zip(&back) {
+                assert_eq!(s.round(*x), *y, "{s} {x}");
+            }
+            assert!(s.decode(&s.encode(&[f32::NAN]), 1)[0].is_nan());
+        }
+        // 1 + 2^-11 is halfway between two f16 values: ties to even gives 1.
+        assert_eq!(Storage::F16.round(1.0 + 1.0 / 2048.0), 1.0);
+        assert_eq!(Storage::Bf16.round(1.0 + 1.0 / 256.0), 1.0);
+        assert_eq!(Storage::F16.round(1.0e5), f32::INFINITY);
+        assert_eq!(Storage::F16.bytes(37), 76);
+        assert_eq!(Storage::Bf16.bytes(3), 8);
+        assert!("f64".parse::<Storage>().is_err());
+    }
+}
