@@ -18,9 +18,12 @@
 #       bench mode, a fresh browser per round; the same shapes and timing rule as `bench`)
 #
 # CASES: letters of the benchmark shapes (default "a b c d e"): a a_h8_s1024, b
-# b_h8_s1024_causal, c c_h8_s4096_causal, d d_decode_h32_s4096_e128, e e_b4_h12_s256_padmask.
+# b_h8_s1024_causal, c c_h8_s4096_causal, d d_decode_h32_s4096_e128, e e_b4_h12_s256_padmask;
+# and m, the 1024^3 matmul C = A B (burn: `PEER_BURN_BINARY matmul api <iters>`; ours: the
+# `matmul_1024^3_AB` row of `bench`).
 # ROUNDS default 3, ITERS (timed runs per process) default 7. Ours is target/release/wgpu-attention
-# (built first), `bench --shapes <shape> --paths auto --iters ITERS`.
+# (built first), `bench --shapes <shape> --paths auto --iters ITERS --storage $STORAGE` (env
+# STORAGE, default f32: ours in that storage format; burn is always f32).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind=${1:?"usage: $0 burn|self|gl|browser BINARY|- [CASES] [ROUNDS] [ITERS]"}
@@ -31,13 +34,14 @@ iters=${5:-7}
 cargo build --release --locked --quiet
 ours=target/release/wgpu-attention
 # Both programs' stderr (progress, harmless EGL/XDG lines) goes here.
+storage=${STORAGE:-f32}
 log=${TMPDIR:-/tmp}/bench_vs.stderr
 : >"$log"
 
 shape_of() {
   case $1 in
     a) echo a_h8_s1024 ;; b) echo b_h8_s1024_causal ;; c) echo c_h8_s4096_causal ;;
-    d) echo d_decode_h32_s4096_e128 ;; e) echo e_b4_h12_s256_padmask ;;
+    d) echo d_decode_h32_s4096_e128 ;; e) echo e_b4_h12_s256_padmask ;; m) echo 'matmul_1024^3_AB' ;;
     *) echo "unknown case $1" >&2; exit 2 ;;
   esac
 }
@@ -45,7 +49,11 @@ shape_of() {
 # The median (ms) of one `bench` process of a wgpu-attention binary.
 bench_median() { # binary shape
   local m
-  m=$("$1" bench --shapes "$2" --paths auto --iters "$iters" 2>>"$log" | awk -v s="$2" '$1 == s && $2 == "auto" { print $4 }')
+  if [ "$2" = 'matmul_1024^3_AB' ]; then
+    m=$("$1" bench --shapes small_h4_s128 --paths fused --iters "$iters" --storage "$storage" 2>>"$log" | awk -v s="$2" '$1 == s { print $5 }')
+  else
+    m=$("$1" bench --shapes "$2" --paths auto --iters "$iters" --storage "$storage" --no-matmul 2>>"$log" | awk -v s="$2" '$1 == s && $2 == "auto" { print $5 }')
+  fi
   [ -n "$m" ] || { echo "no median from $1 for $2 (stderr in $log)" >&2; exit 1; }
   echo "$m"
 }
@@ -60,7 +68,9 @@ peer_median() { # case
     echo "$m"
   elif [ "$kind" = burn ]; then
     local m
-    m=$("$peer" "$1" api "$iters" 2>>"$log" | grep -oP 'median_ms=\K[0-9.]+' || true)
+    local what=$1
+    [ "$what" = m ] && what=matmul
+    m=$("$peer" "$what" api "$iters" 2>>"$log" | grep -oP 'median_ms=\K[0-9.]+' || true)
     [ -n "$m" ] || { echo "no median from $peer for case $1 (stderr in $log)" >&2; exit 1; }
     echo "$m"
   else
@@ -68,7 +78,7 @@ peer_median() { # case
   fi
 }
 
-echo "peer: $kind ($peer); ours: $ours; $rounds rounds of (peer, ours), $iters timed runs each"
+echo "peer: $kind ($peer); ours: $ours (storage $storage); $rounds rounds of (peer, ours), $iters timed runs each"
 printf '%-26s %5s %12s %12s %8s\n' shape round "peer ms" "ours ms" ratio
 for c in $cases; do
   shape=$(shape_of "$c")

@@ -14,7 +14,8 @@
 // common/reduce_subgroup.wgsl and decode_acc_subgroup.wgsl where the workgroup is one
 // subgroup), and the constants WG (invocations, a power of two), E4 and EV4 (head dims in
 // vec4s), RB (a divisor of EV4, at most 8) and NRB = EV4 / RB, HAS_MASK, HAS_BIAS and UNROLL
-// (see flash.wgsl).
+// (see flash.wgsl), and P8 with E8 = E4 / 2, EV8 = EV4 / 2: read K and V 8 elements per load
+// (load_k8/load_v8; half formats, src/kernels/decode.rs).
 //
 // Each invocation takes a strided subset of the split's keys and keeps its own online softmax
 // state (running max, sum and accumulator over its keys, the query row in registers, vec4 loads
@@ -65,16 +66,31 @@ fn main(
         // Rows past the allowed keys are read in bounds (clamped) and masked.
         let kvrow = kvh * p.s + min(j, p.s - 1u);
         var d = vec4<f32>(0.0);
-        for (var d4 = 0u; d4 < E4; d4++) { // unroll
-            d += qr[d4] * load_k(kvrow, d4);
+        if (P8) {
+            for (var d8 = 0u; d8 < E8; d8++) { // unroll
+                let kk = load_k8(kvrow, d8);
+                d += qr[2u * d8] * kk[0] + qr[2u * d8 + 1u] * kk[1];
+            }
+        } else {
+            for (var d4 = 0u; d4 < E4; d4++) { // unroll
+                d += qr[d4] * load_k(kvrow, d4);
+            }
         }
         let x = masked_logit(d.x + d.y + d.z + d.w, j < j_end, b, h, i, j);
         let m_new = max(m, x);
         let alpha = rescale(m, m_new);
         let pj = weight(x, m_new);
         sum = sum * alpha + pj;
-        for (var d4 = 0u; d4 < EV4; d4++) { // unroll
-            acc[d4] = acc[d4] * alpha + pj * load_v(kvrow, d4);
+        if (P8) {
+            for (var d8 = 0u; d8 < EV8; d8++) { // unroll
+                let vv = load_v8(kvrow, d8);
+                acc[2u * d8] = acc[2u * d8] * alpha + pj * vv[0];
+                acc[2u * d8 + 1u] = acc[2u * d8 + 1u] * alpha + pj * vv[1];
+            }
+        } else {
+            for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+                acc[d4] = acc[d4] * alpha + pj * load_v(kvrow, d4);
+            }
         }
         m = m_new;
     }

@@ -4,7 +4,7 @@
 //
 //   C[z][m][n] = alpha * sum_k A[z][m][k] * B'[z][k][n]  (+ bias[n])
 //
-// A workgroup of 8 invocations computes a tile of 8 * RQ rows by 8 columns of C. Invocation l
+// A workgroup of 8 invocations computes a tile of 8 * RQ rows by 8 * NB columns of C. Invocation l
 // owns RQ rows (l, l + 8, ...) and holds, for each step of 4 k, the 4 values of column l of B'
 // in a register (one vec4 load when TRANS_B, where B is [N, K]); the other invocations read
 // them by shuffle (a broadcast: the loops are unrolled, the lane a constant). Each step does
@@ -13,7 +13,7 @@
 //
 // The host prepends `Params` (src/kernels/matmul.rs), the declarations of a, b, bias and c
 // with `store_c4`, `load_a(z_base, row, k)` and `load_b(z_base, col, k)` (4 consecutive k,
-// zero past M, N or K; src/kernels/matmul.rs), and the constants RQ, RQ2 = 2 * RQ, KC4, UNROLL.
+// zero past M, N or K; src/kernels/matmul.rs), and the constants RQ, NB, NB2 = 2 * NB, ACC = RQ * NB2, KC4, UNROLL.
 
 override TRANS_B: bool = true;
 override HAS_BIAS: bool = false;
@@ -30,26 +30,31 @@ fn main(
     let b_base = b_slice * p.b_batch;
     let c_base = (p.c_z0 + z) * p.c_batch + p.c_off;
     let row0 = wg.y * (8u * RQ) + lane;
-    let col0 = wg.x * 8u;
+    let col0 = wg.x * (8u * NB);
 
-    var acc: array<vec4<f32>, RQ2>;
-    for (var r = 0u; r < RQ2; r++) { // unroll
+    // acc[(r * NB + nb) * 2 + j / 4][j % 4]: row r, column 8 nb + j of the tile.
+    var acc: array<vec4<f32>, ACC>;
+    for (var r = 0u; r < ACC; r++) { // unroll
         acc[r] = vec4<f32>(0.0);
     }
     var a_reg: array<vec4<f32>, RQ * KC4>;
     var b_reg: array<vec4<f32>, KC4>;
     for (var k0 = 0u; k0 < p.k; k0 += 4u * KC4) {
         for (var c = 0u; c < KC4; c++) { // unroll
-            b_reg[c] = load_b(b_base, col0 + lane, k0 + 4u * c);
             for (var r = 0u; r < RQ; r++) { // unroll
                 a_reg[r * KC4 + c] = load_a(a_base, row0 + 8u * r, k0 + 4u * c);
             }
         }
-        for (var c = 0u; c < KC4; c++) { // unroll
-            for (var j = 0u; j < 8u; j++) { // unroll
-                let bj = subgroupShuffle(b_reg[c], j);
-                for (var r = 0u; r < RQ; r++) { // unroll
-                    acc[2u * r + j / 4u][j % 4u] += dot(a_reg[r * KC4 + c], bj);
+        for (var nb = 0u; nb < NB; nb++) { // unroll
+            for (var c = 0u; c < KC4; c++) { // unroll
+                b_reg[c] = load_b(b_base, col0 + 8u * nb + lane, k0 + 4u * c);
+            }
+            for (var c = 0u; c < KC4; c++) { // unroll
+                for (var j = 0u; j < 8u; j++) { // unroll
+                    let bj = subgroupShuffle(b_reg[c], j);
+                    for (var r = 0u; r < RQ; r++) { // unroll
+                        acc[(r * NB + nb) * 2u + j / 4u][j % 4u] += dot(a_reg[r * KC4 + c], bj);
+                    }
                 }
             }
         }
@@ -57,10 +62,10 @@ fn main(
 
     for (var r = 0u; r < RQ; r++) { // unroll
         let row = row0 + 8u * r;
-        for (var h = 0u; h < 2u; h++) { // unroll
+        for (var h = 0u; h < NB2; h++) { // unroll
             let cc = col0 + 4u * h;
             if (row < p.m && cc < p.n) {
-                var val = p.alpha * acc[2u * r + h];
+                var val = p.alpha * acc[r * NB2 + h];
                 if (HAS_BIAS) {
                     for (var j = 0u; j < 4u; j++) { // unroll
                         val[j] += bias_get(min(cc + j, p.n - 1u));

@@ -3,17 +3,15 @@
 //   dst[i0][i1][i2][i3] = src[i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3]
 //
 // Splits projections [B, L, H, d] into heads [B, H, L, d] and merges them back; a stride of 0
-// broadcasts (a learned constant query shared by the batch). One invocation per element; the
-// 1-D grid folds over x and y.
+// broadcasts (a learned constant query shared by the batch). One invocation per pair of
+// consecutive dst elements (whole words in half formats); the 1-D grid folds over x and y.
 //
-// The host prepends `Params`, generated from the Rust struct in src/kernels/permute.rs.
+// The host prepends `Params`, generated from the Rust struct in src/kernels/permute.rs, and
+// src and dst in their storage formats with `store_pair(i, x)` (src/kernels/access.rs).
 //
 // Bindings: 0 src (read), 1 dst (read_write), 2 params (uniform).
 
 const WG: u32 = 256u;
-
-@group(0) @binding(0) var<storage, read> src: array<f32>;
-@group(0) @binding(1) var<storage, read_write> dst: array<f32>;
 
 @compute @workgroup_size(WG, 1, 1)
 fn main(
@@ -21,15 +19,22 @@ fn main(
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) tid: u32,
 ) {
-    let idx = (wg.x + wg.y * nwg.x) * WG + tid;
+    let idx = 2u * ((wg.x + wg.y * nwg.x) * WG + tid);
     if (idx >= p.total) {
         return;
     }
-    let i3 = idx % p.n3;
-    let r = idx / p.n3;
-    let i2 = r % p.n2;
-    let r2 = r / p.n2;
-    let i1 = r2 % p.n1;
-    let i0 = r2 / p.n1;
-    dst[idx] = src[i0 * p.s0 + i1 * p.s1 + i2 * p.s2 + i3 * p.s3];
+    var x = vec2<f32>(0.0);
+    for (var e = 0u; e < 2u; e++) {
+        let i = idx + e;
+        if (i < p.total) {
+            let i3 = i % p.n3;
+            let r = i / p.n3;
+            let i2 = r % p.n2;
+            let r2 = r / p.n2;
+            let i1 = r2 % p.n1;
+            let i0 = r2 / p.n1;
+            x[e] = src_get(i0 * p.s0 + i1 * p.s1 + i2 * p.s2 + i3 * p.s3);
+        }
+    }
+    store_pair(idx, x);
 }

@@ -75,8 +75,9 @@ impl Storage {
         }
     }
 
-    /// Little-endian bytes of `data` in this format, padded to whole words.
-    pub(crate) fn encode(self, data: &[f32]) -> Vec<u8> {
+    /// Little-endian bytes of `data` in this format (rounded to nearest even), padded to
+    /// whole words: what a buffer of this format holds.
+    pub fn encode(self, data: &[f32]) -> Vec<u8> {
         let mut bytes = match self {
             Storage::F32 => bytemuck::cast_slice(data).to_vec(),
             Storage::F16 => data

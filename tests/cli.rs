@@ -230,9 +230,9 @@ fn run_path_decode_runs_the_decode_path() {
         String::from_utf8_lossy(&r.stdout).into_owned()
     };
     let out = run("decode");
-    assert!(out.contains(", path decode, in "), "{out}");
+    assert!(out.contains(", path decode, storage f32, in "), "{out}");
     let out = run("auto");
-    assert!(out.contains(", path auto -> decode, in "), "{out}");
+    assert!(out.contains(", path auto -> decode, storage f32, in "), "{out}");
 }
 
 /// `bench --paths decode` times the decode path: its row is labelled `decode` (the requested
@@ -273,4 +273,181 @@ fn unknown_path_names_are_usage_errors() {
     let r = cli(&["bench", "--paths", "fused,flash"]);
     assert_eq!(r.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&r.stderr).contains("flash"));
+}
+
+/// A little-endian f16 `.npy` (`<f2`) of `a`.
+fn write_f16_npy(path: &Path, a: &Array4<f32>) {
+    let shape = format!(
+        "({})",
+        a.shape().iter().map(|d| format!("{d}, ")).collect::<String>()
+    );
+    let dict = format!("{{'descr': '<f2', 'fortran_order': False, 'shape': {shape}, }}");
+    let unpadded = 10 + dict.len() + 1;
+    let text = format!("{dict}{}\n", " ".repeat(unpadded.next_multiple_of(64) - unpadded));
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend(u16::try_from(text.len()).unwrap().to_le_bytes());
+    bytes.extend(text.as_bytes());
+    for &x in a.iter() {
+        bytes.extend(half::f16::from_f32(x).to_le_bytes());
+    }
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// `run --storage f16|bf16`: f32 inputs rounded to the format, the output rounded to it and
+/// written as f32, within the format's tolerance of the f64 reference on the rounded inputs
+/// (`--cpu --storage`, which rounds its output too); `<f2` inputs are read as they are.
+#[test]
+fn run_storage_formats_round_inputs_and_output() {
+    use wgpu_attention::Storage;
+    if common::ctx().is_none() {
+        return;
+    }
+    let dir = out_dir("storage");
+    let [q, k, v] = ["q.npy", "k.npy", "v.npy"].map(|n| dir.join(n));
+    let fill = |shape: [usize; 4], seed: usize| {
+        Array4::from_shape_fn(shape, |(a, b, i, j)| {
+            (((a + b * 3 + i * 7 + j * 13 + seed) % 17) as f32 - 8.0) * 0.0731
+        })
+    };
+    let (qa, ka, va) = (
+        fill([1, 2, 5, 6], 1),
+        fill([1, 2, 9, 6], 2),
+        fill([1, 2, 9, 7], 3),
+    );
+    write_npy(&q, &qa).unwrap();
+    write_npy(&k, &ka).unwrap();
+    write_npy(&v, &va).unwrap();
+    for st in [Storage::F16, Storage::Bf16] {
+        let (o, oc) = (dir.join(format!("o-{st}.npy")), dir.join(format!("oc-{st}.npy")));
+        let base = [
+            "run",
+            "--q",
+            s(&q),
+            "--k",
+            s(&k),
+            "--v",
+            s(&v),
+            "--causal",
+            "bottom-right",
+            "--storage",
+            st.name(),
+        ];
+        let r = cli(&[&base[..], &["--out", s(&o)]].concat());
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        assert!(String::from_utf8_lossy(&r.stdout).contains(&format!("storage {st}")));
+        let r = cli(&[&base[..], &["--cpu", "--out", s(&oc)]].concat());
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        let got: ArrayD<f32> = read_npy(&o).unwrap();
+        let want: ArrayD<f32> = read_npy(&oc).unwrap();
+        assert!(
+            got.iter().all(|&x| st.round(x) == x),
+            "{st}: output not rounded to the format"
+        );
+        common::assert_report(
+            compare(
+                got.iter().copied(),
+                want.iter().copied(),
+                wgpu_attention::check::Tolerance::for_storage(st),
+            ),
+            &format!("run --storage {st}"),
+        );
+    }
+    // f16 .npy inputs: the same values as the f32 ones rounded to f16.
+    let [qh, kh, vh] = ["qh.npy", "kh.npy", "vh.npy"].map(|n| dir.join(n));
+    write_f16_npy(&qh, &qa);
+    write_f16_npy(&kh, &ka);
+    write_f16_npy(&vh, &va);
+    let (o1, o2) = (dir.join("o1.npy"), dir.join("o2.npy"));
+    let r = cli(&[
+        "run",
+        "--q",
+        s(&qh),
+        "--k",
+        s(&kh),
+        "--v",
+        s(&vh),
+        "--storage",
+        "f16",
+        "--out",
+        s(&o1),
+    ]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let r = cli(&[
+        "run",
+        "--q",
+        s(&q),
+        "--k",
+        s(&k),
+        "--v",
+        s(&v),
+        "--storage",
+        "f16",
+        "--out",
+        s(&o2),
+    ]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let (a, b): (ArrayD<f32>, ArrayD<f32>) = (read_npy(&o1).unwrap(), read_npy(&o2).unwrap());
+    assert_eq!(
+        a, b,
+        "<f2 inputs and f32 inputs rounded to f16 give the same output"
+    );
+    // An unknown format is a usage error.
+    let r = cli(&[
+        "run",
+        "--q",
+        s(&q),
+        "--k",
+        s(&k),
+        "--v",
+        s(&v),
+        "--storage",
+        "f64",
+        "--out",
+        s(&o1),
+    ]);
+    assert_eq!(r.status.code(), Some(2));
+}
+
+/// `mha --storage f16` on a PyTorch fixture: within twice the f16 tolerance of the f64
+/// reference on the rounded weights and inputs (`--cpu --storage f16`), output in f16.
+#[test]
+fn mha_storage_f16_matches_the_rounded_reference() {
+    if common::ctx().is_none() {
+        return;
+    }
+    let dir = out_dir("mha-storage");
+    let (o, oc) = (dir.join("o.npy"), dir.join("oc.npy"));
+    let c = "self_attn";
+    let (w, x) = (fixture(c, "weights.safetensors"), fixture(c, "query.npy"));
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture(c, "meta.json")).unwrap()).unwrap();
+    let heads = meta["num_heads"].to_string();
+    let base = [
+        "mha",
+        "--query",
+        s(&x),
+        "--weights",
+        s(&w),
+        "--heads",
+        &heads,
+        "--storage",
+        "f16",
+    ];
+    let r = cli(&[&base[..], &["--out", s(&o)]].concat());
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let r = cli(&[&base[..], &["--cpu", "--out", s(&oc)]].concat());
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let got: ArrayD<f32> = read_npy(&o).unwrap();
+    let want: ArrayD<f32> = read_npy(&oc).unwrap();
+    let st = wgpu_attention::Storage::F16;
+    assert!(got.iter().all(|&x| st.round(x) == x));
+    let t = wgpu_attention::check::Tolerance::for_storage(st);
+    let tol = wgpu_attention::check::Tolerance {
+        atol: 2.0 * t.atol,
+        rtol: 2.0 * t.rtol,
+    };
+    common::assert_report(
+        compare(got.iter().copied(), want.iter().copied(), tol),
+        "mha --storage f16",
+    );
 }

@@ -13,7 +13,9 @@ use ndarray_npy::read_npy;
 use wgpu_attention::check::{compare, Tolerance};
 use wgpu_attention::reference::{self, MhaInputs};
 use wgpu_attention::Options;
-use wgpu_attention::{Causal, Error, MhaConfig, MhaWeights, MultiHeadAttention, NeedWeights, Path, Tensor};
+use wgpu_attention::{
+    half, Causal, Error, MhaConfig, MhaWeights, MultiHeadAttention, NeedWeights, Path, Storage, Tensor,
+};
 
 const GOLDEN_TOL: Tolerance = Tolerance {
     atol: 1e-10,
@@ -138,6 +140,12 @@ struct Grid {
 }
 
 fn run_grid_case(ctx: &wgpu_attention::Context, g: &Grid, seed: u64) {
+    run_grid_case_as(ctx, g, seed, Storage::F32, TOL)
+}
+
+/// A grid case with the layer in `st` (weights, activations, output) and its inputs rounded
+/// to `st`, against the f64 reference on the rounded weights and inputs at `tol`.
+fn run_grid_case_as(ctx: &wgpu_attention::Context, g: &Grid, seed: u64, st: Storage, tol: Tolerance) {
     let c = g.config;
     let w = MhaWeights::xavier_uniform(c, seed).unwrap();
     // Non-zero biases so that they are exercised.
@@ -149,9 +157,11 @@ fn run_grid_case(ctx: &wgpu_attention::Context, g: &Grid, seed: u64) {
         w.b_v = Some(rand_array(&mut r, c.num_kv_heads * c.head_dim()));
         w.b_o = Some(rand_array(&mut r, c.d_model));
     }
-    let x: Array3<f32> = rand_array(&mut r, (g.b, g.l, c.d_model));
-    let k: Array3<f32> = rand_array(&mut r, (g.b, g.s, c.kdim));
-    let v: Array3<f32> = rand_array(&mut r, (g.b, g.s, c.vdim));
+    let w = w.with_storage(st);
+    let round = |x: f32| st.round(x);
+    let x: Array3<f32> = rand_array(&mut r, (g.b, g.l, c.d_model)).mapv(round);
+    let k: Array3<f32> = rand_array(&mut r, (g.b, g.s, c.kdim)).mapv(round);
+    let v: Array3<f32> = rand_array(&mut r, (g.b, g.s, c.vdim)).mapv(round);
     let mask: Option<ArrayD<bool>> = g.mask.then(|| {
         let mut m = ArrayD::from_shape_fn(IxDyn(&[g.b, 1, g.l, g.s]), |i| {
             (i[2] * 7 + i[3] * 3 + i[0]) % 5 != 0
@@ -162,7 +172,7 @@ fn run_grid_case(ctx: &wgpu_attention::Context, g: &Grid, seed: u64) {
     });
     let bias: Option<ArrayD<f32>> = g
         .bias
-        .then(|| rand_array(&mut r, IxDyn(&[1, c.num_heads, g.l, g.s])));
+        .then(|| rand_array(&mut r, IxDyn(&[1, c.num_heads, g.l, g.s])).mapv(round));
     let lens: Option<Vec<usize>> = g.lens.then(|| {
         (0..g.b)
             .map(|i| {
@@ -190,25 +200,157 @@ fn run_grid_case(ctx: &wgpu_attention::Context, g: &Grid, seed: u64) {
     };
     let r = reference::mha(&w, &inputs, &spec).unwrap();
     let layer = MultiHeadAttention::new(ctx, &w).unwrap();
-    let mut f = layer.forward(&x).causal(g.causal).need_weights(g.weights);
+    let t = |a| Tensor::from(a).with_storage(st);
+    let mut f = layer.forward(t(&x)).causal(g.causal).need_weights(g.weights);
     if g.cross {
-        f = f.key_value(&k, &v);
+        f = f.key_value(t(&k), t(&v));
     }
     if let Some(m) = &mask {
         f = f.mask(m);
     }
     if let Some(b) = &bias {
-        f = f.bias(b);
+        f = f.bias(Tensor::from(b).with_storage(st));
     }
     if let Some(l) = &lens {
         f = f.kv_lens(l);
     }
     let label = format!(
-        "config {c:?} b{} l{} s{} cross {} {:?} mask {} bias {} lens {} {:?}",
+        "{st} config {c:?} b{} l{} s{} cross {} {:?} mask {} bias {} lens {} {:?}",
         g.b, g.l, g.s, g.cross, g.causal, g.mask, g.bias, g.lens, g.weights
     );
     let o = f.run_blocking(ctx).unwrap();
-    assert_mha_output(&o, &r, g.weights, TOL, &label);
+    assert_mha_output(&o, &r, g.weights, tol, &label);
+    if st != Storage::F32 {
+        assert!(
+            o.output.iter().all(|&x| st.round(x) == x),
+            "{label}: output not in {st}"
+        );
+    }
+}
+
+/// The layer in f16 and bf16: weights, projections, heads, attention and output held in the
+/// format (accumulation f32), against the f64 reference on the rounded weights and inputs.
+/// The layer rounds its intermediates (projections, attention output) to the format too, so
+/// the tolerance is twice the single-call one.
+#[test]
+fn half_storage_layer_matches_reference() {
+    let Some(ctx) = ctx() else { return };
+    for st in [Storage::F16, Storage::Bf16] {
+        let base = Tolerance::for_storage(st);
+        let tol = Tolerance {
+            atol: 2.0 * base.atol,
+            rtol: 2.0 * base.rtol,
+        };
+        for (i, (config, cross, b, l, s)) in [
+            (MhaConfig::new(32, 4), false, 2, 37, 37),
+            (MhaConfig::new(48, 6).kv_heads(2), true, 2, 5, 131),
+            (MhaConfig::new(40, 4).kv_heads(1), false, 1, 19, 19), // d_k = 10
+            (MhaConfig::new(36, 3).kv_dims(20, 27), true, 3, 9, 11), // odd vdim
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            for (causal, mask, bias, lens, weights) in [
+                (Causal::None, false, false, false, NeedWeights::No),
+                (Causal::BottomRight, true, true, true, NeedWeights::PerHead),
+            ] {
+                let g = Grid {
+                    config,
+                    b,
+                    l,
+                    s,
+                    cross,
+                    causal,
+                    mask,
+                    bias,
+                    lens,
+                    weights,
+                };
+                run_grid_case_as(ctx, &g, 500 + i as u64, st, tol);
+            }
+        }
+    }
+}
+
+/// A state dict saved in F16 or BF16 stays in that format on the device (no widening): the
+/// layer's storage is the file's, and it computes what the f32 layer computes on the same
+/// values within the format's tolerance. Mixed F16/BF16 tensors are a typed error.
+#[test]
+fn half_safetensors_keep_their_format() {
+    use safetensors::tensor::{serialize, TensorView};
+    use safetensors::Dtype;
+    let Some(ctx) = ctx() else { return };
+    let w = MhaWeights::xavier_uniform(MhaConfig::new(16, 2), 3).unwrap();
+    let encode = |a: &[f32], dt: Dtype| -> Vec<u8> {
+        match dt {
+            Dtype::F16 => a
+                .iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
+            _ => a
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+        }
+    };
+    let file = |dts: [Dtype; 3]| -> Vec<u8> {
+        let inp =
+            ndarray::concatenate(ndarray::Axis(0), &[w.w_q.view(), w.w_k.view(), w.w_v.view()]).unwrap();
+        let bias: Vec<f32> = [w.b_q.as_ref(), w.b_k.as_ref(), w.b_v.as_ref()]
+            .into_iter()
+            .flat_map(|b| b.unwrap().to_vec())
+            .collect();
+        let data = [
+            (
+                "in_proj_weight",
+                encode(&inp.iter().copied().collect::<Vec<_>>(), dts[0]),
+                vec![48, 16],
+                dts[0],
+            ),
+            ("in_proj_bias", encode(&bias, dts[1]), vec![48], dts[1]),
+            (
+                "out_proj.weight",
+                encode(&w.w_o.iter().copied().collect::<Vec<_>>(), dts[2]),
+                vec![16, 16],
+                dts[2],
+            ),
+        ];
+        let views: Vec<(String, TensorView)> = data
+            .iter()
+            .map(|(k, d, s, dt)| (k.to_string(), TensorView::new(*dt, s.clone(), d).unwrap()))
+            .collect();
+        serialize(views, None).unwrap()
+    };
+    let x: Array3<f32> = rand_array(&mut rng(4), (2, 7, 16));
+    for (dt, st) in [(Dtype::F16, Storage::F16), (Dtype::BF16, Storage::Bf16)] {
+        let loaded = MhaWeights::from_safetensors(&file([dt; 3]), 2).unwrap();
+        assert_eq!(loaded.storage, st);
+        let layer = MultiHeadAttention::new(ctx, &loaded).unwrap();
+        assert_eq!(layer.storage(), st);
+        let xr = x.mapv(|v| st.round(v));
+        let got = layer.forward(&xr).run_blocking(ctx).unwrap();
+        assert!(
+            got.output.iter().all(|&v| st.round(v) == v),
+            "{st}: output not in the format"
+        );
+        let want = reference::mha(
+            &loaded,
+            &MhaInputs::self_attention(xr.view()),
+            &Options::default(),
+        )
+        .unwrap();
+        let base = Tolerance::for_storage(st);
+        let tol = Tolerance {
+            atol: 2.0 * base.atol,
+            rtol: 2.0 * base.rtol,
+        };
+        assert_report(
+            compare(got.output.iter().copied(), want.out.iter().copied(), tol),
+            &format!("{st} layer"),
+        );
+    }
+    let err = MhaWeights::from_safetensors(&file([Dtype::F16, Dtype::F16, Dtype::BF16]), 2).unwrap_err();
+    assert!(matches!(err, Error::StorageMismatch { .. }), "{err}");
 }
 
 #[test]

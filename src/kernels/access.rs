@@ -147,21 +147,68 @@ pub(crate) fn array(name: &str, binding: u32, s: Storage, vec4: bool, access: Ac
     w
 }
 
+/// A read-only `name` in the vec8 layout (8 consecutive elements per load: `array<vec4<u32>>`
+/// for half formats, so a half load moves 16 bytes; `array<vec4<f32>>` for f32): `get4(i)` (`i`
+/// a multiple of 4) and `get8(i) -> array<vec4<f32>, 2>` (`i` a multiple of 8). The binding's
+/// size must be a multiple of 16 bytes.
+pub(crate) fn array8(name: &str, binding: u32, s: Storage) -> String {
+    let n = name;
+    let mut w = String::new();
+    if s == Storage::F32 {
+        w += &format!("@group(0) @binding({binding}) var<storage, read> {n}: array<vec4<f32>>;\n");
+        w += &format!("fn {n}_get4(i: u32) -> vec4<f32> {{ return {n}[i >> 2u]; }}\n");
+        w += &format!(
+            "fn {n}_get8(i: u32) -> array<vec4<f32>, 2> {{ return array<vec4<f32>, 2>({n}[i >> 2u], {n}[(i >> 2u) + 1u]); }}\n"
+        );
+    } else {
+        let up = unpack(s);
+        w += &format!("@group(0) @binding({binding}) var<storage, read> {n}: array<vec4<u32>>;\n");
+        w += &format!(
+            "fn {n}_get4(i: u32) -> vec4<f32> {{\n    let w = {n}[i >> 3u];\n    \
+             let h = select(w.xy, w.zw, (i & 4u) != 0u);\n    return vec4<f32>({up}(h.x), {up}(h.y));\n}}\n"
+        );
+        w += &format!(
+            "fn {n}_get8(i: u32) -> array<vec4<f32>, 2> {{\n    let w = {n}[i >> 3u];\n    \
+             return array<vec4<f32>, 2>(vec4<f32>({up}(w.x), {up}(w.y)), vec4<f32>({up}(w.z), {up}(w.w)));\n}}\n"
+        );
+    }
+    w
+}
+
 /// The attention kernels' q, k, v (bindings 3-5) and out (binding 6) in their formats, with
 /// `load_q`/`load_k`/`load_v(row, c4) -> vec4<f32>` (column block `c4` of a row, zero padded
 /// past the head dim) and `store_out(row, c4, x)`. `vec4`: E and Ev are multiples of 4 (one
 /// load per block; `E4`/`EV4` are the dims in vec4s); else every element is bounds-checked
 /// against `p.e` / `p.ev`. `out` is `out_fmt` (f32 scratch for the decode kernel's partials).
-pub(crate) fn attention_io(f: &Formats, out_fmt: Storage, vec4: bool, ev_odd: bool) -> String {
+/// `vec8` (E and Ev multiples of 8, with `vec4`): k and v in the vec8 layout ([`array8`]), and
+/// `load_k8`/`load_v8(row, c8) -> array<vec4<f32>, 2>` read 8 elements in one load for half
+/// formats (elsewhere they are two `load_*` calls).
+pub(crate) fn attention_io(f: &Formats, out_fmt: Storage, vec4: bool, ev_odd: bool, vec8: bool) -> String {
     let out_access = if out_fmt.is_half() && !vec4 && ev_odd {
         Access::Atomic
     } else {
         Access::Write
     };
     let mut s = String::new();
+    let vec8 = vec8 && vec4;
     s += &array("q", 3, f.q, vec4, Access::Read);
-    s += &array("k", 4, f.k, vec4, Access::Read);
-    s += &array("v", 5, f.v, vec4, Access::Read);
+    if vec8 {
+        s += &array8("k", 4, f.k);
+        s += &array8("v", 5, f.v);
+        for (x, d) in [("k", "E4"), ("v", "EV4")] {
+            s += &format!(
+                "fn load_{x}8(row: u32, c8: u32) -> array<vec4<f32>, 2> {{ return {x}_get8((row * {d} + 2u * c8) * 4u); }}\n"
+            );
+        }
+    } else {
+        s += &array("k", 4, f.k, vec4, Access::Read);
+        s += &array("v", 5, f.v, vec4, Access::Read);
+        for x in ["k", "v"] {
+            s += &format!(
+                "fn load_{x}8(row: u32, c8: u32) -> array<vec4<f32>, 2> {{ return array<vec4<f32>, 2>(load_{x}(row, 2u * c8), load_{x}(row, 2u * c8 + 1u)); }}\n"
+            );
+        }
+    }
     s += &array("out", 6, out_fmt, vec4, out_access);
     if vec4 {
         for (x, d) in [("q", "E4"), ("k", "E4"), ("v", "EV4")] {

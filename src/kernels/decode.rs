@@ -154,6 +154,15 @@ impl Config {
         })
     }
 
+    /// K and V are read 8 elements per load (half formats with E and Ev multiples of 8: one
+    /// 16-byte load instead of two 8-byte ones; CPU adapters pay per load, not per byte).
+    fn p8(&self) -> bool {
+        self.vec4
+            && self.e4.is_multiple_of(2)
+            && self.ev4.is_multiple_of(2)
+            && (self.formats.k.is_half() || self.formats.v.is_half())
+    }
+
     /// The kernel's constants, reductions and I/O snippet.
     pub(crate) fn prelude(&self) -> String {
         let reductions = if self.form == DecodeForm::Subgroup {
@@ -168,15 +177,25 @@ impl Config {
             .unwrap_or(1);
         format!(
             "const WG: u32 = {}u;\nconst E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst RB: u32 = {rb}u;\n\
+             const P8: bool = {};\nconst E8: u32 = {}u;\nconst EV8: u32 = {}u;\n\
              const NRB: u32 = {}u;\nconst UNROLL: bool = {};\n{}{}{}{}",
             self.wg,
             self.e4,
             self.ev4,
+            self.p8(),
+            self.e4 / 2,
+            self.ev4 / 2,
             self.ev4 / rb,
             self.unroll,
             super::mask_consts(self.masks, self.bias, self.formats.bias),
             // The partial outputs are f32 scratch; the merge writes the output's format.
-            super::access::attention_io(&self.formats, crate::Storage::F32, self.vec4, self.ev_odd),
+            super::access::attention_io(
+                &self.formats,
+                crate::Storage::F32,
+                self.vec4,
+                self.ev_odd,
+                self.p8()
+            ),
             reductions[0],
             reductions[1],
         )

@@ -204,7 +204,7 @@ impl Config {
     }
 
     pub(crate) fn prelude(&self) -> String {
-        let io = super::access::attention_io(&self.formats, self.formats.out, self.vec4, self.ev_odd);
+        let io = super::access::attention_io(&self.formats, self.formats.out, self.vec4, self.ev_odd, false);
         // Naga takes the subgroup built-ins without `enable subgroups;` (which it rejects).
         let kv = if self.sg_kv { KV_SUBGROUP } else { KV_SHARED };
         format!(

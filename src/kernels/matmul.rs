@@ -51,7 +51,9 @@ impl Form {
     /// The form for `ctx`'s adapter.
     pub(crate) fn for_device(caps: &crate::forms::Caps) -> Form {
         if caps.cpu && caps.subgroup == Some(8) {
-            // Measured on lavapipe at 1024^3 (benches, `wgpu-attention bench`).
+            // Measured on lavapipe at 1024^3 (A Bᵀ, `wgpu-attention bench`), GFLOP/s (first call
+            // incl. compilation): 4 rows x 4 blocks x 2 k-steps 35 (1.4 s), 4 x 6 x 2 37 (2.9 s),
+            // 4 x 4 x 4 37 (2.2 s), 8 x 2 x 2 31, 8 x 1 x 2 21, 2 x 8 x 2 30, 4 x 8 x 2 32 (4.5 s).
             Form::Subgroup { rows: SG_ROWS }
         } else {
             Form::Tiled
@@ -62,20 +64,24 @@ impl Form {
     pub(crate) fn tile(self) -> [u32; 2] {
         match self {
             Form::Tiled => [TILE, TILE],
-            Form::Subgroup { rows } => [8 * rows, 8],
+            Form::Subgroup { rows } => [8 * rows, 8 * SG_NB],
         }
     }
 }
 
 /// Rows per invocation of the subgroup form.
-pub(crate) const SG_ROWS: u32 = 8;
+pub(crate) const SG_ROWS: u32 = 4;
+/// Column blocks of 8 per workgroup of the subgroup form.
+pub(crate) const SG_NB: u32 = 4;
+
 /// vec4 steps of k per unrolled chunk of the subgroup form.
-pub(crate) const SG_KC4: u32 = 4;
+pub(crate) const SG_KC4: u32 = 2;
 
 /// `load_a`/`load_b` of the subgroup form: 4 consecutive k of a row of A (of column `col` of
 /// B'), zero past M, N or K. `vec4`: one vec4 load (K and every row start multiples of 4).
 pub(crate) fn sg_prelude(rows: u32, trans_b: bool, a_vec4: bool, b_vec4: bool) -> String {
-    let mut s = format!("const RQ: u32 = {rows}u;\nconst RQ2: u32 = {}u;\nconst KC4: u32 = {SG_KC4}u;\nconst UNROLL: bool = true;\n", 2 * rows);
+    let nb = SG_NB;
+    let mut s = format!("const RQ: u32 = {rows}u;\nconst NB: u32 = {nb}u;\nconst NB2: u32 = {}u;\nconst ACC: u32 = {}u;\nconst KC4: u32 = {}u;\nconst UNROLL: bool = true;\n", 2 * nb, 2 * nb * rows, SG_KC4);
     let rowwise = |name: &str, x: &str, lim: &str, row_stride: &str, vec4: bool| {
         let body = if vec4 {
             format!("    if (k < p.k) {{ return {x}_get4(base + r * {row_stride} + k); }}\n    return vec4<f32>(0.0);\n")

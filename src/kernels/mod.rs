@@ -502,11 +502,17 @@ mod tests {
                 }
             }
         }
-        let module = naga::front::wgsl::parse_str(&source(&permute::SPEC, "", false)).unwrap();
-        assert!(module
-            .types
-            .iter()
-            .any(|(_, t)| t.name.as_deref() == Some("Params")));
+        for src in Storage::ALL {
+            for dst in Storage::ALL {
+                let module =
+                    naga::front::wgsl::parse_str(&source(&permute::SPEC, &permute::prelude(src, dst), false))
+                        .unwrap();
+                assert!(module
+                    .types
+                    .iter()
+                    .any(|(_, t)| t.name.as_deref() == Some("Params")));
+            }
+        }
         // The nested masks, through the fused kernel.
         let cfg = flash::Config::new(
             &Problem::new(&[1, 1, 1, 4], &[1, 1, 1, 4], &[1, 1, 1, 4]).unwrap(),

@@ -2,9 +2,11 @@
 //! uses it to split projections `[B, L, H, d]` into heads `[B, H, L, d]`, to merge the attention
 //! output back, and to broadcast a batch-1 constant over the batch (stride 0).
 
+use super::access::{array, Access};
 use super::{dispatch, grid_1d, params_of, Binding, KernelSpec};
 use crate::context::Context;
 use crate::error::Result;
+use crate::storage::Storage;
 
 pub(crate) const SPEC: KernelSpec = KernelSpec {
     name: "permute",
@@ -32,7 +34,23 @@ wgsl_struct! {
     }
 }
 
-/// Record `dst[i0][i1][i2][i3] = src[Σ ik · strides[k]]` for the contiguous `dims` of `dst`.
+/// The declarations of src and dst in their formats, and `store_pair`.
+pub(crate) fn prelude(src: Storage, dst: Storage) -> String {
+    let store = if dst.is_half() {
+        // A half dst is padded to whole words: the pair past an odd end writes the padding.
+        "fn store_pair(i: u32, x: vec2<f32>) { dst_set2(i, x); }\n"
+    } else {
+        "fn store_pair(i: u32, x: vec2<f32>) {\n    if (i + 1u < p.total) { dst_set2(i, x); } else { dst_set(i, x.x); }\n}\n"
+    };
+    format!(
+        "{}{}{store}",
+        array("src", 0, src, false, Access::Read),
+        array("dst", 1, dst, false, Access::Write)
+    )
+}
+
+/// Record `dst[i0][i1][i2][i3] = src[Σ ik · strides[k]]` for the contiguous `dims` of `dst`,
+/// converting from the format of `src` to that of `dst` (`formats`).
 /// The caller checks that every index fits in u32 and in the buffers.
 pub(crate) fn record(
     ctx: &Context,
@@ -41,6 +59,7 @@ pub(crate) fn record(
     dst: wgpu::BufferBinding<'_>,
     dims: [usize; 4],
     strides: [usize; 4],
+    formats: (Storage, Storage),
 ) -> Result<()> {
     let total = dims.iter().product::<usize>() as u32;
     let params = Params {
@@ -54,14 +73,14 @@ pub(crate) fn record(
         s3: strides[3] as u32,
     };
     let grid = grid_1d(
-        total.div_ceil(WG),
+        total.div_ceil(2 * WG),
         ctx.limits().max_compute_workgroups_per_dimension,
     );
     dispatch(
         ctx,
         encoder,
         &SPEC,
-        "",
+        &prelude(formats.0, formats.1),
         &[],
         &[src, dst],
         bytemuck::bytes_of(&params),

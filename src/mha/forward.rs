@@ -8,6 +8,7 @@ use crate::error::{Error, Result};
 use crate::kernels::{matmul as mm, permute};
 use crate::options::Options;
 use crate::sdpa::{GpuOutput, Path, Sdpa};
+use crate::storage::Storage;
 use crate::tensor::Tensor;
 
 use super::{MhaOutput, MhaTimings, MultiHeadAttention, NeedWeights};
@@ -260,16 +261,17 @@ impl<'p, 'a> Pass<'p, 'a> {
         }
         // The attention problem is validated (and planned) before any GPU work too.
         let empty: &[f32] = &[];
+        let st = fwd.mha.storage;
         let check = fwd.configure(Sdpa::new(
-            Tensor::from_slice(empty, &dims.heads_q()),
-            Tensor::from_slice(empty, &dims.heads_kv()),
-            Tensor::from_slice(empty, &dims.heads_kv()),
+            Tensor::from_slice(empty, &dims.heads_q()).with_storage(st),
+            Tensor::from_slice(empty, &dims.heads_kv()).with_storage(st),
+            Tensor::from_slice(empty, &dims.heads_kv()).with_storage(st),
         ));
         check.plan(ctx)?;
         let optional =
             |t: &'p Option<Tensor<'a>>, name| t.as_ref().map(|t| Operand::check(ctx, name, t)).transpose();
         // An empty activation still needs a non-empty buffer.
-        let buffer = |label: &str, elems: usize| output(ctx, label, f32_bytes(elems.max(1)));
+        let buffer = |label: &str, elems: usize| output(ctx, label, st.bytes(elems.max(1)));
         Ok(Pass {
             fwd,
             ctx,
@@ -298,12 +300,15 @@ impl<'p, 'a> Pass<'p, 'a> {
         let value = self.value.as_ref().map(|v| v.upload(self.ctx, "value"));
         let key_b = key.as_ref().map_or(query.binding(), |k| k.binding());
         let value_b = value.as_ref().map_or(query.binding(), |v| v.binding());
+        let qs = self.query.storage;
+        let key_s = self.key.as_ref().map_or(qs, |k| k.storage);
+        let value_s = self.value.as_ref().map_or(qs, |v| v.storage);
         let given_q = self.given_q.as_ref().zip(self.fwd.query_heads.as_ref());
         let given_v = self.given_v.as_ref().zip(self.fwd.value_heads.as_ref());
         self.heads(
             encoder,
             given_q,
-            query.binding(),
+            (query.binding(), qs),
             (&m.w_q, m.b_q.as_ref()),
             &self.qh,
             [l, h, e],
@@ -311,7 +316,7 @@ impl<'p, 'a> Pass<'p, 'a> {
         self.heads(
             encoder,
             None,
-            key_b,
+            (key_b, key_s),
             (&m.w_k, m.b_k.as_ref()),
             &self.kh,
             [s, g, c.kdim],
@@ -319,7 +324,7 @@ impl<'p, 'a> Pass<'p, 'a> {
         self.heads(
             encoder,
             given_v,
-            value_b,
+            (value_b, value_s),
             (&m.w_v, m.b_v.as_ref()),
             &self.vh,
             [s, g, c.vdim],
@@ -333,7 +338,7 @@ impl<'p, 'a> Pass<'p, 'a> {
         &self,
         encoder: &mut wgpu::CommandEncoder,
         given: Option<(&Operand<'p, 'a>, &Tensor<'a>)>,
-        x: wgpu::BufferBinding<'_>,
+        (x, x_storage): (wgpu::BufferBinding<'_>, Storage),
         (w, bias): (&wgpu::Buffer, Option<&wgpu::Buffer>),
         dst: &wgpu::Buffer,
         [t, n, in_dim]: [usize; 3],
@@ -350,31 +355,34 @@ impl<'p, 'a> Pass<'p, 'a> {
                     binding(dst, 0, dst.size()),
                     [b, n, t, d],
                     [bstride, t * d, d, 1],
+                    (op.storage, self.fwd.mha.storage),
                 )
             }
             None => {
-                let proj = output(self.ctx, "projection", f32_bytes((b * t * n * d).max(1)));
+                let st = self.fwd.mha.storage;
+                let proj = output(self.ctx, "projection", st.bytes((b * t * n * d).max(1)));
                 project(
                     self.ctx,
                     encoder,
-                    x,
-                    w,
-                    bias,
+                    (x, x_storage),
+                    (w, bias),
                     &proj,
                     [b * t, n * d, in_dim],
+                    st,
                     &self.dummy,
                 )?;
-                split_heads(self.ctx, encoder, &proj, dst, [b, t, n, d])
+                split_heads(self.ctx, encoder, &proj, dst, [b, t, n, d], st)
             }
         }
     }
 
     /// Stage 2: attention over the heads.
     fn sdpa(&self) -> Sdpa<'_> {
+        let st = self.fwd.mha.storage;
         self.fwd.configure(Sdpa::new(
-            Tensor::from_buffer(&self.qh, 0, &self.dims.heads_q()),
-            Tensor::from_buffer(&self.kh, 0, &self.dims.heads_kv()),
-            Tensor::from_buffer(&self.vh, 0, &self.dims.heads_kv()),
+            Tensor::from_buffer(&self.qh, 0, &self.dims.heads_q()).with_storage(st),
+            Tensor::from_buffer(&self.kh, 0, &self.dims.heads_kv()).with_storage(st),
+            Tensor::from_buffer(&self.vh, 0, &self.dims.heads_kv()).with_storage(st),
         ))
     }
 
@@ -382,22 +390,24 @@ impl<'p, 'a> Pass<'p, 'a> {
     /// output projection.
     fn record_output(&self, encoder: &mut wgpu::CommandEncoder, attn: &wgpu::Buffer, off: u64) -> Result<()> {
         let Dims { b, l, h, d, e, .. } = self.dims;
+        let st = self.fwd.mha.storage;
         permute::record(
             self.ctx,
             encoder,
-            binding(attn, off, f32_bytes(b * h * l * d)),
+            binding(attn, off, st.bytes(b * h * l * d)),
             binding(&self.merged, 0, self.merged.size()),
             [b, l, h, d],
             [h * l * d, d, l * d, 1],
+            (st, st),
         )?;
         project(
             self.ctx,
             encoder,
-            binding(&self.merged, 0, self.merged.size()),
-            &self.fwd.mha.w_o,
-            self.fwd.mha.b_o.as_ref(),
+            (binding(&self.merged, 0, self.merged.size()), st),
+            (&self.fwd.mha.w_o, self.fwd.mha.b_o.as_ref()),
             &self.out,
             [b * l, e, h * d],
+            st,
             &self.dummy,
         )
     }
@@ -463,7 +473,10 @@ impl<'p, 'a> Pass<'p, 'a> {
     async fn read_back(&self, gpu: &GpuOutput, mut times: [f64; 3]) -> Result<MhaOutput> {
         let Dims { b, l, s, h, e, .. } = self.dims;
         let t3 = web_time_now();
-        let output = self.ctx.read_f32(&self.out, 0, f32_bytes(b * l * e)).await?;
+        let output = self
+            .ctx
+            .read_as_f32(&self.out, 0, b * l * e, self.fwd.mha.storage)
+            .await?;
         let output = Array3::from_shape_vec((b, l, e), output).expect("output length");
         times[2] += web_time_now() - t3;
         let (mut weights, mut avg_weights) = (None, None);
@@ -512,11 +525,11 @@ fn web_time_now() -> f64 {
 fn project(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
-    x: wgpu::BufferBinding<'_>,
-    w: &wgpu::Buffer,
-    b: Option<&wgpu::Buffer>,
+    (x, x_storage): (wgpu::BufferBinding<'_>, Storage),
+    (w, b): (&wgpu::Buffer, Option<&wgpu::Buffer>),
     out: &wgpu::Buffer,
     mnk: [usize; 3],
+    storage: Storage,
     dummy: &wgpu::Buffer,
 ) -> Result<()> {
     let [m, n, k] = mnk;
@@ -524,11 +537,11 @@ fn project(
         a: x,
         b: w.as_entire_buffer_binding(),
         bias: b.map(|b| b.as_entire_buffer_binding()),
-        c: binding(out, 0, f32_bytes(m * n)),
+        c: binding(out, 0, storage.bytes(m * n)),
         params: mm::Params::dense(m as u32, n as u32, k as u32, true, 1.0),
         batch: 1,
         trans_b: true,
-        formats: [crate::Storage::F32; 4],
+        formats: [x_storage, storage, storage, storage],
     }
     .record(ctx, encoder, dummy)
 }
@@ -540,13 +553,15 @@ fn split_heads(
     src: &wgpu::Buffer,
     dst: &wgpu::Buffer,
     [b, t, heads, d]: [usize; 4],
+    storage: Storage,
 ) -> Result<()> {
     permute::record(
         ctx,
         encoder,
-        binding(src, 0, f32_bytes(b * t * heads * d)),
-        binding(dst, 0, f32_bytes(b * t * heads * d)),
+        binding(src, 0, storage.bytes(b * t * heads * d)),
+        binding(dst, 0, storage.bytes(b * t * heads * d)),
         [b, heads, t, d],
         [t * heads * d, d, heads * d, 1],
+        (storage, storage),
     )
 }

@@ -33,7 +33,7 @@ pub use weights::MhaWeights;
 use ndarray::{Array1, Array2, Array3, Array4};
 use wgpu::util::DeviceExt;
 
-use crate::buffers::{f32_bytes, fits};
+use crate::buffers::fits;
 use crate::context::Context;
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -86,6 +86,7 @@ pub struct MultiHeadAttention {
     b_k: Option<wgpu::Buffer>,
     b_v: Option<wgpu::Buffer>,
     b_o: Option<wgpu::Buffer>,
+    storage: crate::Storage,
 }
 
 impl MultiHeadAttention {
@@ -99,13 +100,19 @@ impl MultiHeadAttention {
             ("w_v", &weights.w_v),
             ("w_o", &weights.w_o),
         ] {
-            fits(name, f32_bytes(w.len()), max, "max_storage_buffer_binding_size")?;
+            fits(
+                name,
+                weights.storage.bytes(w.len()),
+                max,
+                "max_storage_buffer_binding_size",
+            )?;
         }
+        let storage = weights.storage;
         let upload = |label: &str, data: &[f32]| {
             ctx.device()
                 .create_buffer_init(&wgpu::util::BufferInitDescriptor {
                     label: Some(label),
-                    contents: bytemuck::cast_slice(data),
+                    contents: &storage.encode(data),
                     usage: wgpu::BufferUsages::STORAGE,
                 })
         };
@@ -126,7 +133,13 @@ impl MultiHeadAttention {
             b_k: vec("b_k", &weights.b_k),
             b_v: vec("b_v", &weights.b_v),
             b_o: vec("b_o", &weights.b_o),
+            storage,
         })
+    }
+
+    /// The device format of the parameters, activations and output.
+    pub fn storage(&self) -> crate::Storage {
+        self.storage
     }
 
     /// The layer's shape.

@@ -3,6 +3,7 @@
 use ndarray::{Array1, Array2};
 
 use crate::error::{Error, Result};
+use crate::storage::Storage;
 
 use super::MhaConfig;
 
@@ -28,6 +29,10 @@ pub struct MhaWeights {
     pub b_v: Option<Array1<f32>>,
     /// `[d_model]`.
     pub b_o: Option<Array1<f32>>,
+    /// The device format of the parameters, and so of the layer's activations and output
+    /// (accumulation is f32). The host arrays hold values of this format (see
+    /// [`with_storage`](Self::with_storage)).
+    pub storage: Storage,
 }
 
 impl MhaWeights {
@@ -65,14 +70,33 @@ impl MhaWeights {
             b_k: zeros(kv),
             b_v: zeros(kv),
             b_o: zeros(e),
+            storage: Storage::F32,
         })
+    }
+
+    /// The same parameters held in `storage` on the device: every value rounded to it (round
+    /// to nearest even), so the host arrays hold what the device does.
+    pub fn with_storage(mut self, storage: Storage) -> Self {
+        for w in [&mut self.w_q, &mut self.w_k, &mut self.w_v, &mut self.w_o] {
+            w.mapv_inplace(|x| storage.round(x));
+        }
+        for b in [&mut self.b_q, &mut self.b_k, &mut self.b_v, &mut self.b_o]
+            .into_iter()
+            .flatten()
+        {
+            b.mapv_inplace(|x| storage.round(x));
+        }
+        self.storage = storage;
+        self
     }
 
     /// Load a PyTorch `nn.MultiheadAttention` state dict saved with safetensors
     /// (`safetensors.torch.save_file(mha.state_dict(), ...)`): `in_proj_weight [3E, E]` (or
     /// `q_proj_weight`, `k_proj_weight [E, kdim]`, `v_proj_weight [E, vdim]`), optional
-    /// `in_proj_bias [3E]`, `out_proj.weight [E, E]`, optional `out_proj.bias [E]`. f32, f64,
-    /// f16 and bf16 tensors are read (as f32). Missing or mis-shaped tensors are errors naming
+    /// `in_proj_bias [3E]`, `out_proj.weight [E, E]`, optional `out_proj.bias [E]`. F16 and BF16
+    /// tensors stay in their format on the device ([`MhaWeights::storage`]; the layer then runs
+    /// in it), F32 and F64 load as f32. Every tensor must be of one format (F32 and F64 count as
+    /// one): mixing F16 with BF16 or with F32 is a [`Error::StorageMismatch`]. Missing or mis-shaped tensors are errors naming
     /// the key. `add_bias_kv` (`bias_k`, `bias_v`) is not supported. Grouped-query weights use
     /// the separate keys with `k_proj_weight` and `v_proj_weight` of `G · d_k` rows (and
     /// `in_proj_bias` of `E + 2 G d_k`); `G` is inferred.
@@ -86,10 +110,29 @@ impl MhaWeights {
         let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| Error::WeightFile {
             reason: e.to_string(),
         })?;
+        let format: std::cell::Cell<Option<Storage>> = std::cell::Cell::new(None);
         let get = |name: &str| -> Result<Option<(Vec<usize>, Vec<f32>)>> {
             let key = format!("{prefix}{name}");
             match st.tensor(&key) {
-                Ok(t) => Ok(Some((t.shape().to_vec(), to_f32(&key, t.dtype(), t.data())?))),
+                Ok(t) => {
+                    let this = match t.dtype() {
+                        safetensors::Dtype::F16 => Storage::F16,
+                        safetensors::Dtype::BF16 => Storage::Bf16,
+                        _ => Storage::F32,
+                    };
+                    match format.get() {
+                        Some(f) if f != this => {
+                            return Err(Error::StorageMismatch {
+                                tensor: "weights",
+                                expected: f,
+                                actual: this,
+                                why: "every tensor of the layer must be of one format",
+                            })
+                        }
+                        _ => format.set(Some(this)),
+                    }
+                    Ok(Some((t.shape().to_vec(), to_f32(&key, t.dtype(), t.data())?)))
+                }
                 Err(safetensors::SafeTensorError::TensorNotFound(_)) => Ok(None),
                 Err(e) => Err(Error::WeightFile {
                     reason: format!("{key}: {e}"),
@@ -213,6 +256,7 @@ impl MhaWeights {
             b_k,
             b_v,
             b_o,
+            storage: format.get().unwrap_or(Storage::F32),
         };
         w.validate()?;
         Ok(w)

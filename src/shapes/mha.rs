@@ -85,9 +85,15 @@ impl MhaShape {
         (proj, attn)
     }
 
-    /// Upload the layer and its input.
+    /// Upload the layer and its input (f32).
     pub fn prepare(&'static self, ctx: &Context) -> crate::Result<MhaBench> {
-        let weights = MhaWeights::xavier_uniform(self.config(), 0)?;
+        self.prepare_as(ctx, crate::Storage::F32)
+    }
+
+    /// Upload the layer (weights, activations and output in `storage`) and its input in
+    /// `storage`.
+    pub fn prepare_as(&'static self, ctx: &Context, storage: crate::Storage) -> crate::Result<MhaBench> {
+        let weights = MhaWeights::xavier_uniform(self.config(), 0)?.with_storage(storage);
         let layer = MultiHeadAttention::new(ctx, &weights)?;
         let n = self.batch * self.seq * self.d_model;
         let x: Vec<f32> = (0..n)
@@ -97,13 +103,14 @@ impl MhaShape {
             .device()
             .create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some("mha bench input"),
-                contents: bytemuck::cast_slice(&x),
+                contents: &storage.encode(&x),
                 usage: wgpu::BufferUsages::STORAGE,
             });
         Ok(MhaBench {
             shape: self,
             layer,
             x,
+            storage,
         })
     }
 }
@@ -113,6 +120,7 @@ pub struct MhaBench {
     shape: &'static MhaShape,
     layer: MultiHeadAttention,
     x: wgpu::Buffer,
+    storage: crate::Storage,
 }
 
 impl MhaBench {
@@ -120,7 +128,7 @@ impl MhaBench {
     pub fn forward(&self) -> MhaForward<'_> {
         let s = self.shape;
         self.layer
-            .forward(Tensor::from_buffer(&self.x, 0, &[s.batch, s.seq, s.d_model]))
+            .forward(Tensor::from_buffer(&self.x, 0, &[s.batch, s.seq, s.d_model]).with_storage(self.storage))
             .causal(s.causal)
     }
 }

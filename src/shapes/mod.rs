@@ -262,11 +262,23 @@ pub struct GpuInputs {
     k: wgpu::Buffer,
     v: wgpu::Buffer,
     shape: Shape,
+    storage: crate::Storage,
 }
 
 impl GpuInputs {
-    /// Upload `host` (which must have `shape`'s sizes) after [`Shape::check_fits`].
+    /// Upload `host` (which must have `shape`'s sizes) after [`Shape::check_fits`], as f32.
     pub fn upload(ctx: &Context, shape: &Shape, host: &HostInputs) -> Result<GpuInputs, String> {
+        Self::upload_as(ctx, shape, host, crate::Storage::F32)
+    }
+
+    /// [`upload`](Self::upload) in `storage` (rounded to nearest even); the attention call
+    /// reads q, k, v and writes its output in that format.
+    pub fn upload_as(
+        ctx: &Context,
+        shape: &Shape,
+        host: &HostInputs,
+        storage: crate::Storage,
+    ) -> Result<GpuInputs, String> {
         shape.check_fits(ctx)?;
         let buffer = |name: &str, a: &Array4<f32>| -> Result<wgpu::Buffer, String> {
             let data = a.as_slice().ok_or_else(|| format!("{name} is not contiguous"))?;
@@ -274,7 +286,7 @@ impl GpuInputs {
                 .device()
                 .create_buffer_init(&wgpu::util::BufferInitDescriptor {
                     label: Some(name),
-                    contents: bytemuck::cast_slice(data),
+                    contents: &storage.encode(data),
                     usage: wgpu::BufferUsages::STORAGE,
                 }))
         };
@@ -283,16 +295,18 @@ impl GpuInputs {
             k: buffer("k", &host.k)?,
             v: buffer("v", &host.v)?,
             shape: shape.clone(),
+            storage,
         })
     }
 
     /// The attention call on these buffers, with the shape's causal mask and key padding.
     pub fn sdpa(&self) -> Sdpa<'_> {
         let s = &self.shape;
+        let st = self.storage;
         let mut sdpa = Sdpa::new(
-            Tensor::from_buffer(&self.q, 0, &s.q_shape()),
-            Tensor::from_buffer(&self.k, 0, &s.k_shape()),
-            Tensor::from_buffer(&self.v, 0, &s.v_shape()),
+            Tensor::from_buffer(&self.q, 0, &s.q_shape()).with_storage(st),
+            Tensor::from_buffer(&self.k, 0, &s.k_shape()).with_storage(st),
+            Tensor::from_buffer(&self.v, 0, &s.v_shape()).with_storage(st),
         )
         .causal(s.causal);
         if let Some(lens) = s.kv_lens {

@@ -17,11 +17,11 @@ mod goldens {
 use cases::*;
 use ndarray::{s, Array, Array3, Array4, ArrayD, IxDyn};
 use wasm_bindgen_test::*;
-use wgpu_attention::check::compare;
+use wgpu_attention::check::{compare, Tolerance};
 use wgpu_attention::reference::{self, MhaInputs};
 use wgpu_attention::{
     Causal, Context, Error, Form, Forms, FusedForm, MhaConfig, MhaWeights, MultiHeadAttention, NeedWeights,
-    Options, Path, Sdpa, Tensor,
+    Options, Path, Sdpa, Storage, Tensor,
 };
 
 wasm_bindgen_test_configure!(run_in_browser);
@@ -82,6 +82,73 @@ async fn grid_of_shapes_and_masks_on_every_path() {
             let case = apply(Case::random(shape, si as u64));
             check_all_paths(&case, &ctx, &format!("{shape:?} {name}")).await;
         }
+    }
+}
+
+/// f16 and bf16 storage (packed in u32 words by core WGSL: the browser's adapter has no
+/// `shader-f16`) on the grid of shapes and every mask kind, on every path, against the f64
+/// reference on the rounded inputs; odd head dims (atomic half stores); the MHA layer in each
+/// format.
+#[wasm_bindgen_test]
+async fn half_storage_formats_on_every_path() {
+    let ctx = ctx().await;
+    for st in [Storage::F16, Storage::Bf16] {
+        let tol = Tolerance::for_storage(st);
+        for (si, &shape) in SHAPES.iter().enumerate() {
+            for (name, apply) in mask_kinds() {
+                let case = apply(Case::random(shape, si as u64)).with_storage(st);
+                let want = case.reference();
+                for path in Path::ALL {
+                    let label = format!("{st} {shape:?} {name} [{path:?}]");
+                    let got = case
+                        .checked_sdpa(path)
+                        .run(&ctx)
+                        .await
+                        .unwrap_or_else(|e| panic!("{label}: {e}"));
+                    case.assert_output(&got, &want, path, tol, &label);
+                }
+            }
+        }
+        for shape in [(2, 2, 2, 3, 9, 37, 5), (1, 8, 2, 1, 1500, 64, 64)] {
+            let case = Case::random(shape, 61)
+                .with_causal(Causal::BottomRight)
+                .with_random_mask(62)
+                .with_random_bias(63)
+                .with_storage(st);
+            let want = case.reference();
+            for path in Path::ALL {
+                let label = format!("{st} {shape:?} [{path:?}]");
+                let got = case
+                    .checked_sdpa(path)
+                    .run(&ctx)
+                    .await
+                    .unwrap_or_else(|e| panic!("{label}: {e}"));
+                case.assert_output(&got, &want, path, tol, &label);
+            }
+        }
+        // The layer: weights, activations and output in the format (twice the tolerance: its
+        // intermediates are rounded too).
+        let config = MhaConfig::new(48, 6).kv_heads(2);
+        let w = MhaWeights::xavier_uniform(config, 7).unwrap().with_storage(st);
+        let mut r = rng(8);
+        let x: Array3<f32> = rand_array(&mut r, (2, 13, 48)).mapv(|v| st.round(v));
+        let opts = Options {
+            causal: Causal::TopLeft,
+            ..Options::default()
+        };
+        let want = reference::mha(&w, &MhaInputs::self_attention(x.view()), &opts).unwrap();
+        let layer = MultiHeadAttention::new(&ctx, &w).unwrap();
+        let got = layer
+            .forward(Tensor::from(&x).with_storage(st))
+            .options(opts)
+            .run(&ctx)
+            .await
+            .unwrap();
+        let tol2 = Tolerance {
+            atol: 2.0 * tol.atol,
+            rtol: 2.0 * tol.rtol,
+        };
+        assert_mha_output(&got, &want, NeedWeights::No, tol2, &format!("{st} layer"));
     }
 }
 

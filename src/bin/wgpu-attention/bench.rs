@@ -8,7 +8,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgpu_attention::shapes::mha::{self as mha_shapes, MhaShape};
 use wgpu_attention::shapes::{self, GpuInputs, Shape};
-use wgpu_attention::{wgpu, Context, Path};
+use wgpu_attention::{wgpu, Context, Path, Storage};
 
 use crate::timing::{gflops, ms, time_runs};
 use crate::{context, path_parser, CliResult};
@@ -35,6 +35,13 @@ pub(crate) struct BenchArgs {
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Storage formats to time, comma separated (f32, f16, bf16): q, k, v and the output (and
+    /// the layers' weights and activations, and the matmul operands) in that format.
+    #[arg(long, value_delimiter = ',', value_parser = crate::storage_parser(), default_value = "f32", value_name = "FORMAT,..")]
+    storage: Vec<Storage>,
+    /// Skip the 1024^3 matmul rows.
+    #[arg(long)]
+    no_matmul: bool,
 }
 
 /// `bench`: the table of timings.
@@ -54,25 +61,29 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
         a.warmup, a.iters
     );
     println!(
-        "{:<24} {:<8} {:>10} {:>10} {:>10} {:>9} {:>9}",
-        "shape", "path", "first ms", "median ms", "min ms", "GFLOP/s", "GPU MiB"
+        "{:<24} {:<8} {:<5} {:>10} {:>10} {:>10} {:>9} {:>9}",
+        "shape", "path", "fmt", "first ms", "median ms", "min ms", "GFLOP/s", "GPU MiB"
     );
 
+    let storages = dedup(a.storage.clone());
     let per_row = u64::from(a.warmup + a.iters);
-    let pb = ProgressBar::new(per_row * (shapes.len() * paths.len()) as u64);
+    let pb = ProgressBar::new(per_row * (shapes.len() * paths.len() * storages.len()) as u64);
     pb.set_style(ProgressStyle::with_template(
         "[{elapsed_precise}] {bar:24} {pos}/{len} runs  {wide_msg}",
     )?);
-    for shape in shapes {
+    for (shape, &st) in shapes
+        .iter()
+        .flat_map(|s| storages.iter().map(move |st| (*s, st)))
+    {
         pb.set_message(shape.name);
         let prepared = shape
             .check_fits(&ctx)
-            .and_then(|()| GpuInputs::upload(&ctx, shape, &shape.random_inputs(a.seed)));
+            .and_then(|()| GpuInputs::upload_as(&ctx, shape, &shape.random_inputs(a.seed), st));
         let gpu = match prepared {
             Ok(g) => g,
             Err(e) => {
                 for path in &paths {
-                    pb.suspend(|| println!("{:<24} {:<8} error: {e}", shape.name, path.name()));
+                    pb.suspend(|| println!("{:<24} {:<8} {st:<5} error: {e}", shape.name, path.name()));
                     pb.inc(per_row);
                 }
                 continue;
@@ -89,7 +100,7 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
             });
             let line = match row {
                 Ok((flops, t, mem)) => format!(
-                    "{:<24} {:<8} {:>10.3} {:>10.3} {:>10.3} {:>9.2} {:>9.1}",
+                    "{:<24} {:<8} {st:<5} {:>10.3} {:>10.3} {:>10.3} {:>9.2} {:>9.1}",
                     shape.name,
                     path.name(),
                     ms(t.first),
@@ -100,15 +111,21 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
                 ),
                 Err(e) => {
                     pb.set_position(done_before + per_row);
-                    format!("{:<24} {:<8} error: {e}", shape.name, path.name())
+                    format!("{:<24} {:<8} {st:<5} error: {e}", shape.name, path.name())
                 }
             };
             pb.suspend(|| println!("{line}"));
         }
     }
     pb.finish_and_clear();
-    bench_layers(&ctx, &layers, a)?;
-    println!("{}", matmul_row(&ctx, a.iters)?);
+    bench_layers(&ctx, &layers, a, &storages)?;
+    if !a.no_matmul {
+        for &st in &storages {
+            for trans_b in [true, false] {
+                println!("{}", matmul_row(&ctx, a.iters, st, trans_b)?);
+            }
+        }
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -146,7 +163,12 @@ fn select_shapes(names: &[String]) -> CliResult<(Vec<&'static Shape>, Vec<&'stat
 
 /// Time the multi-head attention layers: whole forward passes, then profiled passes split
 /// into projections (with the head split), attention, and output projection (with readback).
-fn bench_layers(ctx: &Context, layers: &[&'static MhaShape], a: &BenchArgs) -> CliResult<()> {
+fn bench_layers(
+    ctx: &Context,
+    layers: &[&'static MhaShape],
+    a: &BenchArgs,
+    storages: &[Storage],
+) -> CliResult<()> {
     if layers.is_empty() {
         return Ok(());
     }
@@ -155,14 +177,14 @@ fn bench_layers(ctx: &Context, layers: &[&'static MhaShape], a: &BenchArgs) -> C
         a.iters
     );
     println!(
-        "{:<26} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9}",
-        "layer", "first ms", "median ms", "GFLOP/s", "proj ms", "attn ms", "out ms"
+        "{:<26} {:<5} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7}",
+        "layer", "fmt", "first ms", "median ms", "GFLOP/s", "proj ms", "attn ms", "out ms", "proj %"
     );
-    for shape in layers {
-        let bench = match shape.prepare(ctx) {
+    for (shape, &st) in layers.iter().flat_map(|s| storages.iter().map(move |st| (s, st))) {
+        let bench = match shape.prepare_as(ctx, st) {
             Ok(b) => b,
             Err(e) => {
-                println!("{:<26} error: {e}", shape.name);
+                println!("{:<26} {st:<5} error: {e}", shape.name);
                 continue;
             }
         };
@@ -198,15 +220,20 @@ fn bench_layers(ctx: &Context, layers: &[&'static MhaShape], a: &BenchArgs) -> C
             ms(v[v.len() / 2])
         };
         let (proj, attn) = shape.flops();
+        let parts = [med(&mut split[0]), med(&mut split[1]), med(&mut split[2])];
+        // The projections' share: the Q/K/V projections and the output projection (whose
+        // stage also holds the head merge and the readback) over the profiled total.
+        let share = 100.0 * (parts[0] + parts[2]) / parts.iter().sum::<f64>();
         println!(
-            "{:<26} {:>10.3} {:>10.3} {:>9.2} {:>9.3} {:>9.3} {:>9.3}",
+            "{:<26} {st:<5} {:>10.3} {:>10.3} {:>9.2} {:>9.3} {:>9.3} {:>9.3} {:>7.1}",
             shape.name,
             ms(first),
             ms(median),
             gflops(proj + attn, median),
-            med(&mut split[0]),
-            med(&mut split[1]),
-            med(&mut split[2]),
+            parts[0],
+            parts[1],
+            parts[2],
+            share,
         );
     }
     Ok(())
@@ -223,9 +250,10 @@ fn dedup<T: PartialEq>(items: Vec<T>) -> Vec<T> {
     out
 }
 
-/// The crate's own matmul kernel on a 1024 x 1024 x 1024 product (inputs pre-uploaded, output
-/// read back), the yardstick for the attention paths' GFLOP/s.
-fn matmul_row(ctx: &Context, iters: u32) -> CliResult<String> {
+/// The crate's own matmul kernel on a 1024 x 1024 x 1024 product, `A Bᵀ` (`trans_b`, as in
+/// the projections and scores) or `A B`, operands in `storage` (inputs pre-uploaded, f32
+/// output read back), the yardstick for the attention paths' GFLOP/s.
+fn matmul_row(ctx: &Context, iters: u32, storage: Storage, trans_b: bool) -> CliResult<String> {
     use wgpu::util::DeviceExt;
     let n = 1024usize;
     let data: Vec<f32> = (0..n * n)
@@ -235,24 +263,28 @@ fn matmul_row(ctx: &Context, iters: u32) -> CliResult<String> {
         .device()
         .create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some("matmul bench"),
-            contents: bytemuck::cast_slice(&data),
+            contents: &storage.encode(&data),
             usage: wgpu::BufferUsages::STORAGE,
         });
-    let t = || wgpu_attention::Tensor::from_buffer(&buf, 0, &[1, n, n]);
+    let t = || wgpu_attention::Tensor::from_buffer(&buf, 0, &[1, n, n]).with_storage(storage);
     let start = Instant::now();
-    wgpu_attention::matmul_blocking(ctx, t(), t(), true, 1.0)?;
+    wgpu_attention::matmul_blocking(ctx, t(), t(), trans_b, 1.0)?;
     let first = start.elapsed();
     let mut times = Vec::new();
     for _ in 0..iters.max(1) {
         let start = Instant::now();
-        wgpu_attention::matmul_blocking(ctx, t(), t(), true, 1.0)?;
+        wgpu_attention::matmul_blocking(ctx, t(), t(), trans_b, 1.0)?;
         times.push(start.elapsed());
     }
     times.sort();
     let median = times[times.len() / 2];
     Ok(format!(
-        "{:<24} {:<8} {:>10.3} {:>10.3} {:>10.3} {:>9.2}",
-        "matmul_1024x1024x1024",
+        "{:<24} {:<8} {storage:<5} {:>10.3} {:>10.3} {:>10.3} {:>9.2}",
+        if trans_b {
+            "matmul_1024^3_ABt"
+        } else {
+            "matmul_1024^3_AB"
+        },
         "matmul",
         ms(first),
         ms(median),

@@ -89,6 +89,11 @@ impl From<CausalArg> for Causal {
 }
 
 /// Parses `auto` or any concrete path name, listing them in `--help`.
+pub(crate) fn storage_parser() -> impl TypedValueParser<Value = wgpu_attention::Storage> {
+    let names: Vec<&'static str> = wgpu_attention::Storage::ALL.iter().map(|s| s.name()).collect();
+    clap::builder::PossibleValuesParser::new(names).try_map(|s| s.parse::<wgpu_attention::Storage>())
+}
+
 pub(crate) fn path_parser() -> impl TypedValueParser<Value = Path> {
     let names: Vec<&'static str> = std::iter::once(Path::Auto)
         .chain(Path::ALL)

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use clap::Args;
 use wgpu_attention::reference::{self, MhaInputs};
-use wgpu_attention::{MhaWeights, MultiHeadAttention, NeedWeights, Options};
+use wgpu_attention::{MhaWeights, MultiHeadAttention, NeedWeights, Options, Storage, Tensor};
 
 use crate::npy::{combine_masks, read_3d, read_array, write_array};
 use crate::timing::ms;
@@ -15,7 +15,7 @@ use crate::{context, CausalArg, CliResult};
 
 #[derive(Args)]
 pub(crate) struct MhaArgs {
-    /// Query input [B, L, d_model] (f32); also keys and values unless --key/--value are given.
+    /// Query input [B, L, d_model] (f32 or f16); also keys and values unless --key/--value are given.
     #[arg(long, value_name = "X.npy")]
     query: PathBuf,
     /// Key input [B, S, kdim] for cross-attention (needs --value).
@@ -72,6 +72,12 @@ pub(crate) struct MhaArgs {
     /// Run the f64 CPU reference instead of the GPU.
     #[arg(long)]
     cpu: bool,
+    /// Device storage format of the weights, activations and output (f32 accumulation)
+    /// [default: the weights file's: f16 or bf16 for F16/BF16 tensors, else f32]. Inputs and
+    /// weights are rounded to it (to nearest even); the output, rounded to it, is written as
+    /// f32. With --cpu the reference runs on the rounded inputs and weights.
+    #[arg(long, value_parser = crate::storage_parser())]
+    storage: Option<Storage>,
 }
 
 /// `mha`: the multi-head attention layer on the `.npy` inputs.
@@ -91,16 +97,19 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
             .into());
         }
     }
-    let x = read_3d(&a.query, "query", "[B, L, d_model]")?;
+    let st = a.storage.unwrap_or(weights.storage);
+    let weights = weights.with_storage(st);
+    let round = |x: f32| st.round(x);
+    let x = read_3d(&a.query, "query", "[B, L, d_model]")?.mapv(round);
     let key = a
         .key
         .as_deref()
-        .map(|p| read_3d(p, "key", "[B, S, kdim]"))
+        .map(|p| read_3d(p, "key", "[B, S, kdim]").map(|k| k.mapv(round)))
         .transpose()?;
     let value = a
         .value
         .as_deref()
-        .map(|p| read_3d(p, "value", "[B, S, vdim]"))
+        .map(|p| read_3d(p, "value", "[B, S, vdim]").map(|v| v.mapv(round)))
         .transpose()?;
     let mask = a
         .mask
@@ -135,7 +144,7 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
         let started = Instant::now();
         let r = reference::mha(&weights, &inputs, &options)?;
         let how = format!(
-            "ran the CPU reference (f64, written as f32) in {:.3} ms",
+            "ran the CPU reference (f64 on {st} inputs and weights, output rounded to {st}, written as f32) in {:.3} ms",
             ms(started.elapsed())
         );
         let w = match need {
@@ -147,18 +156,19 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
                     .into_dyn(),
             ),
         };
-        (r.out.mapv(|x| x as f32).into_dyn(), w, how)
+        (r.out.mapv(|x| st.round(x as f32)).into_dyn(), w, how)
     } else {
         let ctx = context()?;
         let layer = MultiHeadAttention::new(&ctx, &weights)?;
-        let mut f = layer.forward(&x).options(options.clone()).need_weights(need);
+        let t = |x| Tensor::from(x).with_storage(st);
+        let mut f = layer.forward(t(&x)).options(options.clone()).need_weights(need);
         if let (Some(k), Some(v)) = (&key, &value) {
-            f = f.key_value(k, v);
+            f = f.key_value(t(k), t(v));
         }
         let started = Instant::now();
         let r = f.run_blocking(&ctx)?;
         let how = format!(
-            "ran on {} in {:.3} ms (incl. upload, shader compilation and readback)",
+            "ran on {}, storage {st}, in {:.3} ms (incl. upload, shader compilation and readback)",
             ctx.describe(),
             ms(started.elapsed())
         );

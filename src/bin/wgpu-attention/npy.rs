@@ -39,9 +39,40 @@ pub(crate) fn read_array<T: ndarray_npy::ReadableElement>(
     })
 }
 
-/// Read q, k or v: f32 and exactly 4-D.
+/// Read a float `.npy`: f32 (`<f4`), or f16 (`<f2`, widened exactly to f32).
+pub(crate) fn read_float(path: &FsPath, what: &str) -> CliResult<ArrayD<f32>> {
+    const DTYPE: &str = "float32 ('<f4') or float16 ('<f2')";
+    const FIX: &str = "x.astype(np.float32)";
+    let mut reader = open_checked(path, what, DTYPE, FIX)?;
+    let p = path.display();
+    let cannot_read = |e: io::Error| format!("{what}: cannot read {p}: {e}");
+    let file_len = reader.get_ref().metadata().map_err(cannot_read)?.len();
+    let header = read_header(&mut reader, file_len).map_err(|_| format!("{what}: cannot read {p}"))?;
+    if header.descr.as_deref() != Some("<f2") {
+        return read_array::<f32>(path, what, DTYPE, FIX);
+    }
+    // The sizes were checked against the file by `open_checked`.
+    let shape: Vec<usize> = header.shape.iter().map(|&d| d as usize).collect();
+    let mut bytes = Vec::new();
+    reader.read_to_end(&mut bytes).map_err(cannot_read)?;
+    let data: Vec<f32> = bytes
+        .chunks_exact(2)
+        .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+        .collect();
+    let a = if header.fortran_order {
+        use ndarray::ShapeBuilder;
+        ArrayD::from_shape_vec(ndarray::IxDyn(&shape).f(), data)
+    } else {
+        ArrayD::from_shape_vec(ndarray::IxDyn(&shape), data)
+    };
+    Ok(a.map_err(|e| format!("{what}: {p}: {e}"))?
+        .as_standard_layout()
+        .into_owned())
+}
+
+/// Read q, k or v: f32 or f16, exactly 4-D.
 pub(crate) fn read_qkv(path: &FsPath, what: &str, layout: &str) -> CliResult<ndarray::Array4<f32>> {
-    let a = read_array::<f32>(path, what, "float32 ('<f4')", "x.astype(np.float32)")?;
+    let a = read_float(path, what)?;
     let shape = a.shape().to_vec();
     a.into_dimensionality::<Ix4>().map_err(|_| {
         format!(
@@ -53,9 +84,9 @@ pub(crate) fn read_qkv(path: &FsPath, what: &str, layout: &str) -> CliResult<nda
     })
 }
 
-/// Read an f32 `.npy` of exactly 3 dimensions.
+/// Read an f32 or f16 `.npy` of exactly 3 dimensions.
 pub(crate) fn read_3d(path: &FsPath, what: &str, layout: &str) -> CliResult<ndarray::Array3<f32>> {
-    let a = read_array::<f32>(path, what, "float32 ('<f4')", "x.astype(np.float32)")?;
+    let a = read_float(path, what)?;
     let shape = a.shape().to_vec();
     a.into_dimensionality::<ndarray::Ix3>().map_err(|_| {
         format!(
@@ -166,6 +197,8 @@ struct NpyHeader {
     descr_text: String,
     /// The claimed shape (arbitrary Python integers, so wider than `usize`).
     shape: Vec<u128>,
+    /// Column-major data.
+    fortran_order: bool,
     /// Bytes before the data: magic string, version, header length and header.
     len: u64,
 }
@@ -254,12 +287,13 @@ fn read_header(reader: &mut impl Read, file_len: u64) -> Result<NpyHeader, Heade
     }
     let missing = |k: &str| format!("its header has no {k:?}");
     let (descr, descr_text) = descr.ok_or_else(|| missing("descr"))?;
-    fortran_order.ok_or_else(|| missing("fortran_order"))?;
+    let fortran_order = fortran_order.ok_or_else(|| missing("fortran_order"))?;
     let shape = shape.ok_or_else(|| missing("shape"))?;
     Ok(NpyHeader {
         descr,
         descr_text,
         shape,
+        fortran_order,
         len,
     })
 }

@@ -6,27 +6,27 @@ use std::time::Instant;
 
 use clap::Args;
 use wgpu_attention::reference;
-use wgpu_attention::{Options, Path, Sdpa};
+use wgpu_attention::{Options, Path, Sdpa, Storage, Tensor};
 
-use crate::npy::{read_array, read_qkv, write_array};
+use crate::npy::{read_array, read_float, read_qkv, write_array};
 use crate::timing::ms;
 use crate::{context, path_label, path_parser, CausalArg, CliResult};
 
 #[derive(Args)]
 pub(crate) struct RunArgs {
-    /// Queries, f32 .npy [B, Hq, L, E].
+    /// Queries, f32 or f16 .npy [B, Hq, L, E].
     #[arg(long, value_name = "Q.npy")]
     q: PathBuf,
-    /// Keys, f32 .npy [B, Hkv, S, E].
+    /// Keys, f32 or f16 .npy [B, Hkv, S, E].
     #[arg(long, value_name = "K.npy")]
     k: PathBuf,
-    /// Values, f32 .npy [B, Hkv, S, Ev].
+    /// Values, f32 or f16 .npy [B, Hkv, S, Ev].
     #[arg(long, value_name = "V.npy")]
     v: PathBuf,
     /// Boolean mask .npy (true = may attend), rank 1-4, broadcastable to [B, Hq, L, S].
     #[arg(long, value_name = "M.npy")]
     mask: Option<PathBuf>,
-    /// Additive f32 bias .npy, rank 1-4, broadcastable to [B, Hq, L, S] (-inf masks a key).
+    /// Additive f32 or f16 bias .npy, rank 1-4, broadcastable to [B, Hq, L, S] (-inf masks a key).
     #[arg(long, value_name = "B.npy")]
     bias: Option<PathBuf>,
     /// Per-batch key lengths (key padding), comma separated: batch b attends keys j < len[b].
@@ -44,6 +44,11 @@ pub(crate) struct RunArgs {
     /// Run the CPU reference (f64, slow) instead of the GPU; outputs are written as f32.
     #[arg(long, conflicts_with = "path")]
     cpu: bool,
+    /// Device storage format of q, k, v, the bias and the output (f32 accumulation): inputs
+    /// are rounded to it (to nearest even) and the output, rounded to it, is written as f32.
+    /// With --cpu the reference runs on the rounded inputs and its output is rounded too.
+    #[arg(long, value_parser = crate::storage_parser(), default_value = "f32")]
+    storage: Storage,
     /// Where to write the output, f32 .npy [B, Hq, L, Ev].
     #[arg(long, value_name = "O.npy")]
     out: PathBuf,
@@ -65,17 +70,18 @@ pub(crate) fn run(a: &RunArgs) -> CliResult<ExitCode> {
         .as_deref()
         .map(|p| read_array::<bool>(p, "mask", "bool ('|b1')", "np.asarray(m, dtype=bool)"))
         .transpose()?;
-    let bias = a
-        .bias
-        .as_deref()
-        .map(|p| read_array::<f32>(p, "bias", "float32 ('<f4')", "b.astype(np.float32)"))
-        .transpose()?;
+    let bias = a.bias.as_deref().map(|p| read_float(p, "bias")).transpose()?;
+    // The values the device holds: every input rounded to the storage format.
+    let st = a.storage;
+    let round = |x: f32| st.round(x);
+    let (q, k, v) = (q.mapv(round), k.mapv(round), v.mapv(round));
+    let bias = bias.map(|b| b.mapv(round));
     // One set of options for the GPU call and the CPU reference.
     let options = Options {
         causal: a.causal.into(),
         scale: a.scale.map(f64::from),
         mask: mask.as_ref().map(|m| m.into()),
-        bias: bias.as_ref().map(|b| b.into()),
+        bias: bias.as_ref().map(|b| Tensor::from(b).with_storage(st)),
         kv_lens: a.kv_lens.clone(),
     };
 
@@ -85,16 +91,19 @@ pub(crate) fn run(a: &RunArgs) -> CliResult<ExitCode> {
         let elapsed = started.elapsed();
         let to_f32 = |x: f64| x as f32;
         (
-            r.out.mapv(to_f32).into_dyn(),
+            r.out.mapv(|x| st.round(x as f32)).into_dyn(),
             Some(r.weights.mapv(to_f32).into_dyn()),
             Some(r.lse.mapv(to_f32).into_dyn()),
             format!(
-                "ran the CPU reference (f64, written as f32) in {:.3} ms",
+                "ran the CPU reference (f64 on {st} inputs, output rounded to {st}, written as f32) in {:.3} ms",
                 ms(elapsed)
             ),
         )
     } else {
-        let mut sdpa = Sdpa::new(&q, &k, &v).options(options.clone()).path(a.path);
+        let t = |x| Tensor::from(x).with_storage(st);
+        let mut sdpa = Sdpa::new(t(&q), t(&k), t(&v))
+            .options(options.clone())
+            .path(a.path);
         if a.weights_out.is_some() {
             sdpa = sdpa.return_weights();
         }
@@ -107,7 +116,7 @@ pub(crate) fn run(a: &RunArgs) -> CliResult<ExitCode> {
         let started = Instant::now();
         let r = sdpa.run_blocking(&ctx)?;
         let how = format!(
-            "ran on {}, path {}, in {:.3} ms (incl. upload, shader compilation and readback)",
+            "ran on {}, path {}, storage {st}, in {:.3} ms (incl. upload, shader compilation and readback)",
             ctx.describe(),
             path_label(&sdpa, &ctx, a.path),
             ms(started.elapsed())
