@@ -165,14 +165,24 @@ def torch_lse(q, k, v, allowed, bias, scale):
         return None
 
 
+def round_to(storage, a32):
+    """a32 (float32) rounded to `storage` by PyTorch (.half() / .bfloat16(), round to nearest
+    even) and widened back to float32 exactly."""
+    if storage == "f32":
+        return a32
+    t = torch.from_numpy(a32)
+    t = t.half() if storage == "f16" else t.bfloat16()
+    return t.float().numpy()
+
+
 def sdpa_case(name, seed, B, Hq, Hkv, L, S, E, Ev, description, causal="none", scale=None,
-              mask_fn=None, bias_fn=None, kv_lens=None, qk_std=1.0):
+              mask_fn=None, bias_fn=None, kv_lens=None, qk_std=1.0, storage="f32"):
     rng = np.random.default_rng(seed)
-    q32 = randn32(rng, (B, Hq, L, E), qk_std)
-    k32 = randn32(rng, (B, Hkv, S, E), qk_std)
-    v32 = randn32(rng, (B, Hkv, S, Ev))
+    q32 = round_to(storage, randn32(rng, (B, Hq, L, E), qk_std))
+    k32 = round_to(storage, randn32(rng, (B, Hkv, S, E), qk_std))
+    v32 = round_to(storage, randn32(rng, (B, Hkv, S, Ev)))
     mask = mask_fn(rng) if mask_fn else None
-    bias32 = bias_fn(rng).astype(np.float32) if bias_fn else None
+    bias32 = round_to(storage, bias_fn(rng).astype(np.float32)) if bias_fn else None
     if kv_lens is not None:
         kv_lens = np.asarray(kv_lens, dtype=np.int64)
         assert kv_lens.shape == (B,)
@@ -234,7 +244,10 @@ def sdpa_case(name, seed, B, Hq, Hkv, L, S, E, Ev, description, causal="none", s
     save_npy(d_ / "out.npy", out.numpy())
     save_npy(d_ / "lse.npy", lse.numpy())
     save_npy(d_ / "weights.npy", w.numpy())
-    write_json(d_ / "meta.json", {"causal": causal, "scale": scale, "description": description})
+    meta = {"causal": causal, "scale": scale, "description": description}
+    if storage != "f32":
+        meta["storage"] = storage
+    write_json(d_ / "meta.json", meta)
 
     extras = []
     if mask is not None:
@@ -244,7 +257,7 @@ def sdpa_case(name, seed, B, Hq, Hkv, L, S, E, Ev, description, causal="none", s
     if kv_lens is not None:
         extras.append(f"kv_lens={kv_lens.tolist()}")
     max_logit = float(torch.einsum("bhle,bhse->bhls", q, k.repeat_interleave(Hq // Hkv, 1)).abs().max() * sc)
-    print(f"sdpa/{name}: B={B} Hq={Hq} Hkv={Hkv} L={L} S={S} E={E} Ev={Ev} causal={causal} "
+    print(f"sdpa/{name}: storage={storage} B={B} Hq={Hq} Hkv={Hkv} L={L} S={S} E={E} Ev={Ev} causal={causal} "
           f"scale={scale} {' '.join(extras)} | torch path: {how}, max|diff|={d:.2e}, {lse_note}, "
           f"dead rows={n_dead}, max|logit|={max_logit:.3g}" + (f" | {note}" if note else ""))
 
@@ -336,6 +349,27 @@ def make_sdpa():
               kv_lens=[37, 30],
               description="single-query decode step: L=1, S=37, bottom-right causal (all keys "
                           "allowed) + kv_lens [37, 30], GQA Hq=4 Hkv=2")
+
+
+    # Half-precision storage: inputs (and bias) rounded by PyTorch's .half() / .bfloat16(),
+    # outputs computed in float64 from the rounded values (the GPU stores its output in the
+    # format: tested at that format's tolerance).
+    for st in ("f16", "bf16"):
+        sdpa_case(f"{st}_combined", 214, B=2, Hq=6, Hkv=2, L=13, S=21, E=24, Ev=12,
+                  causal="bottom_right", mask_fn=m12,
+                  bias_fn=lambda rng: randn32(rng, (2, 1, 13, 21), 1.0), kv_lens=[21, 9], storage=st,
+                  description=f"{st} inputs: bottom-right causal + bool mask + bias + kv_lens, GQA")
+        sdpa_case(f"{st}_fully_masked_rows", 207, B=2, Hq=3, Hkv=3, L=19, S=21, E=16, Ev=16,
+                  mask_fn=m7, storage=st,
+                  description=f"{st} inputs: bool mask with fully masked rows (out 0, lse -inf)")
+        sdpa_case(f"{st}_head_dim_odd", 216, B=2, Hq=2, Hkv=2, L=5, S=7, E=3, Ev=5, storage=st,
+                  description=f"{st} inputs: odd head dims E=3, Ev=5")
+        sdpa_case(f"{st}_decode_l1", 219, B=2, Hq=4, Hkv=2, L=1, S=37, E=16, Ev=16,
+                  causal="bottom_right", kv_lens=[37, 30], storage=st,
+                  description=f"{st} inputs: single-query decode step with kv_lens, GQA")
+        sdpa_case(f"{st}_large_logits", 215, B=1, Hq=2, Hkv=2, L=16, S=24, E=16, Ev=16,
+                  qk_std=8.0, storage=st,
+                  description=f"{st} inputs: q,k ~ N(0, 8^2), scaled logits up to ~1e2")
 
 
 # --------------------------------------------------------------------------------------

@@ -5,15 +5,16 @@
 //   C[z][m][n] = alpha * sum_k A[z][m][k] * B'[z][k][n]  (+ bias[n])
 //
 // A workgroup of 8 invocations computes a tile of 8 * RQ rows by 8 * NB columns of C. Invocation l
-// owns RQ rows (l, l + 8, ...) and holds, for each step of 4 k, the 4 values of column l of B'
-// in a register (one vec4 load when TRANS_B, where B is [N, K]); the other invocations read
-// them by shuffle (a broadcast: the loops are unrolled, the lane a constant). Each step does
-// 8 * RQ dot products of 4 per invocation for RQ + 1 loads and 8 shuffles. KC4 steps per
-// unrolled chunk.
+// owns RQ rows (l, l + 8, ...). For each step of 4 k and block of 8 columns, the workgroup loads
+// the 4 x 8 block of B' with one vec4 load per invocation (`load_b_lane`: when TRANS_B, where B
+// is [N, K], invocation l holds column l's 4 k; otherwise row k + l % 4, columns 4 (l / 4) ..
+// + 4), and `b_column(b, j)` gathers column j's 4 values by shuffles (broadcasts: the loops are
+// unrolled, the lanes constants). Each step does 8 * RQ dot products of 4 per invocation.
+// KC4 steps per unrolled chunk.
 //
 // The host prepends `Params` (src/kernels/matmul.rs), the declarations of a, b, bias and c
-// with `store_c4`, `load_a(z_base, row, k)` and `load_b(z_base, col, k)` (4 consecutive k,
-// zero past M, N or K; src/kernels/matmul.rs), and the constants RQ, NB, NB2 = 2 * NB, ACC = RQ * NB2, KC4, UNROLL.
+// with `store_c4`, `load_a(z_base, row, k)` (4 consecutive k), `load_b_lane` and `b_column`
+// (zero past M, N or K; src/kernels/matmul.rs), and the constants RQ, NB, NB2 = 2 * NB, ACC = RQ * NB2, KC4, UNROLL.
 
 override TRANS_B: bool = true;
 override HAS_BIAS: bool = false;
@@ -47,11 +48,11 @@ fn main(
         }
         for (var nb = 0u; nb < NB; nb++) { // unroll
             for (var c = 0u; c < KC4; c++) { // unroll
-                b_reg[c] = load_b(b_base, col0 + 8u * nb + lane, k0 + 4u * c);
+                b_reg[c] = load_b_lane(b_base, col0 + 8u * nb, k0 + 4u * c, lane);
             }
             for (var c = 0u; c < KC4; c++) { // unroll
                 for (var j = 0u; j < 8u; j++) { // unroll
-                    let bj = subgroupShuffle(b_reg[c], j);
+                    let bj = b_column(b_reg[c], j);
                     for (var r = 0u; r < RQ; r++) { // unroll
                         acc[(r * NB + nb) * 2u + j / 4u][j % 4u] += dot(a_reg[r * KC4 + c], bj);
                     }

@@ -201,7 +201,12 @@ fn pytorch_goldens_in_every_form() {
                 .return_lse()
                 .run_blocking(&fctx)
                 .unwrap_or_else(|e| panic!("{} [{}]: {e}", g.name, form.name()));
-            g.assert_matches(&got, Path::Fused, TOL, &format!("fused [{}]", form.name()));
+            g.assert_matches(
+                &got,
+                Path::Fused,
+                g.tolerance(),
+                &format!("fused [{}]", form.name()),
+            );
         }
         for (form, dctx) in decode_contexts(ctx, &g.case) {
             let got = g
@@ -211,7 +216,12 @@ fn pytorch_goldens_in_every_form() {
                 .return_lse()
                 .run_blocking(&dctx)
                 .unwrap();
-            g.assert_matches(&got, Path::Decode, TOL, &format!("decode [{}]", form.name()));
+            g.assert_matches(
+                &got,
+                Path::Decode,
+                g.tolerance(),
+                &format!("decode [{}]", form.name()),
+            );
         }
     }
 }

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{ctx, goldens, TOL};
+use common::{ctx, goldens};
 use wgpu_attention::check::{compare, Tolerance};
 use wgpu_attention::reference;
 use wgpu_attention::Path;
@@ -51,7 +51,7 @@ fn every_path_matches_pytorch_goldens() {
                 .checked_sdpa(path)
                 .run_blocking(ctx)
                 .unwrap_or_else(|e| panic!("{} {path:?}: {e}", g.name));
-            g.assert_matches(&got, path, TOL, &format!("{path:?}"));
+            g.assert_matches(&got, path, g.tolerance(), &format!("{path:?}"));
         }
     }
 }

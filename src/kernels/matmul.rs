@@ -98,10 +98,24 @@ pub(crate) fn sg_prelude(rows: u32, trans_b: bool, a_vec4: bool, b_vec4: bool) -
     s += &rowwise("load_a", "a", "p.m", "p.a_row", a_vec4);
     if trans_b {
         s += &rowwise("load_b", "b", "p.n", "p.b_row", b_vec4);
+        s += "fn load_b_lane(base: u32, col0: u32, k: u32, lane: u32) -> vec4<f32> { return load_b(base, col0 + lane, k); }\n";
+        s += "fn b_column(b: vec4<f32>, j: u32) -> vec4<f32> { return subgroupShuffle(b, j); }\n";
     } else {
-        s += "fn load_b(base: u32, col: u32, k: u32) -> vec4<f32> {\n    var x = vec4<f32>(0.0);\n    \
-              if (col >= p.n) { return x; }\n    for (var c = 0u; c < 4u; c++) { // unroll\n        \
-              if (k + c < p.k) { x[c] = b_get(base + (k + c) * p.b_row + col); }\n    }\n    return x;\n}\n";
+        // Invocation l: row k + l % 4 of B, columns col0 + 4 (l / 4) .. + 4.
+        let body = if b_vec4 {
+            "    if (col < p.n) { return b_get4(base + kk * p.b_row + col); }\n    return vec4<f32>(0.0);\n"
+        } else {
+            "    var x = vec4<f32>(0.0);\n    for (var c = 0u; c < 4u; c++) { // unroll\n        \
+             if (col + c < p.n) { x[c] = b_get(base + kk * p.b_row + col + c); }\n    }\n    return x;\n"
+        };
+        s += &format!(
+            "fn load_b_lane(base: u32, col0: u32, k: u32, lane: u32) -> vec4<f32> {{\n    \
+             let kk = k + lane % 4u;\n    let col = col0 + 4u * (lane / 4u);\n    \
+             if (kk >= p.k) {{ return vec4<f32>(0.0); }}\n{body}}}\n"
+        );
+        s += "fn b_column(b: vec4<f32>, j: u32) -> vec4<f32> {\n    let l = 4u * (j / 4u);\n    \
+              return vec4<f32>(subgroupShuffle(b[j % 4u], l), subgroupShuffle(b[j % 4u], l + 1u), \
+              subgroupShuffle(b[j % 4u], l + 2u), subgroupShuffle(b[j % 4u], l + 3u));\n}\n";
     }
     s
 }
@@ -236,7 +250,11 @@ impl Matmul<'_> {
             Form::Subgroup { rows } => {
                 let aligned = |x: u32| x.is_multiple_of(4);
                 let a4 = aligned(p.k) && aligned(p.a_row) && aligned(p.a_batch) && aligned(p.a_off);
-                let b4 = self.trans_b && aligned(p.k) && aligned(p.b_row) && aligned(p.b_batch);
+                let b4 = if self.trans_b {
+                    aligned(p.k) && aligned(p.b_row) && aligned(p.b_batch)
+                } else {
+                    aligned(p.n) && aligned(p.b_row) && aligned(p.b_batch)
+                };
                 (
                     &SG_SPEC,
                     prelude_vec4(self.formats, c_words, [a4, b4]) + &sg_prelude(rows, self.trans_b, a4, b4),

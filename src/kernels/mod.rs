@@ -496,7 +496,7 @@ mod tests {
                 for trans_b in [false, true] {
                     for vec4 in [false, true] {
                         let pre = matmul::prelude_vec4([f, f, f, f], words, [vec4, vec4])
-                            + &matmul::sg_prelude(3, trans_b, vec4, vec4 && trans_b);
+                            + &matmul::sg_prelude(3, trans_b, vec4, vec4);
                         validate_with::<matmul::Params>("matmul_sg", &source(&matmul::SG_SPEC, &pre, false));
                     }
                 }

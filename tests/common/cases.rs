@@ -286,6 +286,11 @@ pub struct Golden {
 }
 
 impl Golden {
+    /// The tolerance of the golden's storage format (the crate's f32 tolerance for f32).
+    pub fn tolerance(&self) -> Tolerance {
+        Tolerance::for_storage(self.case.storage)
+    }
+
     /// [`Case::assert_output`] against PyTorch's outputs.
     pub fn assert_matches(&self, got: &Output, path: Path, tol: Tolerance, label: &str) {
         let label = format!("{} {label}", self.name);
@@ -356,7 +361,11 @@ pub fn golden(name: &str, file: impl Fn(&str) -> Option<Vec<u8>>) -> Golden {
             }),
             causal,
             scale: meta["scale"].as_f64(),
-            storage: Storage::F32,
+            // Half goldens hold inputs already rounded to the format (by PyTorch's
+            // `.half()` / `.bfloat16()`) and outputs computed in f64 from them.
+            storage: meta["storage"]
+                .as_str()
+                .map_or(Storage::F32, |s| s.parse().unwrap()),
         },
         pytorch: reference::Output {
             out: npy(need("out.npy")),

@@ -342,7 +342,7 @@ async fn pytorch_goldens_on_every_path() {
                 .run(&ctx)
                 .await
                 .unwrap_or_else(|e| panic!("{name} {path:?}: {e}"));
-            g.assert_matches(&got, path, TOL, &format!("{path:?}"));
+            g.assert_matches(&got, path, g.tolerance(), &format!("{path:?}"));
         }
     }
 }
