@@ -244,3 +244,62 @@ fn device_memory_halves_with_half_formats() {
     let lse = 4 * 4 * 64;
     assert_eq!((f32_bytes - lse) / 2, f16_bytes - lse);
 }
+
+/// Two halves of the keys attended in a half format (f32 parts: the parts' output format is
+/// chosen f32 so that only the merge rounds) and merged into that format equal the whole;
+/// parts of different formats are a typed error.
+#[test]
+fn merge_in_half_formats() {
+    let Some(ctx) = ctx() else { return };
+    use ndarray::s;
+    for st in HALF {
+        let case = Case::random((1, 2, 2, 7, 30, 8, 5), 20).with_storage(st);
+        let want = case.reference();
+        let half = |r: std::ops::Range<usize>| {
+            let k = case.k.slice(s![.., .., r.clone(), ..]).to_owned();
+            let v = case.v.slice(s![.., .., r, ..]).to_owned();
+            Sdpa::new(
+                Tensor::from(&case.q).with_storage(st),
+                Tensor::from(&k).with_storage(st),
+                Tensor::from(&v).with_storage(st),
+            )
+            .output_storage(Storage::F32)
+            .return_lse()
+            .run_blocking(ctx)
+            .unwrap()
+        };
+        let (a, b) = (half(0..13), half(13..30));
+        let (o, _) = wgpu_attention::merge_blocking(
+            ctx,
+            Tensor::from(&a.output).with_storage(st),
+            a.lse.as_ref().unwrap(),
+            Tensor::from(&b.output).with_storage(st),
+            b.lse.as_ref().unwrap(),
+        )
+        .unwrap();
+        // The parts were rounded to the format on the way in, the merge's output too.
+        let t = Tolerance::for_storage(st);
+        let tol = Tolerance {
+            atol: 2.0 * t.atol,
+            rtol: 2.0 * t.rtol,
+        };
+        let r = compare(o.iter().copied(), want.out.iter().copied(), tol);
+        assert!(r.passed(), "{st} merge: {r}");
+        assert!(
+            o.iter().all(|&x| st.round(x) == x),
+            "{st}: merged output not in the format"
+        );
+        let err = wgpu_attention::merge_blocking(
+            ctx,
+            Tensor::from(&a.output).with_storage(st),
+            a.lse.as_ref().unwrap(),
+            &b.output,
+            b.lse.as_ref().unwrap(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, Error::StorageMismatch { tensor: "o2", .. }),
+            "{err}"
+        );
+    }
+}
