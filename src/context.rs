@@ -169,7 +169,19 @@ impl Context {
 
     /// What the device offers the kernels: the input of [`Plan`](crate::Plan).
     pub fn caps(&self) -> Caps {
-        Caps::new(&self.inner.limits, self.is_cpu(), self.fixed_subgroup_size()).with_forms(self.forms)
+        let mut caps =
+            Caps::new(&self.inner.limits, self.is_cpu(), self.fixed_subgroup_size()).with_forms(self.forms);
+        // wgpu's GL backend serialises every device of the process on one GL context, and a
+        // thread that waits for it over 6 s panics (wgpu-hal): a background compilation of a
+        // large unrolled form would hold it that long on a CPU driver (llvmpipe). GL takes the
+        // forms that compile quickly instead, as the web does.
+        let gl = self
+            .inner
+            .info
+            .as_ref()
+            .is_some_and(|i| i.backend == wgpu::Backend::Gl);
+        caps.background_compile &= !gl;
+        caps
     }
 
     /// The pipeline cache.

@@ -216,7 +216,8 @@ pub struct Caps {
     /// `max_buffer_size`, bytes.
     pub max_buffer: u64,
     /// Kernels can be compiled on a background thread while a quicker-to-compile form serves
-    /// (native; not on the web, which has no threads). Without it a CPU adapter's default fused
+    /// (native; not on the web, which has no threads, nor on wgpu's GL backend, whose one GL
+    /// context a long compilation would hold past wgpu-hal's 6 s lock timeout). Without it a CPU adapter's default fused
     /// form stays small enough to compile in about a second: Chromium's SwiftShader adapter
     /// spends over a minute on the 8-row tiled form at E = 64 and its GPU process is then
     /// killed by the browser's watchdog (measured: `tiled:4` 1.6 s to a first result, 82 ms

@@ -269,7 +269,8 @@ pub(crate) fn dispatch(
 /// dispatched once on an empty problem (`params` all zero: the kernel returns at once) so
 /// that the driver compiles it while the caller is served by a quicker-to-compile form;
 /// returns `false` then, and the caller uses that form. Elsewhere (GPUs compile at pipeline
-/// creation; the web has no threads) returns `true`: use the pipeline directly.
+/// creation; the web has no threads; on GL one context serves every thread, see
+/// [`Context::caps`]) returns `true`: use the pipeline directly.
 pub(crate) fn warm(ctx: &Context, spec: &'static KernelSpec, prelude: String, params_size: usize) -> bool {
     #[cfg(target_arch = "wasm32")]
     {
@@ -278,7 +279,7 @@ pub(crate) fn warm(ctx: &Context, spec: &'static KernelSpec, prelude: String, pa
     }
     #[cfg(not(target_arch = "wasm32"))]
     {
-        if !ctx.is_cpu() {
+        if !ctx.is_cpu() || !ctx.caps().background_compile {
             return true;
         }
         let key = Key::new(spec.name, &prelude, &[]);
