@@ -8,10 +8,9 @@
 // workgroup memory (8 KiB). Every load and store is bounds-checked, so M, N, K need not be
 // multiples of the tile.
 //
-// Batch index z (the grid's z axis) selects the operand slices. A and C use
-// (a_z0 + z) * a_batch and (c_z0 + z) * c_batch; B is shared by groups of query heads
-// (grouped-query attention): global batch-head gz = b_z0 + z maps to
-// kv slice (gz / heads) * (heads / group) + (gz % heads) / group.
+// Batch index z (the grid's z axis) selects the operand slices (slice_bases in
+// common/matmul.wgsl, which also holds the epilogue finish_c4; B is shared by groups of query
+// heads under grouped-query attention).
 //
 // The host prepends `Params`, generated from the Rust struct in src/kernels/matmul.rs, and
 // the declarations of a, b, bias and c in their storage formats (src/kernels/access.rs) with
@@ -37,12 +36,10 @@ fn main(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(local_invocation_index) li: u32,
 ) {
-    let z = wg.z;
-    let a_base = (p.a_z0 + z) * p.a_batch + p.a_off;
-    let gz = p.b_z0 + z;
-    let b_slice = (gz / p.heads) * (p.heads / p.group) + (gz % p.heads) / p.group;
-    let b_base = b_slice * p.b_batch;
-    let c_base = (p.c_z0 + z) * p.c_batch + p.c_off;
+    let bases = slice_bases(wg.z);
+    let a_base = bases.x;
+    let b_base = bases.y;
+    let c_base = bases.z;
     let row0 = wg.y * BM;
     let col0 = wg.x * BN;
     let tx = lid.x;
@@ -110,13 +107,7 @@ fn main(
         }
         let cc = col0 + tx * 4u;
         if (cc < p.n) {
-            var val = p.alpha * acc[i];
-            if (HAS_BIAS) {
-                for (var j = 0u; j < 4u; j++) {
-                    val[j] += bias_get(min(cc + j, p.n - 1u));
-                }
-            }
-            store_c4(c_base + r * p.c_row + cc, p.n - cc, val);
+            finish_c4(c_base + r * p.c_row, cc, acc[i]);
         }
     }
 }

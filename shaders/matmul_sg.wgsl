@@ -24,12 +24,10 @@ fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
     @builtin(local_invocation_index) lane: u32,
 ) {
-    let z = wg.z;
-    let a_base = (p.a_z0 + z) * p.a_batch + p.a_off;
-    let gz = p.b_z0 + z;
-    let b_slice = (gz / p.heads) * (p.heads / p.group) + (gz % p.heads) / p.group;
-    let b_base = b_slice * p.b_batch;
-    let c_base = (p.c_z0 + z) * p.c_batch + p.c_off;
+    let bases = slice_bases(wg.z);
+    let a_base = bases.x;
+    let b_base = bases.y;
+    let c_base = bases.z;
     let row0 = wg.y * (8u * RQ) + lane;
     let col0 = wg.x * (8u * NB);
 
@@ -66,13 +64,7 @@ fn main(
         for (var h = 0u; h < NB2; h++) { // unroll
             let cc = col0 + 4u * h;
             if (row < p.m && cc < p.n) {
-                var val = p.alpha * acc[r * NB2 + h];
-                if (HAS_BIAS) {
-                    for (var j = 0u; j < 4u; j++) { // unroll
-                        val[j] += bias_get(min(cc + j, p.n - 1u));
-                    }
-                }
-                store_c4(c_base + row * p.c_row + cc, p.n - cc, val);
+                finish_c4(c_base + row * p.c_row, cc, acc[r * NB2 + h]);
             }
         }
     }

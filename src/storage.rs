@@ -93,8 +93,9 @@ impl Storage {
         bytes
     }
 
-    /// The first `elems` elements of little-endian `bytes` in this format, widened to f32.
-    pub(crate) fn decode(self, bytes: &[u8], elems: usize) -> Vec<f32> {
+    /// The first `elems` elements of little-endian `bytes` in this format, widened to f32
+    /// (exact). `bytes` must hold them.
+    pub fn decode(self, bytes: &[u8], elems: usize) -> Vec<f32> {
         let n = self.element_bytes() as usize;
         let bytes = &bytes[..elems * n];
         match self {

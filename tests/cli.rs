@@ -155,9 +155,14 @@ fn npy_with_header(path: &Path, descr: &str, shape: &str, data_bytes: usize) {
     std::fs::write(path, bytes).unwrap();
 }
 
+/// `run --q q --k k --v v` followed by `rest`.
+fn run_qkv(q: &Path, k: &Path, v: &Path, rest: &[&str]) -> std::process::Output {
+    cli(&[&["run", "--q", s(q), "--k", s(k), "--v", s(v)][..], rest].concat())
+}
+
 /// `run` with `q` as --q, --k and --v (it is read first).
 fn run_on(q: &Path, out: &Path) -> std::process::Output {
-    cli(&["run", "--q", s(q), "--k", s(q), "--v", s(q), "--out", s(out)])
+    run_qkv(q, q, q, &["--out", s(out)])
 }
 
 #[test]
@@ -213,19 +218,7 @@ fn run_path_decode_runs_the_decode_path() {
     let [q, k, v] = decode_inputs(&dir);
     let o = dir.join("o.npy");
     let run = |path: &str| {
-        let r = cli(&[
-            "run",
-            "--q",
-            s(&q),
-            "--k",
-            s(&k),
-            "--v",
-            s(&v),
-            "--path",
-            path,
-            "--out",
-            s(&o),
-        ]);
+        let r = run_qkv(&q, &k, &v, &["--path", path, "--out", s(&o)]);
         assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
         String::from_utf8_lossy(&r.stdout).into_owned()
     };
@@ -319,23 +312,11 @@ fn run_storage_formats_round_inputs_and_output() {
     write_npy(&v, &va).unwrap();
     for st in [Storage::F16, Storage::Bf16] {
         let (o, oc) = (dir.join(format!("o-{st}.npy")), dir.join(format!("oc-{st}.npy")));
-        let base = [
-            "run",
-            "--q",
-            s(&q),
-            "--k",
-            s(&k),
-            "--v",
-            s(&v),
-            "--causal",
-            "bottom-right",
-            "--storage",
-            st.name(),
-        ];
-        let r = cli(&[&base[..], &["--out", s(&o)]].concat());
+        let base = ["--causal", "bottom-right", "--storage", st.name()];
+        let r = run_qkv(&q, &k, &v, &[&base[..], &["--out", s(&o)]].concat());
         assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
         assert!(String::from_utf8_lossy(&r.stdout).contains(&format!("storage {st}")));
-        let r = cli(&[&base[..], &["--cpu", "--out", s(&oc)]].concat());
+        let r = run_qkv(&q, &k, &v, &[&base[..], &["--cpu", "--out", s(&oc)]].concat());
         assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
         let got: ArrayD<f32> = read_npy(&o).unwrap();
         let want: ArrayD<f32> = read_npy(&oc).unwrap();
@@ -358,33 +339,9 @@ fn run_storage_formats_round_inputs_and_output() {
     write_f16_npy(&kh, &ka);
     write_f16_npy(&vh, &va);
     let (o1, o2) = (dir.join("o1.npy"), dir.join("o2.npy"));
-    let r = cli(&[
-        "run",
-        "--q",
-        s(&qh),
-        "--k",
-        s(&kh),
-        "--v",
-        s(&vh),
-        "--storage",
-        "f16",
-        "--out",
-        s(&o1),
-    ]);
+    let r = run_qkv(&qh, &kh, &vh, &["--storage", "f16", "--out", s(&o1)]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-    let r = cli(&[
-        "run",
-        "--q",
-        s(&q),
-        "--k",
-        s(&k),
-        "--v",
-        s(&v),
-        "--storage",
-        "f16",
-        "--out",
-        s(&o2),
-    ]);
+    let r = run_qkv(&q, &k, &v, &["--storage", "f16", "--out", s(&o2)]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let (a, b): (ArrayD<f32>, ArrayD<f32>) = (read_npy(&o1).unwrap(), read_npy(&o2).unwrap());
     assert_eq!(
@@ -392,19 +349,7 @@ fn run_storage_formats_round_inputs_and_output() {
         "<f2 inputs and f32 inputs rounded to f16 give the same output"
     );
     // An unknown format is a usage error.
-    let r = cli(&[
-        "run",
-        "--q",
-        s(&q),
-        "--k",
-        s(&k),
-        "--v",
-        s(&v),
-        "--storage",
-        "f64",
-        "--out",
-        s(&o1),
-    ]);
+    let r = run_qkv(&q, &k, &v, &["--storage", "f64", "--out", s(&o1)]);
     assert_eq!(r.status.code(), Some(2));
 }
 
@@ -441,11 +386,7 @@ fn mha_storage_f16_matches_the_rounded_reference() {
     let want: ArrayD<f32> = read_npy(&oc).unwrap();
     let st = wgpu_attention::Storage::F16;
     assert!(got.iter().all(|&x| st.round(x) == x));
-    let t = wgpu_attention::check::Tolerance::for_storage(st);
-    let tol = wgpu_attention::check::Tolerance {
-        atol: 2.0 * t.atol,
-        rtol: 2.0 * t.rtol,
-    };
+    let tol = common::twice_storage_tolerance(st);
     common::assert_report(
         compare(got.iter().copied(), want.iter().copied(), tol),
         "mha --storage f16",

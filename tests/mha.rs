@@ -7,7 +7,7 @@ mod common;
 
 use std::path::Path as FsPath;
 
-use common::{assert_mha_output, assert_report, ctx, rand_array, rng, TOL};
+use common::{assert_mha_output, assert_report, ctx, rand_array, rng, twice_storage_tolerance, TOL};
 use ndarray::{Array2, Array3, Array4, ArrayD, IxDyn};
 use ndarray_npy::read_npy;
 use wgpu_attention::check::{compare, Tolerance};
@@ -236,11 +236,7 @@ fn run_grid_case_as(ctx: &wgpu_attention::Context, g: &Grid, seed: u64, st: Stor
 fn half_storage_layer_matches_reference() {
     let Some(ctx) = ctx() else { return };
     for st in [Storage::F16, Storage::Bf16] {
-        let base = Tolerance::for_storage(st);
-        let tol = Tolerance {
-            atol: 2.0 * base.atol,
-            rtol: 2.0 * base.rtol,
-        };
+        let tol = twice_storage_tolerance(st);
         for (i, (config, cross, b, l, s)) in [
             (MhaConfig::new(32, 4), false, 2, 37, 37),
             (MhaConfig::new(48, 6).kv_heads(2), true, 2, 5, 131),
@@ -339,11 +335,7 @@ fn half_safetensors_keep_their_format() {
             &Options::default(),
         )
         .unwrap();
-        let base = Tolerance::for_storage(st);
-        let tol = Tolerance {
-            atol: 2.0 * base.atol,
-            rtol: 2.0 * base.rtol,
-        };
+        let tol = twice_storage_tolerance(st);
         assert_report(
             compare(got.output.iter().copied(), want.out.iter().copied(), tol),
             &format!("{st} layer"),

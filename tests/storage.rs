@@ -278,11 +278,7 @@ fn merge_in_half_formats() {
         )
         .unwrap();
         // The parts were rounded to the format on the way in, the merge's output too.
-        let t = Tolerance::for_storage(st);
-        let tol = Tolerance {
-            atol: 2.0 * t.atol,
-            rtol: 2.0 * t.rtol,
-        };
+        let tol = common::twice_storage_tolerance(st);
         let r = compare(o.iter().copied(), want.out.iter().copied(), tol);
         assert!(r.passed(), "{st} merge: {r}");
         assert!(

@@ -99,8 +99,7 @@ pub(crate) fn array(name: &str, binding: u32, s: Storage, vec4: bool, access: Ac
             }
         }
         (_, _) if access == Access::Atomic => {
-            let (up, pk) = (unpack(s), pack(s));
-            let _ = up;
+            let pk = pack(s);
             w += &decl("atomic<u32>");
             w += &format!(
                 "fn {n}_set(i: u32, x: f32) {{\n    let sh = (i & 1u) * 16u;\n    let h = ({pk}(vec2<f32>(x, x)) & 0xffffu) << sh;\n    \

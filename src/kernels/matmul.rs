@@ -11,7 +11,7 @@ use crate::storage::Storage;
 pub(crate) const SPEC: KernelSpec = KernelSpec {
     name: "matmul",
     source: include_str!("../../shaders/matmul.wgsl"),
-    common: &[],
+    common: &[super::common::MATMUL],
     bindings: &[
         Binding::Read,
         Binding::Read,
@@ -27,7 +27,7 @@ pub(crate) const SPEC: KernelSpec = KernelSpec {
 pub(crate) const SG_SPEC: KernelSpec = KernelSpec {
     name: "matmul_sg",
     source: include_str!("../../shaders/matmul_sg.wgsl"),
-    common: &[],
+    common: &[super::common::MATMUL],
     bindings: SPEC.bindings,
     params: params_of::<Params>,
 };

@@ -31,6 +31,8 @@ pub(crate) mod common {
     pub(crate) const SOFTMAX: &str = include_str!("../../shaders/common/softmax.wgsl");
     /// Mask bindings 0-2 and the mask tests (causal limit, key length, bits, bias).
     pub(crate) const MASKS: &str = include_str!("../../shaders/common/masks.wgsl");
+    /// The matmul forms' batch slices and epilogue.
+    pub(crate) const MATMUL: &str = include_str!("../../shaders/common/matmul.wgsl");
     /// Workgroup reductions through workgroup memory.
     pub(crate) const REDUCE_SHARED: &str = include_str!("../../shaders/common/reduce_shared.wgsl");
     /// Workgroup reductions by subgroup operations (the workgroup is one subgroup).

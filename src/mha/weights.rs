@@ -315,22 +315,13 @@ impl MhaWeights {
 fn to_f32(key: &str, dtype: safetensors::Dtype, data: &[u8]) -> Result<Vec<f32>> {
     use safetensors::Dtype;
     Ok(match dtype {
-        Dtype::F32 => data
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect(),
+        Dtype::F32 => Storage::F32.decode(data, data.len() / 4),
         Dtype::F64 => data
             .chunks_exact(8)
             .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32)
             .collect(),
-        Dtype::F16 => data
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => data
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
+        Dtype::F16 => Storage::F16.decode(data, data.len() / 2),
+        Dtype::BF16 => Storage::Bf16.decode(data, data.len() / 2),
         other => {
             return Err(Error::WeightFile {
                 reason: format!("{key}: dtype {other:?} is not a float type"),

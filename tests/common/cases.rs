@@ -206,6 +206,16 @@ pub fn assert_report(r: Report, label: &str) {
 
 pub const TOL: Tolerance = F32_TOLERANCE;
 
+/// Twice the tolerance of storage format `s`: for results rounded to the format twice (the
+/// multi-head attention layer's intermediates, merged parts).
+pub fn twice_storage_tolerance(s: Storage) -> Tolerance {
+    let t = Tolerance::for_storage(s);
+    Tolerance {
+        atol: 2.0 * t.atol,
+        rtol: 2.0 * t.rtol,
+    }
+}
+
 /// A mask and a bias of every broadcast shape (every rank, every broadcast dimension) over one
 /// `[2, 3, 6, 10]` problem, labelled by shape.
 pub fn broadcast_cases() -> Vec<(String, Case)> {

@@ -38,14 +38,15 @@ fn log(msg: &str) {
     web_sys::console::log_1(&msg.into());
 }
 
-/// Run `path` (with weights on the unfused path, and lse) and compare with `want`.
+/// Run `path` (with weights on the unfused path, and lse) and compare with `want` at the
+/// tolerance of the case's storage format (the crate's f32 tolerance for f32).
 async fn check_against(case: &Case, want: &reference::Output, ctx: &Context, path: Path, label: &str) {
     let got = case
         .checked_sdpa(path)
         .run(ctx)
         .await
         .unwrap_or_else(|e| panic!("{label}: {e}"));
-    case.assert_output(&got, want, path, TOL, label);
+    case.assert_output(&got, want, path, Tolerance::for_storage(case.storage), label);
 }
 
 /// [`check_against`] on every path, against one reference.
@@ -93,20 +94,10 @@ async fn grid_of_shapes_and_masks_on_every_path() {
 async fn half_storage_formats_on_every_path() {
     let ctx = ctx().await;
     for st in [Storage::F16, Storage::Bf16] {
-        let tol = Tolerance::for_storage(st);
         for (si, &shape) in SHAPES.iter().enumerate() {
             for (name, apply) in mask_kinds() {
                 let case = apply(Case::random(shape, si as u64)).with_storage(st);
-                let want = case.reference();
-                for path in Path::ALL {
-                    let label = format!("{st} {shape:?} {name} [{path:?}]");
-                    let got = case
-                        .checked_sdpa(path)
-                        .run(&ctx)
-                        .await
-                        .unwrap_or_else(|e| panic!("{label}: {e}"));
-                    case.assert_output(&got, &want, path, tol, &label);
-                }
+                check_all_paths(&case, &ctx, &format!("{st} {shape:?} {name}")).await;
             }
         }
         for shape in [(2, 2, 2, 3, 9, 37, 5), (1, 8, 2, 1, 1500, 64, 64)] {
@@ -115,16 +106,7 @@ async fn half_storage_formats_on_every_path() {
                 .with_random_mask(62)
                 .with_random_bias(63)
                 .with_storage(st);
-            let want = case.reference();
-            for path in Path::ALL {
-                let label = format!("{st} {shape:?} [{path:?}]");
-                let got = case
-                    .checked_sdpa(path)
-                    .run(&ctx)
-                    .await
-                    .unwrap_or_else(|e| panic!("{label}: {e}"));
-                case.assert_output(&got, &want, path, tol, &label);
-            }
+            check_all_paths(&case, &ctx, &format!("{st} {shape:?}")).await;
         }
         // The layer: weights, activations and output in the format (twice the tolerance: its
         // intermediates are rounded too).
@@ -144,11 +126,13 @@ async fn half_storage_formats_on_every_path() {
             .run(&ctx)
             .await
             .unwrap();
-        let tol2 = Tolerance {
-            atol: 2.0 * tol.atol,
-            rtol: 2.0 * tol.rtol,
-        };
-        assert_mha_output(&got, &want, NeedWeights::No, tol2, &format!("{st} layer"));
+        assert_mha_output(
+            &got,
+            &want,
+            NeedWeights::No,
+            twice_storage_tolerance(st),
+            &format!("{st} layer"),
+        );
     }
 }
 

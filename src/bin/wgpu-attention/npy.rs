@@ -55,10 +55,7 @@ pub(crate) fn read_float(path: &FsPath, what: &str) -> CliResult<ArrayD<f32>> {
     let shape: Vec<usize> = header.shape.iter().map(|&d| d as usize).collect();
     let mut bytes = Vec::new();
     reader.read_to_end(&mut bytes).map_err(cannot_read)?;
-    let data: Vec<f32> = bytes
-        .chunks_exact(2)
-        .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-        .collect();
+    let data = wgpu_attention::Storage::F16.decode(&bytes, bytes.len() / 2);
     let a = if header.fortran_order {
         use ndarray::ShapeBuilder;
         ArrayD::from_shape_vec(ndarray::IxDyn(&shape).f(), data)
