@@ -4,10 +4,13 @@
 //! against its own stage: [`scores`] (`scale · Q Kᵀ`), [`masked_softmax`] (masks, bias, causal,
 //! key lengths; fully masked rows give zeros), [`weighted_sum`] (`P V`). [`sdpa()`] chains them.
 //! Users may call it to verify their own GPU results. One file per family: `sdpa.rs` (the
-//! stages and their chain), `mha.rs` (the layer).
+//! stages and their chain), `backward.rs` (its gradients, [`sdpa_backward`]), `mha.rs` (the layer).
 
+mod backward;
 mod mha;
 mod sdpa;
+
+pub use backward::{recompute, sdpa_backward, sdpa_backward_f32, sdpa_backward_in, softmax_backward, Gradients};
 
 pub use mha::{mha, MhaInputs, MhaOutput};
 pub use sdpa::{masked_softmax, mean_over_heads, scores, sdpa, weighted_sum, Output};

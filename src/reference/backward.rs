@@ -1,0 +1,336 @@
+//! The reference SDPA backward, stage by stage, in any float type: f64 for checking
+//! ([`sdpa_backward`]) and f32 for the accuracy rule's plain f32 implementation
+//! ([`sdpa_backward_f32`]).
+//!
+//! With `S = scale · Q Kᵀ + bias` (masked entries excluded), `P = softmax(S)`, `O = P V` and
+//! the upstream gradient `dO`:
+//!
+//! 1. [`recompute`]: `P` and the row logsumexp, as the forward computes them;
+//! 2. `dV = Pᵀ dO` (summed over the query heads of each group);
+//! 3. `dP = dO Vᵀ`, `D = rowsum(dO ∘ O)`, [`softmax_backward`]: `dS = P ∘ (dP − D)`;
+//! 4. `dQ = scale · dS K`, `dK = scale · dSᵀ Q` (summed over the group);
+//! 5. `d(bias) = dS` summed over the bias's broadcast dimensions.
+//!
+//! Masked entries have `P = 0`, so their `dS` is 0; a fully masked row has zero gradients.
+
+use ndarray::{Array3, Array4, ArrayD, ArrayView4, Ix4, IxDyn};
+use num_traits::Float;
+
+use crate::error::Result;
+use crate::options::Options;
+
+/// Gradients of `sum(dO ∘ O)` with respect to every input, in the float type `F`.
+#[derive(Debug, Clone)]
+pub struct Gradients<F> {
+    /// `[B, Hq, L, E]`.
+    pub dq: Array4<F>,
+    /// `[B, Hkv, S, E]`, summed over the query heads of each group.
+    pub dk: Array4<F>,
+    /// `[B, Hkv, S, Ev]`, summed over the query heads of each group.
+    pub dv: Array4<F>,
+    /// In the bias's own shape, summed over its broadcast dimensions; when a bias is given.
+    pub dbias: Option<ArrayD<F>>,
+    /// The forward output `[B, Hq, L, Ev]` computed on the way.
+    pub out: Array4<F>,
+    /// The forward logsumexp `[B, Hq, L]` (`-inf` on fully masked rows).
+    pub lse: Array3<F>,
+}
+
+fn cast<F: Float, T: Copy + Into<f64>>(x: T) -> F {
+    F::from(x.into()).expect("float conversion")
+}
+
+/// Stage 1: the softmax weights `P` `[B, Hq, L, S]` and the row logsumexp, recomputed in `F`
+/// from q, k and the options (the same masking rules as [`super::masked_softmax`]).
+pub fn recompute<F: Float, T: Copy + Into<f64>>(
+    q: ArrayView4<T>,
+    k: ArrayView4<T>,
+    opts: &Options,
+    scale: F,
+) -> Result<(Array4<F>, Array3<F>)> {
+    let (b, hq, l, e) = q.dim();
+    let (_, hkv, s, _) = k.dim();
+    let group = hq / hkv;
+    let mask = opts.mask_view()?;
+    let bias = opts.bias_view()?;
+    let mask = mask
+        .as_ref()
+        .map(|m| m.broadcast((b, hq, l, s)).expect("mask broadcasts").into_dimensionality::<Ix4>().unwrap());
+    let bias = bias
+        .as_ref()
+        .map(|m| m.broadcast((b, hq, l, s)).expect("bias broadcasts").into_dimensionality::<Ix4>().unwrap());
+    let mut p = Array4::<F>::zeros((b, hq, l, s));
+    let mut lse = Array3::<F>::from_elem((b, hq, l), F::neg_infinity());
+    let mut logits = vec![F::zero(); s];
+    let mut ok = vec![false; s];
+    for bi in 0..b {
+        for h in 0..hq {
+            for i in 0..l {
+                let mut max = F::neg_infinity();
+                for j in 0..s {
+                    let causal_ok = opts
+                        .causal
+                        .offset(l, s)
+                        .is_none_or(|d| j as i64 <= i as i64 + d);
+                    let len_ok = opts.kv_lens.as_ref().is_none_or(|lens| j < lens[bi]);
+                    let mask_ok = mask.as_ref().is_none_or(|m| m[[bi, h, i, j]]);
+                    let mut acc = F::zero();
+                    for d in 0..e {
+                        acc = acc + cast::<F, _>(q[[bi, h, i, d]]) * cast(k[[bi, h / group, j, d]]);
+                    }
+                    let x = scale * acc + bias.as_ref().map_or(F::zero(), |x| cast(x[[bi, h, i, j]]));
+                    ok[j] = causal_ok && len_ok && mask_ok && x != F::neg_infinity();
+                    logits[j] = x;
+                    if ok[j] {
+                        max = if x.is_nan() || max.is_nan() { F::nan() } else { max.max(x) };
+                    }
+                }
+                if max == F::neg_infinity() {
+                    continue;
+                }
+                let mut sum = F::zero();
+                for j in 0..s {
+                    if ok[j] {
+                        sum = sum + (logits[j] - max).exp();
+                    }
+                }
+                for j in 0..s {
+                    if ok[j] {
+                        p[[bi, h, i, j]] = (logits[j] - max).exp() / sum;
+                    }
+                }
+                lse[[bi, h, i]] = max + sum.ln();
+            }
+        }
+    }
+    Ok((p, lse))
+}
+
+/// Stage 3: `dS = P ∘ (dP − D)` with `D = rowsum(P ∘ dP)` (which equals `rowsum(dO ∘ O)`).
+pub fn softmax_backward<F: Float>(p: &Array4<F>, dp: &Array4<F>, d: &Array3<F>) -> Array4<F> {
+    let mut ds = p.clone();
+    for ((idx, x), &dpx) in ds.indexed_iter_mut().zip(dp.iter()) {
+        let (b, h, i, _) = idx;
+        *x = *x * (dpx - d[[b, h, i]]);
+    }
+    ds
+}
+
+/// The backward of `softmax(scale · Q Kᵀ + bias, masks) V` in the float type `F`, for the
+/// upstream gradient `dout` `[B, Hq, L, Ev]` (the gradients of `sum(dout ∘ O)`).
+pub fn sdpa_backward_in<F: Float, T: Copy + Into<f64>, U: Copy + Into<f64>>(
+    q: ArrayView4<T>,
+    k: ArrayView4<T>,
+    v: ArrayView4<T>,
+    dout: ArrayView4<U>,
+    opts: &Options,
+) -> Result<Gradients<F>> {
+    let pr = opts.problem(q.shape(), k.shape(), v.shape())?;
+    if dout.shape() != pr.out_shape() {
+        return Err(crate::Error::ShapeMismatch {
+            tensor: "dout",
+            expected: pr.out_shape().to_vec(),
+            actual: dout.shape().to_vec(),
+        });
+    }
+    let scale: F = F::from(opts.scale.unwrap_or(1.0 / (pr.head_dim as f64).sqrt())).unwrap();
+    let (b, hq, l, e) = q.dim();
+    let (_, hkv, s, ev) = v.dim();
+    let g = hq / hkv;
+    let (p, lse) = recompute(q, k, opts, scale)?;
+    // Stage 2: O = P V, dV = Pᵀ dO, dP = dO Vᵀ.
+    let mut out = Array4::<F>::zeros((b, hq, l, ev));
+    let mut dv = Array4::<F>::zeros((b, hkv, s, ev));
+    let mut dp = Array4::<F>::zeros((b, hq, l, s));
+    for bi in 0..b {
+        for h in 0..hq {
+            for i in 0..l {
+                for j in 0..s {
+                    let pij = p[[bi, h, i, j]];
+                    let mut acc = F::zero();
+                    for d in 0..ev {
+                        let vd: F = cast(v[[bi, h / g, j, d]]);
+                        let dod: F = cast(dout[[bi, h, i, d]]);
+                        out[[bi, h, i, d]] = out[[bi, h, i, d]] + pij * vd;
+                        dv[[bi, h / g, j, d]] = dv[[bi, h / g, j, d]] + pij * dod;
+                        acc = acc + dod * vd;
+                    }
+                    dp[[bi, h, i, j]] = acc;
+                }
+            }
+        }
+    }
+    // Stage 3: D = rowsum(dO ∘ O), dS = P ∘ (dP − D).
+    let mut dsum = Array3::<F>::zeros((b, hq, l));
+    for ((bi, h, i, d), &o) in out.indexed_iter() {
+        dsum[[bi, h, i]] = dsum[[bi, h, i]] + cast::<F, _>(dout[[bi, h, i, d]]) * o;
+    }
+    let ds = softmax_backward(&p, &dp, &dsum);
+    // Stage 4: dQ = scale · dS K, dK = scale · dSᵀ Q.
+    let mut dq = Array4::<F>::zeros((b, hq, l, e));
+    let mut dk = Array4::<F>::zeros((b, hkv, s, e));
+    for bi in 0..b {
+        for h in 0..hq {
+            for i in 0..l {
+                for j in 0..s {
+                    let x = ds[[bi, h, i, j]];
+                    for d in 0..e {
+                        let kd: F = cast(k[[bi, h / g, j, d]]);
+                        let qd: F = cast(q[[bi, h, i, d]]);
+                        dq[[bi, h, i, d]] = dq[[bi, h, i, d]] + scale * x * kd;
+                        dk[[bi, h / g, j, d]] = dk[[bi, h / g, j, d]] + scale * x * qd;
+                    }
+                }
+            }
+        }
+    }
+    // Stage 5: d(bias) = dS summed over the bias's broadcast dimensions.
+    let dbias = pr.bias.map(|bc| {
+        let [sb, sh, sl, ss] = bc.shape;
+        let mut acc = Array4::<F>::zeros((sb, sh, sl, ss));
+        for ((bi, h, i, j), &x) in ds.indexed_iter() {
+            let idx = [bi.min(sb - 1), h.min(sh - 1), i.min(sl - 1), j.min(ss - 1)];
+            acc[idx] = acc[idx] + x;
+        }
+        let shape = opts.bias.as_ref().expect("bias given").shape.clone();
+        acc.into_shape_with_order(IxDyn(&shape)).expect("same length")
+    });
+    Ok(Gradients {
+        dq,
+        dk,
+        dv,
+        dbias,
+        out,
+        lse,
+    })
+}
+
+/// [`sdpa_backward_in`] in f64: the reference every GPU backward is checked against.
+pub fn sdpa_backward<T: Copy + Into<f64>, U: Copy + Into<f64>>(
+    q: ArrayView4<T>,
+    k: ArrayView4<T>,
+    v: ArrayView4<T>,
+    dout: ArrayView4<U>,
+    opts: &Options,
+) -> Result<Gradients<f64>> {
+    sdpa_backward_in(q, k, v, dout, opts)
+}
+
+/// [`sdpa_backward_in`] in f32: the plain f32 implementation of FlashAttention's accuracy rule
+/// (a GPU result's error against the f64 reference may be at most twice this one's).
+pub fn sdpa_backward_f32<T: Copy + Into<f64>, U: Copy + Into<f64>>(
+    q: ArrayView4<T>,
+    k: ArrayView4<T>,
+    v: ArrayView4<T>,
+    dout: ArrayView4<U>,
+    opts: &Options,
+) -> Result<Gradients<f32>> {
+    sdpa_backward_in(q, k, v, dout, opts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::Causal;
+    use crate::tensor::{Mask, Tensor};
+    use ndarray::Array;
+    use rand::{Rng, SeedableRng};
+
+    fn rand4(rng: &mut rand::rngs::StdRng, shape: (usize, usize, usize, usize)) -> Array4<f64> {
+        Array::from_shape_simple_fn(shape, || rng.random_range(-1.0..1.0))
+    }
+
+    /// The loss `sum(dO ∘ O)` of the f64 forward.
+    fn loss(q: &Array4<f64>, k: &Array4<f64>, v: &Array4<f64>, dout: &Array4<f64>, opts: &Options) -> f64 {
+        let o = crate::reference::sdpa(q.view(), k.view(), v.view(), opts).unwrap().out;
+        (&o * dout).sum()
+    }
+
+    /// Central finite differences of the f64 forward agree with the analytic gradients, for
+    /// every input, under GQA, a causal mask, a boolean mask with a fully masked row, a
+    /// broadcast bias (with a -inf entry) and key lengths, L != S and E != Ev.
+    #[test]
+    fn backward_matches_finite_differences() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let (b, hq, hkv, l, s, e, ev) = (2, 4, 2, 3, 5, 3, 2);
+        let q = rand4(&mut rng, (b, hq, l, e));
+        let k = rand4(&mut rng, (b, hkv, s, e));
+        let v = rand4(&mut rng, (b, hkv, s, ev));
+        let dout = rand4(&mut rng, (b, hq, l, ev));
+        let mask: Vec<bool> = (0..hq * l * s).map(|i| i % 7 != 3 && i / s != 2).collect();
+        let mut bias: Vec<f32> = (0..hq * s).map(|_| rng.random_range(-1.0..1.0)).collect();
+        bias[4] = f32::NEG_INFINITY;
+        for causal in [Causal::None, Causal::BottomRight] {
+            let opts = Options {
+                causal,
+                scale: Some(0.7),
+                mask: Some(Mask::from_slice(&mask, &[hq, l, s])),
+                bias: Some(Tensor::from_slice(&bias, &[hq, 1, s])),
+                kv_lens: Some(vec![4, 5]),
+            };
+            let g = sdpa_backward(q.view(), k.view(), v.view(), dout.view(), &opts).unwrap();
+            let h = 1e-6;
+            let check = |name: &str, x: &Array4<f64>, grad: &Array4<f64>, which: usize| {
+                for idx in ndarray::indices(x.dim()) {
+                    let mut xs = [q.clone(), k.clone(), v.clone()];
+                    xs[which][idx] = x[idx] + h;
+                    let up = loss(&xs[0], &xs[1], &xs[2], &dout, &opts);
+                    xs[which][idx] = x[idx] - h;
+                    let down = loss(&xs[0], &xs[1], &xs[2], &dout, &opts);
+                    let fd = (up - down) / (2.0 * h);
+                    assert!(
+                        (fd - grad[idx]).abs() <= 1e-7 + 1e-6 * fd.abs(),
+                        "{name}{idx:?} {causal:?}: fd {fd}, analytic {}",
+                        grad[idx]
+                    );
+                }
+            };
+            check("dq", &q, &g.dq, 0);
+            check("dk", &k, &g.dk, 1);
+            check("dv", &v, &g.dv, 2);
+            let db = g.dbias.unwrap();
+            assert_eq!(db.shape(), &[hq, 1, s]);
+            for (n, &x) in bias.iter().enumerate() {
+                if x.is_infinite() {
+                    continue;
+                }
+                // The bias is f32: step it in f32 units of about 1e-3 and compare at 1e-5.
+                let step = 1.0f32 / 1024.0;
+                let at = |d: f32| {
+                    let mut bb = bias.clone();
+                    bb[n] = x + d;
+                    let o = Options {
+                        bias: Some(Tensor::from_slice(&bb, &[hq, 1, s])),
+                        ..opts.clone()
+                    };
+                    loss(&q, &k, &v, &dout, &o)
+                };
+                let fd = (at(step) - at(-step)) / (2.0 * step as f64);
+                let an = db.as_slice().unwrap()[n];
+                assert!((fd - an).abs() <= 1e-5 + 1e-4 * an.abs(), "dbias[{n}]: fd {fd}, analytic {an}");
+            }
+            // The fully masked query row (head 0, row 2 by the mask) has zero gradients.
+            assert!(g.dq.slice(ndarray::s![.., 0, 2, ..]).iter().all(|&x| x == 0.0));
+        }
+    }
+
+    /// The f32 instantiation is close to the f64 one (it is the accuracy rule's yardstick).
+    #[test]
+    fn f32_instantiation_is_close() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let q = rand4(&mut rng, (1, 2, 9, 8)).mapv(|x| x as f32);
+        let k = rand4(&mut rng, (1, 2, 11, 8)).mapv(|x| x as f32);
+        let v = rand4(&mut rng, (1, 2, 11, 4)).mapv(|x| x as f32);
+        let dout = rand4(&mut rng, (1, 2, 9, 4)).mapv(|x| x as f32);
+        let opts = Options {
+            causal: Causal::TopLeft,
+            ..Default::default()
+        };
+        let a = sdpa_backward(q.view(), k.view(), v.view(), dout.view(), &opts).unwrap();
+        let b = sdpa_backward_f32(q.view(), k.view(), v.view(), dout.view(), &opts).unwrap();
+        for (x, y) in a.dq.iter().zip(b.dq.iter()) {
+            assert!((x - *y as f64).abs() < 1e-5);
+        }
+        assert!(a.dq.iter().any(|&x| x.abs() > 1e-3));
+    }
+}
