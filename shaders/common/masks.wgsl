@@ -1,6 +1,8 @@
 // The masks every attention kernel applies, in one place: the causal limit, the key lengths,
-// the packed boolean mask and the additive bias. Bindings 0-2 of every attention kernel; the
-// bias (binding 1) is declared by the host in its storage format (src/kernels/access.rs).
+// the packed boolean mask and the additive bias. Bindings 0 (mask) and 1 (bias) of every
+// attention kernel; the bias is declared by the host in its storage format
+// (src/kernels/access.rs), and so is `kv_len(b)`, the key length of batch b: binding 2 of the
+// forward kernels, a tail of the statistics buffer in the backward ones (src/kernels/mod.rs).
 //
 // The including kernel's `Params` (generated from Rust) has `m: Masks` and the key length
 // `s`; its prelude declares HAS_MASK and HAS_BIAS (the mask and bias code is compiled out when
@@ -10,7 +12,6 @@
 // bias_b, bias_h, bias_l, bias_s.
 
 @group(0) @binding(0) var<storage, read> mask: array<u32>;
-@group(0) @binding(2) var<storage, read> kv_lens: array<u32>;
 
 // End (exclusive) of the keys query row `i` may see under the causal limit.
 fn causal_end(i: u32) -> u32 {
@@ -22,7 +23,7 @@ fn causal_end(i: u32) -> u32 {
 fn key_end(b: u32, i: u32) -> u32 {
     var end = p.s;
     if (p.m.has_lens != 0u) {
-        end = min(end, kv_lens[b]);
+        end = min(end, kv_len(b));
     }
     if (p.m.has_causal != 0u) {
         end = min(end, causal_end(i));

@@ -209,33 +209,71 @@ pub(crate) fn attention_io(f: &Formats, out_fmt: Storage, vec4: bool, ev_odd: bo
         }
     }
     s += &array("out", 6, out_fmt, vec4, out_access);
-    if vec4 {
-        for (x, d) in [("q", "E4"), ("k", "E4"), ("v", "EV4")] {
-            s += &format!(
-                "fn load_{x}(row: u32, c4: u32) -> vec4<f32> {{ return {x}_get4((row * {d} + c4) * 4u); }}\n"
-            );
-        }
-        s += "fn store_out(row: u32, c4: u32, x: vec4<f32>) { out_set4((row * EV4 + c4) * 4u, x); }\n";
-    } else {
-        for (x, d) in [("q", "p.e"), ("k", "p.e"), ("v", "p.ev")] {
-            s += &format!(
-                "fn load_{x}(row: u32, c4: u32) -> vec4<f32> {{\n    var x = vec4<f32>(0.0);\n    \
-                 for (var c = 0u; c < 4u; c++) {{ // unroll\n        if (c4 * 4u + c < {d}) {{\n            \
-                 x[c] = {x}_get(row * {d} + c4 * 4u + c);\n        }}\n    }}\n    return x;\n}}\n"
-            );
-        }
-        if out_fmt.is_half() && out_access == Access::Write {
-            // Ev even: element pairs never straddle a row, whole words.
-            s += "fn store_out(row: u32, c4: u32, x: vec4<f32>) {\n    \
-                  if (c4 * 4u < p.ev) { out_set2(row * p.ev + c4 * 4u, x.xy); }\n    \
-                  if (c4 * 4u + 2u < p.ev) { out_set2(row * p.ev + c4 * 4u + 2u, x.zw); }\n}\n";
-        } else {
-            s += "fn store_out(row: u32, c4: u32, x: vec4<f32>) {\n    \
-                  for (var c = 0u; c < 4u; c++) { // unroll\n        if (c4 * 4u + c < p.ev) {\n            \
-                  out_set(row * p.ev + c4 * 4u + c, x[c]);\n        }\n    }\n}\n";
-        }
+    for (x, dim) in [("q", Dim::E), ("k", Dim::E), ("v", Dim::EV)] {
+        s += &row_loader(x, dim, vec4);
     }
+    s += &row_storer("out", "out", Dim::EV, vec4, out_fmt.is_half() && out_access == Access::Write, "");
     s
+}
+
+/// A head dim: its vec4 count (a prelude constant) and its size (a params field).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dim {
+    /// The constant holding the dim in vec4s.
+    pub(crate) vec4s: &'static str,
+    /// The params field holding the dim.
+    pub(crate) size: &'static str,
+}
+
+impl Dim {
+    /// E: `E4`, `p.e`.
+    pub(crate) const E: Dim = Dim {
+        vec4s: "E4",
+        size: "p.e",
+    };
+    /// Ev: `EV4`, `p.ev`.
+    pub(crate) const EV: Dim = Dim {
+        vec4s: "EV4",
+        size: "p.ev",
+    };
+}
+
+/// `load_X(row, c4) -> vec4<f32>`: column block `c4` of row `row` of the declared array `x`
+/// with rows of `dim` elements, zero padded past the dim (the vec4 layout: one load).
+pub(crate) fn row_loader(x: &str, dim: Dim, vec4: bool) -> String {
+    let (d4, d) = (dim.vec4s, dim.size);
+    if vec4 {
+        format!("fn load_{x}(row: u32, c4: u32) -> vec4<f32> {{ return {x}_get4((row * {d4} + c4) * 4u); }}\n")
+    } else {
+        format!(
+            "fn load_{x}(row: u32, c4: u32) -> vec4<f32> {{\n    var x = vec4<f32>(0.0);\n    \
+             for (var c = 0u; c < 4u; c++) {{ // unroll\n        if (c4 * 4u + c < {d}) {{\n            \
+             x[c] = {x}_get(row * {d} + c4 * 4u + c);\n        }}\n    }}\n    return x;\n}}\n"
+        )
+    }
+}
+
+/// `store_NAME(row, c4, x)`: column block `c4` of row `row` of the declared array `arr` (rows of
+/// `dim` elements, starting at element `base`, a WGSL expression ending in `+`, or empty), the
+/// elements past the dim dropped. `pairs`: a
+/// half format whose rows start at even elements and hold an even count (stored as whole words).
+pub(crate) fn row_storer(name: &str, arr: &str, dim: Dim, vec4: bool, pairs: bool, at: &str) -> String {
+    let (d4, d) = (dim.vec4s, dim.size);
+    if vec4 {
+        format!("fn store_{name}(row: u32, c4: u32, x: vec4<f32>) {{ {arr}_set4({at}(row * {d4} + c4) * 4u, x); }}\n")
+    } else if pairs {
+        format!(
+            "fn store_{name}(row: u32, c4: u32, x: vec4<f32>) {{\n    \
+             if (c4 * 4u < {d}) {{ {arr}_set2({at}row * {d} + c4 * 4u, x.xy); }}\n    \
+             if (c4 * 4u + 2u < {d}) {{ {arr}_set2({at}row * {d} + c4 * 4u + 2u, x.zw); }}\n}}\n"
+        )
+    } else {
+        format!(
+            "fn store_{name}(row: u32, c4: u32, x: vec4<f32>) {{\n    \
+             for (var c = 0u; c < 4u; c++) {{ // unroll\n        if (c4 * 4u + c < {d}) {{\n            \
+             {arr}_set({at}row * {d} + c4 * 4u + c, x[c]);\n        }}\n    }}\n}}\n"
+        )
+    }
 }
 
 /// The bias binding (1) of the masked kernels in format `s`.

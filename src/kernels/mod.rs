@@ -9,6 +9,7 @@
 #[macro_use]
 pub(crate) mod wgsl;
 pub(crate) mod access;
+pub(crate) mod backward;
 pub(crate) mod decode;
 pub(crate) mod flash;
 pub(crate) mod matmul;
@@ -85,10 +86,18 @@ impl Masks {
     }
 }
 
-/// The constants every masked kernel's prelude declares: whether a boolean mask and a bias are
-/// bound (their code is compiled out when absent).
-/// The bias (binding 1) is declared in its format `bias`.
+/// The constants every masked forward kernel's prelude declares: whether a boolean mask and a
+/// bias are bound (their code is compiled out when absent), the bias (binding 1) in its format
+/// `bias`, and the key lengths (binding 2, read by `kv_len`).
 pub(crate) fn mask_consts(has_mask: bool, has_bias: bool, bias: crate::Storage) -> String {
+    mask_flags(has_mask, has_bias, bias)
+        + "@group(0) @binding(2) var<storage, read> kv_lens: array<u32>;\n\
+           fn kv_len(b: u32) -> u32 { return kv_lens[b]; }\n"
+}
+
+/// [`mask_consts`] without the key lengths (the backward kernels read them from their
+/// statistics buffer).
+pub(crate) fn mask_flags(has_mask: bool, has_bias: bool, bias: crate::Storage) -> String {
     format!(
         "const HAS_MASK: bool = {has_mask};\nconst HAS_BIAS: bool = {has_bias};\n{}",
         access::bias(bias)
@@ -352,7 +361,10 @@ mod tests {
             &matmul::SG_SPEC,
             &permute::SPEC,
             &softmax::SPEC,
-        ] {
+        ]
+        .into_iter()
+        .chain(backward::ALL)
+        {
             let storage = spec
                 .bindings
                 .iter()
@@ -524,6 +536,49 @@ mod tests {
         .unwrap();
         let src = source(&flash::SPEC, &cfg.prelude(), false);
         check_struct::<Masks>("masks", &naga::front::wgsl::parse_str(&src).unwrap());
+    }
+
+    /// Every backward kernel, in both forms, every layout and format, masked or not, assembles
+    /// into WGSL that naga accepts with the Rust params layout.
+    #[test]
+    fn backward_kernels_assemble() {
+        use crate::storage::{Formats, Storage};
+        for (e, ev) in [(64, 64), (37, 5), (8, 12)] {
+            for fmt in Storage::ALL {
+                for masked in [false, true] {
+                    let mut p = Problem::new(&[2, 4, 9, e], &[2, 2, 60, e], &[2, 2, 60, ev])
+                        .unwrap()
+                        .with_storage(Formats::all(fmt));
+                    if masked {
+                        p = p
+                            .with_causal(Causal::BottomRight)
+                            .with_mask(&[9, 60])
+                            .unwrap()
+                            .with_bias(&[4, 1, 60])
+                            .unwrap()
+                            .with_kv_lens(&[5, 60])
+                            .unwrap();
+                    }
+                    for cpu in [false, true] {
+                        let caps = Caps::new(&wgpu::Limits::default(), cpu, Some(8));
+                        let c = backward::Config::new(&p, &caps).unwrap();
+                        let label = format!("E {e} Ev {ev} {fmt:?} masked {masked} cpu {cpu}");
+                        for (spec, pre) in [
+                            (&backward::DQ, c.dq_prelude()),
+                            (&backward::DKV, c.dkv_prelude()),
+                            (&backward::DBIAS, c.dbias_prelude()),
+                            (&backward::DS, backward::ds_prelude(masked, masked, fmt)),
+                            (&backward::PREP, backward::prep_prelude(fmt)),
+                        ] {
+                            validate_with::<backward::Params>(
+                                &format!("{} {label}", spec.name),
+                                &source(spec, &pre, cpu),
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -1,0 +1,121 @@
+// Backward, dQ (FlashAttention-2): one workgroup per (query tile, head, batch), the forward's
+// layout (flash.wgsl). Each invocation owns RQ query rows: their scaled q, dO, logsumexp, D
+// and dQ accumulator stay in registers while K/V tiles stream through workgroup memory. Per
+// key it recomputes the logit (every mask inside), P = exp(x - lse), dP = dO . v,
+// dS = P (dP - D), and adds dS k; dQ = scale * sum. Key tiles past the workgroup's last
+// allowed key are skipped whole; a fully masked row gets dQ = 0. No atomics: WGSL has no
+// float atomics, so dK and dV come from the key-major bwd_dkv.wgsl.
+//
+// The host prepends `Params` (src/kernels/backward.rs), common/softmax.wgsl, common/masks.wgsl,
+// common/backward.wgsl (stats, kv_len, prob, dscore), q, k, v, dout with
+// load_q/load_k/load_v/load_dout(row, c4), dq with store_dq(row, c4, x), and the constants
+//   E4, EV4 (head dims in vec4s), BK (keys per tile), WG (invocations), RQ (rows per
+//   invocation), HAS_MASK, HAS_BIAS, UNROLL.
+//
+// Bindings: 0 mask, 1 bias, 2 q, 3 k, 4 v, 5 dout, 6 stats (read), 7 dq (read_write), 8 params.
+
+const BQ: u32 = WG * RQ;
+
+var<workgroup> k_tile: array<vec4<f32>, BK * E4>;
+var<workgroup> v_tile: array<vec4<f32>, BK * EV4>;
+var<workgroup> wg_end: u32;
+
+@compute @workgroup_size(WG, 1, 1)
+fn main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) tid: u32,
+) {
+    let wid = wg.x + wg.y * nwg.x;
+    if (wid >= p.total) {
+        return;
+    }
+    let qt = p.tiles - 1u - wid % p.tiles;
+    let bh = wid / p.tiles;
+    let b = bh / p.heads;
+    let h = bh % p.heads;
+    let kvh = b * (p.heads / p.group) + h / p.group;
+
+    var qr: array<vec4<f32>, RQ * E4>;
+    var dor: array<vec4<f32>, RQ * EV4>;
+    var acc: array<vec4<f32>, RQ * E4>;
+    var lse: array<f32, RQ>;
+    var dsum: array<f32, RQ>;
+    var row_end: array<u32, RQ>;
+
+    if (tid == 0u) {
+        let last_row = min(qt * BQ + BQ, p.l) - 1u;
+        wg_end = key_end(b, last_row);
+    }
+    let kv_end = workgroupUniformLoad(&wg_end);
+
+    for (var r = 0u; r < RQ; r++) { // unroll
+        let i = qt * BQ + r * WG + tid;
+        let valid = i < p.l;
+        let row = bh * p.l + min(i, p.l - 1u);
+        for (var d4 = 0u; d4 < E4; d4++) { // unroll
+            qr[r * E4 + d4] = select(vec4<f32>(0.0), load_q(row, d4) * p.scale, valid);
+            acc[r * E4 + d4] = vec4<f32>(0.0);
+        }
+        for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+            dor[r * EV4 + d4] = select(vec4<f32>(0.0), load_dout(row, d4), valid);
+        }
+        lse[r] = lse_of(row);
+        dsum[r] = dsum_of(row);
+        row_end[r] = select(0u, key_end(b, min(i, p.l - 1u)), valid);
+    }
+
+    for (var j0 = 0u; j0 < kv_end; j0 += BK) {
+        for (var t = tid; t < BK * E4; t += WG) {
+            let j = j0 + t / E4;
+            var x = vec4<f32>(0.0);
+            if (j < kv_end) {
+                x = load_k(kvh * p.s + j, t % E4);
+            }
+            k_tile[t] = x;
+        }
+        for (var t = tid; t < BK * EV4; t += WG) {
+            let j = j0 + t / EV4;
+            var x = vec4<f32>(0.0);
+            if (j < kv_end) {
+                x = load_v(kvh * p.s + j, t % EV4);
+            }
+            v_tile[t] = x;
+        }
+        workgroupBarrier();
+        for (var jj = 0u; jj < BK; jj++) {
+            let j = j0 + jj;
+            for (var r = 0u; r < RQ; r++) { // unroll
+                var d = vec4<f32>(0.0);
+                for (var d4 = 0u; d4 < E4; d4++) { // unroll
+                    d += qr[r * E4 + d4] * k_tile[jj * E4 + d4];
+                }
+                var x = select(START, d.x + d.y + d.z + d.w, j < row_end[r]);
+                if (HAS_MASK || HAS_BIAS) {
+                    let i = min(qt * BQ + r * WG + tid, p.l - 1u);
+                    x = masked_logit(x, x != START, b, h, i, j);
+                }
+                let pij = prob(x, lse[r]);
+                var dp = vec4<f32>(0.0);
+                for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+                    dp += dor[r * EV4 + d4] * v_tile[jj * EV4 + d4];
+                }
+                let ds = dscore(pij, dp.x + dp.y + dp.z + dp.w, dsum[r]);
+                for (var d4 = 0u; d4 < E4; d4++) { // unroll
+                    acc[r * E4 + d4] += ds * k_tile[jj * E4 + d4];
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+
+    for (var r = 0u; r < RQ; r++) { // unroll
+        let i = qt * BQ + r * WG + tid;
+        if (i < p.l) {
+            let row = bh * p.l + i;
+            for (var d4 = 0u; d4 < E4; d4++) { // unroll
+                store_dq(row, d4, acc[r * E4 + d4] * p.scale);
+            }
+        }
+    }
+}

@@ -1,0 +1,326 @@
+//! The backward kernels (FlashAttention-2): `shaders/bwd_prep.wgsl` (the row statistics
+//! logsumexp and `D = rowsum(dO ∘ O)`), `bwd_dkv.wgsl` (dK and dV, key-major), `bwd_dq.wgsl`
+//! (dQ, query-major), `bwd_dbias.wgsl` (the bias gradient in the bias's own shape) and, for the
+//! unfused path, `bwd_ds.wgsl` (P, dS and their transposes over a chunk of materialised
+//! scores). Every kernel binds at most 8 storage buffers: the key lengths ride in the
+//! statistics buffer, and dK and dV share one f32 output.
+
+use super::access::{array, row_loader, row_storer, Access, Dim};
+use super::{common, dispatch, grid_1d, mask_flags, params_of, Binding, KernelSpec, Masks};
+use crate::context::Context;
+use crate::error::Result;
+use crate::forms::Caps;
+use crate::problem::Problem;
+use crate::storage::{Formats, Storage};
+
+/// The backward's shared snippet (`shaders/common/backward.wgsl`).
+const BACKWARD: &str = include_str!("../../shaders/common/backward.wgsl");
+
+/// mask, bias, q, k, v, dout, stats (read), one output (read_write), params.
+const GRAD_BINDINGS: &[Binding] = &[
+    Binding::Read,
+    Binding::Read,
+    Binding::Read,
+    Binding::Read,
+    Binding::Read,
+    Binding::Read,
+    Binding::Read,
+    Binding::ReadWrite,
+    Binding::Params,
+];
+
+pub(crate) const PREP: KernelSpec = KernelSpec {
+    name: "bwd_prep",
+    source: include_str!("../../shaders/bwd_prep.wgsl"),
+    common: &[],
+    bindings: &[
+        Binding::Read,
+        Binding::Read,
+        Binding::Read,
+        Binding::ReadWrite,
+        Binding::Params,
+    ],
+    params: params_of::<Params>,
+};
+
+pub(crate) const DQ: KernelSpec = KernelSpec {
+    name: "bwd_dq",
+    source: include_str!("../../shaders/bwd_dq.wgsl"),
+    common: &[common::SOFTMAX, common::MASKS, BACKWARD],
+    bindings: GRAD_BINDINGS,
+    params: params_of::<Params>,
+};
+
+pub(crate) const DKV: KernelSpec = KernelSpec {
+    name: "bwd_dkv",
+    source: include_str!("../../shaders/bwd_dkv.wgsl"),
+    common: &[common::SOFTMAX, common::MASKS, BACKWARD],
+    bindings: GRAD_BINDINGS,
+    params: params_of::<Params>,
+};
+
+pub(crate) const DBIAS: KernelSpec = KernelSpec {
+    name: "bwd_dbias",
+    source: include_str!("../../shaders/bwd_dbias.wgsl"),
+    common: &[common::SOFTMAX, common::MASKS, BACKWARD],
+    bindings: GRAD_BINDINGS,
+    params: params_of::<Params>,
+};
+
+pub(crate) const DS: KernelSpec = KernelSpec {
+    name: "bwd_ds",
+    source: include_str!("../../shaders/bwd_ds.wgsl"),
+    common: &[common::SOFTMAX, common::MASKS, BACKWARD],
+    bindings: &[
+        Binding::Read,
+        Binding::Read,
+        Binding::Read,
+        Binding::ReadWrite,
+        Binding::ReadWrite,
+        Binding::ReadWrite,
+        Binding::Read,
+        Binding::Params,
+    ],
+    params: params_of::<Params>,
+};
+
+/// Every backward kernel, for the binding-limit and assembly tests.
+#[cfg(test)]
+pub(crate) const ALL: [&KernelSpec; 5] = [&PREP, &DQ, &DKV, &DBIAS, &DS];
+
+wgsl_struct! {
+    /// The backward kernels' params (`p` in `bwd_*.wgsl`); each kernel reads the fields it needs.
+    pub(crate) struct Params {
+        m: Masks,
+        batch: u32,
+        l: u32,
+        s: u32,
+        e: u32,
+        ev: u32,
+        heads: u32,
+        group: u32,
+        /// Query tiles (dQ) or key tiles (dK, dV) per head.
+        tiles: u32,
+        /// Workgroups (dQ, dK/dV) or invocations (prep, dbias, ds).
+        total: u32,
+        scale: f32,
+        /// Score rows `B·Hq·L` (the statistics' stride).
+        rows: u32,
+        /// Element offset of the key lengths in the statistics.
+        lens_off: u32,
+        /// Element offset of dV in the dK/dV output.
+        dv_off: u32,
+        /// The bias's broadcast shape (dbias).
+        db_b: u32,
+        db_h: u32,
+        db_l: u32,
+        db_s: u32,
+        /// The unfused chunk (ds): first batch-head, first row, rows, group width.
+        z0: u32,
+        i0: u32,
+        lc: u32,
+        gw: u32,
+        _pad0: u32,
+        _pad1: u32,
+        _pad2: u32,
+    }
+}
+
+impl Params {
+    /// The sizes of `p` (tiles and totals left for the caller).
+    pub(crate) fn new(p: &Problem, mask_strides: Option<[u32; 3]>) -> Params {
+        let rows = (p.batch_heads() * p.seq_q) as u32;
+        let [db_b, db_h, db_l, db_s] = p.bias.map_or([1; 4], |b| b.shape);
+        Params {
+            m: Masks::new(p, mask_strides),
+            batch: p.batch as u32,
+            l: p.seq_q as u32,
+            s: p.seq_kv as u32,
+            e: p.head_dim as u32,
+            ev: p.head_dim_v as u32,
+            heads: p.q_heads as u32,
+            group: p.group() as u32,
+            scale: p.scale,
+            rows,
+            lens_off: 2 * rows,
+            db_b: db_b as u32,
+            db_h: db_h as u32,
+            db_l: db_l as u32,
+            db_s: db_s as u32,
+            gw: 1,
+            ..Default::default()
+        }
+    }
+}
+
+/// The fused backward's specialisation for a problem on a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Config {
+    pub e4: u32,
+    pub ev4: u32,
+    /// Invocations per workgroup.
+    pub wg: u32,
+    /// Query rows per invocation (dQ).
+    pub rq: u32,
+    /// Keys per invocation (dK, dV).
+    pub rk: u32,
+    /// Keys per tile staged by the dQ kernel.
+    pub bk: u32,
+    /// Query rows per tile staged by the dK/dV kernel.
+    pub bq: u32,
+    pub unroll: bool,
+    pub vec4: bool,
+    /// E is odd (half dQ stores are then element by element, by atomics).
+    pub e_odd: bool,
+    pub formats: Formats,
+    pub has_mask: bool,
+    pub has_bias: bool,
+}
+
+/// Workgroup memory the kernels may use (WebGPU's default).
+const WG_MEMORY: u32 = 16 * 1024;
+
+impl Config {
+    /// The form for `p` on a device with `caps`: GPUs 64 invocations, one row (key) each;
+    /// CPU adapters 8 invocations with several rows (keys) each in registers, unrolled.
+    /// Or why the fused backward cannot run `p`.
+    pub(crate) fn new(p: &Problem, caps: &Caps) -> std::result::Result<Config, String> {
+        if p.head_dim > 256 || p.head_dim_v > 256 {
+            return Err(format!(
+                "head dims E = {}, Ev = {} exceed 256",
+                p.head_dim, p.head_dim_v
+            ));
+        }
+        let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
+        let (wg, rows, unroll) = if caps.cpu {
+            // Registers per invocation: rows x (2 E4 + EV4) vec4s (dQ).
+            (8, (48 / (2 * e4 + ev4)).clamp(1, 4), true)
+        } else {
+            (64, 1, false)
+        };
+        if caps.max_invocations < wg || caps.max_workgroup_size_x < wg {
+            return Err(format!("it needs {wg} invocations per workgroup"));
+        }
+        let budget = WG_MEMORY.min(caps.workgroup_storage).saturating_sub(16);
+        let fit = |per_row: u32| {
+            [64u32, 32, 16, 8, 4]
+                .into_iter()
+                .find(|&t| t * per_row <= budget)
+        };
+        let bk = fit((e4 + ev4) * 16).ok_or("its K/V tile does not fit workgroup memory")?;
+        let bq = fit((e4 + ev4) * 16 + 12).ok_or("its Q/dO tile does not fit workgroup memory")?;
+        Ok(Config {
+            e4,
+            ev4,
+            wg,
+            rq: rows,
+            rk: rows,
+            bk,
+            bq,
+            unroll,
+            vec4: p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4),
+            e_odd: p.head_dim % 2 == 1,
+            formats: p.storage,
+            has_mask: p.mask.is_some(),
+            has_bias: p.bias.is_some(),
+        })
+    }
+
+    /// The constants and the q, k, v, dout loaders every gradient kernel shares.
+    fn common_prelude(&self, vec4: bool) -> String {
+        let f = &self.formats;
+        let mut s = format!(
+            "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst WG: u32 = {}u;\nconst UNROLL: bool = {};\n{}",
+            self.e4,
+            self.ev4,
+            self.wg,
+            self.unroll,
+            mask_flags(self.has_mask, self.has_bias, f.bias)
+        );
+        for (i, (x, fmt, dim)) in [
+            ("q", f.q, Dim::E),
+            ("k", f.k, Dim::E),
+            ("v", f.v, Dim::EV),
+            ("dout", f.out, Dim::EV),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            s += &array(x, 2 + i as u32, fmt, vec4, Access::Read);
+            s += &row_loader(x, dim, vec4);
+        }
+        s
+    }
+
+    /// The dQ kernel's prelude; dq is stored in q's format.
+    pub(crate) fn dq_prelude(&self) -> String {
+        let fq = self.formats.q;
+        let odd = fq.is_half() && !self.vec4 && self.e_odd;
+        let access = if odd { Access::Atomic } else { Access::Write };
+        format!(
+            "{}const BK: u32 = {}u;\nconst RQ: u32 = {}u;\n{}{}",
+            self.common_prelude(self.vec4),
+            self.bk,
+            self.rq,
+            array("dq", 7, fq, self.vec4, access),
+            row_storer("dq", "dq", Dim::E, self.vec4, fq.is_half() && !odd, "")
+        )
+    }
+
+    /// The dK/dV kernel's prelude; both go to one f32 buffer, dV at `p.dv_off`.
+    pub(crate) fn dkv_prelude(&self) -> String {
+        format!(
+            "{}const BQ: u32 = {}u;\nconst RK: u32 = {}u;\n{}{}{}",
+            self.common_prelude(self.vec4),
+            self.bq,
+            self.rk,
+            array("dkv", 7, Storage::F32, self.vec4, Access::Write),
+            row_storer("dk", "dkv", Dim::E, self.vec4, false, ""),
+            row_storer("dv", "dkv", Dim::EV, self.vec4, false, "p.dv_off + ")
+        )
+    }
+
+    /// The dbias kernel's prelude; dbias is stored in the bias's format.
+    pub(crate) fn dbias_prelude(&self) -> String {
+        let fb = self.formats.bias;
+        let access = if fb.is_half() { Access::Atomic } else { Access::Write };
+        format!(
+            "{}{}",
+            self.common_prelude(false),
+            array("dbias", 7, fb, false, access)
+        )
+    }
+}
+
+/// The prep kernel's prelude: o and dout (bindings 0, 1) in `out`'s format.
+pub(crate) fn prep_prelude(out: Storage) -> String {
+    array("o", 0, out, false, Access::Read) + &array("dout", 1, out, false, Access::Read)
+}
+
+/// The ds kernel's prelude.
+pub(crate) fn ds_prelude(has_mask: bool, has_bias: bool, bias: Storage) -> String {
+    mask_flags(has_mask, has_bias, bias)
+}
+
+/// Record one dispatch of a gradient kernel over `workgroups` workgroups.
+pub(crate) fn record(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    spec: &KernelSpec,
+    prelude: &str,
+    buffers: &[wgpu::BufferBinding<'_>],
+    params: &Params,
+    workgroups: u32,
+) -> Result<()> {
+    let grid = grid_1d(workgroups, ctx.limits().max_compute_workgroups_per_dimension);
+    dispatch(
+        ctx,
+        encoder,
+        spec,
+        prelude,
+        &[],
+        buffers,
+        bytemuck::bytes_of(params),
+        grid,
+    )
+}
