@@ -21,6 +21,7 @@
 
 override TRANS_B: bool = true;
 override HAS_BIAS: bool = false;
+override ACCUM: bool = false;
 
 const BM: u32 = 64u;
 const BN: u32 = 64u;

@@ -18,6 +18,7 @@
 
 override TRANS_B: bool = true;
 override HAS_BIAS: bool = false;
+override ACCUM: bool = false;
 
 @compute @workgroup_size(8, 1, 1)
 fn main(

@@ -33,6 +33,7 @@ pub use matmul::matmul_blocking;
 pub use mha::{MhaConfig, MhaForward, MhaOutput, MhaTimings, MhaWeights, MultiHeadAttention, NeedWeights};
 pub use options::Options;
 pub use problem::{Causal, Problem};
+pub use sdpa::backward::{Backward, GpuGrads, Grads};
 pub use sdpa::merge::merge;
 #[cfg(not(target_arch = "wasm32"))]
 pub use sdpa::merge::merge_blocking;

@@ -86,6 +86,7 @@ pub async fn matmul<'a>(
                 batch: batch as u32,
                 trans_b,
                 formats: [a_op.storage, b_op.storage, Storage::F32, Storage::F32],
+                accumulate: false,
             }
             .record(ctx, &mut encoder, &dummy)?;
             ctx.queue().submit([encoder.finish()]);

@@ -226,30 +226,16 @@ impl Config {
         })
     }
 
-    /// The constants and the q, k, v, dout loaders every gradient kernel shares.
-    fn common_prelude(&self, vec4: bool) -> String {
-        let f = &self.formats;
-        let mut s = format!(
+    /// The constants and the q, k, v, dout loaders of the dQ and dK/dV kernels.
+    fn common_prelude(&self) -> String {
+        format!(
             "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst WG: u32 = {}u;\nconst UNROLL: bool = {};\n{}",
             self.e4,
             self.ev4,
             self.wg,
             self.unroll,
-            mask_flags(self.has_mask, self.has_bias, f.bias)
-        );
-        for (i, (x, fmt, dim)) in [
-            ("q", f.q, Dim::E),
-            ("k", f.k, Dim::E),
-            ("v", f.v, Dim::EV),
-            ("dout", f.out, Dim::EV),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            s += &array(x, 2 + i as u32, fmt, vec4, Access::Read);
-            s += &row_loader(x, dim, vec4);
-        }
-        s
+            grad_io(&self.formats, self.has_mask, self.has_bias, self.vec4)
+        )
     }
 
     /// The dQ kernel's prelude; dq is stored in q's format.
@@ -259,7 +245,7 @@ impl Config {
         let access = if odd { Access::Atomic } else { Access::Write };
         format!(
             "{}const BK: u32 = {}u;\nconst RQ: u32 = {}u;\n{}{}",
-            self.common_prelude(self.vec4),
+            self.common_prelude(),
             self.bk,
             self.rq,
             array("dq", 7, fq, self.vec4, access),
@@ -271,7 +257,7 @@ impl Config {
     pub(crate) fn dkv_prelude(&self) -> String {
         format!(
             "{}const BQ: u32 = {}u;\nconst RK: u32 = {}u;\n{}{}{}",
-            self.common_prelude(self.vec4),
+            self.common_prelude(),
             self.bq,
             self.rk,
             array("dkv", 7, Storage::F32, self.vec4, Access::Write),
@@ -280,21 +266,37 @@ impl Config {
         )
     }
 
-    /// The dbias kernel's prelude; dbias is stored in the bias's format.
-    pub(crate) fn dbias_prelude(&self) -> String {
-        let fb = self.formats.bias;
-        let access = if fb.is_half() { Access::Atomic } else { Access::Write };
-        format!(
-            "{}{}",
-            self.common_prelude(false),
-            array("dbias", 7, fb, false, access)
-        )
-    }
 }
 
-/// The prep kernel's prelude: o and dout (bindings 0, 1) in `out`'s format.
-pub(crate) fn prep_prelude(out: Storage) -> String {
-    array("o", 0, out, false, Access::Read) + &array("dout", 1, out, false, Access::Read)
+/// The mask flags, the bias, and q, k, v, dout (bindings 2-5) in their formats (`out`: dout's)
+/// with `load_q`, `load_k`, `load_v`, `load_dout(row, c4)`.
+fn grad_io(f: &Formats, has_mask: bool, has_bias: bool, vec4: bool) -> String {
+    let mut s = mask_flags(has_mask, has_bias, f.bias);
+    for (i, (x, fmt, dim)) in [
+        ("q", f.q, Dim::E),
+        ("k", f.k, Dim::E),
+        ("v", f.v, Dim::EV),
+        ("dout", f.out, Dim::EV),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        s += &array(x, 2 + i as u32, fmt, vec4, Access::Read);
+        s += &row_loader(x, dim, vec4);
+    }
+    s
+}
+
+/// The dbias kernel's prelude (any head dims): scalar q, k, v, dout; dbias in the bias's format.
+pub(crate) fn dbias_prelude(p: &Problem) -> String {
+    let f = &p.storage;
+    let access = if f.bias.is_half() { Access::Atomic } else { Access::Write };
+    grad_io(f, p.mask.is_some(), true, false) + &array("dbias", 7, f.bias, false, access)
+}
+
+/// The prep kernel's prelude: o and dout (bindings 0, 1) in their formats.
+pub(crate) fn prep_prelude(o: Storage, dout: Storage) -> String {
+    array("o", 0, o, false, Access::Read) + &array("dout", 1, dout, false, Access::Read)
 }
 
 /// The ds kernel's prelude.

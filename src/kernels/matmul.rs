@@ -137,11 +137,12 @@ wgsl_struct! {
         a_off: u32,
         b_batch: u32,
         b_row: u32,
+        /// Element offset added to every slice of B.
+        b_off: u32,
         c_batch: u32,
         c_row: u32,
         c_off: u32,
         alpha: f32,
-        _pad0: u32,
         _pad1: u32,
         _pad2: u32,
     }
@@ -211,6 +212,8 @@ pub(crate) struct Matmul<'a> {
     pub trans_b: bool,
     /// Storage formats of a, b, bias, c.
     pub formats: [Storage; 4],
+    /// Add the product to C (f32 C only).
+    pub accumulate: bool,
 }
 
 impl Matmul<'_> {
@@ -240,7 +243,9 @@ impl Matmul<'_> {
         let constants = [
             ("TRANS_B", self.trans_b as u32 as f64),
             ("HAS_BIAS", self.bias.is_some() as u32 as f64),
+            ("ACCUM", self.accumulate as u32 as f64),
         ];
+        debug_assert!(!self.accumulate || self.formats[3] == Storage::F32);
         let c_words = p.n.is_multiple_of(2)
             && p.c_row.is_multiple_of(2)
             && p.c_off.is_multiple_of(2)

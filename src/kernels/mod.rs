@@ -566,9 +566,9 @@ mod tests {
                         for (spec, pre) in [
                             (&backward::DQ, c.dq_prelude()),
                             (&backward::DKV, c.dkv_prelude()),
-                            (&backward::DBIAS, c.dbias_prelude()),
+                            (&backward::DBIAS, backward::dbias_prelude(&p)),
                             (&backward::DS, backward::ds_prelude(masked, masked, fmt)),
-                            (&backward::PREP, backward::prep_prelude(fmt)),
+                            (&backward::PREP, backward::prep_prelude(fmt, Storage::F32)),
                         ] {
                             validate_with::<backward::Params>(
                                 &format!("{} {label}", spec.name),

@@ -89,6 +89,7 @@ fn run_matmul(
         batch: batch as u32,
         trans_b,
         formats: [crate::Storage::F32; 4],
+        accumulate: false,
     }
     .record(ctx, &mut enc, &dummy)
     .unwrap();
@@ -327,6 +328,7 @@ fn matmul_forms_and_formats_match_f64_product() {
                             batch: batch as u32,
                             trans_b,
                             formats: fs,
+                            accumulate: false,
                         }
                         .record_form(&ctx, &mut enc, &dummy, form)
                         .unwrap();

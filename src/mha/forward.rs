@@ -542,6 +542,7 @@ fn project(
         batch: 1,
         trans_b: true,
         formats: [x_storage, storage, storage, storage],
+        accumulate: false,
     }
     .record(ctx, encoder, dummy)
 }

@@ -222,6 +222,7 @@ fn record_unfused(
                 batch: nz as u32,
                 trans_b: true,
                 formats: [p.storage.q, p.storage.k, Storage::F32, Storage::F32],
+                accumulate: false,
             }
             .record(ctx, encoder, io.dummy)?;
             // 2. masked softmax in place, logsumexp out
@@ -266,6 +267,7 @@ fn record_unfused(
                 batch: nz as u32,
                 trans_b: false,
                 formats: [Storage::F32, p.storage.v, Storage::F32, p.storage.out],
+                accumulate: false,
             }
             .record(ctx, encoder, io.dummy)?;
         }

@@ -17,6 +17,7 @@ use crate::problem::Problem;
 use crate::storage::{Formats, Storage};
 use crate::tensor::Tensor;
 
+pub(crate) mod backward;
 pub(crate) mod forward;
 pub(crate) mod merge;
 pub(crate) mod plan;
