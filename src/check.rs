@@ -139,6 +139,36 @@ where
     }
 }
 
+/// FlashAttention's accuracy rule for gradients: `actual`'s max error against the f64
+/// `reference` may be at most twice the max error of `plain` (the same computation done in f32
+/// by a plain implementation, e.g. [`crate::reference::sdpa_backward_f32`] or PyTorch's math
+/// backend) plus `1e-5 · max|reference| + 1e-6`. Returned as a [`Report`] whose tolerance is
+/// that bound (absolute); non-finite values must match as in [`compare`].
+pub fn flash_rule<A, E, P>(actual: A, reference: E, plain: P) -> Report
+where
+    A: IntoIterator,
+    A::Item: Into<f64>,
+    E: IntoIterator + Clone,
+    E::Item: Into<f64>,
+    P: IntoIterator,
+    P::Item: Into<f64>,
+{
+    let reference: Vec<f64> = reference.into_iter().map(Into::into).collect();
+    let max_ref = reference
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0.0f64, |m, x| m.max(x.abs()));
+    let plain_err = compare(plain, reference.iter().copied(), Tolerance { atol: 0.0, rtol: 0.0 }).max_abs_err;
+    compare(
+        actual,
+        reference,
+        Tolerance {
+            atol: 2.0 * plain_err + 1e-5 * max_ref + 1e-6,
+            rtol: 0.0,
+        },
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -155,6 +185,15 @@ mod tests {
         assert!(compare([1.00005f32], [1.0f64], F32_TOLERANCE).passed());
         assert!(!compare([1.0002f32], [1.0f64], F32_TOLERANCE).passed());
         assert!(!compare([1.0f32, 2.0], [1.0f64], F32_TOLERANCE).passed());
+    }
+
+    #[test]
+    fn flash_rule_bounds_by_twice_the_plain_error() {
+        let r = [1.0f64, -2.0];
+        // Plain error 1e-4: the bound is 2e-4 + 2e-5 + 1e-6.
+        assert!(flash_rule([1.0002f32, -2.0], r, [1.0001f32, -2.0]).passed());
+        assert!(!flash_rule([1.0003f32, -2.0], r, [1.0001f32, -2.0]).passed());
+        assert!(!flash_rule([f32::NAN, -2.0], r, [1.0f32, -2.0]).passed());
     }
 
     #[test]

@@ -102,6 +102,10 @@ pub(crate) fn array(name: &str, binding: u32, s: Storage, vec4: bool, access: Ac
             let pk = pack(s);
             w += &decl("atomic<u32>");
             w += &format!(
+                "fn {n}_get(i: u32) -> f32 {{ return {}(atomicLoad(&{n}[i >> 1u]))[i & 1u]; }}\n",
+                unpack(s)
+            );
+            w += &format!(
                 "fn {n}_set(i: u32, x: f32) {{\n    let sh = (i & 1u) * 16u;\n    let h = ({pk}(vec2<f32>(x, x)) & 0xffffu) << sh;\n    \
                  atomicAnd(&{n}[i >> 1u], ~(0xffffu << sh));\n    atomicOr(&{n}[i >> 1u], h);\n}}\n"
             );

@@ -1,0 +1,241 @@
+//! The SDPA backward on the GPU against the f64 reference (`reference::sdpa_backward`), by
+//! FlashAttention's rule (`check::flash_rule`: at most twice the plain f32 implementation's
+//! error, plus 1e-5·max|ref| + 1e-6), over the grid of shapes (tails, L != S, E != Ev,
+//! GQA/MQA) × every mask kind × both paths, broadcast biases, key lengths with 0, large
+//! logits, B×H past the dispatch limit, half formats, saved O/logsumexp, NaN, bad input.
+
+mod common;
+
+use common::*;
+use ndarray::{Array3, Array4, ArrayD};
+use wgpu_attention::check::{compare, flash_rule, Tolerance};
+use wgpu_attention::{reference, Context, Error, Path, Storage, Tensor};
+
+const PATHS: [Path; 2] = [Path::Fused, Path::Unfused];
+
+fn dout_for(case: &Case, seed: u64) -> Array4<f32> {
+    let (b, h, l, _) = case.dims();
+    let ev = case.v.dim().3;
+    rand_array(&mut rng(seed), (b, h, l, ev)).mapv(|x| case.storage.round(x))
+}
+
+/// Run the backward of `case` on `path` and check every gradient against the reference.
+fn check(ctx: &Context, case: &Case, path: Path, label: &str) {
+    let dout = dout_for(case, 99);
+    let dout_t = Tensor::from(&dout).with_storage(case.storage);
+    let g = case
+        .sdpa()
+        .backward(dout_t)
+        .path(path)
+        .run_blocking(ctx)
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+    let opts = case.options();
+    let r64 = reference::sdpa_backward(case.q.view(), case.k.view(), case.v.view(), dout.view(), &opts).unwrap();
+    let r32 = reference::sdpa_backward_f32(case.q.view(), case.k.view(), case.v.view(), dout.view(), &opts).unwrap();
+    let rule = |name: &str, got: &[f32], want: &[f64], plain: &[f32]| {
+        let report = if case.storage == Storage::F32 {
+            flash_rule(got.iter().copied(), want.iter().copied(), plain.iter().copied())
+        } else {
+            // Half outputs: the format's rounding relative to the largest gradient.
+            let max = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            let t = Tolerance::for_storage(case.storage);
+            compare(
+                got.iter().copied(),
+                want.iter().copied(),
+                Tolerance {
+                    atol: 2.0 * t.rtol * max + t.atol,
+                    rtol: 0.0,
+                },
+            )
+        };
+        assert!(report.passed(), "{label} {path:?} {name}: {report}");
+    };
+    let flat = |a: &ArrayD<f64>| a.iter().copied().collect::<Vec<_>>();
+    rule("dq", g.dq.as_slice().unwrap(), r64.dq.as_slice().unwrap(), r32.dq.as_slice().unwrap());
+    rule("dk", g.dk.as_slice().unwrap(), r64.dk.as_slice().unwrap(), r32.dk.as_slice().unwrap());
+    rule("dv", g.dv.as_slice().unwrap(), r64.dv.as_slice().unwrap(), r32.dv.as_slice().unwrap());
+    match (&g.dbias, &r64.dbias, &r32.dbias) {
+        (Some(got), Some(want), Some(plain)) => {
+            assert_eq!(got.shape(), want.shape(), "{label}: dbias shape");
+            let got: Vec<f32> = got.iter().copied().collect();
+            let plain: Vec<f32> = plain.iter().copied().collect();
+            rule("dbias", &got, &flat(want), &plain);
+        }
+        (None, None, None) => {}
+        _ => panic!("{label}: dbias presence differs"),
+    }
+    // The forward it ran on the way.
+    let out = g.output.as_ref().expect("the forward's output");
+    let report = compare(out.iter().copied(), r64.out.iter().copied(), twice_storage_tolerance(case.storage));
+    assert!(report.passed(), "{label}: forward output: {report}");
+}
+
+/// The grid: every shape × every mask kind (fully masked rows included) × both paths.
+#[test]
+fn grid_matches_reference_by_flash_rule() {
+    let Some(ctx) = ctx() else { return };
+    for (si, &shape) in SHAPES.iter().enumerate() {
+        for (name, kind) in mask_kinds() {
+            let case = kind(Case::random(shape, 100 + si as u64));
+            for path in PATHS {
+                check(ctx, &case, path, &format!("{shape:?} {name}"));
+            }
+        }
+    }
+}
+
+/// Biases (and masks) of every broadcast shape: d(bias) summed over the broadcast dims.
+#[test]
+fn broadcast_bias_gradients_are_summed() {
+    let Some(ctx) = ctx() else { return };
+    for (label, case) in broadcast_cases() {
+        for path in PATHS {
+            check(ctx, &case, path, &label);
+        }
+    }
+}
+
+/// Key lengths including 0 (a batch with no key: zero gradients), large logits, a -inf bias
+/// entry, and every mask at once with GQA and tails.
+#[test]
+fn edge_cases_match_reference() {
+    let Some(ctx) = ctx() else { return };
+    let mut zero_len = Case::random((3, 4, 2, 9, 21, 12, 7), 5).with_causal(wgpu_attention::Causal::TopLeft);
+    zero_len.kv_lens = Some(vec![21, 0, 4]);
+    let mut large = Case::random((1, 2, 1, 33, 40, 16, 16), 6);
+    large.q.mapv_inplace(|x| 30.0 * x);
+    let mut neg_inf = Case::random((1, 2, 2, 5, 9, 4, 4), 7).with_random_bias(8);
+    if let Some(b) = &mut neg_inf.bias {
+        b[[0, 0, 1, 3]] = f32::NEG_INFINITY;
+        for j in 0..9 {
+            b[[0, 1, 2, j]] = f32::NEG_INFINITY;
+        }
+    }
+    for (label, case) in [("kv_lens with 0", zero_len), ("large logits", large), ("-inf bias", neg_inf)] {
+        for path in PATHS {
+            check(ctx, &case, path, label);
+        }
+    }
+}
+
+/// More batch-heads than one dispatch dimension holds (65,535 on most devices).
+#[test]
+fn batch_heads_past_the_dispatch_limit() {
+    let Some(ctx) = ctx() else { return };
+    let case = Case::random((70_000, 1, 1, 1, 2, 1, 1), 9);
+    for path in PATHS {
+        check(ctx, &case, path, "B*H 70000");
+    }
+}
+
+/// A larger problem with every mask (the CPU forms' several rows per invocation, tails on
+/// both sequence lengths, key lengths 700 and 0).
+#[test]
+fn large_case_matches_reference() {
+    let Some(ctx) = ctx() else { return };
+    let mut case = Case::random((1, 2, 1, 200, 237, 64, 64), 77)
+        .with_random_mask(78)
+        .with_random_bias(79)
+        .with_causal(wgpu_attention::Causal::BottomRight);
+    case.kv_lens = Some(vec![230]);
+    check(ctx, &case, Path::Fused, "large");
+    check(ctx, &case, Path::Unfused, "large");
+}
+
+/// f16 and bf16 inputs (rounded), gradients in the inputs' formats.
+#[test]
+fn half_formats_match_reference() {
+    let Some(ctx) = ctx() else { return };
+    for s in [Storage::F16, Storage::Bf16] {
+        for (shape, kind) in [((2, 4, 2, 17, 23, 16, 16), 6), ((1, 2, 1, 9, 13, 5, 3), 6), ((1, 2, 2, 8, 8, 8, 6), 0)] {
+            let (name, f) = mask_kinds()[kind];
+            let case = f(Case::random(shape, 11)).with_storage(s);
+            for path in PATHS {
+                check(ctx, &case, path, &format!("{s:?} {shape:?} {name}"));
+            }
+        }
+    }
+}
+
+/// O and the logsumexp from the caller (a separate forward) give the same gradients as the
+/// one-call form.
+#[test]
+fn saved_forward_matches_one_call() {
+    let Some(ctx) = ctx() else { return };
+    let case = Case::random((2, 4, 2, 19, 30, 8, 12), 12).with_random_mask(13);
+    let dout = dout_for(&case, 14);
+    let fw = case.sdpa().return_lse().run_blocking(ctx).unwrap();
+    let lse = fw.lse.unwrap();
+    for path in PATHS {
+        let saved = case
+            .sdpa()
+            .backward(&dout)
+            .saved(&fw.output, &lse)
+            .path(path)
+            .run_blocking(ctx)
+            .unwrap();
+        assert!(saved.output.is_none());
+        let once = case.sdpa().backward(&dout).path(path).run_blocking(ctx).unwrap();
+        for (a, b) in [(&saved.dq, &once.dq), (&saved.dk, &once.dk), (&saved.dv, &once.dv)] {
+            let r = compare(a.iter().copied(), b.iter().copied(), TOL);
+            assert!(r.passed(), "{path:?}: {r}");
+        }
+    }
+}
+
+/// NaN in q propagates to that row's dQ (and dK, dV); nothing else turns NaN on its own.
+#[test]
+fn nan_propagates() {
+    let Some(ctx) = ctx() else { return };
+    let mut case = Case::random((1, 1, 1, 4, 6, 4, 4), 15);
+    case.q[[0, 0, 2, 1]] = f32::NAN;
+    let dout = dout_for(&case, 16);
+    for path in PATHS {
+        let g = case.sdpa().backward(&dout).path(path).run_blocking(ctx).unwrap();
+        assert!(g.dq.slice(ndarray::s![0, 0, 2, ..]).iter().all(|x| x.is_nan()), "{path:?} {:?} {:?}", g.dq, g.lse);
+        assert!(g.dq.slice(ndarray::s![0, 0, 0, ..]).iter().all(|x| x.is_finite()), "{path:?}");
+        assert!(g.dk.iter().all(|x| x.is_nan()), "{path:?}");
+    }
+}
+
+/// Bad input: typed errors before any GPU work.
+#[test]
+fn bad_input_is_a_typed_error() {
+    let Some(ctx) = ctx() else { return };
+    let case = Case::random((1, 2, 2, 5, 7, 4, 4), 17);
+    let dout = dout_for(&case, 18);
+    let wrong = Array4::<f32>::zeros((1, 2, 5, 3));
+    assert!(matches!(
+        case.sdpa().backward(&wrong).run_blocking(ctx),
+        Err(Error::ShapeMismatch { tensor: "dout", .. })
+    ));
+    let out = Array4::<f32>::zeros((1, 2, 5, 4));
+    let other_lse = Array3::<f32>::zeros((1, 2, 6));
+    assert!(matches!(
+        case.sdpa().backward(&dout).saved(&out, &other_lse).run_blocking(ctx),
+        Err(Error::ShapeMismatch { tensor: "lse", .. })
+    ));
+    let lse = Array3::<f32>::zeros((1, 2, 5));
+    assert!(matches!(
+        case.sdpa().backward(&dout).saved(&wrong, &lse).run_blocking(ctx),
+        Err(Error::ShapeMismatch { tensor: "output", .. })
+    ));
+    let half_lse = Tensor::from(&lse).with_storage(Storage::F16);
+    assert!(matches!(
+        case.sdpa().backward(&dout).saved(&out, half_lse).run_blocking(ctx),
+        Err(Error::StorageMismatch { tensor: "lse", .. })
+    ));
+    assert!(matches!(
+        case.sdpa().backward(&dout).path(Path::Decode).run_blocking(ctx),
+        Err(Error::Unsupported { path: "decode", .. })
+    ));
+    let wide = Case::random((1, 1, 1, 2, 3, 300, 4), 19);
+    let d = dout_for(&wide, 20);
+    assert!(matches!(
+        wide.sdpa().backward(&d).path(Path::Fused).run_blocking(ctx),
+        Err(Error::Unsupported { path: "fused", .. })
+    ));
+    // Auto runs it on the unfused path.
+    assert_eq!(wide.sdpa().backward(&d).resolved_path(ctx).unwrap(), Path::Unfused);
+    check(ctx, &wide, Path::Auto, "E 300 auto");
+}
