@@ -158,7 +158,12 @@ where
         .iter()
         .filter(|x| x.is_finite())
         .fold(0.0f64, |m, x| m.max(x.abs()));
-    let plain_err = compare(plain, reference.iter().copied(), Tolerance { atol: 0.0, rtol: 0.0 }).max_abs_err;
+    let plain_err = compare(
+        plain,
+        reference.iter().copied(),
+        Tolerance { atol: 0.0, rtol: 0.0 },
+    )
+    .max_abs_err;
     compare(
         actual,
         reference,

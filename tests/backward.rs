@@ -30,8 +30,10 @@ fn check(ctx: &Context, case: &Case, path: Path, label: &str) {
         .run_blocking(ctx)
         .unwrap_or_else(|e| panic!("{label}: {e}"));
     let opts = case.options();
-    let r64 = reference::sdpa_backward(case.q.view(), case.k.view(), case.v.view(), dout.view(), &opts).unwrap();
-    let r32 = reference::sdpa_backward_f32(case.q.view(), case.k.view(), case.v.view(), dout.view(), &opts).unwrap();
+    let r64 =
+        reference::sdpa_backward(case.q.view(), case.k.view(), case.v.view(), dout.view(), &opts).unwrap();
+    let r32 = reference::sdpa_backward_f32(case.q.view(), case.k.view(), case.v.view(), dout.view(), &opts)
+        .unwrap();
     let rule = |name: &str, got: &[f32], want: &[f64], plain: &[f32]| {
         let report = if case.storage == Storage::F32 {
             flash_rule(got.iter().copied(), want.iter().copied(), plain.iter().copied())
@@ -51,9 +53,24 @@ fn check(ctx: &Context, case: &Case, path: Path, label: &str) {
         assert!(report.passed(), "{label} {path:?} {name}: {report}");
     };
     let flat = |a: &ArrayD<f64>| a.iter().copied().collect::<Vec<_>>();
-    rule("dq", g.dq.as_slice().unwrap(), r64.dq.as_slice().unwrap(), r32.dq.as_slice().unwrap());
-    rule("dk", g.dk.as_slice().unwrap(), r64.dk.as_slice().unwrap(), r32.dk.as_slice().unwrap());
-    rule("dv", g.dv.as_slice().unwrap(), r64.dv.as_slice().unwrap(), r32.dv.as_slice().unwrap());
+    rule(
+        "dq",
+        g.dq.as_slice().unwrap(),
+        r64.dq.as_slice().unwrap(),
+        r32.dq.as_slice().unwrap(),
+    );
+    rule(
+        "dk",
+        g.dk.as_slice().unwrap(),
+        r64.dk.as_slice().unwrap(),
+        r32.dk.as_slice().unwrap(),
+    );
+    rule(
+        "dv",
+        g.dv.as_slice().unwrap(),
+        r64.dv.as_slice().unwrap(),
+        r32.dv.as_slice().unwrap(),
+    );
     match (&g.dbias, &r64.dbias, &r32.dbias) {
         (Some(got), Some(want), Some(plain)) => {
             assert_eq!(got.shape(), want.shape(), "{label}: dbias shape");
@@ -66,7 +83,11 @@ fn check(ctx: &Context, case: &Case, path: Path, label: &str) {
     }
     // The forward it ran on the way.
     let out = g.output.as_ref().expect("the forward's output");
-    let report = compare(out.iter().copied(), r64.out.iter().copied(), twice_storage_tolerance(case.storage));
+    let report = compare(
+        out.iter().copied(),
+        r64.out.iter().copied(),
+        twice_storage_tolerance(case.storage),
+    );
     assert!(report.passed(), "{label}: forward output: {report}");
 }
 
@@ -111,7 +132,11 @@ fn edge_cases_match_reference() {
             b[[0, 1, 2, j]] = f32::NEG_INFINITY;
         }
     }
-    for (label, case) in [("kv_lens with 0", zero_len), ("large logits", large), ("-inf bias", neg_inf)] {
+    for (label, case) in [
+        ("kv_lens with 0", zero_len),
+        ("large logits", large),
+        ("-inf bias", neg_inf),
+    ] {
         for path in PATHS {
             check(ctx, &case, path, label);
         }
@@ -147,7 +172,11 @@ fn large_case_matches_reference() {
 fn half_formats_match_reference() {
     let Some(ctx) = ctx() else { return };
     for s in [Storage::F16, Storage::Bf16] {
-        for (shape, kind) in [((2, 4, 2, 17, 23, 16, 16), 6), ((1, 2, 1, 9, 13, 5, 3), 6), ((1, 2, 2, 8, 8, 8, 6), 0)] {
+        for (shape, kind) in [
+            ((2, 4, 2, 17, 23, 16, 16), 6),
+            ((1, 2, 1, 9, 13, 5, 3), 6),
+            ((1, 2, 2, 8, 8, 8, 6), 0),
+        ] {
             let (name, f) = mask_kinds()[kind];
             let case = f(Case::random(shape, 11)).with_storage(s);
             for path in PATHS {
@@ -176,7 +205,11 @@ fn saved_forward_matches_one_call() {
             .unwrap();
         assert!(saved.output.is_none());
         let once = case.sdpa().backward(&dout).path(path).run_blocking(ctx).unwrap();
-        for (a, b) in [(&saved.dq, &once.dq), (&saved.dk, &once.dk), (&saved.dv, &once.dv)] {
+        for (a, b) in [
+            (&saved.dq, &once.dq),
+            (&saved.dk, &once.dk),
+            (&saved.dv, &once.dv),
+        ] {
             let r = compare(a.iter().copied(), b.iter().copied(), TOL);
             assert!(r.passed(), "{path:?}: {r}");
         }
@@ -192,8 +225,16 @@ fn nan_propagates() {
     let dout = dout_for(&case, 16);
     for path in PATHS {
         let g = case.sdpa().backward(&dout).path(path).run_blocking(ctx).unwrap();
-        assert!(g.dq.slice(ndarray::s![0, 0, 2, ..]).iter().all(|x| x.is_nan()), "{path:?} {:?} {:?}", g.dq, g.lse);
-        assert!(g.dq.slice(ndarray::s![0, 0, 0, ..]).iter().all(|x| x.is_finite()), "{path:?}");
+        assert!(
+            g.dq.slice(ndarray::s![0, 0, 2, ..]).iter().all(|x| x.is_nan()),
+            "{path:?} {:?} {:?}",
+            g.dq,
+            g.lse
+        );
+        assert!(
+            g.dq.slice(ndarray::s![0, 0, 0, ..]).iter().all(|x| x.is_finite()),
+            "{path:?}"
+        );
         assert!(g.dk.iter().all(|x| x.is_nan()), "{path:?}");
     }
 }
@@ -212,7 +253,10 @@ fn bad_input_is_a_typed_error() {
     let out = Array4::<f32>::zeros((1, 2, 5, 4));
     let other_lse = Array3::<f32>::zeros((1, 2, 6));
     assert!(matches!(
-        case.sdpa().backward(&dout).saved(&out, &other_lse).run_blocking(ctx),
+        case.sdpa()
+            .backward(&dout)
+            .saved(&out, &other_lse)
+            .run_blocking(ctx),
         Err(Error::ShapeMismatch { tensor: "lse", .. })
     ));
     let lse = Array3::<f32>::zeros((1, 2, 5));
@@ -222,7 +266,10 @@ fn bad_input_is_a_typed_error() {
     ));
     let half_lse = Tensor::from(&lse).with_storage(Storage::F16);
     assert!(matches!(
-        case.sdpa().backward(&dout).saved(&out, half_lse).run_blocking(ctx),
+        case.sdpa()
+            .backward(&dout)
+            .saved(&out, half_lse)
+            .run_blocking(ctx),
         Err(Error::StorageMismatch { tensor: "lse", .. })
     ));
     assert!(matches!(
@@ -236,6 +283,9 @@ fn bad_input_is_a_typed_error() {
         Err(Error::Unsupported { path: "fused", .. })
     ));
     // Auto runs it on the unfused path.
-    assert_eq!(wide.sdpa().backward(&d).resolved_path(ctx).unwrap(), Path::Unfused);
+    assert_eq!(
+        wide.sdpa().backward(&d).resolved_path(ctx).unwrap(),
+        Path::Unfused
+    );
     check(ctx, &wide, Path::Auto, "E 300 auto");
 }

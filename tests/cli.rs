@@ -392,3 +392,118 @@ fn mha_storage_f16_matches_the_rounded_reference() {
         "mha --storage f16",
     );
 }
+
+/// `backward` on .npy files: the GPU's gradients (fused and unfused, with a mask, a broadcast
+/// bias, key lengths, causal and GQA) match the f64 reference computed in the test, and
+/// `--cpu` writes the reference's; bad input exits with status 2.
+#[test]
+fn backward_writes_gradients_matching_the_reference() {
+    if common::ctx().is_none() {
+        return;
+    }
+    let dir = out_dir("backward");
+    let mut r = common::rng(21);
+    let (q, k, v) = (
+        common::rand_array(&mut r, (2, 4, 7, 8)),
+        common::rand_array(&mut r, (2, 2, 9, 8)),
+        common::rand_array(&mut r, (2, 2, 9, 6)),
+    );
+    let dout = common::rand_array(&mut r, (2, 4, 7, 6));
+    let bias = common::rand_array(&mut r, ndarray::IxDyn(&[4, 1, 9]));
+    let mask = ArrayD::from_shape_fn(ndarray::IxDyn(&[7, 9]), |ix| (ix[0] + 2 * ix[1]) % 5 != 0);
+    let files = ["q", "k", "v", "dout", "bias", "mask"].map(|n| dir.join(format!("{n}.npy")));
+    write_npy(&files[0], &q).unwrap();
+    write_npy(&files[1], &k).unwrap();
+    write_npy(&files[2], &v).unwrap();
+    write_npy(&files[3], &dout).unwrap();
+    write_npy(&files[4], &bias).unwrap();
+    write_npy(&files[5], &mask).unwrap();
+    let opts = wgpu_attention::Options {
+        causal: wgpu_attention::Causal::BottomRight,
+        mask: Some((&mask).into()),
+        bias: Some((&bias).into()),
+        kv_lens: Some(vec![9, 4]),
+        ..Default::default()
+    };
+    let want =
+        wgpu_attention::reference::sdpa_backward(q.view(), k.view(), v.view(), dout.view(), &opts).unwrap();
+    let outs = ["dq", "dk", "dv", "db"].map(|n| dir.join(format!("{n}.npy")));
+    for how in [&["--path", "fused"][..], &["--path", "unfused"], &["--cpu"]] {
+        let args = [
+            &[
+                "backward",
+                "--q",
+                s(&files[0]),
+                "--k",
+                s(&files[1]),
+                "--v",
+                s(&files[2]),
+            ][..],
+            &[
+                "--dout",
+                s(&files[3]),
+                "--bias",
+                s(&files[4]),
+                "--mask",
+                s(&files[5]),
+            ],
+            &["--kv-lens", "9,4", "--causal", "bottom-right"],
+            &[
+                "--dq-out",
+                s(&outs[0]),
+                "--dk-out",
+                s(&outs[1]),
+                "--dv-out",
+                s(&outs[2]),
+            ],
+            &["--dbias-out", s(&outs[3])],
+            how,
+        ]
+        .concat();
+        let res = cli(&args);
+        assert!(
+            res.status.success(),
+            "{how:?}: {}",
+            String::from_utf8_lossy(&res.stderr)
+        );
+        for (file, w) in outs.iter().zip([
+            want.dq.view().into_dyn(),
+            want.dk.view().into_dyn(),
+            want.dv.view().into_dyn(),
+            want.dbias.as_ref().unwrap().view(),
+        ]) {
+            let got: ArrayD<f32> = read_npy(file).unwrap();
+            assert_eq!(got.shape(), w.shape(), "{how:?} {file:?}");
+            let max = w.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            let tol = wgpu_attention::check::Tolerance {
+                atol: 1e-5 * max + 1e-5,
+                rtol: 1e-4,
+            };
+            common::assert_report(
+                compare(got.iter().copied(), w.iter().copied(), tol),
+                &format!("{how:?} {file:?}"),
+            );
+        }
+    }
+    // A dO of the wrong shape: status 2 and a message naming it.
+    let res = cli(&[
+        "backward",
+        "--q",
+        s(&files[0]),
+        "--k",
+        s(&files[1]),
+        "--v",
+        s(&files[2]),
+        "--dout",
+        s(&files[0]),
+        "--dq-out",
+        s(&outs[0]),
+        "--dk-out",
+        s(&outs[1]),
+        "--dv-out",
+        s(&outs[2]),
+    ]);
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(2), "{err}");
+    assert!(err.contains("dout"), "{err}");
+}

@@ -216,7 +216,14 @@ pub(crate) fn attention_io(f: &Formats, out_fmt: Storage, vec4: bool, ev_odd: bo
     for (x, dim) in [("q", Dim::E), ("k", Dim::E), ("v", Dim::EV)] {
         s += &row_loader(x, dim, vec4);
     }
-    s += &row_storer("out", "out", Dim::EV, vec4, out_fmt.is_half() && out_access == Access::Write, "");
+    s += &row_storer(
+        "out",
+        "out",
+        Dim::EV,
+        vec4,
+        out_fmt.is_half() && out_access == Access::Write,
+        "",
+    );
     s
 }
 
@@ -247,7 +254,9 @@ impl Dim {
 pub(crate) fn row_loader(x: &str, dim: Dim, vec4: bool) -> String {
     let (d4, d) = (dim.vec4s, dim.size);
     if vec4 {
-        format!("fn load_{x}(row: u32, c4: u32) -> vec4<f32> {{ return {x}_get4((row * {d4} + c4) * 4u); }}\n")
+        format!(
+            "fn load_{x}(row: u32, c4: u32) -> vec4<f32> {{ return {x}_get4((row * {d4} + c4) * 4u); }}\n"
+        )
     } else {
         format!(
             "fn load_{x}(row: u32, c4: u32) -> vec4<f32> {{\n    var x = vec4<f32>(0.0);\n    \

@@ -202,11 +202,7 @@ impl Config {
             return Err(format!("it needs {wg} invocations per workgroup"));
         }
         let budget = WG_MEMORY.min(caps.workgroup_storage).saturating_sub(16);
-        let fit = |per_row: u32| {
-            [64u32, 32, 16, 8, 4]
-                .into_iter()
-                .find(|&t| t * per_row <= budget)
-        };
+        let fit = |per_row: u32| [64u32, 32, 16, 8, 4].into_iter().find(|&t| t * per_row <= budget);
         let bk = fit((e4 + ev4) * 16).ok_or("its K/V tile does not fit workgroup memory")?;
         let bq = fit((e4 + ev4) * 16 + 12).ok_or("its Q/dO tile does not fit workgroup memory")?;
         Ok(Config {
@@ -265,7 +261,6 @@ impl Config {
             row_storer("dv", "dkv", Dim::EV, self.vec4, false, "p.dv_off + ")
         )
     }
-
 }
 
 /// The mask flags, the bias, and q, k, v, dout (bindings 2-5) in their formats (`out`: dout's)
@@ -290,7 +285,11 @@ fn grad_io(f: &Formats, has_mask: bool, has_bias: bool, vec4: bool) -> String {
 /// The dbias kernel's prelude (any head dims): scalar q, k, v, dout; dbias in the bias's format.
 pub(crate) fn dbias_prelude(p: &Problem) -> String {
     let f = &p.storage;
-    let access = if f.bias.is_half() { Access::Atomic } else { Access::Write };
+    let access = if f.bias.is_half() {
+        Access::Atomic
+    } else {
+        Access::Write
+    };
     grad_io(f, p.mask.is_some(), true, false) + &array("dbias", 7, f.bias, false, access)
 }
 

@@ -53,12 +53,18 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
     let group = hq / hkv;
     let mask = opts.mask_view()?;
     let bias = opts.bias_view()?;
-    let mask = mask
-        .as_ref()
-        .map(|m| m.broadcast((b, hq, l, s)).expect("mask broadcasts").into_dimensionality::<Ix4>().unwrap());
-    let bias = bias
-        .as_ref()
-        .map(|m| m.broadcast((b, hq, l, s)).expect("bias broadcasts").into_dimensionality::<Ix4>().unwrap());
+    let mask = mask.as_ref().map(|m| {
+        m.broadcast((b, hq, l, s))
+            .expect("mask broadcasts")
+            .into_dimensionality::<Ix4>()
+            .unwrap()
+    });
+    let bias = bias.as_ref().map(|m| {
+        m.broadcast((b, hq, l, s))
+            .expect("bias broadcasts")
+            .into_dimensionality::<Ix4>()
+            .unwrap()
+    });
     let mut p = Array4::<F>::zeros((b, hq, l, s));
     let mut lse = Array3::<F>::from_elem((b, hq, l), F::neg_infinity());
     let mut logits = vec![F::zero(); s];
@@ -68,10 +74,7 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
             for i in 0..l {
                 let mut max = F::neg_infinity();
                 for j in 0..s {
-                    let causal_ok = opts
-                        .causal
-                        .offset(l, s)
-                        .is_none_or(|d| j as i64 <= i as i64 + d);
+                    let causal_ok = opts.causal.offset(l, s).is_none_or(|d| j as i64 <= i as i64 + d);
                     let len_ok = opts.kv_lens.as_ref().is_none_or(|lens| j < lens[bi]);
                     let mask_ok = mask.as_ref().is_none_or(|m| m[[bi, h, i, j]]);
                     let mut acc = F::zero();
@@ -82,7 +85,11 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
                     ok[j] = causal_ok && len_ok && mask_ok && x != F::neg_infinity();
                     logits[j] = x;
                     if ok[j] {
-                        max = if x.is_nan() || max.is_nan() { F::nan() } else { max.max(x) };
+                        max = if x.is_nan() || max.is_nan() {
+                            F::nan()
+                        } else {
+                            max.max(x)
+                        };
                     }
                 }
                 if max == F::neg_infinity() {
@@ -242,7 +249,9 @@ mod tests {
 
     /// The loss `sum(dO ∘ O)` of the f64 forward.
     fn loss(q: &Array4<f64>, k: &Array4<f64>, v: &Array4<f64>, dout: &Array4<f64>, opts: &Options) -> f64 {
-        let o = crate::reference::sdpa(q.view(), k.view(), v.view(), opts).unwrap().out;
+        let o = crate::reference::sdpa(q.view(), k.view(), v.view(), opts)
+            .unwrap()
+            .out;
         (&o * dout).sum()
     }
 
@@ -307,7 +316,10 @@ mod tests {
                 };
                 let fd = (at(step) - at(-step)) / (2.0 * step as f64);
                 let an = db.as_slice().unwrap()[n];
-                assert!((fd - an).abs() <= 1e-5 + 1e-4 * an.abs(), "dbias[{n}]: fd {fd}, analytic {an}");
+                assert!(
+                    (fd - an).abs() <= 1e-5 + 1e-4 * an.abs(),
+                    "dbias[{n}]: fd {fd}, analytic {an}"
+                );
             }
             // The fully masked query row (head 0, row 2 by the mask) has zero gradients.
             assert!(g.dq.slice(ndarray::s![.., 0, 2, ..]).iter().all(|&x| x == 0.0));

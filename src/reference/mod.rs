@@ -10,7 +10,9 @@ mod backward;
 mod mha;
 mod sdpa;
 
-pub use backward::{recompute, sdpa_backward, sdpa_backward_f32, sdpa_backward_in, softmax_backward, Gradients};
+pub use backward::{
+    recompute, sdpa_backward, sdpa_backward_f32, sdpa_backward_in, softmax_backward, Gradients,
+};
 
 pub use mha::{mha, MhaInputs, MhaOutput};
 pub use sdpa::{masked_softmax, mean_over_heads, scores, sdpa, weighted_sum, Output};

@@ -97,7 +97,8 @@ impl<'a> Sdpa<'a> {
 }
 
 /// Where a backward cannot run.
-const NO_DECODE: &str = "the backward has fused and unfused paths; use Path::Fused, Path::Unfused or Path::Auto";
+const NO_DECODE: &str =
+    "the backward has fused and unfused paths; use Path::Fused, Path::Unfused or Path::Auto";
 
 impl<'a> Backward<'a> {
     /// Use the forward's output `out` `[B, Hq, L, Ev]` (any format) and logsumexp `lse`
@@ -252,7 +253,12 @@ impl<'a> Backward<'a> {
         }
         for n in [rows.div_ceil(64), p.bias.map_or(0, |b| b.len()).div_ceil(64)] {
             let max = ctx.limits().max_compute_workgroups_per_dimension as u64;
-            fits("backward workgroups", n as u64, max * max, "max_compute_workgroups_per_dimension (squared)")?;
+            fits(
+                "backward workgroups",
+                n as u64,
+                max * max,
+                "max_compute_workgroups_per_dimension (squared)",
+            )?;
         }
 
         // The forward, when O and the logsumexp are not given.
@@ -308,7 +314,9 @@ impl<'a> Backward<'a> {
         let dq = output(ctx, "dq", f.q.bytes(rows * p.head_dim));
         let io = Io {
             mask: mask_buf.as_ref().unwrap_or(&dummy).as_entire_buffer_binding(),
-            bias: bias.as_ref().map_or(dummy.as_entire_buffer_binding(), |b| b.binding()),
+            bias: bias
+                .as_ref()
+                .map_or(dummy.as_entire_buffer_binding(), |b| b.binding()),
             q: q.binding(),
             k: k.binding(),
             v: v.binding(),
@@ -542,7 +550,8 @@ fn record_unfused(
     let bh = p.batch_heads();
     let (heads, group) = (p.q_heads as u32, p.group() as u32);
     let chunk = f32_bytes(chunks.heads * chunks.rows * p.seq_kv);
-    let [sc, dp, pt, dst] = ["scores", "dP and dS", "P transposed", "dS transposed"].map(|n| scratch(ctx, n, chunk));
+    let [sc, dp, pt, dst] =
+        ["scores", "dP and dS", "P transposed", "dS transposed"].map(|n| scratch(ctx, n, chunk));
     let kv_rows = p.batch * p.kv_heads * p.seq_kv;
     let dk_bind = || binding(dkv, 0, f32_bytes(kv_rows * p.head_dim));
     let dv_bind = || binding(dkv, f32_bytes(dv_off), f32_bytes(kv_rows * p.head_dim_v));

@@ -1,10 +1,11 @@
 //! `wgpu-attention`: inspect the GPU, run attention on `.npy` files, verify against the CPU
 //! reference and benchmark named shapes.
 //!
-//! One module per command (`info`, `demo`, `run`, `mha`, `bench`); every `.npy` read and
+//! One module per command (`info`, `demo`, `run`, `backward`, `mha`, `bench`); every `.npy` read and
 //! write is in `npy`, the timing of repeated runs in `timing`. This file holds the command
 //! line, the exit codes and what the commands share.
 
+mod backward;
 mod bench;
 mod demo;
 mod info;
@@ -19,6 +20,7 @@ use clap::builder::TypedValueParser;
 use clap::{Parser, Subcommand, ValueEnum};
 use wgpu_attention::{Causal, Context, Path, Sdpa};
 
+use backward::BackwardArgs;
 use bench::BenchArgs;
 use demo::DemoArgs;
 use mha::MhaArgs;
@@ -61,6 +63,9 @@ enum Command {
     Demo(DemoArgs),
     /// Attention on .npy files (f32 q/k/v/bias, bool mask); writes f32 .npy outputs.
     Run(RunArgs),
+    /// Gradients of attention on .npy files: dQ, dK, dV (and d(bias)) for an upstream
+    /// gradient dO; runs the forward itself.
+    Backward(BackwardArgs),
     /// Multi-head attention layer (PyTorch nn.MultiheadAttention weights) on .npy inputs.
     Mha(MhaArgs),
     /// Time named shapes on every path and print a table (median of several runs).
@@ -109,6 +114,7 @@ fn main() -> ExitCode {
         Command::Info => info::info(),
         Command::Demo(args) => demo::demo(&args),
         Command::Run(args) => run::run(&args),
+        Command::Backward(args) => backward::backward(&args),
         Command::Mha(args) => mha::mha(&args),
         Command::Bench(args) => bench::bench(&args),
     };

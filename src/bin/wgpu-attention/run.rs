@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Args;
+use ndarray::{Array4, ArrayD};
 use wgpu_attention::reference;
 use wgpu_attention::{Options, Path, Sdpa, Storage, Tensor};
 
@@ -12,8 +13,9 @@ use crate::npy::{read_array, read_float, read_qkv, write_array};
 use crate::timing::ms;
 use crate::{context, path_label, path_parser, CausalArg, CliResult};
 
+/// The attention inputs and options `run` and `backward` share.
 #[derive(Args)]
-pub(crate) struct RunArgs {
+pub(crate) struct InputArgs {
     /// Queries, f32 or f16 .npy [B, Hq, L, E].
     #[arg(long, value_name = "Q.npy")]
     q: PathBuf,
@@ -40,15 +42,75 @@ pub(crate) struct RunArgs {
     scale: Option<f32>,
     /// Implementation to run on the GPU.
     #[arg(long, value_parser = path_parser(), default_value = "auto")]
-    path: Path,
+    pub(crate) path: Path,
     /// Run the CPU reference (f64, slow) instead of the GPU; outputs are written as f32.
     #[arg(long, conflicts_with = "path")]
-    cpu: bool,
+    pub(crate) cpu: bool,
     /// Device storage format of q, k, v, the bias and the output (f32 accumulation): inputs
     /// are rounded to it (to nearest even) and the output, rounded to it, is written as f32.
     /// With --cpu the reference runs on the rounded inputs and its output is rounded too.
     #[arg(long, value_parser = crate::storage_parser(), default_value = "f32")]
-    storage: Storage,
+    pub(crate) storage: Storage,
+}
+
+/// The inputs as the device holds them (rounded to the storage format).
+pub(crate) struct Inputs {
+    pub(crate) q: Array4<f32>,
+    pub(crate) k: Array4<f32>,
+    pub(crate) v: Array4<f32>,
+    pub(crate) mask: Option<ArrayD<bool>>,
+    pub(crate) bias: Option<ArrayD<f32>>,
+}
+
+impl InputArgs {
+    /// Read and round the inputs.
+    pub(crate) fn load(&self) -> CliResult<Inputs> {
+        let q = read_qkv(&self.q, "q", "[B, Hq, L, E]")?;
+        let k = read_qkv(&self.k, "k", "[B, Hkv, S, E]")?;
+        let v = read_qkv(&self.v, "v", "[B, Hkv, S, Ev]")?;
+        let mask = self
+            .mask
+            .as_deref()
+            .map(|p| read_array::<bool>(p, "mask", "bool ('|b1')", "np.asarray(m, dtype=bool)"))
+            .transpose()?;
+        let bias = self.bias.as_deref().map(|p| read_float(p, "bias")).transpose()?;
+        // The values the device holds: every input rounded to the storage format.
+        let st = self.storage;
+        let round = |x: f32| st.round(x);
+        Ok(Inputs {
+            q: q.mapv(round),
+            k: k.mapv(round),
+            v: v.mapv(round),
+            mask,
+            bias: bias.map(|b| b.mapv(round)),
+        })
+    }
+
+    /// One set of options for the GPU call and the CPU reference.
+    pub(crate) fn options<'a>(&self, x: &'a Inputs) -> Options<'a> {
+        Options {
+            causal: self.causal.into(),
+            scale: self.scale.map(f64::from),
+            mask: x.mask.as_ref().map(|m| m.into()),
+            bias: x
+                .bias
+                .as_ref()
+                .map(|b| Tensor::from(b).with_storage(self.storage)),
+            kv_lens: self.kv_lens.clone(),
+        }
+    }
+
+    /// The GPU call on the inputs.
+    pub(crate) fn sdpa<'a>(&self, x: &'a Inputs) -> Sdpa<'a> {
+        let t = |a| Tensor::from(a).with_storage(self.storage);
+        Sdpa::new(t(&x.q), t(&x.k), t(&x.v)).options(self.options(x))
+    }
+}
+
+#[derive(Args)]
+pub(crate) struct RunArgs {
+    #[command(flatten)]
+    input: InputArgs,
     /// Where to write the output, f32 .npy [B, Hq, L, Ev].
     #[arg(long, value_name = "O.npy")]
     out: PathBuf,
@@ -62,30 +124,11 @@ pub(crate) struct RunArgs {
 
 /// `run`: attention on the `.npy` inputs, on the GPU or (`--cpu`) the CPU reference.
 pub(crate) fn run(a: &RunArgs) -> CliResult<ExitCode> {
-    let q = read_qkv(&a.q, "q", "[B, Hq, L, E]")?;
-    let k = read_qkv(&a.k, "k", "[B, Hkv, S, E]")?;
-    let v = read_qkv(&a.v, "v", "[B, Hkv, S, Ev]")?;
-    let mask = a
-        .mask
-        .as_deref()
-        .map(|p| read_array::<bool>(p, "mask", "bool ('|b1')", "np.asarray(m, dtype=bool)"))
-        .transpose()?;
-    let bias = a.bias.as_deref().map(|p| read_float(p, "bias")).transpose()?;
-    // The values the device holds: every input rounded to the storage format.
-    let st = a.storage;
-    let round = |x: f32| st.round(x);
-    let (q, k, v) = (q.mapv(round), k.mapv(round), v.mapv(round));
-    let bias = bias.map(|b| b.mapv(round));
-    // One set of options for the GPU call and the CPU reference.
-    let options = Options {
-        causal: a.causal.into(),
-        scale: a.scale.map(f64::from),
-        mask: mask.as_ref().map(|m| m.into()),
-        bias: bias.as_ref().map(|b| Tensor::from(b).with_storage(st)),
-        kv_lens: a.kv_lens.clone(),
-    };
-
-    let (out, weights, lse, how) = if a.cpu {
+    let x = a.input.load()?;
+    let st = a.input.storage;
+    let options = a.input.options(&x);
+    let (q, k, v) = (&x.q, &x.k, &x.v);
+    let (out, weights, lse, how) = if a.input.cpu {
         let started = Instant::now();
         let r = reference::sdpa(q.view(), k.view(), v.view(), &options)?;
         let elapsed = started.elapsed();
@@ -100,10 +143,7 @@ pub(crate) fn run(a: &RunArgs) -> CliResult<ExitCode> {
             ),
         )
     } else {
-        let t = |x| Tensor::from(x).with_storage(st);
-        let mut sdpa = Sdpa::new(t(&q), t(&k), t(&v))
-            .options(options.clone())
-            .path(a.path);
+        let mut sdpa = a.input.sdpa(&x).path(a.input.path);
         if a.weights_out.is_some() {
             sdpa = sdpa.return_weights();
         }
@@ -118,7 +158,7 @@ pub(crate) fn run(a: &RunArgs) -> CliResult<ExitCode> {
         let how = format!(
             "ran on {}, path {}, storage {st}, in {:.3} ms (incl. upload, shader compilation and readback)",
             ctx.describe(),
-            path_label(&sdpa, &ctx, a.path),
+            path_label(&sdpa, &ctx, a.input.path),
             ms(started.elapsed())
         );
         (

@@ -1,0 +1,91 @@
+//! `backward`: the SDPA backward on `.npy` files (it runs the forward itself), on the GPU or the
+//! CPU reference.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::Args;
+use wgpu_attention::{reference, Tensor};
+
+use crate::npy::{read_qkv, write_array};
+use crate::run::InputArgs;
+use crate::timing::ms;
+use crate::{context, CliResult};
+
+#[derive(Args)]
+pub(crate) struct BackwardArgs {
+    #[command(flatten)]
+    input: InputArgs,
+    /// Upstream gradient dL/dO, f32 or f16 .npy [B, Hq, L, Ev] (rounded to --storage).
+    #[arg(long, value_name = "DO.npy")]
+    dout: PathBuf,
+    /// Where to write dL/dQ, f32 .npy [B, Hq, L, E].
+    #[arg(long, value_name = "DQ.npy")]
+    dq_out: PathBuf,
+    /// Where to write dL/dK, f32 .npy [B, Hkv, S, E] (summed over each group's query heads).
+    #[arg(long, value_name = "DK.npy")]
+    dk_out: PathBuf,
+    /// Where to write dL/dV, f32 .npy [B, Hkv, S, Ev] (summed over each group's query heads).
+    #[arg(long, value_name = "DV.npy")]
+    dv_out: PathBuf,
+    /// Where to write dL/d(bias), f32 .npy in the bias's shape (needs --bias).
+    #[arg(long, value_name = "DB.npy", requires = "bias")]
+    dbias_out: Option<PathBuf>,
+}
+
+/// `backward`: gradients of sum(dO ∘ O) with respect to q, k, v (and the bias).
+pub(crate) fn backward(a: &BackwardArgs) -> CliResult<ExitCode> {
+    let x = a.input.load()?;
+    let st = a.input.storage;
+    let dout = read_qkv(&a.dout, "dout", "[B, Hq, L, Ev]")?.mapv(|v| st.round(v));
+    let (dq, dk, dv, dbias, how) = if a.input.cpu {
+        let started = Instant::now();
+        let g = reference::sdpa_backward(
+            x.q.view(),
+            x.k.view(),
+            x.v.view(),
+            dout.view(),
+            &a.input.options(&x),
+        )?;
+        let f = |v: f64| st.round(v as f32);
+        let how = format!(
+            "ran the CPU reference backward (f64 on {st} inputs, gradients rounded to {st}, written as f32) in {:.3} ms",
+            ms(started.elapsed())
+        );
+        (
+            g.dq.mapv(f).into_dyn(),
+            g.dk.mapv(f).into_dyn(),
+            g.dv.mapv(f).into_dyn(),
+            g.dbias.map(|d| d.mapv(f)),
+            how,
+        )
+    } else {
+        let bwd = a
+            .input
+            .sdpa(&x)
+            .backward(Tensor::from(&dout).with_storage(st))
+            .path(a.input.path);
+        // Validate before creating the device, so input errors come first.
+        bwd.problem()?;
+        let ctx = context()?;
+        let path = bwd.resolved_path(&ctx)?;
+        let started = Instant::now();
+        let g = bwd.run_blocking(&ctx)?;
+        let how = format!(
+            "ran the forward and the backward on {}, backward path {}, storage {st}, in {:.3} ms (incl. upload, shader compilation and readback)",
+            ctx.describe(),
+            path.name(),
+            ms(started.elapsed())
+        );
+        (g.dq.into_dyn(), g.dk.into_dyn(), g.dv.into_dyn(), g.dbias, how)
+    };
+    println!("{how}");
+    write_array(&a.dq_out, "dq", &dq)?;
+    write_array(&a.dk_out, "dk", &dk)?;
+    write_array(&a.dv_out, "dv", &dv)?;
+    if let Some(p) = &a.dbias_out {
+        write_array(p, "dbias", &dbias.ok_or("no bias was given")?)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
