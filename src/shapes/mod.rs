@@ -122,6 +122,17 @@ pub const SHAPES: &[Shape] = &[
     ),
     // Memory: the fused path needs only q, k, v and the output (linear in L and S); the
     // unfused path would need 4 GiB of scores and survives only by chunking.
+    // The backward's long case: memory linear in L and S (the unfused backward would hold
+    // four 1 GiB chunks of scores).
+    shape(
+        "long_h1_s16384_causal",
+        (1, 1, 1),
+        (16384, 16384),
+        (64, 64),
+        Causal::TopLeft,
+        None,
+        false,
+    ),
     shape(
         "long_h1_s32768_causal",
         (1, 1, 1),

@@ -11,7 +11,7 @@ use wgpu_attention::shapes::{self, GpuInputs, Shape};
 use wgpu_attention::{wgpu, Context, Path, Storage};
 
 use crate::timing::{gflops, ms, time_runs};
-use crate::{context, path_parser, CliResult};
+use crate::{context, CliResult};
 
 #[derive(Args)]
 pub(crate) struct BenchArgs {
@@ -22,9 +22,12 @@ pub(crate) struct BenchArgs {
     /// attention layers: mha_bert_base_l128, mha_bert_base_l512, mha_gqa_h32_kv8_d128_l128.
     #[arg(long, value_delimiter = ',', value_name = "NAME,..")]
     shapes: Vec<String>,
-    /// Paths to time, comma separated [default: every concrete path].
-    #[arg(long, value_delimiter = ',', value_parser = path_parser(), value_name = "PATH,..")]
-    paths: Vec<Path>,
+    /// Paths to time, comma separated [default: every concrete path]: the forward's auto,
+    /// unfused, fused, decode, and the backward's fused-bwd, unfused-bwd (timed on the
+    /// forward's saved output and logsumexp; GFLOP/s counted as 2.5x the forward's FLOPs,
+    /// FlashAttention's convention).
+    #[arg(long, value_delimiter = ',', value_parser = bench_path_parser(), value_name = "PATH,..")]
+    paths: Vec<BenchPath>,
     /// Timed runs per shape and path.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     iters: u32,
@@ -47,8 +50,8 @@ pub(crate) struct BenchArgs {
 /// `bench`: the table of timings.
 pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
     let (shapes, layers) = select_shapes(&a.shapes)?;
-    let paths: Vec<Path> = if a.paths.is_empty() {
-        Path::ALL.to_vec()
+    let paths: Vec<BenchPath> = if a.paths.is_empty() {
+        BenchPath::ALL.to_vec()
     } else {
         dedup(a.paths.clone())
     };
@@ -61,7 +64,7 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
         a.warmup, a.iters
     );
     println!(
-        "{:<24} {:<8} {:<5} {:>10} {:>10} {:>10} {:>9} {:>9}",
+        "{:<24} {:<11} {:<5} {:>10} {:>10} {:>10} {:>9} {:>9}",
         "shape", "path", "fmt", "first ms", "median ms", "min ms", "GFLOP/s", "GPU MiB"
     );
 
@@ -83,35 +86,50 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
             Ok(g) => g,
             Err(e) => {
                 for path in &paths {
-                    pb.suspend(|| println!("{:<24} {:<8} {st:<5} error: {e}", shape.name, path.name()));
+                    pb.suspend(|| println!("{:<24} {:<11} {st:<5} error: {e}", shape.name, path.name()));
                     pb.inc(per_row);
                 }
                 continue;
             }
         };
+        // The forward's output and logsumexp and a dO, for the backward rows.
+        let mut saved: Option<Saved> = None;
         for &path in &paths {
             pb.set_message(format!("{} / {}", shape.name, path.name()));
-            let sdpa = gpu.sdpa().path(path);
             let done_before = pb.position();
-            let row = sdpa.problem().and_then(|p| {
-                let mem = sdpa.device_memory(&ctx)?;
-                let t = time_runs(&ctx, &sdpa, a.warmup, a.iters, || pb.inc(1))?;
-                Ok((p.flops(), t, mem))
-            });
+            let row = match path {
+                BenchPath::Forward(path) => {
+                    let sdpa = gpu.sdpa().path(path);
+                    sdpa.problem().and_then(|p| {
+                        let mem = sdpa.device_memory(&ctx)?;
+                        let t = time_runs(&ctx, || sdpa.run_blocking(&ctx), a.warmup, a.iters, || pb.inc(1))?;
+                        Ok((p.flops(), t.first, t.median, t.min, Some(mem)))
+                    })
+                }
+                BenchPath::Backward(path) => (|| {
+                    if saved.is_none() {
+                        saved = Some(Saved::new(&ctx, &gpu, st, a.seed)?);
+                    }
+                    let bwd = saved.as_ref().expect("made above").backward(&gpu).path(path);
+                    let flops = 2.5 * bwd.problem()?.flops();
+                    let t = time_runs(&ctx, || bwd.run_blocking(&ctx), a.warmup, a.iters, || pb.inc(1))?;
+                    Ok((flops, t.first, t.median, t.min, None))
+                })(),
+            };
             let line = match row {
-                Ok((flops, t, mem)) => format!(
-                    "{:<24} {:<8} {st:<5} {:>10.3} {:>10.3} {:>10.3} {:>9.2} {:>9.1}",
+                Ok((flops, first, median, min, mem)) => format!(
+                    "{:<24} {:<11} {st:<5} {:>10.3} {:>10.3} {:>10.3} {:>9.2} {:>9}",
                     shape.name,
                     path.name(),
-                    ms(t.first),
-                    ms(t.median),
-                    ms(t.min),
-                    gflops(flops, t.median),
-                    mem as f64 / (1024.0 * 1024.0)
+                    ms(first),
+                    ms(median),
+                    ms(min),
+                    gflops(flops, median),
+                    mem.map_or("-".to_string(), |m| format!("{:.1}", m as f64 / (1024.0 * 1024.0)))
                 ),
                 Err(e) => {
                     pb.set_position(done_before + per_row);
-                    format!("{:<24} {:<8} {st:<5} error: {e}", shape.name, path.name())
+                    format!("{:<24} {:<11} {st:<5} error: {e}", shape.name, path.name())
                 }
             };
             pb.suspend(|| println!("{line}"));
@@ -237,6 +255,100 @@ fn bench_layers(
         );
     }
     Ok(())
+}
+
+/// A row's path: a forward path, or the backward on a path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BenchPath {
+    /// The forward on a path.
+    Forward(Path),
+    /// The backward on a path (fused or unfused).
+    Backward(Path),
+}
+
+impl BenchPath {
+    /// Every concrete row path, the default.
+    const ALL: [BenchPath; 5] = [
+        BenchPath::Forward(Path::Unfused),
+        BenchPath::Forward(Path::Fused),
+        BenchPath::Forward(Path::Decode),
+        BenchPath::Backward(Path::Fused),
+        BenchPath::Backward(Path::Unfused),
+    ];
+
+    /// `fused`, `fused-bwd`, ...
+    fn name(self) -> String {
+        match self {
+            BenchPath::Forward(p) => p.name().to_string(),
+            BenchPath::Backward(p) => format!("{}-bwd", p.name()),
+        }
+    }
+}
+
+/// Parses the forward's path names and `fused-bwd`, `unfused-bwd`, listing them in `--help`.
+fn bench_path_parser() -> impl clap::builder::TypedValueParser<Value = BenchPath> {
+    use clap::builder::TypedValueParser;
+    let all: Vec<BenchPath> = std::iter::once(BenchPath::Forward(Path::Auto))
+        .chain(BenchPath::ALL)
+        .collect();
+    let names: Vec<&'static str> = all.iter().map(|p| &*p.name().leak()).collect();
+    clap::builder::PossibleValuesParser::new(names).try_map(move |s| {
+        all.iter()
+            .copied()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("unknown path {s}"))
+    })
+}
+
+/// The forward's output and logsumexp of one shape on the GPU, and a random dO: what the
+/// backward rows start from.
+struct Saved {
+    out: wgpu::Buffer,
+    lse: wgpu::Buffer,
+    dout: wgpu::Buffer,
+    problem: wgpu_attention::Problem,
+}
+
+impl Saved {
+    fn new(ctx: &Context, gpu: &GpuInputs, st: Storage, seed: u64) -> wgpu_attention::Result<Saved> {
+        use wgpu::util::DeviceExt;
+        let mut encoder = ctx.device().create_command_encoder(&Default::default());
+        let fw = gpu.sdpa().record(ctx, &mut encoder)?;
+        ctx.queue().submit([encoder.finish()]);
+        let p = fw.problem.clone();
+        let n: usize = p.out_shape().iter().product();
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let data: Vec<f32> = (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect();
+        let dout = ctx.device().create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("bench dout"),
+            contents: &st.encode(&data),
+            usage: wgpu::BufferUsages::STORAGE,
+        });
+        Ok(Saved {
+            out: fw.output,
+            lse: fw.lse,
+            dout,
+            problem: p,
+        })
+    }
+
+    fn backward<'a>(&'a self, gpu: &'a GpuInputs) -> wgpu_attention::Backward<'a> {
+        let p = &self.problem;
+        let t = wgpu_attention::Tensor::from_buffer;
+        gpu.sdpa()
+            .backward(t(&self.dout, 0, &p.out_shape()).with_storage(p.storage.out))
+            .saved(
+                t(&self.out, 0, &p.out_shape()).with_storage(p.storage.out),
+                t(&self.lse, 0, &[p.batch, p.q_heads, p.seq_q]),
+            )
+    }
 }
 
 /// Drop repeats, keeping the first occurrence.

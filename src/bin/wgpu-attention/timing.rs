@@ -1,31 +1,32 @@
-//! Wall-clock timing of repeated [`Sdpa::run_blocking`] calls, and the units reported.
+//! Wall-clock timing of repeated blocking runs (`Sdpa::run_blocking`, `Backward::run_blocking`),
+//! and the units reported.
 
 use std::time::{Duration, Instant};
 
-use wgpu_attention::{Context, Output, Sdpa};
+use wgpu_attention::Context;
 
-/// Wall-clock times of [`Sdpa::run_blocking`].
-pub(crate) struct Timing {
+/// Wall-clock times of a blocking run.
+pub(crate) struct Timing<T> {
     pub(crate) first: Duration,
     pub(crate) median: Duration,
     pub(crate) min: Duration,
     /// The result of the last timed run.
-    pub(crate) last: Output,
+    pub(crate) last: T,
 }
 
 /// `warmup` untimed runs (the first one's time is kept), then `iters` timed runs;
 /// `tick` is called after each run.
-pub(crate) fn time_runs(
+pub(crate) fn time_runs<T>(
     ctx: &Context,
-    sdpa: &Sdpa,
+    mut run: impl FnMut() -> wgpu_attention::Result<T>,
     warmup: u32,
     iters: u32,
     mut tick: impl FnMut(),
-) -> wgpu_attention::Result<Timing> {
+) -> wgpu_attention::Result<Timing<T>> {
     let mut first = Duration::ZERO;
     for i in 0..warmup {
         let t = Instant::now();
-        sdpa.run_blocking(ctx)?;
+        run()?;
         if i == 0 {
             first = t.elapsed();
         }
@@ -38,7 +39,7 @@ pub(crate) fn time_runs(
     let mut last = None;
     for _ in 0..iters.max(1) {
         let t = Instant::now();
-        let out = sdpa.run_blocking(ctx)?;
+        let out = run()?;
         times.push(t.elapsed());
         last = Some(out);
         tick();
