@@ -13,17 +13,45 @@
 // The host prepends `Params` (src/kernels/backward.rs), common/softmax.wgsl, common/masks.wgsl,
 // common/backward.wgsl, q, k, v, dout with load_*(row, c4), dkv with store_dk / store_dv(row,
 // c4, x), and the constants E4, EV4, BQ (query rows per tile), WG, RK (keys per invocation),
-// HAS_MASK, HAS_BIAS, UNROLL.
+// HAS_MASK, HAS_BIAS, UNROLL, and SG_Q: the query tile lives in registers, one row per
+// invocation, read by subgroup shuffles (CPU adapters whose subgroup is the workgroup,
+// BQ = WG; QT = 1), else it is staged in workgroup memory (QT = BQ).
 //
 // Bindings: 0 mask, 1 bias, 2 q, 3 k, 4 v, 5 dout, 6 stats (read), 7 dkv (read_write), 8 params.
 
 const BKV: u32 = WG * RK;
 
-var<workgroup> q_tile: array<vec4<f32>, BQ * E4>;
-var<workgroup> do_tile: array<vec4<f32>, BQ * EV4>;
-var<workgroup> lse_tile: array<f32, BQ>;
-var<workgroup> dsum_tile: array<f32, BQ>;
-var<workgroup> end_tile: array<u32, BQ>;
+var<workgroup> q_tile: array<vec4<f32>, QT * E4>;
+var<workgroup> do_tile: array<vec4<f32>, QT * EV4>;
+var<workgroup> lse_tile: array<f32, QT>;
+var<workgroup> dsum_tile: array<f32, QT>;
+var<workgroup> end_tile: array<u32, QT>;
+// With SG_Q: this invocation's query row of the tile (scaled q, dO, lse, D, key end).
+var<private> q_reg: array<vec4<f32>, E4>;
+var<private> do_reg: array<vec4<f32>, EV4>;
+var<private> stat_reg: vec3<f32>;
+
+// Row ii of the tile: vec4 block d4 of its scaled q and its dO, its lse, D and key end.
+fn q_at(ii: u32, d4: u32) -> vec4<f32> {
+    if (SG_Q) {
+        return subgroupShuffle(q_reg[d4], ii);
+    }
+    return q_tile[ii * E4 + d4];
+}
+
+fn do_at(ii: u32, d4: u32) -> vec4<f32> {
+    if (SG_Q) {
+        return subgroupShuffle(do_reg[d4], ii);
+    }
+    return do_tile[ii * EV4 + d4];
+}
+
+fn stat_at(ii: u32) -> vec3<f32> {
+    if (SG_Q) {
+        return subgroupShuffle(stat_reg, ii);
+    }
+    return vec3<f32>(lse_tile[ii], dsum_tile[ii], bitcast<f32>(end_tile[ii]));
+}
 
 @compute @workgroup_size(WG, 1, 1)
 fn main(
@@ -75,31 +103,45 @@ fn main(
         let h = hk * p.group + hh;
         let bh = b * p.heads + h;
         for (var i0 = t0 * BQ; i0 < i_stop; i0 += BQ) {
-            for (var t = tid; t < BQ * E4; t += WG) {
-                let i = i0 + t / E4;
-                q_tile[t] = select(vec4<f32>(0.0), load_q(bh * p.l + min(i, p.l - 1u), t % E4) * p.scale, i < p.l);
+            if (SG_Q) {
+                let i = i0 + tid;
+                let row = bh * p.l + min(i, p.l - 1u);
+                for (var d4 = 0u; d4 < E4; d4++) { // unroll
+                    q_reg[d4] = select(vec4<f32>(0.0), load_q(row, d4) * p.scale, i < p.l);
+                }
+                for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+                    do_reg[d4] = select(vec4<f32>(0.0), load_dout(row, d4), i < p.l);
+                }
+                let end = select(0u, key_end(b, min(i, p.l - 1u)), i < p.l);
+                stat_reg = vec3<f32>(lse_of(row), dsum_of(row), bitcast<f32>(end));
+            } else {
+                for (var t = tid; t < BQ * E4; t += WG) {
+                    let i = i0 + t / E4;
+                    q_tile[t] = select(vec4<f32>(0.0), load_q(bh * p.l + min(i, p.l - 1u), t % E4) * p.scale, i < p.l);
+                }
+                for (var t = tid; t < BQ * EV4; t += WG) {
+                    let i = i0 + t / EV4;
+                    do_tile[t] = select(vec4<f32>(0.0), load_dout(bh * p.l + min(i, p.l - 1u), t % EV4), i < p.l);
+                }
+                for (var t = tid; t < BQ; t += WG) {
+                    let i = min(i0 + t, p.l - 1u);
+                    lse_tile[t] = lse_of(bh * p.l + i);
+                    dsum_tile[t] = dsum_of(bh * p.l + i);
+                    end_tile[t] = select(0u, key_end(b, i), i0 + t < p.l);
+                }
+                workgroupBarrier();
             }
-            for (var t = tid; t < BQ * EV4; t += WG) {
-                let i = i0 + t / EV4;
-                do_tile[t] = select(vec4<f32>(0.0), load_dout(bh * p.l + min(i, p.l - 1u), t % EV4), i < p.l);
-            }
-            for (var t = tid; t < BQ; t += WG) {
-                let i = min(i0 + t, p.l - 1u);
-                lse_tile[t] = lse_of(bh * p.l + i);
-                dsum_tile[t] = dsum_of(bh * p.l + i);
-                end_tile[t] = select(0u, key_end(b, i), i0 + t < p.l);
-            }
-            workgroupBarrier();
-            for (var ii = 0u; ii < BQ; ii++) {
+            for (var ii = 0u; ii < BQ; ii++) { // unroll if SG_Q
                 let i = min(i0 + ii, p.l - 1u);
-                let lse = lse_tile[ii];
-                let dsum = dsum_tile[ii];
-                let end = end_tile[ii];
+                let st = stat_at(ii);
+                let lse = st.x;
+                let dsum = st.y;
+                let end = bitcast<u32>(st.z);
                 for (var r = 0u; r < RK; r++) { // unroll
                     let j = j_first + r * WG + tid;
                     var d = vec4<f32>(0.0);
                     for (var d4 = 0u; d4 < E4; d4++) { // unroll
-                        d += q_tile[ii * E4 + d4] * kr[r * E4 + d4];
+                        d += q_at(ii, d4) * kr[r * E4 + d4];
                     }
                     var x = select(START, d.x + d.y + d.z + d.w, j < end);
                     if (HAS_MASK || HAS_BIAS) {
@@ -108,17 +150,19 @@ fn main(
                     let pij = prob(x, lse);
                     var dp = vec4<f32>(0.0);
                     for (var d4 = 0u; d4 < EV4; d4++) { // unroll
-                        let g = do_tile[ii * EV4 + d4];
+                        let g = do_at(ii, d4);
                         dp += g * vr[r * EV4 + d4];
                         dv[r * EV4 + d4] += pij * g;
                     }
                     let ds = dscore(pij, dp.x + dp.y + dp.z + dp.w, dsum);
                     for (var d4 = 0u; d4 < E4; d4++) { // unroll
-                        dk[r * E4 + d4] += ds * q_tile[ii * E4 + d4];
+                        dk[r * E4 + d4] += ds * q_at(ii, d4);
                     }
                 }
             }
-            workgroupBarrier();
+            if (!SG_Q) {
+                workgroupBarrier();
+            }
         }
     }
 

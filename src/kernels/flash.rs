@@ -20,8 +20,8 @@ pub(crate) const SPEC: KernelSpec = KernelSpec {
 };
 
 /// K/V tile access: staged in workgroup memory, or in registers shared by subgroup shuffles.
-const KV_SHARED: &str = include_str!("../../shaders/flash_kv_shared.wgsl");
-const KV_SUBGROUP: &str = include_str!("../../shaders/flash_kv_subgroup.wgsl");
+pub(crate) const KV_SHARED: &str = include_str!("../../shaders/flash_kv_shared.wgsl");
+pub(crate) const KV_SUBGROUP: &str = include_str!("../../shaders/flash_kv_subgroup.wgsl");
 
 /// Workgroup memory the kernel may use: WebGPU's default 16 KiB, or less if the device has less.
 const WG_MEMORY: u32 = 16 * 1024;

@@ -559,10 +559,11 @@ mod tests {
                             .with_kv_lens(&[5, 60])
                             .unwrap();
                     }
-                    for cpu in [false, true] {
-                        let caps = Caps::new(&wgpu::Limits::default(), cpu, Some(8));
+                    for (cpu, sg) in [(false, Some(32)), (true, Some(8)), (true, None)] {
+                        let caps = Caps::new(&wgpu::Limits::default(), cpu, sg);
                         let c = backward::Config::new(&p, &caps).unwrap();
-                        let label = format!("E {e} Ev {ev} {fmt:?} masked {masked} cpu {cpu}");
+                        let label =
+                            format!("E {e} Ev {ev} {fmt:?} masked {masked} cpu {cpu} subgroup {sg:?}");
                         for (spec, pre) in [
                             (&backward::DQ, c.dq_prelude()),
                             (&backward::DKV, c.dkv_prelude()),

@@ -125,7 +125,10 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
                     ms(median),
                     ms(min),
                     gflops(flops, median),
-                    mem.map_or("-".to_string(), |m| format!("{:.1}", m as f64 / (1024.0 * 1024.0)))
+                    mem.map_or("-".to_string(), |m| format!(
+                        "{:.1}",
+                        m as f64 / (1024.0 * 1024.0)
+                    ))
                 ),
                 Err(e) => {
                     pb.set_position(done_before + per_row);
@@ -326,11 +329,13 @@ impl Saved {
                 (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
             })
             .collect();
-        let dout = ctx.device().create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("bench dout"),
-            contents: &st.encode(&data),
-            usage: wgpu::BufferUsages::STORAGE,
-        });
+        let dout = ctx
+            .device()
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("bench dout"),
+                contents: &st.encode(&data),
+                usage: wgpu::BufferUsages::STORAGE,
+            });
         Ok(Saved {
             out: fw.output,
             lse: fw.lse,
