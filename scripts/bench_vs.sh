@@ -21,6 +21,9 @@
 # b_h8_s1024_causal, c c_h8_s4096_causal, d d_decode_h32_s4096_e128, e e_b4_h12_s256_padmask;
 # and m, the 1024^3 matmul C = A B (burn: `PEER_BURN_BINARY matmul api <iters>`; ours: the
 # `matmul_1024^3_AB` row of `bench`).
+# MODE=bwd (burn and self only): forward + backward. Burn: `PEER_BURN_BINARY <case> bwd <iters>`
+# (its autodiff backend); ours: the sum of the medians of the `auto` (forward) and `fused-bwd`
+# (backward on the saved output and logsumexp) rows of one `bench` process.
 # ROUNDS default 3, ITERS (timed runs per process) default 7. Ours is target/release/wgpu-attention
 # (built first), `bench --shapes <shape> --paths auto --iters ITERS --storage $STORAGE` (env
 # STORAGE, default f32: ours in that storage format; burn is always f32).
@@ -35,6 +38,7 @@ cargo build --release --locked --quiet
 ours=target/release/wgpu-attention
 # Both programs' stderr (progress, harmless EGL/XDG lines) goes here.
 storage=${STORAGE:-f32}
+mode=${MODE:-fwd}
 log=${TMPDIR:-/tmp}/bench_vs.stderr
 : >"$log"
 
@@ -51,6 +55,9 @@ bench_median() { # binary shape
   local m
   if [ "$2" = 'matmul_1024^3_AB' ]; then
     m=$("$1" bench --shapes small_h4_s128 --paths fused --iters "$iters" --storage "$storage" 2>>"$log" | awk -v s="$2" '$1 == s { print $5 }')
+  elif [ "$mode" = bwd ]; then
+    m=$("$1" bench --shapes "$2" --paths auto,fused-bwd --iters "$iters" --storage "$storage" --no-matmul 2>>"$log" \
+      | awk -v s="$2" '$1 == s && ($2 == "auto" || $2 == "fused-bwd") { t += $5; n++ } END { if (n == 2) printf "%.3f", t }')
   else
     m=$("$1" bench --shapes "$2" --paths auto --iters "$iters" --storage "$storage" --no-matmul 2>>"$log" | awk -v s="$2" '$1 == s && $2 == "auto" { print $5 }')
   fi
@@ -70,7 +77,9 @@ peer_median() { # case
     local m
     local what=$1
     [ "$what" = m ] && what=matmul
-    m=$("$peer" "$what" api "$iters" 2>>"$log" | grep -oP 'median_ms=\K[0-9.]+' || true)
+    local how=api
+    [ "$mode" = bwd ] && how=bwd
+    m=$("$peer" "$what" "$how" "$iters" 2>>"$log" | grep -oP 'median_ms=\K[0-9.]+' || true)
     [ -n "$m" ] || { echo "no median from $peer for case $1 (stderr in $log)" >&2; exit 1; }
     echo "$m"
   else
@@ -78,7 +87,7 @@ peer_median() { # case
   fi
 }
 
-echo "peer: $kind ($peer); ours: $ours (storage $storage); $rounds rounds of (peer, ours), $iters timed runs each"
+echo "peer: $kind ($peer); ours: $ours (storage $storage, mode $mode); $rounds rounds of (peer, ours), $iters timed runs each"
 printf '%-26s %5s %12s %12s %8s\n' shape round "peer ms" "ours ms" ratio
 for c in $cases; do
   shape=$(shape_of "$c")

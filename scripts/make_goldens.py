@@ -248,6 +248,11 @@ def sdpa_case(name, seed, B, Hq, Hkv, L, S, E, Ev, description, causal="none", s
     if storage != "f32":
         meta["storage"] = storage
     write_json(d_ / "meta.json", meta)
+    if storage == "f32":
+        grads_note = backward_golden(d_, seed, q32, k32, v32, bias32, allowed, row_dead, sc, causal, mask,
+                                     kv_lens)
+    else:
+        grads_note = "no backward golden"
 
     extras = []
     if mask is not None:
@@ -259,7 +264,66 @@ def sdpa_case(name, seed, B, Hq, Hkv, L, S, E, Ev, description, causal="none", s
     max_logit = float(torch.einsum("bhle,bhse->bhls", q, k.repeat_interleave(Hq // Hkv, 1)).abs().max() * sc)
     print(f"sdpa/{name}: storage={storage} B={B} Hq={Hq} Hkv={Hkv} L={L} S={S} E={E} Ev={Ev} causal={causal} "
           f"scale={scale} {' '.join(extras)} | torch path: {how}, max|diff|={d:.2e}, {lse_note}, "
-          f"dead rows={n_dead}, max|logit|={max_logit:.3g}" + (f" | {note}" if note else ""))
+          f"dead rows={n_dead}, max|logit|={max_logit:.3g}" + (f" | {note}" if note else "")
+          + f" | {grads_note}")
+
+
+def explicit_grads(q, k, v, bias, allowed, row_dead, scale, dout):
+    """Autograd of sum(dout * O) through the explicit SDPA in q's dtype (float64: the golden;
+    float32: the plain f32 implementation of FlashAttention's accuracy rule). Fully masked rows
+    are computed as if unmasked and their output multiplied by 0, so their gradients are exactly
+    0 (the crate's semantics) instead of NaN."""
+    q = q.clone().requires_grad_(True)
+    k = k.clone().requires_grad_(True)
+    v = v.clone().requires_grad_(True)
+    b = bias.clone().requires_grad_(True) if bias is not None else None
+    g = q.shape[1] // k.shape[1]
+    live_allowed = allowed | row_dead.unsqueeze(-1)
+    logits = torch.einsum("bhle,bhse->bhls", q, k.repeat_interleave(g, 1)) * scale
+    if b is not None:
+        logits = logits + b
+    logits = logits.masked_fill(~live_allowed, float("-inf"))
+    w = torch.softmax(logits, dim=-1)
+    out = torch.einsum("bhls,bhsv->bhlv", w, v.repeat_interleave(g, 1))
+    out = out * (~row_dead).unsqueeze(-1).to(out.dtype)
+    (out * dout).sum().backward()
+    return q.grad, k.grad, v.grad, (b.grad if b is not None else None)
+
+
+def backward_golden(d_, seed, q32, k32, v32, bias32, allowed, row_dead, sc, causal, mask, kv_lens):
+    """dout.npy and PyTorch autograd gradients: float64 (dq.npy, dk.npy, dv.npy, dbias.npy) and
+    float32 (dq_f32.npy, ...). A separate random stream, so the forward files are unchanged."""
+    rng = np.random.default_rng(seed + 1_000_003)
+    B, Hq, L, _ = q32.shape
+    dout32 = randn32(rng, (B, Hq, L, v32.shape[-1]))
+    t = lambda a, dt: torch.from_numpy(a).to(dt) if a is not None else None
+    g64 = explicit_grads(t(q32, torch.float64), t(k32, torch.float64), t(v32, torch.float64),
+                         t(bias32, torch.float64), allowed, row_dead, sc, t(dout32, torch.float64))
+    g32 = explicit_grads(t(q32, torch.float32), t(k32, torch.float32), t(v32, torch.float32),
+                         t(bias32, torch.float32), allowed, row_dead, sc, t(dout32, torch.float32))
+    note = ""
+    if not bool(row_dead.any()):
+        # Cross-check against torch's own SDPA autograd (float64, math backend).
+        q = t(q32, torch.float64).requires_grad_(True)
+        k = t(k32, torch.float64).requires_grad_(True)
+        v = t(v32, torch.float64).requires_grad_(True)
+        b = t(bias32, torch.float64).requires_grad_(True) if bias32 is not None else None
+        out, _ = torch_sdpa(q, k, v, allowed, b, sc, causal, mask, kv_lens)
+        (out * t(dout32, torch.float64)).sum().backward()
+        pairs = [(q.grad, g64[0]), (k.grad, g64[1]), (v.grad, g64[2])]
+        if b is not None:
+            pairs.append((b.grad, g64[3]))
+        dg = max(max_abs_diff(a, e) for a, e in pairs)
+        assert dg <= 1e-9, f"torch SDPA autograd vs explicit grads differ by {dg}"
+        note = f", torch SDPA autograd max|diff|={dg:.1e}"
+    save_npy(d_ / "dout.npy", dout32)
+    for name, a64, a32 in zip(["dq", "dk", "dv", "dbias"], g64, g32):
+        if a64 is None:
+            continue
+        assert bool(torch.isfinite(a64).all()), f"{name} not finite"
+        save_npy(d_ / f"{name}.npy", a64.numpy())
+        save_npy(d_ / f"{name}_f32.npy", a32.numpy())
+    return "grads written" + note
 
 
 def bool_mask(rng, shape, p_false):

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{ctx, goldens};
+use common::{assert_report, ctx, goldens};
 use wgpu_attention::check::{compare, Tolerance};
 use wgpu_attention::reference;
 use wgpu_attention::Path;
@@ -62,6 +62,82 @@ fn every_path_matches_pytorch_goldens() {
                 .run_blocking(ctx)
                 .unwrap_or_else(|e| panic!("{} {path:?}: {e}", g.name));
             g.assert_matches(&got, path, g.tolerance(), &format!("{path:?}"));
+        }
+    }
+}
+
+/// The f64 reference backward matches PyTorch's float64 autograd on every golden that has
+/// gradients (every f32 one: combined masks, GQA, fully masked rows, odd dims, large logits).
+#[test]
+fn reference_backward_matches_pytorch_autograd() {
+    let mut n = 0;
+    for g in goldens() {
+        let Some(gr) = &g.grads else { continue };
+        n += 1;
+        let c = &g.case;
+        let r = reference::sdpa_backward(c.q.view(), c.k.view(), c.v.view(), gr.dout.view(), &c.options())
+            .unwrap();
+        let tol = wgpu_attention::check::Tolerance {
+            atol: 1e-9,
+            rtol: 1e-9,
+        };
+        for (name, got, want) in [
+            ("dq", &r.dq, &gr.f64[0]),
+            ("dk", &r.dk, &gr.f64[1]),
+            ("dv", &r.dv, &gr.f64[2]),
+        ] {
+            assert_report(
+                compare(got.iter().copied(), want.iter().copied(), tol),
+                &format!("{} {name}", g.name),
+            );
+        }
+        if let Some((want, _)) = &gr.dbias {
+            let got = r.dbias.as_ref().expect("dbias");
+            assert_eq!(got.shape(), want.shape(), "{}", g.name);
+            assert_report(
+                compare(got.iter().copied(), want.iter().copied(), tol),
+                &format!("{} dbias", g.name),
+            );
+        }
+    }
+    assert!(n >= 12, "expected backward goldens, found {n}");
+}
+
+/// Both GPU backward paths meet FlashAttention's rule against PyTorch's float64 autograd, with
+/// PyTorch's float32 autograd as the plain implementation.
+#[test]
+fn gpu_backward_matches_pytorch_autograd_by_flash_rule() {
+    let Some(ctx) = ctx() else { return };
+    for g in goldens() {
+        let Some(gr) = &g.grads else { continue };
+        for path in [Path::Fused, Path::Unfused] {
+            let got = g
+                .case
+                .sdpa()
+                .backward(&gr.dout)
+                .path(path)
+                .run_blocking(ctx)
+                .unwrap();
+            for (i, (name, a)) in [("dq", &got.dq), ("dk", &got.dk), ("dv", &got.dv)]
+                .into_iter()
+                .enumerate()
+            {
+                let r = wgpu_attention::check::flash_rule(
+                    a.iter().copied(),
+                    gr.f64[i].iter().copied(),
+                    gr.f32[i].iter().copied(),
+                );
+                assert_report(r, &format!("{} {path:?} {name}", g.name));
+            }
+            if let Some((want, plain)) = &gr.dbias {
+                let a = got.dbias.as_ref().expect("dbias");
+                let r = wgpu_attention::check::flash_rule(
+                    a.iter().copied(),
+                    want.iter().copied(),
+                    plain.iter().copied(),
+                );
+                assert_report(r, &format!("{} {path:?} dbias", g.name));
+            }
         }
     }
 }

@@ -111,7 +111,8 @@ impl<'a> Backward<'a> {
 
     /// Force the backward's path: [`Path::Fused`] or [`Path::Unfused`] ([`Path::Auto`], the
     /// default, picks fused wherever it runs). The forward, when the backward runs it, takes
-    /// the path set on the [`Sdpa`].
+    /// the path set on the [`Sdpa`], or, where that is [`Path::Auto`], the backward's path
+    /// (each path recomputes the logits with the arithmetic its forward used).
     pub fn path(mut self, path: Path) -> Self {
         self.path = path;
         self
@@ -262,8 +263,14 @@ impl<'a> Backward<'a> {
         }
 
         // The forward, when O and the logsumexp are not given.
+        // Under Path::Auto the forward runs on the backward's path, so that the backward
+        // recomputes each logit with the arithmetic that made the logsumexp (at logits of
+        // 1e4, f32 rounding differences between kernels are 1e-3 in P).
         let forward = match &saved {
             Some(_) => None,
+            None if self.sdpa.path == Path::Auto => {
+                Some(self.sdpa.clone().path(plan.path()).record(ctx, encoder)?)
+            }
             None => Some(self.sdpa.record(ctx, encoder)?),
         };
         let q = q.upload(ctx, "q");
@@ -589,7 +596,7 @@ fn record_unfused(
                 .record(ctx, encoder, dummy)?;
             }
             // The group width of the transposes: whole groups of whole heads, else one head.
-            let gw = if lc == p.seq_q && nz % p.group() == 0 {
+            let gw = if lc == p.seq_q && nz.is_multiple_of(p.group()) {
                 p.group()
             } else {
                 1

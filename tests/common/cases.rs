@@ -293,6 +293,18 @@ pub struct Golden {
     pub name: String,
     pub case: Case,
     pub pytorch: reference::Output,
+    /// PyTorch autograd of `sum(dout * O)`, where the golden has them (the f32 ones).
+    pub grads: Option<GoldenGrads>,
+}
+
+/// A golden's upstream gradient and PyTorch's autograd gradients: float64 (the truth) and
+/// float32 (the plain f32 implementation of FlashAttention's accuracy rule), as `[dq, dk, dv]`
+/// and the bias's.
+pub struct GoldenGrads {
+    pub dout: Array4<f32>,
+    pub f64: [Array4<f64>; 3],
+    pub f32: [Array4<f32>; 3],
+    pub dbias: Option<(ArrayD<f64>, ArrayD<f32>)>,
 }
 
 impl Golden {
@@ -382,5 +394,11 @@ pub fn golden(name: &str, file: impl Fn(&str) -> Option<Vec<u8>>) -> Golden {
             weights: npy(need("weights.npy")),
             lse: npy(need("lse.npy")),
         },
+        grads: file("dout.npy").map(|d| GoldenGrads {
+            dout: npy(d),
+            f64: ["dq.npy", "dk.npy", "dv.npy"].map(|f| npy(need(f))),
+            f32: ["dq_f32.npy", "dk_f32.npy", "dv_f32.npy"].map(|f| npy(need(f))),
+            dbias: file("dbias.npy").map(|b| (npy(b), npy(need("dbias_f32.npy")))),
+        }),
     }
 }
