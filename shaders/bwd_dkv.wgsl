@@ -15,7 +15,9 @@
 // c4, x), and the constants E4, EV4, BQ (query rows per tile), WG, RK (keys per invocation),
 // HAS_MASK, HAS_BIAS, UNROLL, and SG_Q: the query tile lives in registers, one row per
 // invocation, read by subgroup shuffles (CPU adapters whose subgroup is the workgroup,
-// BQ = WG; QT = 1), else it is staged in workgroup memory (QT = BQ).
+// BQ = WG; QT = 1), else it is staged in workgroup memory (QT = BQ); the prelude defines
+// q_at, do_at and stat_at (row ii of the tile: vec4 block d4 of its scaled q and of its dO;
+// its lse, D and key end) accordingly, so no subgroup operation appears without subgroups.
 //
 // Bindings: 0 mask, 1 bias, 2 q, 3 k, 4 v, 5 dout, 6 stats (read), 7 dkv (read_write), 8 params.
 
@@ -30,28 +32,6 @@ var<workgroup> end_tile: array<u32, QT>;
 var<private> q_reg: array<vec4<f32>, E4>;
 var<private> do_reg: array<vec4<f32>, EV4>;
 var<private> stat_reg: vec3<f32>;
-
-// Row ii of the tile: vec4 block d4 of its scaled q and its dO, its lse, D and key end.
-fn q_at(ii: u32, d4: u32) -> vec4<f32> {
-    if (SG_Q) {
-        return subgroupShuffle(q_reg[d4], ii);
-    }
-    return q_tile[ii * E4 + d4];
-}
-
-fn do_at(ii: u32, d4: u32) -> vec4<f32> {
-    if (SG_Q) {
-        return subgroupShuffle(do_reg[d4], ii);
-    }
-    return do_tile[ii * EV4 + d4];
-}
-
-fn stat_at(ii: u32) -> vec3<f32> {
-    if (SG_Q) {
-        return subgroupShuffle(stat_reg, ii);
-    }
-    return vec3<f32>(lse_tile[ii], dsum_tile[ii], bitcast<f32>(end_tile[ii]));
-}
 
 @compute @workgroup_size(WG, 1, 1)
 fn main(

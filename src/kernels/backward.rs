@@ -181,6 +181,19 @@ pub(crate) struct Config {
     pub has_bias: bool,
 }
 
+/// The dK/dV kernel's access to row `ii` of its query tile: by subgroup shuffle from the
+/// invocation holding it, or from workgroup memory.
+const Q_SUBGROUP: &str = "\
+fn q_at(ii: u32, d4: u32) -> vec4<f32> { return subgroupShuffle(q_reg[d4], ii); }
+fn do_at(ii: u32, d4: u32) -> vec4<f32> { return subgroupShuffle(do_reg[d4], ii); }
+fn stat_at(ii: u32) -> vec3<f32> { return subgroupShuffle(stat_reg, ii); }
+";
+const Q_SHARED: &str = "\
+fn q_at(ii: u32, d4: u32) -> vec4<f32> { return q_tile[ii * E4 + d4]; }
+fn do_at(ii: u32, d4: u32) -> vec4<f32> { return do_tile[ii * EV4 + d4]; }
+fn stat_at(ii: u32) -> vec3<f32> { return vec3<f32>(lse_tile[ii], dsum_tile[ii], bitcast<f32>(end_tile[ii])); }
+";
+
 /// Workgroup memory the kernels may use (WebGPU's default).
 const WG_MEMORY: u32 = 16 * 1024;
 
@@ -272,12 +285,13 @@ impl Config {
     /// The dK/dV kernel's prelude; both go to one f32 buffer, dV at `p.dv_off`.
     pub(crate) fn dkv_prelude(&self) -> String {
         format!(
-            "{}const BQ: u32 = {}u;\nconst QT: u32 = {}u;\nconst RK: u32 = {}u;\nconst SG_Q: bool = {};\n{}{}{}",
+            "{}const BQ: u32 = {}u;\nconst QT: u32 = {}u;\nconst RK: u32 = {}u;\nconst SG_Q: bool = {};\n{}{}{}{}",
             self.common_prelude(),
             self.bq,
             if self.sg { 1 } else { self.bq },
             self.rk,
             self.sg,
+            if self.sg { Q_SUBGROUP } else { Q_SHARED },
             array("dkv", 7, Storage::F32, self.vec4, Access::Write),
             row_storer("dk", "dkv", Dim::E, self.vec4, false, ""),
             row_storer("dv", "dkv", Dim::EV, self.vec4, false, "p.dv_off + ")
