@@ -277,6 +277,24 @@ impl Context {
         result
     }
 
+    /// Record with `f` into a new command encoder labelled `label` and submit it, all inside
+    /// [`Context::scoped`] (so buffers `f` creates and every validation error are covered).
+    pub(crate) async fn submit<T>(
+        &self,
+        label: &str,
+        f: impl FnOnce(&mut wgpu::CommandEncoder) -> Result<T>,
+    ) -> Result<T> {
+        self.scoped(|| {
+            let mut encoder = self
+                .device()
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(label) });
+            let out = f(&mut encoder)?;
+            self.queue().submit([encoder.finish()]);
+            Ok(out)
+        })
+        .await
+    }
+
     /// Block until the queue is idle (native); a no-op on the web, where the browser drives it.
     pub(crate) fn wait(&self) -> Result<()> {
         #[cfg(not(target_arch = "wasm32"))]

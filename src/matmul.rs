@@ -4,7 +4,7 @@
 
 use ndarray::Array3;
 
-use crate::buffers::{binding, f32_bytes, fits, Operand};
+use crate::buffers::{binding, dummy, f32_bytes, fits, Operand};
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::matmul as kernel;
@@ -54,22 +54,13 @@ pub async fn matmul<'a>(
     }
     let device = ctx.device();
     let c = ctx
-        .scoped(|| {
+        .submit("matmul", |encoder| {
             let (a_buf, b_buf) = (a_op.upload(ctx, "a"), b_op.upload(ctx, "b"));
             let c = device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("c"),
                 size: c_bytes,
                 usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
                 mapped_at_creation: false,
-            });
-            let dummy = device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("dummy"),
-                size: 16,
-                usage: wgpu::BufferUsages::STORAGE,
-                mapped_at_creation: false,
-            });
-            let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("matmul"),
             });
             // A shared B (batch 1) maps every z to slice 0: heads = group = batch.
             let (heads, group) = if bb == 1 { (batch, batch) } else { (1, 1) };
@@ -88,8 +79,7 @@ pub async fn matmul<'a>(
                 formats: [a_op.storage, b_op.storage, Storage::F32, Storage::F32],
                 accumulate: false,
             }
-            .record(ctx, &mut encoder, &dummy)?;
-            ctx.queue().submit([encoder.finish()]);
+            .record(ctx, encoder, &dummy(ctx))?;
             Ok(c)
         })
         .await?;

@@ -152,15 +152,8 @@ impl<'a> Backward<'a> {
     /// Run on the GPU and read the gradients back.
     pub async fn run(&self, ctx: &Context) -> Result<Grads> {
         let g = ctx
-            .scoped(|| {
-                let mut encoder = ctx
-                    .device()
-                    .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                        label: Some("wgpu-attention sdpa backward"),
-                    });
-                let g = self.record(ctx, &mut encoder)?;
-                ctx.queue().submit([encoder.finish()]);
-                Ok(g)
+            .submit("wgpu-attention sdpa backward", |encoder| {
+                self.record(ctx, encoder)
             })
             .await?;
         let p = &g.problem;

@@ -67,17 +67,14 @@ pub async fn merge<'a>(
     let parts: Vec<f32> = d1.iter().chain(d2.iter()).copied().collect();
     let lses: Vec<f32> = lse1.iter().chain(lse2.iter()).copied().collect();
     let (out, lse) = ctx
-        .scoped(|| {
+        .submit("merge", |encoder| {
             let po = storage_init(ctx, "merge parts", bytemuck::cast_slice(&parts));
             let pl = storage_init(ctx, "merge lse parts", bytemuck::cast_slice(&lses));
             let out = output(ctx, "merged output", out_bytes);
             let lse = output(ctx, "merged lse", f32_bytes(rows));
-            let mut encoder = ctx
-                .device()
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("merge") });
             decode::record_merge(
                 ctx,
-                &mut encoder,
+                encoder,
                 [
                     po.as_entire_buffer_binding(),
                     pl.as_entire_buffer_binding(),
@@ -92,7 +89,6 @@ pub async fn merge<'a>(
                 },
                 (Storage::F32, storage),
             )?;
-            ctx.queue().submit([encoder.finish()]);
             Ok((out, lse))
         })
         .await?;

@@ -270,16 +270,7 @@ impl<'a> Sdpa<'a> {
     /// Run on the GPU and read the results back.
     pub async fn run(&self, ctx: &Context) -> Result<Output> {
         let gpu = ctx
-            .scoped(|| {
-                let mut encoder = ctx
-                    .device()
-                    .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                        label: Some("wgpu-attention sdpa"),
-                    });
-                let out = self.record(ctx, &mut encoder)?;
-                ctx.queue().submit([encoder.finish()]);
-                Ok(out)
-            })
+            .submit("wgpu-attention sdpa", |encoder| self.record(ctx, encoder))
             .await?;
         let p = &gpu.problem;
         let output = ctx
