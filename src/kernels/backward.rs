@@ -202,12 +202,7 @@ impl Config {
     /// CPU adapters 8 invocations with several rows (keys) each in registers, unrolled.
     /// Or why the fused backward cannot run `p`.
     pub(crate) fn new(p: &Problem, caps: &Caps) -> std::result::Result<Config, String> {
-        if p.head_dim > 256 || p.head_dim_v > 256 {
-            return Err(format!(
-                "head dims E = {}, Ev = {} exceed 256",
-                p.head_dim, p.head_dim_v
-            ));
-        }
+        super::flash::check_head_dims(p)?;
         let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
         // CPU adapters: several rows (keys) per invocation in registers, unrolled; with a
         // fixed subgroup the other operand by shuffles (measured on lavapipe, a_h8_s1024:

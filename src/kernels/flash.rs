@@ -83,6 +83,17 @@ pub(crate) struct Config {
 /// (the fastest form; see [`Config::for_now`]).
 pub(crate) const CPU_UNROLL_MIN_FLOPS: f64 = 2.5e8;
 
+/// The head dims the fused kernels (forward and backward) hold in registers: up to 256.
+pub(crate) fn check_head_dims(p: &Problem) -> std::result::Result<(), String> {
+    if p.head_dim > 256 || p.head_dim_v > 256 {
+        return Err(format!(
+            "head dims E = {}, Ev = {} exceed 256",
+            p.head_dim, p.head_dim_v
+        ));
+    }
+    Ok(())
+}
+
 /// The fused kernel's form for `p` on a device with `caps` when none is pinned.
 pub(crate) fn default_form(p: &Problem, caps: &Caps) -> FusedForm {
     let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
@@ -116,12 +127,7 @@ impl Config {
     /// The configuration of the pinned form (`caps.forms.fused`) or the default one, or why
     /// the fused kernel cannot run `p` on this device.
     pub(crate) fn new(p: &Problem, caps: &Caps) -> std::result::Result<Config, String> {
-        if p.head_dim > 256 || p.head_dim_v > 256 {
-            return Err(format!(
-                "head dims E = {}, Ev = {} exceed 256",
-                p.head_dim, p.head_dim_v
-            ));
-        }
+        check_head_dims(p)?;
         let pinned = caps.forms.fused;
         let form = pinned.unwrap_or_else(|| default_form(p, caps));
         let (wg, rq, kg, unroll, sg_kv) = match form {

@@ -245,14 +245,16 @@ impl<'a> Backward<'a> {
             let chunk = f32_bytes(c.heads * c.rows * p.seq_kv);
             fits("scores chunk", chunk, max_binding, limit)?;
         }
-        for n in [rows.div_ceil(64), p.bias.map_or(0, |b| b.len()).div_ceil(64)] {
-            let max = ctx.limits().max_compute_workgroups_per_dimension as u64;
-            fits(
-                "backward workgroups",
-                n as u64,
-                max * max,
-                "max_compute_workgroups_per_dimension (squared)",
-            )?;
+        // Every grid: the row and bias kernels' (64 invocations each) and the fused kernels'.
+        let grids = match &plan {
+            Plan::Fused(cfg) => fused_grids(&p, cfg),
+            Plan::Unfused(_) => [(0, 0); 2],
+        };
+        for n in [rows.div_ceil(64), p.bias.map_or(0, |b| b.len()).div_ceil(64)]
+            .into_iter()
+            .chain(grids.map(|(_, total)| total))
+        {
+            check_workgroups(ctx, n)?;
         }
 
         // The forward, when O and the logsumexp are not given.
@@ -323,59 +325,49 @@ impl<'a> Backward<'a> {
             dout: dout.binding(),
             stats: stats.as_entire_buffer_binding(),
         };
-        let (dk32, dv32): (wgpu::Buffer, (u64, u64));
+        // dK and dV in f32, in one buffer, dV at dv_off.
+        let dkv = output(ctx, "dk and dv", dkv_bytes);
         match &plan {
             Plan::Fused(cfg) => {
-                // dK and dV into one f32 buffer, dV at dv_off.
-                let dkv = output(ctx, "dk and dv", dkv_bytes);
-                let k_tiles = p.seq_kv.div_ceil((cfg.wg * cfg.rk) as usize);
-                let total = k_tiles * p.batch * p.kv_heads;
-                check_workgroups(ctx, total)?;
-                kb::record(
-                    ctx,
-                    encoder,
-                    &kb::DKV,
-                    &cfg.dkv_prelude(),
-                    &io.with_out(dkv.as_entire_buffer_binding()),
-                    &kb::Params {
-                        tiles: k_tiles as u32,
-                        total: total as u32,
-                        ..params
-                    },
-                    total as u32,
-                )?;
-                let q_tiles = p.seq_q.div_ceil((cfg.wg * cfg.rq) as usize);
-                let total = q_tiles * p.batch_heads();
-                check_workgroups(ctx, total)?;
-                kb::record(
-                    ctx,
-                    encoder,
-                    &kb::DQ,
-                    &cfg.dq_prelude(),
-                    &io.with_out(dq.as_entire_buffer_binding()),
-                    &kb::Params {
-                        tiles: q_tiles as u32,
-                        total: total as u32,
-                        ..params
-                    },
-                    total as u32,
-                )?;
-                dk32 = dkv;
-                dv32 = (0, f32_bytes(dv_off));
+                let [(k_tiles, dkv_total), (q_tiles, dq_total)] = grids;
+                for (spec, prelude, out, tiles, total) in [
+                    (&kb::DKV, cfg.dkv_prelude(), &dkv, k_tiles, dkv_total),
+                    (&kb::DQ, cfg.dq_prelude(), &dq, q_tiles, dq_total),
+                ] {
+                    kb::record(
+                        ctx,
+                        encoder,
+                        spec,
+                        &prelude,
+                        &io.with_out(out.as_entire_buffer_binding()),
+                        &kb::Params {
+                            tiles: tiles as u32,
+                            total: total as u32,
+                            ..params
+                        },
+                        total as u32,
+                    )?;
+                }
             }
             Plan::Unfused(chunks) => {
-                let dkv = output(ctx, "dk and dv", dkv_bytes);
                 encoder.clear_buffer(&dkv, 0, None);
                 record_unfused(ctx, encoder, &p, chunks, &io, &params, &dq, &dkv, dv_off, &dummy)?;
-                dk32 = dkv;
-                dv32 = (0, f32_bytes(dv_off));
             }
         }
         // dK and dV in k's and v's formats.
-        let dk = convert(ctx, encoder, "dk", &dk32, dv32.0, kv_rows * p.head_dim, f.k)?;
-        let dv = convert(ctx, encoder, "dv", &dk32, dv32.1, kv_rows * p.head_dim_v, f.v)?;
-        let dbias = match (p.bias, self.sdpa.options.bias.as_ref()) {
-            (Some(bc), Some(_)) => {
+        let dk = convert(ctx, encoder, "dk", &dkv, 0, kv_rows * p.head_dim, f.k)?;
+        let dv = convert(
+            ctx,
+            encoder,
+            "dv",
+            &dkv,
+            f32_bytes(dv_off),
+            kv_rows * p.head_dim_v,
+            f.v,
+        )?;
+        let dbias = p
+            .bias
+            .map(|bc| {
                 let n = bc.len();
                 let buf = output(ctx, "dbias", f.bias.bytes(n));
                 kb::record(
@@ -390,10 +382,9 @@ impl<'a> Backward<'a> {
                     },
                     n.div_ceil(64) as u32,
                 )?;
-                Some(buf)
-            }
-            _ => None,
-        };
+                Ok::<_, Error>(buf)
+            })
+            .transpose()?;
         Ok(GpuGrads {
             dq,
             dk,
@@ -414,6 +405,17 @@ fn check_shape(tensor: &'static str, actual: &[usize], expected: &[usize]) -> Re
         });
     }
     Ok(())
+}
+
+/// The fused kernels' (tiles per head, workgroups): dK/dV over key tiles of every kv head,
+/// dQ over query tiles of every query head.
+fn fused_grids(p: &Problem, cfg: &kb::Config) -> [(usize, usize); 2] {
+    let k_tiles = p.seq_kv.div_ceil((cfg.wg * cfg.rk) as usize);
+    let q_tiles = p.seq_q.div_ceil((cfg.wg * cfg.rq) as usize);
+    [
+        (k_tiles, k_tiles * p.batch * p.kv_heads),
+        (q_tiles, q_tiles * p.batch_heads()),
+    ]
 }
 
 fn check_workgroups(ctx: &Context, n: usize) -> Result<()> {
@@ -588,12 +590,10 @@ fn record_unfused(
                 }
                 .record(ctx, encoder, dummy)?;
             }
-            // The group width of the transposes: whole groups of whole heads, else one head.
-            let gw = if lc == p.seq_q && nz.is_multiple_of(p.group()) {
-                p.group()
-            } else {
-                1
-            };
+            // The group width of the transposes: whole groups of whole heads (one product per
+            // kv head of the chunk), else one head (a product per head).
+            let grouped = lc == p.seq_q && nz.is_multiple_of(p.group());
+            let gw = if grouped { p.group() } else { 1 };
             let total = nz * lc * p.seq_kv;
             kb::record(
                 ctx,
@@ -640,19 +640,20 @@ fn record_unfused(
                 accumulate: false,
             }
             .record(ctx, encoder, dummy)?;
-            // dV += Pᵀ dO and dK += scale · dSᵀ Q: one product per kv head of the chunk
-            // (its gw query heads stacked), or per head with the rows of this chunk.
+            // dV += Pᵀ dO and dK += scale · dSᵀ Q: one batched product over the chunk's kv
+            // heads (each with its gw query heads stacked), or one product per head with the
+            // rows of this chunk (heads of one group would race on their kv head's sum).
+            let gwu = gw as u32;
+            let slices: Vec<(u32, u32)> = if grouped {
+                vec![(0, nzu / gwu)]
+            } else {
+                (0..nzu).map(|zl| (zl, 1)).collect()
+            };
             for (a, b, c, d, fb, alpha) in [
                 (&pt, &io.dout, dv_bind(), ev, f.out, 1.0),
                 (&dst, &io.q, dk_bind(), e, f.q, p.scale),
             ] {
-                let gwu = gw as u32;
-                let slices: Vec<(u32, u32)> = if gw > 1 || lc == p.seq_q && p.group() == 1 {
-                    vec![(0, nzu / gwu)]
-                } else {
-                    (0..nzu).map(|zl| (zl, 1)).collect()
-                };
-                for (zl, batch) in slices {
+                for &(zl, batch) in &slices {
                     let z = z0u + zl;
                     matmul::Matmul {
                         a: binding(a, 0, bytes),
