@@ -12,17 +12,14 @@
 //   E4, EV4 (head dims in vec4s), BK (keys per tile), WG (invocations), RQ (rows per
 //   invocation), HAS_MASK, HAS_BIAS, UNROLL, and SG_KV: the K/V tile lives in registers, one
 //   key per invocation, read by subgroup shuffles (CPU adapters whose subgroup is the
-//   workgroup, BK = WG; KT = 1), else it is staged in workgroup memory (KT = BK); the prelude
-//   defines key_at / value_at accordingly (flash_kv_*.wgsl, shared with the forward).
+//   workgroup, BK = WG), else it is staged in workgroup memory; the prelude declares the tile
+//   with stage_kv / release_kv / key_at / value_at accordingly (flash_kv_*.wgsl, shared with
+//   the forward).
 //
 // Bindings: 0 mask, 1 bias, 2 q, 3 k, 4 v, 5 dout, 6 stats (read), 7 dq (read_write), 8 params.
 
 const BQ: u32 = WG * RQ;
 
-var<workgroup> k_tile: array<vec4<f32>, KT * E4>;
-var<workgroup> v_tile: array<vec4<f32>, KT * EV4>;
-var<private> k_reg: array<vec4<f32>, E4>;
-var<private> v_reg: array<vec4<f32>, EV4>;
 var<workgroup> wg_end: u32;
 
 @compute @workgroup_size(WG, 1, 1)
@@ -71,34 +68,7 @@ fn main(
     }
 
     for (var j0 = 0u; j0 < kv_end; j0 += BK) {
-        if (SG_KV) {
-            let j = j0 + tid;
-            let row = kvh * p.s + min(j, p.s - 1u);
-            for (var d4 = 0u; d4 < E4; d4++) { // unroll
-                k_reg[d4] = select(vec4<f32>(0.0), load_k(row, d4), j < kv_end);
-            }
-            for (var d4 = 0u; d4 < EV4; d4++) { // unroll
-                v_reg[d4] = select(vec4<f32>(0.0), load_v(row, d4), j < kv_end);
-            }
-        } else {
-            for (var t = tid; t < BK * E4; t += WG) {
-                let j = j0 + t / E4;
-                var x = vec4<f32>(0.0);
-                if (j < kv_end) {
-                    x = load_k(kvh * p.s + j, t % E4);
-                }
-                k_tile[t] = x;
-            }
-            for (var t = tid; t < BK * EV4; t += WG) {
-                let j = j0 + t / EV4;
-                var x = vec4<f32>(0.0);
-                if (j < kv_end) {
-                    x = load_v(kvh * p.s + j, t % EV4);
-                }
-                v_tile[t] = x;
-            }
-            workgroupBarrier();
-        }
+        stage_kv(kvh, j0, kv_end, tid);
         for (var jj = 0u; jj < BK; jj++) { // unroll if SG_KV
             let j = j0 + jj;
             for (var r = 0u; r < RQ; r++) { // unroll
@@ -122,9 +92,7 @@ fn main(
                 }
             }
         }
-        if (!SG_KV) {
-            workgroupBarrier();
-        }
+        release_kv();
     }
 
     for (var r = 0u; r < RQ; r++) { // unroll

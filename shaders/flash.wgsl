@@ -8,14 +8,15 @@
 // specialisation constants (naga cannot size function-scope arrays by `override`):
 //   const E4: u32   -- head dim E in vec4s, rounded up (zero padded)
 //   const EV4: u32  -- value head dim Ev in vec4s, rounded up
-//   const BK: u32   -- keys per tile; KT * (E4 + EV4) * 16 bytes of workgroup memory, where
-//                      KT = BK, or 1 when SG_KV leaves the workgroup tiles unused
+//   const BK: u32   -- keys per tile; BK * (E4 + EV4) * 16 bytes of workgroup memory unless
+//                      SG_KV
 //   const WG: u32   -- invocations per workgroup
 //   const KG: u32   -- keys per unrolled step; NG = BK / KG steps per tile
 //   const SG_KV: bool -- the K/V tile lives in registers, one key per invocation, and is read
 //                      by subgroup shuffles (CPU adapters whose subgroup is exactly the
 //                      workgroup, BK = WG); else it is staged in workgroup memory. The prelude
-//                      defines key_at / value_at accordingly (flash_kv_*.wgsl).
+//                      declares the tile with stage_kv / release_kv / key_at / value_at
+//                      accordingly (flash_kv_*.wgsl, shared with bwd_dq.wgsl).
 //   const HAS_MASK: bool, HAS_BIAS: bool -- a boolean mask / an additive bias is bound
 //   const UNROLL: bool -- unroll the loops marked `// unroll` (src/kernels/unroll.rs), so that
 //                      every index into a private array is a constant
@@ -39,12 +40,6 @@ const BQ: u32 = WG * RQ;
 
 @group(0) @binding(7) var<storage, read_write> lse: array<f32>;
 
-// KT = BK rows, or 1 with SG_KV, where the tiles are unused (they must still be declared).
-var<workgroup> k_tile: array<vec4<f32>, KT * E4>;
-var<workgroup> v_tile: array<vec4<f32>, KT * EV4>;
-// With SG_KV: this invocation's key and value row of the current tile.
-var<private> k_reg: array<vec4<f32>, E4>;
-var<private> v_reg: array<vec4<f32>, EV4>;
 var<workgroup> wg_end: u32;
 
 @compute @workgroup_size(WG, 1, 1)
@@ -99,36 +94,7 @@ fn main(
     }
 
     for (var j0 = 0u; j0 < kv_end; j0 += BK) {
-        if (SG_KV) {
-            // Invocation t holds key j0 + t (zero past kv_end); the others read it by shuffle.
-            let j = j0 + tid;
-            let row = kvh * p.s + min(j, p.s - 1u);
-            for (var d4 = 0u; d4 < E4; d4++) { // unroll
-                k_reg[d4] = select(vec4<f32>(0.0), load_k(row, d4), j < kv_end);
-            }
-            for (var d4 = 0u; d4 < EV4; d4++) { // unroll
-                v_reg[d4] = select(vec4<f32>(0.0), load_v(row, d4), j < kv_end);
-            }
-        } else {
-            // Stage the K and V tiles; keys past kv_end are zero.
-            for (var t = tid; t < BK * E4; t += WG) {
-                let j = j0 + t / E4;
-                var x = vec4<f32>(0.0);
-                if (j < kv_end) {
-                    x = load_k(kvh * p.s + j, t % E4);
-                }
-                k_tile[t] = x;
-            }
-            for (var t = tid; t < BK * EV4; t += WG) {
-                let j = j0 + t / EV4;
-                var x = vec4<f32>(0.0);
-                if (j < kv_end) {
-                    x = load_v(kvh * p.s + j, t % EV4);
-                }
-                v_tile[t] = x;
-            }
-            workgroupBarrier();
-        }
+        stage_kv(kvh, j0, kv_end, tid);
 
         // The tile in NG steps of KG keys (keys past kv_end have logit START and a zero V
         // row). Logits of every (row, key) of the step; each K element is read once for RQ rows.
@@ -200,9 +166,7 @@ fn main(
                 }
             }
         }
-        if (!SG_KV) {
-            workgroupBarrier();
-        }
+        release_kv();
     }
 
     for (var r = 0u; r < RQ; r++) { // unroll

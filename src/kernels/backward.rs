@@ -266,10 +266,9 @@ impl Config {
             super::flash::KV_SHARED
         };
         format!(
-            "{}const BK: u32 = {}u;\nconst KT: u32 = {}u;\nconst RQ: u32 = {}u;\nconst SG_KV: bool = {};\n{kv}{}{}",
+            "{}const BK: u32 = {}u;\nconst RQ: u32 = {}u;\nconst SG_KV: bool = {};\n{kv}{}{}",
             self.common_prelude(),
             self.bk,
-            if self.sg { 1 } else { self.bk },
             self.rq,
             self.sg,
             array("dq", 7, fq, self.vec4, access),

@@ -19,7 +19,8 @@ pub(crate) const SPEC: KernelSpec = KernelSpec {
     params: params_of::<Params>,
 };
 
-/// K/V tile access: staged in workgroup memory, or in registers shared by subgroup shuffles.
+/// K/V tile access (declaration, staging, reads): staged in workgroup memory, or in registers
+/// shared by subgroup shuffles. Shared with the backward's dQ kernel.
 pub(crate) const KV_SHARED: &str = include_str!("../../shaders/flash_kv_shared.wgsl");
 pub(crate) const KV_SUBGROUP: &str = include_str!("../../shaders/flash_kv_subgroup.wgsl");
 
@@ -214,13 +215,12 @@ impl Config {
         // Naga takes the subgroup built-ins without `enable subgroups;` (which it rejects).
         let kv = if self.sg_kv { KV_SUBGROUP } else { KV_SHARED };
         format!(
-            "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BK: u32 = {}u;\nconst KT: u32 = {}u;\nconst WG: u32 = {}u;\n\
+            "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BK: u32 = {}u;\nconst WG: u32 = {}u;\n\
              const RQ: u32 = {}u;\nconst KG: u32 = {}u;\nconst NG: u32 = {}u;\n\
              const UNROLL: bool = {};\nconst SG_KV: bool = {};\n{}{io}{kv}",
             self.e4,
             self.ev4,
             self.bk,
-            staged_rows(self.sg_kv, self.bk),
             self.wg,
             self.rq,
             self.kg,
@@ -232,12 +232,11 @@ impl Config {
     }
 }
 
-/// Rows of K (and of V) the workgroup stages in workgroup memory, `KT` in the shader: the
-/// whole tile of `bk` keys, or, with subgroup sharing, none; WGSL needs a non-empty array,
-/// so one row then.
+/// Rows of K (and of V) the workgroup stages in workgroup memory: the whole tile of `bk`
+/// keys, or, with subgroup sharing, none.
 fn staged_rows(sg_kv: bool, bk: u32) -> u32 {
     if sg_kv {
-        1
+        0
     } else {
         bk
     }
