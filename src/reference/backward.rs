@@ -13,11 +13,13 @@
 //!
 //! Masked entries have `P = 0`, so their `dS` is 0; a fully masked row has zero gradients.
 
-use ndarray::{Array3, Array4, ArrayD, ArrayView4, Ix4, IxDyn};
+use ndarray::{Array3, Array4, ArrayD, ArrayView4, IxDyn};
 use num_traits::Float;
 
 use crate::error::Result;
 use crate::options::Options;
+
+use super::sdpa::{allowed, broadcast4};
 
 /// Gradients of `sum(dO ∘ O)` with respect to every input, in the float type `F`.
 #[derive(Debug, Clone)]
@@ -53,18 +55,9 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
     let group = hq / hkv;
     let mask = opts.mask_view()?;
     let bias = opts.bias_view()?;
-    let mask = mask.as_ref().map(|m| {
-        m.broadcast((b, hq, l, s))
-            .expect("mask broadcasts")
-            .into_dimensionality::<Ix4>()
-            .unwrap()
-    });
-    let bias = bias.as_ref().map(|m| {
-        m.broadcast((b, hq, l, s))
-            .expect("bias broadcasts")
-            .into_dimensionality::<Ix4>()
-            .unwrap()
-    });
+    let mask = mask.as_ref().map(|m| broadcast4(m, (b, hq, l, s)));
+    let bias = bias.as_ref().map(|m| broadcast4(m, (b, hq, l, s)));
+    let kv_lens = opts.kv_lens.as_deref();
     let mut p = Array4::<F>::zeros((b, hq, l, s));
     let mut lse = Array3::<F>::from_elem((b, hq, l), F::neg_infinity());
     let mut logits = vec![F::zero(); s];
@@ -74,15 +67,13 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
             for i in 0..l {
                 let mut max = F::neg_infinity();
                 for j in 0..s {
-                    let causal_ok = opts.causal.offset(l, s).is_none_or(|d| j as i64 <= i as i64 + d);
-                    let len_ok = opts.kv_lens.as_ref().is_none_or(|lens| j < lens[bi]);
-                    let mask_ok = mask.as_ref().is_none_or(|m| m[[bi, h, i, j]]);
                     let mut acc = F::zero();
                     for d in 0..e {
                         acc = acc + cast::<F, _>(q[[bi, h, i, d]]) * cast(k[[bi, h / group, j, d]]);
                     }
                     let x = scale * acc + bias.as_ref().map_or(F::zero(), |x| cast(x[[bi, h, i, j]]));
-                    ok[j] = causal_ok && len_ok && mask_ok && x != F::neg_infinity();
+                    ok[j] = allowed(opts.causal, kv_lens, mask.as_ref(), [bi, h, i, j], l, s)
+                        && x != F::neg_infinity();
                     logits[j] = x;
                     if ok[j] {
                         max = if x.is_nan() || max.is_nan() {

@@ -40,8 +40,19 @@ pub fn scores<T: Copy + Into<f64>>(q: ArrayView4<T>, k: ArrayView4<T>, scale: f6
     out
 }
 
+/// `a` (a mask or bias of rank 1 to 4, validated) broadcast to the scores' `dims`.
+pub(super) fn broadcast4<T, S: ndarray::Data<Elem = T>>(
+    a: &ndarray::ArrayBase<S, ndarray::IxDyn>,
+    dims: (usize, usize, usize, usize),
+) -> ArrayView4<'_, T> {
+    a.broadcast(dims)
+        .expect("validated broadcast")
+        .into_dimensionality::<Ix4>()
+        .expect("four dims")
+}
+
 /// Whether query `i` may attend key `j` of batch `b`, head `h` (mask, causal, key lengths).
-fn allowed(
+pub(super) fn allowed(
     causal: Causal,
     kv_lens: Option<&[usize]>,
     mask: Option<&ndarray::ArrayView4<bool>>,
@@ -76,18 +87,8 @@ pub fn masked_softmax(scores: &Array4<f64>, opts: &Options) -> Result<(Array4<f6
     let (b, h, l, s) = scores.dim();
     let (mask_view, bias_view) = (opts.mask_view()?, opts.bias_view()?);
     let kv_lens = opts.kv_lens.as_deref();
-    let mask = mask_view.as_ref().map(|m| {
-        m.broadcast((b, h, l, s))
-            .expect("mask broadcasts")
-            .into_dimensionality::<Ix4>()
-            .unwrap()
-    });
-    let bias = bias_view.as_ref().map(|m| {
-        m.broadcast((b, h, l, s))
-            .expect("bias broadcasts")
-            .into_dimensionality::<Ix4>()
-            .unwrap()
-    });
+    let mask = mask_view.as_ref().map(|m| broadcast4(m, (b, h, l, s)));
+    let bias = bias_view.as_ref().map(|m| broadcast4(m, (b, h, l, s)));
     let mut weights = Array4::<f64>::zeros((b, h, l, s));
     let mut lse = Array3::<f64>::from_elem((b, h, l), f64::NEG_INFINITY);
     let mut logits = vec![0f64; s];
