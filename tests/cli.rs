@@ -393,6 +393,18 @@ fn mha_storage_f16_matches_the_rounded_reference() {
     );
 }
 
+/// `backward` with `--q --k --v --dout` from `inputs` and `--dq-out --dk-out --dv-out` to `outs`.
+fn backward_cli<P: AsRef<Path>>(inputs: &[P], outs: &[PathBuf], rest: &[&str]) -> std::process::Output {
+    let mut args = vec!["backward"];
+    for (flag, p) in ["--q", "--k", "--v", "--dout"].iter().zip(inputs) {
+        args.extend([*flag, s(p.as_ref())]);
+    }
+    for (flag, p) in ["--dq-out", "--dk-out", "--dv-out"].iter().zip(outs) {
+        args.extend([*flag, s(p)]);
+    }
+    cli(&[&args[..], rest].concat())
+}
+
 /// `backward` on .npy files: the GPU's gradients (fused and unfused, with a mask, a broadcast
 /// bias, key lengths, causal and GQA) match the f64 reference computed in the test, and
 /// `--cpu` writes the reference's; bad input exits with status 2.
@@ -429,38 +441,20 @@ fn backward_writes_gradients_matching_the_reference() {
         wgpu_attention::reference::sdpa_backward(q.view(), k.view(), v.view(), dout.view(), &opts).unwrap();
     let outs = ["dq", "dk", "dv", "db"].map(|n| dir.join(format!("{n}.npy")));
     for how in [&["--path", "fused"][..], &["--path", "unfused"], &["--cpu"]] {
-        let args = [
+        let rest = [
+            &["--bias", s(&files[4]), "--mask", s(&files[5])][..],
             &[
-                "backward",
-                "--q",
-                s(&files[0]),
-                "--k",
-                s(&files[1]),
-                "--v",
-                s(&files[2]),
-            ][..],
-            &[
-                "--dout",
-                s(&files[3]),
-                "--bias",
-                s(&files[4]),
-                "--mask",
-                s(&files[5]),
+                "--kv-lens",
+                "9,4",
+                "--causal",
+                "bottom-right",
+                "--dbias-out",
+                s(&outs[3]),
             ],
-            &["--kv-lens", "9,4", "--causal", "bottom-right"],
-            &[
-                "--dq-out",
-                s(&outs[0]),
-                "--dk-out",
-                s(&outs[1]),
-                "--dv-out",
-                s(&outs[2]),
-            ],
-            &["--dbias-out", s(&outs[3])],
             how,
         ]
         .concat();
-        let res = cli(&args);
+        let res = backward_cli(&files[..4], &outs[..3], &rest);
         assert!(
             res.status.success(),
             "{how:?}: {}",
@@ -486,23 +480,7 @@ fn backward_writes_gradients_matching_the_reference() {
         }
     }
     // A dO of the wrong shape: status 2 and a message naming it.
-    let res = cli(&[
-        "backward",
-        "--q",
-        s(&files[0]),
-        "--k",
-        s(&files[1]),
-        "--v",
-        s(&files[2]),
-        "--dout",
-        s(&files[0]),
-        "--dq-out",
-        s(&outs[0]),
-        "--dk-out",
-        s(&outs[1]),
-        "--dv-out",
-        s(&outs[2]),
-    ]);
+    let res = backward_cli(&[&files[0], &files[1], &files[2], &files[0]], &outs[..3], &[]);
     let err = String::from_utf8_lossy(&res.stderr);
     assert_eq!(res.status.code(), Some(2), "{err}");
     assert!(err.contains("dout"), "{err}");

@@ -320,15 +320,9 @@ impl Saved {
         ctx.queue().submit([encoder.finish()]);
         let p = fw.problem.clone();
         let n: usize = p.out_shape().iter().product();
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        let data: Vec<f32> = (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-            })
-            .collect();
+        // The shapes' own seeded generator, on a stream apart from the inputs'.
+        let mut rng = wgpu_attention::shapes::SplitMix64(seed ^ 0xd0d0_d0d0);
+        let data: Vec<f32> = (0..n).map(|_| rng.next_f32()).collect();
         let dout = ctx
             .device()
             .create_buffer_init(&wgpu::util::BufferInitDescriptor {
