@@ -13,14 +13,17 @@ per-case seed (torch's RNG is never used), goldens are computed in float64 on CP
 
 Outputs (see tests/fixtures/README.md for the conventions):
   tests/fixtures/sdpa/<case>/  scaled_dot_product_attention cases
-  tests/fixtures/mha/<case>/   torch.nn.MultiheadAttention(batch_first=True) cases
+  tests/fixtures/mha/<case>/   torch.nn.MultiheadAttention(batch_first=True) cases, with the
+                               autograd gradients of sum(dout * Y) (grads.safetensors, float64,
+                               keyed query/key/value and by the state dict's names)
 
 Every SDPA golden is computed twice: with torch.nn.functional.scaled_dot_product_attention
 in float64 (torch's own is_causal / causal_lower_right / enable_gqa where possible) and with
 an explicit float64 formula in this file; the two must agree. Where torch returns NaN on a
 fully masked row (all keys excluded), the explicit formula's value (output 0, weights 0,
 lse -inf) is written and the fact is printed.  MHA goldens are likewise cross-checked
-against an explicit float64 re-implementation of the module.
+against an explicit float64 re-implementation of the module, forward and autograd; the
+grouped-query case (which torch's module cannot express) comes from the explicit layer.
 """
 
 import copy
@@ -441,25 +444,29 @@ def make_sdpa():
 # --------------------------------------------------------------------------------------
 
 def explicit_mha(sd, query, key, value, H, key_padding_mask, attn_mask):
-    """float64 re-implementation of nn.MultiheadAttention (batch_first, no dropout)."""
+    """float64 re-implementation of nn.MultiheadAttention (batch_first, no dropout), extended
+    to grouped-query heads: k/v_proj_weight of G * d rows (G dividing H) give G key/value heads,
+    each shared by H / G query heads (torch's module has no such option)."""
     E = query.shape[-1]
     if "in_proj_weight" in sd:
         wq, wk, wv = sd["in_proj_weight"].chunk(3, 0)
     else:
         wq, wk, wv = sd["q_proj_weight"], sd["k_proj_weight"], sd["v_proj_weight"]
+    kv = wk.shape[0]
     if "in_proj_bias" in sd:
-        bq, bk, bv = sd["in_proj_bias"].chunk(3, 0)
+        bq, bk, bv = sd["in_proj_bias"].split([E, kv, kv], 0)
     else:
-        bq = bk = bv = torch.zeros(E)
+        bq, bk, bv = torch.zeros(E), torch.zeros(kv), torch.zeros(kv)
     Q = query @ wq.T + bq
     K = key @ wk.T + bk
     V = value @ wv.T + bv
     B, L, _ = Q.shape
     S = K.shape[1]
     d = E // H
+    G = kv // d
     Q = Q.view(B, L, H, d).transpose(1, 2)
-    K = K.view(B, S, H, d).transpose(1, 2)
-    V = V.view(B, S, H, d).transpose(1, 2)
+    K = K.view(B, S, G, d).transpose(1, 2).repeat_interleave(H // G, 1)
+    V = V.view(B, S, G, d).transpose(1, 2).repeat_interleave(H // G, 1)
     logits = Q @ K.transpose(-1, -2) / math.sqrt(d)
     blocked = torch.zeros(B, 1, L, S, dtype=torch.bool)
     if key_padding_mask is not None:
@@ -475,27 +482,88 @@ def explicit_mha(sd, query, key, value, H, key_padding_mask, attn_mask):
     return out, P
 
 
+def mha_grads(sd32, query32, key32, value32, self_attn, H, kpm_t, am_t, dout32, module=None):
+    """Autograd (float64) of sum(dout * Y) through the explicit layer, with respect to the
+    inputs (the query alone in self-attention, where it is also the key and value) and every
+    parameter; cross-checked against the torch module's own autograd when one is given."""
+    sd = {k_: v_.double().clone().requires_grad_(True) for k_, v_ in sd32.items()}
+    q = torch.from_numpy(query32).double().requires_grad_(True)
+    if self_attn:
+        k = v = q
+    else:
+        k = torch.from_numpy(key32).double().requires_grad_(True)
+        v = torch.from_numpy(value32).double().requires_grad_(True)
+    dout = torch.from_numpy(dout32).double()
+    out, _ = explicit_mha(sd, q, k, v, H, kpm_t, am_t)
+    (out * dout).sum().backward()
+    grads = {"query": q.grad}
+    if not self_attn:
+        grads["key"] = k.grad
+        grads["value"] = v.grad
+    for k_, p in sd.items():
+        grads[k_] = p.grad
+    diff = None
+    if module is not None:
+        m = copy.deepcopy(module).double()
+        qm = torch.from_numpy(query32).double().requires_grad_(True)
+        if self_attn:
+            km = vm = qm
+        else:
+            km = torch.from_numpy(key32).double().requires_grad_(True)
+            vm = torch.from_numpy(value32).double().requires_grad_(True)
+        y, _ = m(qm, km, vm, key_padding_mask=kpm_t, attn_mask=am_t, need_weights=False)
+        (y * dout).sum().backward()
+        theirs = {"query": qm.grad}
+        if not self_attn:
+            theirs["key"] = km.grad
+            theirs["value"] = vm.grad
+        for n, p in m.named_parameters():
+            theirs[n] = p.grad
+        assert sorted(theirs) == sorted(grads), (sorted(theirs), sorted(grads))
+        diff = max(max_abs_diff(theirs[n], grads[n]) for n in grads)
+        assert diff <= 1e-10, f"module autograd vs explicit differ by {diff}"
+        grads = theirs
+    for n, g in grads.items():
+        assert bool(torch.isfinite(g).all()), n
+    return {n: g.detach().contiguous() for n, g in grads.items()}, diff
+
+
 def mha_case(name, seed, E, H, B, L, S, description, kdim=None, vdim=None, bias=True,
-             self_attn=True, kpm_lens=None, causal=False):
+             self_attn=True, kpm_lens=None, causal=False, kv_heads=None):
     rng = np.random.default_rng(seed)
     kd = kdim if kdim is not None else E
     vd = vdim if vdim is not None else E
-    mod = torch.nn.MultiheadAttention(E, H, bias=bias, batch_first=True, kdim=kdim, vdim=vdim,
-                                      dtype=torch.float32)
-    mod.eval()
-    # Overwrite every parameter from numpy (independent of torch's init / RNG); biases are
-    # made non-zero so they are actually exercised (torch initialises them to 0).
+    if kv_heads is None:
+        mod = torch.nn.MultiheadAttention(E, H, bias=bias, batch_first=True, kdim=kdim, vdim=vdim,
+                                          dtype=torch.float32)
+        mod.eval()
+        shapes = {k_: tuple(t.shape) for k_, t in mod.state_dict().items()}
+    else:
+        # Grouped-query heads: the explicit layer only (torch's module has none).
+        mod = None
+        kv = kv_heads * (E // H)
+        shapes = {"q_proj_weight": (E, E), "k_proj_weight": (kv, kd), "v_proj_weight": (kv, vd)}
+        if bias:
+            shapes["in_proj_bias"] = (E + 2 * kv,)
+        shapes["out_proj.weight"] = (E, E)
+        if bias:
+            shapes["out_proj.bias"] = (E,)
+    # Every parameter from numpy (independent of torch's init / RNG); biases are made
+    # non-zero so they are actually exercised (torch initialises them to 0).
     new_sd = {}
-    for kname, t in mod.state_dict().items():
+    for kname, shape in shapes.items():
         if kname.endswith("bias"):
-            arr = randn32(rng, tuple(t.shape), 0.5)
+            arr = randn32(rng, shape, 0.5)
         else:
-            fan_in = t.shape[1]
+            fan_in = shape[1]
             lim = math.sqrt(3.0 / fan_in)
-            arr = rng.uniform(-lim, lim, size=tuple(t.shape)).astype(np.float32)
+            arr = rng.uniform(-lim, lim, size=shape).astype(np.float32)
         new_sd[kname] = torch.from_numpy(arr)
-    mod.load_state_dict(new_sd)
-    sd32 = {k_: v_.detach().clone().contiguous() for k_, v_ in mod.state_dict().items()}
+    if mod is not None:
+        mod.load_state_dict(new_sd)
+        sd32 = {k_: v_.detach().clone().contiguous() for k_, v_ in mod.state_dict().items()}
+    else:
+        sd32 = {k_: v_.float().contiguous() for k_, v_ in new_sd.items()}
     for v_ in sd32.values():
         assert v_.dtype == torch.float32
 
@@ -514,7 +582,6 @@ def mha_case(name, seed, E, H, B, L, S, description, kdim=None, vdim=None, bias=
         assert not kpm.all(axis=1).any()
     am = np.triu(np.ones((L, S), dtype=np.bool_), k=1) if causal else None  # True = blocked
 
-    mod64 = copy.deepcopy(mod).double()
     qd = torch.from_numpy(query32).double()
     kd_ = torch.from_numpy(key32).double()
     vd_ = torch.from_numpy(value32).double()
@@ -523,12 +590,16 @@ def mha_case(name, seed, E, H, B, L, S, description, kdim=None, vdim=None, bias=
     kpm_t = torch.from_numpy(kpm) if kpm is not None else None
     am_t = torch.from_numpy(am) if am is not None else None
     with torch.no_grad():
-        out, w_avg = mod64(qd, kd_, vd_, key_padding_mask=kpm_t, attn_mask=am_t,
-                           need_weights=True, average_attn_weights=True)
-        out2, w_ph = mod64(qd, kd_, vd_, key_padding_mask=kpm_t, attn_mask=am_t,
-                           need_weights=True, average_attn_weights=False)
         ref_out, ref_P = explicit_mha({k_: v_.double() for k_, v_ in sd32.items()}, qd, kd_, vd_,
                                       H, kpm_t, am_t)
+        if mod is not None:
+            mod64 = copy.deepcopy(mod).double()
+            out, w_avg = mod64(qd, kd_, vd_, key_padding_mask=kpm_t, attn_mask=am_t,
+                               need_weights=True, average_attn_weights=True)
+            out2, w_ph = mod64(qd, kd_, vd_, key_padding_mask=kpm_t, attn_mask=am_t,
+                               need_weights=True, average_attn_weights=False)
+        else:
+            out, out2, w_ph, w_avg = ref_out, ref_out, ref_P, ref_P.mean(1)
     assert out.dtype == torch.float64
     for t in (out, out2, w_avg, w_ph):
         assert not bool(torch.isnan(t).any()), name
@@ -540,6 +611,10 @@ def mha_case(name, seed, E, H, B, L, S, description, kdim=None, vdim=None, bias=
     assert tuple(out.shape) == (B, L, E)
     assert tuple(w_avg.shape) == (B, L, S)
     assert tuple(w_ph.shape) == (B, H, L, S)
+
+    # Gradients of sum(dout * Y): a separate random stream, so the forward files are unchanged.
+    dout32 = randn32(np.random.default_rng(seed + 1_000_003), (B, L, E))
+    grads, gdiff = mha_grads(sd32, query32, key32, value32, self_attn, H, kpm_t, am_t, dout32, mod)
 
     d_ = FIXTURES / "mha" / name
     d_.mkdir(parents=True)
@@ -554,11 +629,17 @@ def mha_case(name, seed, E, H, B, L, S, description, kdim=None, vdim=None, bias=
     save_npy(d_ / "out.npy", out.numpy())
     save_npy(d_ / "attn_weights_avg.npy", w_avg.numpy())
     save_npy(d_ / "attn_weights_per_head.npy", w_ph.numpy())
-    write_json(d_ / "meta.json", {"embed_dim": E, "num_heads": H, "kdim": kd, "vdim": vd,
-                                  "bias": bias, "causal": causal, "description": description})
-    print(f"mha/{name}: E={E} H={H} kdim={kd} vdim={vd} bias={bias} B={B} L={L} S={S} "
+    save_npy(d_ / "dout.npy", dout32)
+    save_file(grads, str(d_ / "grads.safetensors"))
+    meta = {"embed_dim": E, "num_heads": H, "kdim": kd, "vdim": vd, "bias": bias, "causal": causal,
+            "description": description, "self_attn": self_attn}
+    if kv_heads is not None:
+        meta["kv_heads"] = kv_heads
+    write_json(d_ / "meta.json", meta)
+    how = "explicit layer only (GQA)" if mod is None else f"module autograd vs explicit {gdiff:.1e}"
+    print(f"mha/{name}: E={E} H={H} G={kv_heads or H} kdim={kd} vdim={vd} bias={bias} B={B} L={L} S={S} "
           f"causal={causal} kpm_lens={kpm_lens} keys={sorted(sd32)} | "
-          f"max|diff| vs explicit={max(d1, d2, d3):.2e}")
+          f"max|diff| vs explicit={max(d1, d2, d3):.2e} | grads {sorted(grads)}: {how}")
 
 
 def make_mha():
@@ -575,6 +656,11 @@ def make_mha():
                          "(True = not allowed)")
     mha_case("no_bias", 205, E=20, H=5, B=2, L=6, S=6, bias=False,
              description="self-attention with bias=False (no in_proj_bias, no out_proj.bias)")
+    mha_case("gqa_cross_padding", 206, E=24, H=6, B=3, L=5, S=9, kdim=10, vdim=7, kv_heads=2,
+             self_attn=False, kpm_lens=[9, 4, 6],
+             description="grouped-query cross-attention (6 query heads, 2 key/value heads; "
+                         "explicit layer, torch's module has no GQA) with kdim=10, vdim=7 and "
+                         "a key_padding_mask (valid key lengths [9, 4, 6])")
 
 
 def main():

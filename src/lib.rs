@@ -30,7 +30,10 @@ pub use half;
 pub use matmul::matmul;
 #[cfg(not(target_arch = "wasm32"))]
 pub use matmul::matmul_blocking;
-pub use mha::{MhaConfig, MhaForward, MhaOutput, MhaTimings, MhaWeights, MultiHeadAttention, NeedWeights};
+pub use mha::{
+    MhaBackward, MhaConfig, MhaForward, MhaGrads, MhaOutput, MhaTimings, MhaWeights, MultiHeadAttention,
+    NeedWeights,
+};
 pub use options::Options;
 pub use problem::{Causal, Problem};
 pub use sdpa::backward::{Backward, GpuGrads, Grads};

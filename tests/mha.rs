@@ -7,7 +7,9 @@ mod common;
 
 use std::path::Path as FsPath;
 
-use common::{assert_mha_output, assert_report, ctx, rand_array, rng, twice_storage_tolerance, TOL};
+use common::{
+    assert_mha_output, assert_report, ctx, rand_array, rng, twice_storage_tolerance, MhaCase, MhaGrid, TOL,
+};
 use ndarray::{Array2, Array3, Array4, ArrayD, IxDyn};
 use ndarray_npy::read_npy;
 use wgpu_attention::check::{compare, Tolerance};
@@ -31,7 +33,7 @@ fn pytorch_goldens_reference_and_gpu() {
         .filter(|p| p.is_dir())
         .collect();
     names.sort();
-    assert_eq!(names.len(), 5, "fixture cases");
+    assert_eq!(names.len(), 6, "fixture cases");
     for dir in names {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let meta: serde_json::Value =
@@ -125,19 +127,8 @@ fn pytorch_goldens_reference_and_gpu() {
     }
 }
 
-/// One grid case: the layer's config, batch, query and key lengths, and the options.
-struct Grid {
-    config: MhaConfig,
-    b: usize,
-    l: usize,
-    s: usize,
-    cross: bool,
-    causal: Causal,
-    mask: bool,
-    bias: bool,
-    lens: bool,
-    weights: NeedWeights,
-}
+/// One grid case.
+type Grid = MhaGrid;
 
 fn run_grid_case(ctx: &wgpu_attention::Context, g: &Grid, seed: u64) {
     run_grid_case_as(ctx, g, seed, Storage::F32, TOL)
@@ -146,79 +137,11 @@ fn run_grid_case(ctx: &wgpu_attention::Context, g: &Grid, seed: u64) {
 /// A grid case with the layer in `st` (weights, activations, output) and its inputs rounded
 /// to `st`, against the f64 reference on the rounded weights and inputs at `tol`.
 fn run_grid_case_as(ctx: &wgpu_attention::Context, g: &Grid, seed: u64, st: Storage, tol: Tolerance) {
-    let c = g.config;
-    let w = MhaWeights::xavier_uniform(c, seed).unwrap();
-    // Non-zero biases so that they are exercised.
-    let mut w = w;
-    let mut r = rng(seed + 1);
-    if c.bias {
-        w.b_q = Some(rand_array(&mut r, c.d_model));
-        w.b_k = Some(rand_array(&mut r, c.num_kv_heads * c.head_dim()));
-        w.b_v = Some(rand_array(&mut r, c.num_kv_heads * c.head_dim()));
-        w.b_o = Some(rand_array(&mut r, c.d_model));
-    }
-    let w = w.with_storage(st);
-    let round = |x: f32| st.round(x);
-    let x: Array3<f32> = rand_array(&mut r, (g.b, g.l, c.d_model)).mapv(round);
-    let k: Array3<f32> = rand_array(&mut r, (g.b, g.s, c.kdim)).mapv(round);
-    let v: Array3<f32> = rand_array(&mut r, (g.b, g.s, c.vdim)).mapv(round);
-    let mask: Option<ArrayD<bool>> = g.mask.then(|| {
-        let mut m = ArrayD::from_shape_fn(IxDyn(&[g.b, 1, g.l, g.s]), |i| {
-            (i[2] * 7 + i[3] * 3 + i[0]) % 5 != 0
-        });
-        // A fully masked query row.
-        m.slice_mut(ndarray::s![0, 0, g.l / 2, ..]).fill(false);
-        m
-    });
-    let bias: Option<ArrayD<f32>> = g
-        .bias
-        .then(|| rand_array(&mut r, IxDyn(&[1, c.num_heads, g.l, g.s])).mapv(round));
-    let lens: Option<Vec<usize>> = g.lens.then(|| {
-        (0..g.b)
-            .map(|i| {
-                if i == 0 {
-                    g.s / 2 + 1
-                } else if i == 1 {
-                    0
-                } else {
-                    g.s
-                }
-            })
-            .collect()
-    });
-    let inputs = if g.cross {
-        MhaInputs::cross(x.view(), k.view(), v.view())
-    } else {
-        MhaInputs::self_attention(x.view())
-    };
-    let spec = Options {
-        causal: g.causal,
-        mask: mask.as_ref().map(|m| m.into()),
-        bias: bias.as_ref().map(|b| b.into()),
-        kv_lens: lens.clone(),
-        ..Default::default()
-    };
-    let r = reference::mha(&w, &inputs, &spec).unwrap();
-    let layer = MultiHeadAttention::new(ctx, &w).unwrap();
-    let t = |a| Tensor::from(a).with_storage(st);
-    let mut f = layer.forward(t(&x)).causal(g.causal).need_weights(g.weights);
-    if g.cross {
-        f = f.key_value(t(&k), t(&v));
-    }
-    if let Some(m) = &mask {
-        f = f.mask(m);
-    }
-    if let Some(b) = &bias {
-        f = f.bias(Tensor::from(b).with_storage(st));
-    }
-    if let Some(l) = &lens {
-        f = f.kv_lens(l);
-    }
-    let label = format!(
-        "{st} config {c:?} b{} l{} s{} cross {} {:?} mask {} bias {} lens {} {:?}",
-        g.b, g.l, g.s, g.cross, g.causal, g.mask, g.bias, g.lens, g.weights
-    );
-    let o = f.run_blocking(ctx).unwrap();
+    let case = MhaCase::random(*g, seed, st);
+    let r = reference::mha(&case.w, &case.inputs(), &case.options()).unwrap();
+    let layer = MultiHeadAttention::new(ctx, &case.w).unwrap();
+    let label = case.label();
+    let o = case.forward(&layer).run_blocking(ctx).unwrap();
     assert_mha_output(&o, &r, g.weights, tol, &label);
     if st != Storage::F32 {
         assert!(

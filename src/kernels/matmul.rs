@@ -69,6 +69,25 @@ impl Form {
     }
 }
 
+/// Check that an `m × n` product fits the device's grid (in the form `ctx` runs) before any
+/// GPU work: `what` names it in the error.
+pub(crate) fn check_grid(ctx: &Context, what: &str, m: usize, n: usize) -> Result<()> {
+    let [tm, tn] = Form::for_device(&ctx.caps()).tile();
+    let max = ctx.limits().max_compute_workgroups_per_dimension as usize;
+    for (extent, tile, axis) in [(m, tm, "rows"), (n, tn, "columns")] {
+        if extent.div_ceil(tile as usize) > max {
+            return Err(crate::error::Error::TooLargeForDevice {
+                what: format!("{what}: {extent} {axis} of a product, {tile} per workgroup"),
+                bytes: 0,
+                limit_name: "max_compute_workgroups_per_dimension",
+                limit: max as u64,
+                hint: " (a grid limit, not a memory one)",
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Rows per invocation of the subgroup form.
 pub(crate) const SG_ROWS: u32 = 4;
 /// Column blocks of 8 per workgroup of the subgroup form.

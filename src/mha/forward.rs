@@ -2,7 +2,7 @@
 
 use ndarray::{Array3, Array4, Axis};
 
-use crate::buffers::{binding, f32_bytes, fits, output, Operand};
+use crate::buffers::{binding, f32_bytes, fits, output, Operand, Uploaded};
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::{matmul as mm, permute};
@@ -31,24 +31,24 @@ pub struct MhaForward<'a> {
 
 /// Shapes of one forward pass, validated.
 #[derive(Debug, Clone, Copy)]
-struct Dims {
-    b: usize,
-    l: usize,
-    s: usize,
-    h: usize,
-    g: usize,
-    d: usize,
-    e: usize,
+pub(super) struct Dims {
+    pub(super) b: usize,
+    pub(super) l: usize,
+    pub(super) s: usize,
+    pub(super) h: usize,
+    pub(super) g: usize,
+    pub(super) d: usize,
+    pub(super) e: usize,
 }
 
 impl Dims {
     /// Query heads `[B, H, L, d]`.
-    fn heads_q(&self) -> [usize; 4] {
+    pub(super) fn heads_q(&self) -> [usize; 4] {
         [self.b, self.h, self.l, self.d]
     }
 
     /// Key and value heads `[B, G, S, d]`.
-    fn heads_kv(&self) -> [usize; 4] {
+    pub(super) fn heads_kv(&self) -> [usize; 4] {
         [self.b, self.g, self.s, self.d]
     }
 }
@@ -114,7 +114,7 @@ impl<'a> MhaForward<'a> {
     }
 
     /// Validate every shape; nothing touches the GPU.
-    fn dims(&self) -> Result<Dims> {
+    pub(super) fn dims(&self) -> Result<Dims> {
         let c = self.mha.config;
         c.validate()?;
         let (h, g, d, e) = (c.num_heads, c.num_kv_heads, c.head_dim(), c.d_model);
@@ -193,6 +193,50 @@ impl<'a> MhaForward<'a> {
         Ok(Dims { b, l, s, h, g, d, e })
     }
 
+    /// A copy for the backward: no weights, no profiling.
+    pub(super) fn for_backward(&self) -> Self {
+        MhaForward {
+            need_weights: NeedWeights::No,
+            profile: false,
+            ..self.clone()
+        }
+    }
+
+    /// The forward's path.
+    pub(super) fn path_of(&self) -> Path {
+        self.path
+    }
+
+    /// The layer.
+    pub(super) fn layer(&self) -> &'a MultiHeadAttention {
+        self.mha
+    }
+
+    /// Whether query heads are given.
+    pub(super) fn has_query_heads(&self) -> bool {
+        self.query_heads.is_some()
+    }
+
+    /// Whether value heads are given.
+    pub(super) fn has_value_heads(&self) -> bool {
+        self.value_heads.is_some()
+    }
+
+    /// The batch of the given query heads (1: broadcast).
+    pub(super) fn query_heads_batch(&self) -> usize {
+        self.query_heads.as_ref().map_or(0, |t| t.shape()[0])
+    }
+
+    /// The batch of the given value heads (1: broadcast).
+    pub(super) fn value_heads_batch(&self) -> usize {
+        self.value_heads.as_ref().map_or(0, |t| t.shape()[0])
+    }
+
+    /// The query input.
+    pub(super) fn query(&self) -> &Tensor<'a> {
+        &self.query
+    }
+
     /// The attention call's options on `sdpa`.
     fn configure<'s>(&'s self, sdpa: Sdpa<'s>) -> Sdpa<'s> {
         let mut sdpa = sdpa.options(self.options.clone()).path(self.path);
@@ -204,7 +248,7 @@ impl<'a> MhaForward<'a> {
 
     /// Run on the GPU and read the output (and the weights, if asked for) back.
     pub async fn run(&self, ctx: &Context) -> Result<MhaOutput> {
-        let pass = Pass::new(self, ctx)?;
+        let pass = Pass::new(self, ctx, false)?;
         let (gpu, times) = pass.submit().await?;
         pass.read_back(&gpu, times).await
     }
@@ -216,15 +260,22 @@ impl<'a> MhaForward<'a> {
     }
 }
 
+/// The query, key and value inputs on the GPU.
+pub(super) struct Inputs<'a> {
+    pub(super) query: Uploaded<'a>,
+    pub(super) key: Option<Uploaded<'a>>,
+    pub(super) value: Option<Uploaded<'a>>,
+}
+
 /// One validated forward pass: the checked inputs and the buffers of every stage. Built
 /// before any GPU work, so every bad input is an error before anything is submitted.
-struct Pass<'p, 'a> {
-    fwd: &'p MhaForward<'a>,
+pub(super) struct Pass<'p, 'a> {
+    pub(super) fwd: &'p MhaForward<'a>,
     ctx: &'p Context,
-    dims: Dims,
-    query: Operand<'p, 'a>,
-    key: Option<Operand<'p, 'a>>,
-    value: Option<Operand<'p, 'a>>,
+    pub(super) dims: Dims,
+    pub(super) query: Operand<'p, 'a>,
+    pub(super) key: Option<Operand<'p, 'a>>,
+    pub(super) value: Option<Operand<'p, 'a>>,
     given_q: Option<Operand<'p, 'a>>,
     given_v: Option<Operand<'p, 'a>>,
     /// Query, key and value heads `[B, H|G, T, d]`.
@@ -232,13 +283,15 @@ struct Pass<'p, 'a> {
     kh: wgpu::Buffer,
     vh: wgpu::Buffer,
     /// Attention output merged back to `[B, L, H·d]`, and the layer output `[B, L, E]`.
-    merged: wgpu::Buffer,
-    out: wgpu::Buffer,
-    dummy: wgpu::Buffer,
+    pub(super) merged: wgpu::Buffer,
+    pub(super) out: wgpu::Buffer,
+    pub(super) dummy: wgpu::Buffer,
 }
 
 impl<'p, 'a> Pass<'p, 'a> {
-    fn new(fwd: &'p MhaForward<'a>, ctx: &'p Context) -> Result<Self> {
+    /// Validate `fwd` on `ctx` (with `backward`, the attention backward's plan too, for the
+    /// upstream gradient in the layer's format) and allocate the stages' buffers.
+    pub(super) fn new(fwd: &'p MhaForward<'a>, ctx: &'p Context, backward: bool) -> Result<Self> {
         let dims = fwd.dims()?;
         let Dims { b, l, s, h, g, d, e } = dims;
         let max = ctx.max_binding();
@@ -249,15 +302,8 @@ impl<'p, 'a> Pass<'p, 'a> {
         ] {
             fits(what, f32_bytes(n), max, "max_storage_buffer_binding_size")?;
         }
-        let tiles = ctx.limits().max_compute_workgroups_per_dimension as usize * mm::TILE as usize;
-        if b * l.max(s) > tiles {
-            return Err(Error::TooLargeForDevice {
-                what: format!("projection of {} rows", b * l.max(s)),
-                bytes: 0,
-                limit_name: "max_compute_workgroups_per_dimension",
-                limit: tiles as u64,
-                hint: " (rows = batch x sequence, 64 per workgroup)",
-            });
+        for (rows, cols) in [(b * l, e.max(h * d)), (b * s, g * d)] {
+            mm::check_grid(ctx, "projection", rows, cols)?;
         }
         // The attention problem is validated (and planned) before any GPU work too.
         let empty: &[f32] = &[];
@@ -267,7 +313,14 @@ impl<'p, 'a> Pass<'p, 'a> {
             Tensor::from_slice(empty, &dims.heads_kv()).with_storage(st),
             Tensor::from_slice(empty, &dims.heads_kv()).with_storage(st),
         ));
-        check.plan(ctx)?;
+        if backward {
+            check
+                .backward(Tensor::from_slice(empty, &dims.heads_q()).with_storage(st))
+                .path(fwd.path)
+                .resolved_path(ctx)?;
+        } else {
+            check.plan(ctx)?;
+        }
         let optional =
             |t: &'p Option<Tensor<'a>>, name| t.as_ref().map(|t| Operand::check(ctx, name, t)).transpose();
         // An empty activation still needs a non-empty buffer.
@@ -290,25 +343,42 @@ impl<'p, 'a> Pass<'p, 'a> {
         })
     }
 
-    /// Stage 1: upload the inputs, then the query, key and value heads, each given
-    /// (broadcast over the batch if its batch is 1) or projected and split.
-    fn record_heads(&self, encoder: &mut wgpu::CommandEncoder) -> Result<()> {
+    /// Upload the query, key and value inputs (the caller's buffers are bound as they are).
+    pub(super) fn upload_inputs(&self) -> Inputs<'a> {
+        Inputs {
+            query: self.query.upload(self.ctx, "query"),
+            key: self.key.as_ref().map(|k| k.upload(self.ctx, "key")),
+            value: self.value.as_ref().map(|v| v.upload(self.ctx, "value")),
+        }
+    }
+
+    /// The key input (the query input in self-attention), bound, with its format.
+    pub(super) fn key_input<'u>(&self, inputs: &'u Inputs<'a>) -> (wgpu::BufferBinding<'u>, Storage) {
+        match (&inputs.key, &self.key) {
+            (Some(k), Some(op)) => (k.binding(), op.storage),
+            _ => (inputs.query.binding(), self.query.storage),
+        }
+    }
+
+    /// The value input (the query input in self-attention), bound, with its format.
+    pub(super) fn value_input<'u>(&self, inputs: &'u Inputs<'a>) -> (wgpu::BufferBinding<'u>, Storage) {
+        match (&inputs.value, &self.value) {
+            (Some(v), Some(op)) => (v.binding(), op.storage),
+            _ => (inputs.query.binding(), self.query.storage),
+        }
+    }
+
+    /// Stage 1: the query, key and value heads, each given (broadcast over the batch if its
+    /// batch is 1) or projected from the uploaded `inputs` and split.
+    pub(super) fn record_heads(&self, encoder: &mut wgpu::CommandEncoder, inputs: &Inputs<'a>) -> Result<()> {
         let (c, m) = (&self.fwd.mha.config, &self.fwd.mha);
         let Dims { l, s, h, g, e, .. } = self.dims;
-        let query = self.query.upload(self.ctx, "query");
-        let key = self.key.as_ref().map(|k| k.upload(self.ctx, "key"));
-        let value = self.value.as_ref().map(|v| v.upload(self.ctx, "value"));
-        let key_b = key.as_ref().map_or(query.binding(), |k| k.binding());
-        let value_b = value.as_ref().map_or(query.binding(), |v| v.binding());
-        let qs = self.query.storage;
-        let key_s = self.key.as_ref().map_or(qs, |k| k.storage);
-        let value_s = self.value.as_ref().map_or(qs, |v| v.storage);
         let given_q = self.given_q.as_ref().zip(self.fwd.query_heads.as_ref());
         let given_v = self.given_v.as_ref().zip(self.fwd.value_heads.as_ref());
         self.heads(
             encoder,
             given_q,
-            (query.binding(), qs),
+            (inputs.query.binding(), self.query.storage),
             (&m.w_q, m.b_q.as_ref()),
             &self.qh,
             [l, h, e],
@@ -316,7 +386,7 @@ impl<'p, 'a> Pass<'p, 'a> {
         self.heads(
             encoder,
             None,
-            (key_b, key_s),
+            self.key_input(inputs),
             (&m.w_k, m.b_k.as_ref()),
             &self.kh,
             [s, g, c.kdim],
@@ -324,7 +394,7 @@ impl<'p, 'a> Pass<'p, 'a> {
         self.heads(
             encoder,
             given_v,
-            (value_b, value_s),
+            self.value_input(inputs),
             (&m.w_v, m.b_v.as_ref()),
             &self.vh,
             [s, g, c.vdim],
@@ -377,7 +447,7 @@ impl<'p, 'a> Pass<'p, 'a> {
     }
 
     /// Stage 2: attention over the heads.
-    fn sdpa(&self) -> Sdpa<'_> {
+    pub(super) fn sdpa(&self) -> Sdpa<'_> {
         let st = self.fwd.mha.storage;
         self.fwd.configure(Sdpa::new(
             Tensor::from_buffer(&self.qh, 0, &self.dims.heads_q()).with_storage(st),
@@ -388,7 +458,12 @@ impl<'p, 'a> Pass<'p, 'a> {
 
     /// Stage 3: merge the heads `[B, H, L, d]` (at `off` in `attn`) to `[B, L, H, d]`, then the
     /// output projection.
-    fn record_output(&self, encoder: &mut wgpu::CommandEncoder, attn: &wgpu::Buffer, off: u64) -> Result<()> {
+    pub(super) fn record_output(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        attn: &wgpu::Buffer,
+        off: u64,
+    ) -> Result<()> {
         let Dims { b, l, h, d, e, .. } = self.dims;
         let st = self.fwd.mha.storage;
         permute::record(
@@ -427,7 +502,7 @@ impl<'p, 'a> Pass<'p, 'a> {
             let gpu = ctx
                 .scoped(|| {
                     let mut enc = encoder();
-                    self.record_heads(&mut enc)?;
+                    self.record_heads(&mut enc, &self.upload_inputs())?;
                     let gpu = sdpa.record(ctx, &mut enc)?;
                     self.record_output(&mut enc, &gpu.output, gpu.output_offset)?;
                     ctx.queue().submit([enc.finish()]);
@@ -440,7 +515,7 @@ impl<'p, 'a> Pass<'p, 'a> {
         let t0 = web_time_now();
         ctx.scoped(|| {
             let mut enc = encoder();
-            self.record_heads(&mut enc)?;
+            self.record_heads(&mut enc, &self.upload_inputs())?;
             ctx.queue().submit([enc.finish()]);
             Ok(())
         })
@@ -522,7 +597,7 @@ fn web_time_now() -> f64 {
 /// Record `out[rows, n] = x[rows, k] · Wᵀ + b` with the tiled matmul kernel (bias in its
 /// epilogue). `mnk` = `[rows, n, k]`.
 #[allow(clippy::too_many_arguments)] // each is a distinct operand
-fn project(
+pub(super) fn project(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
     (x, x_storage): (wgpu::BufferBinding<'_>, Storage),
@@ -548,7 +623,7 @@ fn project(
 }
 
 /// `[B, T, heads, d]` (a projection) to `[B, heads, T, d]`.
-fn split_heads(
+pub(super) fn split_heads(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
     src: &wgpu::Buffer,

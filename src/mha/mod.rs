@@ -22,12 +22,16 @@
 //! # Ok::<(), wgpu_attention::Error>(())
 //! ```
 
+mod backward;
 mod config;
 mod forward;
+mod grads;
 mod weights;
 
+pub use backward::MhaBackward;
 pub use config::MhaConfig;
 pub use forward::MhaForward;
+pub use grads::MhaGrads;
 pub use weights::MhaWeights;
 
 use ndarray::{Array1, Array2, Array3, Array4};

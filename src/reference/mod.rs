@@ -14,5 +14,5 @@ pub use backward::{
     recompute, sdpa_backward, sdpa_backward_f32, sdpa_backward_in, softmax_backward, Gradients,
 };
 
-pub use mha::{mha, MhaInputs, MhaOutput};
+pub use mha::{mha, mha_backward, mha_backward_f32, mha_backward_in, MhaInputs, MhaOutput};
 pub use sdpa::{masked_softmax, mean_over_heads, scores, sdpa, weighted_sum, Output};

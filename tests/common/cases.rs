@@ -9,7 +9,11 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use wgpu_attention::check::{compare, Report, Tolerance, F32_TOLERANCE};
 use wgpu_attention::reference;
-use wgpu_attention::{Causal, MhaOutput, NeedWeights, Options, Output, Path, Sdpa, Storage, Tensor};
+use wgpu_attention::reference::MhaInputs;
+use wgpu_attention::{
+    Causal, MhaConfig, MhaForward, MhaOutput, MhaWeights, MultiHeadAttention, NeedWeights, Options, Output,
+    Path, Sdpa, Storage, Tensor,
+};
 
 /// Uniform values in [-1, 1).
 pub fn rand_array<Sh: ndarray::ShapeBuilder>(rng: &mut StdRng, shape: Sh) -> Array<f32, Sh::Dim> {
@@ -400,5 +404,130 @@ pub fn golden(name: &str, file: impl Fn(&str) -> Option<Vec<u8>>) -> Golden {
             f32: ["dq_f32.npy", "dk_f32.npy", "dv_f32.npy"].map(|f| npy(need(f))),
             dbias: file("dbias.npy").map(|b| (npy(b), npy(need("dbias_f32.npy")))),
         }),
+    }
+}
+
+/// One multi-head attention grid case: the layer's config, batch, query and key lengths, and
+/// the options.
+#[derive(Debug, Clone, Copy)]
+pub struct MhaGrid {
+    pub config: MhaConfig,
+    pub b: usize,
+    pub l: usize,
+    pub s: usize,
+    pub cross: bool,
+    pub causal: Causal,
+    /// A boolean mask `[B, 1, L, S]` with a fully masked query row.
+    pub mask: bool,
+    /// An additive bias `[1, H, L, S]`.
+    pub bias: bool,
+    /// Key lengths with a 0 (batch 1) and a partial one (batch 0).
+    pub lens: bool,
+    pub weights: NeedWeights,
+}
+
+/// A grid case's data: weights (non-zero biases) and inputs rounded to `storage`, masks.
+pub struct MhaCase {
+    pub grid: MhaGrid,
+    pub storage: Storage,
+    pub w: MhaWeights,
+    pub x: ndarray::Array3<f32>,
+    pub k: ndarray::Array3<f32>,
+    pub v: ndarray::Array3<f32>,
+    pub mask: Option<ArrayD<bool>>,
+    pub bias: Option<ArrayD<f32>>,
+    pub lens: Option<Vec<usize>>,
+}
+
+impl MhaCase {
+    pub fn random(g: MhaGrid, seed: u64, st: Storage) -> MhaCase {
+        let c = g.config;
+        let mut w = MhaWeights::xavier_uniform(c, seed).unwrap();
+        // Non-zero biases so that they are exercised.
+        let mut r = rng(seed + 1);
+        if c.bias {
+            w.b_q = Some(rand_array(&mut r, c.d_model));
+            w.b_k = Some(rand_array(&mut r, c.num_kv_heads * c.head_dim()));
+            w.b_v = Some(rand_array(&mut r, c.num_kv_heads * c.head_dim()));
+            w.b_o = Some(rand_array(&mut r, c.d_model));
+        }
+        let w = w.with_storage(st);
+        let round = |x: f32| st.round(x);
+        let x = rand_array(&mut r, (g.b, g.l, c.d_model)).mapv(round);
+        let k = rand_array(&mut r, (g.b, g.s, c.kdim)).mapv(round);
+        let v = rand_array(&mut r, (g.b, g.s, c.vdim)).mapv(round);
+        let mask = g.mask.then(|| {
+            let mut m = ArrayD::from_shape_fn(IxDyn(&[g.b, 1, g.l, g.s]), |i| {
+                (i[2] * 7 + i[3] * 3 + i[0]) % 5 != 0
+            });
+            // A fully masked query row.
+            m.slice_mut(ndarray::s![0, 0, g.l / 2, ..]).fill(false);
+            m
+        });
+        let bias = g
+            .bias
+            .then(|| rand_array(&mut r, IxDyn(&[1, c.num_heads, g.l, g.s])).mapv(round));
+        let lens = g.lens.then(|| {
+            (0..g.b)
+                .map(|i| match i {
+                    0 => g.s / 2 + 1,
+                    1 => 0,
+                    _ => g.s,
+                })
+                .collect()
+        });
+        MhaCase {
+            grid: g,
+            storage: st,
+            w,
+            x,
+            k,
+            v,
+            mask,
+            bias,
+            lens,
+        }
+    }
+
+    pub fn inputs(&self) -> MhaInputs<'_> {
+        if self.grid.cross {
+            MhaInputs::cross(self.x.view(), self.k.view(), self.v.view())
+        } else {
+            MhaInputs::self_attention(self.x.view())
+        }
+    }
+
+    pub fn options(&self) -> Options<'_> {
+        Options {
+            causal: self.grid.causal,
+            mask: self.mask.as_ref().map(|m| m.into()),
+            bias: self
+                .bias
+                .as_ref()
+                .map(|b| Tensor::from(b).with_storage(self.storage)),
+            kv_lens: self.lens.clone(),
+            ..Default::default()
+        }
+    }
+
+    /// The layer's forward on this case's inputs (in the case's format) and options.
+    pub fn forward<'a>(&'a self, layer: &'a MultiHeadAttention) -> MhaForward<'a> {
+        let t = |a| Tensor::from(a).with_storage(self.storage);
+        let mut f = layer
+            .forward(t(&self.x))
+            .options(self.options())
+            .need_weights(self.grid.weights);
+        if self.grid.cross {
+            f = f.key_value(t(&self.k), t(&self.v));
+        }
+        f
+    }
+
+    pub fn label(&self) -> String {
+        let g = &self.grid;
+        format!(
+            "{} config {:?} b{} l{} s{} cross {} {:?} mask {} bias {} lens {} {:?}",
+            self.storage, g.config, g.b, g.l, g.s, g.cross, g.causal, g.mask, g.bias, g.lens, g.weights
+        )
     }
 }

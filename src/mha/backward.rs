@@ -1,0 +1,467 @@
+//! The layer's backward pass: the forward recorded again, the output projection's gradients,
+//! the attention backward ([`Sdpa::backward`]) and the input projections' gradients, all in
+//! one submission. Every weight gradient is a product of the crate's matmul kernel.
+//!
+//! With `Y = merge(O) W_Oᵀ + b_O`, the heads `O = SDPA(Q, K, V)` and each projection
+//! `P = x Wᵀ + b` (split into heads), for the upstream gradient `dY`:
+//! - `dW_O = dYᵀ merge(O)`, `db_O = Σ dY`, `dO = split(dY W_O)`;
+//! - `dQ, dK, dV` by the attention backward;
+//! - for each projection, with `dP` its merged head gradient: `dW = dPᵀ x`, `db = Σ dP`,
+//!   `dx = dP W` (self-attention adds the three into the query input's gradient).
+//!
+//! The transposes (`dYᵀ`, `dPᵀ`) are strided copies into f32; the bias gradients are products
+//! with a vector of ones; every gradient is accumulated and returned in f32.
+
+use ndarray::{Array1, Array2, Array3, Array4, Axis};
+
+use crate::buffers::{binding, f32_bytes, fits, output, storage_init, Operand};
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::kernels::{matmul as mm, permute};
+use crate::storage::Storage;
+use crate::tensor::Tensor;
+
+use super::forward::{split_heads, Dims, Pass};
+use super::{MhaForward, MhaGrads};
+
+/// Builder of the backward pass of one [`MhaForward`]: the gradients of `sum(dY ∘ Y)` with
+/// respect to the layer's inputs and parameters, from [`MhaForward::backward`]. Finish with
+/// [`run`](MhaBackward::run) or [`run_blocking`](MhaBackward::run_blocking).
+///
+/// The forward's inputs, masks, key lengths, scale and path apply; its
+/// [`need_weights`](MhaForward::need_weights) and [`profile`](MhaForward::profile) do not (the
+/// backward returns no attention weights). The attention backward runs on the forward's path
+/// ([`Path::Auto`](crate::Path::Auto): fused wherever it can; [`Path::Decode`](crate::Path::Decode)
+/// is an [`Error::Unsupported`]).
+///
+/// ```no_run
+/// use ndarray::Array3;
+/// use wgpu_attention::{Causal, Context, MhaConfig, MhaWeights, MultiHeadAttention};
+/// let ctx = Context::new_blocking()?;
+/// let weights = MhaWeights::xavier_uniform(MhaConfig::new(64, 4), 0)?;
+/// let mha = MultiHeadAttention::new(&ctx, &weights)?;
+/// let x = Array3::<f32>::ones((2, 16, 64));
+/// let dy = Array3::<f32>::ones((2, 16, 64));
+/// let g = mha.forward(&x).causal(Causal::TopLeft).backward(&dy).run_blocking(&ctx)?;
+/// assert_eq!(g.w_q.shape(), &[64, 64]);
+/// assert_eq!(g.query.shape(), &[2, 16, 64]);
+/// # Ok::<(), wgpu_attention::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct MhaBackward<'a> {
+    fwd: MhaForward<'a>,
+    dout: Tensor<'a>,
+}
+
+impl<'a> MhaForward<'a> {
+    /// The backward pass of this forward for the upstream gradient `dout` `[B, L, d_model]`
+    /// (host data or a GPU buffer, any storage format).
+    pub fn backward(self, dout: impl Into<Tensor<'a>>) -> MhaBackward<'a> {
+        MhaBackward {
+            fwd: self.for_backward(),
+            dout: dout.into(),
+        }
+    }
+}
+
+/// The GPU buffers of the gradients, all f32.
+struct GradBufs {
+    query: wgpu::Buffer,
+    key: Option<wgpu::Buffer>,
+    value: Option<wgpu::Buffer>,
+    /// `[W_Q, W_K, W_V, W_O]`.
+    w: [wgpu::Buffer; 4],
+    /// `[b_Q, b_K, b_V, b_O]`, where the layer has them.
+    b: [Option<wgpu::Buffer>; 4],
+    /// dQ and dV of the attention backward (layer format), for given heads.
+    dq_heads: Option<wgpu::Buffer>,
+    dv_heads: Option<wgpu::Buffer>,
+}
+
+impl MhaBackward<'_> {
+    /// Run on the GPU and read the gradients (and the layer's output) back.
+    pub async fn run(&self, ctx: &Context) -> Result<MhaGrads<f32>> {
+        let fwd = &self.fwd;
+        let pass = Pass::new(fwd, ctx, true)?;
+        let dims = pass.dims;
+        let Dims { b, l, s, h, g, d, e } = dims;
+        let c = fwd.layer().config;
+        let st = fwd.layer().storage;
+        if self.dout.shape() != [b, l, e] {
+            return Err(Error::ShapeMismatch {
+                tensor: "dout",
+                expected: vec![b, l, e],
+                actual: self.dout.shape().to_vec(),
+            });
+        }
+        let dout = Operand::check(ctx, "dout", &self.dout)?;
+        let query_shape = fwd.query().shape().to_vec();
+        let shape3 = |s: &[usize]| [s[0], s[1], s[2]];
+        let key_shape = pass.key.as_ref().map(|_| [b, s, c.kdim]);
+        let value_shape = pass.value.as_ref().map(|_| [b, s, c.vdim]);
+        // Every f32 buffer of the backward, and every product's grid, before any GPU work.
+        let limit = "max_storage_buffer_binding_size";
+        let max = ctx.max_binding();
+        fn elems(x: &[usize]) -> usize {
+            x.iter().product()
+        }
+        for (what, n) in [
+            ("query gradient", elems(&query_shape)),
+            ("key gradient", b * s * c.kdim),
+            ("value gradient", b * s * c.vdim),
+            ("transposed output gradient", b * l * e),
+            ("query head gradients (f32)", b * l * h * d),
+            ("key/value head gradients (f32)", b * s * g * d),
+            ("parameter gradients", e * e.max(c.kdim).max(c.vdim)),
+        ] {
+            fits(what, f32_bytes(n), max, limit)?;
+            fits(what, n as u64, u32::MAX as u64, "u32 element indices")?;
+        }
+        let tq = query_shape[1];
+        for (m, n) in [
+            (e, h * d),
+            (b * l, h * d),
+            (h * d, e.max(query_shape[2])),
+            (g * d, c.kdim.max(c.vdim)),
+            (b * tq.max(s), e.max(c.kdim).max(c.vdim)),
+        ] {
+            mm::check_grid(ctx, "multi-head attention backward", m, n)?;
+        }
+
+        let bufs = ctx
+            .submit("wgpu-attention mha backward", |enc| {
+                let f32_buf = |label: &str, n: usize| output(ctx, label, f32_bytes(n.max(1)));
+                let inputs = pass.upload_inputs();
+                pass.record_heads(enc, &inputs)?;
+                let dy = dout.upload(ctx, "dout");
+                let ones = storage_init(
+                    ctx,
+                    "ones",
+                    bytemuck::cast_slice(&vec![1.0f32; (b * l.max(s)).max(1)]),
+                );
+                let m = fwd.layer();
+                let f = Storage::F32;
+                let lin = Linear {
+                    ctx,
+                    dummy: &pass.dummy,
+                    ones: ones.as_entire_buffer_binding(),
+                    weights: st,
+                };
+
+                // dO = split(dY W_O), in the layer's format.
+                let dmerged = output(ctx, "d merged", st.bytes((b * l * h * d).max(1)));
+                product(
+                    dy.binding(),
+                    m.w_o.as_entire_buffer_binding(),
+                    dmerged.as_entire_buffer_binding(),
+                    [b * l, h * d, e],
+                    [dout.storage, st, st, st],
+                    false,
+                )
+                .record(ctx, enc, &pass.dummy)?;
+                let dheads = output(ctx, "d heads", st.bytes((b * l * h * d).max(1)));
+                split_heads(ctx, enc, &dmerged, &dheads, [b, l, h, d], st)?;
+
+                // The attention backward (it records the forward it needs), then Y.
+                let attn = pass
+                    .sdpa()
+                    .backward(Tensor::from_buffer(&dheads, 0, &dims.heads_q()).with_storage(st))
+                    .path(fwd.path_of())
+                    .record(ctx, enc)?;
+                let fw = attn.forward.as_ref().expect("the backward ran the forward");
+                pass.record_output(enc, &fw.output, fw.output_offset)?;
+
+                // The gradient buffers, zeroed: unused inputs and parameters keep zeros, and the
+                // input gradients accumulate.
+                let bufs = GradBufs {
+                    query: f32_buf("d query", elems(&query_shape)),
+                    key: key_shape.map(|sh| f32_buf("d key", elems(&sh[..]))),
+                    value: value_shape.map(|sh| f32_buf("d value", elems(&sh[..]))),
+                    w: [
+                        f32_buf("d w_q", e * e),
+                        f32_buf("d w_k", c.kv_width() * c.kdim),
+                        f32_buf("d w_v", c.kv_width() * c.vdim),
+                        f32_buf("d w_o", e * h * d),
+                    ],
+                    b: [
+                        m.b_q.as_ref().map(|_| f32_buf("d b_q", h * d)),
+                        m.b_k.as_ref().map(|_| f32_buf("d b_k", g * d)),
+                        m.b_v.as_ref().map(|_| f32_buf("d b_v", g * d)),
+                        m.b_o.as_ref().map(|_| f32_buf("d b_o", e)),
+                    ],
+                    dq_heads: fwd.has_query_heads().then(|| attn.dq.clone()),
+                    dv_heads: fwd.has_value_heads().then(|| attn.dv.clone()),
+                };
+                for buf in [Some(&bufs.query), bufs.key.as_ref(), bufs.value.as_ref()]
+                    .into_iter()
+                    .chain(bufs.w.iter().map(Some))
+                    .chain(bufs.b.iter().map(Option::as_ref))
+                    .flatten()
+                {
+                    enc.clear_buffer(buf, 0, None);
+                }
+
+                // Output projection: dYᵀ [E, B·L].
+                let dy_t = f32_buf("dY transposed", b * l * e);
+                permute::record(
+                    ctx,
+                    enc,
+                    dy.binding(),
+                    binding(&dy_t, 0, dy_t.size()),
+                    [1, 1, e, b * l],
+                    [0, 0, 1, e],
+                    (dout.storage, f),
+                )?;
+                lin.record(
+                    enc,
+                    &dy_t,
+                    (dy.binding(), dout.storage),
+                    (binding(&pass.merged, 0, st.bytes(b * l * h * d)), st),
+                    &m.w_o,
+                    [b * l, e, h * d],
+                    (&bufs.w[3], bufs.b[3].as_ref(), None),
+                )?;
+
+                // Input projections, from their head gradients [B, n, t, d] (layer format).
+                let dx_k = bufs.key.as_ref().unwrap_or(&bufs.query);
+                let dx_v = bufs.value.as_ref().unwrap_or(&bufs.query);
+                let projections = [
+                    (
+                        0,
+                        &attn.dq,
+                        h,
+                        l,
+                        (inputs.query.binding(), pass.query.storage),
+                        &m.w_q,
+                        e,
+                        &bufs.query,
+                        fwd.has_query_heads(),
+                    ),
+                    (
+                        1,
+                        &attn.dk,
+                        g,
+                        s,
+                        pass.key_input(&inputs),
+                        &m.w_k,
+                        c.kdim,
+                        dx_k,
+                        false,
+                    ),
+                    (
+                        2,
+                        &attn.dv,
+                        g,
+                        s,
+                        pass.value_input(&inputs),
+                        &m.w_v,
+                        c.vdim,
+                        dx_v,
+                        fwd.has_value_heads(),
+                    ),
+                ];
+                for (i, heads, n, t, x, w, inw, dx, given) in projections {
+                    if given {
+                        continue;
+                    }
+                    let size = b * n * t * d;
+                    let g_t = f32_buf("head gradient transposed", size);
+                    let g_m = f32_buf("head gradient merged", size);
+                    let src = || binding(heads, 0, st.bytes(size));
+                    // gᵀ [n·d, B·t] and g [B·t, n·d] from [B, n, t, d].
+                    permute::record(
+                        ctx,
+                        enc,
+                        src(),
+                        binding(&g_t, 0, g_t.size()),
+                        [n, d, b, t],
+                        [t * d, 1, n * t * d, d],
+                        (st, f),
+                    )?;
+                    permute::record(
+                        ctx,
+                        enc,
+                        src(),
+                        binding(&g_m, 0, g_m.size()),
+                        [b, t, n, d],
+                        [n * t * d, d, t * d, 1],
+                        (st, f),
+                    )?;
+                    lin.record(
+                        enc,
+                        &g_t,
+                        (binding(&g_m, 0, f32_bytes(size)), f),
+                        x,
+                        w,
+                        [b * t, n * d, inw],
+                        (&bufs.w[i], bufs.b[i].as_ref(), Some(dx)),
+                    )?;
+                }
+                Ok((bufs, attn))
+            })
+            .await?;
+        let (bufs, attn) = bufs;
+
+        // Read back.
+        let read = |buf: &wgpu::Buffer, n: usize| {
+            let buf = buf.clone();
+            async move { ctx.read_f32(&buf, 0, f32_bytes(n)).await }
+        };
+        let arr3 = |v: Vec<f32>, sh: [usize; 3]| Array3::from_shape_vec(sh, v).expect("gradient length");
+        let arr2 =
+            |v: Vec<f32>, r: usize, cc: usize| Array2::from_shape_vec((r, cc), v).expect("gradient length");
+        let output = ctx.read_as_f32(&pass.out, 0, b * l * e, st).await?;
+        let output = arr3(output, [b, l, e]);
+        let query = arr3(
+            read(&bufs.query, elems(&query_shape)).await?,
+            shape3(&query_shape),
+        );
+        let key = match (&bufs.key, key_shape) {
+            (Some(buf), Some(sh)) => Some(arr3(read(buf, elems(&sh[..])).await?, sh)),
+            _ => None,
+        };
+        let value = match (&bufs.value, value_shape) {
+            (Some(buf), Some(sh)) => Some(arr3(read(buf, elems(&sh[..])).await?, sh)),
+            _ => None,
+        };
+        let kv = c.kv_width();
+        let w_q = arr2(read(&bufs.w[0], e * e).await?, e, e);
+        let w_k = arr2(read(&bufs.w[1], kv * c.kdim).await?, kv, c.kdim);
+        let w_v = arr2(read(&bufs.w[2], kv * c.vdim).await?, kv, c.vdim);
+        let w_o = arr2(read(&bufs.w[3], e * e).await?, e, e);
+        let mut bias = Vec::new();
+        for (buf, n) in bufs.b.iter().zip([e, kv, kv, e]) {
+            bias.push(match buf {
+                Some(buf) => Some(Array1::from_vec(read(buf, n).await?)),
+                None => None,
+            });
+        }
+        let [b_q, b_k, b_v, b_o]: [Option<Array1<f32>>; 4] = bias.try_into().expect("four biases");
+        // Given heads: their gradient, summed over a broadcast batch (on the host).
+        let given = |grad: Option<Vec<f32>>, shape: [usize; 4], given_batch: usize| {
+            grad.map(|v| {
+                let a = Array4::from_shape_vec(shape, v).expect("head gradient length");
+                if given_batch == 1 && shape[0] != 1 {
+                    a.sum_axis(Axis(0)).insert_axis(Axis(0))
+                } else {
+                    a
+                }
+            })
+        };
+        let dq = match &bufs.dq_heads {
+            Some(buf) => Some(ctx.read_as_f32(buf, 0, b * h * l * d, st).await?),
+            None => None,
+        };
+        let dv = match &bufs.dv_heads {
+            Some(buf) => Some(ctx.read_as_f32(buf, 0, b * g * s * d, st).await?),
+            None => None,
+        };
+        drop(attn);
+        Ok(MhaGrads {
+            output,
+            query,
+            key,
+            value,
+            query_heads: given(dq, dims.heads_q(), fwd.query_heads_batch()),
+            value_heads: given(dv, dims.heads_kv(), fwd.value_heads_batch()),
+            w_q,
+            w_k,
+            w_v,
+            w_o,
+            b_q,
+            b_k,
+            b_v,
+            b_o,
+        })
+    }
+
+    /// Blocking version of [`run`](MhaBackward::run).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn run_blocking(&self, ctx: &Context) -> Result<MhaGrads<f32>> {
+        pollster::block_on(self.run(ctx))
+    }
+}
+
+/// `C = A B` (row-major, no transposes) of `[m, n, k]`, in `formats` (a, b, bias, c).
+fn product<'b>(
+    a: wgpu::BufferBinding<'b>,
+    b: wgpu::BufferBinding<'b>,
+    c: wgpu::BufferBinding<'b>,
+    [m, n, k]: [usize; 3],
+    formats: [Storage; 4],
+    accumulate: bool,
+) -> mm::Matmul<'b> {
+    mm::Matmul {
+        a,
+        b,
+        bias: None,
+        c,
+        params: mm::Params::dense(m as u32, n as u32, k as u32, false, 1.0),
+        batch: 1,
+        trans_b: false,
+        formats,
+        accumulate,
+    }
+}
+
+/// Records one linear layer's gradients by the matmul kernel.
+struct Linear<'c> {
+    ctx: &'c Context,
+    dummy: &'c wgpu::Buffer,
+    /// f32 ones, at least as many as rows.
+    ones: wgpu::BufferBinding<'c>,
+    /// The weights' format.
+    weights: Storage,
+}
+
+impl Linear<'_> {
+    /// The gradients of `y = x Wᵀ + b` for the upstream gradient `g` `[rows, n]` (format
+    /// `gf`), given also as `g_t` = gᵀ `[n, rows]` (f32): `dW = gᵀ x` `[n, in]` and
+    /// `db = gᵀ 1` written, `dx += g W` `[rows, in]` accumulated (all f32).
+    #[allow(clippy::too_many_arguments)] // each is a distinct operand
+    fn record(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        g_t: &wgpu::Buffer,
+        (g, gf): (wgpu::BufferBinding<'_>, Storage),
+        (x, xf): (wgpu::BufferBinding<'_>, Storage),
+        w: &wgpu::Buffer,
+        [rows, n, inw]: [usize; 3],
+        (dw, db, dx): (&wgpu::Buffer, Option<&wgpu::Buffer>, Option<&wgpu::Buffer>),
+    ) -> Result<()> {
+        let f = Storage::F32;
+        let gt = || binding(g_t, 0, f32_bytes((n * rows).max(1)));
+        product(
+            gt(),
+            x,
+            dw.as_entire_buffer_binding(),
+            [n, inw, rows],
+            [f, xf, f, f],
+            false,
+        )
+        .record(self.ctx, enc, self.dummy)?;
+        if let Some(db) = db {
+            product(
+                gt(),
+                self.ones.clone(),
+                db.as_entire_buffer_binding(),
+                [n, 1, rows],
+                [f; 4],
+                false,
+            )
+            .record(self.ctx, enc, self.dummy)?;
+        }
+        if let Some(dx) = dx {
+            product(
+                g,
+                w.as_entire_buffer_binding(),
+                dx.as_entire_buffer_binding(),
+                [rows, inw, n],
+                [gf, self.weights, f, f],
+                true,
+            )
+            .record(self.ctx, enc, self.dummy)?;
+        }
+        Ok(())
+    }
+}
