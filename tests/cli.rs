@@ -84,6 +84,102 @@ fn mha_cross_attention_on_the_gpu_with_weights_and_heatmap() {
     assert_eq!(&bytes[1..4], b"PNG");
 }
 
+/// Every tensor of the safetensors file the tool wrote at `got` (f32) against the f64
+/// PyTorch autograd golden `want`: the same names and shapes, and values within
+/// 1e-4 · max|golden| (f32 arithmetic; the GPU's accuracy is checked in tests/mha_backward.rs).
+fn assert_grads_match(got: &Path, want: &Path, label: &str) {
+    let got_bytes = std::fs::read(got).unwrap();
+    let want_bytes = std::fs::read(want).unwrap();
+    let got = safetensors::SafeTensors::deserialize(&got_bytes).unwrap();
+    let want = safetensors::SafeTensors::deserialize(&want_bytes).unwrap();
+    let mut names = got.names();
+    let mut want_names = want.names();
+    names.sort();
+    want_names.sort();
+    assert_eq!(names, want_names, "{label}: gradient names");
+    for name in names {
+        let (g, w) = (got.tensor(name).unwrap(), want.tensor(name).unwrap());
+        assert_eq!(g.dtype(), safetensors::Dtype::F32, "{label}: {name}");
+        assert_eq!(g.shape(), w.shape(), "{label}: {name} shape");
+        let g: Vec<f32> = g
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let w: Vec<f64> = w
+            .data()
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let max = w.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+        let tol = wgpu_attention::check::Tolerance {
+            atol: 1e-4 * max + 1e-6,
+            rtol: 0.0,
+        };
+        common::assert_report(
+            compare(g.iter().copied(), w.iter().copied(), tol),
+            &format!("{label}: {name}"),
+        );
+    }
+}
+
+/// `mha --dout --grads-out`: the gradients of a cross-attention layer with separate q/k/v
+/// projection weights (GPU) and of a self-attention layer with a key padding mask and a packed
+/// `in_proj_weight` (CPU reference), named as PyTorch names them, against PyTorch autograd.
+#[test]
+fn mha_gradients_to_safetensors() {
+    let dir = out_dir("grads");
+    for (c, heads, cross, cpu) in [
+        ("cross_attn_kdim_vdim", "3", true, false),
+        ("key_padding", "2", false, true),
+    ] {
+        if !cpu && common::ctx().is_none() {
+            continue;
+        }
+        let (o, g) = (
+            dir.join(format!("{c}-o.npy")),
+            dir.join(format!("{c}-g.safetensors")),
+        );
+        let (q, k, v, w, dy, kpm) = (
+            fixture(c, "query.npy"),
+            fixture(c, "key.npy"),
+            fixture(c, "value.npy"),
+            fixture(c, "weights.safetensors"),
+            fixture(c, "dout.npy"),
+            fixture(c, "key_padding_mask.npy"),
+        );
+        let mut args = vec!["mha", "--query", s(&q), "--weights", s(&w), "--heads", heads];
+        if cross {
+            args.extend(["--key", s(&k), "--value", s(&v)]);
+        } else {
+            args.extend(["--key-padding-mask", s(&kpm), "--torch-masks"]);
+        }
+        if cpu {
+            args.push("--cpu");
+        }
+        args.extend(["--out", s(&o), "--dout", s(&dy), "--grads-out", s(&g)]);
+        let r = cli(&args);
+        assert!(r.status.success(), "{c}: {}", String::from_utf8_lossy(&r.stderr));
+        assert_npy_matches(&o, &fixture(c, "out.npy"), 3, c);
+        assert_grads_match(&g, &fixture(c, "grads.safetensors"), c);
+    }
+    // --dout without --grads-out is refused.
+    let r = cli(&[
+        "mha",
+        "--query",
+        "q.npy",
+        "--weights",
+        "w.st",
+        "--heads",
+        "2",
+        "--out",
+        "o.npy",
+        "--dout",
+        "d.npy",
+    ]);
+    assert_eq!(r.status.code(), Some(2));
+}
+
 #[test]
 fn mha_key_padding_in_pytorch_convention_on_the_cpu_reference() {
     let dir = out_dir("kpm");

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use clap::Args;
 use wgpu_attention::reference::{self, MhaInputs};
-use wgpu_attention::{MhaWeights, MultiHeadAttention, NeedWeights, Options, Storage, Tensor};
+use wgpu_attention::{MhaGrads, MhaWeights, MultiHeadAttention, NeedWeights, Options, Storage, Tensor};
 
 use crate::npy::{combine_masks, read_3d, read_array, write_array};
 use crate::timing::ms;
@@ -69,6 +69,15 @@ pub(crate) struct MhaArgs {
     /// Pixels per weight in the heatmap.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
     cell: u32,
+    /// Upstream gradient dY [B, L, d_model] of the output: also run the backward and write
+    /// the gradients of sum(dY * Y) to --grads-out.
+    #[arg(long, value_name = "DY.npy", requires = "grads_out")]
+    dout: Option<PathBuf>,
+    /// Gradients (f32 safetensors): `query` (in self-attention the total through q, k and v),
+    /// `key` and `value` with --key/--value, and each parameter under its key in the weights
+    /// file (with --prefix), as PyTorch's `{n: p.grad}` names them.
+    #[arg(long, value_name = "G.safetensors", requires = "dout")]
+    grads_out: Option<PathBuf>,
     /// Run the f64 CPU reference instead of the GPU.
     #[arg(long)]
     cpu: bool,
@@ -82,12 +91,9 @@ pub(crate) struct MhaArgs {
 
 /// `mha`: the multi-head attention layer on the `.npy` inputs.
 pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
-    let weights = MhaWeights::from_safetensors_prefixed(
-        &std::fs::read(&a.weights)
-            .map_err(|e| format!("weights: cannot read {}: {e}", a.weights.display()))?,
-        &a.prefix,
-        a.heads,
-    )?;
+    let weight_bytes = std::fs::read(&a.weights)
+        .map_err(|e| format!("weights: cannot read {}: {e}", a.weights.display()))?;
+    let weights = MhaWeights::from_safetensors_prefixed(&weight_bytes, &a.prefix, a.heads)?;
     if let Some(g) = a.kv_heads {
         if g != weights.config.num_kv_heads {
             return Err(format!(
@@ -136,6 +142,11 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
         (true, false) => NeedWeights::PerHead,
         (true, true) => NeedWeights::Averaged,
     };
+    let dout = a
+        .dout
+        .as_deref()
+        .map(|p| read_3d(p, "dout", "[B, L, d_model]").map(|d| d.mapv(round)))
+        .transpose()?;
     let (out, w, how) = if a.cpu {
         let inputs = match (&key, &value) {
             (Some(k), Some(v)) => MhaInputs::cross(x.view(), k.view(), v.view()),
@@ -180,6 +191,48 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
     };
     println!("{how}");
     write_array(&a.out, "output", &out)?;
+    if let (Some(dy), Some(path)) = (&dout, &a.grads_out) {
+        let started = Instant::now();
+        let grads: MhaGrads<f32> = if a.cpu {
+            let inputs = match (&key, &value) {
+                (Some(k), Some(v)) => MhaInputs::cross(x.view(), k.view(), v.view()),
+                _ => MhaInputs::self_attention(x.view()),
+            };
+            let g = reference::mha_backward(&weights, &inputs, &options, dy.view())?;
+            to_f32(&g)
+        } else {
+            let ctx = context()?;
+            let layer = MultiHeadAttention::new(&ctx, &weights)?;
+            let t = |x| Tensor::from(x).with_storage(st);
+            let mut f = layer.forward(t(&x)).options(options.clone());
+            if let (Some(k), Some(v)) = (&key, &value) {
+                f = f.key_value(t(k), t(v));
+            }
+            f.backward(t(dy)).run_blocking(&ctx)?
+        };
+        let packed = safetensors::SafeTensors::deserialize(&weight_bytes)
+            .map(|st| st.tensor(&format!("{}in_proj_weight", a.prefix)).is_ok())
+            .unwrap_or(false);
+        let mut tensors: Vec<(String, ndarray::ArrayD<f32>)> =
+            vec![("query".into(), grads.query.clone().into_dyn())];
+        if let (Some(k), Some(v)) = (&grads.key, &grads.value) {
+            tensors.push(("key".into(), k.clone().into_dyn()));
+            tensors.push(("value".into(), v.clone().into_dyn()));
+        }
+        tensors.extend(grads.state_dict(packed, &a.prefix));
+        write_safetensors(path, &tensors)?;
+        println!(
+            "wrote {} gradients to {} in {:.3} ms ({})",
+            tensors.len(),
+            path.display(),
+            ms(started.elapsed()),
+            if a.cpu {
+                "CPU reference, f64 rounded to f32"
+            } else {
+                "GPU"
+            }
+        );
+    }
     if let Some(p) = &a.weights_out {
         write_array(p, "weights", w.as_ref().ok_or("no attention weights")?)?;
     }
@@ -196,4 +249,52 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
         println!("wrote heatmap of {} panel(s) to {}", panels.dim().0, p.display());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The reference's f64 gradients as f32.
+fn to_f32(g: &MhaGrads<f64>) -> MhaGrads<f32> {
+    let c = |a: &ndarray::Array3<f64>| a.mapv(|x| x as f32);
+    let c4 = |a: &ndarray::Array4<f64>| a.mapv(|x| x as f32);
+    let c2 = |a: &ndarray::Array2<f64>| a.mapv(|x| x as f32);
+    let c1 = |a: &ndarray::Array1<f64>| a.mapv(|x| x as f32);
+    MhaGrads {
+        output: c(&g.output),
+        query: c(&g.query),
+        key: g.key.as_ref().map(c),
+        value: g.value.as_ref().map(c),
+        query_heads: g.query_heads.as_ref().map(c4),
+        value_heads: g.value_heads.as_ref().map(c4),
+        w_q: c2(&g.w_q),
+        w_k: c2(&g.w_k),
+        w_v: c2(&g.w_v),
+        w_o: c2(&g.w_o),
+        b_q: g.b_q.as_ref().map(c1),
+        b_k: g.b_k.as_ref().map(c1),
+        b_v: g.b_v.as_ref().map(c1),
+        b_o: g.b_o.as_ref().map(c1),
+    }
+}
+
+/// Write f32 tensors to a safetensors file.
+fn write_safetensors(path: &std::path::Path, tensors: &[(String, ndarray::ArrayD<f32>)]) -> CliResult<()> {
+    use safetensors::tensor::TensorView;
+    let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(k, a)| {
+            let bytes = a.iter().flat_map(|x| x.to_le_bytes()).collect();
+            (k.clone(), a.shape().to_vec(), bytes)
+        })
+        .collect();
+    let views = data
+        .iter()
+        .map(|(k, shape, bytes)| {
+            Ok((
+                k.clone(),
+                TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)?,
+            ))
+        })
+        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
+    safetensors::serialize_to_file(views, None, path)
+        .map_err(|e| format!("grads: cannot write {}: {e}", path.display()))?;
+    Ok(())
 }
