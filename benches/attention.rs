@@ -1,6 +1,8 @@
 //! Criterion benchmarks of [`Sdpa::run_blocking`] on the small and medium named shapes, one
-//! group per shape and one benchmark per concrete [`Path`]; and of multi-head attention layers
-//! (whole forward pass, and its projection / attention / output stages).
+//! group per shape and one benchmark per concrete [`Path`], plus the backward (`fused-bwd`,
+//! `unfused-bwd`, on the forward's saved output and logsumexp, FLOPs counted as 2.5x the
+//! forward's); and of multi-head attention layers (whole forward pass, its projection /
+//! attention / output stages, and the layer's backward).
 //!
 //! Inputs are uploaded once as GPU storage buffers; each iteration records and submits the
 //! kernels, waits for the GPU and reads the output back (as the CLI's `bench` does).
@@ -83,6 +85,33 @@ fn attention(c: &mut Criterion) {
             });
         }
         group.finish();
+        // The backward on the forward's saved output and logsumexp: 2.5x the forward's FLOPs
+        // (FlashAttention's convention).
+        let saved = match gpu.saved_forward(&ctx, 0) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("{name}: backward skipped: {e}");
+                continue;
+            }
+        };
+        let mut group = c.benchmark_group(name);
+        group
+            .sample_size(10)
+            .sampling_mode(SamplingMode::Flat)
+            .warm_up_time(Duration::from_millis(500))
+            .measurement_time(Duration::from_secs(2))
+            .throughput(Throughput::Elements((2.5 * flops) as u64));
+        for (label, path) in [("fused-bwd", Path::Fused), ("unfused-bwd", Path::Unfused)] {
+            let bwd = saved.backward(&gpu).path(path);
+            if let Err(e) = bwd.run_blocking(&ctx).and_then(|_| ctx.wait_idle()) {
+                eprintln!("{name}/{label}: skipped: {e}");
+                continue;
+            }
+            group.bench_function(label, |b| {
+                b.iter(|| bwd.run_blocking(&ctx).expect("backward failed"))
+            });
+        }
+        group.finish();
     }
 }
 
@@ -119,6 +148,23 @@ fn layers(c: &mut Criterion) {
         group.bench_function("forward", |b| {
             b.iter(|| bench.forward().run_blocking(&ctx).expect("forward failed"))
         });
+        group.finish();
+        // The layer's backward (its forward included): 3x the forward's FLOPs in the
+        // projections (dx and dW per product), 3.5x in the attention (forward + 2.5x).
+        let mut group = c.benchmark_group(format!("{}_backward", shape.name));
+        group
+            .sample_size(10)
+            .sampling_mode(SamplingMode::Flat)
+            .warm_up_time(Duration::from_millis(500))
+            .measurement_time(Duration::from_secs(2))
+            .throughput(Throughput::Elements((3.0 * proj + 3.5 * attn) as u64));
+        if let Err(e) = bench.backward().run_blocking(&ctx).and_then(|_| ctx.wait_idle()) {
+            eprintln!("{}: backward skipped: {e}", shape.name);
+        } else {
+            group.bench_function("forward+backward", |b| {
+                b.iter(|| bench.backward().run_blocking(&ctx).expect("backward failed"))
+            });
+        }
         group.finish();
         // The stages, each measured inside a profiled pass (submitted and waited for alone);
         // no throughput here (the FLOPs above are the whole pass's).

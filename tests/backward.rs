@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use ndarray::{Array3, Array4, ArrayD};
 use wgpu_attention::check::{compare, flash_rule, Tolerance};
-use wgpu_attention::{reference, Context, Error, Path, Storage, Tensor};
+use wgpu_attention::{reference, Causal, Context, Error, Path, Storage, Tensor};
 
 const PATHS: [Path; 2] = [Path::Fused, Path::Unfused];
 
@@ -288,4 +288,73 @@ fn bad_input_is_a_typed_error() {
         Path::Unfused
     );
     check(ctx, &wide, Path::Auto, "E 300 auto");
+}
+
+/// Head dims from a fixed set (multiples of 4 and not, 1 and past 64), so that pipelines are
+/// reused across cases; everything else random.
+const DIMS: [usize; 5] = [1, 7, 16, 33, 64];
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 8, ..Default::default() })]
+    /// Random shapes, GQA groups, masks, biases, key lengths and causal modes: both paths by
+    /// FlashAttention's rule. S >= 2: with one key (see `single_key`) dQ and dK are identically
+    /// zero and any f32 implementation's are pure rounding noise, which the rule's absolute
+    /// floor (1e-6) does not scale with.
+    #[test]
+    fn random_problems_match_reference(
+        b in 1usize..3, hkv in 1usize..3, group in 1usize..4, l in 1usize..40, s in 2usize..40,
+        e in proptest::sample::select(&DIMS[..]), ev in proptest::sample::select(&DIMS[..]),
+        causal in 0u8..3, mask in proptest::bool::ANY, bias in proptest::bool::ANY,
+        lens in proptest::bool::ANY, seed in proptest::num::u64::ANY,
+    ) {
+        let Some(ctx) = thread_ctx() else { return Ok(()) };
+        let mut case = Case::random((b, hkv * group, hkv, l, s, e, ev), seed)
+            .with_causal([Causal::None, Causal::TopLeft, Causal::BottomRight][causal as usize]);
+        if mask {
+            case = case.with_random_mask(seed ^ 1);
+        }
+        if bias {
+            case = case.with_random_bias(seed ^ 2);
+        }
+        if lens {
+            case = case.with_kv_lens();
+        }
+        for path in PATHS {
+            check(ctx, &case, path, &format!("proptest b{b} hkv{hkv} g{group} l{l} s{s} e{e} ev{ev}"));
+        }
+    }
+}
+
+/// One key: P = 1 on every live row, so dS = dP - D = 0 exactly and dQ, dK are identically
+/// zero; in f32 they are the rounding noise of dP - D (D and dP are the same dot product summed
+/// in different orders). dV = dO summed over the group by the rule; dQ and dK within a few
+/// ulps of |dP|.
+#[test]
+fn single_key() {
+    let Some(ctx) = ctx() else { return };
+    let case = Case::random((2, 6, 2, 35, 1, 1, 33), 5);
+    let dout = dout_for(&case, 99);
+    let opts = case.options();
+    let r64 =
+        reference::sdpa_backward(case.q.view(), case.k.view(), case.v.view(), dout.view(), &opts).unwrap();
+    let r32 = reference::sdpa_backward_f32(case.q.view(), case.k.view(), case.v.view(), dout.view(), &opts)
+        .unwrap();
+    // |dP| <= Ev · max|dO| · max|V|; its f32 rounding, times scale · |q| or |k|, bounds dQ and dK.
+    let max = |a: &Array4<f32>| a.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
+    let noise = 8.0 * f32::EPSILON as f64 * 33.0 * max(&dout) * max(&case.v) * max(&case.q).max(max(&case.k));
+    for path in PATHS {
+        let g = case.sdpa().backward(&dout).path(path).run_blocking(ctx).unwrap();
+        let report = flash_rule(
+            g.dv.iter().copied(),
+            r64.dv.iter().copied(),
+            r32.dv.iter().copied(),
+        );
+        assert!(report.passed(), "{path:?} dv: {report}");
+        for (name, got) in [("dq", &g.dq), ("dk", &g.dk)] {
+            assert!(
+                got.iter().all(|x| (*x as f64).abs() <= noise),
+                "{path:?} {name}: past {noise}"
+            );
+        }
+    }
 }

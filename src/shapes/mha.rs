@@ -131,4 +131,12 @@ impl MhaBench {
             .forward(Tensor::from_buffer(&self.x, 0, &[s.batch, s.seq, s.d_model]).with_storage(self.storage))
             .causal(s.causal)
     }
+
+    /// The layer's backward on the same input, with the input also as the upstream gradient.
+    pub fn backward(&self) -> crate::MhaBackward<'_> {
+        let s = self.shape;
+        self.forward().backward(
+            Tensor::from_buffer(&self.x, 0, &[s.batch, s.seq, s.d_model]).with_storage(self.storage),
+        )
+    }
 }

@@ -327,6 +327,58 @@ impl GpuInputs {
     }
 }
 
+impl GpuInputs {
+    /// Run the forward (its default path) and keep its output and logsumexp, with a random
+    /// upstream gradient dO from `seed` (in the inputs' format): what a timed backward starts
+    /// from.
+    pub fn saved_forward(&self, ctx: &Context, seed: u64) -> crate::Result<SavedForward> {
+        let mut encoder = ctx.device().create_command_encoder(&Default::default());
+        let fw = self.sdpa().record(ctx, &mut encoder)?;
+        ctx.queue().submit([encoder.finish()]);
+        let p = fw.problem.clone();
+        let n: usize = p.out_shape().iter().product();
+        // The shapes' own seeded generator, on a stream apart from the inputs'.
+        let mut rng = SplitMix64(seed ^ 0xd0d0_d0d0);
+        let data: Vec<f32> = (0..n).map(|_| rng.next_f32()).collect();
+        let dout = ctx
+            .device()
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("bench dout"),
+                contents: &self.storage.encode(&data),
+                usage: wgpu::BufferUsages::STORAGE,
+            });
+        Ok(SavedForward {
+            out: fw.output,
+            lse: fw.lse,
+            dout,
+            problem: p,
+        })
+    }
+}
+
+/// The forward's output and logsumexp of one shape on the GPU, and a random dO (from
+/// [`GpuInputs::saved_forward`]).
+#[derive(Debug)]
+pub struct SavedForward {
+    out: wgpu::Buffer,
+    lse: wgpu::Buffer,
+    dout: wgpu::Buffer,
+    problem: Problem,
+}
+
+impl SavedForward {
+    /// The backward of `gpu`'s attention on the saved output and logsumexp.
+    pub fn backward<'a>(&'a self, gpu: &'a GpuInputs) -> crate::Backward<'a> {
+        let p = &self.problem;
+        gpu.sdpa()
+            .backward(Tensor::from_buffer(&self.dout, 0, &p.out_shape()).with_storage(p.storage.out))
+            .saved(
+                Tensor::from_buffer(&self.out, 0, &p.out_shape()).with_storage(p.storage.out),
+                Tensor::from_buffer(&self.lse, 0, &[p.batch, p.q_heads, p.seq_q]),
+            )
+    }
+}
+
 /// A small seeded generator (SplitMix64): a seed gives the same inputs whatever `rand`'s
 /// version.
 pub struct SplitMix64(pub u64);

@@ -93,7 +93,7 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
             }
         };
         // The forward's output and logsumexp and a dO, for the backward rows.
-        let mut saved: Option<Saved> = None;
+        let mut saved: Option<wgpu_attention::shapes::SavedForward> = None;
         for &path in &paths {
             pb.set_message(format!("{} / {}", shape.name, path.name()));
             let done_before = pb.position();
@@ -108,7 +108,7 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
                 }
                 BenchPath::Backward(path) => (|| {
                     if saved.is_none() {
-                        saved = Some(Saved::new(&ctx, &gpu, st, a.seed)?);
+                        saved = Some(gpu.saved_forward(&ctx, a.seed)?);
                     }
                     let bwd = saved.as_ref().expect("made above").backward(&gpu).path(path);
                     let flops = 2.5 * bwd.problem()?.flops();
@@ -301,53 +301,6 @@ fn bench_path_parser() -> impl clap::builder::TypedValueParser<Value = BenchPath
             .find(|p| p.name() == s)
             .ok_or_else(|| format!("unknown path {s}"))
     })
-}
-
-/// The forward's output and logsumexp of one shape on the GPU, and a random dO: what the
-/// backward rows start from.
-struct Saved {
-    out: wgpu::Buffer,
-    lse: wgpu::Buffer,
-    dout: wgpu::Buffer,
-    problem: wgpu_attention::Problem,
-}
-
-impl Saved {
-    fn new(ctx: &Context, gpu: &GpuInputs, st: Storage, seed: u64) -> wgpu_attention::Result<Saved> {
-        use wgpu::util::DeviceExt;
-        let mut encoder = ctx.device().create_command_encoder(&Default::default());
-        let fw = gpu.sdpa().record(ctx, &mut encoder)?;
-        ctx.queue().submit([encoder.finish()]);
-        let p = fw.problem.clone();
-        let n: usize = p.out_shape().iter().product();
-        // The shapes' own seeded generator, on a stream apart from the inputs'.
-        let mut rng = wgpu_attention::shapes::SplitMix64(seed ^ 0xd0d0_d0d0);
-        let data: Vec<f32> = (0..n).map(|_| rng.next_f32()).collect();
-        let dout = ctx
-            .device()
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some("bench dout"),
-                contents: &st.encode(&data),
-                usage: wgpu::BufferUsages::STORAGE,
-            });
-        Ok(Saved {
-            out: fw.output,
-            lse: fw.lse,
-            dout,
-            problem: p,
-        })
-    }
-
-    fn backward<'a>(&'a self, gpu: &'a GpuInputs) -> wgpu_attention::Backward<'a> {
-        let p = &self.problem;
-        let t = wgpu_attention::Tensor::from_buffer;
-        gpu.sdpa()
-            .backward(t(&self.dout, 0, &p.out_shape()).with_storage(p.storage.out))
-            .saved(
-                t(&self.out, 0, &p.out_shape()).with_storage(p.storage.out),
-                t(&self.lse, 0, &[p.batch, p.q_heads, p.seq_q]),
-            )
-    }
 }
 
 /// Drop repeats, keeping the first occurrence.
