@@ -32,6 +32,19 @@ const SHAPES: [&str; 5] = [
     "d_decode_h32_s4096_e128",
 ];
 
+/// Every group's settings: 10 flat samples, 0.5 s warm-up, 2 s of measurement. Where one run
+/// takes over 0.2 s, criterion warns that it cannot complete 10 samples in this time and takes
+/// 10 single-run samples instead: expected on slow devices.
+fn settings<'a, 'g, M: criterion::measurement::Measurement>(
+    group: &'g mut criterion::BenchmarkGroup<'a, M>,
+) -> &'g mut criterion::BenchmarkGroup<'a, M> {
+    group
+        .sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+}
+
 fn attention(c: &mut Criterion) {
     let ctx = match Context::new_blocking() {
         Ok(ctx) => ctx,
@@ -62,15 +75,8 @@ fn attention(c: &mut Criterion) {
             }
         };
         let mut group = c.benchmark_group(name);
-        group
-            .sample_size(10)
-            .sampling_mode(SamplingMode::Flat)
-            .warm_up_time(Duration::from_millis(500))
-            // Where one run takes over 0.2 s, criterion warns that it cannot complete 10 samples
-            // in this time and takes 10 single-run samples instead: expected on slow devices.
-            .measurement_time(Duration::from_secs(2))
-            // "elements" are FLOPs: criterion's elem/s is FLOP/s.
-            .throughput(Throughput::Elements(flops as u64));
+        // "elements" are FLOPs: criterion's elem/s is FLOP/s.
+        settings(&mut group).throughput(Throughput::Elements(flops as u64));
         for path in Path::ALL {
             let sdpa = gpu.sdpa().path(path);
             // One untimed run first: it compiles the shaders, and a path that cannot serve
@@ -95,12 +101,7 @@ fn attention(c: &mut Criterion) {
             }
         };
         let mut group = c.benchmark_group(name);
-        group
-            .sample_size(10)
-            .sampling_mode(SamplingMode::Flat)
-            .warm_up_time(Duration::from_millis(500))
-            .measurement_time(Duration::from_secs(2))
-            .throughput(Throughput::Elements((2.5 * flops) as u64));
+        settings(&mut group).throughput(Throughput::Elements((2.5 * flops) as u64));
         for (label, path) in [("fused-bwd", Path::Fused), ("unfused-bwd", Path::Unfused)] {
             let bwd = saved.backward(&gpu).path(path);
             if let Err(e) = bwd.run_blocking(&ctx).and_then(|_| ctx.wait_idle()) {
@@ -139,12 +140,7 @@ fn layers(c: &mut Criterion) {
         }
         let (proj, attn) = shape.flops();
         let mut group = c.benchmark_group(shape.name);
-        group
-            .sample_size(10)
-            .sampling_mode(SamplingMode::Flat)
-            .warm_up_time(Duration::from_millis(500))
-            .measurement_time(Duration::from_secs(2))
-            .throughput(Throughput::Elements((proj + attn) as u64));
+        settings(&mut group).throughput(Throughput::Elements((proj + attn) as u64));
         group.bench_function("forward", |b| {
             b.iter(|| bench.forward().run_blocking(&ctx).expect("forward failed"))
         });
@@ -152,12 +148,7 @@ fn layers(c: &mut Criterion) {
         // The layer's backward (its forward included): 3x the forward's FLOPs in the
         // projections (dx and dW per product), 3.5x in the attention (forward + 2.5x).
         let mut group = c.benchmark_group(format!("{}_backward", shape.name));
-        group
-            .sample_size(10)
-            .sampling_mode(SamplingMode::Flat)
-            .warm_up_time(Duration::from_millis(500))
-            .measurement_time(Duration::from_secs(2))
-            .throughput(Throughput::Elements((3.0 * proj + 3.5 * attn) as u64));
+        settings(&mut group).throughput(Throughput::Elements((3.0 * proj + 3.5 * attn) as u64));
         if let Err(e) = bench.backward().run_blocking(&ctx).and_then(|_| ctx.wait_idle()) {
             eprintln!("{}: backward skipped: {e}", shape.name);
         } else {
@@ -169,11 +160,7 @@ fn layers(c: &mut Criterion) {
         // The stages, each measured inside a profiled pass (submitted and waited for alone);
         // no throughput here (the FLOPs above are the whole pass's).
         let mut group = c.benchmark_group(format!("{}_stages", shape.name));
-        group
-            .sample_size(10)
-            .sampling_mode(SamplingMode::Flat)
-            .warm_up_time(Duration::from_millis(500))
-            .measurement_time(Duration::from_secs(2));
+        settings(&mut group);
         for (stage, pick) in [("proj", 0usize), ("attn", 1), ("out", 2)] {
             group.bench_function(stage, |b| {
                 b.iter_custom(|iters| {

@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use ndarray::{Array3, Array4, ArrayD};
 use wgpu_attention::check::{compare, flash_rule, Tolerance};
-use wgpu_attention::{reference, Causal, Context, Error, Path, Storage, Tensor};
+use wgpu_attention::{reference, Context, Error, Path, Storage, Tensor};
 
 const PATHS: [Path; 2] = [Path::Fused, Path::Unfused];
 
@@ -308,17 +308,7 @@ proptest::proptest! {
         lens in proptest::bool::ANY, seed in proptest::num::u64::ANY,
     ) {
         let Some(ctx) = thread_ctx() else { return Ok(()) };
-        let mut case = Case::random((b, hkv * group, hkv, l, s, e, ev), seed)
-            .with_causal([Causal::None, Causal::TopLeft, Causal::BottomRight][causal as usize]);
-        if mask {
-            case = case.with_random_mask(seed ^ 1);
-        }
-        if bias {
-            case = case.with_random_bias(seed ^ 2);
-        }
-        if lens {
-            case = case.with_kv_lens();
-        }
+        let case = random_problem((b, hkv, group, l, s, e, ev), causal, mask, bias, lens, seed);
         for path in PATHS {
             check(ctx, &case, path, &format!("proptest b{b} hkv{hkv} g{group} l{l} s{s} e{e} ev{ev}"));
         }

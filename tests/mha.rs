@@ -8,9 +8,10 @@ mod common;
 use std::path::Path as FsPath;
 
 use common::{
-    assert_mha_output, assert_report, ctx, rand_array, rng, twice_storage_tolerance, MhaCase, MhaGrid, TOL,
+    assert_mha_output, assert_report, ctx, mha_fixture_mask, rand_array, rng, twice_storage_tolerance,
+    MhaCase, MhaGrid, TOL,
 };
-use ndarray::{Array2, Array3, Array4, ArrayD, IxDyn};
+use ndarray::{Array2, Array3, Array4};
 use ndarray_npy::read_npy;
 use wgpu_attention::check::{compare, Tolerance};
 use wgpu_attention::reference::{self, MhaInputs};
@@ -51,20 +52,7 @@ fn pytorch_goldens_reference_and_gpu() {
         let avg: Array3<f64> = read_npy(dir.join("attn_weights_avg.npy")).unwrap();
         let per_head: Array4<f64> = read_npy(dir.join("attn_weights_per_head.npy")).unwrap();
         // PyTorch's boolean masks mean true = masked out; ours true = may attend.
-        let mut mask: Option<ArrayD<bool>> = None;
-        if dir.join("key_padding_mask.npy").exists() {
-            let kpm: Array2<bool> = read_npy(dir.join("key_padding_mask.npy")).unwrap();
-            let (b, s) = kpm.dim();
-            mask = Some(
-                kpm.mapv(|x| !x)
-                    .into_shape_with_order(IxDyn(&[b, 1, 1, s]))
-                    .unwrap(),
-            );
-        }
-        if dir.join("attn_mask.npy").exists() {
-            let am: Array2<bool> = read_npy(dir.join("attn_mask.npy")).unwrap();
-            mask = Some(am.mapv(|x| !x).into_dyn());
-        }
+        let mask = mha_fixture_mask(&dir);
         let spec = Options {
             mask: mask.as_ref().map(|m| m.into()),
             ..Default::default()

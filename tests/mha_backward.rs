@@ -11,7 +11,7 @@ mod common;
 use std::path::Path as FsPath;
 
 use common::*;
-use ndarray::{Array2, Array3, ArrayD, IxDyn};
+use ndarray::Array3;
 use ndarray_npy::read_npy;
 use wgpu_attention::check::{compare, flash_rule, Tolerance};
 use wgpu_attention::reference::{self, MhaInputs};
@@ -333,20 +333,7 @@ fn pytorch_autograd_goldens() {
         let k: Array3<f32> = read_npy(dir.join("key.npy")).unwrap();
         let v: Array3<f32> = read_npy(dir.join("value.npy")).unwrap();
         let dout: Array3<f32> = read_npy(dir.join("dout.npy")).unwrap();
-        let mut mask: Option<ArrayD<bool>> = None;
-        if dir.join("key_padding_mask.npy").exists() {
-            let kpm: Array2<bool> = read_npy(dir.join("key_padding_mask.npy")).unwrap();
-            let (b, s) = kpm.dim();
-            mask = Some(
-                kpm.mapv(|x| !x)
-                    .into_shape_with_order(IxDyn(&[b, 1, 1, s]))
-                    .unwrap(),
-            );
-        }
-        if dir.join("attn_mask.npy").exists() {
-            let am: Array2<bool> = read_npy(dir.join("attn_mask.npy")).unwrap();
-            mask = Some(am.mapv(|x| !x).into_dyn());
-        }
+        let mask = mha_fixture_mask(&dir);
         let opts = Options {
             mask: mask.as_ref().map(|m| m.into()),
             ..Default::default()

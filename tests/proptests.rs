@@ -2,9 +2,9 @@
 
 mod common;
 
-use common::{thread_ctx, Case, TOL};
+use common::{random_problem, thread_ctx, TOL};
 use proptest::prelude::*;
-use wgpu_attention::{Causal, Path};
+use wgpu_attention::Path;
 
 /// Head dims drawn from a fixed set (multiples of 4 and not, 1 and past 64), so that the
 /// kernels' pipelines are reused across cases; the shapes, masks and options stay random.
@@ -51,17 +51,7 @@ fn check(
     seed: u64,
 ) {
     let Some(ctx) = thread_ctx() else { return };
-    let mut case = Case::random((b, hkv * group, hkv, l, s, e, ev), seed)
-        .with_causal([Causal::None, Causal::TopLeft, Causal::BottomRight][causal as usize]);
-    if mask {
-        case = case.with_random_mask(seed ^ 1);
-    }
-    if bias {
-        case = case.with_random_bias(seed ^ 2);
-    }
-    if lens {
-        case = case.with_kv_lens();
-    }
+    let case = random_problem((b, hkv, group, l, s, e, ev), causal, mask, bias, lens, seed);
     let want = case.reference();
     for path in Path::ALL {
         case.check_against(&want, ctx, path, TOL, &format!("{path:?}"));

@@ -407,6 +407,32 @@ pub fn golden(name: &str, file: impl Fn(&str) -> Option<Vec<u8>>) -> Golden {
     }
 }
 
+/// A property test's case: `(B, Hkv · group, Hkv, L, S, E, Ev)` from `seed`, causal mode
+/// `causal` (0 none, 1 top-left, 2 bottom-right), with a random mask, bias and key lengths
+/// where asked.
+#[allow(clippy::too_many_arguments)]
+pub fn random_problem(
+    (b, hkv, group, l, s, e, ev): Shape,
+    causal: u8,
+    mask: bool,
+    bias: bool,
+    lens: bool,
+    seed: u64,
+) -> Case {
+    let mut case = Case::random((b, hkv * group, hkv, l, s, e, ev), seed)
+        .with_causal([Causal::None, Causal::TopLeft, Causal::BottomRight][causal as usize]);
+    if mask {
+        case = case.with_random_mask(seed ^ 1);
+    }
+    if bias {
+        case = case.with_random_bias(seed ^ 2);
+    }
+    if lens {
+        case = case.with_kv_lens();
+    }
+    case
+}
+
 /// One multi-head attention grid case: the layer's config, batch, query and key lengths, and
 /// the options.
 #[derive(Debug, Clone, Copy)]

@@ -98,3 +98,24 @@ pub fn goldens() -> Vec<Golden> {
     );
     g
 }
+
+/// The boolean mask of an MHA fixture directory in this crate's convention (true = may
+/// attend): its `key_padding_mask.npy` `[B, S]` as `[B, 1, 1, S]`, or its `attn_mask.npy`
+/// `[L, S]` (PyTorch's masks are true = masked out).
+pub fn mha_fixture_mask(dir: &std::path::Path) -> Option<ndarray::ArrayD<bool>> {
+    use ndarray_npy::read_npy;
+    if dir.join("attn_mask.npy").exists() {
+        let am: ndarray::Array2<bool> = read_npy(dir.join("attn_mask.npy")).unwrap();
+        return Some(am.mapv(|x| !x).into_dyn());
+    }
+    if dir.join("key_padding_mask.npy").exists() {
+        let kpm: ndarray::Array2<bool> = read_npy(dir.join("key_padding_mask.npy")).unwrap();
+        let (b, s) = kpm.dim();
+        return Some(
+            kpm.mapv(|x| !x)
+                .into_shape_with_order(ndarray::IxDyn(&[b, 1, 1, s]))
+                .unwrap(),
+        );
+    }
+    None
+}
