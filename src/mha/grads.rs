@@ -49,6 +49,27 @@ pub struct MhaGrads<F> {
 }
 
 impl<F: Copy> MhaGrads<F> {
+    /// Every gradient (and the output) with `f` applied to each element, e.g.
+    /// `g.mapv(|x| x as f32)` for the reference's f64 gradients.
+    pub fn mapv<G>(&self, f: impl Fn(F) -> G + Copy) -> MhaGrads<G> {
+        MhaGrads {
+            output: self.output.mapv(f),
+            query: self.query.mapv(f),
+            key: self.key.as_ref().map(|a| a.mapv(f)),
+            value: self.value.as_ref().map(|a| a.mapv(f)),
+            query_heads: self.query_heads.as_ref().map(|a| a.mapv(f)),
+            value_heads: self.value_heads.as_ref().map(|a| a.mapv(f)),
+            w_q: self.w_q.mapv(f),
+            w_k: self.w_k.mapv(f),
+            w_v: self.w_v.mapv(f),
+            w_o: self.w_o.mapv(f),
+            b_q: self.b_q.as_ref().map(|a| a.mapv(f)),
+            b_k: self.b_k.as_ref().map(|a| a.mapv(f)),
+            b_v: self.b_v.as_ref().map(|a| a.mapv(f)),
+            b_o: self.b_o.as_ref().map(|a| a.mapv(f)),
+        }
+    }
+
     /// The parameter gradients under the state-dict keys of `torch.nn.MultiheadAttention`,
     /// each prefixed by `prefix`: `in_proj_weight` `[3E, E]` (`packed`) or `q_proj_weight`,
     /// `k_proj_weight`, `v_proj_weight`; `in_proj_bias` (the three biases concatenated);

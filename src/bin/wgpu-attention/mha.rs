@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use clap::Args;
 use wgpu_attention::reference::{self, MhaInputs};
-use wgpu_attention::{MhaGrads, MhaWeights, MultiHeadAttention, NeedWeights, Options, Storage, Tensor};
+use wgpu_attention::{MhaWeights, MultiHeadAttention, NeedWeights, Options, Storage, Tensor};
 
 use crate::npy::{combine_masks, read_3d, read_array, write_array};
 use crate::timing::ms;
@@ -147,7 +147,8 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
         .as_deref()
         .map(|p| read_3d(p, "dout", "[B, L, d_model]").map(|d| d.mapv(round)))
         .transpose()?;
-    let (out, w, how) = if a.cpu {
+    // The gradients, when --dout is given, and the time they took.
+    let (out, w, how, grads) = if a.cpu {
         let inputs = match (&key, &value) {
             (Some(k), Some(v)) => MhaInputs::cross(x.view(), k.view(), v.view()),
             _ => MhaInputs::self_attention(x.view()),
@@ -167,7 +168,13 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
                     .into_dyn(),
             ),
         };
-        (r.out.mapv(|x| st.round(x as f32)).into_dyn(), w, how)
+        let started = Instant::now();
+        let grads = dout
+            .as_ref()
+            .map(|dy| reference::mha_backward(&weights, &inputs, &options, dy.view()))
+            .transpose()?
+            .map(|g| (g.mapv(|x| x as f32), started.elapsed()));
+        (r.out.mapv(|x| st.round(x as f32)).into_dyn(), w, how, grads)
     } else {
         let ctx = context()?;
         let layer = MultiHeadAttention::new(&ctx, &weights)?;
@@ -177,39 +184,45 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
             f = f.key_value(t(k), t(v));
         }
         let started = Instant::now();
-        let r = f.run_blocking(&ctx)?;
-        let how = format!(
-            "ran on {}, storage {st}, in {:.3} ms (incl. upload, shader compilation and readback)",
-            ctx.describe(),
-            ms(started.elapsed())
-        );
-        let w = r
-            .weights
-            .map(|w| w.into_dyn())
-            .or(r.avg_weights.map(|w| w.into_dyn()));
-        (r.output.into_dyn(), w, how)
+        let how = |what: &str| {
+            format!(
+                "ran {what} on {}, storage {st}, in {:.3} ms (incl. upload, shader compilation and readback)",
+                ctx.describe(),
+                ms(started.elapsed())
+            )
+        };
+        match &dout {
+            // The backward runs the forward and returns its output.
+            Some(dy) if need == NeedWeights::No => {
+                let g = f.backward(t(dy)).run_blocking(&ctx)?;
+                let elapsed = started.elapsed();
+                (
+                    g.output.clone().into_dyn(),
+                    None,
+                    how("forward and backward"),
+                    Some((g, elapsed)),
+                )
+            }
+            _ => {
+                let r = f.clone().run_blocking(&ctx)?;
+                let how = how("the forward");
+                let w = r
+                    .weights
+                    .map(|w| w.into_dyn())
+                    .or(r.avg_weights.map(|w| w.into_dyn()));
+                let started = Instant::now();
+                let grads = dout
+                    .as_ref()
+                    .map(|dy| f.backward(t(dy)).run_blocking(&ctx))
+                    .transpose()?
+                    .map(|g| (g, started.elapsed()));
+                (r.output.into_dyn(), w, how, grads)
+            }
+        }
     };
     println!("{how}");
     write_array(&a.out, "output", &out)?;
-    if let (Some(dy), Some(path)) = (&dout, &a.grads_out) {
-        let started = Instant::now();
-        let grads: MhaGrads<f32> = if a.cpu {
-            let inputs = match (&key, &value) {
-                (Some(k), Some(v)) => MhaInputs::cross(x.view(), k.view(), v.view()),
-                _ => MhaInputs::self_attention(x.view()),
-            };
-            let g = reference::mha_backward(&weights, &inputs, &options, dy.view())?;
-            to_f32(&g)
-        } else {
-            let ctx = context()?;
-            let layer = MultiHeadAttention::new(&ctx, &weights)?;
-            let t = |x| Tensor::from(x).with_storage(st);
-            let mut f = layer.forward(t(&x)).options(options.clone());
-            if let (Some(k), Some(v)) = (&key, &value) {
-                f = f.key_value(t(k), t(v));
-            }
-            f.backward(t(dy)).run_blocking(&ctx)?
-        };
+    if let (Some((grads, elapsed)), Some(path)) = (&grads, &a.grads_out) {
         let packed = safetensors::SafeTensors::deserialize(&weight_bytes)
             .map(|st| st.tensor(&format!("{}in_proj_weight", a.prefix)).is_ok())
             .unwrap_or(false);
@@ -222,10 +235,10 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
         tensors.extend(grads.state_dict(packed, &a.prefix));
         write_safetensors(path, &tensors)?;
         println!(
-            "wrote {} gradients to {} in {:.3} ms ({})",
+            "wrote {} gradients to {} (computed in {:.3} ms, {})",
             tensors.len(),
             path.display(),
-            ms(started.elapsed()),
+            ms(*elapsed),
             if a.cpu {
                 "CPU reference, f64 rounded to f32"
             } else {
@@ -249,30 +262,6 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
         println!("wrote heatmap of {} panel(s) to {}", panels.dim().0, p.display());
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// The reference's f64 gradients as f32.
-fn to_f32(g: &MhaGrads<f64>) -> MhaGrads<f32> {
-    let c = |a: &ndarray::Array3<f64>| a.mapv(|x| x as f32);
-    let c4 = |a: &ndarray::Array4<f64>| a.mapv(|x| x as f32);
-    let c2 = |a: &ndarray::Array2<f64>| a.mapv(|x| x as f32);
-    let c1 = |a: &ndarray::Array1<f64>| a.mapv(|x| x as f32);
-    MhaGrads {
-        output: c(&g.output),
-        query: c(&g.query),
-        key: g.key.as_ref().map(c),
-        value: g.value.as_ref().map(c),
-        query_heads: g.query_heads.as_ref().map(c4),
-        value_heads: g.value_heads.as_ref().map(c4),
-        w_q: c2(&g.w_q),
-        w_k: c2(&g.w_k),
-        w_v: c2(&g.w_v),
-        w_o: c2(&g.w_o),
-        b_q: g.b_q.as_ref().map(c1),
-        b_k: g.b_k.as_ref().map(c1),
-        b_v: g.b_v.as_ref().map(c1),
-        b_o: g.b_o.as_ref().map(c1),
-    }
 }
 
 /// Write f32 tensors to a safetensors file.
