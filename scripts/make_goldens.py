@@ -16,6 +16,8 @@ Outputs (see tests/fixtures/README.md for the conventions):
   tests/fixtures/mha/<case>/   torch.nn.MultiheadAttention(batch_first=True) cases, with the
                                autograd gradients of sum(dout * Y) (grads.safetensors, float64,
                                keyed query/key/value and by the state dict's names)
+  tests/fixtures/variants/<case>/  attention variants: general (Luong), additive (Bahdanau),
+                               low-rank values, Nystromformer, Linformer (forward only)
 
 Every SDPA golden is computed twice: with torch.nn.functional.scaled_dot_product_attention
 in float64 (torch's own is_causal / causal_lower_right / enable_gqa where possible) and with
@@ -24,6 +26,8 @@ fully masked row (all keys excluded), the explicit formula's value (output 0, we
 lse -inf) is written and the fact is printed.  MHA goldens are likewise cross-checked
 against an explicit float64 re-implementation of the module, forward and autograd; the
 grouped-query case (which torch's module cannot express) comes from the explicit layer.
+Variant goldens are computed with torch ops in float64 and checked against an independent
+explicit numpy float64 formula (and against torch's SDPA where the variant reduces to it).
 """
 
 import copy
@@ -663,15 +667,483 @@ def make_mha():
                          "a key_padding_mask (valid key lengths [9, 4, 6])")
 
 
+# --------------------------------------------------------------------------------------
+# Attention variants (general, additive, lowrank-v, nystrom, linformer)
+# --------------------------------------------------------------------------------------
+#
+# Each golden is computed with torch ops in float64 (the value written) and again with an
+# independent explicit numpy float64 formula (per batch/head loops, per-row softmax over the
+# allowed keys, the mask rebuilt element by element); the two must agree to TOL.  Where the
+# variant reduces to SDPA on transformed inputs (general: q @ W; lowrank-v: values U;
+# linformer: projected K', V') torch.nn.functional.scaled_dot_product_attention is a third
+# check on the rows that are not fully masked.
+#
+# Parameters are float32 from numpy: matrices, u, and A of lowrank-v are
+# uniform(-sqrt(3/fan_in), sqrt(3/fan_in)) (variance 1/fan_in, as the MHA weights above), with
+# fan_in their last dimension, times a gain where a case says so; the additive b ~ N(0, 0.5^2).
+
+VARIANT_SUMMARY = []
+
+
+def uniform_w(rng, shape, gain=1.0):
+    lim = gain * math.sqrt(3.0 / shape[-1])
+    return rng.uniform(-lim, lim, size=shape).astype(np.float32)
+
+
+def segment_bounds(n, m):
+    """Landmark / segment t of n rows covers floor(t*n/m) .. floor((t+1)*n/m) - 1."""
+    return [((t * n) // m, ((t + 1) * n) // m) for t in range(m)]
+
+
+def segment_mean_matrix(n, m):
+    """[m, n] float64 torch matrix whose row t averages the rows of segment t."""
+    P = torch.zeros(m, n)
+    for t, (a, b) in enumerate(segment_bounds(n, m)):
+        assert b > a, "empty segment"
+        P[t, a:b] = 1.0 / (b - a)
+    return P
+
+
+def np_allowed(B, Hq, L, S, causal, mask, kv_lens):
+    """Element-by-element numpy rebuild of allowed_mask (True = may attend)."""
+    out = np.zeros((B, Hq, L, S), dtype=np.bool_)
+    mb = np.broadcast_to(mask, (B, Hq, L, S)) if mask is not None else None
+    for b in range(B):
+        for h in range(Hq):
+            for i in range(L):
+                for j in range(S):
+                    ok = True
+                    if causal == "top_left":
+                        ok = j <= i
+                    elif causal == "bottom_right":
+                        ok = j <= i + S - L
+                    if mb is not None:
+                        ok = ok and bool(mb[b, h, i, j])
+                    if kv_lens is not None:
+                        ok = ok and j < int(kv_lens[b])
+                    out[b, h, i, j] = ok
+    return out
+
+
+def np_softmax_row(s, allowed_row):
+    """Softmax of the float64 scores s over the allowed keys; zeros if none is allowed."""
+    p = np.zeros(s.shape, dtype=np.float64)
+    if not allowed_row.any():
+        return p
+    mx = s[allowed_row].max()
+    e = np.where(allowed_row, np.exp(np.where(allowed_row, s - mx, 0.0)), 0.0)
+    return e / e.sum()
+
+
+def np_masked_attention(scores_fn, vals_fn, B, Hq, Hkv, L, S, allowed, bias, Ev):
+    """Per (b, h, i): scores_fn(b, h, kvh, i) -> [S] scaled scores (float64); the bias is
+    added, softmax over allowed keys, out row = sum_j p_j vals_fn(b, kvh)[j]."""
+    g = Hq // Hkv
+    bb = np.broadcast_to(bias, (B, Hq, L, S)) if bias is not None else None
+    out = np.zeros((B, Hq, L, Ev))
+    w = np.zeros((B, Hq, L, S))
+    for b in range(B):
+        for h in range(Hq):
+            kvh = h // g
+            vals = vals_fn(b, kvh)
+            for i in range(L):
+                s = scores_fn(b, h, kvh, i)
+                if bb is not None:
+                    s = s + bb[b, h, i]
+                p = np_softmax_row(s, allowed[b, h, i])
+                w[b, h, i] = p
+                out[b, h, i] = sum(p[j] * vals[j] for j in range(S)) if S else 0.0
+    return out, w
+
+
+def torch_masked_softmax(scores, allowed):
+    """Softmax over allowed entries, zeros on rows with none (torch ops)."""
+    row_dead = ~allowed.any(dim=-1)
+    logits = scores.masked_fill(~allowed, float("-inf"))
+    logits = logits.masked_fill(row_dead.unsqueeze(-1), 0.0)
+    w = torch.softmax(logits, dim=-1)
+    return torch.where(allowed, w, torch.zeros_like(w)), row_dead
+
+
+def check_weights(name, w, allowed, row_dead):
+    live = ~row_dead
+    rs = w.sum(-1)
+    assert torch.allclose(rs[live], torch.ones_like(rs[live]), atol=1e-12, rtol=0), name
+    assert bool((rs[row_dead] == 0).all()), name
+    assert bool((w[~allowed] == 0).all()), name
+
+
+def torch_nystrom(q, k, v, m, sc, pinv_iters):
+    """Nystromformer (no conv skip) with torch ops in q's dtype; returns out and F, A, B', Z,
+    and the values repeated to the query heads."""
+    L, S = q.shape[2], k.shape[2]
+    g = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(g, 1)
+    vv = v.repeat_interleave(g, 1)
+    Ql = segment_mean_matrix(L, m).to(q.dtype) @ q          # [B,Hq,m,E]
+    Kl = segment_mean_matrix(S, m).to(q.dtype) @ kk         # [B,Hq,m,E] (per kv head, repeated)
+    Fm = torch.softmax(sc * q @ Kl.transpose(-1, -2), -1)       # [B,Hq,L,m]
+    Am = torch.softmax(sc * Ql @ Kl.transpose(-1, -2), -1)      # [B,Hq,m,m]
+    Bm = torch.softmax(sc * Ql @ kk.transpose(-1, -2), -1)      # [B,Hq,m,S]
+    colmax = Am.abs().sum(-2).amax(-1)
+    rowmax = Am.abs().sum(-1).amax(-1)
+    Z = Am.transpose(-1, -2) / (colmax * rowmax)[..., None, None]
+    I = torch.eye(m, dtype=q.dtype)
+    for _ in range(pinv_iters):
+        AZ = Am @ Z
+        Z = 0.25 * Z @ (13 * I - AZ @ (15 * I - AZ @ (7 * I - AZ)))
+    out = Fm @ (Z @ (Bm @ vv))
+    return out, Fm, Am, Bm, Z, vv
+
+
+def t64(a):
+    return torch.from_numpy(a).double() if a is not None else None
+
+
+def variant_case(name, seed, kind, B, Hq, Hkv, L, S, E, Ev, description, causal="none", scale=None,
+                 mask_fn=None, bias_fn=None, kv_lens=None, A=None, with_b=False, u_target=None,
+                 w_gain=1.0, u_gain=1.0, r=None, landmarks=None, pinv_iters=6, k_p=None, proj="random"):
+    rng = np.random.default_rng(seed)
+    q32 = randn32(rng, (B, Hq, L, E))
+    k32 = randn32(rng, (B, Hkv, S, E))
+    v_last = r if kind == "lowrank-v" else Ev
+    v32 = randn32(rng, (B, Hkv, S, v_last))
+    params = {}
+    if kind == "general":
+        params["w"] = uniform_w(rng, (E, E), w_gain)
+    elif kind == "additive":
+        params["w_q"] = uniform_w(rng, (A, E), w_gain)
+        params["w_k"] = uniform_w(rng, (A, E), w_gain)
+        params["u"] = uniform_w(rng, (A,), u_gain)
+        if with_b:
+            params["b"] = randn32(rng, (A,), 0.5)
+    elif kind == "lowrank-v":
+        params["a"] = uniform_w(rng, (r, Ev))
+    elif kind == "linformer":
+        if proj == "random":
+            params["e"] = uniform_w(rng, (k_p, S))
+            params["f"] = uniform_w(rng, (k_p, S))
+        else:
+            assert proj == "segment_mean"
+            pm = segment_mean_matrix(S, k_p).numpy().astype(np.float32)
+            params["e"] = pm
+            params["f"] = pm.copy()
+    mask = mask_fn(rng) if mask_fn else None
+    bias32 = bias_fn(rng).astype(np.float32) if bias_fn else None
+    if kv_lens is not None:
+        kv_lens = np.asarray(kv_lens, dtype=np.int64)
+        assert kv_lens.shape == (B,)
+    if mask is not None:
+        assert mask.dtype == np.bool_ and mask.ndim == 4
+    masked = mask is not None or bias32 is not None or kv_lens is not None or causal != "none"
+    assert not (masked and kind in ("nystrom", "linformer")), f"{name}: {kind} takes no masks"
+    assert Hq % Hkv == 0
+
+    q, k, v = t64(q32), t64(k32), t64(v32)
+    bias = t64(bias32)
+    g = Hq // Hkv
+    default_scale = 1.0 if kind in ("general", "additive") else 1.0 / math.sqrt(E)
+    sc = scale if scale is not None else default_scale
+    notes = []
+
+    if kind == "additive" and u_target is not None:
+        # Rescale u so that max |score| over the case is u_target (tanh saturation and a
+        # wide score range); done once in float64, then u is rounded to float32.
+        pq = torch.einsum("ae,bhle->bhla", t64(params["w_q"]), q)
+        pk = torch.einsum("ae,bhse->bhsa", t64(params["w_k"]), k).repeat_interleave(g, 1)
+        pre = pq.unsqueeze(3) + pk.unsqueeze(2)
+        s0 = sc * (torch.tanh(pre) * t64(params["u"])).sum(-1)
+        params["u"] = (params["u"].astype(np.float64) * (u_target / float(s0.abs().max()))).astype(
+            np.float32)
+        notes.append(f"max|W_q q + W_k k|={float(pre.abs().max()):.3g}, "
+                     f"{int((pre.abs() > 20).sum())} entries beyond +-20")
+    P = {k_: t64(a) for k_, a in params.items()}
+    Pn = {k_: a.astype(np.float64) for k_, a in params.items()}
+    qn, kn, vn = q32.astype(np.float64), k32.astype(np.float64), v32.astype(np.float64)
+    biasn = bias32.astype(np.float64) if bias32 is not None else None
+
+    w = w_np = None
+    sdpa_note = ""
+    if kind in ("general", "additive", "lowrank-v"):
+        allowed = allowed_mask(B, Hq, L, S, causal, mask, kv_lens)
+        allowed_n = np_allowed(B, Hq, L, S, causal, mask, kv_lens)
+        assert (allowed.numpy() == allowed_n).all(), name
+        kk = k.repeat_interleave(g, 1)
+        vv = v.repeat_interleave(g, 1)
+        # torch ops
+        if kind == "general":
+            scores = sc * ((q @ P["w"]) @ kk.transpose(-1, -2))
+        elif kind == "additive":
+            pq = torch.einsum("ae,bhle->bhla", P["w_q"], q)
+            pk = torch.einsum("ae,bhse->bhsa", P["w_k"], kk)
+            pre = pq.unsqueeze(3) + pk.unsqueeze(2)  # [B,Hq,L,S,A]
+            if "b" in P:
+                pre = pre + P["b"]
+            scores = sc * (torch.tanh(pre) * P["u"]).sum(-1)
+        else:
+            scores = sc * (q @ kk.transpose(-1, -2))
+        if bias is not None:
+            scores = scores + bias
+        w, row_dead = torch_masked_softmax(scores, allowed)
+        out = w @ vv
+        if kind == "lowrank-v":
+            out = out @ P["a"]
+        check_weights(name, w, allowed, row_dead)
+        sa = scores[allowed]
+        if sa.numel():
+            notes.append(f"scores in [{float(sa.min()):.3g}, {float(sa.max()):.3g}]")
+
+        # explicit numpy
+        if kind == "general":
+            def scores_fn(b, h, kvh, i):
+                qi = qn[b, h, i]
+                return np.array([sc * sum(qi[e] * sum(Pn["w"][e, f] * kn[b, kvh, j, f] for f in range(E))
+                                          for e in range(E)) for j in range(S)])
+        elif kind == "additive":
+            def scores_fn(b, h, kvh, i):
+                bvec = Pn["b"] if "b" in Pn else np.zeros(A)
+                a_q = Pn["w_q"] @ qn[b, h, i]
+                res = []
+                for j in range(S):
+                    pre_ = a_q + Pn["w_k"] @ kn[b, kvh, j] + bvec
+                    res.append(sc * sum(Pn["u"][a] * math.tanh(pre_[a]) for a in range(A)))
+                return np.array(res)
+        else:
+            def scores_fn(b, h, kvh, i):
+                return np.array([sc * float(np.dot(qn[b, h, i], kn[b, kvh, j])) for j in range(S)])
+        if kind == "lowrank-v":
+            vals_fn = lambda b, kvh: vn[b, kvh] @ Pn["a"]  # rows of U A: the other association
+        else:
+            vals_fn = lambda b, kvh: vn[b, kvh]
+        out_np, w_np = np_masked_attention(scores_fn, vals_fn, B, Hq, Hkv, L, S, allowed_n, biasn, Ev)
+
+        # torch SDPA on the transformed problem (live rows)
+        if kind in ("general", "lowrank-v"):
+            qq = q @ P["w"] if kind == "general" else q
+            t_out, how = torch_sdpa(qq, k, v, allowed, bias, sc, causal, mask, kv_lens)
+            if kind == "lowrank-v":
+                t_out = t_out @ P["a"]
+            live = ~row_dead
+            ds = max_abs_diff(t_out[live], out[live])
+            assert ds <= TOL, f"{name}: torch SDPA vs torch ops differ by {ds}"
+            sdpa_note = f"F.sdpa ({how}) max|diff|={ds:.1e}"
+        n_dead = int(row_dead.sum())
+        notes.append(f"dead rows={n_dead}")
+    elif kind == "nystrom":
+        m = landmarks
+        assert 1 <= m <= min(L, S)
+        out, Fm, Am, Bm, Z, vv = torch_nystrom(q, k, v, m, sc, pinv_iters)
+        I = torch.eye(m)
+        resid = float(torch.linalg.matrix_norm(I - Am @ Z, ord=2).max())
+        cond = float(torch.linalg.cond(Am).max())
+        # Diagnostic only: the same formula run in float32 (torch, CPU) from the same inputs.
+        out32 = torch_nystrom(q.float(), k.float(), v.float(), m, sc, pinv_iters)[0]
+        d32 = float((out32.double() - out).abs().max())
+        notes.append(f"max cond(A)={cond:.3g}, max||I - A Z||_2={resid:.2e}, "
+                     f"float32 run of the formula max|diff|={d32:.1e}, max|out|={float(out.abs().max()):.3g}")
+        if name == "nystrom_m_full":
+            Zi = torch.linalg.inv(Am)
+            out_inv = Fm @ (Zi @ (Bm @ vv))
+            di = max_abs_diff(out_inv, out)
+            assert di <= 1e-6, f"{name}: Z vs inv(A) outputs differ by {di}"
+            ref, _, _, _ = explicit_sdpa(q, k, v, torch.ones(B, Hq, L, S, dtype=torch.bool), None, sc)
+            dr = max_abs_diff(ref, out)
+            assert dr <= 1e-6, f"{name}: m = L = S nystrom vs exact softmax attention differ by {dr}"
+            sdpa_note = f"vs inv(A) max|diff|={di:.1e}, vs exact softmax attention {dr:.1e}"
+
+        # explicit numpy, per (b, h)
+        def np_softmax_rows(X):
+            X = X - X.max(axis=1, keepdims=True)
+            e = np.exp(X)
+            return e / e.sum(axis=1, keepdims=True)
+
+        out_np = np.zeros((B, Hq, L, Ev))
+        for b in range(B):
+            for h in range(Hq):
+                Qb, Kb, Vb = qn[b, h], kn[b, h // g], vn[b, h // g]
+                Qt = np.stack([Qb[a_:b_].mean(axis=0) for a_, b_ in segment_bounds(L, m)])
+                Kt = np.stack([Kb[a_:b_].mean(axis=0) for a_, b_ in segment_bounds(S, m)])
+                F_ = np_softmax_rows(sc * (Qb @ Kt.T))
+                A_ = np_softmax_rows(sc * (Qt @ Kt.T))
+                B_ = np_softmax_rows(sc * (Qt @ Kb.T))
+                c = max(sum(abs(A_[i_, j_]) for i_ in range(m)) for j_ in range(m))
+                rr = max(sum(abs(A_[i_, j_]) for j_ in range(m)) for i_ in range(m))
+                Zn = A_.T / (c * rr)
+                In = np.eye(m)
+                for _ in range(pinv_iters):
+                    X = A_ @ Zn
+                    Zn = 0.25 * (Zn @ (13 * In - X @ (15 * In - X @ (7 * In - X))))
+                out_np[b, h] = F_ @ (Zn @ (B_ @ Vb))
+    elif kind == "linformer":
+        kk = k.repeat_interleave(g, 1)
+        vv = v.repeat_interleave(g, 1)
+        Kp = torch.einsum("ts,bhse->bhte", P["e"], kk)
+        Vp = torch.einsum("ts,bhse->bhte", P["f"], vv)
+        wl = torch.softmax(sc * (q @ Kp.transpose(-1, -2)), -1)
+        out = wl @ Vp
+        t_out, how = torch_sdpa(q, torch.einsum("ts,bhse->bhte", P["e"], k),
+                                torch.einsum("ts,bhse->bhte", P["f"], v),
+                                torch.ones(B, Hq, L, k_p, dtype=torch.bool), None, sc, "none", None, None)
+        ds = max_abs_diff(t_out, out)
+        assert ds <= TOL, f"{name}: torch SDPA vs torch ops differ by {ds}"
+        sdpa_note = f"F.sdpa ({how}) max|diff|={ds:.1e}"
+        out_np = np.zeros((B, Hq, L, Ev))
+        for b in range(B):
+            for h in range(Hq):
+                Kb, Vb = kn[b, h // g], vn[b, h // g]
+                Kq = np.array([[sum(Pn["e"][t, s_] * Kb[s_, e_] for s_ in range(S)) for e_ in range(E)]
+                               for t in range(k_p)])
+                Vq = np.array([[sum(Pn["f"][t, s_] * Vb[s_, e_] for s_ in range(S)) for e_ in range(Ev)]
+                               for t in range(k_p)])
+                for i in range(L):
+                    s = np.array([sc * float(np.dot(qn[b, h, i], Kq[t])) for t in range(k_p)])
+                    p = np_softmax_row(s, np.ones(k_p, dtype=np.bool_))
+                    out_np[b, h, i] = p @ Vq
+    else:
+        raise ValueError(kind)
+
+    assert out.dtype == torch.float64 and bool(torch.isfinite(out).all()), name
+    assert tuple(out.shape) == (B, Hq, L, Ev), (name, tuple(out.shape))
+    d_out = float(np.abs(out.numpy() - out_np).max())
+    assert d_out <= TOL, f"{name}: torch vs explicit numpy out differ by {d_out}"
+    d_w = None
+    if w is not None:
+        assert tuple(w.shape) == (B, Hq, L, S)
+        d_w = float(np.abs(w.numpy() - w_np).max())
+        assert d_w <= TOL, f"{name}: torch vs explicit numpy weights differ by {d_w}"
+
+    d_ = FIXTURES / "variants" / name
+    d_.mkdir(parents=True)
+    save_npy(d_ / "q.npy", q32)
+    save_npy(d_ / "k.npy", k32)
+    save_npy(d_ / "v.npy", v32)
+    if params:
+        save_file({k_: torch.from_numpy(np.ascontiguousarray(a)) for k_, a in params.items()},
+                  str(d_ / "params.safetensors"))
+    if mask is not None:
+        save_npy(d_ / "mask.npy", mask)
+    if bias32 is not None:
+        save_npy(d_ / "bias.npy", bias32)
+    if kv_lens is not None:
+        save_npy(d_ / "kv_lens.npy", kv_lens)
+    save_npy(d_ / "out.npy", out.numpy())
+    if w is not None:
+        save_npy(d_ / "weights.npy", w.numpy())
+    meta = {"kind": kind, "causal": causal, "scale": scale, "description": description}
+    if kind == "nystrom":
+        meta["landmarks"] = landmarks
+        meta["pinv_iters"] = pinv_iters
+    write_json(d_ / "meta.json", meta)
+
+    extras = []
+    if mask is not None:
+        extras.append(f"mask{list(mask.shape)}")
+    if bias32 is not None:
+        extras.append(f"bias{list(bias32.shape)}")
+    if kv_lens is not None:
+        extras.append(f"kv_lens={kv_lens.tolist()}")
+    pshapes = " ".join(f"{k_}{list(a.shape)}" for k_, a in params.items())
+    wnote = f", weights {d_w:.2e}" if d_w is not None else ""
+    print(f"variants/{name}: kind={kind} B={B} Hq={Hq} Hkv={Hkv} L={L} S={S} E={E} "
+          f"v{list(v32.shape)} Ev_out={Ev} causal={causal} scale={scale} {pshapes} {' '.join(extras)}"
+          + (f" landmarks={landmarks} pinv_iters={pinv_iters}" if kind == "nystrom" else "")
+          + f" | torch vs numpy max|diff| out {d_out:.2e}{wnote}"
+          + (f" | {sdpa_note}" if sdpa_note else "") + f" | {', '.join(notes)}")
+    VARIANT_SUMMARY.append((name, d_out, d_w))
+
+
+def make_variants():
+    # general (Luong): scores = scale * (q @ W) @ k^T, default scale 1
+    variant_case("general_basic", 301, "general", B=2, Hq=3, Hkv=3, L=7, S=11, E=5, Ev=6,
+                 description="general (Luong) attention q^T W k, W [E,E] shared by heads, no mask, "
+                             "default scale 1")
+
+    def m_general(rng):
+        # [B,1,L,S]; with bottom-right causal (L=9 > S=6) rows 0..2 are fully masked anyway;
+        # key 0 is kept for every other row, and row (b=1, i=6) is made fully masked.
+        m = bool_mask(rng, (2, 1, 9, 6), 0.3)
+        m[..., 0] = True
+        m[1, 0, 6, :] = False
+        return m
+
+    variant_case("general_masks_gqa", 302, "general", B=2, Hq=4, Hkv=2, L=9, S=6, E=6, Ev=3,
+                 scale=0.5, causal="bottom_right", mask_fn=m_general,
+                 bias_fn=lambda rng: randn32(rng, (1, 4, 9, 6), 1.0),
+                 description="general attention, GQA Hq=4 Hkv=2, scale 0.5, bottom-right causal "
+                             "(L=9 > S=6: rows 0..2 fully masked), bool mask [B,1,L,S] with row "
+                             "(b=1, i=6) fully masked, bias [1,Hq,L,S] (std 1)")
+    # additive (Bahdanau)
+    variant_case("additive_basic", 303, "additive", B=2, Hq=2, Hkv=2, L=6, S=9, E=5, Ev=7, A=7,
+                 with_b=True, u_gain=3.0,
+                 description="additive (Bahdanau) attention u^T tanh(W_q q + W_k k + b), A=7, "
+                             "with b, u uniform(+-3 sqrt(3/A)), no mask, default scale 1")
+    variant_case("additive_masks", 304, "additive", B=2, Hq=3, Hkv=1, L=8, S=5, E=4, Ev=3, A=5,
+                 u_gain=3.0,
+                 causal="top_left", kv_lens=[5, 0],
+                 bias_fn=lambda rng: randn32(rng, (8, 5), 1.0),
+                 description="additive attention, no b, A=5, MQA Hq=3 Hkv=1, top-left causal, "
+                             "kv_lens [5, 0] (batch 1 fully masked: out 0, weights 0), 2-D bias "
+                             "[L,S] (std 1) broadcast over batch and heads")
+    variant_case("additive_large_logits", 305, "additive", B=1, Hq=2, Hkv=2, L=5, S=13, E=8, Ev=4,
+                 A=9, w_gain=10.0, u_target=30.0,
+                 description="additive attention, A=9, no b, W_q and W_k uniform(+-10 sqrt(3/E)) so "
+                             "W_q q + W_k k reaches beyond +-20 (tanh saturated), u rescaled so "
+                             "max |score| = 30 (softmax stability)")
+    # lowrank-v: out = (softmax(scale q k^T + masks) U) A
+    def m_lowrank(rng):
+        m = bool_mask(rng, (2, 2, 7, 10), 0.3)
+        m[..., 0] = True
+        m[0, 1, 4, :] = False
+        return m
+
+    variant_case("lowrank_v", 306, "lowrank-v", B=2, Hq=2, Hkv=2, L=7, S=10, E=6, Ev=9, r=3,
+                 mask_fn=m_lowrank,
+                 description="low-rank values: v.npy = U [B,Hkv,S,3], params a = A [3,9]; bool mask "
+                             "[B,Hq,L,S] with row (b=0, h=1, i=4) fully masked")
+    variant_case("lowrank_v_causal_gqa", 307, "lowrank-v", B=1, Hq=4, Hkv=2, L=5, S=8, E=4, Ev=5,
+                 r=2, causal="bottom_right", kv_lens=[6],
+                 description="low-rank values (r=2, Ev=5), GQA Hq=4 Hkv=2, bottom-right causal "
+                             "+ kv_lens [6]")
+    # nystrom
+    variant_case("nystrom_basic", 308, "nystrom", B=2, Hq=2, Hkv=2, L=37, S=29, E=6, Ev=5,
+                 landmarks=8, pinv_iters=6,
+                 description="Nystromformer (no conv skip), 8 landmarks (segments of 4-5 rows), "
+                             "6 pseudo-inverse iterations, default scale")
+    variant_case("nystrom_m1", 309, "nystrom", B=1, Hq=2, Hkv=1, L=10, S=7, E=3, Ev=4,
+                 landmarks=1, pinv_iters=6,
+                 description="Nystromformer with one landmark (mean of all rows), MQA Hq=2 Hkv=1")
+    variant_case("nystrom_m_full", 310, "nystrom", B=1, Hq=1, Hkv=1, L=6, S=6, E=4, Ev=4,
+                 landmarks=6, pinv_iters=12,
+                 description="Nystromformer with m = L = S = 6 (every landmark one row) and 12 "
+                             "iterations: Z ~ inv(A), so out ~ exact softmax attention (checked "
+                             "to 1e-6 in the script)")
+    variant_case("nystrom_uneven", 311, "nystrom", B=1, Hq=3, Hkv=3, L=50, S=23, E=8, Ev=8,
+                 landmarks=7, pinv_iters=6, scale=0.3,
+                 description="Nystromformer, 7 landmarks over L=50 (segments 7,7,7,7,7,7,8) and "
+                             "S=23 (3,3,3,4,3,3,4), scale 0.3")
+    # linformer
+    variant_case("linformer_basic", 312, "linformer", B=2, Hq=2, Hkv=2, L=9, S=23, E=6, Ev=5, k_p=5,
+                 description="Linformer, k_p=5, E_p and F_p [5,S] random uniform(+-1/sqrt(S))")
+    variant_case("linformer_gqa", 313, "linformer", B=1, Hq=4, Hkv=2, L=11, S=16, E=4, Ev=3, k_p=4,
+                 proj="segment_mean",
+                 description="Linformer, GQA Hq=4 Hkv=2, k_p=4, E_p = F_p = segment means (row t "
+                             "averages keys 4t..4t+3)")
+    worst_o = max(d for _, d, _ in VARIANT_SUMMARY)
+    worst_w = max(d for _, _, d in VARIANT_SUMMARY if d is not None)
+    print(f"variants: {len(VARIANT_SUMMARY)} cases, max torch-vs-numpy |diff| out {worst_o:.2e}, "
+          f"weights {worst_w:.2e}")
+
+
 def main():
     print(f"torch {torch.__version__}, numpy {np.__version__}, python {sys.version.split()[0]}")
-    for sub in ("sdpa", "mha"):
+    for sub in ("sdpa", "mha", "variants"):
         p = FIXTURES / sub
         if p.exists():
             shutil.rmtree(p)
         p.mkdir(parents=True)
     make_sdpa()
     make_mha()
+    make_variants()
     total = sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file())
     print(f"total fixture size: {total} bytes ({total / 1024:.1f} KiB)")
 
