@@ -18,6 +18,9 @@
 //                      declares the tile with stage_kv / release_kv / key_at / value_at
 //                      accordingly (flash_kv_*.wgsl, shared with bwd_dq.wgsl).
 //   const HAS_MASK: bool, HAS_BIAS: bool -- a boolean mask / an additive bias is bound
+//   fn score4(q, k, d4) -- the terms of vec4 block d4 of the score: q * k (scaled dot product),
+//                      or u[d4] * tanh(q + k) (Bahdanau's additive score, with u at binding 8
+//                      before the params; q and k are then the projections)
 //   const UNROLL: bool -- unroll the loops marked `// unroll` (src/kernels/unroll.rs), so that
 //                      every index into a private array is a constant
 //   const RQ: u32   -- query rows per invocation (rows tid, tid + WG, ...): each K/V element
@@ -109,7 +112,7 @@ fn main(
                 for (var d4 = 0u; d4 < E4; d4++) { // unroll
                     let kv = key_at(jg + jj, d4);
                     for (var r = 0u; r < RQ; r++) { // unroll
-                        d[r] += qr[r * E4 + d4] * kv;
+                        d[r] += score4(qr[r * E4 + d4], kv, d4);
                     }
                 }
                 let j = j0 + jg + jj;

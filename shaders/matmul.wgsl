@@ -2,6 +2,9 @@
 //
 //   C[z][m][n] = alpha * sum_k A[z][m][k] * B'[z][k][n]  (+ bias[n])
 //
+// or, when ADDITIVE, Bahdanau's additive score alpha * sum_k u[k] tanh(A[z][m][k] + B'[z][k][n])
+// with u bound as the bias (term4 / term_dot4 in common/matmul.wgsl)
+//
 // where B' = B^T when TRANS_B (scores: S = scale * Q K^T; projections: X W^T) and B' = B
 // otherwise (value weighting: O = P V). One workgroup computes a 64 x 64 tile of C; each of
 // its 16 x 16 invocations a 4 x 4 block held in registers. K advances in steps of 16 through
@@ -22,6 +25,7 @@
 override TRANS_B: bool = true;
 override HAS_BIAS: bool = false;
 override ACCUM: bool = false;
+override ADDITIVE: bool = false;
 
 const BM: u32 = 64u;
 const BN: u32 = 64u;
@@ -93,10 +97,11 @@ fn main(
         for (var kk = 0u; kk < BK; kk++) {
             let av = a_tile[kk * (BM / 4u) + ty];
             let bv = b_tile[kk * (BN / 4u) + tx];
-            acc[0] += av.x * bv;
-            acc[1] += av.y * bv;
-            acc[2] += av.z * bv;
-            acc[3] += av.w * bv;
+            let k = k0 + kk;
+            acc[0] += term4(av.x, bv, k);
+            acc[1] += term4(av.y, bv, k);
+            acc[2] += term4(av.z, bv, k);
+            acc[3] += term4(av.w, bv, k);
         }
         workgroupBarrier();
     }

@@ -19,6 +19,7 @@
 override TRANS_B: bool = true;
 override HAS_BIAS: bool = false;
 override ACCUM: bool = false;
+override ADDITIVE: bool = false;
 
 @compute @workgroup_size(8, 1, 1)
 fn main(
@@ -53,7 +54,7 @@ fn main(
                 for (var j = 0u; j < 8u; j++) { // unroll
                     let bj = b_column(b_reg[c], j);
                     for (var r = 0u; r < RQ; r++) { // unroll
-                        acc[(r * NB + nb) * 2u + j / 4u][j % 4u] += dot(a_reg[r * KC4 + c], bj);
+                        acc[(r * NB + nb) * 2u + j / 4u][j % 4u] += term_dot4(a_reg[r * KC4 + c], bj, k0 + 4u * c);
                     }
                 }
             }

@@ -157,6 +157,15 @@ impl<'t, 'a> Operand<'t, 'a> {
 }
 
 impl Uploaded<'_> {
+    /// The uploaded input as a GPU tensor of `shape` in `storage`, for a later stage.
+    pub(crate) fn tensor(&self, shape: &[usize], storage: Storage) -> Tensor<'_> {
+        let (buf, off) = match self {
+            Uploaded::Owned(b, _) => (b, 0),
+            Uploaded::Borrowed(b, off, _) => (*b, *off),
+        };
+        Tensor::from_buffer(buf, off, shape).with_storage(storage)
+    }
+
     pub(crate) fn binding(&self) -> wgpu::BufferBinding<'_> {
         match self {
             Uploaded::Owned(b, bytes) => binding(b, 0, *bytes),

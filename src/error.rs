@@ -168,6 +168,17 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// An option or setting an attention variant cannot take (a mask where the variant has no
+    /// place for one, landmarks out of range, ...).
+    #[error("{variant}: {option}: {reason}")]
+    VariantOption {
+        /// The variant's name.
+        variant: &'static str,
+        /// The refused option.
+        option: &'static str,
+        /// Why.
+        reason: String,
+    },
     /// Tensors whose storage formats must agree do not.
     #[error("{tensor}: storage format {actual} where {expected} is required ({why})")]
     StorageMismatch {
@@ -203,6 +214,10 @@ pub enum Error {
     /// Writing a file (or encoding a picture) failed.
     #[error("I/O: {0}")]
     Io(String),
+    /// A picture (a heatmap, a line chart) cannot be drawn from what it was given (labels that
+    /// do not match the data, nothing drawable, a size out of range), or drawing it failed.
+    #[error("picture: {0}")]
+    Picture(String),
     /// An internal device error.
     #[error("internal GPU error: {0}")]
     Internal(String),

@@ -21,6 +21,7 @@ mod sdpa;
 pub mod shapes;
 mod storage;
 mod tensor;
+mod variants;
 
 pub use context::Context;
 pub use error::{Error, Result};
@@ -44,5 +45,6 @@ pub use sdpa::plan::{Form, Plan, Tiles};
 pub use sdpa::{GpuOutput, Output, Path, Sdpa};
 pub use storage::{Element, Formats, Storage};
 pub use tensor::{Mask, Tensor};
+pub use variants::{GpuVariantOutput, Variant, VariantKind, VariantOutput, VariantParams};
 /// Re-exported so callers use the same wgpu version.
 pub use wgpu;

@@ -78,6 +78,7 @@ pub async fn matmul<'a>(
                 trans_b,
                 formats: [a_op.storage, b_op.storage, Storage::F32, Storage::F32],
                 accumulate: false,
+                additive: false,
             }
             .record(ctx, encoder, &dummy(ctx))?;
             Ok(c)

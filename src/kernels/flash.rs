@@ -5,7 +5,7 @@
 //! GQA by indexing the shared K/V head. Memory is linear in L and S: the score matrix is never
 //! written. [`Config`] picks the form and tile sizes for the device.
 
-use super::{common, dispatch, grid_1d, params_of, KernelSpec, Masks};
+use super::{common, dispatch, grid_1d, params_of, Binding, KernelSpec, Masks};
 use crate::context::Context;
 use crate::error::Result;
 use crate::forms::{Caps, FusedForm};
@@ -16,6 +16,28 @@ pub(crate) const SPEC: KernelSpec = KernelSpec {
     source: include_str!("../../shaders/flash.wgsl"),
     common: &[common::SOFTMAX, common::MASKS],
     bindings: super::ATTENTION_BINDINGS,
+    params: params_of::<Params>,
+};
+
+/// The fused kernel with Bahdanau's additive score (`Config::additive`): the same source, one
+/// more input before the params: u, a uniform array (WebGPU allows 8 storage buffers per
+/// stage, and the kernel has 8 already).
+pub(crate) const ADDITIVE_SPEC: KernelSpec = KernelSpec {
+    name: "flash_additive",
+    source: SPEC.source,
+    common: SPEC.common,
+    bindings: &[
+        Binding::Read,
+        Binding::Read,
+        Binding::Read,
+        Binding::Read,
+        Binding::Read,
+        Binding::Read,
+        Binding::ReadWrite,
+        Binding::ReadWrite,
+        Binding::Uniform,
+        Binding::Params,
+    ],
     params: params_of::<Params>,
 };
 
@@ -76,6 +98,10 @@ pub(crate) struct Config {
     pub has_bias: bool,
     /// The form was pinned ([`crate::Context::with_forms`]): run exactly it, no tiering.
     pub pinned: bool,
+    /// Bahdanau's additive score `Σ_a u_a tanh(q_a + k_a)` in place of the dot product (q and
+    /// k are the projections, q with the bias b added; u f32 at binding 8, zero-padded to
+    /// [`ADDITIVE_U_BYTES`]; the scale is folded into u, so `p.scale` is 1).
+    pub additive: bool,
 }
 
 /// On CPU adapters without a fixed subgroup size, problems below this many FLOPs use the
@@ -181,6 +207,7 @@ impl Config {
             has_mask: p.mask.is_some(),
             has_bias: p.bias.is_some(),
             pinned: pinned.is_some(),
+            additive: false,
         })
     }
 
@@ -194,7 +221,7 @@ impl Config {
         if self.rq == 1 || self.pinned || !self.unroll {
             return self;
         }
-        if super::warm(ctx, &SPEC, self.prelude(), std::mem::size_of::<Params>()) {
+        if super::warm(ctx, self.spec(), self.prelude(), std::mem::size_of::<Params>()) {
             self
         } else {
             Config {
@@ -210,14 +237,28 @@ impl Config {
         self.wg * self.rq
     }
 
+    /// The kernel spec of this configuration (dot-product or additive score).
+    pub(crate) fn spec(&self) -> &'static KernelSpec {
+        if self.additive {
+            &ADDITIVE_SPEC
+        } else {
+            &SPEC
+        }
+    }
+
     pub(crate) fn prelude(&self) -> String {
         let io = super::access::attention_io(&self.formats, self.formats.out, self.vec4, self.ev_odd, false);
+        let score = if self.additive {
+            ADDITIVE_SCORE
+        } else {
+            "fn score4(q: vec4<f32>, k: vec4<f32>, d4: u32) -> vec4<f32> {\n    return q * k;\n}\n"
+        };
         // Naga takes the subgroup built-ins without `enable subgroups;` (which it rejects).
         let kv = if self.sg_kv { KV_SUBGROUP } else { KV_SHARED };
         format!(
             "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BK: u32 = {}u;\nconst WG: u32 = {}u;\n\
              const RQ: u32 = {}u;\nconst KG: u32 = {}u;\nconst NG: u32 = {}u;\n\
-             const UNROLL: bool = {};\nconst SG_KV: bool = {};\n{}{io}{kv}",
+             const UNROLL: bool = {};\nconst SG_KV: bool = {};\n{}{io}{kv}{score}",
             self.e4,
             self.ev4,
             self.bk,
@@ -242,22 +283,34 @@ fn staged_rows(sg_kv: bool, bk: u32) -> u32 {
     }
 }
 
-/// Record the fused kernel. `buffers`: mask, bias, kv_lens, q, k, v, out, lse.
+/// Bytes of the additive score's u as the fused kernel binds it: 256 f32 (A ≤ 256 like every
+/// head dim of the fused kernel), zero-padded.
+pub(crate) const ADDITIVE_U_BYTES: u64 = 1024;
+
+/// The additive score's declarations: u (binding 8, a uniform array of 64 vec4s) and `score4`, the four terms
+/// `u_a tanh(q_a + k_a)` of vec4 block `d4` (the argument clamped to ±15, where tanh is 1 in
+/// f32: drivers may compute tanh by exponentials that overflow).
+const ADDITIVE_SCORE: &str = "@group(0) @binding(8) var<uniform> u4: array<vec4<f32>, 64>;\n\
+fn score4(q: vec4<f32>, k: vec4<f32>, d4: u32) -> vec4<f32> {\n    \
+return u4[d4] * tanh(clamp(q + k, vec4<f32>(-15.0), vec4<f32>(15.0)));\n}\n";
+
+/// Record the fused kernel. `buffers`: mask, bias, kv_lens, q, k, v, out, lse, and u when
+/// the score is additive.
 pub(crate) fn record(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
     cfg: &Config,
-    buffers: [wgpu::BufferBinding<'_>; 8],
+    buffers: &[wgpu::BufferBinding<'_>],
     params: &Params,
 ) -> Result<()> {
     let grid = grid_1d(params.total, ctx.limits().max_compute_workgroups_per_dimension);
     dispatch(
         ctx,
         encoder,
-        &SPEC,
+        cfg.spec(),
         &cfg.prelude(),
         &[],
-        &buffers,
+        buffers,
         bytemuck::bytes_of(params),
         grid,
     )

@@ -233,6 +233,10 @@ pub(crate) struct Matmul<'a> {
     pub formats: [Storage; 4],
     /// Add the product to C (f32 C only).
     pub accumulate: bool,
+    /// Bahdanau's additive score: each term is `u[k] tanh(A[m][k] + B'[k][n])` instead of
+    /// `A[m][k] B'[k][n]`, with u (f32, zero-padded to a multiple of 64 elements) bound as
+    /// `bias`, which is then not added.
+    pub additive: bool,
 }
 
 impl Matmul<'_> {
@@ -261,9 +265,11 @@ impl Matmul<'_> {
         let bias = self.bias.clone().unwrap_or(dummy.as_entire_buffer_binding());
         let constants = [
             ("TRANS_B", self.trans_b as u32 as f64),
-            ("HAS_BIAS", self.bias.is_some() as u32 as f64),
+            ("HAS_BIAS", (self.bias.is_some() && !self.additive) as u32 as f64),
             ("ACCUM", self.accumulate as u32 as f64),
+            ("ADDITIVE", self.additive as u32 as f64),
         ];
+        debug_assert!(!self.additive || self.bias.is_some());
         debug_assert!(!self.accumulate || self.formats[3] == Storage::F32);
         let c_words = p.n.is_multiple_of(2)
             && p.c_row.is_multiple_of(2)

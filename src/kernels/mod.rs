@@ -14,6 +14,7 @@ pub(crate) mod decode;
 pub(crate) mod flash;
 pub(crate) mod matmul;
 pub(crate) mod permute;
+pub(crate) mod pinv;
 pub(crate) mod softmax;
 #[cfg(test)]
 mod stage_tests;
@@ -111,6 +112,8 @@ pub(crate) enum Binding {
     Read,
     /// `var<storage, read_write>`.
     ReadWrite,
+    /// `var<uniform>`: a small constant array (the additive score's u).
+    Uniform,
     /// `p: Params` (always last): a uniform buffer, or a read-only storage buffer where
     /// [`Context::params_in_storage`] says so. Declared by the host, not in the WGSL file.
     Params,
@@ -188,7 +191,7 @@ pub(crate) fn pipeline(
                     Binding::Read => wgpu::BufferBindingType::Storage { read_only: true },
                     Binding::ReadWrite => wgpu::BufferBindingType::Storage { read_only: false },
                     Binding::Params if storage => wgpu::BufferBindingType::Storage { read_only: true },
-                    Binding::Params => wgpu::BufferBindingType::Uniform,
+                    Binding::Params | Binding::Uniform => wgpu::BufferBindingType::Uniform,
                 })
                 .collect();
             Pipeline::new(
@@ -355,6 +358,9 @@ mod tests {
         assert_eq!(webgpu, 8);
         for spec in [
             &flash::SPEC,
+            &flash::ADDITIVE_SPEC,
+            &pinv::INIT,
+            &pinv::EYE_MINUS,
             &decode::DECODE,
             &decode::MERGE,
             &matmul::SPEC,
@@ -368,7 +374,7 @@ mod tests {
             let storage = spec
                 .bindings
                 .iter()
-                .filter(|b| !matches!(b, Binding::Params))
+                .filter(|b| !matches!(b, Binding::Params | Binding::Uniform))
                 .count();
             assert!(storage <= webgpu, "{}: {storage} storage buffers", spec.name);
             assert!(

@@ -401,6 +401,7 @@ fn product<'b>(
         trans_b: false,
         formats,
         accumulate,
+        additive: false,
     }
 }
 

@@ -597,7 +597,7 @@ fn web_time_now() -> f64 {
 /// Record `out[rows, n] = x[rows, k] · Wᵀ + b` with the tiled matmul kernel (bias in its
 /// epilogue). `mnk` = `[rows, n, k]`.
 #[allow(clippy::too_many_arguments)] // each is a distinct operand
-pub(super) fn project(
+pub(crate) fn project(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
     (x, x_storage): (wgpu::BufferBinding<'_>, Storage),
@@ -618,6 +618,7 @@ pub(super) fn project(
         trans_b: true,
         formats: [x_storage, storage, storage, storage],
         accumulate: false,
+        additive: false,
     }
     .record(ctx, encoder, dummy)
 }

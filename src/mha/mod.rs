@@ -26,11 +26,12 @@ mod backward;
 mod config;
 mod forward;
 mod grads;
-mod weights;
+pub(crate) mod weights;
 
 pub use backward::MhaBackward;
 pub use config::MhaConfig;
 pub use forward::MhaForward;
+pub(crate) use forward::project;
 pub use grads::MhaGrads;
 pub use weights::MhaWeights;
 

@@ -312,7 +312,7 @@ impl MhaWeights {
 }
 
 /// Little-endian tensor bytes to f32.
-fn to_f32(key: &str, dtype: safetensors::Dtype, data: &[u8]) -> Result<Vec<f32>> {
+pub(crate) fn to_f32(key: &str, dtype: safetensors::Dtype, data: &[u8]) -> Result<Vec<f32>> {
     use safetensors::Dtype;
     Ok(match dtype {
         Dtype::F32 => Storage::F32.decode(data, data.len() / 4),

@@ -587,6 +587,7 @@ fn record_unfused(
                     trans_b: true,
                     formats: [fa, fb, Storage::F32, Storage::F32],
                     accumulate: false,
+                    additive: false,
                 }
                 .record(ctx, encoder, dummy)?;
             }
@@ -638,6 +639,7 @@ fn record_unfused(
                 trans_b: false,
                 formats: [Storage::F32, f.k, Storage::F32, f.q],
                 accumulate: false,
+                additive: false,
             }
             .record(ctx, encoder, dummy)?;
             // dV += Pᵀ dO and dK += scale · dSᵀ Q: one batched product over the chunk's kv
@@ -673,6 +675,7 @@ fn record_unfused(
                         trans_b: false,
                         formats: [Storage::F32, fb, Storage::F32, Storage::F32],
                         accumulate: true,
+                        additive: false,
                     }
                     .record(ctx, encoder, dummy)?;
                 }

@@ -84,6 +84,7 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         lse: &lse_buf,
         weights: weights_buf.as_ref(),
         dummy: &dummy,
+        u: sdpa.additive_u.map(|b| b.as_entire_buffer_binding()),
     };
     match &plan.kernel {
         Kernel::Unfused(chunks) => record_unfused(ctx, encoder, &p, chunks, &io)?,
@@ -136,6 +137,8 @@ struct Io<'b> {
     lse: &'b wgpu::Buffer,
     weights: Option<&'b wgpu::Buffer>,
     dummy: &'b wgpu::Buffer,
+    /// Bahdanau's u when the score is additive (the variants).
+    u: Option<wgpu::BufferBinding<'b>>,
 }
 
 impl<'b> Io<'b> {
@@ -204,11 +207,12 @@ fn record_unfused(
             let lc = chunks.rows.min(p.seq_q - i0);
             let chunk_bytes = f32_bytes(nz * lc * p.seq_kv);
             let sc = binding(&scores, 0, chunk_bytes);
-            // 1. scores = scale * Q K^T: rows i0.. of each head's Q, that head's K (GQA)
+            // 1. scores = scale * Q K^T (or the additive score): rows i0.. of each head's Q,
+            // that head's K (GQA)
             matmul::Matmul {
                 a: io.q.clone(),
                 b: io.k.clone(),
-                bias: None,
+                bias: io.u.clone(),
                 c: sc.clone(),
                 params: matmul::Params {
                     heads,
@@ -223,6 +227,7 @@ fn record_unfused(
                 trans_b: true,
                 formats: [p.storage.q, p.storage.k, Storage::F32, Storage::F32],
                 accumulate: false,
+                additive: io.u.is_some(),
             }
             .record(ctx, encoder, io.dummy)?;
             // 2. masked softmax in place, logsumexp out
@@ -268,6 +273,7 @@ fn record_unfused(
                 trans_b: false,
                 formats: [Storage::F32, p.storage.v, Storage::F32, p.storage.out],
                 accumulate: false,
+                additive: false,
             }
             .record(ctx, encoder, io.dummy)?;
         }
@@ -295,11 +301,15 @@ fn record_fused(
             hint: " (squared)",
         });
     }
+    let mut buffers = io
+        .attention(io.out.clone(), io.lse.as_entire_buffer_binding())
+        .to_vec();
+    buffers.extend(io.u.clone());
     flash::record(
         ctx,
         encoder,
         &cfg,
-        io.attention(io.out.clone(), io.lse.as_entire_buffer_binding()),
+        &buffers,
         &flash::Params {
             m: io.masks(p),
             l: p.seq_q as u32,

@@ -132,6 +132,9 @@ pub struct Sdpa<'a> {
     max_scores_bytes: Option<u64>,
     out_buffer: Option<(&'a wgpu::Buffer, u64)>,
     out_storage: Option<Storage>,
+    /// Bahdanau's additive score with this u (f32, zero-padded to a multiple of 64; the
+    /// attention variants): q and k are then the projections (q with b added) and the scale 1.
+    pub(crate) additive_u: Option<&'a wgpu::Buffer>,
 }
 
 impl<'a> Sdpa<'a> {
@@ -148,6 +151,7 @@ impl<'a> Sdpa<'a> {
             max_scores_bytes: None,
             out_buffer: None,
             out_storage: None,
+            additive_u: None,
         }
     }
 
@@ -225,6 +229,7 @@ impl<'a> Sdpa<'a> {
             path: self.path,
             weights: self.weights,
             max_scores_bytes: self.max_scores_bytes,
+            additive: self.additive_u.is_some(),
         }
     }
 

@@ -61,6 +61,8 @@ pub(crate) struct Request {
     pub path: Path,
     pub weights: bool,
     pub max_scores_bytes: Option<u64>,
+    /// Bahdanau's additive score (the attention variants): fused or unfused, never decode.
+    pub additive: bool,
 }
 
 /// The plan of one call: which path runs, in which form of its kernel ([`Form`]), with which
@@ -86,7 +88,10 @@ impl Plan {
     /// The plan for `p` and `req` on a device with `caps`, or why the requested path (or a
     /// pinned form) cannot run it.
     pub(crate) fn new(p: &Problem, req: &Request, caps: &Caps) -> Result<Plan> {
-        let fused = flash::Config::new(p, caps);
+        let fused = flash::Config::new(p, caps).map(|c| flash::Config {
+            additive: req.additive,
+            ..c
+        });
         // A pinned fused form that cannot run a problem the default form could: where the
         // fused path is chosen, an error, not a silent fallback to the unfused path.
         let pinned_refused = fused.is_err()
@@ -94,7 +99,13 @@ impl Plan {
             && flash::Config::new(p, &caps.with_forms(Forms::default())).is_ok();
         let decode_shape = p.seq_q <= decode::MAX_ROWS && p.seq_kv >= decode::MIN_KEYS;
         let path = match req.path {
-            Path::Auto if !req.weights && decode_shape => Path::Decode,
+            Path::Auto if !req.weights && decode_shape && !req.additive => Path::Decode,
+            Path::Decode if req.additive => {
+                return Err(Error::Unsupported {
+                    path: "decode",
+                    reason: "the additive score runs on the fused and unfused paths".into(),
+                })
+            }
             Path::Auto if !req.weights && (fused.is_ok() || pinned_refused) => Path::Fused,
             Path::Auto => Path::Unfused,
             Path::Fused | Path::Decode if req.weights => {
@@ -230,6 +241,7 @@ mod tests {
             path,
             weights: false,
             max_scores_bytes: None,
+            additive: false,
         }
     }
 
@@ -339,6 +351,7 @@ mod tests {
         let plan = |budget| {
             let r = Request {
                 max_scores_bytes: Some(budget),
+                additive: false,
                 ..req(Path::Unfused)
             };
             Plan::new(&p, &r, &c).unwrap().tiles()
@@ -350,6 +363,7 @@ mod tests {
                 &p,
                 &Request {
                     max_scores_bytes: Some(100),
+                    additive: false,
                     ..req(Path::Unfused)
                 },
                 &c

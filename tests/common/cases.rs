@@ -360,11 +360,8 @@ pub fn assert_mha_output(
 
 /// The SDPA golden named `name`, its files read by `file` (`"q.npy"` to its bytes; `None` for an
 /// optional file that is not there).
-pub fn golden(name: &str, file: impl Fn(&str) -> Option<Vec<u8>>) -> Golden {
-    use ndarray_npy::ReadNpyExt;
-    fn npy<T: ReadNpyExt>(bytes: Vec<u8>) -> T {
-        T::read_npy(&bytes[..]).unwrap()
-    }
+/// The inputs and options of a golden directory (SDPA's or a variant's) and its `meta.json`.
+pub fn golden_case(name: &str, file: &impl Fn(&str) -> Option<Vec<u8>>) -> (Case, serde_json::Value) {
     let need = |f: &str| file(f).unwrap_or_else(|| panic!("golden {name}: {f} missing"));
     let meta: serde_json::Value = serde_json::from_slice(&need("meta.json")).unwrap();
     let causal = match meta["causal"].as_str().unwrap() {
@@ -373,26 +370,38 @@ pub fn golden(name: &str, file: impl Fn(&str) -> Option<Vec<u8>>) -> Golden {
         "bottom_right" => Causal::BottomRight,
         other => panic!("unknown causal {other}"),
     };
+    let case = Case {
+        q: npy(need("q.npy")),
+        k: npy(need("k.npy")),
+        v: npy(need("v.npy")),
+        mask: file("mask.npy").map(npy),
+        bias: file("bias.npy").map(npy),
+        kv_lens: file("kv_lens.npy").map(|b| {
+            let a: ndarray::Array1<i64> = npy(b);
+            a.iter().map(|&x| x as usize).collect()
+        }),
+        causal,
+        scale: meta["scale"].as_f64(),
+        // Half goldens hold inputs already rounded to the format (by PyTorch's
+        // `.half()` / `.bfloat16()`) and outputs computed in f64 from them.
+        storage: meta["storage"]
+            .as_str()
+            .map_or(Storage::F32, |s| s.parse().unwrap()),
+    };
+    (case, meta)
+}
+
+/// An `.npy` file's array.
+pub fn npy<T: ndarray_npy::ReadNpyExt>(bytes: Vec<u8>) -> T {
+    T::read_npy(&bytes[..]).unwrap()
+}
+
+pub fn golden(name: &str, file: impl Fn(&str) -> Option<Vec<u8>>) -> Golden {
+    let need = |f: &str| file(f).unwrap_or_else(|| panic!("golden {name}: {f} missing"));
+    let (case, _) = golden_case(name, &file);
     Golden {
         name: name.to_string(),
-        case: Case {
-            q: npy(need("q.npy")),
-            k: npy(need("k.npy")),
-            v: npy(need("v.npy")),
-            mask: file("mask.npy").map(npy),
-            bias: file("bias.npy").map(npy),
-            kv_lens: file("kv_lens.npy").map(|b| {
-                let a: ndarray::Array1<i64> = npy(b);
-                a.iter().map(|&x| x as usize).collect()
-            }),
-            causal,
-            scale: meta["scale"].as_f64(),
-            // Half goldens hold inputs already rounded to the format (by PyTorch's
-            // `.half()` / `.bfloat16()`) and outputs computed in f64 from them.
-            storage: meta["storage"]
-                .as_str()
-                .map_or(Storage::F32, |s| s.parse().unwrap()),
-        },
+        case,
         pytorch: reference::Output {
             out: npy(need("out.npy")),
             weights: npy(need("weights.npy")),
