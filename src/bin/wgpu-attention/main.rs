@@ -1,7 +1,7 @@
 //! `wgpu-attention`: inspect the GPU, run attention on `.npy` files, verify against the CPU
 //! reference and benchmark named shapes.
 //!
-//! One module per command (`info`, `demo`, `run`, `backward`, `mha`, `bench`); every `.npy` read and
+//! One module per command (`info`, `demo`, `run`, `backward`, `mha`, `variant`, `bench`); every `.npy` read and
 //! write is in `npy`, the timing of repeated runs in `timing`. This file holds the command
 //! line, the exit codes and what the commands share.
 
@@ -13,6 +13,7 @@ mod mha;
 mod npy;
 mod run;
 mod timing;
+mod variant;
 
 use std::process::ExitCode;
 
@@ -25,6 +26,7 @@ use bench::BenchArgs;
 use demo::DemoArgs;
 use mha::MhaArgs;
 use run::RunArgs;
+use variant::VariantArgs;
 
 /// Errors are reported on stderr; the process exits with this status.
 pub(crate) const EXIT_ERROR: u8 = 2;
@@ -68,6 +70,9 @@ enum Command {
     Backward(BackwardArgs),
     /// Multi-head attention layer (PyTorch nn.MultiheadAttention weights) on .npy inputs.
     Mha(MhaArgs),
+    /// The literature's attention variants (Luong's general, Bahdanau's additive, low-rank V,
+    /// Nyström, Linformer) on .npy files, on the GPU or the CPU reference.
+    Variant(VariantArgs),
     /// Time named shapes on every path and print a table (median of several runs).
     Bench(BenchArgs),
 }
@@ -116,6 +121,7 @@ fn main() -> ExitCode {
         Command::Run(args) => run::run(&args),
         Command::Backward(args) => backward::backward(&args),
         Command::Mha(args) => mha::mha(&args),
+        Command::Variant(args) => variant::variant(&args),
         Command::Bench(args) => bench::bench(&args),
     };
     match result {
