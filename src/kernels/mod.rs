@@ -312,8 +312,9 @@ pub(crate) fn warm(ctx: &Context, spec: &'static KernelSpec, prelude: String, pa
                     .map(|_| {
                         device.create_buffer(&wgpu::BufferDescriptor {
                             label: Some("wgpu-attention warm-up"),
-                            size: 256,
-                            usage: wgpu::BufferUsages::STORAGE,
+                            // Large enough for a uniform array binding (the additive score's u).
+                            size: 1024,
+                            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::UNIFORM,
                             mapped_at_creation: false,
                         })
                     })

@@ -310,6 +310,19 @@ impl GpuInputs {
         })
     }
 
+    /// The attention variant of `params` on these buffers (no masks: the shape's causal mask
+    /// and key padding are not applied).
+    pub fn variant<'a>(&'a self, params: &'a crate::VariantParams) -> crate::Variant<'a> {
+        let s = &self.shape;
+        let st = self.storage;
+        crate::Variant::new(
+            Tensor::from_buffer(&self.q, 0, &s.q_shape()).with_storage(st),
+            Tensor::from_buffer(&self.k, 0, &s.k_shape()).with_storage(st),
+            Tensor::from_buffer(&self.v, 0, &s.v_shape()).with_storage(st),
+            params,
+        )
+    }
+
     /// The attention call on these buffers, with the shape's causal mask and key padding.
     pub fn sdpa(&self) -> Sdpa<'_> {
         let s = &self.shape;
