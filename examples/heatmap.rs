@@ -48,7 +48,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("  {:>4} | {}", sentence[i], cells.join(" "));
         }
     }
-    heatmap::write_heatmap(&out, w.view(), 24)?;
+    heatmap::Heatmap::new(w.view())
+        .cell(24)
+        .tokens(&sentence)
+        .write(&out)?;
     println!("wrote {out} (tokens: {})", sentence.join(" "));
     Ok(())
 }

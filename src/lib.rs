@@ -10,10 +10,14 @@ mod forms;
 pub mod heatmap;
 mod kernels;
 mod matmul;
+#[cfg(all(any(feature = "heatmap", feature = "plot"), not(target_arch = "wasm32")))]
+mod picture;
 #[macro_use]
 mod options;
 mod mha;
 mod pipelines;
+#[cfg(all(feature = "plot", not(target_arch = "wasm32")))]
+pub mod plot;
 pub mod problem;
 pub mod reference;
 mod sdpa;

@@ -581,3 +581,102 @@ fn backward_writes_gradients_matching_the_reference() {
     assert_eq!(res.status.code(), Some(2), "{err}");
     assert!(err.contains("dout"), "{err}");
 }
+
+/// `mha --heatmap --tokens` (CPU reference): the words label the picture (it differs from the
+/// unlabelled one and is wider); a word count that is not L, or a `--key-tokens` count that is
+/// not S, exits with status 2 and a one-line reason before anything is written.
+#[test]
+fn mha_heatmap_with_tokens_and_wrong_token_counts() {
+    let dir = out_dir("tokens");
+    let (self_c, cross_c) = ("self_attn", "cross_attn_kdim_vdim"); // L = S = 9; L = 7, S = 11
+    let mha = |c: &str, heads: &str, out: &Path, extra: &[&str]| {
+        let (q, k, v, w) = (
+            fixture(c, "query.npy"),
+            fixture(c, "key.npy"),
+            fixture(c, "value.npy"),
+            fixture(c, "weights.safetensors"),
+        );
+        let mut args = vec!["mha", "--query", s(&q), "--weights", s(&w), "--heads", heads];
+        if c == cross_c {
+            args.extend(["--key", s(&k), "--value", s(&v)]);
+        }
+        args.extend(["--cpu", "--out", s(out)]);
+        args.extend(extra);
+        cli(&args)
+    };
+    let size = |p: &Path| {
+        let reader = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(p).unwrap()))
+            .read_info()
+            .unwrap();
+        (reader.info().width, reader.info().height)
+    };
+    let (plain, words) = (dir.join("plain.png"), dir.join("words.png"));
+    let sentence = "the quick brown fox jumps over the lazy dog";
+    let r = mha(self_c, "4", &dir.join("o1.npy"), &["--heatmap", s(&plain)]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let r = mha(
+        self_c,
+        "4",
+        &dir.join("o2.npy"),
+        &["--heatmap", s(&words), "--tokens", sentence],
+    );
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    assert_ne!(std::fs::read(&plain).unwrap(), std::fs::read(&words).unwrap());
+    assert!(
+        size(&words).0 > size(&plain).0,
+        "{:?} {:?}",
+        size(&words),
+        size(&plain)
+    );
+    // Cross-attention: query words and key words of their own lengths, averaged weights.
+    let cross = dir.join("cross.png");
+    let r = mha(
+        cross_c,
+        "3",
+        &dir.join("o3.npy"),
+        &[
+            "--heatmap",
+            s(&cross),
+            "--average-weights",
+            "--tokens",
+            "a b c d e f g",
+            "--key-tokens",
+            "k0 k1 k2 k3 k4 k5 k6 k7 k8 k9 k10",
+        ],
+    );
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    assert!(cross.exists());
+
+    // Wrong counts: one line naming the option, the count and the length; nothing written.
+    for (c, heads, extra, want) in [
+        (
+            self_c,
+            "4",
+            vec!["--tokens", "the cat sat"],
+            "--tokens has 3 words, but the queries have length L = 9",
+        ),
+        (
+            cross_c,
+            "3",
+            vec!["--tokens", "a b c d e f g h"],
+            "--tokens has 8 words, but the queries have length L = 7",
+        ),
+        (
+            cross_c,
+            "3",
+            vec!["--tokens", "a b c d e f g", "--key-tokens", "k0 k1"],
+            "--key-tokens has 2 words, but the keys have length S = 11",
+        ),
+    ] {
+        let (o, map) = (dir.join("bad.npy"), dir.join("bad.png"));
+        let r = mha(c, heads, &o, &[&["--heatmap", s(&map)], &extra[..]].concat());
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{err}");
+        assert!(err.contains(want), "{err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        assert!(!o.exists() && !map.exists());
+    }
+    // --tokens without --heatmap is a usage error.
+    let r = mha(self_c, "4", &dir.join("o4.npy"), &["--tokens", sentence]);
+    assert_eq!(r.status.code(), Some(2));
+}

@@ -63,12 +63,20 @@ pub(crate) struct MhaArgs {
     #[arg(long)]
     average_weights: bool,
     /// Draw the first batch element's attention weights as a PNG (one panel per head, or one
-    /// for --average-weights).
+    /// for --average-weights), rows = queries, columns = keys, labelled with --tokens or indices.
     #[arg(long, value_name = "MAP.png")]
     heatmap: Option<PathBuf>,
-    /// Pixels per weight in the heatmap.
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
-    cell: u32,
+    /// Pixels per weight in the heatmap [default: 8, or 20 with --tokens/--key-tokens].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    cell: Option<u32>,
+    /// The heatmap's query labels, whitespace-separated, one per query position (L): e.g.
+    /// "the cat sat on the mat". In self-attention they label the keys too.
+    #[arg(long, value_name = "\"W1 W2 ..\"", requires = "heatmap")]
+    tokens: Option<String>,
+    /// The heatmap's key labels in cross-attention, whitespace-separated, one per key position
+    /// (S) [default: indices].
+    #[arg(long, value_name = "\"W1 W2 ..\"", requires = "heatmap")]
+    key_tokens: Option<String>,
     /// Upstream gradient dY [B, L, d_model] of the output: also run the backward and write
     /// the gradients of sum(dY * Y) to --grads-out.
     #[arg(long, value_name = "DY.npy", requires = "grads_out")]
@@ -130,6 +138,35 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
         .transpose()?
         .map(|m| if a.torch_masks { m.mapv(|x| !x) } else { m });
     let mask = combine_masks(mask, kpm)?;
+    // The heatmap's labels, checked against L and S before any work.
+    let words = |s: &Option<String>| {
+        s.as_deref()
+            .map(|t| t.split_whitespace().map(String::from).collect::<Vec<_>>())
+    };
+    let (queries, mut keys) = (words(&a.tokens), words(&a.key_tokens));
+    let q_len = x.dim().1;
+    let k_len = key.as_ref().map_or(q_len, |k| k.dim().1);
+    if let Some(q) = &queries {
+        if q.len() != q_len {
+            return Err(format!(
+                "--tokens has {} words, but the queries have length L = {q_len}",
+                q.len()
+            )
+            .into());
+        }
+        if key.is_none() && keys.is_none() {
+            keys = queries.clone();
+        }
+    }
+    if let Some(k) = &keys {
+        if k.len() != k_len {
+            return Err(format!(
+                "--key-tokens has {} words, but the keys have length S = {k_len}",
+                k.len()
+            )
+            .into());
+        }
+    }
     // One set of options for the GPU layer and the CPU reference.
     let options = Options {
         causal: a.causal.into(),
@@ -258,7 +295,19 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
             _ => first,
         }
         .into_dimensionality::<ndarray::Ix3>()?;
-        wgpu_attention::heatmap::write_heatmap(p, panels.view(), a.cell)?;
+        let labelled = queries.is_some() || keys.is_some();
+        let mut map = wgpu_attention::heatmap::Heatmap::new(panels.view())
+            .cell(a.cell.unwrap_or(if labelled { 20 } else { 8 }));
+        if let Some(q) = &queries {
+            map = map.queries(q);
+        }
+        if let Some(k) = &keys {
+            map = map.keys(k);
+        }
+        if a.average_weights {
+            map = map.titles(&["mean over heads"]);
+        }
+        map.write(p)?;
         println!("wrote heatmap of {} panel(s) to {}", panels.dim().0, p.display());
     }
     Ok(ExitCode::SUCCESS)
