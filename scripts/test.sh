@@ -82,7 +82,7 @@ if has gl; then
   # A GL adapter has no subgroups: the plan picks the loop, tiled and cpu decode forms there,
   # and tests/forms.rs checks every form GL offers. Every test asserts the backend is GL.
   stage "tests on GL" env WGPU_BACKEND=gl WGPU_ATTENTION_REQUIRE_GPU=1 \
-    cargo test --locked --test sdpa --test golden --test mha --test mha_backward --test errors --test forms --test storage
+    cargo test --locked --test sdpa --test golden --test mha --test mha_backward --test variants --test errors --test forms --test storage
 fi
 
 if has browser; then

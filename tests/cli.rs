@@ -582,6 +582,122 @@ fn backward_writes_gradients_matching_the_reference() {
     assert!(err.contains("dout"), "{err}");
 }
 
+/// `variant`: every kind on its PyTorch golden (GPU, and the CPU reference for one), with the
+/// golden's masks, parameters and weights; refused options exit 2 with a one-line reason.
+#[test]
+fn variant_kinds_match_their_goldens() {
+    if common::ctx().is_none() {
+        return;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/variants");
+    let dir = out_dir("variant");
+    for (case, cpu) in [
+        ("general_masks_gqa", false),
+        ("additive_masks", false),
+        ("additive_basic", true),
+        ("lowrank_v_causal_gqa", false),
+        ("nystrom_uneven", false),
+        ("linformer_gqa", false),
+    ] {
+        let d = root.join(case);
+        let meta: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(d.join("meta.json")).unwrap()).unwrap();
+        let kind = meta["kind"].as_str().unwrap().to_string();
+        let out = dir.join(format!("{case}_out.npy"));
+        let w = dir.join(format!("{case}_w.npy"));
+        let mut args: Vec<String> = vec!["variant".into(), "--kind".into(), kind.clone()];
+        for f in ["q", "k", "v"] {
+            args.push(format!("--{f}"));
+            args.push(s(&d.join(format!("{f}.npy"))).into());
+        }
+        for (flag, file) in [
+            ("--params", "params.safetensors"),
+            ("--mask", "mask.npy"),
+            ("--bias", "bias.npy"),
+        ] {
+            if d.join(file).exists() {
+                args.push(flag.into());
+                args.push(s(&d.join(file)).into());
+            }
+        }
+        if d.join("kv_lens.npy").exists() {
+            let lens: ndarray::Array1<i64> = read_npy(d.join("kv_lens.npy")).unwrap();
+            args.push("--kv-lens".into());
+            args.push(lens.iter().map(|l| l.to_string()).collect::<Vec<_>>().join(","));
+        }
+        args.push("--causal".into());
+        args.push(meta["causal"].as_str().unwrap().replace('_', "-"));
+        if let Some(sc) = meta["scale"].as_f64() {
+            args.push(format!("--scale={sc}"));
+        }
+        if let Some(m) = meta["landmarks"].as_u64() {
+            args.extend(["--landmarks".into(), m.to_string()]);
+            args.extend([
+                "--pinv-iters".into(),
+                meta["pinv_iters"].as_u64().unwrap().to_string(),
+            ]);
+        }
+        args.extend(["--out".into(), s(&out).into()]);
+        let has_weights = d.join("weights.npy").exists();
+        if has_weights {
+            args.extend(["--weights-out".into(), s(&w).into()]);
+        }
+        if cpu {
+            args.push("--cpu".into());
+        }
+        let argv: Vec<&str> = args.iter().map(|a| a.as_str()).collect();
+        let r = cli(&argv);
+        assert!(
+            r.status.success(),
+            "{case}: {}",
+            String::from_utf8_lossy(&r.stderr)
+        );
+        if kind == "nystrom" {
+            let got: ArrayD<f32> = read_npy(&out).unwrap();
+            let want: ArrayD<f64> = read_npy(d.join("out.npy")).unwrap();
+            let max = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            let tol = wgpu_attention::check::Tolerance {
+                atol: 1e-4 * max,
+                rtol: 1e-3,
+            };
+            common::assert_report(compare(got.iter().copied(), want.iter().copied(), tol), case);
+        } else {
+            assert_npy_matches(&out, &d.join("out.npy"), 4, case);
+        }
+        if has_weights {
+            assert_npy_matches(&w, &d.join("weights.npy"), 4, &format!("{case} weights"));
+        }
+    }
+    // Refused: a mask for Nyström, landmarks out of range, a kind without its parameters.
+    let nys = root.join("nystrom_basic");
+    let q = nys.join("q.npy");
+    let (k, v) = (nys.join("k.npy"), nys.join("v.npy"));
+    let out = dir.join("refused.npy");
+    for (extra, needle) in [
+        (vec!["--kind", "nystrom", "--causal", "top-left"], "causal"),
+        (vec!["--kind", "nystrom", "--landmarks", "0"], "landmarks"),
+        (vec!["--kind", "linformer"], "--params"),
+    ] {
+        let mut argv = vec![
+            "variant",
+            "--q",
+            s(&q),
+            "--k",
+            s(&k),
+            "--v",
+            s(&v),
+            "--out",
+            s(&out),
+        ];
+        argv.extend(extra);
+        let r = cli(&argv);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{argv:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
+}
+
 /// `mha --heatmap --tokens` (CPU reference): the words label the picture (it differs from the
 /// unlabelled one and is wider); a word count that is not L, or a `--key-tokens` count that is
 /// not S, exits with status 2 and a one-line reason before anything is written.

@@ -53,7 +53,12 @@ fn params(kind: VariantKind, e: usize, s: usize, ev: usize, seed: u64) -> Varian
             let w_k = mat(a, e, 1.0);
             let u = mat(1, a, 1.5).into_shape_with_order(a).unwrap();
             let b = mat(1, a, 0.5).into_shape_with_order(a).unwrap();
-            VariantParams::Additive { w_q, w_k, u, b: Some(b) }
+            VariantParams::Additive {
+                w_q,
+                w_k,
+                u,
+                b: Some(b),
+            }
         }
         VariantKind::LowRankV => VariantParams::LowRankV { a: mat(ev, 9, 1.0) },
         VariantKind::Nystrom => VariantParams::Nystrom { landmarks: 6 },
@@ -95,9 +100,15 @@ fn check(
     )
     .unwrap();
     let tol = tolerance(params.kind(), case.storage, &want.out);
-    assert_report(compare(got.output.iter().copied(), want.out.iter().copied(), tol), label);
+    assert_report(
+        compare(got.output.iter().copied(), want.out.iter().copied(), tol),
+        label,
+    );
     if weights {
-        let (g, w) = (got.weights.as_ref().expect("weights"), want.weights.as_ref().unwrap());
+        let (g, w) = (
+            got.weights.as_ref().expect("weights"),
+            want.weights.as_ref().unwrap(),
+        );
         assert_report(
             compare(g.iter().copied(), w.iter().copied(), F32_TOLERANCE),
             &format!("{label} weights"),
@@ -123,9 +134,25 @@ fn masked_variants_match_reference_under_every_mask() {
                 &[Path::Auto]
             };
             for &path in paths {
-                check(ctx, &case, &params, path, false, 6, &format!("{} {name} {path:?}", kind.name()));
+                check(
+                    ctx,
+                    &case,
+                    &params,
+                    path,
+                    false,
+                    6,
+                    &format!("{} {name} {path:?}", kind.name()),
+                );
             }
-            check(ctx, &case, &params, Path::Unfused, true, 6, &format!("{} {name} weights", kind.name()));
+            check(
+                ctx,
+                &case,
+                &params,
+                Path::Unfused,
+                true,
+                6,
+                &format!("{} {name} weights", kind.name()),
+            );
         }
     }
 }
@@ -134,14 +161,26 @@ fn masked_variants_match_reference_under_every_mask() {
 #[test]
 fn masked_variants_edge_shapes() {
     let Some(ctx) = ctx() else { return };
-    for shape in [(1, 2, 1, 1, 9, 5, 3), (2, 1, 1, 7, 1, 6, 4), (1, 3, 3, 66, 70, 7, 5)] {
+    for shape in [
+        (1, 2, 1, 1, 9, 5, 3),
+        (2, 1, 1, 7, 1, 6, 4),
+        (1, 3, 3, 66, 70, 7, 5),
+    ] {
         let (_, _, _, _, s, e, ev) = shape;
         for kind in [VariantKind::General, VariantKind::Additive, VariantKind::LowRankV] {
             let params = params(kind, e, s, ev, 11);
             let mut case = Case::random(shape, 4).with_causal(wgpu_attention::Causal::BottomRight);
             case.scale = Some(0.7);
             for path in [Path::Auto, Path::Unfused] {
-                check(ctx, &case, &params, path, false, 6, &format!("{} {shape:?} {path:?}", kind.name()));
+                check(
+                    ctx,
+                    &case,
+                    &params,
+                    path,
+                    false,
+                    6,
+                    &format!("{} {shape:?} {path:?}", kind.name()),
+                );
             }
         }
     }
@@ -161,7 +200,15 @@ fn nystrom_and_linformer_match_reference() {
     ] {
         let case = Case::random(shape, 21);
         let params = VariantParams::Nystrom { landmarks: m };
-        check(ctx, &case, &params, Path::Auto, false, iters, &format!("nystrom {shape:?} m {m}"));
+        check(
+            ctx,
+            &case,
+            &params,
+            Path::Auto,
+            false,
+            iters,
+            &format!("nystrom {shape:?} m {m}"),
+        );
     }
     for (shape, kp) in [((2, 2, 2, 9, 23, 6, 5), 5), ((1, 4, 2, 70, 81, 8, 12), 16)] {
         let case = Case::random(shape, 22);
@@ -176,7 +223,15 @@ fn nystrom_and_linformer_match_reference() {
             f: VariantParams::segment_means(kp, s),
         };
         for (name, p) in [("random", &random), ("segment means", &means)] {
-            check(ctx, &case, p, Path::Auto, false, 6, &format!("linformer {name} {shape:?}"));
+            check(
+                ctx,
+                &case,
+                p,
+                Path::Auto,
+                false,
+                6,
+                &format!("linformer {name} {shape:?}"),
+            );
         }
     }
 }
@@ -191,10 +246,20 @@ fn half_storage() {
         for kind in VariantKind::ALL {
             let mut case = Case::random(shape, 31).with_storage(storage);
             if kind.takes_masks() {
-                case = case.with_random_mask(32).with_causal(wgpu_attention::Causal::TopLeft);
+                case = case
+                    .with_random_mask(32)
+                    .with_causal(wgpu_attention::Causal::TopLeft);
             }
             let params = params(kind, 8, 18, 6, 33);
-            check(ctx, &case, &params, Path::Auto, false, 6, &format!("{} {}", kind.name(), storage.name()));
+            check(
+                ctx,
+                &case,
+                &params,
+                Path::Auto,
+                false,
+                6,
+                &format!("{} {}", kind.name(), storage.name()),
+            );
         }
     }
 }
@@ -206,16 +271,19 @@ fn gpu_buffer_inputs() {
     use wgpu_attention::wgpu::util::DeviceExt;
     let case = Case::random((1, 2, 2, 17, 19, 8, 8), 41);
     let buf = |a: &Array4<f32>| {
-        ctx.device().create_buffer_init(&wgpu_attention::wgpu::util::BufferInitDescriptor {
-            label: None,
-            contents: bytemuck::cast_slice(a.as_slice().unwrap()),
-            usage: wgpu_attention::wgpu::BufferUsages::STORAGE,
-        })
+        ctx.device()
+            .create_buffer_init(&wgpu_attention::wgpu::util::BufferInitDescriptor {
+                label: None,
+                contents: bytemuck::cast_slice(a.as_slice().unwrap()),
+                usage: wgpu_attention::wgpu::BufferUsages::STORAGE,
+            })
     };
     let (qb, kb, vb) = (buf(&case.q), buf(&case.k), buf(&case.v));
     for kind in VariantKind::ALL {
         let params = params(kind, 8, 19, 8, 42);
-        let host = Variant::new(&case.q, &case.k, &case.v, &params).run_blocking(ctx).unwrap();
+        let host = Variant::new(&case.q, &case.k, &case.v, &params)
+            .run_blocking(ctx)
+            .unwrap();
         let gpu = Variant::new(
             Tensor::from_buffer(&qb, 0, case.q.shape()),
             Tensor::from_buffer(&kb, 0, case.k.shape()),
@@ -240,7 +308,10 @@ struct VariantGolden {
 
 fn variant_goldens() -> Vec<VariantGolden> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/variants");
-    let mut dirs: Vec<_> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut dirs: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     dirs.sort();
     dirs.iter()
         .map(|dir| {
@@ -273,17 +344,38 @@ fn pytorch_goldens() {
     let goldens = variant_goldens();
     assert!(goldens.len() >= 13, "found {} variant goldens", goldens.len());
     for kind in VariantKind::ALL {
-        assert!(goldens.iter().any(|g| g.params.kind() == kind), "no golden for {}", kind.name());
+        assert!(
+            goldens.iter().any(|g| g.params.kind() == kind),
+            "no golden for {}",
+            kind.name()
+        );
     }
-    let tight = Tolerance { atol: 1e-9, rtol: 1e-9 };
+    let tight = Tolerance {
+        atol: 1e-9,
+        rtol: 1e-9,
+    };
     for g in &goldens {
         let c = &g.case;
         let weights = g.weights.is_some();
-        let r = reference::variant(&g.params, c.q.view(), c.k.view(), c.v.view(), &c.options(), weights, g.pinv_iters)
-            .unwrap();
-        assert_report(compare(r.out.iter().copied(), g.out.iter().copied(), tight), &format!("{} reference", g.name));
+        let r = reference::variant(
+            &g.params,
+            c.q.view(),
+            c.k.view(),
+            c.v.view(),
+            &c.options(),
+            weights,
+            g.pinv_iters,
+        )
+        .unwrap();
+        assert_report(
+            compare(r.out.iter().copied(), g.out.iter().copied(), tight),
+            &format!("{} reference", g.name),
+        );
         if let (Some(rw), Some(gw)) = (&r.weights, &g.weights) {
-            assert_report(compare(rw.iter().copied(), gw.iter().copied(), tight), &format!("{} reference weights", g.name));
+            assert_report(
+                compare(rw.iter().copied(), gw.iter().copied(), tight),
+                &format!("{} reference weights", g.name),
+            );
         }
     }
     let Some(ctx) = ctx() else { return };
@@ -295,12 +387,20 @@ fn pytorch_goldens() {
         if g.weights.is_some() {
             var = var.return_weights();
         }
-        let got = var.run_blocking(ctx).unwrap_or_else(|e| panic!("{}: {e}", g.name));
+        let got = var
+            .run_blocking(ctx)
+            .unwrap_or_else(|e| panic!("{}: {e}", g.name));
         let tol = tolerance(g.params.kind(), Storage::F32, &g.out);
-        assert_report(compare(got.output.iter().copied(), g.out.iter().copied(), tol), &g.name);
+        assert_report(
+            compare(got.output.iter().copied(), g.out.iter().copied(), tol),
+            &g.name,
+        );
         if let Some(w) = &g.weights {
             let gw = got.weights.as_ref().unwrap();
-            assert_report(compare(gw.iter().copied(), w.iter().copied(), F32_TOLERANCE), &format!("{} weights", g.name));
+            assert_report(
+                compare(gw.iter().copied(), w.iter().copied(), F32_TOLERANCE),
+                &format!("{} weights", g.name),
+            );
         }
     }
 }
@@ -310,13 +410,19 @@ fn pytorch_goldens() {
 #[test]
 fn typed_errors() {
     let Some(ctx) = ctx() else { return };
-    let (q, k, v) = (Array4::<f32>::zeros((1, 2, 8, 4)), Array4::<f32>::zeros((1, 2, 6, 4)), Array4::<f32>::zeros((1, 2, 6, 3)));
+    let (q, k, v) = (
+        Array4::<f32>::zeros((1, 2, 8, 4)),
+        Array4::<f32>::zeros((1, 2, 6, 4)),
+        Array4::<f32>::zeros((1, 2, 6, 3)),
+    );
     let m2 = |r, c| Array2::<f32>::zeros((r, c));
     let v1 = |n| Array1::<f32>::zeros(n);
     let run = |p: &VariantParams, opts: Options| {
-        let gpu = Variant::new(&q, &k, &v, p).options(opts.clone()).run_blocking(ctx);
+        let gpu = Variant::new(&q, &k, &v, p)
+            .options(opts.clone())
+            .run_blocking(ctx);
         let cpu = reference::variant(p, q.view(), k.view(), v.view(), &opts, false, 6);
-        let (g, c) = (gpu.err().expect("an error"), cpu.err().expect("an error"));
+        let (g, c) = (gpu.expect_err("an error"), cpu.expect_err("an error"));
         assert_eq!(g.to_string(), c.to_string());
         g
     };
@@ -324,24 +430,77 @@ fn typed_errors() {
         Error::ShapeMismatch { tensor, .. } => assert_eq!(tensor, name),
         other => panic!("{name}: {other}"),
     };
-    shape_err(run(&VariantParams::General { w: m2(4, 5) }, Options::default()), "w");
-    let additive = |wq, wk, u, b| VariantParams::Additive { w_q: wq, w_k: wk, u, b };
-    shape_err(run(&additive(m2(5, 4), m2(6, 4), v1(5), None), Options::default()), "w_k");
-    shape_err(run(&additive(m2(5, 4), m2(5, 4), v1(4), None), Options::default()), "u");
-    shape_err(run(&additive(m2(5, 4), m2(5, 4), v1(5), Some(v1(3))), Options::default()), "b");
-    shape_err(run(&additive(m2(5, 3), m2(5, 3), v1(5), None), Options::default()), "w_q");
-    shape_err(run(&VariantParams::LowRankV { a: m2(2, 7) }, Options::default()), "a");
-    shape_err(run(&VariantParams::Linformer { e: m2(3, 6), f: m2(4, 6) }, Options::default()), "f");
-    shape_err(run(&VariantParams::Linformer { e: m2(3, 5), f: m2(3, 5) }, Options::default()), "e");
+    shape_err(
+        run(&VariantParams::General { w: m2(4, 5) }, Options::default()),
+        "w",
+    );
+    let additive = |wq, wk, u, b| VariantParams::Additive {
+        w_q: wq,
+        w_k: wk,
+        u,
+        b,
+    };
+    shape_err(
+        run(&additive(m2(5, 4), m2(6, 4), v1(5), None), Options::default()),
+        "w_k",
+    );
+    shape_err(
+        run(&additive(m2(5, 4), m2(5, 4), v1(4), None), Options::default()),
+        "u",
+    );
+    shape_err(
+        run(
+            &additive(m2(5, 4), m2(5, 4), v1(5), Some(v1(3))),
+            Options::default(),
+        ),
+        "b",
+    );
+    shape_err(
+        run(&additive(m2(5, 3), m2(5, 3), v1(5), None), Options::default()),
+        "w_q",
+    );
+    shape_err(
+        run(&VariantParams::LowRankV { a: m2(2, 7) }, Options::default()),
+        "a",
+    );
+    shape_err(
+        run(
+            &VariantParams::Linformer {
+                e: m2(3, 6),
+                f: m2(4, 6),
+            },
+            Options::default(),
+        ),
+        "f",
+    );
+    shape_err(
+        run(
+            &VariantParams::Linformer {
+                e: m2(3, 5),
+                f: m2(3, 5),
+            },
+            Options::default(),
+        ),
+        "e",
+    );
     let option_err = |e: Error, name: &str| match e {
         Error::VariantOption { option, .. } => assert_eq!(option, name),
         other => panic!("{name}: {other}"),
     };
     for m in [0, 7] {
-        option_err(run(&VariantParams::Nystrom { landmarks: m }, Options::default()), "landmarks");
+        option_err(
+            run(&VariantParams::Nystrom { landmarks: m }, Options::default()),
+            "landmarks",
+        );
     }
     let mask = ndarray::Array2::from_elem((8, 6), true);
-    for p in [VariantParams::Nystrom { landmarks: 2 }, VariantParams::Linformer { e: m2(3, 6), f: m2(3, 6) }] {
+    for p in [
+        VariantParams::Nystrom { landmarks: 2 },
+        VariantParams::Linformer {
+            e: m2(3, 6),
+            f: m2(3, 6),
+        },
+    ] {
         let masked = Options {
             mask: Some((&mask).into()),
             ..Options::default()
@@ -357,18 +516,32 @@ fn typed_errors() {
             ..Options::default()
         };
         option_err(run(&p, lens), "kv_lens");
-        let e = Variant::new(&q, &k, &v, &p).return_weights().run_blocking(ctx).unwrap_err();
+        let e = Variant::new(&q, &k, &v, &p)
+            .return_weights()
+            .run_blocking(ctx)
+            .unwrap_err();
         option_err(e, "weights");
     }
     let nys = VariantParams::Nystrom { landmarks: 2 };
-    option_err(Variant::new(&q, &k, &v, &nys).pinv_iters(0).run_blocking(ctx).unwrap_err(), "pinv_iters");
+    option_err(
+        Variant::new(&q, &k, &v, &nys)
+            .pinv_iters(0)
+            .run_blocking(ctx)
+            .unwrap_err(),
+        "pinv_iters",
+    );
     let add = additive(m2(5, 4), m2(5, 4), v1(5), None);
     assert!(matches!(
-        Variant::new(&q, &k, &v, &add).path(Path::Decode).run_blocking(ctx),
+        Variant::new(&q, &k, &v, &add)
+            .path(Path::Decode)
+            .run_blocking(ctx),
         Err(Error::Unsupported { path: "decode", .. })
     ));
     assert!(matches!(
-        Variant::new(&q, &k, &v, &add).path(Path::Fused).return_weights().run_blocking(ctx),
+        Variant::new(&q, &k, &v, &add)
+            .path(Path::Fused)
+            .return_weights()
+            .run_blocking(ctx),
         Err(Error::Unsupported { path: "fused", .. })
     ));
 }
@@ -395,13 +568,18 @@ fn memory_is_linear_and_low_rank_is_smaller() {
         let (a, b) = (bytes(n, &nys), bytes(2 * n, &nys));
         assert!(b <= 2 * a && b > a, "nystrom {a} -> {b}");
         let (a, b) = (bytes(n, &lin(n)), bytes(2 * n, &lin(2 * n)));
-        assert!(b <= 2 * a + 2 * 256 * 4 * 2 * n as u64 && b > a, "linformer {a} -> {b}");
+        assert!(
+            b <= 2 * a + 2 * 256 * 4 * 2 * n as u64 && b > a,
+            "linformer {a} -> {b}"
+        );
     }
     // lowrank-v: U [1, 8, n, 4], A [4, 64] against V [1, 8, n, 64].
     let n = 4096;
     let empty: &[f32] = &[];
     let t = |shape: [usize; 4]| Tensor::from_slice(empty, &shape);
-    let low = VariantParams::LowRankV { a: Array2::zeros((4, 64)) };
+    let low = VariantParams::LowRankV {
+        a: Array2::zeros((4, 64)),
+    };
     let low_bytes = Variant::new(t([1, 8, n, 64]), t([1, 8, n, 64]), t([1, 8, n, 4]), &low)
         .device_memory(ctx)
         .unwrap();

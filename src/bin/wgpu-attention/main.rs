@@ -7,6 +7,7 @@
 
 mod backward;
 mod bench;
+mod bench_variants;
 mod demo;
 mod info;
 mod mha;
@@ -23,6 +24,7 @@ use wgpu_attention::{Causal, Context, Path, Sdpa};
 
 use backward::BackwardArgs;
 use bench::BenchArgs;
+use bench_variants::BenchVariantsArgs;
 use demo::DemoArgs;
 use mha::MhaArgs;
 use run::RunArgs;
@@ -75,6 +77,10 @@ enum Command {
     Variant(VariantArgs),
     /// Time named shapes on every path and print a table (median of several runs).
     Bench(BenchArgs),
+    /// Time and device memory of exact fused SDPA, Nyström and Linformer against the sequence
+    /// length (log-log PNG plots), their error against exact attention, and the variants'
+    /// interleaved comparisons (Nyström vs exact, additive fused vs unfused).
+    BenchVariants(BenchVariantsArgs),
 }
 
 /// Causal masking, by alignment.
@@ -123,6 +129,7 @@ fn main() -> ExitCode {
         Command::Mha(args) => mha::mha(&args),
         Command::Variant(args) => variant::variant(&args),
         Command::Bench(args) => bench::bench(&args),
+        Command::BenchVariants(args) => bench_variants::bench_variants(&args),
     };
     match result {
         Ok(code) => code,

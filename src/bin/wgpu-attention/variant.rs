@@ -53,7 +53,9 @@ pub(crate) fn variant(a: &VariantArgs) -> CliResult<ExitCode> {
         (VariantKind::Nystrom, None) => VariantParams::Nystrom {
             landmarks: a.landmarks,
         },
-        (VariantKind::Nystrom, Some(_)) => return Err("nystrom takes no --params (it has no learned parameters)".into()),
+        (VariantKind::Nystrom, Some(_)) => {
+            return Err("nystrom takes no --params (it has no learned parameters)".into())
+        }
         (kind, Some(p)) => VariantParams::from_safetensors_file(kind, p)?,
         (kind, None) => return Err(format!("--kind {} needs --params P.safetensors", kind.name()).into()),
     };
@@ -63,7 +65,15 @@ pub(crate) fn variant(a: &VariantArgs) -> CliResult<ExitCode> {
     let weights = a.weights_out.is_some();
     let (out, w, how) = if a.input.cpu {
         let started = Instant::now();
-        let r = reference::variant(&params, x.q.view(), x.k.view(), x.v.view(), &options, weights, a.pinv_iters)?;
+        let r = reference::variant(
+            &params,
+            x.q.view(),
+            x.k.view(),
+            x.v.view(),
+            &options,
+            weights,
+            a.pinv_iters,
+        )?;
         let how = format!(
             "ran the CPU reference of {} (f64 on {st} inputs, output rounded to {st}, written as f32) in {:.3} ms",
             a.kind.name(),
