@@ -58,7 +58,16 @@ pub(crate) fn record_init(
         ..Default::default()
     };
     let grid = grid_1d(batch as u32, ctx.limits().max_compute_workgroups_per_dimension);
-    dispatch(ctx, encoder, &INIT, "", &[], &[a, z], bytemuck::bytes_of(&params), grid)
+    dispatch(
+        ctx,
+        encoder,
+        &INIT,
+        "",
+        &[],
+        &[a, z],
+        bytemuck::bytes_of(&params),
+        grid,
+    )
 }
 
 /// Record `y[i] = c·I − x[i]` for `batch` f32 `m × m` matrices.
@@ -77,6 +86,18 @@ pub(crate) fn record_eye_minus(
         c,
         ..Default::default()
     };
-    let grid = grid_1d(total.div_ceil(256), ctx.limits().max_compute_workgroups_per_dimension);
-    dispatch(ctx, encoder, &EYE_MINUS, "", &[], &[x, y], bytemuck::bytes_of(&params), grid)
+    let grid = grid_1d(
+        total.div_ceil(256),
+        ctx.limits().max_compute_workgroups_per_dimension,
+    );
+    dispatch(
+        ctx,
+        encoder,
+        &EYE_MINUS,
+        "",
+        &[],
+        &[x, y],
+        bytemuck::bytes_of(&params),
+        grid,
+    )
 }

@@ -30,8 +30,8 @@ pub(crate) mod weights;
 
 pub use backward::MhaBackward;
 pub use config::MhaConfig;
-pub use forward::MhaForward;
 pub(crate) use forward::project;
+pub use forward::MhaForward;
 pub use grads::MhaGrads;
 pub use weights::MhaWeights;
 

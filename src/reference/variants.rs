@@ -24,7 +24,12 @@ fn to_f64<T: Copy + Into<f64>>(x: ArrayView4<T>) -> Array4<f64> {
 }
 
 /// Luong's general score `scale · qᵢᵀ W kⱼ` `[B, Hq, L, S]`.
-pub fn general_scores<T: Copy + Into<f64>>(q: ArrayView4<T>, k: ArrayView4<T>, w: ArrayView2<f32>, scale: f64) -> Array4<f64> {
+pub fn general_scores<T: Copy + Into<f64>>(
+    q: ArrayView4<T>,
+    k: ArrayView4<T>,
+    w: ArrayView2<f32>,
+    scale: f64,
+) -> Array4<f64> {
     let w = w.mapv(f64::from);
     let mut qw = to_f64(q);
     for mut row in qw.lanes_mut(Axis(3)) {
@@ -188,8 +193,13 @@ pub fn variant<T: Copy + Into<f64>>(
             let (pu, p) = softmax_v(scores(q, k, scale), v)?;
             let a = a.mapv(f64::from);
             let (b, h, l, r) = pu.dim();
-            let flat = pu.into_shape_with_order((b * h * l, r)).expect("contiguous").dot(&a);
-            let out = flat.into_shape_with_order((b, h, l, a.ncols())).expect("contiguous");
+            let flat = pu
+                .into_shape_with_order((b * h * l, r))
+                .expect("contiguous")
+                .dot(&a);
+            let out = flat
+                .into_shape_with_order((b, h, l, a.ncols()))
+                .expect("contiguous");
             (out, Some(p))
         }
         VariantParams::Linformer { e, f } => {
@@ -201,7 +211,9 @@ pub fn variant<T: Copy + Into<f64>>(
         VariantParams::Nystrom { landmarks: m } => {
             let qt = landmarks(q, *m);
             let kt = expand_heads(landmarks(k, *m), d.hq);
-            let soft = |x: ArrayView4<f64>, y: ArrayView4<f64>| masked_softmax(&scores(x, y, scale), &plain).map(|r| r.0);
+            let soft = |x: ArrayView4<f64>, y: ArrayView4<f64>| {
+                masked_softmax(&scores(x, y, scale), &plain).map(|r| r.0)
+            };
             let f = soft(to_f64(q).view(), kt.view())?;
             let a = soft(qt.view(), kt.view())?;
             let bv = weighted_sum(&soft(qt.view(), to_f64(k).view())?, v);

@@ -568,6 +568,9 @@ mod tests {
         for t in 0..3 {
             assert!((m.row(t).sum() - 1.0).abs() < 1e-6);
         }
-        assert_eq!(m.sum_axis(ndarray::Axis(0)).iter().filter(|&&x| x > 0.0).count(), 8);
+        assert_eq!(
+            m.sum_axis(ndarray::Axis(0)).iter().filter(|&&x| x > 0.0).count(),
+            8
+        );
     }
 }

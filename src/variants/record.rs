@@ -55,7 +55,9 @@ fn params_bytes(params: &VariantParams) -> u64 {
     let n = |a: &Array2<f32>| f32_bytes(a.len());
     match params {
         VariantParams::General { w } => n(w),
-        VariantParams::Additive { w_q, w_k, .. } => n(w_q) + n(w_k) + 3 * f32_bytes(padded_u_len(w_q.nrows())),
+        VariantParams::Additive { w_q, w_k, .. } => {
+            n(w_q) + n(w_k) + 3 * f32_bytes(padded_u_len(w_q.nrows()))
+        }
         VariantParams::LowRankV { a } => n(a),
         VariantParams::Nystrom { .. } => 0,
         VariantParams::Linformer { e, f } => n(e) + n(f),
@@ -167,7 +169,10 @@ fn check<'o, 'a>(var: &Variant<'a>, ctx: &Context, options: &'o Options<'a>) -> 
             fit("Nyström B' V", b * hq * m * ev)?;
             mm::check_grid(ctx, "Nyström landmarks", m, e.max(ev).max(m))?;
             // The two inner softmax stages.
-            nystrom_stages(&d, fmt, options).map(|s| s.sdpa(None).plan(ctx)).into_iter().try_for_each(|r| r.map(|_| ()))?;
+            nystrom_stages(&d, fmt, options)
+                .map(|s| s.sdpa(None).plan(ctx))
+                .into_iter()
+                .try_for_each(|r| r.map(|_| ()))?;
             Stage {
                 q: (q_shape, fmt[0]),
                 k: ([b, hq, m, e], f32s),
@@ -180,7 +185,12 @@ fn check<'o, 'a>(var: &Variant<'a>, ctx: &Context, options: &'o Options<'a>) -> 
         }
     };
     main.sdpa(None).plan(ctx)?;
-    Ok(Checked { dims: d, fmt, out, main })
+    Ok(Checked {
+        dims: d,
+        fmt,
+        out,
+        main,
+    })
 }
 
 /// Nyström's inner softmax stages: A = softmax(s Q̃ K̃ᵀ) (the weights of an unfused call) and
@@ -245,7 +255,11 @@ pub(super) fn device_memory(var: &Variant, ctx: &Context) -> Result<u64> {
 }
 
 /// [`Variant::record`].
-pub(super) fn record(var: &Variant, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<GpuVariantOutput> {
+pub(super) fn record(
+    var: &Variant,
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+) -> Result<GpuVariantOutput> {
     let dims = var.dims()?;
     let options = stage_options(&var.options, dims.scale);
     let c = check(var, ctx, &options)?;
@@ -258,7 +272,9 @@ pub(super) fn record(var: &Variant, ctx: &Context, encoder: &mut wgpu::CommandEn
     let f32s = Storage::F32;
     let dummy = crate::buffers::dummy(ctx);
     let upload = |label: &str, data: &[f32]| storage_init(ctx, label, bytemuck::cast_slice(data));
-    let matrix = |label: &str, a: &Array2<f32>| upload(label, &a.as_standard_layout().iter().copied().collect::<Vec<_>>());
+    let matrix = |label: &str, a: &Array2<f32>| {
+        upload(label, &a.as_standard_layout().iter().copied().collect::<Vec<_>>())
+    };
     let scratch = |label: &str, elems: usize| output(ctx, label, f32_bytes(elems.max(1)));
     let finish = |gpu: crate::sdpa::GpuOutput| GpuVariantOutput {
         output: gpu.output,
@@ -288,7 +304,10 @@ pub(super) fn record(var: &Variant, ctx: &Context, encoder: &mut wgpu::CommandEn
             }
             .record(ctx, encoder, &dummy)?;
             let qw_t = Tensor::from_buffer(&qw, 0, &[b, hq, l, e]);
-            let gpu = c.main.sdpa(Some([qw_t, var.k.clone(), var.v.clone()])).record(ctx, encoder)?;
+            let gpu = c
+                .main
+                .sdpa(Some([qw_t, var.k.clone(), var.v.clone()]))
+                .record(ctx, encoder)?;
             Ok(finish(gpu))
         }
         VariantParams::Additive { w_q, w_k, u, b: bias } => {
@@ -341,7 +360,10 @@ pub(super) fn record(var: &Variant, ctx: &Context, encoder: &mut wgpu::CommandEn
             Ok(finish(gpu))
         }
         VariantParams::LowRankV { a } => {
-            let gpu = c.main.sdpa(Some([var.q.clone(), var.k.clone(), var.v.clone()])).record(ctx, encoder)?;
+            let gpu = c
+                .main
+                .sdpa(Some([var.q.clone(), var.k.clone(), var.v.clone()]))
+                .record(ctx, encoder)?;
             let (r, ev_out) = (ev, a.ncols());
             let a_buf = matrix("a", a);
             let out_bytes = c.out.bytes(b * hq * l * ev_out);
@@ -374,7 +396,17 @@ pub(super) fn record(var: &Variant, ctx: &Context, encoder: &mut wgpu::CommandEn
             let kk = scratch("E_p K", b * hkv * kp * e);
             let vv = scratch("F_p V", b * hkv * kp * ev);
             for (proj, x, fx, out, n) in [(&e_buf, &k_up, fk, &kk, e), (&f_buf, &v_up, fv, &vv, ev)] {
-                seq_project(ctx, encoder, proj, x.binding(), fx, out, [kp, n, s], [b * hkv, 1], &dummy)?;
+                seq_project(
+                    ctx,
+                    encoder,
+                    proj,
+                    x.binding(),
+                    fx,
+                    out,
+                    [kp, n, s],
+                    [b * hkv, 1],
+                    &dummy,
+                )?;
             }
             let tensors = [
                 var.q.clone(),
@@ -392,9 +424,29 @@ pub(super) fn record(var: &Variant, ctx: &Context, encoder: &mut wgpu::CommandEn
             let ms = matrix("key segments", &VariantParams::segment_means(m, s));
             let qt = scratch("landmark queries", bh * m * e);
             let kt = scratch("landmark keys", bh * m * e);
-            seq_project(ctx, encoder, &ml, q_up.binding(), fq, &qt, [m, e, l], [bh, 1], &dummy)?;
+            seq_project(
+                ctx,
+                encoder,
+                &ml,
+                q_up.binding(),
+                fq,
+                &qt,
+                [m, e, l],
+                [bh, 1],
+                &dummy,
+            )?;
             // One landmark-key slice per query head (grouped-query heads share their kv head's).
-            seq_project(ctx, encoder, &ms, k_up.binding(), fk, &kt, [m, e, s], [bh, hq / hkv], &dummy)?;
+            seq_project(
+                ctx,
+                encoder,
+                &ms,
+                k_up.binding(),
+                fk,
+                &kt,
+                [m, e, s],
+                [bh, hq / hkv],
+                &dummy,
+            )?;
             let lm_shape = [b, hq, m, e];
             let [a_stage, bv_stage] = nystrom_stages(&d, c.fmt, &options);
             let a_out = a_stage
@@ -420,9 +472,17 @@ pub(super) fn record(var: &Variant, ctx: &Context, encoder: &mut wgpu::CommandEn
             let mat = whole;
             let mut z = scratch("Z", mm_elems);
             let mut z_next = scratch("Z next", mm_elems);
-            let (az, t, u) = (scratch("A Z", mm_elems), scratch("T", mm_elems), scratch("U", mm_elems));
+            let (az, t, u) = (
+                scratch("A Z", mm_elems),
+                scratch("T", mm_elems),
+                scratch("U", mm_elems),
+            );
             pinv::record_init(ctx, encoder, mat(&a_mat), mat(&z), m, bh)?;
-            let product = |enc: &mut wgpu::CommandEncoder, x: &wgpu::Buffer, y: &wgpu::Buffer, out: &wgpu::Buffer, alpha: f32| {
+            let product = |enc: &mut wgpu::CommandEncoder,
+                           x: &wgpu::Buffer,
+                           y: &wgpu::Buffer,
+                           out: &wgpu::Buffer,
+                           alpha: f32| {
                 mm::Matmul {
                     a: mat(x),
                     b: mat(y),
