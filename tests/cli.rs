@@ -655,11 +655,7 @@ fn variant_kinds_match_their_goldens() {
         if kind == "nystrom" {
             let got: ArrayD<f32> = read_npy(&out).unwrap();
             let want: ArrayD<f64> = read_npy(d.join("out.npy")).unwrap();
-            let max = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-            let tol = wgpu_attention::check::Tolerance {
-                atol: 1e-4 * max,
-                rtol: 1e-3,
-            };
+            let tol = common::nystrom_tolerance(&want);
             common::assert_report(compare(got.iter().copied(), want.iter().copied(), tol), case);
         } else {
             assert_npy_matches(&out, &d.join("out.npy"), 4, case);

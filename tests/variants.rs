@@ -14,16 +14,6 @@ use wgpu_attention::{
     Context, Error, Options, Path, Storage, Tensor, Variant, VariantKind, VariantOutput, VariantParams,
 };
 
-/// Nyström's tolerance (the pseudo-inverse iteration amplifies rounding):
-/// `1e-4 · max|ref| + 1e-3 · |ref|`.
-fn nystrom_tolerance(reference: &Array4<f64>) -> Tolerance {
-    let max = reference.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-    Tolerance {
-        atol: 1e-4 * max,
-        rtol: 1e-3,
-    }
-}
-
 fn tolerance(kind: VariantKind, storage: Storage, reference: &Array4<f64>) -> Tolerance {
     let base = Tolerance::for_storage(storage);
     if kind == VariantKind::Nystrom {

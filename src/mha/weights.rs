@@ -107,37 +107,29 @@ impl MhaWeights {
     /// [`from_safetensors`](Self::from_safetensors) for a layer inside a larger model: every key
     /// is looked up as `prefix + key` (e.g. `"encoder.layers.0.self_attn."`).
     pub fn from_safetensors_prefixed(bytes: &[u8], prefix: &str, num_heads: usize) -> Result<Self> {
-        let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| Error::WeightFile {
-            reason: e.to_string(),
-        })?;
+        let st = parse(bytes)?;
         let format: std::cell::Cell<Option<Storage>> = std::cell::Cell::new(None);
         let get = |name: &str| -> Result<Option<(Vec<usize>, Vec<f32>)>> {
-            let key = format!("{prefix}{name}");
-            match st.tensor(&key) {
-                Ok(t) => {
-                    let this = match t.dtype() {
-                        safetensors::Dtype::F16 => Storage::F16,
-                        safetensors::Dtype::BF16 => Storage::Bf16,
-                        _ => Storage::F32,
-                    };
-                    match format.get() {
-                        Some(f) if f != this => {
-                            return Err(Error::StorageMismatch {
-                                tensor: "weights",
-                                expected: f,
-                                actual: this,
-                                why: "every tensor of the layer must be of one format",
-                            })
-                        }
-                        _ => format.set(Some(this)),
-                    }
-                    Ok(Some((t.shape().to_vec(), to_f32(&key, t.dtype(), t.data())?)))
+            let Some((shape, dtype, data)) = tensor_f32(&st, &format!("{prefix}{name}"))? else {
+                return Ok(None);
+            };
+            let this = match dtype {
+                safetensors::Dtype::F16 => Storage::F16,
+                safetensors::Dtype::BF16 => Storage::Bf16,
+                _ => Storage::F32,
+            };
+            match format.get() {
+                Some(f) if f != this => {
+                    return Err(Error::StorageMismatch {
+                        tensor: "weights",
+                        expected: f,
+                        actual: this,
+                        why: "every tensor of the layer must be of one format",
+                    })
                 }
-                Err(safetensors::SafeTensorError::TensorNotFound(_)) => Ok(None),
-                Err(e) => Err(Error::WeightFile {
-                    reason: format!("{key}: {e}"),
-                }),
+                _ => format.set(Some(this)),
             }
+            Ok(Some((shape, data)))
         };
         let need = |name: &str| -> Result<(Vec<usize>, Vec<f32>)> {
             get(name)?.ok_or_else(|| Error::MissingWeight {
@@ -265,11 +257,7 @@ impl MhaWeights {
     /// [`from_safetensors`](Self::from_safetensors) from a file.
     #[cfg(not(target_arch = "wasm32"))]
     pub fn from_safetensors_file(path: impl AsRef<std::path::Path>, num_heads: usize) -> Result<Self> {
-        let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| Error::WeightFile {
-            reason: format!("{}: {e}", path.display()),
-        })?;
-        Self::from_safetensors(&bytes, num_heads)
+        Self::from_safetensors(&read_file(path.as_ref())?, num_heads)
     }
 
     /// Check the config and every parameter's shape against it.
@@ -311,8 +299,41 @@ impl MhaWeights {
     }
 }
 
+/// Parse safetensors bytes.
+pub(crate) fn parse(bytes: &[u8]) -> Result<safetensors::SafeTensors<'_>> {
+    safetensors::SafeTensors::deserialize(bytes).map_err(|e| Error::WeightFile {
+        reason: e.to_string(),
+    })
+}
+
+/// The bytes of a safetensors file.
+#[cfg(not(target_arch = "wasm32"))]
+pub(crate) fn read_file(path: &std::path::Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| Error::WeightFile {
+        reason: format!("{}: {e}", path.display()),
+    })
+}
+
+/// A tensor read from a safetensors file: its shape, its dtype, its values widened to f32.
+pub(crate) type TensorF32 = (Vec<usize>, safetensors::Dtype, Vec<f32>);
+
+/// Tensor `key` of `st`; `None` when the file has no such tensor.
+pub(crate) fn tensor_f32(st: &safetensors::SafeTensors, key: &str) -> Result<Option<TensorF32>> {
+    match st.tensor(key) {
+        Ok(t) => Ok(Some((
+            t.shape().to_vec(),
+            t.dtype(),
+            to_f32(key, t.dtype(), t.data())?,
+        ))),
+        Err(safetensors::SafeTensorError::TensorNotFound(_)) => Ok(None),
+        Err(e) => Err(Error::WeightFile {
+            reason: format!("{key}: {e}"),
+        }),
+    }
+}
+
 /// Little-endian tensor bytes to f32.
-pub(crate) fn to_f32(key: &str, dtype: safetensors::Dtype, data: &[u8]) -> Result<Vec<f32>> {
+fn to_f32(key: &str, dtype: safetensors::Dtype, data: &[u8]) -> Result<Vec<f32>> {
     use safetensors::Dtype;
     Ok(match dtype {
         Dtype::F32 => Storage::F32.decode(data, data.len() / 4),

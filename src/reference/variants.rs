@@ -101,13 +101,7 @@ pub fn seq_project<T: Copy + Into<f64>>(p: ArrayView2<f64>, x: ArrayView4<T>) ->
 /// Nyström's `m` landmarks of x `[B, H, n, d]`: segment means (row t averages rows
 /// `⌊t·n/m⌋ .. ⌊(t+1)·n/m⌋ − 1`).
 pub fn landmarks<T: Copy + Into<f64>>(x: ArrayView4<T>, m: usize) -> Array4<f64> {
-    let n = x.dim().2;
-    let mut means = Array2::<f64>::zeros((m, n));
-    for t in 0..m {
-        let (lo, hi) = (t * n / m, (t + 1) * n / m);
-        means.slice_mut(s![t, lo..hi]).fill(1.0 / (hi - lo) as f64);
-    }
-    seq_project(means.view(), x)
+    seq_project(crate::variants::segment_means_f64(m, x.dim().2).view(), x)
 }
 
 /// Nyströmformer's iterative pseudo-inverse of each `[m, m]` matrix of `a` `[B, H, m, m]`:

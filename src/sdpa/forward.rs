@@ -18,6 +18,11 @@ use super::{GpuOutput, Sdpa};
 pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<GpuOutput> {
     let p = sdpa.problem()?;
     let plan = Plan::new(&p, &sdpa.request(), &ctx.caps())?;
+    debug_assert_eq!(
+        sdpa.additive,
+        sdpa.additive_u.is_some(),
+        "the additive score needs its u"
+    );
     let max_binding = ctx.max_binding();
     let binding_limit = "max_storage_buffer_binding_size";
 

@@ -132,8 +132,10 @@ pub struct Sdpa<'a> {
     max_scores_bytes: Option<u64>,
     out_buffer: Option<(&'a wgpu::Buffer, u64)>,
     out_storage: Option<Storage>,
-    /// Bahdanau's additive score with this u (f32, zero-padded to a multiple of 64; the
-    /// attention variants): q and k are then the projections (q with b added) and the scale 1.
+    /// Bahdanau's additive score (the attention variants): q and k are then the projections
+    /// (q with b added) and the scale 1. Planned from this flag; recorded with `additive_u`.
+    pub(crate) additive: bool,
+    /// The additive score's u (f32, zero-padded to a multiple of 64), bound when recording.
     pub(crate) additive_u: Option<&'a wgpu::Buffer>,
 }
 
@@ -151,6 +153,7 @@ impl<'a> Sdpa<'a> {
             max_scores_bytes: None,
             out_buffer: None,
             out_storage: None,
+            additive: false,
             additive_u: None,
         }
     }
@@ -229,7 +232,7 @@ impl<'a> Sdpa<'a> {
             path: self.path,
             weights: self.weights,
             max_scores_bytes: self.max_scores_bytes,
-            additive: self.additive_u.is_some(),
+            additive: self.additive,
         }
     }
 

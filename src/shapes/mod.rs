@@ -313,26 +313,26 @@ impl GpuInputs {
     /// The attention variant of `params` on these buffers (no masks: the shape's causal mask
     /// and key padding are not applied).
     pub fn variant<'a>(&'a self, params: &'a crate::VariantParams) -> crate::Variant<'a> {
+        let [q, k, v] = self.tensors();
+        crate::Variant::new(q, k, v, params)
+    }
+
+    /// q, k and v as tensors in their storage format.
+    fn tensors(&self) -> [Tensor<'_>; 3] {
         let s = &self.shape;
-        let st = self.storage;
-        crate::Variant::new(
-            Tensor::from_buffer(&self.q, 0, &s.q_shape()).with_storage(st),
-            Tensor::from_buffer(&self.k, 0, &s.k_shape()).with_storage(st),
-            Tensor::from_buffer(&self.v, 0, &s.v_shape()).with_storage(st),
-            params,
-        )
+        [
+            (&self.q, s.q_shape()),
+            (&self.k, s.k_shape()),
+            (&self.v, s.v_shape()),
+        ]
+        .map(|(buf, shape)| Tensor::from_buffer(buf, 0, &shape).with_storage(self.storage))
     }
 
     /// The attention call on these buffers, with the shape's causal mask and key padding.
     pub fn sdpa(&self) -> Sdpa<'_> {
         let s = &self.shape;
-        let st = self.storage;
-        let mut sdpa = Sdpa::new(
-            Tensor::from_buffer(&self.q, 0, &s.q_shape()).with_storage(st),
-            Tensor::from_buffer(&self.k, 0, &s.k_shape()).with_storage(st),
-            Tensor::from_buffer(&self.v, 0, &s.v_shape()).with_storage(st),
-        )
-        .causal(s.causal);
+        let [q, k, v] = self.tensors();
+        let mut sdpa = Sdpa::new(q, k, v).causal(s.causal);
         if let Some(lens) = s.kv_lens {
             sdpa = sdpa.kv_lens(lens);
         }

@@ -146,14 +146,8 @@ impl VariantParams {
     /// ⌊(t+1)·len/rows⌋ − 1` (Nyström's landmarks; a Linformer E_p / F_p whose output means
     /// something without training). `1 ≤ rows ≤ len`.
     pub fn segment_means(rows: usize, len: usize) -> Array2<f32> {
-        let mut m = Array2::<f32>::zeros((rows, len));
-        for t in 0..rows {
-            let (lo, hi) = (t * len / rows, (t + 1) * len / rows);
-            for j in lo..hi {
-                m[[t, j]] = 1.0 / (hi - lo) as f32;
-            }
-        }
-        m
+        // 1/n rounded once from f64 is 1/n correctly rounded in f32.
+        segment_means_f64(rows, len).mapv(|x| x as f32)
     }
 
     /// Load the parameters of `kind` from safetensors bytes (f32, f64, f16 or bf16 tensors):
@@ -161,21 +155,9 @@ impl VariantParams {
     /// `f`. Nyström has no parameter file (give [`VariantParams::Nystrom`] directly).
     /// Shapes are checked against the inputs when the variant runs.
     pub fn from_safetensors(kind: VariantKind, bytes: &[u8]) -> Result<Self> {
-        let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| Error::WeightFile {
-            reason: e.to_string(),
-        })?;
-        let get = |key: &str| -> Result<Option<(Vec<usize>, Vec<f32>)>> {
-            match st.tensor(key) {
-                Ok(t) => Ok(Some((
-                    t.shape().to_vec(),
-                    crate::mha::weights::to_f32(key, t.dtype(), t.data())?,
-                ))),
-                Err(safetensors::SafeTensorError::TensorNotFound(_)) => Ok(None),
-                Err(e) => Err(Error::WeightFile {
-                    reason: format!("{key}: {e}"),
-                }),
-            }
-        };
+        use crate::mha::weights::{parse, tensor_f32};
+        let st = parse(bytes)?;
+        let get = |key: &str| Ok::<_, Error>(tensor_f32(&st, key)?.map(|(shape, _, data)| (shape, data)));
         let need = |key: &str| get(key)?.ok_or_else(|| Error::MissingWeight { key: key.into() });
         let matrix = |key: &str, (shape, data): (Vec<usize>, Vec<f32>)| match shape[..] {
             [r, c] => Ok(Array2::from_shape_vec((r, c), data).expect("safetensors length")),
@@ -223,9 +205,7 @@ impl VariantParams {
     /// [`from_safetensors`](Self::from_safetensors) from a file.
     #[cfg(not(target_arch = "wasm32"))]
     pub fn from_safetensors_file(kind: VariantKind, path: impl AsRef<std::path::Path>) -> Result<Self> {
-        let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
-        Self::from_safetensors(kind, &bytes)
+        Self::from_safetensors(kind, &crate::mha::weights::read_file(path.as_ref())?)
     }
 
     /// Validate these parameters and `options` against the input shapes (q `[B, Hq, L, E]`,
@@ -355,6 +335,16 @@ impl VariantParams {
             scale: options.scale.unwrap_or_else(|| kind.default_scale(e)),
         })
     }
+}
+
+/// [`VariantParams::segment_means`] in f64 (the reference's landmarks).
+pub(crate) fn segment_means_f64(rows: usize, len: usize) -> Array2<f64> {
+    let mut m = Array2::<f64>::zeros((rows, len));
+    for t in 0..rows {
+        let (lo, hi) = (t * len / rows, (t + 1) * len / rows);
+        m.slice_mut(ndarray::s![t, lo..hi]).fill(1.0 / (hi - lo) as f64);
+    }
+    m
 }
 
 /// The validated dimensions of a variant call.

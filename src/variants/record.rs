@@ -7,25 +7,27 @@ use ndarray::Array2;
 use super::{Dims, GpuVariantOutput, Variant, VariantParams};
 use crate::buffers::{binding, f32_bytes, fits, output, storage_init, Operand};
 use crate::context::Context;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::kernels::{flash, matmul as mm, pinv};
 use crate::options::Options;
 use crate::sdpa::{Path, Sdpa};
 use crate::storage::Storage;
 use crate::tensor::Tensor;
 
-/// An SDPA stage's shapes and formats, planned with empty host tensors (no GPU work).
-struct Stage<'o, 'a> {
+/// An SDPA stage's shapes, formats and options, planned with empty host tensors (no GPU work).
+struct Stage<'a> {
     q: ([usize; 4], Storage),
     k: ([usize; 4], Storage),
     v: ([usize; 4], Storage),
-    options: &'o Options<'a>,
+    options: Options<'a>,
     path: Path,
     weights: bool,
     out: Storage,
+    /// Bahdanau's additive score (the caller binds u before recording).
+    additive: bool,
 }
 
-impl Stage<'_, '_> {
+impl Stage<'_> {
     /// The stage as an [`Sdpa`] over `tensors` (or empty host tensors of the stage's shapes).
     fn sdpa<'t>(&'t self, tensors: Option<[Tensor<'t>; 3]>) -> Sdpa<'t> {
         let empty: &[f32] = &[];
@@ -39,15 +41,8 @@ impl Stage<'_, '_> {
         if self.weights {
             s = s.return_weights();
         }
+        s.additive = self.additive;
         s
-    }
-}
-
-/// The options of an inner SDPA stage: the caller's masks with the variant's resolved scale.
-fn stage_options<'a>(options: &Options<'a>, scale: f64) -> Options<'a> {
-    Options {
-        scale: Some(scale),
-        ..options.clone()
     }
 }
 
@@ -55,8 +50,9 @@ fn params_bytes(params: &VariantParams) -> u64 {
     let n = |a: &Array2<f32>| f32_bytes(a.len());
     match params {
         VariantParams::General { w } => n(w),
-        VariantParams::Additive { w_q, w_k, .. } => {
-            n(w_q) + n(w_k) + 3 * f32_bytes(padded_u_len(w_q.nrows()))
+        VariantParams::Additive { w_q, w_k, b, .. } => {
+            // u, and b when given, are uploaded padded.
+            n(w_q) + n(w_k) + (1 + b.is_some() as u64) * f32_bytes(padded_u_len(w_q.nrows()))
         }
         VariantParams::LowRankV { a } => n(a),
         VariantParams::Nystrom { .. } => 0,
@@ -70,30 +66,24 @@ fn padded_u_len(a: usize) -> usize {
     a.next_multiple_of(64).max((flash::ADDITIVE_U_BYTES / 4) as usize)
 }
 
-/// The additive score's attention path: fused unless the unfused one is asked for (or the
-/// weights are).
-fn additive_path(path: Path) -> Result<Path> {
-    match path {
-        Path::Decode => Err(Error::Unsupported {
-            path: "decode",
-            reason: "the additive score runs on the fused and unfused paths".into(),
-        }),
-        other => Ok(other),
-    }
-}
-
 /// Every check of `var` on `ctx`, then the stage plans (shared by [`record`] and
 /// [`device_memory`]).
-struct Checked<'o, 'a> {
+struct Checked<'a> {
     dims: Dims,
     fmt: [Storage; 3],
     out: Storage,
+    /// The inner stages' options: the caller's masks with the variant's resolved scale.
+    options: Options<'a>,
     /// The final attention stage.
-    main: Stage<'o, 'a>,
+    main: Stage<'a>,
 }
 
-fn check<'o, 'a>(var: &Variant<'a>, ctx: &Context, options: &'o Options<'a>) -> Result<Checked<'o, 'a>> {
+fn check<'a>(var: &Variant<'a>, ctx: &Context) -> Result<Checked<'a>> {
     let d = var.dims()?;
+    let options = Options {
+        scale: Some(d.scale),
+        ..var.options.clone()
+    };
     let fmt = [var.q.storage(), var.k.storage(), var.v.storage()];
     let out = var.out_storage.unwrap_or(fmt[0]);
     let (b, hq, hkv, l, s, e, ev) = (d.batch, d.hq, d.hkv, d.l, d.s, d.e, d.ev);
@@ -111,10 +101,11 @@ fn check<'o, 'a>(var: &Variant<'a>, ctx: &Context, options: &'o Options<'a>) -> 
                 q: (q_shape, f32s),
                 k: (k_shape, fmt[1]),
                 v: (v_shape, fmt[2]),
-                options,
+                options: options.clone(),
                 path: var.path,
                 weights: var.weights,
                 out,
+                additive: false,
             }
         }
         VariantParams::Additive { .. } => {
@@ -127,10 +118,15 @@ fn check<'o, 'a>(var: &Variant<'a>, ctx: &Context, options: &'o Options<'a>) -> 
                 q: ([b, hq, l, a], f32s),
                 k: ([b, hkv, s, a], f32s),
                 v: (v_shape, fmt[2]),
-                options,
-                path: additive_path(var.path)?,
+                // The scale is folded into u.
+                options: Options {
+                    scale: Some(1.0),
+                    ..options.clone()
+                },
+                path: var.path,
                 weights: var.weights,
                 out,
+                additive: true,
             }
         }
         VariantParams::LowRankV { a } => {
@@ -140,10 +136,11 @@ fn check<'o, 'a>(var: &Variant<'a>, ctx: &Context, options: &'o Options<'a>) -> 
                 q: (q_shape, fmt[0]),
                 k: (k_shape, fmt[1]),
                 v: (v_shape, fmt[2]),
-                options,
+                options: options.clone(),
                 path: var.path,
                 weights: var.weights,
                 out: f32s,
+                additive: false,
             }
         }
         VariantParams::Linformer { .. } => {
@@ -155,10 +152,11 @@ fn check<'o, 'a>(var: &Variant<'a>, ctx: &Context, options: &'o Options<'a>) -> 
                 q: (q_shape, fmt[0]),
                 k: ([b, hkv, kp, e], f32s),
                 v: ([b, hkv, kp, ev], f32s),
-                options,
+                options: options.clone(),
                 path: var.path,
                 weights: false,
                 out,
+                additive: false,
             }
         }
         VariantParams::Nystrom { .. } => {
@@ -169,18 +167,18 @@ fn check<'o, 'a>(var: &Variant<'a>, ctx: &Context, options: &'o Options<'a>) -> 
             fit("Nyström B' V", b * hq * m * ev)?;
             mm::check_grid(ctx, "Nyström landmarks", m, e.max(ev).max(m))?;
             // The two inner softmax stages.
-            nystrom_stages(&d, fmt, options)
-                .map(|s| s.sdpa(None).plan(ctx))
-                .into_iter()
-                .try_for_each(|r| r.map(|_| ()))?;
+            for stage in nystrom_stages(&d, fmt, &options) {
+                stage.sdpa(None).plan(ctx)?;
+            }
             Stage {
                 q: (q_shape, fmt[0]),
                 k: ([b, hq, m, e], f32s),
                 v: ([b, hq, m, ev], f32s),
-                options,
+                options: options.clone(),
                 path: var.path,
                 weights: false,
                 out,
+                additive: false,
             }
         }
     };
@@ -189,13 +187,14 @@ fn check<'o, 'a>(var: &Variant<'a>, ctx: &Context, options: &'o Options<'a>) -> 
         dims: d,
         fmt,
         out,
+        options,
         main,
     })
 }
 
 /// Nyström's inner softmax stages: A = softmax(s Q̃ K̃ᵀ) (the weights of an unfused call) and
 /// B'V = softmax(s Q̃ Kᵀ) V.
-fn nystrom_stages<'o, 'a>(d: &Dims, fmt: [Storage; 3], options: &'o Options<'a>) -> [Stage<'o, 'a>; 2] {
+fn nystrom_stages<'a>(d: &Dims, fmt: [Storage; 3], options: &Options<'a>) -> [Stage<'a>; 2] {
     let (b, hq, m, e) = (d.batch, d.hq, d.inner, d.e);
     let f32s = Storage::F32;
     [
@@ -203,19 +202,21 @@ fn nystrom_stages<'o, 'a>(d: &Dims, fmt: [Storage; 3], options: &'o Options<'a>)
             q: ([b, hq, m, e], f32s),
             k: ([b, hq, m, e], f32s),
             v: ([b, hq, m, e], f32s),
-            options,
+            options: options.clone(),
             path: Path::Unfused,
             weights: true,
             out: f32s,
+            additive: false,
         },
         Stage {
             q: ([b, hq, m, e], f32s),
             k: ([b, d.hkv, d.s, e], fmt[1]),
             v: ([b, d.hkv, d.s, d.ev], fmt[2]),
-            options,
+            options: options.clone(),
             path: Path::Auto,
             weights: false,
             out: f32s,
+            additive: false,
         },
     ]
 }
@@ -223,8 +224,7 @@ fn nystrom_stages<'o, 'a>(d: &Dims, fmt: [Storage; 3], options: &'o Options<'a>)
 /// [`Variant::device_memory`]: the inputs, the parameters, every intermediate and the stages'
 /// own buffers ([`Sdpa::device_memory`]).
 pub(super) fn device_memory(var: &Variant, ctx: &Context) -> Result<u64> {
-    let options = stage_options(&var.options, var.dims()?.scale);
-    let c = check(var, ctx, &options)?;
+    let c = check(var, ctx)?;
     let d = &c.dims;
     let bytes = |st: Storage, shape: &[usize]| st.bytes(shape.iter().product());
     // The main stage counts its own q, k, v (intermediates or the inputs), masks, output, lse.
@@ -244,7 +244,7 @@ pub(super) fn device_memory(var: &Variant, ctx: &Context) -> Result<u64> {
             // A's stage counts Q̃ and K̃ (twice: as its keys and values), B'V's stage Q̃ again,
             // the main stage K̃ once: drop the repeats. Then the segment-mean matrices and the
             // pseudo-inverse's five m × m buffers.
-            let [a_stage, bv_stage] = nystrom_stages(d, c.fmt, &options);
+            let [a_stage, bv_stage] = nystrom_stages(d, c.fmt, &c.options);
             let a_mem = a_stage.sdpa(None).device_memory(ctx)?;
             let bv_mem = bv_stage.sdpa(None).device_memory(ctx)?;
             let landmarks = f32_bytes(b * hq * m * d.e);
@@ -260,9 +260,7 @@ pub(super) fn record(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
 ) -> Result<GpuVariantOutput> {
-    let dims = var.dims()?;
-    let options = stage_options(&var.options, dims.scale);
-    let c = check(var, ctx, &options)?;
+    let c = check(var, ctx)?;
     let q = Operand::check(ctx, "q", &var.q)?;
     let k = Operand::check(ctx, "k", &var.k)?;
     let v = Operand::check(ctx, "v", &var.v)?;
@@ -346,15 +344,7 @@ pub(super) fn record(
                 Tensor::from_buffer(&ka, 0, &[b, hkv, s, a]),
                 var.v.clone(),
             ];
-            let stage_options = Options {
-                scale: Some(1.0),
-                ..options.clone()
-            };
-            let stage = Stage {
-                options: &stage_options,
-                ..c.main
-            };
-            let mut sdpa = stage.sdpa(Some(tensors));
+            let mut sdpa = c.main.sdpa(Some(tensors));
             sdpa.additive_u = Some(&u_buf);
             let gpu = sdpa.record(ctx, encoder)?;
             Ok(finish(gpu))
@@ -448,7 +438,7 @@ pub(super) fn record(
                 &dummy,
             )?;
             let lm_shape = [b, hq, m, e];
-            let [a_stage, bv_stage] = nystrom_stages(&d, c.fmt, &options);
+            let [a_stage, bv_stage] = nystrom_stages(&d, c.fmt, &c.options);
             let a_out = a_stage
                 .sdpa(Some([
                     Tensor::from_buffer(&qt, 0, &lm_shape),

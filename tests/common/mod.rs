@@ -10,6 +10,16 @@ use wgpu_attention::check::Tolerance;
 use wgpu_attention::reference;
 use wgpu_attention::{wgpu, Context, Path};
 
+/// Nyström's tolerance (the pseudo-inverse iteration amplifies rounding):
+/// `1e-4 · max|ref| + 1e-3 · |ref|`.
+pub fn nystrom_tolerance<'r>(reference: impl IntoIterator<Item = &'r f64>) -> Tolerance {
+    let max = reference.into_iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    Tolerance {
+        atol: 1e-4 * max,
+        rtol: 1e-3,
+    }
+}
+
 /// A GPU context for one test: its own device, so that tests running in parallel compile
 /// their shaders in parallel (lavapipe compiles a pipeline on its device's queue thread; one
 /// shared device would serialise every compilation). Without an adapter: `None` (the test
