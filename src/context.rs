@@ -59,25 +59,25 @@ impl Context {
     /// Honours `WGPU_BACKEND` (e.g. `vulkan`, `metal`, `dx12`, `gl`, `webgpu`),
     /// `WGPU_ADAPTER_NAME` (substring of the adapter name) and `WGPU_POWER_PREF`.
     pub async fn new() -> Result<Self> {
-        // Without WGPU_BACKEND, try the primary backends (Vulkan, Metal, DX12, WebGPU) first and
-        // fall back to every backend (GL included) only when they find nothing.
-        let from_env = wgpu::Backends::from_env();
-        let mut tries = vec![from_env.unwrap_or(wgpu::Backends::PRIMARY)];
-        if from_env.is_none() {
-            tries.push(wgpu::Backends::all());
+        Self::from_adapter(&default_adapter().await?).await
+    }
+
+    /// `n` devices on the adapter [`Context::new`] would choose (each with its own queue and
+    /// pipeline cache): the devices of an in-process ring ([`Ring`](crate::Ring)). On one GPU
+    /// they share its memory and cores; lavapipe gives as many as asked for.
+    pub async fn devices(n: usize) -> Result<Vec<Self>> {
+        let adapter = default_adapter().await?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            out.push(Self::from_adapter(&adapter).await?);
         }
-        let mut last = None;
-        for backends in tries {
-            let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
-            desc.backends = backends;
-            let instance = wgpu::Instance::new(desc);
-            match select_adapter(&instance).await {
-                Ok(adapter) => return Self::from_adapter(&adapter).await,
-                Err(e @ Error::AdapterNotFound { .. }) => return Err(e),
-                Err(e) => last = Some(e),
-            }
-        }
-        Err(last.expect("at least one attempt"))
+        Ok(out)
+    }
+
+    /// Blocking version of [`Context::devices`].
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn devices_blocking(n: usize) -> Result<Vec<Self>> {
+        pollster::block_on(Self::devices(n))
     }
 
     /// Blocking version of [`Context::new`].
@@ -350,6 +350,29 @@ impl Context {
     ) -> Result<Vec<f32>> {
         crate::buffers::read_as_f32(self, buffer, offset, elems, storage).await
     }
+}
+
+/// The adapter [`Context::new`] uses: the primary backends first, then every backend.
+async fn default_adapter() -> Result<wgpu::Adapter> {
+    // Without WGPU_BACKEND, try the primary backends (Vulkan, Metal, DX12, WebGPU) first and
+    // fall back to every backend (GL included) only when they find nothing.
+    let from_env = wgpu::Backends::from_env();
+    let mut tries = vec![from_env.unwrap_or(wgpu::Backends::PRIMARY)];
+    if from_env.is_none() {
+        tries.push(wgpu::Backends::all());
+    }
+    let mut last = None;
+    for backends in tries {
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+        desc.backends = backends;
+        let instance = wgpu::Instance::new(desc);
+        match select_adapter(&instance).await {
+            Ok(adapter) => return Ok(adapter),
+            Err(e @ Error::AdapterNotFound { .. }) => return Err(e),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.expect("at least one attempt"))
 }
 
 /// Pick the adapter: `WGPU_ADAPTER_NAME` if set, else wgpu's default choice.

@@ -227,6 +227,36 @@ pub enum Error {
     /// Reading results back failed.
     #[error("reading results back from the GPU failed: {0}")]
     Readback(String),
+    /// A ring of devices cannot take this problem (more devices than sequence positions, an
+    /// option the ring cannot shard, inputs it cannot slice).
+    #[error("ring of {devices} devices: {reason}")]
+    Ring {
+        /// The ring's size.
+        devices: usize,
+        /// Why.
+        reason: String,
+    },
+    /// The ranks of a ring disagree on the problem (shapes, options, formats or layout): every
+    /// rank gets this error before any GPU work.
+    #[error("ring rank {rank} differs from rank {other}: {what}")]
+    RingMismatch {
+        /// The rank reporting the error.
+        rank: usize,
+        /// The first rank whose description differs from it.
+        other: usize,
+        /// What differs.
+        what: String,
+    },
+    /// A neighbour in the ring failed, went away or did not answer within the ring's timeout.
+    #[error("ring rank {rank}: peer {peer} {reason}")]
+    RingPeer {
+        /// The rank reporting the error.
+        rank: usize,
+        /// The neighbour.
+        peer: usize,
+        /// What happened (an error, a closed link, a timeout).
+        reason: String,
+    },
 }
 
 impl From<wgpu::Error> for Error {

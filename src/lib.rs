@@ -20,6 +20,8 @@ mod pipelines;
 pub mod plot;
 pub mod problem;
 pub mod reference;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod ring;
 mod sdpa;
 #[cfg(feature = "shapes")]
 pub mod shapes;
@@ -41,6 +43,8 @@ pub use mha::{
 };
 pub use options::Options;
 pub use problem::{Causal, Problem};
+#[cfg(not(target_arch = "wasm32"))]
+pub use ring::{DeviceReport, Layout, Ring, RingGrads, RingOutput, RingPlan, RingReport};
 pub use sdpa::backward::{Backward, GpuGrads, Grads};
 pub use sdpa::merge::merge;
 #[cfg(not(target_arch = "wasm32"))]

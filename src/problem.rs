@@ -17,6 +17,11 @@ pub enum Causal {
     /// FlashAttention / KV-cache decoding: query `i` sees keys `j <= i + S - L`.
     /// When `L > S` the first `L - S` query rows see no key and are fully masked.
     BottomRight,
+    /// Query `i` sees keys `j <= i + d` for the given diagonal offset `d`, whatever L and S
+    /// (`Diagonal(0)` is [`Causal::TopLeft`]). The causal mask of one block of a longer
+    /// sequence (chunked prefill, the ring's blocks: rows from `q0`, keys from `k0` of a
+    /// top-left causal sequence take `d = q0 - k0`). Rows that see no key are fully masked.
+    Diagonal(i64),
 }
 
 impl Causal {
@@ -27,6 +32,7 @@ impl Causal {
             Causal::None => None,
             Causal::TopLeft => Some(0),
             Causal::BottomRight => Some(seq_kv as i64 - seq_q as i64),
+            Causal::Diagonal(d) => Some(d),
         }
     }
 }
@@ -310,5 +316,6 @@ mod tests {
         assert_eq!(Causal::BottomRight.offset(3, 10), Some(7));
         assert_eq!(Causal::BottomRight.offset(10, 3), Some(-7));
         assert_eq!(Causal::TopLeft.offset(10, 3), Some(0));
+        assert_eq!(Causal::Diagonal(-4).offset(10, 3), Some(-4));
     }
 }

@@ -29,66 +29,7 @@ fn check(ctx: &Context, case: &Case, path: Path, label: &str) {
         .path(path)
         .run_blocking(ctx)
         .unwrap_or_else(|e| panic!("{label}: {e}"));
-    let opts = case.options();
-    let r64 =
-        reference::sdpa_backward(case.q.view(), case.k.view(), case.v.view(), dout.view(), &opts).unwrap();
-    let r32 = reference::sdpa_backward_f32(case.q.view(), case.k.view(), case.v.view(), dout.view(), &opts)
-        .unwrap();
-    let rule = |name: &str, got: &[f32], want: &[f64], plain: &[f32]| {
-        let report = if case.storage == Storage::F32 {
-            flash_rule(got.iter().copied(), want.iter().copied(), plain.iter().copied())
-        } else {
-            // Half outputs: the format's rounding relative to the largest gradient.
-            let max = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-            let t = Tolerance::for_storage(case.storage);
-            compare(
-                got.iter().copied(),
-                want.iter().copied(),
-                Tolerance {
-                    atol: 2.0 * t.rtol * max + t.atol,
-                    rtol: 0.0,
-                },
-            )
-        };
-        assert!(report.passed(), "{label} {path:?} {name}: {report}");
-    };
-    let flat = |a: &ArrayD<f64>| a.iter().copied().collect::<Vec<_>>();
-    rule(
-        "dq",
-        g.dq.as_slice().unwrap(),
-        r64.dq.as_slice().unwrap(),
-        r32.dq.as_slice().unwrap(),
-    );
-    rule(
-        "dk",
-        g.dk.as_slice().unwrap(),
-        r64.dk.as_slice().unwrap(),
-        r32.dk.as_slice().unwrap(),
-    );
-    rule(
-        "dv",
-        g.dv.as_slice().unwrap(),
-        r64.dv.as_slice().unwrap(),
-        r32.dv.as_slice().unwrap(),
-    );
-    match (&g.dbias, &r64.dbias, &r32.dbias) {
-        (Some(got), Some(want), Some(plain)) => {
-            assert_eq!(got.shape(), want.shape(), "{label}: dbias shape");
-            let got: Vec<f32> = got.iter().copied().collect();
-            let plain: Vec<f32> = plain.iter().copied().collect();
-            rule("dbias", &got, &flat(want), &plain);
-        }
-        (None, None, None) => {}
-        _ => panic!("{label}: dbias presence differs"),
-    }
-    // The forward it ran on the way.
-    let out = g.output.as_ref().expect("the forward's output");
-    let report = compare(
-        out.iter().copied(),
-        r64.out.iter().copied(),
-        twice_storage_tolerance(case.storage),
-    );
-    assert!(report.passed(), "{label}: forward output: {report}");
+    assert_grads(case, &g, &dout, &format!("{label} {path:?}"));
 }
 
 /// The grid: every shape × every mask kind (fully masked rows included) × both paths.

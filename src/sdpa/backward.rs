@@ -42,10 +42,10 @@ use super::{GpuOutput, Path, Sdpa};
 /// ```
 #[derive(Debug, Clone)]
 pub struct Backward<'a> {
-    sdpa: Sdpa<'a>,
-    dout: Tensor<'a>,
-    saved: Option<(Tensor<'a>, Tensor<'a>)>,
-    path: Path,
+    pub(crate) sdpa: Sdpa<'a>,
+    pub(crate) dout: Tensor<'a>,
+    pub(crate) saved: Option<(Tensor<'a>, Tensor<'a>)>,
+    pub(crate) path: Path,
 }
 
 /// Gradients on the host, widened to f32 from their storage formats (exact).
@@ -430,7 +430,7 @@ fn check_workgroups(ctx: &Context, n: usize) -> Result<()> {
 
 /// The backward's plan.
 #[derive(Debug, Clone)]
-enum Plan {
+pub(crate) enum Plan {
     Fused(kb::Config),
     Unfused(ChunkPlan),
 }
@@ -444,7 +444,7 @@ impl Plan {
     }
 }
 
-fn plan(p: &Problem, path: Path, caps: &Caps) -> Result<Plan> {
+pub(crate) fn plan(p: &Problem, path: Path, caps: &Caps) -> Result<Plan> {
     let fused = kb::Config::new(p, caps);
     match path {
         Path::Auto if fused.is_ok() => Ok(Plan::Fused(fused.expect("checked"))),

@@ -122,16 +122,16 @@ pub struct GpuOutput {
 /// ```
 #[derive(Debug, Clone)]
 pub struct Sdpa<'a> {
-    q: Tensor<'a>,
-    k: Tensor<'a>,
-    v: Tensor<'a>,
-    options: Options<'a>,
-    path: Path,
-    weights: bool,
-    lse: bool,
-    max_scores_bytes: Option<u64>,
-    out_buffer: Option<(&'a wgpu::Buffer, u64)>,
-    out_storage: Option<Storage>,
+    pub(crate) q: Tensor<'a>,
+    pub(crate) k: Tensor<'a>,
+    pub(crate) v: Tensor<'a>,
+    pub(crate) options: Options<'a>,
+    pub(crate) path: Path,
+    pub(crate) weights: bool,
+    pub(crate) lse: bool,
+    pub(crate) max_scores_bytes: Option<u64>,
+    pub(crate) out_buffer: Option<(&'a wgpu::Buffer, u64)>,
+    pub(crate) out_storage: Option<Storage>,
     /// Bahdanau's additive score (the attention variants): q and k are then the projections
     /// (q with b added) and the scale 1. Planned from this flag; recorded with `additive_u`.
     pub(crate) additive: bool,
@@ -242,37 +242,7 @@ impl<'a> Sdpa<'a> {
     pub fn device_memory(&self, ctx: &Context) -> Result<u64> {
         let p = self.problem()?;
         let plan = Plan::new(&p, &self.request(), &ctx.caps())?;
-        let bytes = shape_bytes;
-        let fmt = |s: Storage, shape: &[usize]| s.bytes(shape.iter().product());
-        let f = p.storage;
-        let mut total = fmt(f.q, &p.q_shape())
-            + fmt(f.k, &p.k_shape())
-            + fmt(f.v, &p.v_shape())
-            + fmt(f.out, &p.out_shape())
-            + bytes(&[p.batch_heads(), p.seq_q]);
-        if let Some(m) = p.mask {
-            let [b, h, l, _] = m.shape;
-            total += bytes(&[b, h, l, p.seq_kv.div_ceil(32)]);
-        }
-        if let Some(b) = p.bias {
-            total += fmt(f.bias, &b.shape);
-        }
-        if p.kv_lens.is_some() {
-            total += bytes(&[p.batch]);
-        }
-        match &plan.kernel {
-            Kernel::Unfused(chunks) => {
-                total += bytes(&[chunks.heads, chunks.rows, p.seq_kv]);
-                if self.weights {
-                    total += bytes(&p.score_shape());
-                }
-            }
-            Kernel::Decode(c) => {
-                total += bytes(&[c.splits, p.batch_heads() * p.seq_q, p.head_dim_v + 1]);
-            }
-            Kernel::Fused(_) => {}
-        }
-        Ok(total)
+        Ok(memory_of(&p, &plan, self.weights))
     }
 
     /// Run on the GPU and read the results back.
@@ -321,6 +291,42 @@ impl<'a> Sdpa<'a> {
         forward::record(self, ctx, encoder)
     }
 }
+
+/// [`Sdpa::device_memory`] of a planned problem.
+pub(crate) fn memory_of(p: &Problem, plan: &Plan, weights: bool) -> u64 {
+    let bytes = shape_bytes;
+    let fmt = |s: Storage, shape: &[usize]| s.bytes(shape.iter().product());
+    let f = p.storage;
+    let mut total = fmt(f.q, &p.q_shape())
+        + fmt(f.k, &p.k_shape())
+        + fmt(f.v, &p.v_shape())
+        + fmt(f.out, &p.out_shape())
+        + bytes(&[p.batch_heads(), p.seq_q]);
+    if let Some(m) = p.mask {
+        let [b, h, l, _] = m.shape;
+        total += bytes(&[b, h, l, p.seq_kv.div_ceil(32)]);
+    }
+    if let Some(b) = p.bias {
+        total += fmt(f.bias, &b.shape);
+    }
+    if p.kv_lens.is_some() {
+        total += bytes(&[p.batch]);
+    }
+    match &plan.kernel {
+        Kernel::Unfused(chunks) => {
+            total += bytes(&[chunks.heads, chunks.rows, p.seq_kv]);
+            if weights {
+                total += bytes(&p.score_shape());
+            }
+        }
+        Kernel::Decode(c) => {
+            total += bytes(&[c.splits, p.batch_heads() * p.seq_q, p.head_dim_v + 1]);
+        }
+        Kernel::Fused(_) => {}
+    }
+    total
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

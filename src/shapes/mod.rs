@@ -212,6 +212,7 @@ impl Shape {
             Causal::None => {}
             Causal::TopLeft => s.push_str(" causal=top-left"),
             Causal::BottomRight => s.push_str(" causal=bottom-right"),
+            Causal::Diagonal(d) => s.push_str(&format!(" causal=diagonal({d})")),
         }
         if let Some(l) = self.kv_lens {
             s.push_str(&format!(" kv_lens={l:?}"));

@@ -6,7 +6,9 @@
 mod cases;
 
 pub use cases::*;
-use wgpu_attention::check::Tolerance;
+use ndarray::{Array4, ArrayD};
+use wgpu_attention::check::{compare, flash_rule, Tolerance};
+use wgpu_attention::{Grads, Storage};
 use wgpu_attention::reference;
 use wgpu_attention::{wgpu, Context, Path};
 
@@ -128,4 +130,79 @@ pub fn mha_fixture_mask(dir: &std::path::Path) -> Option<ndarray::ArrayD<bool>> 
         );
     }
     None
+}
+
+/// Check backward results `g` of `case` for upstream gradient `dout` against the f64
+/// reference by FlashAttention's rule (f32: at most twice the plain f32 implementation's
+/// error, plus 1e-5·max|ref| + 1e-6; half formats: twice the format's rounding of the largest
+/// gradient), d(bias) included, and the forward output when the backward ran it.
+pub fn assert_grads(case: &Case, g: &Grads, dout: &Array4<f32>, label: &str) {
+    let opts = case.options();
+    let r64 =
+        reference::sdpa_backward(case.q.view(), case.k.view(), case.v.view(), dout.view(), &opts).unwrap();
+    let r32 = reference::sdpa_backward_f32(case.q.view(), case.k.view(), case.v.view(), dout.view(), &opts)
+        .unwrap();
+    let rule = |name: &str, got: &[f32], want: &[f64], plain: &[f32]| {
+        let report = if case.storage == Storage::F32 {
+            flash_rule(got.iter().copied(), want.iter().copied(), plain.iter().copied())
+        } else {
+            // Half outputs: the format's rounding relative to the largest gradient.
+            let max = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            let t = Tolerance::for_storage(case.storage);
+            compare(
+                got.iter().copied(),
+                want.iter().copied(),
+                Tolerance {
+                    atol: 2.0 * t.rtol * max + t.atol,
+                    rtol: 0.0,
+                },
+            )
+        };
+        assert!(report.passed(), "{label} {name}: {report}");
+    };
+    let flat = |a: &ArrayD<f64>| a.iter().copied().collect::<Vec<_>>();
+    rule(
+        "dq",
+        g.dq.as_slice().unwrap(),
+        r64.dq.as_slice().unwrap(),
+        r32.dq.as_slice().unwrap(),
+    );
+    rule(
+        "dk",
+        g.dk.as_slice().unwrap(),
+        r64.dk.as_slice().unwrap(),
+        r32.dk.as_slice().unwrap(),
+    );
+    rule(
+        "dv",
+        g.dv.as_slice().unwrap(),
+        r64.dv.as_slice().unwrap(),
+        r32.dv.as_slice().unwrap(),
+    );
+    match (&g.dbias, &r64.dbias, &r32.dbias) {
+        (Some(got), Some(want), Some(plain)) => {
+            assert_eq!(got.shape(), want.shape(), "{label}: dbias shape");
+            let got: Vec<f32> = got.iter().copied().collect();
+            let plain: Vec<f32> = plain.iter().copied().collect();
+            rule("dbias", &got, &flat(want), &plain);
+        }
+        (None, None, None) => {}
+        _ => panic!("{label}: dbias presence differs"),
+    }
+    // The forward it ran on the way.
+    let out = g.output.as_ref().expect("the forward's output");
+    let report = compare(
+        out.iter().copied(),
+        r64.out.iter().copied(),
+        twice_storage_tolerance(case.storage),
+    );
+    assert!(report.passed(), "{label}: forward output: {report}");
+}
+
+
+/// `n` devices of the default adapter for the ring tests (as [`ctx`]: `None` without an
+/// adapter, a failure instead under `WGPU_ATTENTION_REQUIRE_GPU=1`).
+pub fn devices(n: usize) -> Option<Vec<Context>> {
+    ctx()?;
+    Some(Context::devices_blocking(n).expect("devices"))
 }
