@@ -505,3 +505,77 @@ fn add_bias(acc: &mut [f32], shape: [usize; 4], part: &[f32], part_shape: [usize
         }
     }
 }
+
+impl DeviceOutput {
+    /// Every value in one vector (to send it to the rank that assembles the output).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn flatten(&self) -> Vec<f32> {
+        let w = self.weights.iter().flatten();
+        self.out.iter().chain(&self.lse).chain(w).flatten().copied().collect()
+    }
+
+    /// [`DeviceOutput::flatten`] undone, for device `rank` of `plan`.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn unflatten(plan: &RingPlan, rank: usize, data: &[f32]) -> DeviceOutput {
+        let p = &plan.p;
+        let rows: Vec<usize> = plan.query_rows(rank).iter().map(|r| p.batch_heads() * r.len()).collect();
+        let mut at = 0;
+        let mut take = |n: usize| {
+            at += n;
+            data[at - n..at].to_vec()
+        };
+        let out = rows.iter().map(|&r| take(r * p.head_dim_v)).collect();
+        let lse = rows.iter().map(|&r| take(r)).collect();
+        let weights = plan.weights.then(|| rows.iter().map(|&r| take(r * p.seq_kv)).collect());
+        DeviceOutput { out, lse, weights }
+    }
+
+    /// The values [`DeviceOutput::flatten`] gives for device `rank` of `plan`.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn len(plan: &RingPlan, rank: usize) -> usize {
+        let p = &plan.p;
+        let rows: usize = plan.query_rows(rank).iter().map(|r| p.batch_heads() * r.len()).sum();
+        rows * (p.head_dim_v + 1 + if plan.weights { p.seq_kv } else { 0 })
+    }
+}
+
+impl DeviceGrads {
+    /// Every value in one vector.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn flatten(&self) -> Vec<f32> {
+        let b = self.dbias.iter();
+        self.dq.iter().chain(&self.dk).chain(&self.dv).chain(b).flatten().copied().collect()
+    }
+
+    /// [`DeviceGrads::flatten`] undone, for device `rank` of `plan`.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn unflatten(plan: &RingPlan, rank: usize, data: &[f32]) -> DeviceGrads {
+        let p = &plan.p;
+        let q_rows: Vec<usize> = plan.query_rows(rank).iter().map(|r| p.batch_heads() * r.len()).collect();
+        let kv_rows: Vec<usize> = plan
+            .key_rows(rank)
+            .iter()
+            .map(|r| p.batch * p.kv_heads * r.len())
+            .collect();
+        let mut at = 0;
+        let mut take = |n: usize| {
+            at += n;
+            data[at - n..at].to_vec()
+        };
+        DeviceGrads {
+            dq: q_rows.iter().map(|&r| take(r * p.head_dim)).collect(),
+            dk: kv_rows.iter().map(|&r| take(r * p.head_dim)).collect(),
+            dv: kv_rows.iter().map(|&r| take(r * p.head_dim_v)).collect(),
+            dbias: p.bias.map(|b| take(b.len())),
+        }
+    }
+
+    /// The values [`DeviceGrads::flatten`] gives for device `rank` of `plan`.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn len(plan: &RingPlan, rank: usize) -> usize {
+        let p = &plan.p;
+        let q: usize = plan.query_rows(rank).iter().map(|r| p.batch_heads() * r.len()).sum();
+        let kv: usize = plan.key_rows(rank).iter().map(|r| p.batch * p.kv_heads * r.len()).sum();
+        q * p.head_dim + kv * (p.head_dim + p.head_dim_v) + p.bias.map_or(0, |b| b.len())
+    }
+}

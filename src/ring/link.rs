@@ -20,8 +20,6 @@ pub(crate) enum Tag {
 pub(crate) trait Link {
     /// This device's rank, `0..size`.
     fn rank(&self) -> usize;
-    /// The ring's size.
-    fn size(&self) -> usize;
     /// Send `data` to the next device and receive `len` bytes from the previous one; fails
     /// (never hangs) when a neighbour fails, goes away or does not answer in time.
     fn exchange(&mut self, tag: Tag, data: &[u8], len: usize) -> Result<Vec<u8>>;
@@ -67,10 +65,6 @@ impl Channels {
 impl Link for Channels {
     fn rank(&self) -> usize {
         self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.size
     }
 
     fn exchange(&mut self, tag: Tag, data: &[u8], len: usize) -> Result<Vec<u8>> {

@@ -431,7 +431,7 @@ impl RingPlan {
     }
 
     /// The plan of the backward of `b`: dO's format and the backward's path.
-    fn for_backward(mut self, b: &Backward<'_>) -> Result<Self> {
+    pub(crate) fn for_backward(mut self, b: &Backward<'_>) -> Result<Self> {
         self.p = b.problem()?;
         self.path = b.path;
         self.backward = true;
@@ -620,7 +620,7 @@ impl RingPlan {
     }
 
     /// The inputs on the host (and, for a backward, dO and the saved or computed forward).
-    fn global<'x>(
+    pub(crate) fn global<'x>(
         &self,
         sdpa: &'x Sdpa<'_>,
         backward: Option<(&'x Backward<'_>, Option<&'x Output>)>,
@@ -631,14 +631,15 @@ impl RingPlan {
             Some((b, fw)) => {
                 let dout = shard::host(n, "dout", &b.dout)?;
                 let saved = match (&b.saved, fw) {
-                    (Some((o, l)), _) => (shard::host(n, "output", o)?, shard::host(n, "lse", l)?),
-                    (None, Some(fw)) => (
+                    (Some((o, l)), _) => Some((shard::host(n, "output", o)?, shard::host(n, "lse", l)?)),
+                    (None, Some(fw)) => Some((
                         fw.output.as_slice().expect("standard layout").into(),
                         fw.lse.as_ref().expect("requested").as_slice().expect("standard layout").into(),
-                    ),
-                    (None, None) => unreachable!("the forward runs when nothing is saved"),
+                    )),
+                    // Over MPI each rank fills in the rows of its own forward.
+                    (None, None) => None,
                 };
-                (Some(dout), Some(saved))
+                (Some(dout), saved)
             }
         };
         Ok(Global {
