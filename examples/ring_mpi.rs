@@ -52,6 +52,21 @@ struct Args {
     /// Wait for each step's kernels before exchanging (no overlap).
     #[arg(long)]
     no_overlap: bool,
+    /// Fault drill: this rank uses a sequence one longer than the others' (every rank must
+    /// fail with a mismatch error).
+    #[arg(long, value_name = "RANK")]
+    mismatch_rank: Option<usize>,
+    /// Fault drill: this rank stalls for --stall-secs before starting (the others must fail
+    /// with a timeout error when it exceeds --timeout).
+    #[arg(long, value_name = "RANK")]
+    stall_rank: Option<usize>,
+    /// Fault drill: how long the stalled rank sleeps.
+    #[arg(long, default_value_t = 0)]
+    stall_secs: u64,
+    /// Fault drill: this rank exits without a word before starting (the job must end, not
+    /// hang).
+    #[arg(long, value_name = "RANK")]
+    die_rank: Option<usize>,
 }
 
 fn random(seed: u64, shape: (usize, usize, usize, usize)) -> Array4<f32> {
@@ -66,9 +81,21 @@ fn main() {
     abort_on_panic();
     let rank = world.rank() as usize;
     let ctx = Context::new_blocking().unwrap_or_else(|e| fail(&world, &e));
-    let shape = (1, args.heads, args.seq, args.dim);
+    let seq = args.seq + usize::from(args.mismatch_rank == Some(rank));
+    let shape = (1, args.heads, seq, args.dim);
+    if args.die_rank == Some(rank) {
+        eprintln!("rank {rank}: exiting (fault drill)");
+        std::process::exit(9);
+    }
+    if args.stall_rank == Some(rank) {
+        std::thread::sleep(std::time::Duration::from_secs(args.stall_secs));
+    }
     let (q, k, v) = (random(1, shape), random(2, shape), random(3, shape));
-    let causal = if args.causal { Causal::TopLeft } else { Causal::None };
+    let causal = if args.causal {
+        Causal::TopLeft
+    } else {
+        Causal::None
+    };
     let sdpa = Sdpa::new(&q, &k, &v).causal(causal).return_lse();
     let ring = MpiRing::new(&world, &ctx)
         .layout(args.layout)
@@ -95,7 +122,12 @@ fn main() {
             let mut at = 0;
             let mut v = vec![];
             for r in &out.rows {
-                v.extend(out.local_output.slice(s![.., .., at..at + r.len(), ..]).iter().copied());
+                v.extend(
+                    out.local_output
+                        .slice(s![.., .., at..at + r.len(), ..])
+                        .iter()
+                        .copied(),
+                );
                 at += r.len();
             }
             v
@@ -104,7 +136,11 @@ fn main() {
         println!("rank {rank}: rows {:?} against one device: {report}", out.rows);
         failed |= !report.passed();
         if let Some(full) = &out.output {
-            let report = compare(full.output.iter().copied(), one.output.iter().copied(), F32_TOLERANCE);
+            let report = compare(
+                full.output.iter().copied(),
+                one.output.iter().copied(),
+                F32_TOLERANCE,
+            );
             println!("rank 0: assembled output against one device: {report}");
             failed |= !report.passed();
         }

@@ -8,7 +8,8 @@
 #   browser  the browser suite in headless Chromium's WebGPU (scripts/web.sh test; Debian's
 #            chromium and chromium-driver, wasm-bindgen-cli from crates.io)
 #   web-demo the demo page built and loaded in headless Chromium, which must say "check: PASS"
-# WGPU_ATTENTION_BACKENDS picks among them (default: all four, in that order).
+#   mpi      the ring over MPI ranks (scripts/mpi.sh; Open MPI installed when missing)
+# WGPU_ATTENTION_BACKENDS picks among them (default: all five, in that order).
 # Set WGPU_ATTENTION_REQUIRE_GPU=1 to make GPU tests fail instead of skipping without an adapter
 # (the GL and browser passes always fail without one).
 set -euo pipefail
@@ -49,10 +50,10 @@ stage() { # stage <name> <command...>: run a stage and print its wall time
 
 stage rustfmt cargo fmt --all -- --check
 stage clippy cargo clippy --all-targets --locked -- -D warnings
-BACKENDS=${WGPU_ATTENTION_BACKENDS:-vulkan gl browser web-demo}
+BACKENDS=${WGPU_ATTENTION_BACKENDS:-vulkan gl browser web-demo mpi}
 for b in $BACKENDS; do
-  case $b in vulkan | gl | browser | web-demo) ;; *)
-    echo "WGPU_ATTENTION_BACKENDS: unknown pass '$b' (vulkan, gl, browser, web-demo)" >&2
+  case $b in vulkan | gl | browser | web-demo | mpi) ;; *)
+    echo "WGPU_ATTENTION_BACKENDS: unknown pass '$b' (vulkan, gl, browser, web-demo, mpi)" >&2
     exit 2
     ;;
   esac
@@ -92,3 +93,4 @@ if has browser; then
   stage "tests in Chromium (WebGPU)" ./scripts/web.sh test
 fi
 if has web-demo; then stage "web demo in Chromium" ./scripts/web.sh check; fi
+if has mpi; then stage "MPI ring (2 and 4 ranks, fault drills)" ./scripts/mpi.sh; fi

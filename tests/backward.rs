@@ -7,8 +7,8 @@
 mod common;
 
 use common::*;
-use ndarray::{Array3, Array4, ArrayD};
-use wgpu_attention::check::{compare, flash_rule, Tolerance};
+use ndarray::{Array3, Array4};
+use wgpu_attention::check::{compare, flash_rule};
 use wgpu_attention::{reference, Context, Error, Path, Storage, Tensor};
 
 const PATHS: [Path; 2] = [Path::Fused, Path::Unfused];

@@ -491,14 +491,135 @@ fn mha_storage_f16_matches_the_rounded_reference() {
 
 /// `backward` with `--q --k --v --dout` from `inputs` and `--dq-out --dk-out --dv-out` to `outs`.
 fn backward_cli<P: AsRef<Path>>(inputs: &[P], outs: &[PathBuf], rest: &[&str]) -> std::process::Output {
-    let mut args = vec!["backward"];
+    cli(&[&["backward"][..], &backward_args(inputs, outs, rest)].concat())
+}
+
+/// [`backward_cli`]'s arguments after the command.
+fn backward_args<'a, P: AsRef<Path>>(inputs: &'a [P], outs: &'a [PathBuf], rest: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![];
     for (flag, p) in ["--q", "--k", "--v", "--dout"].iter().zip(inputs) {
         args.extend([*flag, s(p.as_ref())]);
     }
     for (flag, p) in ["--dq-out", "--dk-out", "--dv-out"].iter().zip(outs) {
         args.extend([*flag, s(p)]);
     }
-    cli(&[&args[..], rest].concat())
+    args.extend(rest);
+    args
+}
+
+/// The tool as `np` MPI ranks (`mpirun --oversubscribe`, allowed as root), under a time limit.
+#[cfg(feature = "mpi")]
+fn mpirun(np: usize, command: &str, args: &[&str]) -> std::process::Output {
+    Command::new("timeout")
+        .args([
+            "-s",
+            "INT",
+            "300",
+            "mpirun",
+            "--oversubscribe",
+            "-np",
+            &np.to_string(),
+        ])
+        .arg(env!("CARGO_BIN_EXE_wgpu-attention"))
+        .arg(command)
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .output()
+        .unwrap()
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpirun(_: usize, _: &str, _: &[&str]) -> std::process::Output {
+    unreachable!("--mpi needs the mpi feature")
+}
+
+/// `run --devices N` (and, built with the feature, `run --mpi` under mpirun) write the same
+/// output, logsumexp and weights as one device, with GQA, a mask, causal bottom-right and key
+/// lengths; a ring longer than the sequence is an error (status 2).
+#[test]
+fn run_on_a_ring_matches_one_device() {
+    if common::ctx().is_none() {
+        return;
+    }
+    let dir = out_dir("ring");
+    let mut r = common::rng(31);
+    let q = common::rand_array(&mut r, (2, 4, 45, 16));
+    let k = common::rand_array(&mut r, (2, 2, 37, 16));
+    let v = common::rand_array(&mut r, (2, 2, 37, 8));
+    let mask = ArrayD::from_shape_fn(ndarray::IxDyn(&[2, 1, 45, 37]), |ix| {
+        (ix[2] * 7 + ix[3] * 3 + ix[0]) % 4 != 0
+    });
+    let files = ["q", "k", "v", "m"].map(|n| dir.join(format!("{n}.npy")));
+    write_npy(&files[0], &q).unwrap();
+    write_npy(&files[1], &k).unwrap();
+    write_npy(&files[2], &v).unwrap();
+    write_npy(&files[3], &mask).unwrap();
+    let run = |tag: &str, extra: &[&str], mpi: usize| {
+        let outs = ["o", "lse", "w"].map(|n| dir.join(format!("{tag}_{n}.npy")));
+        let mut args = vec![];
+        for (flag, p) in ["--q", "--k", "--v", "--mask"].iter().zip(&files) {
+            args.extend([*flag, s(p)]);
+        }
+        for (flag, p) in ["--out", "--lse-out", "--weights-out"].iter().zip(&outs) {
+            args.extend([*flag, s(p)]);
+        }
+        args.extend(["--causal", "bottom-right", "--kv-lens", "30,5"]);
+        args.extend(extra);
+        let res = if mpi > 0 {
+            mpirun(mpi, "run", &args)
+        } else {
+            cli(&[&["run"][..], &args].concat())
+        };
+        assert!(
+            res.status.success(),
+            "{tag}: {}",
+            String::from_utf8_lossy(&res.stderr)
+        );
+        outs.map(|p| read_npy::<_, ArrayD<f32>>(p).unwrap())
+    };
+    let one = run("one", &["--path", "unfused"], 0);
+    let mut rings = vec![
+        (
+            "devices 3",
+            run("dev3", &["--devices", "3", "--path", "unfused"], 0),
+        ),
+        (
+            "devices 4 contiguous",
+            run(
+                "dev4",
+                &["--devices", "4", "--path", "unfused", "--layout", "contiguous"],
+                0,
+            ),
+        ),
+    ];
+    #[cfg(feature = "mpi")]
+    rings.push(("mpi 3", run("mpi3", &["--mpi", "--path", "unfused"], 3)));
+    for (label, got) in rings.drain(..) {
+        for (name, (g, w)) in ["output", "lse", "weights"].iter().zip(got.iter().zip(&one)) {
+            assert_eq!(g.shape(), w.shape(), "{label} {name}");
+            common::assert_report(
+                compare(g.iter().copied(), w.iter().copied(), common::TOL),
+                &format!("{label} {name}"),
+            );
+        }
+    }
+    let res = cli(&[
+        "run",
+        "--q",
+        s(&files[0]),
+        "--k",
+        s(&files[1]),
+        "--v",
+        s(&files[2]),
+        "--out",
+        s(&dir.join("x.npy")),
+        "--devices",
+        "50",
+    ]);
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(2), "{err}");
+    assert!(err.contains("more devices than sequence positions"), "{err}");
 }
 
 /// `backward` on .npy files: the GPU's gradients (fused and unfused, with a mask, a broadcast
@@ -536,7 +657,13 @@ fn backward_writes_gradients_matching_the_reference() {
     let want =
         wgpu_attention::reference::sdpa_backward(q.view(), k.view(), v.view(), dout.view(), &opts).unwrap();
     let outs = ["dq", "dk", "dv", "db"].map(|n| dir.join(format!("{n}.npy")));
-    for how in [&["--path", "fused"][..], &["--path", "unfused"], &["--cpu"]] {
+    for how in [
+        &["--path", "fused"][..],
+        &["--path", "unfused"],
+        &["--cpu"],
+        &["--devices", "3"],
+        &["--devices", "2", "--path", "unfused", "--layout", "contiguous"],
+    ] {
         let rest = [
             &["--bias", s(&files[4]), "--mask", s(&files[5])][..],
             &[
@@ -551,6 +678,25 @@ fn backward_writes_gradients_matching_the_reference() {
         ]
         .concat();
         let res = backward_cli(&files[..4], &outs[..3], &rest);
+        #[cfg(feature = "mpi")]
+        if how == ["--devices", "3"] {
+            // The same as 2 MPI ranks: rank 0 writes the gradients.
+            let _ = std::fs::remove_file(&outs[0]);
+            let res = mpirun(
+                2,
+                "backward",
+                &backward_args(
+                    &files[..4],
+                    &outs[..3],
+                    &[&rest[..rest.len() - 2], &["--mpi"]].concat(),
+                ),
+            );
+            assert!(
+                res.status.success(),
+                "--mpi: {}",
+                String::from_utf8_lossy(&res.stderr)
+            );
+        }
         assert!(
             res.status.success(),
             "{how:?}: {}",

@@ -41,7 +41,13 @@ fn forward_matches_reference_for_every_mask_kind() {
     for (name, kind) in mask_kinds() {
         let case = kind(Case::random(SHAPE, 3));
         for n in 1..=4 {
-            check_forward(&devices[..n], &case, Layout::Zigzag, Path::Auto, &format!("{name} N={n}"));
+            check_forward(
+                &devices[..n],
+                &case,
+                Layout::Zigzag,
+                Path::Auto,
+                &format!("{name} N={n}"),
+            );
         }
     }
 }
@@ -61,7 +67,9 @@ fn forward_layouts_paths_weights_and_half_formats() {
         }
     }
     for st in [Storage::F16, Storage::Bf16] {
-        let case = Case::random(SHAPE, 7).with_causal(Causal::TopLeft).with_storage(st);
+        let case = Case::random(SHAPE, 7)
+            .with_causal(Causal::TopLeft)
+            .with_storage(st);
         check_forward(&devices, &case, Layout::Zigzag, Path::Auto, &format!("{st}"));
     }
 }
@@ -75,12 +83,23 @@ fn forward_short_sequences_and_no_overlap() {
     for (l, s) in [(4, 4), (5, 7), (9, 4), (4, 13)] {
         for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
             let case = Case::random((1, 2, 1, l, s, 8, 8), 8).with_causal(causal);
-            check_forward(&devices, &case, Layout::Zigzag, Path::Auto, &format!("L={l} S={s} {causal:?}"));
+            check_forward(
+                &devices,
+                &case,
+                Layout::Zigzag,
+                Path::Auto,
+                &format!("L={l} S={s} {causal:?}"),
+            );
         }
     }
-    let case = Case::random(SHAPE, 9).with_causal(Causal::TopLeft).with_random_mask(10);
+    let case = Case::random(SHAPE, 9)
+        .with_causal(Causal::TopLeft)
+        .with_random_mask(10);
     let a = Ring::new(&devices).run_blocking(&case.sdpa()).unwrap();
-    let b = Ring::new(&devices).overlap(false).run_blocking(&case.sdpa()).unwrap();
+    let b = Ring::new(&devices)
+        .overlap(false)
+        .run_blocking(&case.sdpa())
+        .unwrap();
     assert_eq!(a.output.output, b.output.output);
     assert!(!b.report.overlap);
 }
@@ -117,9 +136,10 @@ fn zigzag_balances_causal_work() {
 fn backward_matches_reference() {
     let Some(devices) = devices(3) else { return };
     let kinds = mask_kinds();
-    for (name, kind) in kinds.iter().filter(|(n, _)| {
-        ["none", "causal_top_left", "all_combined", "top_left_mask_bias"].contains(n)
-    }) {
+    for (name, kind) in kinds
+        .iter()
+        .filter(|(n, _)| ["none", "causal_top_left", "all_combined", "top_left_mask_bias"].contains(n))
+    {
         let case = kind(Case::random(SHAPE, 12));
         let (b, h, l, _) = case.dims();
         let dout = rand_array(&mut rng(13), (b, h, l, case.v.dim().3));
@@ -160,20 +180,28 @@ fn refusals_are_typed() {
     let case = Case::random((1, 1, 1, 2, 8, 4, 4), 16);
     let e = Ring::new(&devices).run_blocking(&case.sdpa()).unwrap_err();
     assert!(matches!(e, Error::Ring { devices: 3, .. }), "{e}");
-    assert!(e.to_string().contains("more devices than sequence positions"), "{e}");
+    assert!(
+        e.to_string().contains("more devices than sequence positions"),
+        "{e}"
+    );
     let e = Ring::new(&[]).run_blocking(&case.sdpa()).unwrap_err();
     assert!(matches!(e, Error::Ring { devices: 0, .. }), "{e}");
 
     let case = Case::random((1, 1, 1, 8, 8, 4, 4), 17);
-    let buf = devices[0].device().create_buffer(&wgpu_attention::wgpu::BufferDescriptor {
-        label: None,
-        size: 256,
-        usage: wgpu_attention::wgpu::BufferUsages::STORAGE | wgpu_attention::wgpu::BufferUsages::COPY_SRC,
-        mapped_at_creation: false,
-    });
+    let buf = devices[0]
+        .device()
+        .create_buffer(&wgpu_attention::wgpu::BufferDescriptor {
+            label: None,
+            size: 256,
+            usage: wgpu_attention::wgpu::BufferUsages::STORAGE | wgpu_attention::wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
     let on_gpu = wgpu_attention::Sdpa::new(Tensor::from_buffer(&buf, 0, &[1, 1, 8, 4]), &case.k, &case.v);
     let e = Ring::new(&devices).run_blocking(&on_gpu).unwrap_err();
-    assert!(matches!(e, Error::Ring { .. }) && e.to_string().contains("GPU buffer"), "{e}");
+    assert!(
+        matches!(e, Error::Ring { .. }) && e.to_string().contains("GPU buffer"),
+        "{e}"
+    );
     let e = Ring::new(&devices)
         .run_blocking(&case.sdpa().output_buffer(&buf, 0))
         .unwrap_err();

@@ -95,7 +95,13 @@ struct Pair<'s> {
 }
 
 impl<'s> Pair<'s> {
-    fn new(plan: &RingPlan, shard: &Shard, b: usize, (i, kc, causal): (usize, usize, Causal), own: [usize; 2]) -> Self {
+    fn new(
+        plan: &RingPlan,
+        shard: &Shard,
+        b: usize,
+        (i, kc, causal): (usize, usize, Causal),
+        own: [usize; 2],
+    ) -> Self {
         let p = &plan.p;
         let (lq, k) = (plan.q_range(own[i]).len(), plan.kv_range(kc));
         let part = plan
@@ -223,7 +229,13 @@ impl Acc {
     }
 
     /// Record the merge of a pair's result into the running one.
-    fn add(&mut self, ctx: &Context, encoder: &mut wgpu::CommandEncoder, g: &GpuOutput, ev: usize) -> Result<()> {
+    fn add(
+        &mut self,
+        ctx: &Context,
+        encoder: &mut wgpu::CommandEncoder,
+        g: &GpuOutput,
+        ev: usize,
+    ) -> Result<()> {
         let (o_bytes, l_bytes) = (f32_bytes(self.rows * ev), f32_bytes(self.rows));
         let slot = if self.started { 1 } else { 0 };
         encoder.copy_buffer_to_buffer(&g.output, g.output_offset, &self.parts, slot * o_bytes, o_bytes);
@@ -355,7 +367,11 @@ pub(crate) fn forward(
             let sk = k.len();
             for (row, (&lp, &lg)) in lv.iter().zip(&lse[*i]).enumerate() {
                 // Rows no key reached are zero in both.
-                let f = if lg == f32::NEG_INFINITY { 0.0 } else { (lp - lg).exp() };
+                let f = if lg == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    (lp - lg).exp()
+                };
                 for (j, &x) in wv[row * sk..(row + 1) * sk].iter().enumerate() {
                     w[*i][row * s + k.start + j] = x * f;
                 }
@@ -363,7 +379,10 @@ pub(crate) fn forward(
         }
         w
     });
-    Ok((DeviceOutput { out, lse, weights }, clock.report(plan, rank, peak, started)))
+    Ok((
+        DeviceOutput { out, lse, weights },
+        clock.report(plan, rank, peak, started),
+    ))
 }
 
 /// One device's ring backward (the output and logsumexp of its rows are in the shard).
@@ -421,7 +440,9 @@ pub(crate) fn backward(
                     let rows = [p.batch, p.q_heads, lq];
                     let sdpa = call.sdpa(plan, q, &blocks.cur);
                     let bw = sdpa
-                        .backward(Tensor::from_buffer(d, 0, &[p.batch, p.q_heads, lq, ev]).with_storage(f.out))
+                        .backward(
+                            Tensor::from_buffer(d, 0, &[p.batch, p.q_heads, lq, ev]).with_storage(f.out),
+                        )
                         .saved(
                             Tensor::from_buffer(o, 0, &[p.batch, p.q_heads, lq, ev]),
                             Tensor::from_buffer(l, 0, &rows),
@@ -456,11 +477,24 @@ pub(crate) fn backward(
                 add(&mut dq[i], block_on(ctx.read_as_f32(&g.dq, 0, rows_q * e, f.q))?);
                 let (_, k_at, v_at) = *offsets.iter().find(|o| o.0 == kc).expect("in block");
                 let kv_rows = gp.batch * gp.kv_heads * gp.seq_kv;
-                add(&mut sums[k_at..k_at + kv_rows * e], block_on(ctx.read_as_f32(&g.dk, 0, kv_rows * e, f.k))?);
-                add(&mut sums[v_at..v_at + kv_rows * ev], block_on(ctx.read_as_f32(&g.dv, 0, kv_rows * ev, f.v))?);
+                add(
+                    &mut sums[k_at..k_at + kv_rows * e],
+                    block_on(ctx.read_as_f32(&g.dk, 0, kv_rows * e, f.k))?,
+                );
+                add(
+                    &mut sums[v_at..v_at + kv_rows * ev],
+                    block_on(ctx.read_as_f32(&g.dv, 0, kv_rows * ev, f.v))?,
+                );
                 if let (Some(db), Some(buf), Some(bc)) = (dbias.as_mut(), g.dbias.as_ref(), gp.bias) {
                     let part = block_on(ctx.read_as_f32(buf, 0, bc.len(), f.bias))?;
-                    add_bias(db, p.bias.expect("bias").shape, &part, bc.shape, plan.q_range(own[i]).start, plan.kv_range(kc).start);
+                    add_bias(
+                        db,
+                        p.bias.expect("bias").shape,
+                        &part,
+                        bc.shape,
+                        plan.q_range(own[i]).start,
+                        plan.kv_range(kc).start,
+                    );
                 }
             }
             Ok(())
@@ -470,7 +504,9 @@ pub(crate) fn backward(
         if n > 1 {
             let next = (b + n - 1) % n;
             let bytes = bytemuck::cast_slice::<f32, u8>(&sums).to_vec();
-            let got = Clock::time(&mut clock.exchange, || link.exchange(Tag::Grads, &bytes, plan.grads_len(next) * 4))?;
+            let got = Clock::time(&mut clock.exchange, || {
+                link.exchange(Tag::Grads, &bytes, plan.grads_len(next) * 4)
+            })?;
             clock.sent += bytes.len() as u64;
             sums = Storage::F32.decode(&got, plan.grads_len(next));
         }
@@ -485,14 +521,20 @@ pub(crate) fn backward(
         dv.push(sums[at + rows * e..at + rows * (e + ev)].to_vec());
         at += rows * (e + ev);
     }
-    Ok((DeviceGrads { dq, dk, dv, dbias }, clock.report(plan, rank, peak, started)))
+    Ok((
+        DeviceGrads { dq, dk, dv, dbias },
+        clock.report(plan, rank, peak, started),
+    ))
 }
 
 /// Add a pair's d(bias) (broadcast shape `part_shape`, its rows from `q0`, keys from `k0` of
 /// the global ones where not broadcast) into the global d(bias) of broadcast shape `shape`.
 fn add_bias(acc: &mut [f32], shape: [usize; 4], part: &[f32], part_shape: [usize; 4], q0: usize, k0: usize) {
     let [a, b, c, d] = part_shape;
-    let (r0, c0) = (if shape[2] == 1 { 0 } else { q0 }, if shape[3] == 1 { 0 } else { k0 });
+    let (r0, c0) = (
+        if shape[2] == 1 { 0 } else { q0 },
+        if shape[3] == 1 { 0 } else { k0 },
+    );
     for i0 in 0..a {
         for i1 in 0..b {
             for i2 in 0..c {
@@ -511,14 +553,24 @@ impl DeviceOutput {
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn flatten(&self) -> Vec<f32> {
         let w = self.weights.iter().flatten();
-        self.out.iter().chain(&self.lse).chain(w).flatten().copied().collect()
+        self.out
+            .iter()
+            .chain(&self.lse)
+            .chain(w)
+            .flatten()
+            .copied()
+            .collect()
     }
 
     /// [`DeviceOutput::flatten`] undone, for device `rank` of `plan`.
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn unflatten(plan: &RingPlan, rank: usize, data: &[f32]) -> DeviceOutput {
         let p = &plan.p;
-        let rows: Vec<usize> = plan.query_rows(rank).iter().map(|r| p.batch_heads() * r.len()).collect();
+        let rows: Vec<usize> = plan
+            .query_rows(rank)
+            .iter()
+            .map(|r| p.batch_heads() * r.len())
+            .collect();
         let mut at = 0;
         let mut take = |n: usize| {
             at += n;
@@ -526,7 +578,9 @@ impl DeviceOutput {
         };
         let out = rows.iter().map(|&r| take(r * p.head_dim_v)).collect();
         let lse = rows.iter().map(|&r| take(r)).collect();
-        let weights = plan.weights.then(|| rows.iter().map(|&r| take(r * p.seq_kv)).collect());
+        let weights = plan
+            .weights
+            .then(|| rows.iter().map(|&r| take(r * p.seq_kv)).collect());
         DeviceOutput { out, lse, weights }
     }
 
@@ -534,7 +588,11 @@ impl DeviceOutput {
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn len(plan: &RingPlan, rank: usize) -> usize {
         let p = &plan.p;
-        let rows: usize = plan.query_rows(rank).iter().map(|r| p.batch_heads() * r.len()).sum();
+        let rows: usize = plan
+            .query_rows(rank)
+            .iter()
+            .map(|r| p.batch_heads() * r.len())
+            .sum();
         rows * (p.head_dim_v + 1 + if plan.weights { p.seq_kv } else { 0 })
     }
 }
@@ -544,14 +602,25 @@ impl DeviceGrads {
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn flatten(&self) -> Vec<f32> {
         let b = self.dbias.iter();
-        self.dq.iter().chain(&self.dk).chain(&self.dv).chain(b).flatten().copied().collect()
+        self.dq
+            .iter()
+            .chain(&self.dk)
+            .chain(&self.dv)
+            .chain(b)
+            .flatten()
+            .copied()
+            .collect()
     }
 
     /// [`DeviceGrads::flatten`] undone, for device `rank` of `plan`.
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn unflatten(plan: &RingPlan, rank: usize, data: &[f32]) -> DeviceGrads {
         let p = &plan.p;
-        let q_rows: Vec<usize> = plan.query_rows(rank).iter().map(|r| p.batch_heads() * r.len()).collect();
+        let q_rows: Vec<usize> = plan
+            .query_rows(rank)
+            .iter()
+            .map(|r| p.batch_heads() * r.len())
+            .collect();
         let kv_rows: Vec<usize> = plan
             .key_rows(rank)
             .iter()
@@ -574,8 +643,16 @@ impl DeviceGrads {
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn len(plan: &RingPlan, rank: usize) -> usize {
         let p = &plan.p;
-        let q: usize = plan.query_rows(rank).iter().map(|r| p.batch_heads() * r.len()).sum();
-        let kv: usize = plan.key_rows(rank).iter().map(|r| p.batch * p.kv_heads * r.len()).sum();
+        let q: usize = plan
+            .query_rows(rank)
+            .iter()
+            .map(|r| p.batch_heads() * r.len())
+            .sum();
+        let kv: usize = plan
+            .key_rows(rank)
+            .iter()
+            .map(|r| p.batch * p.kv_heads * r.len())
+            .sum();
         q * p.head_dim + kv * (p.head_dim + p.head_dim_v) + p.bias.map_or(0, |b| b.len())
     }
 }

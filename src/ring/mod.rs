@@ -234,9 +234,13 @@ impl<'c> Ring<'c> {
         plan.check_devices(self.contexts)?;
         let (contexts, overlap) = (self.contexts.to_vec(), self.overlap);
         let links = link::Channels::ring(plan.n, self.timeout);
-        let results = on_threads(plan.clone(), contexts, shards, links, move |ctx, plan, shard, link| {
-            device::forward(ctx, plan, shard, link, overlap)
-        })
+        let results = on_threads(
+            plan.clone(),
+            contexts,
+            shards,
+            links,
+            move |ctx, plan, shard, link| device::forward(ctx, plan, shard, link, overlap),
+        )
         .await?;
         let (parts, reports): (Vec<_>, Vec<_>) = results.into_iter().unzip();
         Ok(RingOutput {
@@ -269,9 +273,13 @@ impl<'c> Ring<'c> {
         drop(g);
         let (contexts, overlap) = (self.contexts.to_vec(), self.overlap);
         let links = link::Channels::ring(plan.n, self.timeout);
-        let results = on_threads(plan.clone(), contexts, shards, links, move |ctx, plan, shard, link| {
-            device::backward(ctx, plan, shard, link, overlap)
-        })
+        let results = on_threads(
+            plan.clone(),
+            contexts,
+            shards,
+            links,
+            move |ctx, plan, shard, link| device::backward(ctx, plan, shard, link, overlap),
+        )
         .await?;
         let (parts, reports): (Vec<_>, Vec<_>) = results.into_iter().unzip();
         let mut grads = plan.assemble_grads(&parts);
@@ -332,19 +340,24 @@ async fn on_threads<T: Send + 'static>(
             let _ = tx.send(first_error(results));
         })
         .map_err(|e| Error::Internal(format!("could not start the ring's thread: {e}")))?;
-    rx.receive()
-        .await
-        .unwrap_or_else(|| Err(Error::Internal("the ring's thread stopped without a result".into())))
+    rx.receive().await.unwrap_or_else(|| {
+        Err(Error::Internal(
+            "the ring's thread stopped without a result".into(),
+        ))
+    })
 }
 
 /// All results, or the root cause among the errors: a failure that is not a neighbour's
 /// report of another device's failure, when there is one.
 pub(crate) fn first_error<T>(results: Vec<Result<T>>) -> Result<Vec<T>> {
     if results.iter().all(|r| r.is_ok()) {
-        return Ok(results.into_iter().map(|r| r.ok().expect("checked")).collect());
+        return results.into_iter().collect();
     }
     let errors: Vec<Error> = results.into_iter().filter_map(|r| r.err()).collect();
-    let root = errors.iter().position(|e| !matches!(e, Error::RingPeer { .. })).unwrap_or(0);
+    let root = errors
+        .iter()
+        .position(|e| !matches!(e, Error::RingPeer { .. }))
+        .unwrap_or(0);
     Err(errors.into_iter().nth(root).expect("at least one error"))
 }
 
@@ -410,7 +423,9 @@ impl RingPlan {
             ));
         }
         if sdpa.out_buffer.is_some() {
-            return refuse("output_buffer: the ring's output is assembled on the host from every device's rows");
+            return refuse(
+                "output_buffer: the ring's output is assembled on the host from every device's rows",
+            );
         }
         let bounds = |len: usize| (0..=2 * n).map(|c| c * len / (2 * n)).collect::<Vec<_>>();
         Ok(RingPlan {
@@ -485,7 +500,11 @@ impl RingPlan {
             let k_off = at;
             let v_off = (k_off + f.k.bytes(rows(c) * self.p.head_dim)).next_multiple_of(ALIGN);
             at = (v_off + f.v.bytes(rows(c) * self.p.head_dim_v)).next_multiple_of(ALIGN);
-            parts.push(BlockPart { chunk: c, k_off, v_off });
+            parts.push(BlockPart {
+                chunk: c,
+                k_off,
+                v_off,
+            });
         }
         BlockLayout {
             parts,
@@ -547,14 +566,16 @@ impl RingPlan {
         };
         p.mask = p.mask.map(cut);
         p.bias = p.bias.map(cut);
-        p.kv_lens = p.kv_lens.map(|lens| lens.iter().map(|&l| pair_len(l as usize, &k) as u32).collect());
+        p.kv_lens = p
+            .kv_lens
+            .map(|lens| lens.iter().map(|&l| pair_len(l as usize, &k) as u32).collect());
         p.storage.out = out;
         p
     }
 
     /// Every pair `rank` computes: (index of its query chunk, key chunk, causal), for each
     /// block in the order the blocks arrive.
-    pub(crate) fn steps(&self, rank: usize) -> Vec<(usize, Vec<(usize, usize, Causal)>)> {
+    pub(crate) fn steps(&self, rank: usize) -> Vec<Step> {
         (0..self.n)
             .map(|t| {
                 let b = (rank + self.n - t) % self.n;
@@ -634,7 +655,12 @@ impl RingPlan {
                     (Some((o, l)), _) => Some((shard::host(n, "output", o)?, shard::host(n, "lse", l)?)),
                     (None, Some(fw)) => Some((
                         fw.output.as_slice().expect("standard layout").into(),
-                        fw.lse.as_ref().expect("requested").as_slice().expect("standard layout").into(),
+                        fw.lse
+                            .as_ref()
+                            .expect("requested")
+                            .as_slice()
+                            .expect("standard layout")
+                            .into(),
                     )),
                     // Over MPI each rank fills in the rows of its own forward.
                     (None, None) => None,
@@ -735,6 +761,12 @@ impl RingPlan {
         }
     }
 }
+
+/// A pair a device computes: the index of its query chunk, the key chunk, the causal alignment.
+pub(crate) type PairId = (usize, usize, Causal);
+
+/// One step of a device's ring: the block it holds and the pairs it computes.
+pub(crate) type Step = (usize, Vec<PairId>);
 
 /// The key length of batch `len` within the key chunk `k`.
 fn pair_len(len: usize, k: &Range<usize>) -> usize {

@@ -131,12 +131,10 @@ impl<'w> MpiRing<'w> {
         let rank = self.rank();
         let p = &plan.p;
         let rows = plan.query_rows(rank);
-        let own: usize = rows.iter().map(|r| r.len()).sum();
         // The chunks of each (batch, head) are apart in the parts: put them side by side.
         let local_output = concat_rows(&part.out, p.batch, p.q_heads, &rows, p.head_dim_v);
-        let local_lse = concat_rows(&part.lse, p.batch, p.q_heads, &rows, 1)
-            .into_shape_with_order((p.batch, p.q_heads, own))
-            .expect("rows");
+        let local_lse =
+            concat_rows(&part.lse, p.batch, p.q_heads, &rows, 1).index_axis_move(ndarray::Axis(3), 0);
         let parts = self.gather(&plan, part.flatten(), |r| DeviceOutput::len(&plan, r))?;
         Ok(MpiOutput {
             output: parts.map(|parts| {
@@ -243,8 +241,7 @@ impl<'w> MpiRing<'w> {
             Ok((_, _, d)) => [1, d[0], d[1]],
             Err(_) => [0, 0, 0],
         };
-        let mut all = vec![0u64; 3 * self.world.size() as usize];
-        self.world.all_gather_into(&mine[..], &mut all[..]);
+        let all = all_gather(self.world, rank, &mine, self.timeout)?;
         let all: Vec<&[u64]> = all.chunks(3).collect();
         let checked = checked?;
         if let Some(other) = all.iter().position(|d| d[0] == 0) {
@@ -286,8 +283,7 @@ impl<'w> MpiRing<'w> {
             secs(mine.exchange),
             secs(mine.wait_after_exchange),
         ];
-        let mut all = vec![0f64; row.len() * self.world.size() as usize];
-        self.world.all_gather_into(&row[..], &mut all[..]);
+        let all = all_gather(self.world, self.rank(), &row, self.timeout)?;
         let d = Duration::from_secs_f64;
         Ok(RingReport {
             layout: self.layout,
@@ -311,7 +307,12 @@ impl<'w> MpiRing<'w> {
     }
 
     /// Every rank's `data` (of `len(rank)` values) on rank 0; `None` elsewhere.
-    fn gather(&self, plan: &RingPlan, data: Vec<f32>, len: impl Fn(usize) -> usize) -> Result<Option<Vec<Vec<f32>>>> {
+    fn gather(
+        &self,
+        plan: &RingPlan,
+        data: Vec<f32>,
+        len: impl Fn(usize) -> usize,
+    ) -> Result<Option<Vec<Vec<f32>>>> {
         let rank = self.rank();
         let bytes = bytemuck::cast_slice::<f32, u8>(&data);
         if rank != 0 {
@@ -343,7 +344,13 @@ fn digest(plan: &RingPlan, g: &super::shard::Global<'_>) -> [u64; 2] {
     format!("{plan:?}").hash(&mut h);
     let a = h.finish();
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    let floats = [Some(&g.q), Some(&g.k), Some(&g.v), g.bias.as_ref(), g.dout.as_ref()];
+    let floats = [
+        Some(&g.q),
+        Some(&g.k),
+        Some(&g.v),
+        g.bias.as_ref(),
+        g.dout.as_ref(),
+    ];
     for x in floats.into_iter().flatten() {
         for v in x.iter() {
             v.to_bits().hash(&mut h);
@@ -374,7 +381,14 @@ impl Link for MpiLink<'_> {
     fn exchange(&mut self, tag: Tag, data: &[u8], len: usize) -> Result<Vec<u8>> {
         let n = self.size;
         let (next, prev) = ((self.rank + 1) % n, (self.rank + n - 1) % n);
-        transfer(self.world, self.rank, Some((next, data)), Some((prev, len)), tag as i32, self.timeout)
+        transfer(
+            self.world,
+            self.rank,
+            Some((next, data)),
+            Some((prev, len)),
+            tag as i32,
+            self.timeout,
+        )
     }
 }
 
@@ -394,9 +408,11 @@ fn transfer(
     let sbuf: Option<&'static [u8]> = send.map(|(_, d)| &*Box::leak(d.to_vec().into_boxed_slice()));
     let rbuf: Option<&'static mut [u8]> = recv.map(|(_, n)| Box::leak(vec![0u8; n].into_boxed_slice()));
     let rraw = rbuf.as_ref().map(|b| (b.as_ptr() as *mut u8, b.len()));
-    let mut sreq = send
-        .zip(sbuf)
-        .map(|((to, _), b)| world.process_at_rank(to as i32).immediate_send_with_tag(StaticScope, b, tag));
+    let mut sreq = send.zip(sbuf).map(|((to, _), b)| {
+        world
+            .process_at_rank(to as i32)
+            .immediate_send_with_tag(StaticScope, b, tag)
+    });
     let mut rreq = recv.zip(rbuf).map(|((from, _), b)| {
         world
             .process_at_rank(from as i32)
@@ -415,7 +431,11 @@ fn transfer(
             }
         }
         if (sreq.is_some() || rreq.is_some()) && Instant::now() > deadline {
-            let peer = if rreq.is_some() { recv.map(|r| r.0) } else { send.map(|s| s.0) };
+            let peer = if rreq.is_some() {
+                recv.map(|r| r.0)
+            } else {
+                send.map(|s| s.0)
+            };
             std::mem::forget(sreq);
             std::mem::forget(rreq);
             return Err(Error::RingPeer {
@@ -443,6 +463,39 @@ fn transfer(
     }
 }
 
+/// Every rank's `mine` (the same length on each), on every rank, by a nonblocking all-gather
+/// polled against `timeout` (a rank that never arrives fails the others with
+/// [`Error::RingPeer`] instead of holding them in a collective forever).
+fn all_gather<T>(world: &SimpleCommunicator, rank: usize, mine: &[T], timeout: Duration) -> Result<Vec<T>>
+where
+    T: Equivalence + Copy + Default + 'static,
+{
+    let n = world.size() as usize;
+    let send: &'static [T] = Box::leak(mine.to_vec().into_boxed_slice());
+    let recv: &'static mut [T] = Box::leak(vec![T::default(); mine.len() * n].into_boxed_slice());
+    let (rptr, rlen) = (recv.as_mut_ptr(), recv.len());
+    let mut req = Some(world.immediate_all_gather_into(StaticScope, send, recv));
+    let deadline = Instant::now() + timeout;
+    while let Some(r) = req.take() {
+        match r.test() {
+            Ok(_) => break,
+            Err(r) if Instant::now() > deadline => {
+                std::mem::forget(r);
+                return Err(Error::RingPeer {
+                    rank,
+                    peer: rank,
+                    reason: format!("(the all-gather of every rank) did not complete within {timeout:?}: a rank is missing"),
+                });
+            }
+            Err(r) => req = Some(r),
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    // SAFETY: both leaked above from boxes of these lengths; the collective has completed.
+    drop(unsafe { Box::from_raw(send as *const [T] as *mut [T]) });
+    Ok(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(rptr, rlen)) }.into_vec())
+}
+
 /// Make a panic on this rank abort the whole MPI job (after the panic message is printed)
 /// instead of hanging it: unwinding would finalise MPI, which waits for the other ranks.
 pub fn abort_on_panic() {
@@ -457,8 +510,12 @@ pub fn abort_on_panic() {
 }
 
 /// Print `error` with this rank's number and abort the job with exit status 2: a rank that
-/// fails must not finalise MPI normally (that waits for the others).
-pub fn fail(world: &SimpleCommunicator, error: &dyn std::fmt::Display) -> ! {
+/// fails must not finalise MPI normally (that waits for the others). An
+/// [`Error::RingMismatch`] reaches every rank at once: they all print it before the job ends.
+pub fn fail(world: &SimpleCommunicator, error: &Error) -> ! {
     eprintln!("wgpu-attention: rank {}: error: {error}", world.rank());
+    if matches!(error, Error::RingMismatch { .. }) {
+        world.barrier();
+    }
     world.abort(2)
 }

@@ -21,8 +21,11 @@ pub(crate) struct Global<'x> {
     /// The backward's upstream gradient, when there is one.
     pub dout: Option<Cow<'x, [f32]>>,
     /// The forward's output and logsumexp, when the backward is given them.
-    pub saved: Option<(Cow<'x, [f32]>, Cow<'x, [f32]>)>,
+    pub saved: Option<Saved<'x>>,
 }
+
+/// The forward's output and logsumexp on the host.
+pub(crate) type Saved<'x> = (Cow<'x, [f32]>, Cow<'x, [f32]>);
 
 /// Host data of a tensor, or the ring's typed error for a GPU buffer.
 pub(crate) fn host<'t>(n: usize, name: &str, t: &'t Tensor<'_>) -> Result<Cow<'t, [f32]>> {
@@ -48,7 +51,12 @@ fn static_name(name: &str) -> &'static str {
 
 /// The elements of a row-major `[a, b, c, d]` array (dims of size 1 broadcast) in `rows` of
 /// dim 2 and `cols` of dim 3; a broadcast dim (size 1) is kept whole.
-pub(crate) fn slice4<T: Copy>(data: &[T], shape: [usize; 4], rows: Range<usize>, cols: Range<usize>) -> Vec<T> {
+pub(crate) fn slice4<T: Copy>(
+    data: &[T],
+    shape: [usize; 4],
+    rows: Range<usize>,
+    cols: Range<usize>,
+) -> Vec<T> {
     let a = ArrayView4::from_shape(shape, data).expect("length checked");
     let r = if shape[2] == 1 { 0..1 } else { rows };
     let c = if shape[3] == 1 { 0..1 } else { cols };
@@ -129,7 +137,11 @@ impl Shard {
 
 /// Block `block` laid out as [`RingPlan::block`] says, each part in its storage format, from
 /// `kv(chunk) = (k, v)` (f32).
-pub(crate) fn encode_block(plan: &RingPlan, block: usize, kv: impl Fn(usize) -> (Vec<f32>, Vec<f32>)) -> Vec<u8> {
+pub(crate) fn encode_block(
+    plan: &RingPlan,
+    block: usize,
+    kv: impl Fn(usize) -> (Vec<f32>, Vec<f32>),
+) -> Vec<u8> {
     let layout = plan.block(block);
     let mut bytes = vec![0u8; layout.bytes as usize];
     let f = plan.p.storage;

@@ -8,9 +8,9 @@ mod cases;
 pub use cases::*;
 use ndarray::{Array4, ArrayD};
 use wgpu_attention::check::{compare, flash_rule, Tolerance};
-use wgpu_attention::{Grads, Storage};
 use wgpu_attention::reference;
 use wgpu_attention::{wgpu, Context, Path};
+use wgpu_attention::{Grads, Storage};
 
 /// Nyström's tolerance (the pseudo-inverse iteration amplifies rounding):
 /// `1e-4 · max|ref| + 1e-3 · |ref|`.
@@ -198,7 +198,6 @@ pub fn assert_grads(case: &Case, g: &Grads, dout: &Array4<f32>, label: &str) {
     );
     assert!(report.passed(), "{label}: forward output: {report}");
 }
-
 
 /// `n` devices of the default adapter for the ring tests (as [`ctx`]: `None` without an
 /// adapter, a failure instead under `WGPU_ATTENTION_REQUIRE_GPU=1`).

@@ -68,16 +68,25 @@ pub(crate) fn backward(a: &BackwardArgs) -> CliResult<ExitCode> {
             .path(a.input.path);
         // Validate before creating the device, so input errors come first.
         bwd.problem()?;
-        let ctx = context()?;
-        let path = bwd.resolved_path(&ctx)?;
         let started = Instant::now();
-        let g = bwd.run_blocking(&ctx)?;
-        let how = format!(
-            "ran the forward and the backward on {}, backward path {}, storage {st}, in {:.3} ms (incl. upload, shader compilation and readback)",
-            ctx.describe(),
-            path.name(),
-            ms(started.elapsed())
-        );
+        let (g, how) = match crate::ring::target(&a.input)? {
+            crate::ring::Target::One => {
+                let ctx = context()?;
+                let path = bwd.resolved_path(&ctx)?;
+                let g = bwd.run_blocking(&ctx)?;
+                let how = format!(
+                    "ran the forward and the backward on {}, backward path {}, storage {st}, in {:.3} ms (incl. upload, shader compilation and readback)",
+                    ctx.describe(),
+                    path.name(),
+                    ms(started.elapsed())
+                );
+                (g, how)
+            }
+            ring => match ring.backward(&bwd, &a.input)? {
+                Some(done) => done,
+                None => return Ok(ExitCode::SUCCESS),
+            },
+        };
         (g.dq.into_dyn(), g.dk.into_dyn(), g.dv.into_dyn(), g.dbias, how)
     };
     println!("{how}");

@@ -12,6 +12,7 @@ mod demo;
 mod info;
 mod mha;
 mod npy;
+mod ring;
 mod run;
 mod timing;
 mod variant;

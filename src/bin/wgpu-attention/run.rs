@@ -51,6 +51,19 @@ pub(crate) struct InputArgs {
     /// With --cpu the reference runs on the rounded inputs and its output is rounded too.
     #[arg(long, value_parser = crate::storage_parser(), default_value = "f32")]
     pub(crate) storage: Storage,
+    /// Run on a ring of N devices of the chosen adapter in one process (ring attention: the
+    /// sequence split across them, key/value blocks passed round; the same results as one).
+    #[arg(long, value_name = "N", conflicts_with = "cpu")]
+    pub(crate) devices: Option<usize>,
+    /// Run as one rank of an MPI ring, started by `mpirun -np N` (each rank one GPU context):
+    /// every rank reads the inputs and keeps its shards; rank 0 writes the outputs.
+    #[cfg(feature = "mpi")]
+    #[arg(long, conflicts_with_all = ["cpu", "devices"])]
+    pub(crate) mpi: bool,
+    /// How a ring (--devices, --mpi) deals the sequence out: zigzag balances causal work,
+    /// contiguous does not.
+    #[arg(long, default_value = "zigzag")]
+    pub(crate) layout: wgpu_attention::Layout,
 }
 
 /// The inputs as the device holds them (rounded to the storage format).
@@ -152,15 +165,25 @@ pub(crate) fn run(a: &RunArgs) -> CliResult<ExitCode> {
         }
         // Validate before creating the device, so input errors come first.
         sdpa.problem()?;
-        let ctx = context()?;
         let started = Instant::now();
-        let r = sdpa.run_blocking(&ctx)?;
-        let how = format!(
-            "ran on {}, path {}, storage {st}, in {:.3} ms (incl. upload, shader compilation and readback)",
-            ctx.describe(),
-            path_label(&sdpa, &ctx, a.input.path),
-            ms(started.elapsed())
-        );
+        let (r, how) = match crate::ring::target(&a.input)? {
+            crate::ring::Target::One => {
+                let ctx = context()?;
+                let r = sdpa.run_blocking(&ctx)?;
+                let how = format!(
+                    "ran on {}, path {}, storage {st}, in {:.3} ms (incl. upload, shader compilation and readback)",
+                    ctx.describe(),
+                    path_label(&sdpa, &ctx, a.input.path),
+                    ms(started.elapsed())
+                );
+                (r, how)
+            }
+            ring => match ring.run(&sdpa, &a.input)? {
+                Some(done) => done,
+                // An MPI rank other than 0: the outputs are rank 0's to write.
+                None => return Ok(ExitCode::SUCCESS),
+            },
+        };
         (
             r.output.into_dyn(),
             r.weights.map(|w| w.into_dyn()),
