@@ -334,6 +334,18 @@ impl Context {
             .then_some(info.subgroup_min_size)
     }
 
+    /// Bytes of buffer memory the device holds now, as wgpu's allocator counts them (0 where
+    /// the backend does not count: the web). Includes the crate's small cached buffers.
+    pub fn buffer_memory(&self) -> u64 {
+        self.inner
+            .device
+            .get_internal_counters()
+            .hal
+            .buffer_memory
+            .read()
+            .max(0) as u64
+    }
+
     /// Copy `size` bytes at `offset` of `buffer` (which needs `COPY_SRC`) back to the host as f32.
     pub async fn read_f32(&self, buffer: &wgpu::Buffer, offset: u64, size: u64) -> Result<Vec<f32>> {
         crate::buffers::read_f32(self, buffer, offset, size).await

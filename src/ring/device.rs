@@ -167,16 +167,33 @@ impl<'s> Pair<'s> {
     }
 }
 
-/// Timings of one device's steps.
-#[derive(Default)]
+/// Timings, bytes sent and memory of one device's steps.
 struct Clock {
     compute: Duration,
     exchange: Duration,
     wait: Duration,
     sent: u64,
+    base: u64,
+    peak: u64,
 }
 
 impl Clock {
+    fn new(ctx: &Context) -> Clock {
+        Clock {
+            compute: Duration::ZERO,
+            exchange: Duration::ZERO,
+            wait: Duration::ZERO,
+            sent: 0,
+            base: ctx.buffer_memory(),
+            peak: 0,
+        }
+    }
+
+    /// Sample the device's buffer memory.
+    fn sample(&mut self, ctx: &Context) {
+        self.peak = self.peak.max(ctx.buffer_memory().saturating_sub(self.base));
+    }
+
     fn time<T>(d: &mut Duration, f: impl FnOnce() -> Result<T>) -> Result<T> {
         let t = Instant::now();
         let r = f();
@@ -196,6 +213,7 @@ impl Clock {
                 .sum(),
             bytes_sent: self.sent,
             peak_memory: peak,
+            measured_memory: self.peak,
             total: started.elapsed(),
             compute: self.compute + self.wait,
             exchange: self.exchange,
@@ -293,13 +311,13 @@ pub(crate) fn forward(
     let p = &plan.p;
     let (ev, s) = (p.head_dim_v, p.seq_kv);
     let own = plan.chunks(rank);
+    let mut clock = Clock::new(ctx);
     let qbufs = upload_q(ctx, plan, &shard);
     let mut accs: Vec<Acc> = own
         .iter()
         .map(|&c| Acc::new(ctx, p.batch_heads() * plan.q_range(c).len().max(1), ev))
         .collect();
     let mut blocks = Blocks::new(ctx, plan, shard.block.clone());
-    let mut clock = Clock::default();
     // Weights: each pair's, and its logsumexp, to rescale by the global one at the end.
     let mut pair_weights: Vec<(usize, usize, Vec<f32>, Vec<f32>)> = vec![];
     for (t, (b, pairs)) in plan.steps(rank).into_iter().enumerate() {
@@ -325,6 +343,7 @@ pub(crate) fn forward(
                 Ok(keep)
             }))
         })?;
+        clock.sample(ctx);
         if !overlap {
             Clock::time(&mut clock.compute, || ctx.wait())?;
         }
@@ -332,6 +351,7 @@ pub(crate) fn forward(
             clock.sent += Clock::time(&mut clock.exchange, || blocks.exchange(ctx, plan, link, b))?;
         }
         Clock::time(&mut clock.wait, || ctx.wait())?;
+        clock.sample(ctx);
         for (i, kc, g) in keep {
             let w = g.weights.as_ref().expect("requested");
             let rows = accs[i].rows;
@@ -400,6 +420,7 @@ pub(crate) fn backward(
     let f = p.storage;
     let (e, ev) = (p.head_dim, p.head_dim_v);
     let own = plan.chunks(rank);
+    let mut clock = Clock::new(ctx);
     let qbufs = upload_q(ctx, plan, &shard);
     // dO, and the saved output and logsumexp, of the own rows.
     let dbufs: Vec<Option<[wgpu::Buffer; 3]>> = own
@@ -422,7 +443,6 @@ pub(crate) fn backward(
         .collect();
     let mut dbias = p.bias.map(|bc| vec![0.0f32; bc.len()]);
     let mut blocks = Blocks::new(ctx, plan, shard.block.clone());
-    let mut clock = Clock::default();
     // The dK/dV sums of the block being computed on (zero at the first step: it starts here).
     let mut sums: Vec<f32> = vec![0.0; plan.grads_len(rank)];
     for (t, (b, pairs)) in plan.steps(rank).into_iter().enumerate() {
@@ -453,6 +473,7 @@ pub(crate) fn backward(
                 Ok(out)
             }))
         })?;
+        clock.sample(ctx);
         if !overlap {
             Clock::time(&mut clock.compute, || ctx.wait())?;
         }
@@ -460,6 +481,7 @@ pub(crate) fn backward(
             clock.sent += Clock::time(&mut clock.exchange, || blocks.exchange(ctx, plan, link, b))?;
         }
         Clock::time(&mut clock.wait, || ctx.wait())?;
+        clock.sample(ctx);
         // Sum the pairs' gradients: dQ here, dK/dV into the block's travelling sums.
         let layout = plan.block(b);
         Clock::time(&mut clock.compute, || {

@@ -96,6 +96,10 @@ pub struct DeviceReport {
     /// computed on and the one arriving), the merge buffers and the largest pair call's own
     /// temporaries.
     pub peak_memory: u64,
+    /// Its peak device memory as measured: the most buffer memory the device held (wgpu's
+    /// allocator count, [`Context::buffer_memory`]) at the points it was sampled (after each
+    /// step's submission and each wait), above what it held before the ring started.
+    pub measured_memory: u64,
     /// Wall time of its ring, from its first upload to its results on the host.
     pub total: Duration,
     /// Time it spent recording and submitting kernels, and waiting for them.
@@ -133,6 +137,11 @@ impl RingReport {
     /// The largest per-device planned peak memory.
     pub fn max_peak_memory(&self) -> u64 {
         self.devices.iter().map(|d| d.peak_memory).max().unwrap_or(0)
+    }
+
+    /// The largest measured peak memory of one device.
+    pub fn max_measured_memory(&self) -> u64 {
+        self.devices.iter().map(|d| d.measured_memory).max().unwrap_or(0)
     }
 
     /// The largest bytes sent by one device.

@@ -278,6 +278,7 @@ impl<'w> MpiRing<'w> {
             mine.work as f64,
             mine.bytes_sent as f64,
             mine.peak_memory as f64,
+            mine.measured_memory as f64,
             secs(mine.total),
             secs(mine.compute),
             secs(mine.exchange),
@@ -297,10 +298,11 @@ impl<'w> MpiRing<'w> {
                     work: r[1] as u64,
                     bytes_sent: r[2] as u64,
                     peak_memory: r[3] as u64,
-                    total: d(r[4]),
-                    compute: d(r[5]),
-                    exchange: d(r[6]),
-                    wait_after_exchange: d(r[7]),
+                    measured_memory: r[4] as u64,
+                    total: d(r[5]),
+                    compute: d(r[6]),
+                    exchange: d(r[7]),
+                    wait_after_exchange: d(r[8]),
                 })
                 .collect(),
         })

@@ -1,12 +1,14 @@
 //! `wgpu-attention`: inspect the GPU, run attention on `.npy` files, verify against the CPU
 //! reference and benchmark named shapes.
 //!
-//! One module per command (`info`, `demo`, `run`, `backward`, `mha`, `variant`, `bench`); every `.npy` read and
+//! One module per command (`info`, `demo`, `run`, `backward`, `mha`, `variant`, `bench`,
+//! `bench-variants`, `bench-ring`; `ring` holds `--devices`/`--mpi`); every `.npy` read and
 //! write is in `npy`, the timing of repeated runs in `timing`. This file holds the command
 //! line, the exit codes and what the commands share.
 
 mod backward;
 mod bench;
+mod bench_ring;
 mod bench_variants;
 mod demo;
 mod info;
@@ -25,6 +27,7 @@ use wgpu_attention::{Causal, Context, Path, Sdpa};
 
 use backward::BackwardArgs;
 use bench::BenchArgs;
+use bench_ring::BenchRingArgs;
 use bench_variants::BenchVariantsArgs;
 use demo::DemoArgs;
 use mha::MhaArgs;
@@ -82,6 +85,10 @@ enum Command {
     /// length (log-log PNG plots), their error against exact attention, and the variants'
     /// interleaved comparisons (Nyström vs exact, additive fused vs unfused).
     BenchVariants(BenchVariantsArgs),
+    /// Ring attention against the sequence length and the number of devices (in this process,
+    /// or MPI ranks with --mpi under mpirun): time, per-device memory and bytes sent, against
+    /// one device; the causal balance of the layouts and what the overlap saves.
+    BenchRing(BenchRingArgs),
 }
 
 /// Causal masking, by alignment.
@@ -131,6 +138,7 @@ fn main() -> ExitCode {
         Command::Variant(args) => variant::variant(&args),
         Command::Bench(args) => bench::bench(&args),
         Command::BenchVariants(args) => bench_variants::bench_variants(&args),
+        Command::BenchRing(args) => bench_ring::bench_ring(&args),
     };
     match result {
         Ok(code) => code,
