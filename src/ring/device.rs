@@ -83,7 +83,7 @@ impl Blocks {
 }
 
 /// The host data and the GPU tensors of one pair call, built from the shard.
-struct Pair<'s> {
+struct Pair {
     mask: Option<(Vec<bool>, [usize; 4])>,
     bias: Option<(Vec<f32>, [usize; 4])>,
     lens: Option<Vec<usize>>,
@@ -91,10 +91,9 @@ struct Pair<'s> {
     shapes: [[usize; 4]; 3],
     k_off: u64,
     v_off: u64,
-    _shard: std::marker::PhantomData<&'s ()>,
 }
 
-impl<'s> Pair<'s> {
+impl Pair {
     fn new(
         plan: &RingPlan,
         shard: &Shard,
@@ -136,7 +135,6 @@ impl<'s> Pair<'s> {
             ],
             k_off: part.k_off,
             v_off: part.v_off,
-            _shard: std::marker::PhantomData,
         }
     }
 
