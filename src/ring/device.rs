@@ -586,11 +586,7 @@ impl DeviceOutput {
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn unflatten(plan: &RingPlan, rank: usize, data: &[f32]) -> DeviceOutput {
         let p = &plan.p;
-        let rows: Vec<usize> = plan
-            .query_rows(rank)
-            .iter()
-            .map(|r| p.batch_heads() * r.len())
-            .collect();
+        let rows = plan.q_rows(rank);
         let mut at = 0;
         let mut take = |n: usize| {
             at += n;
@@ -608,11 +604,7 @@ impl DeviceOutput {
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn len(plan: &RingPlan, rank: usize) -> usize {
         let p = &plan.p;
-        let rows: usize = plan
-            .query_rows(rank)
-            .iter()
-            .map(|r| p.batch_heads() * r.len())
-            .sum();
+        let rows: usize = plan.q_rows(rank).iter().sum();
         rows * (p.head_dim_v + 1 + if plan.weights { p.seq_kv } else { 0 })
     }
 }
@@ -636,16 +628,8 @@ impl DeviceGrads {
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn unflatten(plan: &RingPlan, rank: usize, data: &[f32]) -> DeviceGrads {
         let p = &plan.p;
-        let q_rows: Vec<usize> = plan
-            .query_rows(rank)
-            .iter()
-            .map(|r| p.batch_heads() * r.len())
-            .collect();
-        let kv_rows: Vec<usize> = plan
-            .key_rows(rank)
-            .iter()
-            .map(|r| p.batch * p.kv_heads * r.len())
-            .collect();
+        let q_rows = plan.q_rows(rank);
+        let kv_rows = plan.kv_rows(rank);
         let mut at = 0;
         let mut take = |n: usize| {
             at += n;
@@ -663,16 +647,8 @@ impl DeviceGrads {
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn len(plan: &RingPlan, rank: usize) -> usize {
         let p = &plan.p;
-        let q: usize = plan
-            .query_rows(rank)
-            .iter()
-            .map(|r| p.batch_heads() * r.len())
-            .sum();
-        let kv: usize = plan
-            .key_rows(rank)
-            .iter()
-            .map(|r| p.batch * p.kv_heads * r.len())
-            .sum();
+        let q: usize = plan.q_rows(rank).iter().sum();
+        let kv: usize = plan.kv_rows(rank).iter().sum();
         q * p.head_dim + kv * (p.head_dim + p.head_dim_v) + p.bias.map_or(0, |b| b.len())
     }
 }

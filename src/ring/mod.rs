@@ -239,26 +239,10 @@ impl<'c> Ring<'c> {
     pub async fn run(&self, sdpa: &Sdpa<'_>) -> Result<RingOutput> {
         let plan = self.plan(sdpa)?;
         let g = plan.global(sdpa, None)?;
-        let shards: Vec<Shard> = (0..plan.n).map(|r| Shard::new(&plan, r, &g)).collect();
-        plan.check_devices(self.contexts)?;
-        let (contexts, overlap) = (self.contexts.to_vec(), self.overlap);
-        let links = link::Channels::ring(plan.n, self.timeout);
-        let results = on_threads(
-            plan.clone(),
-            contexts,
-            shards,
-            links,
-            move |ctx, plan, shard, link| device::forward(ctx, plan, shard, link, overlap),
-        )
-        .await?;
-        let (parts, reports): (Vec<_>, Vec<_>) = results.into_iter().unzip();
+        let (parts, report) = self.spread(&plan, g, device::forward).await?;
         Ok(RingOutput {
             output: plan.assemble_output(&parts),
-            report: RingReport {
-                layout: self.layout,
-                overlap,
-                devices: reports,
-            },
+            report,
         })
     }
 
@@ -278,7 +262,25 @@ impl<'c> Ring<'c> {
             None => Some(self.run(&sdpa.clone().return_lse()).await?.output),
         };
         let g = plan.global(sdpa, Some((backward, fw.as_ref())))?;
-        let shards: Vec<Shard> = (0..plan.n).map(|r| Shard::new(&plan, r, &g)).collect();
+        let (parts, report) = self.spread(&plan, g, device::backward).await?;
+        let mut grads = plan.assemble_grads(&parts);
+        if let Some(fw) = fw {
+            grads.output = Some(fw.output);
+            grads.lse = fw.lse;
+        }
+        Ok(RingGrads { grads, report })
+    }
+
+    /// Check every device's pairs (before any GPU work), deal `g` into shards and run `work`
+    /// on every device, each on its thread; the parts in rank order and the report.
+    async fn spread<T: Send + 'static>(
+        &self,
+        plan: &RingPlan,
+        g: Global<'_>,
+        work: DeviceWork<T>,
+    ) -> Result<(Vec<T>, RingReport)> {
+        plan.check_devices(self.contexts)?;
+        let shards: Vec<Shard> = (0..plan.n).map(|r| Shard::new(plan, r, &g)).collect();
         drop(g);
         let (contexts, overlap) = (self.contexts.to_vec(), self.overlap);
         let links = link::Channels::ring(plan.n, self.timeout);
@@ -287,23 +289,18 @@ impl<'c> Ring<'c> {
             contexts,
             shards,
             links,
-            move |ctx, plan, shard, link| device::backward(ctx, plan, shard, link, overlap),
+            move |ctx, plan, shard, link| work(ctx, plan, shard, link, overlap),
         )
         .await?;
-        let (parts, reports): (Vec<_>, Vec<_>) = results.into_iter().unzip();
-        let mut grads = plan.assemble_grads(&parts);
-        if let Some(fw) = fw {
-            grads.output = Some(fw.output);
-            grads.lse = fw.lse;
-        }
-        Ok(RingGrads {
-            grads,
-            report: RingReport {
+        let (parts, devices): (Vec<_>, Vec<_>) = results.into_iter().unzip();
+        Ok((
+            parts,
+            RingReport {
                 layout: self.layout,
                 overlap,
-                devices: reports,
+                devices,
             },
-        })
+        ))
     }
 
     /// Blocking version of [`Ring::backward`].
@@ -481,6 +478,18 @@ impl RingPlan {
     /// The key positions of device `rank`'s block, chunk by chunk.
     pub fn key_rows(&self, rank: usize) -> Vec<Range<usize>> {
         self.chunks(rank).iter().map(|&c| self.kv_range(c)).collect()
+    }
+
+    /// Query rows over every batch and head (`B·Hq·len`) of each of device `rank`'s chunks.
+    pub(crate) fn q_rows(&self, rank: usize) -> Vec<usize> {
+        let bh = self.p.batch_heads();
+        self.query_rows(rank).iter().map(|r| bh * r.len()).collect()
+    }
+
+    /// Key rows over every batch and kv head (`B·Hkv·len`) of each of block `rank`'s chunks.
+    pub(crate) fn kv_rows(&self, rank: usize) -> Vec<usize> {
+        let bh = self.p.batch * self.p.kv_heads;
+        self.key_rows(rank).iter().map(|r| bh * r.len()).collect()
     }
 
     /// The two chunks device `rank` holds (queries and keys alike), in order.
@@ -770,6 +779,10 @@ impl RingPlan {
         }
     }
 }
+
+/// One device's part of a ring call (`device::forward` or `device::backward`): its context,
+/// the plan, its shard, its link, whether to overlap; its results and report.
+type DeviceWork<T> = fn(&Context, &RingPlan, Shard, &mut dyn link::Link, bool) -> Result<(T, DeviceReport)>;
 
 /// A pair a device computes: the index of its query chunk, the key chunk, the causal alignment.
 pub(crate) type PairId = (usize, usize, Causal);
