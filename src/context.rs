@@ -22,6 +22,17 @@ use crate::pipelines::PipelineCache;
 /// The kernels' forms are chosen per call by [`Plan`](crate::Plan); [`Context::with_forms`]
 /// (or the environment variable `WGPU_ATTENTION_FORMS`, read once when the context is made)
 /// pins them.
+///
+/// **Threads.** On native targets a `Context` is `Send + Sync`: share it (by reference, or a
+/// clone per thread) between any number of threads calling [`Sdpa`](crate::Sdpa), the layer or
+/// the variants at once. What is serialised: building a pipeline the cache lacks (one
+/// builder per kernel form, under the cache's lock; other threads wait for it, or are served by
+/// a quicker form while a CPU adapter compiles in the background), and the queue's
+/// submissions (wgpu orders them). What is not: recording, uploads and readbacks run on the
+/// calling thread. Each call's GPU errors are caught in error scopes, which wgpu keeps per
+/// thread, so one thread's error is never reported to another. Tested by
+/// `tests/concurrency.rs` (8 threads of mixed calls on one context, every result checked). On
+/// the web there is one thread.
 #[derive(Clone)]
 pub struct Context {
     inner: Arc<Inner>,
@@ -37,6 +48,13 @@ struct Inner {
     pipelines: PipelineCache,
     lost: Arc<Mutex<Option<String>>>,
 }
+
+// The thread-safety contract above, checked at compile time.
+#[cfg(not(target_arch = "wasm32"))]
+const _: () = {
+    const fn shared<T: Send + Sync>() {}
+    shared::<Context>();
+};
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
