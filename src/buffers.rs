@@ -3,8 +3,6 @@
 
 use std::num::NonZeroU64;
 
-use wgpu::util::DeviceExt;
-
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::storage::Storage;
@@ -85,12 +83,31 @@ pub(crate) fn binding(buf: &wgpu::Buffer, offset: u64, bytes: u64) -> wgpu::Buff
 
 /// A storage buffer holding `contents` (read-only input of the kernels).
 pub(crate) fn storage_init(ctx: &Context, label: &str, contents: &[u8]) -> wgpu::Buffer {
-    ctx.device()
-        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some(label),
-            contents,
-            usage: wgpu::BufferUsages::STORAGE,
-        })
+    init(ctx, label, contents, wgpu::BufferUsages::STORAGE)
+}
+
+/// A buffer of `usage` holding `contents` (zero-padded to whole 4-byte words), written by
+/// `queue.write_buffer`: ordered before the next submission. Not `create_buffer_init`, whose
+/// mapping panics when the device is lost; here a lost device's error reaches the call's
+/// error scope and is returned.
+pub(crate) fn init(ctx: &Context, label: &str, contents: &[u8], usage: wgpu::BufferUsages) -> wgpu::Buffer {
+    let size = (contents.len() as u64).next_multiple_of(wgpu::COPY_BUFFER_ALIGNMENT);
+    let buffer = ctx.device().create_buffer(&wgpu::BufferDescriptor {
+        label: Some(label),
+        size,
+        usage: usage | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    if size > 0 {
+        if size == contents.len() as u64 {
+            ctx.queue().write_buffer(&buffer, 0, contents);
+        } else {
+            let mut padded = contents.to_vec();
+            padded.resize(size as usize, 0);
+            ctx.queue().write_buffer(&buffer, 0, &padded);
+        }
+    }
+    buffer
 }
 
 /// An uninitialised buffer of `bytes` the kernels write and the host may read back or copy.

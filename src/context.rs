@@ -268,8 +268,16 @@ impl Context {
         crate::forms::max_binding(&self.inner.limits)
     }
 
-    /// Return the device-lost reason if the device is gone.
+    /// Return the device-lost reason if the device is gone. On native targets the device is
+    /// polled first (without waiting), which runs a pending device-lost callback.
     pub(crate) fn check_lost(&self) -> Result<()> {
+        #[cfg(not(target_arch = "wasm32"))]
+        if let Err(e) = self.inner.device.poll(wgpu::PollType::Poll) {
+            if !matches!(e, wgpu::PollError::Timeout) {
+                let mut lost = self.inner.lost.lock().unwrap();
+                lost.get_or_insert_with(|| e.to_string());
+            }
+        }
         match self.inner.lost.lock().unwrap().as_ref() {
             Some(msg) => Err(Error::DeviceLost(msg.clone())),
             None => Ok(()),
@@ -289,6 +297,8 @@ impl Context {
         let o = oom.pop().await;
         let i = internal.pop().await;
         if let Some(e) = v.or(o).or(i) {
+            // A lost device makes every command invalid: report the cause, not the symptom.
+            self.check_lost()?;
             return Err(e.into());
         }
         self.check_lost()?;

@@ -21,7 +21,11 @@ fn calls_per_thread() -> usize {
 /// Call `i` of thread `t`: a case, a path and whether it runs the backward.
 fn call(ctx: &Context, t: usize, i: usize) -> String {
     let n = t * 1000 + i;
-    let shapes = [(2, 4, 2, 17, 23, 16, 8), (1, 2, 2, 5, 129, 8, 20), (1, 3, 1, 33, 9, 12, 12)];
+    let shapes = [
+        (2, 4, 2, 17, 23, 16, 8),
+        (1, 2, 2, 5, 129, 8, 20),
+        (1, 3, 1, 33, 9, 12, 12),
+    ];
     let kinds = mask_kinds();
     let (name, kind) = &kinds[n % kinds.len()];
     let shape = shapes[(n / 3) % shapes.len()];
@@ -46,12 +50,23 @@ fn call(ctx: &Context, t: usize, i: usize) -> String {
     let sdpa = case.checked_sdpa(path);
     if path == Path::Decode && sdpa.resolved_path(ctx).is_err() {
         // Shapes the decode path does not take run on the automatic path instead.
-        let got = case.checked_sdpa(Path::Auto).run_blocking(ctx).unwrap_or_else(|e| panic!("{label}: {e}"));
+        let got = case
+            .checked_sdpa(Path::Auto)
+            .run_blocking(ctx)
+            .unwrap_or_else(|e| panic!("{label}: {e}"));
         case.assert_output(&got, &case.reference(), Path::Auto, tolerance(storage), &label);
         return label;
     }
-    let got = sdpa.run_blocking(ctx).unwrap_or_else(|e| panic!("{label} {path:?}: {e}"));
-    case.assert_output(&got, &case.reference(), path, tolerance(storage), &format!("{label} {path:?}"));
+    let got = sdpa
+        .run_blocking(ctx)
+        .unwrap_or_else(|e| panic!("{label} {path:?}: {e}"));
+    case.assert_output(
+        &got,
+        &case.reference(),
+        path,
+        tolerance(storage),
+        &format!("{label} {path:?}"),
+    );
     format!("{label} {path:?}")
 }
 
@@ -73,7 +88,10 @@ fn eight_threads_share_one_context() {
         let handles: Vec<_> = (0..THREADS)
             .map(|t| s.spawn(move || (0..calls).map(|i| call(ctx, t, i)).collect::<Vec<_>>()))
             .collect();
-        handles.into_iter().map(|h| h.join().expect("a thread panicked")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a thread panicked"))
+            .collect()
     });
     assert_eq!(done.iter().map(Vec::len).sum::<usize>(), THREADS * calls);
     ctx.wait_idle().unwrap();

@@ -20,8 +20,6 @@ pub(crate) mod softmax;
 mod stage_tests;
 pub(crate) mod unroll;
 
-use wgpu::util::DeviceExt;
-
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::pipelines::{Key, Pipeline};
@@ -243,12 +241,13 @@ pub(crate) fn dispatch(
     debug_assert_eq!(buffers.len() + 1, spec.bindings.len());
     let device = ctx.device();
     let pipeline = pipeline(ctx, spec, prelude, constants);
-    let uniform = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-        label: Some(spec.name),
-        contents: params,
-        // Either binding type (see `Context::params_in_storage`).
-        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::STORAGE,
-    });
+    // Either binding type (see `Context::params_in_storage`).
+    let uniform = crate::buffers::init(
+        ctx,
+        spec.name,
+        params,
+        wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::STORAGE,
+    );
     let mut entries: Vec<wgpu::BindGroupEntry> = buffers
         .iter()
         .enumerate()

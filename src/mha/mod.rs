@@ -36,7 +36,6 @@ pub use grads::MhaGrads;
 pub use weights::MhaWeights;
 
 use ndarray::{Array1, Array2, Array3, Array4};
-use wgpu::util::DeviceExt;
 
 use crate::buffers::fits;
 use crate::context::Context;
@@ -113,14 +112,8 @@ impl MultiHeadAttention {
             )?;
         }
         let storage = weights.storage;
-        let upload = |label: &str, data: &[f32]| {
-            ctx.device()
-                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                    label: Some(label),
-                    contents: &storage.encode(data),
-                    usage: wgpu::BufferUsages::STORAGE,
-                })
-        };
+        let upload =
+            |label: &str, data: &[f32]| crate::buffers::storage_init(ctx, label, &storage.encode(data));
         let mat = |label: &str, w: &Array2<f32>| {
             upload(
                 label,

@@ -322,13 +322,11 @@ pub(super) fn record(
                 p
             };
             // The scale is folded into u; u is bound as a uniform (fused) or storage (unfused).
-            let u_buf = wgpu::util::DeviceExt::create_buffer_init(
-                ctx.device(),
-                &wgpu::util::BufferInitDescriptor {
-                    label: Some("u"),
-                    contents: bytemuck::cast_slice(&padded(Some(u), d.scale as f32)),
-                    usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::UNIFORM,
-                },
+            let u_buf = crate::buffers::init(
+                ctx,
+                "u",
+                bytemuck::cast_slice(&padded(Some(u), d.scale as f32)),
+                wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::UNIFORM,
             );
             let b_buf = bias.as_ref().map(|x| upload("b", &padded(Some(x), 1.0)));
             let qa = scratch("W_q q + b", b * hq * l * a);
