@@ -25,10 +25,10 @@ use crate::pipelines::PipelineCache;
 ///
 /// **Threads.** On native targets a `Context` is `Send + Sync`: share it (by reference, or a
 /// clone per thread) between any number of threads calling [`Sdpa`](crate::Sdpa), the layer or
-/// the variants at once. What is serialised: building a pipeline the cache lacks (one
-/// builder per kernel form, under the cache's lock; other threads wait for it, or are served by
-/// a quicker form while a CPU adapter compiles in the background), and the queue's
-/// submissions (wgpu orders them). What is not: recording, uploads and readbacks run on the
+/// the variants at once. What is serialised: the pipeline cache's lookups and inserts (a short
+/// lock; a missing pipeline is built outside it, by every thread that wants it at that moment,
+/// the first one built kept, while a CPU adapter's slow forms compile in the background), and
+/// the queue's submissions (wgpu orders them). What is not: recording, uploads and readbacks run on the
 /// calling thread. Each call's GPU errors are caught in error scopes, which wgpu keeps per
 /// thread, so one thread's error is never reported to another. Tested by
 /// `tests/concurrency.rs` (8 threads of mixed calls on one context, every result checked). On
