@@ -268,9 +268,17 @@ impl Context {
         crate::forms::max_binding(&self.inner.limits)
     }
 
-    /// Return the device-lost reason if the device is gone. On native targets the device is
-    /// polled first (without waiting), which runs a pending device-lost callback.
+    /// Return the device-lost reason if the device is gone.
     pub(crate) fn check_lost(&self) -> Result<()> {
+        match self.inner.lost.lock().unwrap().as_ref() {
+            Some(msg) => Err(Error::DeviceLost(msg.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// [`Context::check_lost`] after polling the device (without waiting) on native targets,
+    /// which runs a device-lost callback still pending: for when a call has failed.
+    fn check_lost_now(&self) -> Result<()> {
         #[cfg(not(target_arch = "wasm32"))]
         if let Err(e) = self.inner.device.poll(wgpu::PollType::Poll) {
             if !matches!(e, wgpu::PollError::Timeout) {
@@ -278,10 +286,7 @@ impl Context {
                 lost.get_or_insert_with(|| e.to_string());
             }
         }
-        match self.inner.lost.lock().unwrap().as_ref() {
-            Some(msg) => Err(Error::DeviceLost(msg.clone())),
-            None => Ok(()),
-        }
+        self.check_lost()
     }
 
     /// Run `f` inside validation, out-of-memory and internal error scopes and return the
@@ -298,7 +303,7 @@ impl Context {
         let i = internal.pop().await;
         if let Some(e) = v.or(o).or(i) {
             // A lost device makes every command invalid: report the cause, not the symptom.
-            self.check_lost()?;
+            self.check_lost_now()?;
             return Err(e.into());
         }
         self.check_lost()?;

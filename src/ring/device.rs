@@ -187,6 +187,32 @@ impl Clock {
         }
     }
 
+    /// The rest of a step whose kernels are submitted: wait for them first when not
+    /// overlapping; pass the held block on and take the next (before the last step); wait for
+    /// the kernels; then the block that arrived is the one to compute on.
+    #[allow(clippy::too_many_arguments)] // the step's parts, each distinct
+    fn finish_step(
+        &mut self,
+        ctx: &Context,
+        plan: &RingPlan,
+        blocks: &mut Blocks,
+        link: &mut dyn Link,
+        (t, b): (usize, usize),
+        overlap: bool,
+    ) -> Result<()> {
+        self.sample(ctx);
+        if !overlap {
+            Self::time(&mut self.compute, || ctx.wait())?;
+        }
+        if t + 1 < plan.n {
+            self.sent += Self::time(&mut self.exchange, || blocks.exchange(ctx, plan, link, b))?;
+        }
+        Self::time(&mut self.wait, || ctx.wait())?;
+        self.sample(ctx);
+        blocks.swap();
+        Ok(())
+    }
+
     /// Sample the device's buffer memory.
     fn sample(&mut self, ctx: &Context) {
         self.peak = self.peak.max(ctx.buffer_memory().saturating_sub(self.base));
@@ -303,7 +329,7 @@ pub(crate) fn forward(
     link: &mut dyn Link,
     overlap: bool,
 ) -> Result<(DeviceOutput, DeviceReport)> {
-    let (rank, n) = (link.rank(), plan.n);
+    let rank = link.rank();
     let started = Instant::now();
     let peak = plan.check_device(ctx, rank)?;
     let p = &plan.p;
@@ -341,15 +367,7 @@ pub(crate) fn forward(
                 Ok(keep)
             }))
         })?;
-        clock.sample(ctx);
-        if !overlap {
-            Clock::time(&mut clock.compute, || ctx.wait())?;
-        }
-        if t + 1 < n {
-            clock.sent += Clock::time(&mut clock.exchange, || blocks.exchange(ctx, plan, link, b))?;
-        }
-        Clock::time(&mut clock.wait, || ctx.wait())?;
-        clock.sample(ctx);
+        clock.finish_step(ctx, plan, &mut blocks, link, (t, b), overlap)?;
         for (i, kc, g) in keep {
             let w = g.weights.as_ref().expect("requested");
             let rows = accs[i].rows;
@@ -357,7 +375,6 @@ pub(crate) fn forward(
             let lv = block_on(ctx.read_f32(&g.lse, 0, f32_bytes(rows)))?;
             pair_weights.push((i, kc, wv, lv));
         }
-        blocks.swap();
     }
     // The running sums are the results: read them back, rounded to the output's format.
     let mut out = vec![];
@@ -471,31 +488,16 @@ pub(crate) fn backward(
                 Ok(out)
             }))
         })?;
-        clock.sample(ctx);
-        if !overlap {
-            Clock::time(&mut clock.compute, || ctx.wait())?;
-        }
-        if t + 1 < n {
-            clock.sent += Clock::time(&mut clock.exchange, || blocks.exchange(ctx, plan, link, b))?;
-        }
-        Clock::time(&mut clock.wait, || ctx.wait())?;
-        clock.sample(ctx);
+        clock.finish_step(ctx, plan, &mut blocks, link, (t, b), overlap)?;
         // Sum the pairs' gradients: dQ here, dK/dV into the block's travelling sums.
-        let layout = plan.block(b);
+        let layout = plan.grads_layout(b);
         Clock::time(&mut clock.compute, || {
-            let mut at = 0usize;
-            let mut offsets = vec![];
-            for part in &layout.parts {
-                let rows = p.batch * p.kv_heads * plan.kv_range(part.chunk).len();
-                offsets.push((part.chunk, at, at + rows * e));
-                at += rows * (e + ev);
-            }
             for (g, &(i, kc, _)) in grads.iter().zip(&pairs) {
                 let gp = &g.problem;
                 let add = |acc: &mut [f32], x: Vec<f32>| acc.iter_mut().zip(x).for_each(|(a, x)| *a += x);
                 let rows_q = gp.batch_heads() * gp.seq_q;
                 add(&mut dq[i], block_on(ctx.read_as_f32(&g.dq, 0, rows_q * e, f.q))?);
-                let (_, k_at, v_at) = *offsets.iter().find(|o| o.0 == kc).expect("in block");
+                let &(_, k_at, v_at, _) = layout.iter().find(|x| x.0 == kc).expect("in block");
                 let kv_rows = gp.batch * gp.kv_heads * gp.seq_kv;
                 add(
                     &mut sums[k_at..k_at + kv_rows * e],
@@ -530,17 +532,14 @@ pub(crate) fn backward(
             clock.sent += bytes.len() as u64;
             sums = Storage::F32.decode(&got, plan.grads_len(next));
         }
-        blocks.swap();
     }
     // `sums` is this device's block: per chunk dK then dV.
-    let (mut dk, mut dv) = (vec![], vec![]);
-    let mut at = 0usize;
-    for &c in &own {
-        let rows = p.batch * p.kv_heads * plan.kv_range(c).len();
-        dk.push(sums[at..at + rows * e].to_vec());
-        dv.push(sums[at + rows * e..at + rows * (e + ev)].to_vec());
-        at += rows * (e + ev);
-    }
+    let layout = plan.grads_layout(rank);
+    let dk = layout.iter().map(|&(_, k, v, _)| sums[k..v].to_vec()).collect();
+    let dv = layout
+        .iter()
+        .map(|&(_, _, v, end)| sums[v..end].to_vec())
+        .collect();
     Ok((
         DeviceGrads { dq, dk, dv, dbias },
         clock.report(plan, rank, peak, started),

@@ -530,13 +530,25 @@ impl RingPlan {
         }
     }
 
-    /// The f32 dK/dV sums of block `b` travelling in the backward: per chunk dK then dV.
-    pub(crate) fn grads_len(&self, b: usize) -> usize {
-        let p = &self.p;
+    /// Where each key chunk's dK and dV sit in the f32 sums of block `b` travelling in the
+    /// backward (per chunk dK then dV): (chunk, dK offset, dV offset, end), in elements.
+    pub(crate) fn grads_layout(&self, b: usize) -> Vec<(usize, usize, usize, usize)> {
+        let (e, ev) = (self.p.head_dim, self.p.head_dim_v);
+        let mut at = 0;
         self.chunks(b)
-            .iter()
-            .map(|&c| p.batch * p.kv_heads * self.kv_range(c).len() * (p.head_dim + p.head_dim_v))
-            .sum()
+            .into_iter()
+            .zip(self.kv_rows(b))
+            .map(|(c, rows)| {
+                let part = (c, at, at + rows * e, at + rows * (e + ev));
+                at = part.3;
+                part
+            })
+            .collect()
+    }
+
+    /// The number of f32 values in block `b`'s travelling dK/dV sums.
+    pub(crate) fn grads_len(&self, b: usize) -> usize {
+        self.grads_layout(b).last().map_or(0, |x| x.3)
     }
 
     /// The causal alignment of the pair (query chunk, key chunk), or `None` when the causal

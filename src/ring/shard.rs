@@ -28,25 +28,13 @@ pub(crate) struct Global<'x> {
 pub(crate) type Saved<'x> = (Cow<'x, [f32]>, Cow<'x, [f32]>);
 
 /// Host data of a tensor, or the ring's typed error for a GPU buffer.
-pub(crate) fn host<'t>(n: usize, name: &str, t: &'t Tensor<'_>) -> Result<Cow<'t, [f32]>> {
+pub(crate) fn host<'t>(n: usize, name: &'static str, t: &'t Tensor<'_>) -> Result<Cow<'t, [f32]>> {
     let d = t.host_f32().ok_or_else(|| Error::Ring {
         devices: n,
         reason: format!("{name}: the ring shards host data; a GPU buffer lives on one device"),
     })?;
-    crate::buffers::check_len(static_name(name), &t.shape, d.len())?;
+    crate::buffers::check_len(name, &t.shape, d.len())?;
     Ok(d)
-}
-
-fn static_name(name: &str) -> &'static str {
-    match name {
-        "q" => "q",
-        "k" => "k",
-        "v" => "v",
-        "bias" => "bias",
-        "dout" => "dout",
-        "output" => "output",
-        _ => "lse",
-    }
 }
 
 /// The elements of a row-major `[a, b, c, d]` array (dims of size 1 broadcast) in `rows` of
