@@ -13,7 +13,7 @@ use std::path::Path as FsPath;
 use common::*;
 use ndarray::Array3;
 use ndarray_npy::read_npy;
-use wgpu_attention::check::{compare, flash_rule, Tolerance};
+use wgpu_attention::check::{compare, Tolerance};
 use wgpu_attention::reference::{self, MhaInputs};
 use wgpu_attention::{
     Causal, Context, Error, MhaConfig, MhaGrads, MhaWeights, MultiHeadAttention, NeedWeights, Options, Path,
@@ -65,19 +65,7 @@ fn assert_grads(got: &MhaGrads<f32>, want: &MhaGrads<f64>, plain: &MhaGrads<f32>
             ),
         };
         assert_eq!(got.len(), want.len(), "{label}: {name} length");
-        let report = if st == Storage::F32 {
-            flash_rule(got.iter().copied(), want.iter().copied(), plain.iter().copied())
-        } else {
-            let t = Tolerance::for_storage(st);
-            compare(
-                got.iter().copied(),
-                want.iter().copied(),
-                Tolerance {
-                    atol: 4.0 * t.rtol * largest + t.atol,
-                    rtol: 0.0,
-                },
-            )
-        };
+        let report = gradient_report(&got, &want, &plain, st, 4.0 * largest);
         assert!(report.passed(), "{label}: {name}: {report}");
         compared += 1;
     }

@@ -7,7 +7,7 @@ mod cases;
 
 pub use cases::*;
 use ndarray::{Array4, ArrayD};
-use wgpu_attention::check::{compare, flash_rule, Tolerance};
+use wgpu_attention::check::{compare, flash_rule, Report, Tolerance};
 use wgpu_attention::reference;
 use wgpu_attention::{wgpu, Context, Path};
 use wgpu_attention::{Grads, Storage};
@@ -132,6 +132,29 @@ pub fn mha_fixture_mask(dir: &std::path::Path) -> Option<ndarray::ArrayD<bool>> 
     None
 }
 
+/// One gradient against the f64 reference: in f32 by FlashAttention's rule (`plain`: the same
+/// gradient from a plain f32 implementation); in a half format within the format's rounding of
+/// `scale` (`atol = rtol(format) · scale + atol(format)`).
+pub fn gradient_report<G, P>(got: &[G], want: &[f64], plain: &[P], storage: Storage, scale: f64) -> Report
+where
+    G: Copy + Into<f64>,
+    P: Copy + Into<f64>,
+{
+    if storage == Storage::F32 {
+        flash_rule(got.iter().copied(), want.iter().copied(), plain.iter().copied())
+    } else {
+        let t = Tolerance::for_storage(storage);
+        compare(
+            got.iter().copied(),
+            want.iter().copied(),
+            Tolerance {
+                atol: t.rtol * scale + t.atol,
+                rtol: 0.0,
+            },
+        )
+    }
+}
+
 /// Check backward results `g` of `case` for upstream gradient `dout` against the f64
 /// reference by FlashAttention's rule (f32: at most twice the plain f32 implementation's
 /// error, plus 1e-5·max|ref| + 1e-6; half formats: twice the format's rounding of the largest
@@ -143,21 +166,9 @@ pub fn assert_grads(case: &Case, g: &Grads, dout: &Array4<f32>, label: &str) {
     let r32 = reference::sdpa_backward_f32(case.q.view(), case.k.view(), case.v.view(), dout.view(), &opts)
         .unwrap();
     let rule = |name: &str, got: &[f32], want: &[f64], plain: &[f32]| {
-        let report = if case.storage == Storage::F32 {
-            flash_rule(got.iter().copied(), want.iter().copied(), plain.iter().copied())
-        } else {
-            // Half outputs: the format's rounding relative to the largest gradient.
-            let max = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-            let t = Tolerance::for_storage(case.storage);
-            compare(
-                got.iter().copied(),
-                want.iter().copied(),
-                Tolerance {
-                    atol: 2.0 * t.rtol * max + t.atol,
-                    rtol: 0.0,
-                },
-            )
-        };
+        // Half outputs: the format's rounding relative to the largest gradient.
+        let max = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+        let report = gradient_report(got, want, plain, case.storage, 2.0 * max);
         assert!(report.passed(), "{label} {name}: {report}");
     };
     let flat = |a: &ArrayD<f64>| a.iter().copied().collect::<Vec<_>>();
