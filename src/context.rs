@@ -367,6 +367,12 @@ impl Context {
             .then_some(info.subgroup_min_size)
     }
 
+    /// The number of compute pipelines this context's cache holds (every kernel form built so
+    /// far): a figure for long runs, where it must stay bounded however many shapes go through.
+    pub fn cached_pipelines(&self) -> usize {
+        self.inner.pipelines.len()
+    }
+
     /// Bytes of buffer memory the device holds now, as wgpu's allocator counts them (0 where
     /// the backend does not count: the web). Includes the crate's small cached buffers.
     pub fn buffer_memory(&self) -> u64 {

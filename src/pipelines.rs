@@ -89,10 +89,17 @@ impl Pipeline {
     }
 }
 
-/// Pipelines by [`Key`], and the background compilations in flight.
+/// The most pipelines a cache keeps: past it, the least recently used is dropped (a caller
+/// still holding it keeps it alive; a later call rebuilds it). Head dims are compiled into
+/// the kernels, so distinct shapes add pipelines (about one per three random shapes).
+pub(crate) const MAX_PIPELINES: usize = 256;
+
+/// Pipelines by [`Key`] with the tick of their last use, and the background compilations in
+/// flight.
 #[derive(Default)]
 pub(crate) struct PipelineCache {
-    ready: Mutex<HashMap<Key, Arc<Pipeline>>>,
+    ready: Mutex<HashMap<Key, (Arc<Pipeline>, u64)>>,
+    tick: std::sync::atomic::AtomicU64,
     #[cfg(not(target_arch = "wasm32"))]
     warming: Mutex<HashSet<Key>>,
     #[cfg(not(target_arch = "wasm32"))]
@@ -100,15 +107,32 @@ pub(crate) struct PipelineCache {
 }
 
 impl PipelineCache {
-    /// The pipeline of `key`, built by `build` the first time.
+    /// The pipeline of `key`, built by `build` the first time (or again after eviction).
     pub(crate) fn get_or_build(&self, key: Key, build: impl FnOnce() -> Pipeline) -> Arc<Pipeline> {
-        if let Some(p) = self.ready.lock().unwrap().get(&key) {
+        let now = self.tick.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Some((p, used)) = self.ready.lock().unwrap().get_mut(&key) {
+            *used = now;
             return p.clone();
         }
         // Built outside the lock: compiling may take seconds, and other kernels may be wanted
         // meanwhile. Two threads building the same key both build; the first insert wins.
         let p = Arc::new(build());
-        self.ready.lock().unwrap().entry(key).or_insert(p).clone()
+        let mut ready = self.ready.lock().unwrap();
+        if ready.len() >= MAX_PIPELINES && !ready.contains_key(&key) {
+            let oldest = ready
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(k, _)| k.clone());
+            if let Some(k) = oldest {
+                ready.remove(&k);
+            }
+        }
+        ready.entry(key).or_insert((p, now)).0.clone()
+    }
+
+    /// The number of pipelines built and kept.
+    pub(crate) fn len(&self) -> usize {
+        self.ready.lock().unwrap().len()
     }
 
     /// Whether the pipeline of `key` has been built.
@@ -147,5 +171,31 @@ impl PipelineCache {
                 None => break,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The cache keeps at most MAX_PIPELINES, dropping the least recently used.
+    #[test]
+    fn the_cache_is_bounded_and_drops_the_least_recently_used() {
+        let Ok(ctx) = crate::Context::new_blocking() else {
+            return;
+        };
+        let cache = PipelineCache::default();
+        let src = "@compute @workgroup_size(1) fn main() {}".to_string();
+        let build = || Pipeline::new(ctx.device(), "t", src.clone(), &[], &[]);
+        let key = |i: usize| Key::new("t", &format!("// {i}"), &[]);
+        for i in 0..MAX_PIPELINES + 40 {
+            cache.get_or_build(key(i), build);
+            // Key 0 stays in use.
+            cache.get_or_build(key(0), || unreachable!("key 0 is kept"));
+        }
+        assert_eq!(cache.len(), MAX_PIPELINES);
+        assert!(cache.contains(&key(0)));
+        assert!(!cache.contains(&key(1)));
+        assert!(cache.contains(&key(MAX_PIPELINES + 39)));
     }
 }
