@@ -92,12 +92,7 @@ pub(crate) fn storage_init(ctx: &Context, label: &str, contents: &[u8]) -> wgpu:
 /// error scope and is returned.
 pub(crate) fn init(ctx: &Context, label: &str, contents: &[u8], usage: wgpu::BufferUsages) -> wgpu::Buffer {
     let size = (contents.len() as u64).next_multiple_of(wgpu::COPY_BUFFER_ALIGNMENT);
-    let buffer = ctx.device().create_buffer(&wgpu::BufferDescriptor {
-        label: Some(label),
-        size,
-        usage: usage | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    });
+    let buffer = create(ctx, label, size, usage | wgpu::BufferUsages::COPY_DST);
     if size > 0 {
         if size == contents.len() as u64 {
             ctx.queue().write_buffer(&buffer, 0, contents);
@@ -112,20 +107,23 @@ pub(crate) fn init(ctx: &Context, label: &str, contents: &[u8], usage: wgpu::Buf
 
 /// An uninitialised buffer of `bytes` the kernels write and the host may read back or copy.
 pub(crate) fn output(ctx: &Context, label: &str, bytes: u64) -> wgpu::Buffer {
-    ctx.device().create_buffer(&wgpu::BufferDescriptor {
-        label: Some(label),
-        size: bytes,
-        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    })
+    use wgpu::BufferUsages as U;
+    create(ctx, label, bytes, U::STORAGE | U::COPY_SRC | U::COPY_DST)
 }
 
 /// A GPU-only scratch buffer of `bytes`.
 pub(crate) fn scratch(ctx: &Context, label: &str, bytes: u64) -> wgpu::Buffer {
+    create(ctx, label, bytes, wgpu::BufferUsages::STORAGE)
+}
+
+/// Every buffer a call allocates is made here (where an injected out-of-memory strikes:
+/// [`crate::faults`]).
+pub(crate) fn create(ctx: &Context, label: &str, bytes: u64, usage: wgpu::BufferUsages) -> wgpu::Buffer {
+    ctx.faults().allocation();
     ctx.device().create_buffer(&wgpu::BufferDescriptor {
         label: Some(label),
         size: bytes,
-        usage: wgpu::BufferUsages::STORAGE,
+        usage,
         mapped_at_creation: false,
     })
 }
@@ -231,12 +229,12 @@ pub(crate) async fn read_bytes(
     while done < size {
         let n = piece_max.min(size - done);
         let staging = ctx.scoped(|| {
-            let staging = device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("wgpu-attention readback"),
-                size: n,
-                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            });
+            let staging = create(
+                ctx,
+                "wgpu-attention readback",
+                n,
+                wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            );
             let mut enc = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
                 label: Some("wgpu-attention readback"),
             });
@@ -250,7 +248,11 @@ pub(crate) async fn read_bytes(
             let _ = tx.send(r);
         });
         ctx.wait()?;
+        let injected = ctx.faults().readback_fails();
         match rx.receive().await {
+            Some(Ok(())) if injected => {
+                return Err(Error::Readback("injected fault: the mapping failed".into()))
+            }
             Some(Ok(())) => {}
             Some(Err(e)) => return Err(Error::Readback(e.to_string())),
             None => return Err(Error::Readback("map callback dropped".into())),

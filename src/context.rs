@@ -46,6 +46,7 @@ struct Inner {
     limits: wgpu::Limits,
     features: wgpu::Features,
     pipelines: PipelineCache,
+    faults: crate::faults::Injector,
     lost: Arc<Mutex<Option<String>>>,
 }
 
@@ -161,6 +162,7 @@ impl Context {
                 queue,
                 info,
                 pipelines: PipelineCache::default(),
+                faults: Default::default(),
                 lost,
             }),
             forms,
@@ -203,6 +205,23 @@ impl Context {
     }
 
     /// The pipeline cache.
+    pub(crate) fn faults(&self) -> &crate::faults::Injector {
+        &self.inner.faults
+    }
+
+    /// Make `fault` happen to this context (and its clones): the allocation chosen runs out of
+    /// memory, or the next readback fails, as a device's would. For testing how an application
+    /// copes; the call that meets the fault returns the error, frees what it allocated, and the
+    /// context stays usable. See `tests/faults.rs`.
+    pub fn inject_fault(&self, fault: crate::Fault) {
+        self.inner.faults.inject(fault);
+    }
+
+    /// Withdraw every fault [`Context::inject_fault`] made pending.
+    pub fn clear_faults(&self) {
+        self.inner.faults.clear();
+    }
+
     pub(crate) fn pipelines(&self) -> &PipelineCache {
         &self.inner.pipelines
     }
@@ -301,7 +320,14 @@ impl Context {
         let v = validation.pop().await;
         let o = oom.pop().await;
         let i = internal.pop().await;
-        if let Some(e) = v.or(o).or(i) {
+        if crate::faults::Injector::take_pending_oom() {
+            return Err(Error::OutOfMemory(
+                "injected fault: a buffer allocation failed".into(),
+            ));
+        }
+        // A buffer that could not be allocated is invalid, and so is every use of it: report
+        // the out-of-memory, not the validation errors that follow from it.
+        if let Some(e) = o.or(v).or(i) {
             // A lost device makes every command invalid: report the cause, not the symptom.
             self.check_lost_now()?;
             return Err(e.into());

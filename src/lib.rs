@@ -5,6 +5,7 @@ mod buffers;
 pub mod check;
 mod context;
 mod error;
+mod faults;
 mod forms;
 #[cfg(feature = "heatmap")]
 pub mod heatmap;
@@ -31,6 +32,7 @@ mod variants;
 
 pub use context::Context;
 pub use error::{Error, Result};
+pub use faults::Fault;
 pub use forms::{Caps, DecodeForm, Forms, FusedForm};
 /// Re-exported: the half-precision host types ([`half::f16`], [`half::bf16`]).
 pub use half;

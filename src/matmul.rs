@@ -52,16 +52,15 @@ pub async fn matmul<'a>(
             hint: "",
         });
     }
-    let device = ctx.device();
     let c = ctx
         .submit("matmul", |encoder| {
             let (a_buf, b_buf) = (a_op.upload(ctx, "a"), b_op.upload(ctx, "b"));
-            let c = device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("c"),
-                size: c_bytes,
-                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-                mapped_at_creation: false,
-            });
+            let c = crate::buffers::create(
+                ctx,
+                "c",
+                c_bytes,
+                wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            );
             // A shared B (batch 1) maps every z to slice 0: heads = group = batch.
             let (heads, group) = if bb == 1 { (batch, batch) } else { (1, 1) };
             kernel::Matmul {
