@@ -80,6 +80,22 @@ impl MhaConfig {
                 self.num_kv_heads, self.num_heads
             ));
         }
+        // Every weight matrix must be one a device can hold: refused here, before initialising
+        // or loading weights allocates anything (a d_model of 10^5 would be 40 GB per matrix).
+        let limit = crate::mha::weights::MAX_TENSOR_F32_BYTES;
+        for (name, rows, cols) in [
+            ("W_Q and W_O", self.d_model, self.d_model),
+            ("W_K", self.kv_width(), self.kdim),
+            ("W_V", self.kv_width(), self.vdim),
+        ] {
+            let bytes = (rows as u64).saturating_mul(cols as u64).saturating_mul(4);
+            if bytes > limit {
+                return bad(format!(
+                    "{name} would be {rows} x {cols} = {bytes} bytes in f32, over the {limit} bytes one \
+                     weight matrix may take"
+                ));
+            }
+        }
         Ok(())
     }
 

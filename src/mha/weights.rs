@@ -257,7 +257,8 @@ impl MhaWeights {
     /// [`from_safetensors`](Self::from_safetensors) from a file.
     #[cfg(not(target_arch = "wasm32"))]
     pub fn from_safetensors_file(path: impl AsRef<std::path::Path>, num_heads: usize) -> Result<Self> {
-        Self::from_safetensors(&read_file(path.as_ref())?, num_heads)
+        let keys: Vec<String> = MHA_KEYS.iter().map(|k| k.to_string()).collect();
+        Self::from_safetensors(&read_file(path.as_ref(), &keys)?, num_heads)
     }
 
     /// Check the config and every parameter's shape against it.
@@ -306,13 +307,113 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<safetensors::SafeTensors<'_>> {
     })
 }
 
-/// The bytes of a safetensors file.
+/// The most bytes one tensor may take once widened to f32: 4 GiB, past what any wgpu device
+/// binds at once (WebGPU's binding sizes are 32-bit). A file claiming a larger tensor is
+/// refused before anything is allocated for it.
+pub(crate) const MAX_TENSOR_F32_BYTES: u64 = 4 << 30;
+
+/// The safetensors format's own bound on its JSON header (the `safetensors` crate's).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// The tensors `keys` (those present) of the safetensors file at `path`, as a compact
+/// safetensors buffer holding only them. Only the header and those tensors are read: a layer
+/// inside a model file of any size costs the layer's bytes. Every size the header claims is
+/// checked against the file before anything is allocated for it: the header's length (at most
+/// the format's 100 MB and what the file holds), each wanted tensor's offsets (within the
+/// data), its byte length (its shape times its dtype's size, without overflow) and its f32
+/// size (at most [`MAX_TENSOR_F32_BYTES`]). Every failure is an [`Error::WeightFile`] naming
+/// the file and what is wrong.
 #[cfg(not(target_arch = "wasm32"))]
-pub(crate) fn read_file(path: &std::path::Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| Error::WeightFile {
-        reason: format!("{}: {e}", path.display()),
-    })
+pub(crate) fn read_file(path: &std::path::Path, keys: &[String]) -> Result<Vec<u8>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let bad = |reason: String| Error::WeightFile {
+        reason: format!("{}: {reason}", path.display()),
+    };
+    let io = |e: std::io::Error| bad(e.to_string());
+    let mut file = std::fs::File::open(path).map_err(io)?;
+    let len = file.metadata().map_err(io)?.len();
+    if len < 8 {
+        return Err(bad(format!(
+            "{len} bytes: too short for a safetensors file (it starts with an 8-byte header length)"
+        )));
+    }
+    let mut n = [0u8; 8];
+    file.read_exact(&mut n).map_err(io)?;
+    let n = u64::from_le_bytes(n);
+    if n > MAX_HEADER_BYTES.min(len - 8) {
+        return Err(bad(format!(
+            "its header claims {n} bytes, but the file has {} after the length (and headers are \
+             at most {MAX_HEADER_BYTES})",
+            len - 8
+        )));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header).map_err(io)?;
+    let metadata: safetensors::tensor::Metadata =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("malformed header: {e}")))?;
+    let data_len = len - 8 - n;
+    let mut tensors = Vec::new();
+    for key in keys {
+        let Some(info) = metadata.info(key) else { continue };
+        let (begin, end) = (info.data_offsets.0 as u64, info.data_offsets.1 as u64);
+        if begin > end || end > data_len {
+            return Err(bad(format!(
+                "{key}: its offsets {begin}..{end} are not within the file's {data_len} bytes of data"
+            )));
+        }
+        let elems = info
+            .shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
+        let bytes = elems
+            .and_then(|e| e.checked_mul(info.dtype.bitsize() as u64))
+            .map(|b| b.div_ceil(8));
+        if bytes != Some(end - begin) {
+            return Err(bad(format!(
+                "{key}: shape {:?} of {:?} does not take the {} bytes its offsets give it",
+                info.shape,
+                info.dtype,
+                end - begin
+            )));
+        }
+        let elems = elems.unwrap_or(u64::MAX);
+        if elems.saturating_mul(4) > MAX_TENSOR_F32_BYTES {
+            return Err(bad(format!(
+                "{key}: shape {:?} is {elems} elements, {} bytes as f32: over the {} bytes one \
+                 tensor may take",
+                info.shape,
+                elems.saturating_mul(4),
+                MAX_TENSOR_F32_BYTES
+            )));
+        }
+        let mut data = vec![0u8; (end - begin) as usize];
+        file.seek(SeekFrom::Start(8 + n + begin)).map_err(io)?;
+        file.read_exact(&mut data).map_err(io)?;
+        tensors.push((key.clone(), info.dtype, info.shape.clone(), data));
+    }
+    let views = tensors
+        .iter()
+        .map(|(k, dtype, shape, data)| {
+            safetensors::tensor::TensorView::new(*dtype, shape.clone(), data)
+                .map(|v| (k.clone(), v))
+                .map_err(|e| bad(format!("{k}: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    safetensors::serialize(views, None).map_err(|e| bad(e.to_string()))
 }
+
+/// The keys a layer's state dict may have, after `prefix`.
+pub(crate) const MHA_KEYS: [&str; 9] = [
+    "in_proj_weight",
+    "q_proj_weight",
+    "k_proj_weight",
+    "v_proj_weight",
+    "in_proj_bias",
+    "out_proj.weight",
+    "out_proj.bias",
+    "bias_k",
+    "bias_v",
+];
 
 /// A tensor read from a safetensors file: its shape, its dtype, its values widened to f32.
 pub(crate) type TensorF32 = (Vec<usize>, safetensors::Dtype, Vec<f32>);

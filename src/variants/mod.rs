@@ -205,7 +205,8 @@ impl VariantParams {
     /// [`from_safetensors`](Self::from_safetensors) from a file.
     #[cfg(not(target_arch = "wasm32"))]
     pub fn from_safetensors_file(kind: VariantKind, path: impl AsRef<std::path::Path>) -> Result<Self> {
-        Self::from_safetensors(kind, &crate::mha::weights::read_file(path.as_ref())?)
+        let keys = ["w", "w_q", "w_k", "u", "b", "a", "e", "f"].map(String::from);
+        Self::from_safetensors(kind, &crate::mha::weights::read_file(path.as_ref(), &keys)?)
     }
 
     /// Validate these parameters and `options` against the input shapes (q `[B, Hq, L, E]`,

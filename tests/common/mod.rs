@@ -4,8 +4,11 @@
 #![allow(dead_code)]
 
 mod cases;
+mod mixed;
 
 pub use cases::*;
+#[allow(unused_imports)]
+pub use mixed::*;
 use ndarray::{Array4, ArrayD};
 use wgpu_attention::check::{compare, flash_rule, Report, Tolerance};
 use wgpu_attention::reference;

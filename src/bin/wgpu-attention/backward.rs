@@ -36,6 +36,12 @@ pub(crate) struct BackwardArgs {
 
 /// `backward`: gradients of sum(dO ∘ O) with respect to q, k, v (and the bias).
 pub(crate) fn backward(a: &BackwardArgs) -> CliResult<ExitCode> {
+    crate::npy::check_writable([
+        ("--dq-out", Some(a.dq_out.as_path())),
+        ("--dk-out", Some(a.dk_out.as_path())),
+        ("--dv-out", Some(a.dv_out.as_path())),
+        ("--dbias-out", a.dbias_out.as_deref()),
+    ])?;
     let x = a.input.load()?;
     let st = a.input.storage;
     let dout = read_qkv(&a.dout, "dout", "[B, Hq, L, Ev]")?.mapv(|v| st.round(v));

@@ -92,6 +92,7 @@ fn read(ctx: &Context, buf: &wgpu_attention::wgpu::Buffer, n: usize) -> CliResul
 }
 
 pub(crate) fn bench_variants(a: &BenchVariantsArgs) -> CliResult<ExitCode> {
+    crate::npy::check_writable([("--plot", a.plot.as_deref())])?;
     let ctx = context()?;
     println!("adapter: {}", ctx.describe());
     let mut time_series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();

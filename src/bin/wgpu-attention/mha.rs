@@ -99,6 +99,12 @@ pub(crate) struct MhaArgs {
 
 /// `mha`: the multi-head attention layer on the `.npy` inputs.
 pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
+    crate::npy::check_writable([
+        ("--out", Some(a.out.as_path())),
+        ("--weights-out", a.weights_out.as_deref()),
+        ("--heatmap", a.heatmap.as_deref()),
+        ("--grads-out", a.grads_out.as_deref()),
+    ])?;
     let weight_bytes = std::fs::read(&a.weights)
         .map_err(|e| format!("weights: cannot read {}: {e}", a.weights.display()))?;
     let weights = MhaWeights::from_safetensors_prefixed(&weight_bytes, &a.prefix, a.heads)?;

@@ -95,6 +95,45 @@ pub(crate) fn read_3d(path: &FsPath, what: &str, layout: &str) -> CliResult<ndar
     })
 }
 
+/// Check, before anything is read or computed, that every output path (`(flag, path)`) can
+/// be written: an existing file must open for writing (it is not changed here), a new one must
+/// be creatable in an existing folder (it is created and removed again). A run that would
+/// fail at its end after minutes of work fails at once instead.
+pub(crate) fn check_writable<'p>(
+    outputs: impl IntoIterator<Item = (&'static str, Option<&'p FsPath>)>,
+) -> CliResult<()> {
+    for (flag, path) in outputs {
+        let Some(path) = path else { continue };
+        let fail = |e: &dyn std::fmt::Display| -> CliResult<()> {
+            Err(format!(
+                "{flag}: cannot write {}: {e} (checked before computing)",
+                path.display()
+            )
+            .into())
+        };
+        if path.is_dir() {
+            return fail(&"it is a folder");
+        }
+        if path.exists() {
+            if let Err(e) = std::fs::OpenOptions::new().append(true).open(path) {
+                return fail(&e);
+            }
+        } else {
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(path)
+            {
+                Ok(_) => {
+                    let _ = std::fs::remove_file(path);
+                }
+                Err(e) => return fail(&e),
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Write `a` to `path` and say so.
 pub(crate) fn write_array<T: WritableElement>(path: &FsPath, what: &str, a: &ArrayD<T>) -> CliResult<()> {
     write_npy(path, a).map_err(|e| format!("{what}: cannot write {}: {e}", path.display()))?;

@@ -137,6 +137,11 @@ pub(crate) struct RunArgs {
 
 /// `run`: attention on the `.npy` inputs, on the GPU or (`--cpu`) the CPU reference.
 pub(crate) fn run(a: &RunArgs) -> CliResult<ExitCode> {
+    crate::npy::check_writable([
+        ("--out", Some(a.out.as_path())),
+        ("--weights-out", a.weights_out.as_deref()),
+        ("--lse-out", a.lse_out.as_deref()),
+    ])?;
     let x = a.input.load()?;
     let st = a.input.storage;
     let options = a.input.options(&x);

@@ -49,6 +49,10 @@ fn kind_parser() -> impl clap::builder::TypedValueParser<Value = VariantKind> {
 
 /// `variant`: one variant on the `.npy` inputs.
 pub(crate) fn variant(a: &VariantArgs) -> CliResult<ExitCode> {
+    crate::npy::check_writable([
+        ("--out", Some(a.out.as_path())),
+        ("--weights-out", a.weights_out.as_deref()),
+    ])?;
     let params = match (a.kind, &a.params) {
         (VariantKind::Nystrom, None) => VariantParams::Nystrom {
             landmarks: a.landmarks,
