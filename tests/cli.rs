@@ -291,6 +291,48 @@ fn npy_with_fewer_data_bytes_than_its_shape_needs_is_an_error() {
     assert!(!o.exists());
 }
 
+/// Output paths that cannot be written (a missing folder, a folder, a read-only file) fail
+/// at once, before any input is read or anything computed, naming the flag and the path.
+#[test]
+fn unwritable_outputs_fail_before_computing() {
+    let dir = out_dir("unwritable");
+    let [q, k, v] = decode_inputs(&dir);
+    let missing = dir.join("no-such-folder").join("o.npy");
+    let readonly = dir.join("readonly.npy");
+    std::fs::write(&readonly, b"x").unwrap();
+    let mut perms = std::fs::metadata(&readonly).unwrap().permissions();
+    perms.set_readonly(true);
+    std::fs::set_permissions(&readonly, perms).unwrap();
+    // Root writes read-only files anyway: that case is checked only where it is refused.
+    let readonly_refused = std::fs::OpenOptions::new().append(true).open(&readonly).is_err();
+    let good = dir.join("o.npy");
+    let mut cases = vec![
+        (vec!["--out", s(&missing)], "--out", s(&missing).to_string()),
+        (vec!["--out", s(&dir)], "--out", s(&dir).to_string()),
+        (
+            vec!["--out", s(&good), "--lse-out", s(&missing)],
+            "--lse-out",
+            s(&missing).to_string(),
+        ),
+    ];
+    if readonly_refused {
+        cases.push((vec!["--out", s(&readonly)], "--out", s(&readonly).to_string()));
+    }
+    for (rest, flag, path) in cases {
+        // A q that cannot be read: the output check must come first to be the error reported.
+        let r = run_qkv(&dir.join("absent-q.npy"), &k, &v, &rest);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains(flag) && err.contains(&path) && err.contains("before computing"),
+            "{err}"
+        );
+        assert!(!good.exists(), "a checked output was left behind");
+    }
+    let r = run_qkv(&q, &k, &v, &["--out", s(&good)]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+}
+
 /// Decode-shaped inputs (one query row, 512 keys) in `dir`: the paths of q, k and v.
 fn decode_inputs(dir: &Path) -> [PathBuf; 3] {
     let names = ["q.npy", "k.npy", "v.npy"].map(|n| dir.join(n));

@@ -559,6 +559,39 @@ mod tests {
         read_header(&mut &bytes[..], file_len)
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 2000, ..Default::default() })]
+
+        /// Hostile headers (random bytes, valid headers cut short or with bytes overwritten,
+        /// any claimed length) are parsed or refused, never a panic; a parsed header never
+        /// claims to be longer than the file.
+        #[test]
+        fn hostile_headers_are_parsed_or_refused(
+            random in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            cut in 0usize..200,
+            flips in proptest::collection::vec((0usize..128, proptest::prelude::any::<u8>()), 0..6),
+            use_valid in proptest::prelude::any::<bool>(),
+            file_len in proptest::prelude::any::<u64>(),
+        ) {
+            let bytes = if use_valid {
+                let mut h = header(1 + (cut % 3) as u8, "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 4), }");
+                for (i, b) in flips {
+                    if let Some(x) = h.get_mut(i) {
+                        *x = b;
+                    }
+                }
+                h.truncate(h.len().saturating_sub(cut % 7 * (cut % 2)));
+                h
+            } else {
+                random
+            };
+            let file_len = file_len.min(bytes.len() as u64 + 64);
+            if let Ok(h) = parse(&bytes, file_len) {
+                proptest::prop_assert!(h.len <= file_len, "header of {} bytes in a {file_len}-byte file", h.len);
+            }
+        }
+    }
+
     #[test]
     fn reads_numpys_headers_of_every_version() {
         for version in [1, 2, 3] {
