@@ -313,6 +313,7 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<safetensors::SafeTensors<'_>> {
 pub(crate) const MAX_TENSOR_F32_BYTES: u64 = 4 << 30;
 
 /// The safetensors format's own bound on its JSON header (the `safetensors` crate's).
+#[cfg(not(target_arch = "wasm32"))]
 const MAX_HEADER_BYTES: u64 = 100_000_000;
 
 /// The tensors `keys` (those present) of the safetensors file at `path`, as a compact
@@ -403,6 +404,7 @@ pub(crate) fn read_file(path: &std::path::Path, keys: &[String]) -> Result<Vec<u
 }
 
 /// The keys a layer's state dict may have, after `prefix`.
+#[cfg(not(target_arch = "wasm32"))]
 pub(crate) const MHA_KEYS: [&str; 9] = [
     "in_proj_weight",
     "q_proj_weight",
