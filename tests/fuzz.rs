@@ -213,6 +213,51 @@ fn claims_of_huge_tensors_are_refused_before_allocation() {
     assert!(largest < 1 << 20, "{largest} bytes allocated");
 }
 
+/// Each kind of bad file gets `Error::WeightFile` naming the file and what is wrong with it:
+/// empty, cut inside the length, a header length past the file, cut inside the data, a
+/// malformed header, offsets past the data, a shape that does not match its offsets.
+#[test]
+fn bad_files_are_named_errors() {
+    let dir = std::env::temp_dir().join(format!("wgpu-attention-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let valid = valid_layer_file();
+    let mut long_header = valid.clone();
+    long_header[..8].copy_from_slice(&(valid.len() as u64).to_le_bytes());
+    let mut malformed = valid.clone();
+    malformed[8] = b'[';
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("empty", vec![], "too short"),
+        ("cut-length", valid[..5].to_vec(), "too short"),
+        ("long-header", long_header, "header claims"),
+        ("cut-data", valid[..valid.len() - 3].to_vec(), "offsets"),
+        ("malformed", malformed, "malformed header"),
+        ("past-data", lying_file("F32", &[24, 8], (0, 768), 100), "offsets"),
+        (
+            "wrong-shape",
+            lying_file("F32", &[24, 9], (0, 768), 768),
+            "invalid shape",
+        ),
+    ];
+    for (name, bytes, says) in cases {
+        let path = dir.join(format!("{name}.safetensors"));
+        std::fs::write(&path, &bytes).unwrap();
+        match MhaWeights::from_safetensors_file(&path, 2) {
+            Err(Error::WeightFile { reason }) => {
+                assert!(reason.contains(name) && reason.contains(says), "{name}: {reason}")
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+        // The in-memory reader refuses it too, typed.
+        assert!(
+            matches!(
+                MhaWeights::from_safetensors(&bytes, 2),
+                Err(Error::WeightFile { .. })
+            ),
+            "{name}"
+        );
+    }
+}
+
 /// Shapes for the validation fuzz: small, zero, huge and overflowing dimensions.
 fn dim() -> impl Strategy<Value = usize> {
     prop_oneof![4 => 0usize..6, 1 => Just(1usize << 20), 1 => Just(usize::MAX / 2), 1 => any::<usize>()]
