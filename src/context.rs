@@ -204,7 +204,7 @@ impl Context {
         caps
     }
 
-    /// The pipeline cache.
+    /// The faults injected into this context.
     pub(crate) fn faults(&self) -> &crate::faults::Injector {
         &self.inner.faults
     }
@@ -222,6 +222,7 @@ impl Context {
         self.inner.faults.clear();
     }
 
+    /// The pipeline cache.
     pub(crate) fn pipelines(&self) -> &PipelineCache {
         &self.inner.pipelines
     }

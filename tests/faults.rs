@@ -152,6 +152,12 @@ fn out_of_memory_and_failed_readbacks_free_everything_and_the_next_call_succeeds
         call(&ctx).unwrap_or_else(|e| panic!("{name}: {e}"));
         ctx.wait_idle().unwrap();
         let base = ctx.buffer_memory();
+        // After a fault: every buffer freed, and the same call right again.
+        let recovered = |fault: &str| {
+            ctx.wait_idle().unwrap();
+            assert_eq!(ctx.buffer_memory(), base, "{name}: memory after {fault}");
+            call(&ctx).unwrap_or_else(|e| panic!("{name}: the call after {fault}: {e}"));
+        };
         let mut after = 0;
         loop {
             ctx.inject_fault(Fault::OutOfMemory { after });
@@ -161,13 +167,7 @@ fn out_of_memory_and_failed_readbacks_free_everything_and_the_next_call_succeeds
                 // The call made `after` allocations or fewer: every one has been failed.
                 Ok(()) => break,
             }
-            ctx.wait_idle().unwrap();
-            assert_eq!(
-                ctx.buffer_memory(),
-                base,
-                "{name}: memory after an out-of-memory at allocation {after}"
-            );
-            call(&ctx).unwrap_or_else(|e| panic!("{name}: the call after an out-of-memory: {e}"));
+            recovered(&format!("an out-of-memory at allocation {after}"));
             after += 1;
         }
         ctx.clear_faults();
@@ -177,13 +177,7 @@ fn out_of_memory_and_failed_readbacks_free_everything_and_the_next_call_succeeds
             Err(Error::Readback(_)) => faults += 1,
             other => panic!("{name}: failed readback gave {other:?}"),
         }
-        ctx.wait_idle().unwrap();
-        assert_eq!(
-            ctx.buffer_memory(),
-            base,
-            "{name}: memory after a failed readback"
-        );
-        call(&ctx).unwrap_or_else(|e| panic!("{name}: the call after a failed readback: {e}"));
+        recovered("a failed readback");
     }
     println!("{faults} faults survived");
 }

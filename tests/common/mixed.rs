@@ -47,15 +47,6 @@ fn layer_grid(b: usize, l: usize, s: usize, n: usize) -> MhaGrid {
     }
 }
 
-/// The tolerance of one call in `s`.
-pub fn call_tolerance(s: Storage) -> Tolerance {
-    if s == Storage::F32 {
-        TOL
-    } else {
-        Tolerance::for_storage(s)
-    }
-}
-
 /// Call number `n` on `shape`: one in six (with a layer) the shared layer's forward, one in
 /// five of the rest the backward (fused or unfused, checked by FlashAttention's rule), the
 /// others the forward on the automatic, fused, unfused or decode path; every mask kind and
@@ -104,7 +95,13 @@ pub fn mixed_call(ctx: &Context, n: usize, shape: Shape, layer: Option<&SharedLa
         .checked_sdpa(path)
         .run_blocking(ctx)
         .unwrap_or_else(|e| panic!("{label}: {e}"));
-    case.assert_output(&got, &case.reference(), path, call_tolerance(storage), &label);
+    case.assert_output(
+        &got,
+        &case.reference(),
+        path,
+        Tolerance::for_storage(storage),
+        &label,
+    );
     label
 }
 
@@ -138,12 +135,15 @@ impl SoakShapes {
     }
 }
 
-/// The process's resident memory in bytes (Linux; 0 elsewhere).
+/// The process's resident memory in bytes (Linux's `VmRSS`; 0 elsewhere).
 pub fn resident_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/statm")
+    std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .map_or(0, |pages| pages * 4096)
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(0, |kib| kib * 1024)
 }
 
 /// One line of a soak's figures.
