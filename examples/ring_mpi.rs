@@ -1,7 +1,7 @@
 //! Ring attention over MPI ranks, one GPU context per rank:
 //!
 //! ```text
-//! cargo build --release --features mpi --example ring_mpi
+//! cargo build --release -p wgpu-attention --features mpi --example ring_mpi
 //! mpirun -np 4 target/release/examples/ring_mpi --seq 16384 --causal
 //! ```
 //!

@@ -2,7 +2,7 @@
 # The ring over MPI (cargo feature `mpi`): installs Open MPI when missing, lints and builds with
 # the feature, then runs examples/ring_mpi.rs with 2 and 4 ranks on this machine (each rank
 # checks its rows against one device, rank 0 the backward by FlashAttention's rule), the CLI's
-# `run --mpi` and `backward --mpi` against one device (tests/cli.rs), and three fault drills (a rank with a different problem, a
+# `run --mpi` and `backward --mpi` against one device (cli/tests/cli.rs), and three fault drills (a rank with a different problem, a
 # rank that stalls past the timeout, a rank that dies) that must end the job with an error,
 # never hang it. Every mpirun runs under a time limit, stopped with SIGINT (which cleans up
 # Open MPI's shared-memory files; SIGTERM leaves them).
@@ -19,8 +19,12 @@ fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 MPIRUN=(mpirun --oversubscribe)
 
-cargo clippy --locked --features mpi --lib --example ring_mpi --bin wgpu-attention -- -D warnings
-cargo build --locked --features mpi --example ring_mpi --bin wgpu-attention
+# The library's feature for the library and the example, the tool's (which forwards to it) for the
+# tool: it is its own package (cli/).
+cargo clippy --locked -p wgpu-attention --features mpi --lib --example ring_mpi -- -D warnings
+cargo clippy --locked -p wgpu-attention-cli --features mpi --bin wgpu-attention --test cli -- -D warnings
+cargo build --locked -p wgpu-attention --features mpi --example ring_mpi
+cargo build --locked -p wgpu-attention-cli --features mpi --bin wgpu-attention
 EX=target/debug/examples/ring_mpi
 CLI=target/debug/wgpu-attention
 
@@ -38,7 +42,7 @@ for np in 2 4; do
 done
 
 echo "-- the CLI: run and backward with --mpi (under mpirun) and --devices against one device"
-cargo test --locked --features mpi --test cli -- run_on_a_ring backward_writes
+cargo test --locked -p wgpu-attention-cli --features mpi --test cli -- run_on_a_ring backward_writes
 
 echo "-- fault drill: rank 1 has a different problem; every rank must say so"
 set +e

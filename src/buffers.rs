@@ -73,6 +73,44 @@ pub(crate) fn check_gpu_buffer(
     Ok(())
 }
 
+/// [`check_gpu_buffer`] for a tensor of `shape` in format `storage`, the size error naming
+/// the format assumed and the formats that would fit.
+pub(crate) fn check_tensor_buffer(
+    ctx: &Context,
+    tensor: &'static str,
+    buf: &wgpu::Buffer,
+    offset: u64,
+    shape: &[usize],
+    storage: Storage,
+) -> Result<()> {
+    let elems: usize = shape.iter().product();
+    let bytes = storage.bytes(elems);
+    check_gpu_buffer(ctx, tensor, buf, offset, bytes).map_err(|e| match e {
+        Error::BadBuffer { tensor, reason } if reason.starts_with("needs ") => {
+            let room = buf.size().saturating_sub(offset);
+            let fit: Vec<String> = [Storage::F32, Storage::F16, Storage::Bf16]
+                .into_iter()
+                .filter(|s| s.bytes(elems) <= room)
+                .map(|s| s.name().to_string())
+                .collect();
+            let fit = if fit.is_empty() {
+                "no format fits".to_string()
+            } else {
+                format!("it would fit {}", fit.join(" or "))
+            };
+            Error::BadBuffer {
+                tensor,
+                reason: format!(
+                    "{reason}: shape {shape:?} in the declared format {} ({} bytes an element); {fit}",
+                    storage.name(),
+                    storage.element_bytes()
+                ),
+            }
+        }
+        e => e,
+    })
+}
+
 pub(crate) fn binding(buf: &wgpu::Buffer, offset: u64, bytes: u64) -> wgpu::BufferBinding<'_> {
     wgpu::BufferBinding {
         buffer: buf,
@@ -151,9 +189,17 @@ impl<'t, 'a> Operand<'t, 'a> {
         let elems: usize = t.shape.iter().product();
         let storage = t.storage();
         let bytes = storage.bytes(elems);
+        if let Some(reason) = t.misuse {
+            return Err(Error::BadBuffer {
+                tensor: name,
+                reason: reason.into(),
+            });
+        }
         match &t.data {
             TensorData::Host(d) => check_len(name, &t.shape, d.len())?,
-            TensorData::Gpu { buffer, offset, .. } => check_gpu_buffer(ctx, name, buffer, *offset, bytes)?,
+            TensorData::Gpu { buffer, offset, .. } => {
+                check_tensor_buffer(ctx, name, buffer, *offset, &t.shape, storage)?
+            }
         }
         fits(name, bytes, ctx.max_binding(), "max_storage_buffer_binding_size")?;
         Ok(Operand {
@@ -178,7 +224,7 @@ impl Uploaded<'_> {
             Uploaded::Owned(b, _) => (b, 0),
             Uploaded::Borrowed(b, off, _) => (*b, *off),
         };
-        Tensor::from_buffer(buf, off, shape).with_storage(storage)
+        Tensor::from_buffer(buf, storage, shape).at_offset(off)
     }
 
     pub(crate) fn binding(&self) -> wgpu::BufferBinding<'_> {

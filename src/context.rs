@@ -42,7 +42,7 @@ pub struct Context {
 struct Inner {
     device: wgpu::Device,
     queue: wgpu::Queue,
-    info: Option<wgpu::AdapterInfo>,
+    info: wgpu::AdapterInfo,
     limits: wgpu::Limits,
     features: wgpu::Features,
     pipelines: PipelineCache,
@@ -60,8 +60,8 @@ const _: () = {
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Context")
-            .field("adapter", &self.inner.info.as_ref().map(|i| &i.name))
-            .field("backend", &self.inner.info.as_ref().map(|i| i.backend))
+            .field("adapter", &self.inner.info.name)
+            .field("backend", &self.inner.info.backend)
             .field("forms", &self.forms)
             .finish()
     }
@@ -123,20 +123,93 @@ impl Context {
         device.on_uncaptured_error(Arc::new(|e: wgpu::Error| {
             eprintln!("wgpu-attention: uncaptured GPU error: {e}");
         }));
-        let ctx = Self::build(device, queue, Some(adapter.get_info()));
+        let ctx = Self::build(device, queue, adapter.get_info());
         Ok(ctx)
     }
 
-    /// Adopt a caller's device and queue. Their limits and features are read from the device;
-    /// the caller's uncaptured-error handler is left alone (this crate uses error scopes).
+    /// Adopt a caller's device and queue (a clone of wgpu's handles: they are reference
+    /// counted). Everything the kernels' plan needs is read from the device itself: its limits,
+    /// its enabled features and its adapter's information (`wgpu::Device::adapter_info`: the
+    /// device type, so CPU adapters get their own forms and their kernel parameters go into
+    /// storage buffers, and the subgroup sizes). The caller's uncaptured-error handler is left
+    /// alone: this crate catches its own errors in error scopes, and [`Sdpa::record`]'s
+    /// validation errors go to the caller's scopes (see its docs).
+    ///
+    /// Request the device as [`Context::new`] does to get the fastest kernels: the adapter's own
+    /// limits (`adapter.limits()`: wgpu's defaults allow 128 MiB bindings and 16 KiB of
+    /// workgroup memory at most) and, where the adapter has them, the features
+    /// [`Context::wanted_features`] lists (`SHADER_F16` for half-precision arithmetic,
+    /// `SUBGROUP` for the subgroup forms, `TIMESTAMP_QUERY` for GPU timings). Without them the
+    /// crate still works, with the forms that need nothing: [`Context::missing`] says what a
+    /// device lacks.
+    ///
+    /// [`Sdpa::record`]: crate::Sdpa::record
     pub fn from_device(device: wgpu::Device, queue: wgpu::Queue) -> Self {
-        Self::build(device, queue, None)
+        let info = device.adapter_info();
+        Self::build(device, queue, info)
+    }
+
+    /// Adopt a caller's device and queue created on `adapter`: the same as
+    /// [`Context::from_device`], with the adapter's information taken from the adapter (the one
+    /// obvious way when you hold it; burn's `WgpuSetup` carries the same four handles).
+    pub fn from_parts(adapter: &wgpu::Adapter, device: wgpu::Device, queue: wgpu::Queue) -> Self {
+        Self::build(device, queue, adapter.get_info())
+    }
+
+    /// The optional device features this crate uses when the device has them: request
+    /// `adapter.features() & Context::wanted_features()` when you create your own device.
+    pub fn wanted_features() -> wgpu::Features {
+        wanted_features()
+    }
+
+    /// What an adopted device lacks for the fastest kernels on its adapter, as a list of
+    /// readable items (empty when nothing is missing): features of
+    /// [`Context::wanted_features`] the adapter offers but the device did not enable, and
+    /// limits below the adapter's own that the kernels use (storage binding size, workgroup
+    /// memory, invocations per workgroup, storage buffers per stage). Pass the adapter the
+    /// device came from.
+    pub fn missing(&self, adapter: &wgpu::Adapter) -> Vec<String> {
+        let mut out = Vec::new();
+        let lacking = (adapter.features() & wanted_features()) - self.features();
+        if !lacking.is_empty() {
+            out.push(format!("features not requested: {lacking:?}"));
+        }
+        let (a, d) = (adapter.limits(), self.limits());
+        let pairs: [(&str, u64, u64); 5] = [
+            (
+                "max_storage_buffer_binding_size",
+                a.max_storage_buffer_binding_size as u64,
+                d.max_storage_buffer_binding_size as u64,
+            ),
+            ("max_buffer_size", a.max_buffer_size, d.max_buffer_size),
+            (
+                "max_compute_workgroup_storage_size",
+                a.max_compute_workgroup_storage_size as u64,
+                d.max_compute_workgroup_storage_size as u64,
+            ),
+            (
+                "max_compute_invocations_per_workgroup",
+                a.max_compute_invocations_per_workgroup as u64,
+                d.max_compute_invocations_per_workgroup as u64,
+            ),
+            (
+                "max_storage_buffers_per_shader_stage",
+                a.max_storage_buffers_per_shader_stage as u64,
+                d.max_storage_buffers_per_shader_stage as u64,
+            ),
+        ];
+        for (name, have, got) in pairs {
+            if got < have {
+                out.push(format!("limit {name}: device {got}, adapter {have}"));
+            }
+        }
+        out
     }
 
     // On the web wgpu's handles are neither Send nor Sync (one thread); the Arc shares them
     // between clones of the context all the same.
     #[cfg_attr(target_arch = "wasm32", allow(clippy::arc_with_non_send_sync))]
-    fn build(device: wgpu::Device, queue: wgpu::Queue, info: Option<wgpu::AdapterInfo>) -> Self {
+    fn build(device: wgpu::Device, queue: wgpu::Queue, info: wgpu::AdapterInfo) -> Self {
         let lost = Arc::new(Mutex::new(None));
         let lost2 = lost.clone();
         device.set_device_lost_callback(move |reason, msg| {
@@ -195,11 +268,7 @@ impl Context {
         // thread that waits for it over 6 s panics (wgpu-hal): a background compilation of a
         // large unrolled form would hold it that long on a CPU driver (llvmpipe). GL takes the
         // forms that compile quickly instead, as the web does.
-        let gl = self
-            .inner
-            .info
-            .as_ref()
-            .is_some_and(|i| i.backend == wgpu::Backend::Gl);
+        let gl = self.inner.info.backend == wgpu::Backend::Gl;
         caps.background_compile &= !gl;
         caps
     }
@@ -237,9 +306,9 @@ impl Context {
         &self.inner.queue
     }
 
-    /// Adapter information, when this context created the device.
-    pub fn adapter_info(&self) -> Option<&wgpu::AdapterInfo> {
-        self.inner.info.as_ref()
+    /// The adapter's information (from the adapter, or from an adopted device).
+    pub fn adapter_info(&self) -> &wgpu::AdapterInfo {
+        &self.inner.info
     }
 
     /// The device's limits.
@@ -255,32 +324,25 @@ impl Context {
     /// Whether the adapter is a CPU implementation (e.g. lavapipe); kernels pick tile shapes
     /// that suit it.
     pub fn is_cpu(&self) -> bool {
-        self.inner
-            .info
-            .as_ref()
-            .is_some_and(|i| i.device_type == wgpu::DeviceType::Cpu)
+        self.inner.info.device_type == wgpu::DeviceType::Cpu
     }
 
     /// A one-line description of the adapter (name, backend, driver).
     pub fn describe(&self) -> String {
-        match &self.inner.info {
-            Some(i) => {
-                // Browsers leave the name and driver empty unless the page asks for more.
-                let name = if i.name.is_empty() {
-                    "unnamed adapter"
-                } else {
-                    &i.name
-                };
-                let driver = format!("{} {}", i.driver, i.driver_info);
-                let driver = driver.trim();
-                let mut s = format!("{name} ({:?}, {:?}", i.backend, i.device_type);
-                if !driver.is_empty() {
-                    s += &format!(", driver {driver}");
-                }
-                s + ")"
-            }
-            None => "caller-provided device".to_string(),
+        let i = &self.inner.info;
+        // Browsers leave the name and driver empty unless the page asks for more.
+        let name = if i.name.is_empty() {
+            "unnamed adapter"
+        } else {
+            &i.name
+        };
+        let driver = format!("{} {}", i.driver, i.driver_info);
+        let driver = driver.trim();
+        let mut s = format!("{name} ({:?}, {:?}", i.backend, i.device_type);
+        if !driver.is_empty() {
+            s += &format!(", driver {driver}");
         }
+        s + ")"
     }
 
     /// Largest size of one storage binding, in bytes.
@@ -386,9 +448,9 @@ impl Context {
     }
 
     /// The subgroup size when subgroup operations are enabled and the adapter reports a single
-    /// size (lavapipe: 8); `None` otherwise (or for an adopted device, whose adapter is unknown).
+    /// size (lavapipe: 8); `None` otherwise.
     pub(crate) fn fixed_subgroup_size(&self) -> Option<u32> {
-        let info = self.adapter_info()?;
+        let info = self.adapter_info();
         (self.features().contains(wgpu::Features::SUBGROUP)
             && info.subgroup_min_size == info.subgroup_max_size)
             .then_some(info.subgroup_min_size)

@@ -107,7 +107,7 @@ pub enum Error {
         kv_heads: usize,
     },
     /// A mask or bias cannot be broadcast to `[B, Hq, L, S]`.
-    #[error("{tensor}: shape {shape:?} does not broadcast to {target:?} (each of B and H must be 1 or equal; L and S must be equal)")]
+    #[error("{tensor}: shape {shape:?} does not broadcast to {target:?} (numpy broadcasting, aligned at the right: each dimension must be 1 or equal to the target's)")]
     NotBroadcastable {
         /// `"mask"` or `"bias"`.
         tensor: &'static str,

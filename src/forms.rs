@@ -6,6 +6,7 @@
 use crate::error::{Error, Result};
 
 /// A form of the fused kernel (`shaders/flash.wgsl`).
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FusedForm {
     /// 64 invocations, one query row each, K/V tiles staged in workgroup memory, loops
@@ -99,6 +100,7 @@ impl std::str::FromStr for FusedForm {
 }
 
 /// A form of the decode kernel (`shaders/decode.wgsl`).
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DecodeForm {
     /// 64 invocations, loops over the head dims unrolled, reductions through workgroup memory.

@@ -1,5 +1,25 @@
-#![doc = include_str!("../README.md")]
+#![doc = include_str!("../docs/crate.md")]
 #![deny(missing_docs)]
+
+// The Rust code blocks of the README and of the docs/ topics, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod doctest_readme {}
+#[cfg(doctest)]
+#[doc = include_str!("../docs/storage.md")]
+mod doctest_storage {}
+#[cfg(doctest)]
+#[doc = include_str!("../docs/backward.md")]
+mod doctest_backward {}
+#[cfg(doctest)]
+#[doc = include_str!("../docs/variants.md")]
+mod doctest_variants {}
+#[cfg(doctest)]
+#[doc = include_str!("../docs/ring.md")]
+mod doctest_ring {}
+#[cfg(doctest)]
+#[doc = include_str!("../docs/mha.md")]
+mod doctest_mha {}
 
 mod buffers;
 pub mod check;

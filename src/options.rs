@@ -90,9 +90,11 @@ macro_rules! option_setters {
             self
         }
 
-        /// The softmax scale (default `1/sqrt(E)`; `1.0` gives the unscaled dot product).
-        pub fn scale(mut self, scale: f32) -> Self {
-            self.options.scale = Some(scale as f64);
+        /// The softmax scale (default `1/sqrt(E)`; `1.0` gives the unscaled dot product): an
+        /// f32 or an f64 (kept in f64 for the reference, as [`Options::scale`](crate::Options);
+        /// the kernels use its f32 rounding).
+        pub fn scale(mut self, scale: impl Into<f64>) -> Self {
+            self.options.scale = Some(scale.into());
             self
         }
 

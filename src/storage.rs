@@ -12,6 +12,7 @@ use half::{bf16, f16};
 use crate::error::{Error, Result};
 
 /// The format of a tensor's elements on the device.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Storage {
     /// IEEE binary32, 4 bytes.
@@ -204,6 +205,7 @@ impl Element for bf16 {
 /// Host elements in one of the [`Element`] types.
 #[doc(hidden)]
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub enum HostData<'a> {
     /// f32 elements.
     F32(Cow<'a, [f32]>),

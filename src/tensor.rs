@@ -25,11 +25,13 @@ fn view_row_major<T: Copy, D: Dimension>(a: ndarray::ArrayView<'_, T, D>) -> Cow
 /// A tensor given to the GPU: host data (copied up once) or a caller's GPU buffer (bound in
 /// place, no copy). Row-major, contiguous. Host data is `f32`, [`half::f16`] or [`half::bf16`]
 /// (slices or ndarray arrays) and keeps its format on the device; a GPU buffer holds the
-/// format declared with [`Tensor::with_storage`] (default f32).
+/// format declared in [`Tensor::from_buffer`].
 #[derive(Debug, Clone)]
 pub struct Tensor<'a> {
     pub(crate) data: TensorData<'a>,
     pub(crate) shape: Vec<usize>,
+    /// A builder call that does not apply to this tensor, reported when it is used.
+    pub(crate) misuse: Option<&'static str>,
 }
 
 #[derive(Debug, Clone)]
@@ -49,28 +51,44 @@ impl<'a> Tensor<'a> {
         Tensor {
             data: TensorData::Host(T::host_data(Cow::Borrowed(data))),
             shape: shape.to_vec(),
+            misuse: None,
         }
     }
 
-    /// A caller's GPU buffer holding the tensor, row-major, starting at byte `offset`.
-    /// The buffer needs `STORAGE` usage (and `COPY_SRC` if it is read back); `offset` must be a
-    /// multiple of the device's `min_storage_buffer_offset_alignment`.
-    /// The buffer holds f32 elements unless declared otherwise with [`Tensor::with_storage`].
-    pub fn from_buffer(buffer: &'a wgpu::Buffer, offset: u64, shape: &[usize]) -> Self {
+    /// A caller's GPU buffer holding the tensor row-major, its elements in format `storage`
+    /// (declared, as the buffer cannot say: f32 data declared [`Storage::F16`] would be read as
+    /// halves), from the buffer's start; [`Tensor::at_offset`] moves the start.
+    /// The buffer needs `STORAGE` usage (and `COPY_SRC` if it is read back) and must belong to
+    /// the context's device. Half formats: two elements per 4-byte word, little-endian, the
+    /// buffer's size rounded up to whole words.
+    pub fn from_buffer(buffer: &'a wgpu::Buffer, storage: Storage, shape: &[usize]) -> Self {
         Tensor {
             data: TensorData::Gpu {
                 buffer,
-                offset,
-                storage: Storage::F32,
+                offset: 0,
+                storage,
             },
             shape: shape.to_vec(),
+            misuse: None,
         }
     }
 
-    /// The device format of this tensor. For a GPU buffer this declares what the buffer holds
-    /// (half formats: two elements per 4-byte word, little-endian, the buffer's size rounded up
-    /// to whole words). Host data is converted to the format (round to nearest even) when it
-    /// is not in it already.
+    /// Start a GPU buffer's tensor at byte `offset` (a multiple of the device's
+    /// `min_storage_buffer_offset_alignment`, checked before any GPU work). Host data has no
+    /// offset: calling this on it makes the call fail with [`Error::BadBuffer`].
+    ///
+    /// [`Error::BadBuffer`]: crate::Error::BadBuffer
+    pub fn at_offset(mut self, offset: u64) -> Self {
+        match &mut self.data {
+            TensorData::Gpu { offset: o, .. } => *o = offset,
+            TensorData::Host(_) => self.misuse = Some("at_offset was given host data, which has no offset"),
+        }
+        self
+    }
+
+    /// The device format of this tensor. Host data is converted to the format (round to nearest
+    /// even) when it is not in it already. For a GPU buffer this re-declares what the buffer
+    /// holds (as [`Tensor::from_buffer`]'s `storage` does).
     pub fn with_storage(mut self, storage: Storage) -> Self {
         match &mut self.data {
             TensorData::Gpu { storage: s, .. } => *s = storage,
@@ -146,6 +164,7 @@ where
         Tensor {
             data: TensorData::Host(T::host_data(row_major(a))),
             shape: a.shape().to_vec(),
+            misuse: None,
         }
     }
 }
@@ -157,6 +176,7 @@ impl<'a, T: Element, D: Dimension> From<ndarray::ArrayView<'a, T, D>> for Tensor
         Tensor {
             data: TensorData::Host(T::host_data(view_row_major(a))),
             shape,
+            misuse: None,
         }
     }
 }

@@ -164,22 +164,38 @@ fn caller_buffers_are_checked() {
     };
     let k = Array4::<f32>::zeros((1, 1, 3, 4));
     let small = mk(16, wgpu::BufferUsages::STORAGE);
-    let e = Sdpa::new(Tensor::from_buffer(&small, 0, &[1, 1, 3, 4]), &k, &k)
-        .run_blocking(ctx)
-        .unwrap_err();
+    let e = Sdpa::new(
+        Tensor::from_buffer(&small, wgpu_attention::Storage::F32, &[1, 1, 3, 4]),
+        &k,
+        &k,
+    )
+    .run_blocking(ctx)
+    .unwrap_err();
     assert!(matches!(e, Error::BadBuffer { tensor: "q", .. }), "{e}");
     let no_storage = mk(48, wgpu::BufferUsages::COPY_DST);
-    let e = Sdpa::new(Tensor::from_buffer(&no_storage, 0, &[1, 1, 3, 4]), &k, &k)
-        .run_blocking(ctx)
-        .unwrap_err();
+    let e = Sdpa::new(
+        Tensor::from_buffer(&no_storage, wgpu_attention::Storage::F32, &[1, 1, 3, 4]),
+        &k,
+        &k,
+    )
+    .run_blocking(ctx)
+    .unwrap_err();
     assert!(matches!(e, Error::BadBuffer { tensor: "q", .. }), "{e}");
     let big = mk(4096, wgpu::BufferUsages::STORAGE);
-    let e = Sdpa::new(Tensor::from_buffer(&big, 4, &[1, 1, 3, 4]), &k, &k)
-        .run_blocking(ctx)
-        .unwrap_err();
+    let e = Sdpa::new(
+        Tensor::from_buffer(&big, wgpu_attention::Storage::F32, &[1, 1, 3, 4]).at_offset(4),
+        &k,
+        &k,
+    )
+    .run_blocking(ctx)
+    .unwrap_err();
     assert!(matches!(e, Error::BadBuffer { tensor: "q", .. }), "{e}");
     let e = Sdpa::new(&k, &k, &k)
-        .output_buffer(&small, 0)
+        .output_into(Tensor::from_buffer(
+            &small,
+            wgpu_attention::Storage::F32,
+            &[1, 1, 3, 4],
+        ))
         .run_blocking(ctx)
         .unwrap_err();
     assert!(matches!(e, Error::BadBuffer { tensor: "output", .. }), "{e}");
@@ -212,10 +228,14 @@ fn destroyed_caller_buffer_is_a_returned_device_error() {
         });
     q.destroy();
     let k = Array4::<f32>::zeros((1, 1, 3, 4));
-    let e = Sdpa::new(Tensor::from_buffer(&q, 0, &[1, 1, 3, 4]), &k, &k)
-        .causal(Causal::TopLeft)
-        .run_blocking(ctx)
-        .unwrap_err();
+    let e = Sdpa::new(
+        Tensor::from_buffer(&q, wgpu_attention::Storage::F32, &[1, 1, 3, 4]),
+        &k,
+        &k,
+    )
+    .causal(Causal::TopLeft)
+    .run_blocking(ctx)
+    .unwrap_err();
     assert!(matches!(e, Error::Validation(_)), "{e}");
     // The context is still usable afterwards.
     Case::random((1, 1, 1, 2, 2, 2, 2), 2).check(

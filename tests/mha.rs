@@ -358,7 +358,11 @@ fn gpu_buffer_inputs_and_profiled_run() {
     let layer = MultiHeadAttention::new(ctx, &w).unwrap();
     let r = reference::mha(&w, &MhaInputs::self_attention(x.view()), &Options::default()).unwrap();
     let o = layer
-        .forward(Tensor::from_buffer(&buf, 0, &[2, 70, 64]))
+        .forward(Tensor::from_buffer(
+            &buf,
+            wgpu_attention::Storage::F32,
+            &[2, 70, 64],
+        ))
         .profile()
         .run_blocking(ctx)
         .unwrap();

@@ -258,8 +258,16 @@ fn gpu_buffer_inputs() {
     );
     let host = layer.forward(&case.x).backward(&dout).run_blocking(ctx).unwrap();
     let gpu = layer
-        .forward(Tensor::from_buffer(&xb, 0, &[2, 9, 16]))
-        .backward(Tensor::from_buffer(&db, 0, &[2, 9, 16]))
+        .forward(Tensor::from_buffer(
+            &xb,
+            wgpu_attention::Storage::F32,
+            &[2, 9, 16],
+        ))
+        .backward(Tensor::from_buffer(
+            &db,
+            wgpu_attention::Storage::F32,
+            &[2, 9, 16],
+        ))
         .run_blocking(ctx)
         .unwrap();
     assert_eq!(host, gpu);

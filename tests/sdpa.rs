@@ -283,12 +283,15 @@ fn caller_buffers_in_and_out() {
         mapped_at_creation: false,
     });
     let got = Sdpa::new(
-        wgpu_attention::Tensor::from_buffer(&qb, 0, &[1, 2, 10, 8]),
-        wgpu_attention::Tensor::from_buffer(&kb, 0, &[1, 2, 12, 8]),
-        wgpu_attention::Tensor::from_buffer(&vb, 0, &[1, 2, 12, 6]),
+        wgpu_attention::Tensor::from_buffer(&qb, wgpu_attention::Storage::F32, &[1, 2, 10, 8]),
+        wgpu_attention::Tensor::from_buffer(&kb, wgpu_attention::Storage::F32, &[1, 2, 12, 8]),
+        wgpu_attention::Tensor::from_buffer(&vb, wgpu_attention::Storage::F32, &[1, 2, 12, 6]),
     )
     .causal(Causal::TopLeft)
-    .output_buffer(&out_buf, align)
+    .output_into(
+        wgpu_attention::Tensor::from_buffer(&out_buf, wgpu_attention::Storage::F32, &[1, 2, 10, 6])
+            .at_offset(align),
+    )
     .run_blocking(ctx)
     .unwrap();
     let want = case.reference();
@@ -497,4 +500,75 @@ fn large_problem_on_the_unrolled_fused_kernel() {
     // fastest form compiled in the background: check that one too.
     ctx.wait_idle().unwrap();
     case.check(ctx, Path::Fused, TOL, "large unrolled, fastest form");
+}
+
+/// Bottom-right causal with key lengths aligns each batch's last query row with that batch's
+/// last key (FlashAttention's rule for varlen batches and KV caches), on every path: checked
+/// against the reference, and the reference itself against each batch run alone on its keys
+/// cut to its length (where bottom-right needs no key lengths). A length below L leaves the
+/// leading rows fully masked; the prefill of L tokens into a cache of capacity S is the case
+/// that was silently wrong (aligned to the tensor's S).
+#[test]
+fn bottom_right_with_kv_lens_aligns_to_each_batch() {
+    let Some(ctx) = ctx() else { return };
+    for (shape, lens) in [
+        ((3, 4, 2, 5, 23, 8, 6), vec![23, 9, 3]),
+        ((2, 2, 1, 17, 40, 16, 16), vec![17, 33]),
+        // Decode: one query per batch, long keys (the split-K path's shape).
+        ((2, 2, 2, 1, 600, 8, 8), vec![600, 77]),
+    ] {
+        let mut case = Case::random(shape, 31).with_causal(Causal::BottomRight);
+        case.kv_lens = Some(lens.clone());
+        let want = case.reference();
+        for (b, &len) in lens.iter().enumerate() {
+            let one = |a: &Array4<f32>, keys: bool| {
+                let a = a.slice(ndarray::s![b..b + 1, .., .., ..]);
+                if keys {
+                    a.slice(ndarray::s![.., .., ..len, ..]).to_owned()
+                } else {
+                    a.to_owned()
+                }
+            };
+            let alone = wgpu_attention::reference::sdpa(
+                one(&case.q, false).view(),
+                one(&case.k, true).view(),
+                one(&case.v, true).view(),
+                &wgpu_attention::Options {
+                    causal: Causal::BottomRight,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let mine = want.out.slice(ndarray::s![b..b + 1, .., .., ..]);
+            common::assert_report(
+                compare(mine.iter().copied(), alone.out.iter().copied(), TOL),
+                &format!("reference batch {b} (len {len}) against the batch alone"),
+            );
+        }
+        case.check_all_paths(ctx, TOL, &format!("bottom-right kv_lens {lens:?}"));
+    }
+}
+
+/// A context adopted from a caller's device reads the adapter's information from the device:
+/// the same caps (so the same plan, forms and params placement) as the crate's own context,
+/// whichever way it is adopted.
+#[test]
+fn adopted_device_plans_like_the_crates_own() {
+    let Some(ctx) = ctx() else { return };
+    let adopted = wgpu_attention::Context::from_device(ctx.device().clone(), ctx.queue().clone());
+    assert_eq!(adopted.adapter_info(), ctx.adapter_info());
+    assert_eq!(adopted.is_cpu(), ctx.is_cpu());
+    assert_eq!(format!("{:?}", adopted.caps()), format!("{:?}", ctx.caps()));
+    let case = Case::random((1, 8, 2, 128, 256, 64, 64), 5);
+    let prefill = case.sdpa();
+    assert_eq!(
+        format!("{:?}", prefill.plan(&adopted).unwrap()),
+        format!("{:?}", prefill.plan(ctx).unwrap())
+    );
+    let decode = Case::random((1, 8, 2, 1, 700, 64, 64), 6);
+    assert_eq!(
+        format!("{:?}", decode.sdpa().plan(&adopted).unwrap()),
+        format!("{:?}", decode.sdpa().plan(ctx).unwrap())
+    );
+    decode.check(&adopted, Path::Auto, TOL, "adopted device, decode");
 }

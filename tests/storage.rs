@@ -194,11 +194,11 @@ fn caller_buffers_in_declared_formats() {
             usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
             mapped_at_creation: false,
         });
-        let t = |b, shape: [usize; 4]| Tensor::from_buffer(b, 0, &shape).with_storage(s);
+        let t = |b, shape: [usize; 4]| Tensor::from_buffer(b, s, &shape);
         for path in Path::ALL {
             let got = Sdpa::new(t(&qb, [1, 2, 5, 6]), t(&kb, [1, 2, 9, 6]), t(&vb, [1, 2, 9, 7]))
                 .path(path)
-                .output_buffer(&ob, 0)
+                .output_into(t(&ob, [1, 2, 5, 7]))
                 .run_blocking(ctx)
                 .unwrap();
             let r = compare(
@@ -212,20 +212,40 @@ fn caller_buffers_in_declared_formats() {
         }
         // The same buffers declared f32 need twice the bytes: refused before any GPU work.
         let err = Sdpa::new(
-            Tensor::from_buffer(&qb, 0, &[1, 2, 5, 6]),
+            Tensor::from_buffer(&qb, wgpu_attention::Storage::F32, &[1, 2, 5, 6]),
             t(&kb, [1, 2, 9, 6]),
             t(&vb, [1, 2, 9, 7]),
         )
         .run_blocking(ctx)
         .unwrap_err();
         assert!(matches!(err, Error::BadBuffer { tensor: "q", .. }), "{err}");
-        // An output buffer too small for f32 output.
+        // An output buffer too small for f32 output: the error names the format and the fit.
         let err = Sdpa::new(t(&qb, [1, 2, 5, 6]), t(&kb, [1, 2, 9, 6]), t(&vb, [1, 2, 9, 7]))
-            .output_storage(Storage::F32)
-            .output_buffer(&ob, 0)
+            .output_into(Tensor::from_buffer(&ob, Storage::F32, &[1, 2, 5, 7]))
             .run_blocking(ctx)
             .unwrap_err();
         assert!(matches!(err, Error::BadBuffer { tensor: "output", .. }), "{err}");
+        assert!(err.to_string().contains("declared format f32"), "{err}");
+        assert!(err.to_string().contains(&format!("it would fit {s}")), "{err}");
+        // output_storage and the buffer's declared format disagree: refused, not guessed.
+        let err = Sdpa::new(t(&qb, [1, 2, 5, 6]), t(&kb, [1, 2, 9, 6]), t(&vb, [1, 2, 9, 7]))
+            .output_storage(Storage::F32)
+            .output_into(t(&ob, [1, 2, 5, 7]))
+            .run_blocking(ctx)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::StorageMismatch { tensor: "output", .. }),
+            "{err}"
+        );
+        // The output's shape is checked too.
+        let err = Sdpa::new(t(&qb, [1, 2, 5, 6]), t(&kb, [1, 2, 9, 6]), t(&vb, [1, 2, 9, 7]))
+            .output_into(t(&ob, [1, 2, 7, 5]))
+            .run_blocking(ctx)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::ShapeMismatch { tensor: "output", .. }),
+            "{err}"
+        );
     }
 }
 

@@ -56,6 +56,7 @@ fn params(kind: VariantKind, e: usize, s: usize, ev: usize, seed: u64) -> Varian
             e: mat(7, s, 1.0 / (s as f32).sqrt()),
             f: mat(7, s, 1.0 / (s as f32).sqrt()),
         },
+        other => panic!("no parameters for {other:?}"),
     }
 }
 
@@ -275,9 +276,9 @@ fn gpu_buffer_inputs() {
             .run_blocking(ctx)
             .unwrap();
         let gpu = Variant::new(
-            Tensor::from_buffer(&qb, 0, case.q.shape()),
-            Tensor::from_buffer(&kb, 0, case.k.shape()),
-            Tensor::from_buffer(&vb, 0, case.v.shape()),
+            Tensor::from_buffer(&qb, wgpu_attention::Storage::F32, case.q.shape()),
+            Tensor::from_buffer(&kb, wgpu_attention::Storage::F32, case.k.shape()),
+            Tensor::from_buffer(&vb, wgpu_attention::Storage::F32, case.v.shape()),
             &params,
         )
         .run_blocking(ctx)

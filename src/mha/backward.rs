@@ -165,7 +165,7 @@ impl MhaBackward<'_> {
                 // The attention backward (it records the forward it needs), then Y.
                 let attn = pass
                     .sdpa()
-                    .backward(Tensor::from_buffer(&dheads, 0, &dims.heads_q()).with_storage(st))
+                    .backward(Tensor::from_buffer(&dheads, st, &dims.heads_q()))
                     .path(fwd.path_of())
                     .record(ctx, enc)?;
                 let fw = attn.forward.as_ref().expect("the backward ran the forward");

@@ -450,9 +450,9 @@ impl<'p, 'a> Pass<'p, 'a> {
     pub(super) fn sdpa(&self) -> Sdpa<'_> {
         let st = self.fwd.mha.storage;
         self.fwd.configure(Sdpa::new(
-            Tensor::from_buffer(&self.qh, 0, &self.dims.heads_q()).with_storage(st),
-            Tensor::from_buffer(&self.kh, 0, &self.dims.heads_kv()).with_storage(st),
-            Tensor::from_buffer(&self.vh, 0, &self.dims.heads_kv()).with_storage(st),
+            Tensor::from_buffer(&self.qh, st, &self.dims.heads_q()),
+            Tensor::from_buffer(&self.kh, st, &self.dims.heads_kv()),
+            Tensor::from_buffer(&self.vh, st, &self.dims.heads_kv()),
         ))
     }
 

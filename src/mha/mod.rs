@@ -43,6 +43,7 @@ use crate::error::Result;
 use crate::tensor::Tensor;
 
 /// Which attention weights [`MhaForward::run`] returns.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum NeedWeights {
     /// None (the fused or decode path can run).

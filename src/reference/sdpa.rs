@@ -18,21 +18,37 @@ pub struct Output {
     pub lse: Array3<f64>,
 }
 
+/// A 4-D array's elements widened to f64, row-major (one pass, so that the loops below index
+/// plain slices: fast even in a caller's unoptimised build, where ndarray's indexing is not).
+fn dense_f64<T: Copy + Into<f64>>(a: ArrayView4<T>) -> Vec<f64> {
+    a.iter().map(|&x| x.into()).collect()
+}
+
 /// Stage 1: `scale · Q Kᵀ` as `[B, Hq, L, S]`; query head `h` reads key head `h / (Hq / Hkv)`.
 pub fn scores<T: Copy + Into<f64>>(q: ArrayView4<T>, k: ArrayView4<T>, scale: f64) -> Array4<f64> {
     let (b, hq, l, e) = q.dim();
     let (_, hkv, s, _) = k.dim();
+    let out = scores_f64(&dense_f64(q), &dense_f64(k), [b, hq, hkv, l, s, e], scale);
+    Array4::from_shape_vec((b, hq, l, s), out).expect("scores length")
+}
+
+/// [`scores`] on dense row-major f64 data (compiled once, in this crate).
+fn scores_f64(q: &[f64], k: &[f64], [b, hq, hkv, l, s, e]: [usize; 6], scale: f64) -> Vec<f64> {
     let group = hq / hkv;
-    let mut out = Array4::<f64>::zeros((b, hq, l, s));
+    let mut out = vec![0.0f64; b * hq * l * s];
     for bi in 0..b {
         for h in 0..hq {
+            let kh = (bi * hkv + h / group) * s * e;
             for i in 0..l {
-                for j in 0..s {
+                let qrow = &q[((bi * hq + h) * l + i) * e..][..e];
+                let orow = &mut out[((bi * hq + h) * l + i) * s..][..s];
+                for (j, o) in orow.iter_mut().enumerate() {
+                    let krow = &k[kh + j * e..][..e];
                     let mut acc = 0.0f64;
                     for d in 0..e {
-                        acc += q[[bi, h, i, d]].into() * k[[bi, h / group, j, d]].into();
+                        acc += qrow[d] * krow[d];
                     }
-                    out[[bi, h, i, j]] = scale * acc;
+                    *o = scale * acc;
                 }
             }
         }
@@ -61,7 +77,7 @@ pub(super) fn allowed(
     s: usize,
 ) -> bool {
     let [b, _h, i, j] = idx;
-    if let Some(d) = causal.offset(l, s) {
+    if let Some(d) = causal.offset_for(l, s, kv_lens.map(|lens| lens[b])) {
         if j as i64 > i as i64 + d {
             return false;
         }
@@ -93,14 +109,16 @@ pub fn masked_softmax(scores: &Array4<f64>, opts: &Options) -> Result<(Array4<f6
     let mut lse = Array3::<f64>::from_elem((b, h, l), f64::NEG_INFINITY);
     let mut logits = vec![0f64; s];
     let mut ok = vec![false; s];
+    let dense = scores.as_standard_layout();
+    let dense = dense.as_slice().expect("standard layout");
     for bi in 0..b {
         for hi in 0..h {
             for i in 0..l {
                 let mut max = f64::NEG_INFINITY;
+                let row = &dense[((bi * h + hi) * l + i) * s..][..s];
                 for j in 0..s {
                     ok[j] = allowed(opts.causal, kv_lens, mask.as_ref(), [bi, hi, i, j], l, s);
-                    logits[j] =
-                        scores[[bi, hi, i, j]] + bias.as_ref().map_or(0.0, |x| x[[bi, hi, i, j]] as f64);
+                    logits[j] = row[j] + bias.as_ref().map_or(0.0, |x| x[[bi, hi, i, j]] as f64);
                     if ok[j] {
                         // NaN propagates: f64::max ignores NaN, so check explicitly.
                         if logits[j].is_nan() || max.is_nan() {
@@ -135,18 +153,29 @@ pub fn masked_softmax(scores: &Array4<f64>, opts: &Options) -> Result<(Array4<f6
 pub fn weighted_sum<T: Copy + Into<f64>>(p: &Array4<f64>, v: ArrayView4<T>) -> Array4<f64> {
     let (b, hq, l, s) = p.dim();
     let (_, hkv, _, ev) = v.dim();
+    let pw = p.as_standard_layout();
+    let pw = pw.as_slice().expect("standard layout");
+    let out = weighted_sum_f64(pw, &dense_f64(v), [b, hq, hkv, l, s, ev]);
+    Array4::from_shape_vec((b, hq, l, ev), out).expect("output length")
+}
+
+/// [`weighted_sum`] on dense row-major f64 data (compiled once, in this crate).
+fn weighted_sum_f64(p: &[f64], v: &[f64], [b, hq, hkv, l, s, ev]: [usize; 6]) -> Vec<f64> {
     let group = hq / hkv;
-    let mut out = Array4::<f64>::zeros((b, hq, l, ev));
+    let mut out = vec![0.0f64; b * hq * l * ev];
     for bi in 0..b {
         for h in 0..hq {
+            let vh = (bi * hkv + h / group) * s * ev;
             for i in 0..l {
-                for j in 0..s {
-                    let w = p[[bi, h, i, j]];
+                let prow = &p[((bi * hq + h) * l + i) * s..][..s];
+                let orow = &mut out[((bi * hq + h) * l + i) * ev..][..ev];
+                for (j, &w) in prow.iter().enumerate() {
                     if w == 0.0 {
                         continue;
                     }
+                    let vrow = &v[vh + j * ev..][..ev];
                     for d in 0..ev {
-                        out[[bi, h, i, d]] += w * v[[bi, h / group, j, d]].into();
+                        orow[d] += w * vrow[d];
                     }
                 }
             }

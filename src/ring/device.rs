@@ -143,9 +143,9 @@ impl Pair {
         let f = plan.p.storage;
         let [qs, ks, vs] = &self.shapes;
         let mut s = Sdpa::new(
-            Tensor::from_buffer(q, 0, qs).with_storage(f.q),
-            Tensor::from_buffer(block, self.k_off, ks).with_storage(f.k),
-            Tensor::from_buffer(block, self.v_off, vs).with_storage(f.v),
+            Tensor::from_buffer(q, f.q, qs),
+            Tensor::from_buffer(block, f.k, ks).at_offset(self.k_off),
+            Tensor::from_buffer(block, f.v, vs).at_offset(self.v_off),
         )
         .options(Options {
             causal: self.causal,
@@ -475,12 +475,10 @@ pub(crate) fn backward(
                     let rows = [p.batch, p.q_heads, lq];
                     let sdpa = call.sdpa(plan, q, &blocks.cur);
                     let bw = sdpa
-                        .backward(
-                            Tensor::from_buffer(d, 0, &[p.batch, p.q_heads, lq, ev]).with_storage(f.out),
-                        )
+                        .backward(Tensor::from_buffer(d, f.out, &[p.batch, p.q_heads, lq, ev]))
                         .saved(
-                            Tensor::from_buffer(o, 0, &[p.batch, p.q_heads, lq, ev]),
-                            Tensor::from_buffer(l, 0, &rows),
+                            Tensor::from_buffer(o, crate::Storage::F32, &[p.batch, p.q_heads, lq, ev]),
+                            Tensor::from_buffer(l, crate::Storage::F32, &rows),
                         )
                         .path(plan.path);
                     out.push(bw.record(ctx, encoder)?);

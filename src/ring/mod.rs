@@ -44,6 +44,7 @@ use shard::{Global, Shard};
 
 /// How the sequence is dealt to the devices: cut into `2N` chunks (sizes differ by at most
 /// one; `L` and `S` each), device `r` holds two of them.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 pub enum Layout {
     /// Device `r` holds chunks `r` and `2N-1-r`: under a causal mask every device has the
@@ -187,7 +188,7 @@ pub struct RingGrads {
 /// Every option of [`Sdpa`] shards (causal top-left, bottom-right and diagonal, boolean mask
 /// and bias sliced per pair, key lengths, grouped heads, storage formats, forced paths, the
 /// logsumexp, the weights); the inputs are host data (the ring uploads each device's part),
-/// and [`Sdpa::output_buffer`] is refused.
+/// and [`Sdpa::output_into`] is refused.
 #[derive(Debug, Clone)]
 pub struct Ring<'c> {
     contexts: &'c [Context],
@@ -412,7 +413,7 @@ pub struct RingPlan {
 
 impl RingPlan {
     pub(crate) fn new(sdpa: &Sdpa<'_>, n: usize, layout: Layout) -> Result<Self> {
-        let p = sdpa.problem()?;
+        let mut p = sdpa.problem()?;
         let refuse = |reason: &str| {
             Err(Error::Ring {
                 devices: n,
@@ -428,10 +429,20 @@ impl RingPlan {
                 p.seq_q, p.seq_kv
             ));
         }
-        if sdpa.out_buffer.is_some() {
+        if sdpa.out.is_some() {
             return refuse(
-                "output_buffer: the ring's output is assembled on the host from every device's rows",
+                "output_into: the ring's output is assembled on the host from every device's rows",
             );
+        }
+        // Bottom-right causal with key lengths aligns each batch to its own length: one diagonal
+        // for the whole ring when the lengths are equal; the ring's pairs take one diagonal.
+        if let (Causal::BottomRight, Some(lens)) = (p.causal, &p.kv_lens) {
+            if lens.windows(2).any(|w| w[0] != w[1]) {
+                return refuse(
+                    "bottom-right causal with unequal key lengths (each batch aligned to its own length): run the batches apart, or use one device",
+                );
+            }
+            p.causal = Causal::Diagonal(lens[0] as i64 - p.seq_q as i64);
         }
         let bounds = |len: usize| (0..=2 * n).map(|c| c * len / (2 * n)).collect::<Vec<_>>();
         Ok(RingPlan {

@@ -1,9 +1,7 @@
 //! Recording one attention call: validating sizes against the device, uploading the inputs
 //! and recording the kernels of the planned path (unfused, fused or decode).
 
-use crate::buffers::{
-    binding, check_gpu_buffer, dummy, f32_bytes, fits, output, scratch, storage_init, Operand,
-};
+use crate::buffers::{binding, dummy, f32_bytes, fits, output, scratch, storage_init, Operand};
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::{decode, flash, matmul, softmax, Masks};
@@ -38,8 +36,8 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         .transpose()?;
     let out_bytes = p.storage.out.bytes(p.out_shape().iter().product());
     fits("output", out_bytes, max_binding, binding_limit)?;
-    if let Some((buf, off)) = sdpa.out_buffer {
-        check_gpu_buffer(ctx, "output", buf, off, out_bytes)?;
+    if let Some(t) = &sdpa.out {
+        Operand::check(ctx, "output", t)?;
     }
     let weights_bytes = f32_bytes(p.batch_heads() * p.seq_q * p.seq_kv);
     if sdpa.weights {
@@ -68,7 +66,7 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         .kv_lens
         .as_ref()
         .map(|l| storage_init(ctx, "kv_lens", bytemuck::cast_slice(l)));
-    let (out_buf, out_off) = match sdpa.out_buffer {
+    let (out_buf, out_off) = match sdpa.out_buffer() {
         Some((b, off)) => (b.clone(), off),
         None => (output(ctx, "output", out_bytes), 0),
     };

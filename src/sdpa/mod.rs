@@ -25,6 +25,7 @@ pub(crate) mod plan;
 use plan::{Kernel, Plan, Request};
 
 /// Which implementation runs the attention.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 pub enum Path {
     /// Let the crate choose: [`Path::Decode`] for at most 16 query rows and at least 512 keys,
@@ -130,7 +131,8 @@ pub struct Sdpa<'a> {
     pub(crate) weights: bool,
     pub(crate) lse: bool,
     pub(crate) max_scores_bytes: Option<u64>,
-    pub(crate) out_buffer: Option<(&'a wgpu::Buffer, u64)>,
+    /// The caller's output tensor (a GPU buffer), if any.
+    pub(crate) out: Option<Tensor<'a>>,
     pub(crate) out_storage: Option<Storage>,
     /// Bahdanau's additive score (the attention variants): q and k are then the projections
     /// (q with b added) and the scale 1. Planned from this flag; recorded with `additive_u`.
@@ -151,7 +153,7 @@ impl<'a> Sdpa<'a> {
             weights: false,
             lse: false,
             max_scores_bytes: None,
-            out_buffer: None,
+            out: None,
             out_storage: None,
             additive: false,
             additive_u: None,
@@ -185,15 +187,29 @@ impl<'a> Sdpa<'a> {
         self
     }
 
-    /// Write the output into a caller's buffer (needs `STORAGE`; `COPY_SRC` to read it back
-    /// with [`run`](Sdpa::run)) at byte `offset`.
-    pub fn output_buffer(mut self, buffer: &'a wgpu::Buffer, offset: u64) -> Self {
-        self.out_buffer = Some((buffer, offset));
+    /// Write the output into a caller's GPU buffer: `out` is a
+    /// [`Tensor::from_buffer`] of the output's shape `[B, Hq, L, Ev]` whose declared format is
+    /// the output's format (so f16 inputs with an f32 buffer say so: no format is assumed).
+    /// The buffer needs `STORAGE` (and `COPY_SRC` to read it back with [`run`](Sdpa::run)).
+    /// Checked before any GPU work: host data, another shape, a format other than
+    /// [`output_storage`](Sdpa::output_storage)'s, or a buffer too small are typed errors.
+    pub fn output_into(mut self, out: Tensor<'a>) -> Self {
+        self.out = Some(out);
         self
     }
 
-    /// The output's storage format (default: q's). An [`output_buffer`](Sdpa::output_buffer)
-    /// holds this format; host results are widened to f32 (exactly) on readback.
+    /// The caller's output buffer and byte offset, if one was given (validated by
+    /// [`Sdpa::problem`]).
+    pub(crate) fn out_buffer(&self) -> Option<(&'a wgpu::Buffer, u64)> {
+        match self.out.as_ref().map(|t| &t.data) {
+            Some(crate::tensor::TensorData::Gpu { buffer, offset, .. }) => Some((*buffer, *offset)),
+            _ => None,
+        }
+    }
+
+    /// The output's storage format (default: q's, or the format of the
+    /// [`output_into`](Sdpa::output_into) tensor); host results are widened to f32 (exactly) on
+    /// readback.
     pub fn output_storage(mut self, storage: Storage) -> Self {
         self.out_storage = Some(storage);
         self
@@ -202,16 +218,43 @@ impl<'a> Sdpa<'a> {
     /// Validate shapes and options into a [`Problem`] (no GPU work).
     pub fn problem(&self) -> Result<Problem> {
         let q = self.q.storage();
-        Ok(self
+        let p = self
             .options
-            .problem(&self.q.shape, &self.k.shape, &self.v.shape)?
-            .with_storage(Formats {
-                q,
-                k: self.k.storage(),
-                v: self.v.storage(),
-                bias: self.options.bias.as_ref().map_or(Storage::F32, |b| b.storage()),
-                out: self.out_storage.unwrap_or(q),
-            }))
+            .problem(&self.q.shape, &self.k.shape, &self.v.shape)?;
+        let mut out = self.out_storage.unwrap_or(q);
+        if let Some(t) = &self.out {
+            if !matches!(t.data, crate::tensor::TensorData::Gpu { .. }) {
+                return Err(Error::BadBuffer {
+                    tensor: "output",
+                    reason: "output_into takes a GPU buffer (Tensor::from_buffer), not host data".into(),
+                });
+            }
+            if t.shape != p.out_shape() {
+                return Err(Error::ShapeMismatch {
+                    tensor: "output",
+                    expected: p.out_shape().to_vec(),
+                    actual: t.shape.clone(),
+                });
+            }
+            match self.out_storage {
+                Some(s) if s != t.storage() => {
+                    return Err(Error::StorageMismatch {
+                        tensor: "output",
+                        expected: s,
+                        actual: t.storage(),
+                        why: "output_storage and the output_into buffer's declared format must agree",
+                    })
+                }
+                _ => out = t.storage(),
+            }
+        }
+        Ok(p.with_storage(Formats {
+            q,
+            k: self.k.storage(),
+            v: self.v.storage(),
+            bias: self.options.bias.as_ref().map_or(Storage::F32, |b| b.storage()),
+            out,
+        }))
     }
 
     /// The plan of this call on `ctx`: the concrete path ([`Path::Auto`] resolved), the form

@@ -11,6 +11,7 @@ use crate::problem::Problem;
 use super::Path;
 
 /// The form of the kernel a plan runs.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Form {
     /// The unfused path's kernels (matmul, softmax, matmul) have one form.
@@ -22,6 +23,7 @@ pub enum Form {
 }
 
 /// How a plan tiles the problem.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Tiles {
     /// The unfused path materialises the scores `[B·Hq, L, S]` in chunks of `heads`

@@ -128,15 +128,21 @@ impl MhaBench {
     pub fn forward(&self) -> MhaForward<'_> {
         let s = self.shape;
         self.layer
-            .forward(Tensor::from_buffer(&self.x, 0, &[s.batch, s.seq, s.d_model]).with_storage(self.storage))
+            .forward(Tensor::from_buffer(
+                &self.x,
+                self.storage,
+                &[s.batch, s.seq, s.d_model],
+            ))
             .causal(s.causal)
     }
 
     /// The layer's backward on the same input, with the input also as the upstream gradient.
     pub fn backward(&self) -> crate::MhaBackward<'_> {
         let s = self.shape;
-        self.forward().backward(
-            Tensor::from_buffer(&self.x, 0, &[s.batch, s.seq, s.d_model]).with_storage(self.storage),
-        )
+        self.forward().backward(Tensor::from_buffer(
+            &self.x,
+            self.storage,
+            &[s.batch, s.seq, s.d_model],
+        ))
     }
 }

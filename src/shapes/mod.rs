@@ -326,7 +326,7 @@ impl GpuInputs {
             (&self.k, s.k_shape()),
             (&self.v, s.v_shape()),
         ]
-        .map(|(buf, shape)| Tensor::from_buffer(buf, 0, &shape).with_storage(self.storage))
+        .map(|(buf, shape)| Tensor::from_buffer(buf, self.storage, &shape))
     }
 
     /// The attention call on these buffers, with the shape's causal mask and key padding.
@@ -385,10 +385,10 @@ impl SavedForward {
     pub fn backward<'a>(&'a self, gpu: &'a GpuInputs) -> crate::Backward<'a> {
         let p = &self.problem;
         gpu.sdpa()
-            .backward(Tensor::from_buffer(&self.dout, 0, &p.out_shape()).with_storage(p.storage.out))
+            .backward(Tensor::from_buffer(&self.dout, p.storage.out, &p.out_shape()))
             .saved(
-                Tensor::from_buffer(&self.out, 0, &p.out_shape()).with_storage(p.storage.out),
-                Tensor::from_buffer(&self.lse, 0, &[p.batch, p.q_heads, p.seq_q]),
+                Tensor::from_buffer(&self.out, p.storage.out, &p.out_shape()),
+                Tensor::from_buffer(&self.lse, crate::Storage::F32, &[p.batch, p.q_heads, p.seq_q]),
             )
     }
 }

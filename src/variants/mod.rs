@@ -27,6 +27,7 @@ use crate::tensor::Tensor;
 mod record;
 
 /// Which variant.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum VariantKind {
     /// Luong's general (multiplicative) score `qᵢᵀ W kⱼ`, W `[E, E]` shared by the heads.
@@ -93,6 +94,7 @@ impl FromStr for VariantKind {
 }
 
 /// The parameters of a variant (f32 on the host; uploaded per call).
+#[non_exhaustive]
 #[derive(Debug, Clone, PartialEq)]
 pub enum VariantParams {
     /// Luong's general score.

@@ -301,7 +301,7 @@ pub(super) fn record(
                 additive: false,
             }
             .record(ctx, encoder, &dummy)?;
-            let qw_t = Tensor::from_buffer(&qw, 0, &[b, hq, l, e]);
+            let qw_t = Tensor::from_buffer(&qw, crate::Storage::F32, &[b, hq, l, e]);
             let gpu = c
                 .main
                 .sdpa(Some([qw_t, var.k.clone(), var.v.clone()]))
@@ -338,8 +338,8 @@ pub(super) fn record(
                 crate::mha::project(ctx, encoder, (x, fx), (w, bias), out, [rows, a, e], f32s, &dummy)?;
             }
             let tensors = [
-                Tensor::from_buffer(&qa, 0, &[b, hq, l, a]),
-                Tensor::from_buffer(&ka, 0, &[b, hkv, s, a]),
+                Tensor::from_buffer(&qa, crate::Storage::F32, &[b, hq, l, a]),
+                Tensor::from_buffer(&ka, crate::Storage::F32, &[b, hkv, s, a]),
                 var.v.clone(),
             ];
             let mut sdpa = c.main.sdpa(Some(tensors));
@@ -398,8 +398,8 @@ pub(super) fn record(
             }
             let tensors = [
                 var.q.clone(),
-                Tensor::from_buffer(&kk, 0, &[b, hkv, kp, e]),
-                Tensor::from_buffer(&vv, 0, &[b, hkv, kp, ev]),
+                Tensor::from_buffer(&kk, crate::Storage::F32, &[b, hkv, kp, e]),
+                Tensor::from_buffer(&vv, crate::Storage::F32, &[b, hkv, kp, ev]),
             ];
             let gpu = c.main.sdpa(Some(tensors)).record(ctx, encoder)?;
             Ok(finish(gpu))
@@ -439,15 +439,15 @@ pub(super) fn record(
             let [a_stage, bv_stage] = nystrom_stages(&d, c.fmt, &c.options);
             let a_out = a_stage
                 .sdpa(Some([
-                    Tensor::from_buffer(&qt, 0, &lm_shape),
-                    Tensor::from_buffer(&kt, 0, &lm_shape),
-                    Tensor::from_buffer(&kt, 0, &lm_shape),
+                    Tensor::from_buffer(&qt, crate::Storage::F32, &lm_shape),
+                    Tensor::from_buffer(&kt, crate::Storage::F32, &lm_shape),
+                    Tensor::from_buffer(&kt, crate::Storage::F32, &lm_shape),
                 ]))
                 .record(ctx, encoder)?;
             let a_mat = a_out.weights.expect("A's stage returns its weights");
             let bv = bv_stage
                 .sdpa(Some([
-                    Tensor::from_buffer(&qt, 0, &lm_shape),
+                    Tensor::from_buffer(&qt, crate::Storage::F32, &lm_shape),
                     k_up.tensor(&[b, hkv, s, e], fk),
                     var.v.clone(),
                 ]))
@@ -514,8 +514,8 @@ pub(super) fn record(
                 .main
                 .sdpa(Some([
                     q_up.tensor(&[b, hq, l, e], fq),
-                    Tensor::from_buffer(&kt, 0, &lm_shape),
-                    Tensor::from_buffer(&w, 0, &[b, hq, m, ev]),
+                    Tensor::from_buffer(&kt, crate::Storage::F32, &lm_shape),
+                    Tensor::from_buffer(&w, crate::Storage::F32, &[b, hq, m, ev]),
                 ]))
                 .record(ctx, encoder)?;
             Ok(finish(gpu))

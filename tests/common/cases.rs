@@ -355,6 +355,7 @@ pub fn assert_mha_output(
             &format!("{label} avg weights"),
         ),
         NeedWeights::No => assert!(got.weights.is_none() && got.avg_weights.is_none(), "{label}"),
+        other => panic!("{label}: no check for {other:?}"),
     }
 }
 

@@ -486,13 +486,15 @@ async fn caller_buffers_and_record() {
     });
     for path in Path::ALL {
         let got = Sdpa::new(
-            Tensor::from_buffer(&qb, 0, &[1, 2, 10, 8]),
-            Tensor::from_buffer(&kb, 0, &[1, 2, 12, 8]),
-            Tensor::from_buffer(&vb, 0, &[1, 2, 12, 6]),
+            Tensor::from_buffer(&qb, wgpu_attention::Storage::F32, &[1, 2, 10, 8]),
+            Tensor::from_buffer(&kb, wgpu_attention::Storage::F32, &[1, 2, 12, 8]),
+            Tensor::from_buffer(&vb, wgpu_attention::Storage::F32, &[1, 2, 12, 6]),
         )
         .causal(Causal::TopLeft)
         .path(path)
-        .output_buffer(&out_buf, align)
+        .output_into(
+            Tensor::from_buffer(&out_buf, wgpu_attention::Storage::F32, &[1, 2, 10, 6]).at_offset(align),
+        )
         .run(&ctx)
         .await
         .unwrap();
@@ -566,10 +568,14 @@ async fn errors_are_typed() {
         });
     buf.destroy();
     let kk = Array4::<f32>::zeros((1, 1, 3, 4));
-    let e = Sdpa::new(Tensor::from_buffer(&buf, 0, &[1, 1, 3, 4]), &kk, &kk)
-        .run(&ctx)
-        .await
-        .unwrap_err();
+    let e = Sdpa::new(
+        Tensor::from_buffer(&buf, wgpu_attention::Storage::F32, &[1, 1, 3, 4]),
+        &kk,
+        &kk,
+    )
+    .run(&ctx)
+    .await
+    .unwrap_err();
     assert!(matches!(e, Error::Validation(_)), "{e}");
     let case = Case::random((1, 1, 1, 2, 3, 2, 2), 2);
     check_all_paths(&case, &ctx, "after a device error").await;

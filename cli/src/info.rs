@@ -10,7 +10,8 @@ use crate::{context, CliResult};
 pub(crate) fn info() -> CliResult<ExitCode> {
     let ctx = context()?;
     println!("adapter: {}", ctx.describe());
-    if let Some(i) = ctx.adapter_info() {
+    {
+        let i = ctx.adapter_info();
         println!("  name:          {}", i.name);
         println!("  backend:       {:?}", i.backend);
         println!("  device type:   {:?}", i.device_type);

@@ -2,8 +2,8 @@
 //! PyTorch's convention, weights and heatmap outputs) and its typed failures (exit status 2);
 //! `.npy` files whose header claims more (or less) data than they hold; and `--path` /
 //! `--paths` naming the path that really runs.
-#![cfg(feature = "cli")]
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -13,11 +13,13 @@ use ndarray::{Array4, ArrayD};
 use ndarray_npy::{read_npy, write_npy};
 use wgpu_attention::check::compare;
 
+/// The library's test fixtures (`tests/fixtures` at the repository root).
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+}
+
 fn fixture(case: &str, file: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/mha")
-        .join(case)
-        .join(file)
+    fixtures().join("mha").join(case).join(file)
 }
 
 fn out_dir(name: &str) -> PathBuf {
@@ -777,7 +779,7 @@ fn variant_kinds_match_their_goldens() {
     if common::ctx().is_none() {
         return;
     }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/variants");
+    let root = fixtures().join("variants");
     let dir = out_dir("variant");
     for (case, cpu) in [
         ("general_masks_gqa", false),

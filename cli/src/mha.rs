@@ -210,6 +210,7 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
                     .mapv(|x| x as f32)
                     .into_dyn(),
             ),
+            other => return Err(format!("--cpu: no reference weights for {other:?}").into()),
         };
         let started = Instant::now();
         let grads = dout

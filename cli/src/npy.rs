@@ -97,8 +97,10 @@ pub(crate) fn read_3d(path: &FsPath, what: &str, layout: &str) -> CliResult<ndar
 
 /// Check, before anything is read or computed, that every output path (`(flag, path)`) can
 /// be written: an existing file must open for writing (it is not changed here), a new one must
-/// be creatable in an existing folder (it is created and removed again). A run that would
-/// fail at its end after minutes of work fails at once instead.
+/// be creatable in an existing folder (a probe file beside it, named for this process and call,
+/// is created and removed again: never the output's own name, so processes checking the same
+/// output at once, as MPI ranks do, cannot collide). A run that would fail at its end after
+/// minutes of work fails at once instead.
 pub(crate) fn check_writable<'p>(
     outputs: impl IntoIterator<Item = (&'static str, Option<&'p FsPath>)>,
 ) -> CliResult<()> {
@@ -119,13 +121,18 @@ pub(crate) fn check_writable<'p>(
                 return fail(&e);
             }
         } else {
+            static PROBES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let mut name = path.file_name().unwrap_or_default().to_os_string();
+            name.push(format!(".probe-{}-{n}", std::process::id()));
+            let probe = path.with_file_name(name);
             match std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
-                .open(path)
+                .open(&probe)
             {
                 Ok(_) => {
-                    let _ = std::fs::remove_file(path);
+                    let _ = std::fs::remove_file(&probe);
                 }
                 Err(e) => return fail(&e),
             }
@@ -539,6 +546,41 @@ impl<'a> PyParser<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Many checks of one new output at once (MPI ranks each check `--out`) all pass, and
+    /// leave nothing behind; the race once failed a rank with "File exists".
+    #[test]
+    fn concurrent_checks_of_one_output_do_not_race() {
+        let dir = std::env::temp_dir().join(format!("wgpu-attention-probe-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = dir.join("out.npy");
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8)
+                .map(|_| {
+                    s.spawn(|| {
+                        (0..200)
+                            .map(|_| {
+                                check_writable([("--out", Some(out.as_path()))]).map_err(|e| e.to_string())
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            for h in handles {
+                for r in h.join().unwrap() {
+                    assert!(r.is_ok(), "{r:?}");
+                }
+            }
+        });
+        assert_eq!(
+            std::fs::read_dir(&dir).unwrap().count(),
+            0,
+            "probe files left behind"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+        // A folder that does not exist still fails.
+        assert!(check_writable([("--out", Some(dir.join("no/such/out.npy").as_path()))]).is_err());
+    }
 
     /// A `.npy` header of format `version` for the dict literal `dict`, padded as numpy pads it.
     fn header(version: u8, dict: &str) -> Vec<u8> {

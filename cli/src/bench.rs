@@ -330,7 +330,7 @@ fn matmul_row(ctx: &Context, iters: u32, storage: Storage, trans_b: bool) -> Cli
             contents: &storage.encode(&data),
             usage: wgpu::BufferUsages::STORAGE,
         });
-    let t = || wgpu_attention::Tensor::from_buffer(&buf, 0, &[1, n, n]).with_storage(storage);
+    let t = || wgpu_attention::Tensor::from_buffer(&buf, storage, &[1, n, n]);
     let start = Instant::now();
     wgpu_attention::matmul_blocking(ctx, t(), t(), trans_b, 1.0)?;
     let first = start.elapsed();
