@@ -572,3 +572,31 @@ fn adopted_device_plans_like_the_crates_own() {
     );
     decode.check(&adopted, Path::Auto, TOL, "adopted device, decode");
 }
+
+/// A generation loop prepared over its key lengths compiles nothing when it crosses the
+/// decode threshold (512 keys) or any other form boundary: every length's call finds its
+/// pipelines cached (on a fresh context: its own, empty pipeline cache).
+#[test]
+fn prepared_kernels_cover_a_growing_kv_cache() {
+    let Some(ctx) = ctx() else { return };
+    let fresh = wgpu_attention::Context::from_device(ctx.device().clone(), ctx.queue().clone());
+    assert_eq!(fresh.cached_pipelines(), 0);
+    let step = |s: usize| {
+        let mut case = Case::random((1, 4, 2, 1, s, 16, 16), s as u64).with_causal(Causal::BottomRight);
+        case.kv_lens = Some(vec![s - 1]);
+        case
+    };
+    let template = step(8);
+    let forms = template
+        .sdpa()
+        .prepare_blocking(&fresh, 1..=700)
+        .unwrap();
+    assert!(forms >= 2, "the decode path and another: {forms}");
+    let prepared = fresh.cached_pipelines();
+    assert!(prepared > 0);
+    for s in [3, 64, 511, 512, 513, 700] {
+        let case = step(s);
+        case.check(&fresh, Path::Auto, TOL, &format!("S = {s}"));
+        assert_eq!(fresh.cached_pipelines(), prepared, "S = {s} compiled a kernel");
+    }
+}

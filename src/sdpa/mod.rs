@@ -335,6 +335,105 @@ impl<'a> Sdpa<'a> {
     }
 }
 
+impl Sdpa<'_> {
+    /// Compile, before the first call, every kernel this call can need as its key length
+    /// grows over `seq_kv` (a generation loop's KV cache): the query, head and mask shapes,
+    /// formats, options and path are this call's, only `S` varies. A loop that crosses a path
+    /// threshold (the decode path from 512 keys) or a form's size limit then compiles nothing
+    /// mid-generation. Returns the number of distinct kernel forms prepared. No result is
+    /// computed: each form is recorded once on zero inputs of the smallest length that needs
+    /// it, into an encoder that is never submitted; on CPU adapters the fastest forms, compiled
+    /// in the background, are waited for.
+    pub async fn prepare(&self, ctx: &Context, seq_kv: std::ops::RangeInclusive<usize>) -> Result<usize> {
+        let base = self.problem()?;
+        let caps = ctx.caps();
+        let req = self.request();
+        // The smallest S of each distinct form (tiles that are run-time parameters excluded).
+        let mut forms: Vec<(String, usize)> = Vec::new();
+        for s in seq_kv {
+            if s == 0 {
+                continue;
+            }
+            let mut p = base.clone();
+            p.seq_kv = s;
+            if let Some(lens) = &mut p.kv_lens {
+                lens.iter_mut().for_each(|l| *l = s as u32);
+            }
+            let plan = Plan::new(&p, &req, &caps)?;
+            let tiles = match plan.tiles() {
+                plan::Tiles::Decode { invocations, .. } => format!("decode {invocations}"),
+                plan::Tiles::Unfused { .. } => "unfused".to_string(),
+                t => format!("{t:?}"),
+            };
+            let key = format!("{:?} {tiles}", plan.form());
+            if !forms.iter().any(|(k, _)| *k == key) {
+                forms.push((key, s));
+            }
+        }
+        for &(_, s) in &forms {
+            let [b, hq, l, e] = base.q_shape();
+            let (hkv, ev) = (base.kv_heads, base.head_dim_v);
+            let f = base.storage;
+            let zeros = |n: usize| vec![0f32; n];
+            let (q, k, v) = (zeros(b * hq * l * e), zeros(b * hkv * s * e), zeros(b * hkv * s * ev));
+            let with_s = |shape: &[usize]| -> Vec<usize> {
+                let mut sh = shape.to_vec();
+                if let Some(last) = sh.last_mut() {
+                    if *last != 1 {
+                        *last = s;
+                    }
+                }
+                sh
+            };
+            let mask_shape = self.options.mask.as_ref().map(|m| with_s(&m.shape));
+            let mask_data = mask_shape.as_ref().map(|sh| vec![true; sh.iter().product()]);
+            let bias_shape = self.options.bias.as_ref().map(|b| with_s(&b.shape));
+            let bias_data = bias_shape.as_ref().map(|sh| zeros(sh.iter().product()));
+            let options = Options {
+                causal: self.options.causal,
+                scale: self.options.scale,
+                mask: mask_shape
+                    .as_ref()
+                    .zip(mask_data.as_ref())
+                    .map(|(sh, d)| crate::tensor::Mask::from_slice(d, sh)),
+                bias: bias_shape
+                    .as_ref()
+                    .zip(bias_data.as_ref())
+                    .map(|(sh, d)| Tensor::from_slice(d, sh).with_storage(f.bias)),
+                kv_lens: self.options.kv_lens.as_ref().map(|l| vec![s; l.len()]),
+            };
+            let mut call = Sdpa::new(
+                Tensor::from_slice(&q, &[b, hq, l, e]).with_storage(f.q),
+                Tensor::from_slice(&k, &[b, hkv, s, e]).with_storage(f.k),
+                Tensor::from_slice(&v, &[b, hkv, s, ev]).with_storage(f.v),
+            )
+            .options(options)
+            .path(self.path)
+            .output_storage(f.out);
+            call.weights = self.weights;
+            call.lse = self.lse;
+            call.max_scores_bytes = self.max_scores_bytes;
+            ctx.scoped(|| {
+                let mut encoder = ctx
+                    .device()
+                    .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                        label: Some("wgpu-attention prepare"),
+                    });
+                call.record(ctx, &mut encoder).map(|_| ())
+            })
+            .await?;
+        }
+        ctx.wait_idle()?;
+        Ok(forms.len())
+    }
+
+    /// Blocking version of [`prepare`](Sdpa::prepare).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn prepare_blocking(&self, ctx: &Context, seq_kv: std::ops::RangeInclusive<usize>) -> Result<usize> {
+        pollster::block_on(self.prepare(ctx, seq_kv))
+    }
+}
+
 /// [`Sdpa::device_memory`] of a planned problem.
 pub(crate) fn memory_of(p: &Problem, plan: &Plan, weights: bool) -> u64 {
     let bytes = shape_bytes;
