@@ -50,6 +50,7 @@ stage() { # stage <name> <command...>: run a stage and print its wall time
 
 stage rustfmt cargo fmt --all -- --check
 stage clippy cargo clippy --all-targets --locked -- -D warnings
+stage rustdoc env RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --lib --locked
 BACKENDS=${WGPU_ATTENTION_BACKENDS:-vulkan gl browser web-demo mpi}
 for b in $BACKENDS; do
   case $b in vulkan | gl | browser | web-demo | mpi) ;; *)
@@ -69,6 +70,8 @@ has() { case " $BACKENDS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if has vulkan; then
   if [ "$(uname -s)" = Linux ]; then
     stage "tests on Vulkan" env WGPU_BACKEND=vulkan cargo test --locked
+    # The library users' examples, each checking its result against the reference.
+    stage "examples on Vulkan" sh -c 'WGPU_BACKEND=vulkan cargo run --locked --example own_device && WGPU_BACKEND=vulkan cargo run --locked --example decode_loop'
   else
     stage tests cargo test --locked
   fi
