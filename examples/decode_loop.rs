@@ -1,8 +1,9 @@
 //! A token-by-token decode loop on a KV cache held in your own GPU buffers: K and V of
 //! capacity `CAP` positions `[1, Hkv, CAP, E]`, GQA (8 query heads on 2 key/value heads), each
 //! step appending one position and attending over the cache with `kv_lens` = the filled length
-//! and bottom-right causal (aligned to that length, FlashAttention's rule), so the shapes never
-//! change and the kernels, prepared before the loop, never recompile. Every step is checked
+//! and the causal diagonal of the new rows (`Causal::Diagonal(len - L)`: query `i` of the `L`
+//! new rows sees keys `j <= i + len - L`), so the shapes never change and the kernels,
+//! prepared before the loop, never recompile. Every step is checked
 //! against the CPU reference on the filled part of the cache.
 //!
 //! ```sh
@@ -50,7 +51,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let append = |from: usize, to: usize| {
         for h in 0..HKV {
             let at = ((h * CAP + from) * E * 4) as u64;
-            let rows = |a: &Array4<f32>| a.slice(s![0, h, from..to, ..]).iter().copied().collect::<Vec<f32>>();
+            let rows = |a: &Array4<f32>| {
+                a.slice(s![0, h, from..to, ..])
+                    .iter()
+                    .copied()
+                    .collect::<Vec<f32>>()
+            };
             queue.write_buffer(&kc, at, bytemuck::cast_slice(&rows(&k_all)));
             queue.write_buffer(&vc, at, bytemuck::cast_slice(&rows(&v_all)));
         }
@@ -61,7 +67,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             Tensor::from_buffer(&kc, Storage::F32, &[1, HKV, CAP, E]),
             Tensor::from_buffer(&vc, Storage::F32, &[1, HKV, CAP, E]),
         )
-        .causal(Causal::BottomRight)
+        .causal(Causal::Diagonal(len as i64 - q.dim().2 as i64))
         .kv_lens(&[len]);
         let t = std::time::Instant::now();
         let got = call.run_blocking(&ctx)?;
@@ -75,7 +81,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 ..Default::default()
             },
         )?;
-        let r = compare(got.output.iter().copied(), want.out.iter().copied(), F32_TOLERANCE);
+        let r = compare(
+            got.output.iter().copied(),
+            want.out.iter().copied(),
+            F32_TOLERANCE,
+        );
         if !r.passed() {
             return Err(format!("length {len}: {r}").into());
         }
@@ -91,11 +101,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut forms = 0;
     for q in [&prefill_q, &step_q] {
         forms += Sdpa::new(q, kv(()), kv(()))
-            .causal(Causal::BottomRight)
+            .causal(Causal::Diagonal(0))
             .kv_lens(&[CAP])
             .prepare_blocking(&ctx, CAP..=CAP)?;
     }
-    println!("prepared {forms} kernel forms in {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
+    println!(
+        "prepared {forms} kernel forms in {:.0} ms",
+        t.elapsed().as_secs_f64() * 1e3
+    );
 
     append(0, PREFILL);
     attend(&prefill_q, PREFILL)?;

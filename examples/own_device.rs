@@ -34,10 +34,18 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let (b, hq, hkv, l, s, e) = (1, 8, 2, 16, 40, 64);
     let host = |n: usize, seed: u32| -> Vec<half::f16> {
         (0..n)
-            .map(|i| half::f16::from_f32(((i as u32 * 2654435761 ^ seed) % 1000) as f32 / 500.0 - 1.0))
+            .map(|i| {
+                half::f16::from_f32(
+                    (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 500.0 - 1.0,
+                )
+            })
             .collect()
     };
-    let (qh, kh, vh) = (host(b * hq * l * e, 1), host(b * hkv * s * e, 2), host(b * hkv * s * e, 3));
+    let (qh, kh, vh) = (
+        host(b * hq * l * e, 1),
+        host(b * hkv * s * e, 2),
+        host(b * hkv * s * e, 3),
+    );
     let upload = |data: &[half::f16]| {
         let buf = device.create_buffer(&wgpu::BufferDescriptor {
             label: None,

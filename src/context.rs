@@ -178,8 +178,8 @@ impl Context {
         let pairs: [(&str, u64, u64); 5] = [
             (
                 "max_storage_buffer_binding_size",
-                a.max_storage_buffer_binding_size as u64,
-                d.max_storage_buffer_binding_size as u64,
+                a.max_storage_buffer_binding_size,
+                d.max_storage_buffer_binding_size,
             ),
             ("max_buffer_size", a.max_buffer_size, d.max_buffer_size),
             (

@@ -413,7 +413,7 @@ pub struct RingPlan {
 
 impl RingPlan {
     pub(crate) fn new(sdpa: &Sdpa<'_>, n: usize, layout: Layout) -> Result<Self> {
-        let mut p = sdpa.problem()?;
+        let p = sdpa.problem()?;
         let refuse = |reason: &str| {
             Err(Error::Ring {
                 devices: n,
@@ -433,16 +433,6 @@ impl RingPlan {
             return refuse(
                 "output_into: the ring's output is assembled on the host from every device's rows",
             );
-        }
-        // Bottom-right causal with key lengths aligns each batch to its own length: one diagonal
-        // for the whole ring when the lengths are equal; the ring's pairs take one diagonal.
-        if let (Causal::BottomRight, Some(lens)) = (p.causal, &p.kv_lens) {
-            if lens.windows(2).any(|w| w[0] != w[1]) {
-                return refuse(
-                    "bottom-right causal with unequal key lengths (each batch aligned to its own length): run the batches apart, or use one device",
-                );
-            }
-            p.causal = Causal::Diagonal(lens[0] as i64 - p.seq_q as i64);
         }
         let bounds = |len: usize| (0..=2 * n).map(|c| c * len / (2 * n)).collect::<Vec<_>>();
         Ok(RingPlan {

@@ -375,7 +375,11 @@ impl Sdpa<'_> {
             let (hkv, ev) = (base.kv_heads, base.head_dim_v);
             let f = base.storage;
             let zeros = |n: usize| vec![0f32; n];
-            let (q, k, v) = (zeros(b * hq * l * e), zeros(b * hkv * s * e), zeros(b * hkv * s * ev));
+            let (q, k, v) = (
+                zeros(b * hq * l * e),
+                zeros(b * hkv * s * e),
+                zeros(b * hkv * s * ev),
+            );
             let with_s = |shape: &[usize]| -> Vec<usize> {
                 let mut sh = shape.to_vec();
                 if let Some(last) = sh.last_mut() {
