@@ -47,12 +47,16 @@ pub(crate) fn fits(what: &str, bytes: u64, limit: u64, limit_name: &'static str)
     Ok(())
 }
 
+/// Check a caller's buffer holding a tensor of `shape` in format `storage` at byte `offset`:
+/// `STORAGE` usage, the offset's alignment, and the size (a size error names the format
+/// assumed and the formats that would fit).
 pub(crate) fn check_gpu_buffer(
     ctx: &Context,
     tensor: &'static str,
     buf: &wgpu::Buffer,
     offset: u64,
-    bytes: u64,
+    shape: &[usize],
+    storage: Storage,
 ) -> Result<()> {
     let align = ctx.limits().min_storage_buffer_offset_alignment as u64;
     let bad = |reason: String| Err(Error::BadBuffer { tensor, reason });
@@ -64,51 +68,28 @@ pub(crate) fn check_gpu_buffer(
             "offset {offset} is not a multiple of min_storage_buffer_offset_alignment ({align})"
         ));
     }
+    let elems: usize = shape.iter().product();
+    let bytes = storage.bytes(elems);
     if offset.checked_add(bytes).is_none_or(|end| end > buf.size()) {
+        let room = buf.size().saturating_sub(offset);
+        let fit: Vec<&str> = [Storage::F32, Storage::F16, Storage::Bf16]
+            .into_iter()
+            .filter(|s| s.bytes(elems) <= room)
+            .map(Storage::name)
+            .collect();
+        let fit = if fit.is_empty() {
+            "no format fits".to_string()
+        } else {
+            format!("it would fit {}", fit.join(" or "))
+        };
         return bad(format!(
-            "needs {bytes} bytes at offset {offset}, buffer has {}",
-            buf.size()
+            "needs {bytes} bytes at offset {offset}, buffer has {}: shape {shape:?} in the declared format {} ({} bytes an element); {fit}",
+            buf.size(),
+            storage.name(),
+            storage.element_bytes()
         ));
     }
     Ok(())
-}
-
-/// [`check_gpu_buffer`] for a tensor of `shape` in format `storage`, the size error naming
-/// the format assumed and the formats that would fit.
-pub(crate) fn check_tensor_buffer(
-    ctx: &Context,
-    tensor: &'static str,
-    buf: &wgpu::Buffer,
-    offset: u64,
-    shape: &[usize],
-    storage: Storage,
-) -> Result<()> {
-    let elems: usize = shape.iter().product();
-    let bytes = storage.bytes(elems);
-    check_gpu_buffer(ctx, tensor, buf, offset, bytes).map_err(|e| match e {
-        Error::BadBuffer { tensor, reason } if reason.starts_with("needs ") => {
-            let room = buf.size().saturating_sub(offset);
-            let fit: Vec<String> = [Storage::F32, Storage::F16, Storage::Bf16]
-                .into_iter()
-                .filter(|s| s.bytes(elems) <= room)
-                .map(|s| s.name().to_string())
-                .collect();
-            let fit = if fit.is_empty() {
-                "no format fits".to_string()
-            } else {
-                format!("it would fit {}", fit.join(" or "))
-            };
-            Error::BadBuffer {
-                tensor,
-                reason: format!(
-                    "{reason}: shape {shape:?} in the declared format {} ({} bytes an element); {fit}",
-                    storage.name(),
-                    storage.element_bytes()
-                ),
-            }
-        }
-        e => e,
-    })
 }
 
 pub(crate) fn binding(buf: &wgpu::Buffer, offset: u64, bytes: u64) -> wgpu::BufferBinding<'_> {
@@ -198,7 +179,7 @@ impl<'t, 'a> Operand<'t, 'a> {
         match &t.data {
             TensorData::Host(d) => check_len(name, &t.shape, d.len())?,
             TensorData::Gpu { buffer, offset, .. } => {
-                check_tensor_buffer(ctx, name, buffer, *offset, &t.shape, storage)?
+                check_gpu_buffer(ctx, name, buffer, *offset, &t.shape, storage)?
             }
         }
         fits(name, bytes, ctx.max_binding(), "max_storage_buffer_binding_size")?;

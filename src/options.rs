@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::problem::{Causal, Problem};
 use crate::tensor::{Mask, Tensor};
 
-/// Attention options (PyTorch `scaled_dot_product_attention` semantics; see the crate docs).
+/// Attention options (PyTorch `scaled_dot_product_attention` semantics; `docs/semantics.md`).
 #[derive(Debug, Clone, Default)]
 pub struct Options<'a> {
     /// Causal masking and its alignment.

@@ -6,7 +6,7 @@
 
 use crate::error::{Error, Result};
 
-/// Causal masking, by alignment. See the crate docs for the semantics table.
+/// Causal masking, by alignment. The semantics table is in `docs/semantics.md`.
 #[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 pub enum Causal {

@@ -71,7 +71,7 @@ pub(crate) struct Request {
 /// [`Tiles`]. A pure function of the problem, the request (path, weights, score budget) and
 /// the device's [`Caps`], computed once per call; from [`crate::Sdpa::plan`]. On CPU adapters
 /// a large problem's first call may be served by the one-row form of the planned fused form
-/// while the planned one compiles (same results; see the crate docs on tiered compilation).
+/// while the planned one compiles (same results; tiered compilation is described in `docs/paths.md`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
     pub(crate) kernel: Kernel,

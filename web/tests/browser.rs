@@ -597,7 +597,7 @@ async fn lost_device_is_a_typed_error_and_a_new_context_works() {
     check_all_paths(&case, &again, "after the loss, new context").await;
 }
 
-/// A NaN input makes its row NaN on every path (no mask: the README notes where a compiler may
+/// A NaN input makes its row NaN on every path (no mask: docs/semantics.md notes where a compiler may
 /// fold NaN away under masks) and leaves the other rows finite; nothing crashes or hangs.
 #[wasm_bindgen_test]
 async fn nan_input_propagates_on_every_path() {
