@@ -1,7 +1,7 @@
 //! A token-by-token decode loop on a KV cache held in your own GPU buffers: K and V of
 //! capacity `CAP` positions `[1, Hkv, CAP, E]`, GQA (8 query heads on 2 key/value heads), each
 //! step appending one position and attending over the cache with `kv_lens` = the filled length
-//! and the causal diagonal of the new rows (`Causal::Diagonal(len - L)`: query `i` of the `L`
+//! and bottom-right causal (aligned to that length, FlashAttention's rule: query `i` of the `L`
 //! new rows sees keys `j <= i + len - L`), so the shapes never change and the kernels,
 //! prepared before the loop, never recompile. Every step is checked
 //! against the CPU reference on the filled part of the cache.
@@ -67,7 +67,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             Tensor::from_buffer(&kc, Storage::F32, &[1, HKV, CAP, E]),
             Tensor::from_buffer(&vc, Storage::F32, &[1, HKV, CAP, E]),
         )
-        .causal(Causal::Diagonal(len as i64 - q.dim().2 as i64))
+        .causal(Causal::BottomRight)
         .kv_lens(&[len]);
         let t = std::time::Instant::now();
         let got = call.run_blocking(&ctx)?;
@@ -101,7 +101,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut forms = 0;
     for q in [&prefill_q, &step_q] {
         forms += Sdpa::new(q, kv(()), kv(()))
-            .causal(Causal::Diagonal(0))
+            .causal(Causal::BottomRight)
             .kv_lens(&[CAP])
             .prepare_blocking(&ctx, CAP..=CAP)?;
     }

@@ -88,6 +88,11 @@ def allowed_mask(B, Hq, L, S, causal, mask, kv_lens):
     j = torch.arange(S).view(1, S)
     if causal == "top_left":
         allowed &= (j <= i)
+    elif causal == "bottom_right" and kv_lens is not None:
+        # FlashAttention's rule (varlen, flash_attn_with_kvcache): aligned to each batch's
+        # key length, not the tensor's S.
+        kl = torch.from_numpy(kv_lens).view(B, 1, 1, 1)
+        allowed &= (j.view(1, 1, 1, S) <= i.view(1, 1, L, 1) + (kl - L))
     elif causal == "bottom_right":
         allowed &= (j <= i + (S - L))
     elif causal != "none":
@@ -716,7 +721,8 @@ def np_allowed(B, Hq, L, S, causal, mask, kv_lens):
                     if causal == "top_left":
                         ok = j <= i
                     elif causal == "bottom_right":
-                        ok = j <= i + S - L
+                        end = int(kv_lens[b]) if kv_lens is not None else S
+                        ok = j <= i + end - L
                     if mb is not None:
                         ok = ok and bool(mb[b, h, i, j])
                     if kv_lens is not None:

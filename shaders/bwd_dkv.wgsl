@@ -67,10 +67,10 @@ fn main(
         }
     }
 
-    // The first query row that may see key j_first: i >= j_first - causal_off.
+    // The first query row that may see key j_first: i >= j_first - causal_offset(b).
     var i_start = 0u;
     if (p.m.has_causal != 0u) {
-        i_start = u32(clamp(i32(j_first) - p.m.causal_off, 0, i32(p.l)));
+        i_start = u32(clamp(i32(j_first) - causal_offset(b), 0, i32(p.l)));
     }
     // Nothing to do past the key length (kv_len is uniform over the workgroup).
     var i_stop = p.l;

@@ -91,7 +91,7 @@ fn main(
         sum[r] = 0.0;
         var end = select(0u, kv_end, valid);
         if (p.m.has_causal != 0u) {
-            end = min(end, causal_end(i));
+            end = min(end, causal_end(b, i));
         }
         row_end[r] = end;
     }

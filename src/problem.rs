@@ -17,8 +17,9 @@ pub enum Causal {
     TopLeft,
     /// FlashAttention / KV-cache decoding: query `i` sees keys `j <= i + S - L`.
     /// When `L > S` the first `L - S` query rows see no key and are fully masked.
-    /// `S` is the tensor's key count, also with key lengths (`kv_lens`); for a KV cache of
-    /// larger capacity use [`Causal::Diagonal`] with `d = kv_len - L` per call.
+    /// With key lengths (`kv_lens`), `S` is each batch's key length, not the tensor's: the
+    /// last query row is aligned with the batch's last key (FlashAttention's rule for varlen
+    /// batches and `flash_attn_with_kvcache`).
     BottomRight,
     /// Query `i` sees keys `j <= i + d` for the given diagonal offset `d`, whatever L and S
     /// (`Diagonal(0)` is [`Causal::TopLeft`]). The causal mask of one block of a longer
@@ -28,8 +29,10 @@ pub enum Causal {
 }
 
 impl Causal {
-    /// The diagonal offset `d` such that query `i` may see key `j` iff `j <= i + d`.
-    /// `None` when there is no causal mask.
+    /// The diagonal offset `d` such that query `i` may see key `j` iff `j <= i + d`, for `L =
+    /// seq_q` queries and `seq_kv` keys. `None` when there is no causal mask. With key lengths,
+    /// pass the batch's key length as `seq_kv` (see [`Causal::BottomRight`];
+    /// [`Causal::offset_for`] does it).
     pub fn offset(self, seq_q: usize, seq_kv: usize) -> Option<i64> {
         match self {
             Causal::None => None,
@@ -37,6 +40,12 @@ impl Causal {
             Causal::BottomRight => Some(seq_kv as i64 - seq_q as i64),
             Causal::Diagonal(d) => Some(d),
         }
+    }
+
+    /// [`Causal::offset`] for a batch whose key length is `kv_len` (when key lengths are
+    /// given) in a tensor of `seq_kv` keys: bottom-right alignment follows the batch's length.
+    pub fn offset_for(self, seq_q: usize, seq_kv: usize, kv_len: Option<usize>) -> Option<i64> {
+        self.offset(seq_q, kv_len.unwrap_or(seq_kv))
     }
 }
 

@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use ndarray::{Array3, Array4};
 use wgpu_attention::check::{compare, flash_rule};
-use wgpu_attention::{reference, Context, Error, Path, Storage, Tensor};
+use wgpu_attention::{reference, Causal, Context, Error, Path, Storage, Tensor};
 
 const PATHS: [Path; 2] = [Path::Fused, Path::Unfused];
 
@@ -287,5 +287,17 @@ fn single_key() {
                 "{path:?} {name}: past {noise}"
             );
         }
+    }
+}
+
+/// Bottom-right causal with key lengths aligns each batch to its own length in the backward
+/// too (the dK/dV kernel's first row per key tile reads the batch's offset), on both paths.
+#[test]
+fn bottom_right_with_kv_lens_aligns_to_each_batch() {
+    let Some(ctx) = ctx() else { return };
+    let mut case = Case::random((3, 4, 2, 6, 29, 8, 6), 41).with_causal(Causal::BottomRight);
+    case.kv_lens = Some(vec![29, 11, 4]);
+    for path in PATHS {
+        check(ctx, &case, path, "bottom-right kv_lens");
     }
 }

@@ -502,6 +502,53 @@ fn large_problem_on_the_unrolled_fused_kernel() {
     case.check(ctx, Path::Fused, TOL, "large unrolled, fastest form");
 }
 
+/// Bottom-right causal with key lengths aligns each batch's last query row with that batch's
+/// last key (FlashAttention's rule for varlen batches and KV caches), on every path: checked
+/// against the reference, and the reference itself against each batch run alone on its keys
+/// cut to its length (where bottom-right needs no key lengths). A length below L leaves the
+/// leading rows fully masked; the prefill of L tokens into a cache of capacity S is the case
+/// that was silently wrong (aligned to the tensor's S).
+#[test]
+fn bottom_right_with_kv_lens_aligns_to_each_batch() {
+    let Some(ctx) = ctx() else { return };
+    for (shape, lens) in [
+        ((3, 4, 2, 5, 23, 8, 6), vec![23, 9, 3]),
+        ((2, 2, 1, 17, 40, 16, 16), vec![17, 33]),
+        // Decode: one query per batch, long keys (the split-K path's shape).
+        ((2, 2, 2, 1, 600, 8, 8), vec![600, 77]),
+    ] {
+        let mut case = Case::random(shape, 31).with_causal(Causal::BottomRight);
+        case.kv_lens = Some(lens.clone());
+        let want = case.reference();
+        for (b, &len) in lens.iter().enumerate() {
+            let one = |a: &Array4<f32>, keys: bool| {
+                let a = a.slice(ndarray::s![b..b + 1, .., .., ..]);
+                if keys {
+                    a.slice(ndarray::s![.., .., ..len, ..]).to_owned()
+                } else {
+                    a.to_owned()
+                }
+            };
+            let alone = wgpu_attention::reference::sdpa(
+                one(&case.q, false).view(),
+                one(&case.k, true).view(),
+                one(&case.v, true).view(),
+                &wgpu_attention::Options {
+                    causal: Causal::BottomRight,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let mine = want.out.slice(ndarray::s![b..b + 1, .., .., ..]);
+            common::assert_report(
+                compare(mine.iter().copied(), alone.out.iter().copied(), TOL),
+                &format!("reference batch {b} (len {len}) against the batch alone"),
+            );
+        }
+        case.check_all_paths(ctx, TOL, &format!("bottom-right kv_lens {lens:?}"));
+    }
+}
+
 /// A context adopted from a caller's device reads the adapter's information from the device:
 /// the same caps (so the same plan, forms and params placement) as the crate's own context,
 /// whichever way it is adopted.

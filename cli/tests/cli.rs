@@ -608,7 +608,9 @@ fn run_on_a_ring_matches_one_device() {
         for (flag, p) in ["--out", "--lse-out", "--weights-out"].iter().zip(&outs) {
             args.extend([*flag, s(p)]);
         }
-        args.extend(["--causal", "bottom-right", "--kv-lens", "30,5"]);
+        // Equal key lengths: bottom-right causal aligns each batch to its own length, and the
+        // ring takes one diagonal for all batches (unequal lengths are refused, tests/ring.rs).
+        args.extend(["--causal", "bottom-right", "--kv-lens", "30,30"]);
         args.extend(extra);
         let res = if mpi > 0 {
             mpirun(mpi, "run", &args)
@@ -695,7 +697,8 @@ fn backward_writes_gradients_matching_the_reference() {
         causal: wgpu_attention::Causal::BottomRight,
         mask: Some((&mask).into()),
         bias: Some((&bias).into()),
-        kv_lens: Some(vec![9, 4]),
+        // Equal lengths, as the ring needs under bottom-right causal (see the forward's test).
+        kv_lens: Some(vec![9, 9]),
         ..Default::default()
     };
     let want =
@@ -712,7 +715,7 @@ fn backward_writes_gradients_matching_the_reference() {
             &["--bias", s(&files[4]), "--mask", s(&files[5])][..],
             &[
                 "--kv-lens",
-                "9,4",
+                "9,9",
                 "--causal",
                 "bottom-right",
                 "--dbias-out",

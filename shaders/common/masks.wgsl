@@ -7,15 +7,21 @@
 // The including kernel's `Params` (generated from Rust) has `m: Masks` and the key length
 // `s`; its prelude declares HAS_MASK and HAS_BIAS (the mask and bias code is compiled out when
 // absent: CPU adapters execute both sides of every branch). `Masks` fields: has_causal,
-// causal_off (query i may see keys j <= i + causal_off), has_lens, the packed mask's word
+// causal_off (query i may see keys j <= i + causal_off, plus kv_len(b) when causal_by_len is
+// set: bottom-right alignment to each batch's key length), has_lens, the packed mask's word
 // strides mask_b, mask_h, mask_l (0 on broadcast dimensions) and the bias's element strides
 // bias_b, bias_h, bias_l, bias_s.
 
 @group(0) @binding(0) var<storage, read> mask: array<u32>;
 
-// End (exclusive) of the keys query row `i` may see under the causal limit.
-fn causal_end(i: u32) -> u32 {
-    return u32(clamp(i32(i) + p.m.causal_off + 1, 0, i32(p.s)));
+// The causal offset of batch `b`: query i may see keys j <= i + causal_offset(b).
+fn causal_offset(b: u32) -> i32 {
+    return p.m.causal_off + select(0, i32(kv_len(b)), p.m.causal_by_len != 0u);
+}
+
+// End (exclusive) of the keys query row `i` of batch `b` may see under the causal limit.
+fn causal_end(b: u32, i: u32) -> u32 {
+    return u32(clamp(i32(i) + causal_offset(b) + 1, 0, i32(p.s)));
 }
 
 // End (exclusive) of the keys query row `i` of batch `b` may see under the causal limit and
@@ -26,7 +32,7 @@ fn key_end(b: u32, i: u32) -> u32 {
         end = min(end, kv_len(b));
     }
     if (p.m.has_causal != 0u) {
-        end = min(end, causal_end(i));
+        end = min(end, causal_end(b, i));
     }
     return end;
 }

@@ -45,9 +45,13 @@ wgsl_struct! {
     /// and of the bias (in elements), 0 on broadcast dimensions.
     pub(crate) struct Masks {
         has_causal: u32,
-        /// Query `i` may see keys `j <= i + causal_off`.
+        /// Query `i` may see keys `j <= i + causal_off` (plus the batch's key length when
+        /// `causal_by_len` is set).
         causal_off: i32,
         has_lens: u32,
+        /// Bottom-right causal with key lengths: the offset is `kv_len(b) - L`, `causal_off`
+        /// holding `-L`.
+        causal_by_len: u32,
         mask_b: u32,
         mask_h: u32,
         mask_l: u32,
@@ -56,7 +60,6 @@ wgsl_struct! {
         bias_l: u32,
         bias_s: u32,
         _pad0: u32,
-        _pad1: u32,
     }
 }
 
@@ -65,14 +68,17 @@ impl Masks {
     pub(crate) fn new(p: &crate::problem::Problem, mask_strides: Option<[u32; 3]>) -> Self {
         let bias = p.bias.map(|b| b.strides()).unwrap_or([0; 4]);
         let mask = mask_strides.unwrap_or([0; 3]);
+        // Bottom-right alignment follows each batch's key length when key lengths are given.
+        let by_len = p.causal == crate::problem::Causal::BottomRight && p.kv_lens.is_some();
         Masks {
             has_causal: (p.causal != crate::problem::Causal::None) as u32,
             causal_off: p
                 .causal
-                .offset(p.seq_q, p.seq_kv)
+                .offset(p.seq_q, if by_len { 0 } else { p.seq_kv })
                 .unwrap_or(0)
                 .clamp(i32::MIN as i64, i32::MAX as i64) as i32,
             has_lens: p.kv_lens.is_some() as u32,
+            causal_by_len: by_len as u32,
             mask_b: mask[0],
             mask_h: mask[1],
             mask_l: mask[2],

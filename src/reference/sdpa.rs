@@ -77,7 +77,7 @@ pub(super) fn allowed(
     s: usize,
 ) -> bool {
     let [b, _h, i, j] = idx;
-    if let Some(d) = causal.offset(l, s) {
+    if let Some(d) = causal.offset_for(l, s, kv_lens.map(|lens| lens[b])) {
         if j as i64 > i as i64 + d {
             return false;
         }

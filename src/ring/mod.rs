@@ -434,6 +434,7 @@ impl RingPlan {
                 "output_into: the ring's output is assembled on the host from every device's rows",
             );
         }
+        let p = one_diagonal(p, n)?;
         let bounds = |len: usize| (0..=2 * n).map(|c| c * len / (2 * n)).collect::<Vec<_>>();
         Ok(RingPlan {
             n,
@@ -454,7 +455,7 @@ impl RingPlan {
 
     /// The plan of the backward of `b`: dO's format and the backward's path.
     pub(crate) fn for_backward(mut self, b: &Backward<'_>) -> Result<Self> {
-        self.p = b.problem()?;
+        self.p = one_diagonal(b.problem()?, self.n)?;
         self.path = b.path;
         self.backward = true;
         if self.weights {
@@ -796,6 +797,22 @@ impl RingPlan {
 /// One device's part of a ring call (`device::forward` or `device::backward`): its context,
 /// the plan, its shard, its link, whether to overlap; its results and report.
 type DeviceWork<T> = fn(&Context, &RingPlan, Shard, &mut dyn link::Link, bool) -> Result<(T, DeviceReport)>;
+
+/// `p` with bottom-right causal under key lengths (each batch aligned to its own length) as the
+/// one diagonal `kv_len - L` the ring's pairs take, which needs every batch's length equal:
+/// unequal lengths are refused. Other problems are returned as they are.
+fn one_diagonal(mut p: Problem, devices: usize) -> Result<Problem> {
+    if let (Causal::BottomRight, Some(lens)) = (p.causal, &p.kv_lens) {
+        if lens.windows(2).any(|w| w[0] != w[1]) {
+            return Err(Error::Ring {
+                devices,
+                reason: "bottom-right causal with unequal key lengths (each batch aligned to its own length): run the batches apart, or use one device".into(),
+            });
+        }
+        p.causal = Causal::Diagonal(lens[0] as i64 - p.seq_q as i64);
+    }
+    Ok(p)
+}
 
 /// A pair a device computes: the index of its query chunk, the key chunk, the causal alignment.
 pub(crate) type PairId = (usize, usize, Causal);
