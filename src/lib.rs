@@ -48,6 +48,7 @@ mod sdpa;
 pub mod shapes;
 mod storage;
 mod tensor;
+mod timer;
 mod variants;
 
 pub use context::Context;
@@ -75,6 +76,7 @@ pub use sdpa::plan::{Form, Plan, Tiles};
 pub use sdpa::{GpuOutput, Output, Path, Sdpa};
 pub use storage::{Element, Formats, Storage};
 pub use tensor::{Mask, Tensor};
+pub use timer::GpuTimed;
 pub use variants::{GpuVariantOutput, Variant, VariantKind, VariantOutput, VariantParams};
 /// Re-exported so callers use the same wgpu version.
 pub use wgpu;

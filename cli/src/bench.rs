@@ -45,6 +45,11 @@ pub(crate) struct BenchArgs {
     /// Skip the 1024^3 matmul rows.
     #[arg(long)]
     no_matmul: bool,
+    /// Also time each run on the GPU with timestamp queries (the dispatches alone, without
+    /// the host's work, uploads or readback), reported beside the wall time with GFLOP/s from
+    /// both. On an adapter without timestamp queries: a one-line note and the wall-time table.
+    #[arg(long)]
+    gpu_time: bool,
 }
 
 /// `bench`: the table of timings.
@@ -57,15 +62,42 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
     };
     let ctx = context()?;
     println!("adapter: {}", ctx.describe());
+    let gpu_time = a.gpu_time && ctx.has_gpu_timer();
+    if a.gpu_time && !gpu_time {
+        println!("--gpu-time: this adapter has no timestamp queries (TIMESTAMP_QUERY); wall time only");
+    }
     println!(
-        "{} warm-up + {} timed runs per row; wall clock per Sdpa::run incl. output readback, \
-         inputs pre-uploaded; \"first\" includes shader compilation, timed runs use the \
-         fastest forms",
-        a.warmup, a.iters
+        "{} warm-up + {} timed runs per row; wall clock per {}, inputs pre-uploaded; \"first\" \
+         includes shader compilation, timed runs use the fastest forms",
+        a.warmup,
+        a.iters,
+        if gpu_time {
+            "record + submit + wait (no readback)"
+        } else {
+            "Sdpa::run incl. output readback"
+        }
     );
+    if gpu_time {
+        println!(
+            "GPU ms: median GPU time between timestamps written before and after the run's \
+             dispatches (same runs); GPU GF/s from it"
+        );
+    }
     println!(
-        "{:<24} {:<11} {:<5} {:>10} {:>10} {:>10} {:>9} {:>9}",
-        "shape", "path", "fmt", "first ms", "median ms", "min ms", "GFLOP/s", "GPU MiB"
+        "{:<24} {:<11} {:<5} {:>10} {:>10} {:>10} {:>9} {:>9}{}",
+        "shape",
+        "path",
+        "fmt",
+        "first ms",
+        "median ms",
+        "min ms",
+        "GFLOP/s",
+        "GPU MiB",
+        if gpu_time {
+            format!(" {:>10} {:>10}", "GPU ms", "GPU GF/s")
+        } else {
+            String::new()
+        }
     );
 
     let storages = dedup(a.storage.clone());
@@ -97,12 +129,34 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
         for &path in &paths {
             pb.set_message(format!("{} / {}", shape.name, path.name()));
             let done_before = pb.position();
+            // GPU times of every run, warm-ups first: the last `iters` are the timed runs'.
+            let mut gpu_times: Vec<Duration> = Vec::new();
             let row = match path {
                 BenchPath::Forward(path) => {
                     let sdpa = gpu.sdpa().path(path);
                     sdpa.problem().and_then(|p| {
                         let mem = sdpa.device_memory(&ctx)?;
-                        let t = time_runs(&ctx, || sdpa.run_blocking(&ctx), a.warmup, a.iters, || pb.inc(1))?;
+                        let t = if gpu_time {
+                            time_runs(
+                                &ctx,
+                                || {
+                                    let t = ctx.time_gpu_blocking(|enc| sdpa.record(&ctx, enc))?;
+                                    gpu_times.extend(t.gpu);
+                                    Ok(())
+                                },
+                                a.warmup,
+                                a.iters,
+                                || pb.inc(1),
+                            )?
+                        } else {
+                            time_runs(
+                                &ctx,
+                                || sdpa.run_blocking(&ctx).map(drop),
+                                a.warmup,
+                                a.iters,
+                                || pb.inc(1),
+                            )?
+                        };
                         Ok((p.flops(), t.first, t.median, t.min, Some(mem)))
                     })
                 }
@@ -112,13 +166,38 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
                     }
                     let bwd = saved.as_ref().expect("made above").backward(&gpu).path(path);
                     let flops = 2.5 * bwd.problem()?.flops();
-                    let t = time_runs(&ctx, || bwd.run_blocking(&ctx), a.warmup, a.iters, || pb.inc(1))?;
+                    let t = if gpu_time {
+                        time_runs(
+                            &ctx,
+                            || {
+                                let t = ctx.time_gpu_blocking(|enc| bwd.record(&ctx, enc))?;
+                                gpu_times.extend(t.gpu);
+                                Ok(())
+                            },
+                            a.warmup,
+                            a.iters,
+                            || pb.inc(1),
+                        )?
+                    } else {
+                        time_runs(
+                            &ctx,
+                            || bwd.run_blocking(&ctx).map(drop),
+                            a.warmup,
+                            a.iters,
+                            || pb.inc(1),
+                        )?
+                    };
                     Ok((flops, t.first, t.median, t.min, None))
                 })(),
             };
+            let gpu_median = (gpu_time && gpu_times.len() >= a.iters as usize).then(|| {
+                let mut timed = gpu_times[gpu_times.len() - a.iters as usize..].to_vec();
+                timed.sort();
+                timed[timed.len() / 2]
+            });
             let line = match row {
                 Ok((flops, first, median, min, mem)) => format!(
-                    "{:<24} {:<11} {st:<5} {:>10.3} {:>10.3} {:>10.3} {:>9.2} {:>9}",
+                    "{:<24} {:<11} {st:<5} {:>10.3} {:>10.3} {:>10.3} {:>9.2} {:>9}{}",
                     shape.name,
                     path.name(),
                     ms(first),
@@ -128,7 +207,12 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
                     mem.map_or("-".to_string(), |m| format!(
                         "{:.1}",
                         m as f64 / (1024.0 * 1024.0)
-                    ))
+                    )),
+                    match gpu_median {
+                        Some(g) => format!(" {:>10.3} {:>10.2}", ms(g), gflops(flops, g)),
+                        None if gpu_time => format!(" {:>10} {:>10}", "-", "-"),
+                        None => String::new(),
+                    }
                 ),
                 Err(e) => {
                     pb.set_position(done_before + per_row);
