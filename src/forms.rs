@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 #[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FusedForm {
-    /// 64 invocations, one query row each, K/V tiles staged in workgroup memory, loops
+    /// 128 invocations, one query row each, K/V tiles staged in up to 32 KiB of workgroup memory, loops
     /// unrolled. The form for GPUs.
     Gpu,
     /// One subgroup per workgroup, `rows` query rows per invocation; each invocation holds

@@ -49,6 +49,7 @@ pub mod shapes;
 mod storage;
 mod tensor;
 mod timer;
+mod tune;
 mod variants;
 
 pub use context::Context;

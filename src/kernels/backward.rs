@@ -198,7 +198,7 @@ fn stat_at(ii: u32) -> vec3<f32> { return vec3<f32>(lse_tile[ii], dsum_tile[ii],
 const WG_MEMORY: u32 = 16 * 1024;
 
 impl Config {
-    /// The form for `p` on a device with `caps`: GPUs 64 invocations, one row (key) each;
+    /// The form for `p` on a device with `caps`: GPUs 64 invocations, one row (key) each, unrolled, K/V and Q/dO tiles in up to 32 KiB of workgroup memory;
     /// CPU adapters 8 invocations with several rows (keys) each in registers, unrolled.
     /// Or why the fused backward cannot run `p`.
     pub(crate) fn new(p: &Problem, caps: &Caps) -> std::result::Result<Config, String> {
@@ -211,13 +211,29 @@ impl Config {
         let (wg, rows, unroll) = if caps.cpu {
             (sg.unwrap_or(8), (64 / e4.max(ev4)).clamp(1, 4), true)
         } else {
-            (64, 1, false)
+            (
+                crate::tune::knob("bwd_wg").unwrap_or(64),
+                crate::tune::knob("bwd_rows").unwrap_or(1),
+                // Measured on an H100 (scripts/gpu_sweep.sh, c_h8_s4096_causal): unrolled 13.6 ms,
+                // loops as written 42 ms (their register arrays go to local memory); 2 rows per
+                // invocation spill (5.3 ms against 1.7 ms at a_h8_s1024).
+                crate::tune::knob("bwd_unroll").is_none_or(|u| u != 0),
+            )
         };
         if caps.max_invocations < wg || caps.max_workgroup_size_x < wg {
             return Err(format!("it needs {wg} invocations per workgroup"));
         }
-        let budget = WG_MEMORY.min(caps.workgroup_storage).saturating_sub(16);
-        let fit = |per_row: u32| [64u32, 32, 16, 8, 4].into_iter().find(|&t| t * per_row <= budget);
+        let wg_memory = match caps.cpu {
+            false => crate::tune::knob("wg_memory").unwrap_or(super::flash::GPU_WG_MEMORY),
+            true => WG_MEMORY,
+        };
+        let budget = wg_memory.min(caps.workgroup_storage).saturating_sub(16);
+        let tiles: &[u32] = if wg_memory > WG_MEMORY {
+            &[128, 64, 32, 16, 8, 4]
+        } else {
+            &[64, 32, 16, 8, 4]
+        };
+        let fit = |per_row: u32| tiles.iter().copied().find(|&t| t * per_row <= budget);
         let (bk, bq) = match sg {
             Some(s) => (s, s),
             None => (

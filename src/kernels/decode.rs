@@ -76,7 +76,8 @@ wgsl_struct! {
 /// Keys per split (a multiple of 64, at most 1024) and the number of splits.
 pub(crate) fn split(p: &Problem) -> (usize, usize) {
     let rows = p.batch_heads() * p.seq_q;
-    let want = TARGET_WORKGROUPS.div_ceil(rows).max(1);
+    let target = crate::tune::knob("decode_target").map_or(TARGET_WORKGROUPS, |t| t as usize);
+    let want = target.div_ceil(rows).max(1);
     let chunk = p.seq_kv.div_ceil(want).next_multiple_of(64).clamp(64, 1024);
     (chunk, p.seq_kv.div_ceil(chunk))
 }
@@ -121,7 +122,10 @@ impl Config {
         // unrolled kernel took 2.6 s to compile (each per-invocation load becomes a loop over
         // the SIMD lanes) and ran in 41 ms; the looped one compiles in 1.3 s and runs in 36 ms.
         let (wg, unroll) = match form {
-            DecodeForm::Gpu => (64, p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM),
+            DecodeForm::Gpu => (
+                crate::tune::knob("decode_wg").unwrap_or(64),
+                p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM,
+            ),
             DecodeForm::Cpu => (8, false),
             DecodeForm::Subgroup => (
                 caps.decode_subgroup().ok_or_else(|| {

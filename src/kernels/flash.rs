@@ -49,6 +49,11 @@ pub(crate) const KV_SUBGROUP: &str = include_str!("../../shaders/flash_kv_subgro
 /// Workgroup memory the kernel may use: WebGPU's default 16 KiB, or less if the device has less.
 const WG_MEMORY: u32 = 16 * 1024;
 
+/// Workgroup memory the GPU forms (forward and backward) use where the device allows it (the
+/// crate requests the adapter's limits; WebGPU's default is 16 KiB): a K/V tile of 64 keys at
+/// E = 64, 2-3% faster than 32 keys on an H100 (`scripts/gpu_sweep.sh`).
+pub(crate) const GPU_WG_MEMORY: u32 = 32 * 1024;
+
 wgsl_struct! {
     /// The fused kernel's params (`p` in `flash.wgsl`).
     pub(crate) struct Params {
@@ -158,7 +163,16 @@ impl Config {
         let pinned = caps.forms.fused;
         let form = pinned.unwrap_or_else(|| default_form(p, caps));
         let (wg, rq, kg, unroll, sg_kv) = match form {
-            FusedForm::Gpu => (64, 1, 4, true, false),
+            FusedForm::Gpu => (
+                // Measured on an H100 (scripts/gpu_sweep.sh): 128 invocations 10% faster than
+                // 64 at c_h8_s4096_causal and a_h8_s1024; 2 or 4 rows per invocation spill
+                // registers (3x slower); 8 keys per step no better than 4.
+                crate::tune::knob("fused_wg").unwrap_or(128),
+                crate::tune::knob("fused_rq").unwrap_or(1),
+                crate::tune::knob("fused_kg").unwrap_or(4),
+                true,
+                false,
+            ),
             FusedForm::Subgroup { rows } => {
                 let s = caps.fused_subgroup().ok_or_else(|| {
                     format!(
@@ -179,8 +193,16 @@ impl Config {
             ));
         }
         let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
-        let budget = WG_MEMORY.min(caps.workgroup_storage).saturating_sub(16);
-        let tiles: &[u32] = if sg_kv { &[wg] } else { &[64, 32, 16, 8, 4] };
+        let wg_memory = match form {
+            FusedForm::Gpu => crate::tune::knob("wg_memory").unwrap_or(GPU_WG_MEMORY),
+            _ => WG_MEMORY,
+        };
+        let budget = wg_memory.min(caps.workgroup_storage).saturating_sub(16);
+        let tiles: &[u32] = match (sg_kv, wg_memory > WG_MEMORY) {
+            (true, _) => &[wg],
+            (false, true) => &[128, 64, 32, 16, 8, 4],
+            (false, false) => &[64, 32, 16, 8, 4],
+        };
         let bk = tiles
             .iter()
             .copied()

@@ -1,0 +1,72 @@
+//! Tuning knobs for the GPU forms, read once from the environment variable
+//! `WGPU_ATTENTION_TUNE` (native targets): `key=value,...` with keys
+//!
+//! - `fused_wg`, `fused_rq`, `fused_kg`: the fused forward's GPU form (invocations per
+//!   workgroup, query rows per invocation, keys per unrolled step);
+//! - `bwd_wg`, `bwd_rows`, `bwd_unroll` (0 or 1): the fused backward's GPU form;
+//! - `decode_wg`, `decode_target`: the decode kernel's GPU form (invocations, the number of
+//!   workgroups its split aims for);
+//! - `wg_memory`: workgroup memory the GPU forms may use, bytes (at most the device's limit).
+//!
+//! A developer's aid for measuring a new GPU (`scripts/gpu_report.sh` sweeps them); the plan's
+//! defaults are what it measured. Unknown keys and bad values are reported once on stderr and
+//! ignored. CPU forms are not affected.
+
+use std::sync::OnceLock;
+
+/// The value of knob `key`, if set.
+pub(crate) fn knob(key: &str) -> Option<u32> {
+    static KNOBS: OnceLock<Vec<(String, u32)>> = OnceLock::new();
+    KNOBS
+        .get_or_init(|| {
+            #[cfg(not(target_arch = "wasm32"))]
+            if let Ok(s) = std::env::var("WGPU_ATTENTION_TUNE") {
+                return parse(&s);
+            }
+            Vec::new()
+        })
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|&(_, v)| v)
+}
+
+const KEYS: &[&str] = &[
+    "fused_wg",
+    "fused_rq",
+    "fused_kg",
+    "bwd_wg",
+    "bwd_rows",
+    "bwd_unroll",
+    "decode_wg",
+    "decode_target",
+    "wg_memory",
+];
+
+fn parse(s: &str) -> Vec<(String, u32)> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match part
+            .split_once('=')
+            .map(|(k, v)| (k.trim(), v.trim().parse::<u32>()))
+        {
+            Some((k, Ok(v))) if KEYS.contains(&k) => out.push((k.to_string(), v)),
+            _ => eprintln!(
+                "wgpu-attention: ignoring WGPU_ATTENTION_TUNE part {part:?} (keys: {})",
+                KEYS.join(", ")
+            ),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn parses_known_keys_and_skips_others() {
+        let k = super::parse("fused_wg=128, bogus=1, decode_wg=x,bwd_unroll=1");
+        assert_eq!(
+            k,
+            vec![("fused_wg".to_string(), 128), ("bwd_unroll".to_string(), 1)]
+        );
+    }
+}
