@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Format scripts/gpu_report.sh's logs as docs/gpu/<adapter>.md.
 
-    python3 scripts/gpu_report.py REPORT_DIR ADAPTER_NAME
+    python3 scripts/gpu_report.py REPORT_DIR ADAPTER_NAME [DOC_DIR]
+
+Writes DOC_DIR/<adapter>.md (DOC_DIR default docs/gpu).
 """
 import os
 import re
@@ -25,8 +27,9 @@ def main():
         elif f and not line.startswith(("shape ", "adapter")):
             other.append(line)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", adapter).strip("-").lower()
-    os.makedirs("docs/gpu", exist_ok=True)
-    path = f"docs/gpu/{slug}.md"
+    doc_dir = sys.argv[3] if len(sys.argv) > 3 else "docs/gpu"
+    os.makedirs(doc_dir, exist_ok=True)
+    path = os.path.join(doc_dir, f"{slug}.md")
     o = [f"# {adapter}", "", "Written by `scripts/gpu_report.sh` (rerun it to reproduce every figure here).", ""]
     o += ["## Adapter", "", "```", info.strip(), "```", ""]
     if tests.strip():

@@ -72,6 +72,9 @@ if has vulkan; then
     stage "tests on Vulkan" env WGPU_BACKEND=vulkan cargo test --locked
     # The library users' examples, each checking its result against the reference.
     stage "examples on Vulkan" sh -c 'WGPU_BACKEND=vulkan cargo run --locked --example own_device && WGPU_BACKEND=vulkan cargo run --locked --example decode_loop'
+    # scripts/gpu_report.sh's short form (the command for a machine with a GPU), so it keeps
+    # working: adapter, bench --gpu-time rows with GPU times, the report page.
+    stage "GPU report, short form" env WGPU_BACKEND=vulkan REPORT_DIR=target/gpu_report ./scripts/gpu_report.sh --quick
   else
     stage tests cargo test --locked
   fi

@@ -9,6 +9,13 @@ use crate::error::{Error, Result};
 #[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FusedForm {
+    /// Register tiles for GPUs (FlashAttention-2's forward built like a SIMT matmul): each
+    /// invocation owns a 4 x 4 block of logits (4 query rows x 4 keys of the tile) and the
+    /// output columns of its 4 rows that it accumulates, with Q, K, V and the weights staged in
+    /// workgroup memory (up to 48 KiB). Twice the arithmetic per workgroup-memory load of
+    /// [`FusedForm::Gpu`], a quarter of its registers. Head dims up to 128 where 48 KiB are
+    /// available (`shaders/flash_tiles.wgsl`).
+    GpuTiles,
     /// 128 invocations, one query row each, K/V tiles staged in up to 32 KiB of workgroup memory, loops
     /// unrolled. The form for GPUs.
     Gpu,
@@ -39,6 +46,7 @@ impl FusedForm {
     pub fn rows(self) -> u32 {
         match self {
             FusedForm::Gpu => 1,
+            FusedForm::GpuTiles => 4,
             FusedForm::Subgroup { rows } | FusedForm::Tiled { rows } | FusedForm::Loop { rows } => rows,
         }
     }
@@ -47,6 +55,7 @@ impl FusedForm {
     pub fn with_rows(self, rows: u32) -> FusedForm {
         match self {
             FusedForm::Gpu => FusedForm::Gpu,
+            FusedForm::GpuTiles => FusedForm::GpuTiles,
             FusedForm::Subgroup { .. } => FusedForm::Subgroup { rows },
             FusedForm::Tiled { .. } => FusedForm::Tiled { rows },
             FusedForm::Loop { .. } => FusedForm::Loop { rows },
@@ -58,10 +67,11 @@ impl FusedForm {
         matches!(self, FusedForm::Subgroup { .. })
     }
 
-    /// The name: `gpu`, `subgroup:R`, `tiled:R`, `loop:R` (R rows per invocation).
+    /// The name: `gpu`, `gpu-tiles`, `subgroup:R`, `tiled:R`, `loop:R` (R rows per invocation).
     pub fn name(self) -> String {
         match self {
             FusedForm::Gpu => "gpu".into(),
+            FusedForm::GpuTiles => "gpu-tiles".into(),
             FusedForm::Subgroup { rows } => format!("subgroup:{rows}"),
             FusedForm::Tiled { rows } => format!("tiled:{rows}"),
             FusedForm::Loop { rows } => format!("loop:{rows}"),
@@ -75,7 +85,7 @@ impl std::str::FromStr for FusedForm {
         let bad = || Error::UnknownName {
             kind: "fused kernel form",
             name: s.to_string(),
-            expected: "gpu, subgroup:R, tiled:R, loop:R (R = rows per invocation, 1 to 16)",
+            expected: "gpu, gpu-tiles, subgroup:R, tiled:R, loop:R (R = rows per invocation, 1 to 16)",
         };
         let (kind, rows) = match s.split_once(':') {
             Some((k, r)) => (k, Some(r.parse::<u32>().map_err(|_| bad())?)),
@@ -86,7 +96,8 @@ impl std::str::FromStr for FusedForm {
         }
         match (kind, rows) {
             ("gpu", None) => return Ok(FusedForm::Gpu),
-            ("gpu", Some(_)) => return Err(bad()),
+            ("gpu-tiles", None) => return Ok(FusedForm::GpuTiles),
+            ("gpu", Some(_)) | ("gpu-tiles", Some(_)) => return Err(bad()),
             _ => {}
         }
         let rows = rows.unwrap_or(1);
@@ -265,6 +276,7 @@ impl Caps {
     pub fn fused_forms(&self) -> Vec<FusedForm> {
         let mut v = vec![
             FusedForm::Gpu,
+            FusedForm::GpuTiles,
             FusedForm::Loop { rows: 3 },
             FusedForm::Tiled { rows: 2 },
         ];
@@ -304,6 +316,7 @@ mod tests {
     fn forms_parse_from_their_names() {
         for f in [
             FusedForm::Gpu,
+            FusedForm::GpuTiles,
             FusedForm::Subgroup { rows: 2 },
             FusedForm::Tiled { rows: 16 },
             FusedForm::Loop { rows: 3 },

@@ -6,6 +6,8 @@
 //! - `bwd_wg`, `bwd_rows`, `bwd_unroll` (0 or 1): the fused backward's GPU form;
 //! - `decode_wg`, `decode_target`: the decode kernel's GPU form (invocations, the number of
 //!   workgroups its split aims for);
+//! - `tiles_bm`, `tiles_bn`: the register-tiled GPU form's query rows and keys per tile
+//!   (multiples of 4, among the sizes it knows);
 //! - `wg_memory`: workgroup memory the GPU forms may use, bytes (at most the device's limit).
 //!
 //! A developer's aid for measuring a new GPU (`scripts/gpu_report.sh` sweeps them); the plan's
@@ -39,6 +41,8 @@ const KEYS: &[&str] = &[
     "bwd_unroll",
     "decode_wg",
     "decode_target",
+    "tiles_bm",
+    "tiles_bn",
     "wg_memory",
 ];
 

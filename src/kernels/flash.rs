@@ -22,6 +22,23 @@ pub(crate) const SPEC: KernelSpec = KernelSpec {
 /// The fused kernel with Bahdanau's additive score (`Config::additive`): the same source, one
 /// more input before the params: u, a uniform array (WebGPU allows 8 storage buffers per
 /// stage, and the kernel has 8 already).
+pub(crate) const TILES_SPEC: KernelSpec = KernelSpec {
+    name: "flash_tiles",
+    source: include_str!("../../shaders/flash_tiles.wgsl"),
+    common: SPEC.common,
+    bindings: SPEC.bindings,
+    params: SPEC.params,
+};
+
+/// The register-tiled GPU form with the additive score (bindings as [`ADDITIVE_SPEC`]).
+pub(crate) const TILES_ADDITIVE_SPEC: KernelSpec = KernelSpec {
+    name: "flash_tiles_additive",
+    source: TILES_SPEC.source,
+    common: SPEC.common,
+    bindings: ADDITIVE_SPEC.bindings,
+    params: SPEC.params,
+};
+
 pub(crate) const ADDITIVE_SPEC: KernelSpec = KernelSpec {
     name: "flash_additive",
     source: SPEC.source,
@@ -53,6 +70,9 @@ const WG_MEMORY: u32 = 16 * 1024;
 /// crate requests the adapter's limits; WebGPU's default is 16 KiB): a K/V tile of 64 keys at
 /// E = 64, 2-3% faster than 32 keys on an H100 (`scripts/gpu_sweep.sh`).
 pub(crate) const GPU_WG_MEMORY: u32 = 32 * 1024;
+
+/// Workgroup memory the register-tiled GPU form uses where the device allows it.
+const TILES_WG_MEMORY: u32 = 48 * 1024;
 
 wgsl_struct! {
     /// The fused kernel's params (`p` in `flash.wgsl`).
@@ -103,6 +123,8 @@ pub(crate) struct Config {
     pub has_bias: bool,
     /// The form was pinned ([`crate::Context::with_forms`]): run exactly it, no tiering.
     pub pinned: bool,
+    /// The register-tiled GPU form's query rows per workgroup (0 for the other forms).
+    pub bm: u32,
     /// Bahdanau's additive score `Σ_a u_a tanh(q_a + k_a)` in place of the dot product (q and
     /// k are the projections, q with the bias b added; u f32 at binding 8, zero-padded to
     /// [`ADDITIVE_U_BYTES`]; the scale is folded into u, so `p.scale` is 1).
@@ -132,7 +154,7 @@ pub(crate) fn default_form(p: &Problem, caps: &Caps) -> FusedForm {
     let large = p.flops() >= CPU_UNROLL_MIN_FLOPS;
     let sg = caps.fused_subgroup().filter(|_| caps.cpu);
     match (caps.cpu, sg, large) {
-        (false, _, _) => FusedForm::Gpu,
+        (false, _, _) => gpu_form(p, caps),
         // Measured on lavapipe at E = 64 (a_h8_s1024): 4 rows x 4 keys per step 85 ms but
         // 5 s to compile, 1 row 1.2 s and 1.6x the time. Small problems (small_h4_s128):
         // 1 row 0.9 s to compile and 2.6 ms, 2 rows 1.5 s and 1.9 ms; the loop form 2.3 s
@@ -155,6 +177,23 @@ pub(crate) fn default_form(p: &Problem, caps: &Caps) -> FusedForm {
     }
 }
 
+/// The fused form a GPU gets: the register-tiled form where its full-size tiles (64 query rows
+/// x 32 keys) fit the workgroup memory (48 KiB: E up to about 64), else one row per invocation.
+/// Measured on an H100 (`scripts/gpu_sweep.sh tiles`, GPU time, f32): the tiled form 13.4
+/// TFLOP/s at c_h8_s4096_causal against 11.4, 13.4 against 8.5 at a_h8_s1024, 8.8 against 6.3
+/// at gpt2_h12_t1024_causal; smaller tiles 2x slower. But with f32 K/V over more than 8192 keys
+/// it lost (long_h1_s32768_causal 7.2 against 11.9; in f16 16.6 against 12.0), so those keep
+/// the one-row form.
+fn gpu_form(p: &Problem, caps: &Caps) -> FusedForm {
+    let tiles_fit = Config::tiles(p, caps, false).is_ok_and(|c| c.bm >= 64);
+    let long_f32 = p.seq_kv > 8192 && !(p.storage.k.is_half() && p.storage.v.is_half());
+    if tiles_fit && !long_f32 {
+        FusedForm::GpuTiles
+    } else {
+        FusedForm::Gpu
+    }
+}
+
 impl Config {
     /// The configuration of the pinned form (`caps.forms.fused`) or the default one, or why
     /// the fused kernel cannot run `p` on this device.
@@ -162,6 +201,9 @@ impl Config {
         check_head_dims(p)?;
         let pinned = caps.forms.fused;
         let form = pinned.unwrap_or_else(|| default_form(p, caps));
+        if form == FusedForm::GpuTiles {
+            return Config::tiles(p, caps, pinned.is_some());
+        }
         let (wg, rq, kg, unroll, sg_kv) = match form {
             FusedForm::Gpu => (
                 // Measured on an H100 (scripts/gpu_sweep.sh): 128 invocations 10% faster than
@@ -185,6 +227,7 @@ impl Config {
             }
             FusedForm::Tiled { rows } => (8, rows, 2, true, false),
             FusedForm::Loop { rows } => (8, rows, 4, false, false),
+            FusedForm::GpuTiles => unreachable!("configured by Config::tiles"),
         };
         if !(1..=16).contains(&rq) || caps.max_invocations < wg || caps.max_workgroup_size_x < wg {
             return Err(format!(
@@ -230,6 +273,68 @@ impl Config {
             has_bias: p.bias.is_some(),
             pinned: pinned.is_some(),
             additive: false,
+            bm: 0,
+        })
+    }
+
+    /// The register-tiled GPU form's configuration: the largest tiles of (BM query rows, BN
+    /// keys) whose Q, K, V and weight tiles fit the workgroup memory (48 KiB where the device
+    /// allows), with 4 x 4 logits per invocation.
+    fn tiles(p: &Problem, caps: &Caps, pinned: bool) -> std::result::Result<Config, String> {
+        let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
+        let memory = crate::tune::knob("wg_memory").unwrap_or(TILES_WG_MEMORY);
+        let budget = memory.min(caps.workgroup_storage);
+        let bytes = |bm: u32, bn: u32| {
+            let (nx, evt) = (bn / 4, ev4.div_ceil(bn / 4));
+            16 * (bm * (e4 + 1) + bn * (e4 + 1) + bn * nx * evt + bm * (bn / 4 + 1)) + 4 * bm * nx + 16
+        };
+        let tiles = [
+            (128, 32),
+            (64, 64),
+            (64, 32),
+            (32, 64),
+            (32, 32),
+            (64, 16),
+            (32, 16),
+            (16, 16),
+            (16, 8),
+            (8, 8),
+            (8, 4),
+            (4, 4),
+        ];
+        let (bm, bn) = tiles
+            .into_iter()
+            .filter(|&(bm, bn)| {
+                crate::tune::knob("tiles_bm").is_none_or(|k| k == bm)
+                    && crate::tune::knob("tiles_bn").is_none_or(|k| k == bn)
+            })
+            .find(|&(bm, bn)| bytes(bm, bn) <= budget && (bm / 4) * (bn / 4) <= caps.max_invocations.min(caps.max_workgroup_size_x))
+            .ok_or_else(|| {
+                format!(
+                    "the gpu-tiles form's tiles for E = {}, Ev = {} do not fit {budget} bytes of workgroup memory",
+                    p.head_dim, p.head_dim_v
+                )
+            })?;
+        Ok(Config {
+            form: FusedForm::GpuTiles,
+            e4,
+            ev4,
+            bk: bn,
+            wg: (bm / 4) * (bn / 4),
+            rq: 1,
+            kg: 4,
+            formats: p.storage,
+            vec4: p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4),
+            ev_odd: p.head_dim_v % 2 == 1,
+            // GPU compilers; CPU adapters (where it is pinned for tests) compile the loops as
+            // written in a fraction of the time.
+            unroll: !caps.cpu,
+            sg_kv: false,
+            has_mask: p.mask.is_some(),
+            has_bias: p.bias.is_some(),
+            pinned,
+            additive: false,
+            bm,
         })
     }
 
@@ -256,15 +361,19 @@ impl Config {
 
     /// Query rows per workgroup.
     pub(crate) fn rows(&self) -> u32 {
+        if self.form == FusedForm::GpuTiles {
+            return self.bm;
+        }
         self.wg * self.rq
     }
 
     /// The kernel spec of this configuration (dot-product or additive score).
     pub(crate) fn spec(&self) -> &'static KernelSpec {
-        if self.additive {
-            &ADDITIVE_SPEC
-        } else {
-            &SPEC
+        match (self.form == FusedForm::GpuTiles, self.additive) {
+            (false, false) => &SPEC,
+            (false, true) => &ADDITIVE_SPEC,
+            (true, false) => &TILES_SPEC,
+            (true, true) => &TILES_ADDITIVE_SPEC,
         }
     }
 
@@ -275,6 +384,26 @@ impl Config {
         } else {
             "fn score4(q: vec4<f32>, k: vec4<f32>, d4: u32) -> vec4<f32> {\n    return q * k;\n}\n"
         };
+        if self.form == FusedForm::GpuTiles {
+            let nx = self.bk / 4;
+            let evt = self.ev4.div_ceil(nx);
+            let ny = self.bm / 4;
+            return format!(
+                "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BM: u32 = {}u;\nconst BN: u32 = {}u;\n\
+                 const NX: u32 = {nx}u;\nconst NY: u32 = {ny}u;\nconst EVT: u32 = {evt}u;\nconst TM_EVT: u32 = {}u;\n\
+                 const NPK: u32 = {}u;\nconst NPV: u32 = {}u;\n\
+                 const UNROLL: bool = {};\n{}{io}{score}",
+                self.e4,
+                self.ev4,
+                self.bm,
+                self.bk,
+                4 * evt,
+                (self.bk * self.e4).div_ceil(nx * ny),
+                (self.bk * nx * evt).div_ceil(nx * ny),
+                self.unroll,
+                super::mask_consts(self.has_mask, self.has_bias, self.formats.bias),
+            );
+        }
         // Naga takes the subgroup built-ins without `enable subgroups;` (which it rejects).
         let kv = if self.sg_kv { KV_SUBGROUP } else { KV_SHARED };
         format!(
@@ -388,7 +517,27 @@ mod tests {
     fn default_forms_by_device_and_size() {
         let small = Problem::new(&[1, 4, 128, 64], &[1, 4, 128, 64], &[1, 4, 128, 64]).unwrap();
         let large = Problem::new(&[1, 8, 1024, 64], &[1, 8, 1024, 64], &[1, 8, 1024, 64]).unwrap();
+        // GPUs: WebGPU's default 16 KiB of workgroup memory keeps the one-row form; 48 KiB
+        // (Vulkan, Metal, D3D12 GPUs) the register-tiled form at E = 64, not at E = 128, nor for
+        // f32 K/V past 8192 keys.
         assert_eq!(default_form(&large, &caps(false, Some(32))), FusedForm::Gpu);
+        let big = Caps::new(
+            &wgpu::Limits {
+                max_compute_workgroup_storage_size: 48 * 1024,
+                ..wgpu::Limits::default()
+            },
+            false,
+            Some(32),
+        );
+        assert_eq!(default_form(&large, &big), FusedForm::GpuTiles);
+        let e128 = Problem::new(&[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128]).unwrap();
+        assert_eq!(default_form(&e128, &big), FusedForm::Gpu);
+        let long = Problem::new(&[1, 1, 9000, 64], &[1, 1, 9000, 64], &[1, 1, 9000, 64]).unwrap();
+        assert_eq!(default_form(&long, &big), FusedForm::Gpu);
+        let long16 = long
+            .clone()
+            .with_storage(crate::storage::Formats::all(crate::storage::Storage::F16));
+        assert_eq!(default_form(&long16, &big), FusedForm::GpuTiles);
         assert_eq!(
             default_form(&small, &caps(true, Some(8))),
             FusedForm::Subgroup { rows: 1 }

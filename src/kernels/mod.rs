@@ -480,7 +480,7 @@ mod tests {
                             let label = format!("flash {form:?} E {e} Ev {ev} masked {masked} formats {fi}");
                             validate_with::<flash::Params>(
                                 &label,
-                                &source(&flash::SPEC, &cfg.prelude(), storage),
+                                &source(cfg.spec(), &cfg.prelude(), storage),
                             );
                         }
                     }

@@ -1,0 +1,271 @@
+// Fused attention, the register-tiled GPU form (FusedForm::GpuTiles): FlashAttention-2's
+// forward for GPUs without matrix units, built the way a good SIMT matmul is. One workgroup per
+// (tile of BM query rows, head, batch), WG = NY x NX invocations.
+//
+// The host (src/kernels/flash.rs) prepends the same Params, shared snippets (common/softmax.wgsl,
+// common/masks.wgsl), I/O and score4 as flash.wgsl, and the constants:
+//   const E4, EV4: u32 -- head dims in vec4s (rounded up, zero padded)
+//   const BM: u32      -- query rows per workgroup (NY * TM)
+//   const BN: u32      -- keys per tile (NX * TN)
+//   const NX, NY: u32  -- invocations along keys and along rows; WG = NX * NY
+//   const EVT: u32     -- output vec4 columns per invocation: ceil(EV4 / NX); TM_EVT = 4 EVT
+//   const NPK, NPV: u32 -- vec4s of the K and V tiles each invocation loads:
+//                      ceil(BN E4 / WG), ceil(BN NX EVT / WG)
+//
+// Per tile of BN keys, invocation (ty, tx) owns the TM x TN block of logits of rows
+// ty + NY r (r < TM) and keys tx + NX t (t < TN): each vec4 of q and k read from workgroup
+// memory serves TN or TM logits (8 FMAs per load, against 4 in flash.wgsl's GPU form, and a
+// quarter of its registers). The rows' new max is reduced through workgroup memory (`red`),
+// the weights P go to workgroup memory (`p_tile`), and the same invocation accumulates
+// O += P V for its TM rows and the vec4 columns tx + NX k (k < EVT): each V vec4 serves TM
+// rows. Each row's sum stays split over the NX invocations of its rows until the end.
+// Strided rows and keys, and the Q/K tiles' padded row stride QS, keep the invocations of a
+// subgroup on distinct banks. Registers per invocation: TM * TN vec4 logit partials,
+// TM * EVT vec4 accumulators, TM max and sum (about 100 floats at E = Ev = 64, BN = 32).
+// Arithmetic intensity from workgroup memory: Q K^T does TM * TN vec4 FMAs (8 FLOP each) per
+// TM + TN vec4 loads, 2 vec4 FMAs per load at TM = TN = 4 (flash.wgsl's
+// GPU form: 1); P V does 4 * EVT * TM vec4 FMAs per TM + 4 * EVT loads (1.6 at EVT = 2).
+//
+// Semantics are flash.wgsl's (the same helpers): masked logits START, rows with no allowed key
+// write 0 and logsumexp -inf, NaN propagates, tiles past the workgroup's last allowed key
+// skipped.
+//
+// Bindings: as flash.wgsl (0 mask, 1 bias, 2 kv_lens, 3 q, 4 k, 5 v, 6 out, 7 lse; 8 params).
+
+const TM: u32 = 4u;
+const TN: u32 = 4u;
+// TM * TN (a loop bound must be a literal or a constant's name, for the unroller).
+const TMN: u32 = 16u;
+const WG: u32 = NX * NY;
+// Padded row stride (vec4s) of the Q and K tiles.
+const QS: u32 = E4 + 1u;
+// Row stride (vec4s) of the V tile: every column an invocation owns exists (zero padded).
+const VS: u32 = NX * EVT;
+// Padded row stride (vec4s of 4 keys) of the P tile.
+const PS: u32 = BN / 4u + 1u;
+
+@group(0) @binding(7) var<storage, read_write> lse: array<f32>;
+
+var<workgroup> q_tile: array<vec4<f32>, BM * QS>;
+var<workgroup> k_tile: array<vec4<f32>, BN * QS>;
+var<workgroup> v_tile: array<vec4<f32>, BN * VS>;
+var<workgroup> p_tile: array<vec4<f32>, BM * PS>;
+var<workgroup> red: array<f32, BM * NX>;
+var<workgroup> wg_end: u32;
+
+// Load this invocation's share of the K and V tiles of keys j0 .. j0 + BN of kv head `kvh`
+// (keys past kv_end and padding columns zero) into registers.
+fn fetch_kv(
+    kvh: u32,
+    j0: u32,
+    kv_end: u32,
+    tid: u32,
+    kp: ptr<function, array<vec4<f32>, NPK>>,
+    vp: ptr<function, array<vec4<f32>, NPV>>,
+) {
+    for (var n = 0u; n < NPK; n++) { // unroll
+        let t = tid + n * WG;
+        let jj = t / E4;
+        var x = vec4<f32>(0.0);
+        if (t < BN * E4 && j0 + jj < kv_end) {
+            x = load_k(kvh * p.s + j0 + jj, t % E4);
+        }
+        (*kp)[n] = x;
+    }
+    for (var n = 0u; n < NPV; n++) { // unroll
+        let t = tid + n * WG;
+        let jj = t / VS;
+        let c4 = t % VS;
+        var x = vec4<f32>(0.0);
+        if (t < BN * VS && j0 + jj < kv_end && c4 < EV4) {
+            x = load_v(kvh * p.s + j0 + jj, c4);
+        }
+        (*vp)[n] = x;
+    }
+}
+
+@compute @workgroup_size(WG, 1, 1)
+fn main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) tid: u32,
+) {
+    let wid = wg.x + wg.y * nwg.x;
+    if (wid >= p.total) {
+        return;
+    }
+    // Heaviest query tiles (the last, under a causal mask) first.
+    let qt = p.q_tiles - 1u - wid % p.q_tiles;
+    let bh = wid / p.q_tiles;
+    let b = bh / p.heads;
+    let h = bh % p.heads;
+    let kvh = b * (p.heads / p.group) + h / p.group;
+    let tx = tid % NX;
+    let ty = tid / NX;
+    let i0 = qt * BM;
+
+    if (tid == 0u) {
+        wg_end = key_end(b, min(i0 + BM, p.l) - 1u);
+    }
+    let kv_end = workgroupUniformLoad(&wg_end);
+
+    // The scaled Q tile (rows past L zero).
+    for (var t = tid; t < BM * E4; t += WG) {
+        let rr = t / E4;
+        let d4 = t % E4;
+        var x = vec4<f32>(0.0);
+        if (i0 + rr < p.l) {
+            x = load_q(bh * p.l + i0 + rr, d4) * p.scale;
+        }
+        q_tile[rr * QS + d4] = x;
+    }
+
+    var acc: array<vec4<f32>, TM * EVT>;
+    var m: array<f32, TM>;
+    var sum: array<f32, TM>;
+    var row_end: array<u32, TM>;
+    for (var r = 0u; r < TM; r++) { // unroll
+        let i = i0 + r * NY + ty;
+        var end = select(0u, kv_end, i < p.l);
+        if (p.m.has_causal != 0u) {
+            end = min(end, causal_end(b, i));
+        }
+        row_end[r] = end;
+        m[r] = START;
+        sum[r] = 0.0;
+        for (var k = 0u; k < EVT; k++) { // unroll
+            acc[r * EVT + k] = vec4<f32>(0.0);
+        }
+    }
+
+    // K/V tiles are double-buffered through registers: the next tile's loads are issued
+    // before this tile's arithmetic, and land in workgroup memory after it.
+    var kp: array<vec4<f32>, NPK>;
+    var vp: array<vec4<f32>, NPV>;
+    for (var j0 = 0u; j0 < kv_end; j0 += BN) {
+        if (j0 == 0u) {
+            fetch_kv(kvh, 0u, kv_end, tid, &kp, &vp);
+        }
+        for (var n = 0u; n < NPK; n++) { // unroll
+            let t = tid + n * WG;
+            if (t < BN * E4) {
+                k_tile[(t / E4) * QS + t % E4] = kp[n];
+            }
+        }
+        for (var n = 0u; n < NPV; n++) { // unroll
+            let t = tid + n * WG;
+            if (t < BN * VS) {
+                v_tile[t] = vp[n];
+            }
+        }
+        workgroupBarrier();
+        if (j0 + BN < kv_end) {
+            fetch_kv(kvh, j0 + BN, kv_end, tid, &kp, &vp);
+        }
+
+        // The TM x TN logits (same arithmetic as flash.wgsl: vec4 partials, then their sum).
+        var d: array<vec4<f32>, TM * TN>;
+        for (var c = 0u; c < TMN; c++) { // unroll
+            d[c] = vec4<f32>(0.0);
+        }
+        for (var d4 = 0u; d4 < E4; d4++) { // unroll
+            var qv: array<vec4<f32>, TM>;
+            for (var r = 0u; r < TM; r++) { // unroll
+                qv[r] = q_tile[(r * NY + ty) * QS + d4];
+            }
+            for (var t = 0u; t < TN; t++) { // unroll
+                let kv = k_tile[(t * NX + tx) * QS + d4];
+                for (var r = 0u; r < TM; r++) { // unroll
+                    d[r * TN + t] += score4(qv[r], kv, d4);
+                }
+            }
+        }
+        var sc: array<f32, TM * TN>;
+        for (var r = 0u; r < TM; r++) { // unroll
+            var pm = START;
+            for (var t = 0u; t < TN; t++) { // unroll
+                let j = j0 + t * NX + tx;
+                let dd = d[r * TN + t];
+                var x = select(START, dd.x + dd.y + dd.z + dd.w, j < row_end[r]);
+                if (HAS_MASK || HAS_BIAS) {
+                    let i = min(i0 + r * NY + ty, p.l - 1u);
+                    x = masked_logit(x, x != START, b, h, i, j);
+                }
+                sc[r * TN + t] = x;
+                pm = max(pm, x);
+            }
+            red[(r * NY + ty) * NX + tx] = pm;
+        }
+        workgroupBarrier();
+
+        // Each row's new max (every invocation of the row reduces the same values in the same
+        // order), the rescale factor, the weights into the P tile, this invocation's part of
+        // the sum.
+        var alpha: array<f32, TM>;
+        for (var r = 0u; r < TM; r++) { // unroll
+            let rr = r * NY + ty;
+            var mx = m[r];
+            for (var x = 0u; x < NX; x++) { // unroll
+                mx = max(mx, red[rr * NX + x]);
+            }
+            alpha[r] = rescale(m[r], mx);
+            m[r] = mx;
+            var s = 0.0;
+            for (var t = 0u; t < TN; t++) { // unroll
+                let pj = weight(sc[r * TN + t], mx);
+                s += pj;
+                let kk = t * NX + tx;
+                p_tile[rr * PS + kk / 4u][kk % 4u] = pj;
+            }
+            sum[r] = sum[r] * alpha[r] + s;
+        }
+        workgroupBarrier();
+
+        // O = O alpha + P V for this invocation's rows and columns.
+        for (var c = 0u; c < TM_EVT; c++) { // unroll
+            acc[c] *= alpha[c / EVT];
+        }
+        for (var j4 = 0u; j4 < BN / 4u; j4++) {
+            var pv: array<vec4<f32>, TM>;
+            for (var r = 0u; r < TM; r++) { // unroll
+                pv[r] = p_tile[(r * NY + ty) * PS + j4];
+            }
+            for (var u = 0u; u < 4u; u++) { // unroll
+                for (var k = 0u; k < EVT; k++) { // unroll
+                    let v = v_tile[(j4 * 4u + u) * VS + k * NX + tx];
+                    for (var r = 0u; r < TM; r++) { // unroll
+                        acc[r * EVT + k] += pv[r][u] * v;
+                    }
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+
+    // Each row's sum: the NX invocations' parts, added in the same order by all of them.
+    for (var r = 0u; r < TM; r++) { // unroll
+        red[(r * NY + ty) * NX + tx] = sum[r];
+    }
+    workgroupBarrier();
+    for (var r = 0u; r < TM; r++) { // unroll
+        let rr = r * NY + ty;
+        let i = i0 + rr;
+        var total = 0.0;
+        for (var x = 0u; x < NX; x++) { // unroll
+            total += red[rr * NX + x];
+        }
+        if (i < p.l) {
+            let row = bh * p.l + i;
+            let inv = select(1.0 / total, 0.0, total == 0.0);
+            for (var k = 0u; k < EVT; k++) { // unroll
+                let c4 = k * NX + tx;
+                if (c4 < EV4) {
+                    store_out(row, c4, select(acc[r * EVT + k] * inv, vec4<f32>(0.0), total == 0.0));
+                }
+            }
+            if (tx == 0u) {
+                lse[row] = row_lse(m[r], total);
+            }
+        }
+    }
+}
