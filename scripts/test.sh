@@ -70,6 +70,15 @@ has() { case " $BACKENDS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if has vulkan; then
   if [ "$(uname -s)" = Linux ]; then
     stage "tests on Vulkan" env WGPU_BACKEND=vulkan cargo test --locked
+    # Subgroup forms at the subgroup sizes of real GPUs: lavapipe emulates 4, 16, 32 and 64 lanes
+    # (LP_NATIVE_VECTOR_WIDTH 128, 512, 1024, 2048). Every form on shapes with tails and on
+    # decode shapes; where the subgroup check (src/subgroup_probe.rs) finds the driver's
+    # subgroup operations wrong (lavapipe at 32 and 64), the subgroup forms must not be used.
+    stage "subgroup sizes 4, 16, 32, 64 (lavapipe)" sh -c 'for w in 128 512 1024 2048; do
+        echo "-- LP_NATIVE_VECTOR_WIDTH=$w"
+        LP_NATIVE_VECTOR_WIDTH=$w WGPU_BACKEND=vulkan cargo test --locked --test forms -- \
+          the_forms_this_device_offers decode_shapes_in_every_decode_form shapes_with_tails_in_every_fused_form || exit 1
+      done'
     # The library users' examples, each checking its result against the reference.
     stage "examples on Vulkan" sh -c 'WGPU_BACKEND=vulkan cargo run --locked --example own_device && WGPU_BACKEND=vulkan cargo run --locked --example decode_loop'
     # scripts/gpu_report.sh's short form (the command for a machine with a GPU), so it keeps

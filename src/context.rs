@@ -48,6 +48,9 @@ struct Inner {
     pipelines: PipelineCache,
     faults: crate::faults::Injector,
     lost: Arc<Mutex<Option<String>>>,
+    /// The reported fixed subgroup size once `subgroup_probe` has confirmed it (None: not
+    /// fixed, or the device's subgroup operations are wrong at it).
+    subgroup: std::sync::OnceLock<Option<u32>>,
 }
 
 // The thread-safety contract above, checked at compile time.
@@ -237,6 +240,7 @@ impl Context {
                 pipelines: PipelineCache::default(),
                 faults: Default::default(),
                 lost,
+                subgroup: std::sync::OnceLock::new(),
             }),
             forms,
         }
@@ -447,13 +451,32 @@ impl Context {
         self.is_cpu() && self.limits().max_storage_buffers_per_shader_stage as usize >= bindings
     }
 
-    /// The subgroup size when subgroup operations are enabled and the adapter reports a single
-    /// size (lavapipe: 8); `None` otherwise.
+    /// The subgroup size when subgroup operations are enabled, the adapter reports a single
+    /// size (lavapipe: 8), and the subgroup operations give the right results at that size (a
+    /// one-workgroup check run once per context, `src/subgroup_probe.rs`: Mesa's lavapipe gets
+    /// them wrong at 32 lanes); `None` otherwise.
     pub(crate) fn fixed_subgroup_size(&self) -> Option<u32> {
         let info = self.adapter_info();
-        (self.features().contains(wgpu::Features::SUBGROUP)
+        let reported = (self.features().contains(wgpu::Features::SUBGROUP)
             && info.subgroup_min_size == info.subgroup_max_size)
-            .then_some(info.subgroup_min_size)
+            .then_some(info.subgroup_min_size)?;
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            *self.inner.subgroup.get_or_init(|| {
+                let ok =
+                    crate::subgroup_probe::subgroups_work(&self.inner.device, &self.inner.queue, reported);
+                if !ok {
+                    eprintln!(
+                        "wgpu-attention: {}: subgroup operations give wrong results at the reported \
+                         size {reported}; the subgroup forms are not used",
+                        info.name
+                    );
+                }
+                ok.then_some(reported)
+            })
+        }
+        #[cfg(target_arch = "wasm32")]
+        Some(reported)
     }
 
     /// The number of compute pipelines this context's cache holds (every kernel form built so

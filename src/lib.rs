@@ -47,6 +47,7 @@ mod sdpa;
 #[cfg(feature = "shapes")]
 pub mod shapes;
 mod storage;
+mod subgroup_probe;
 mod tensor;
 mod timer;
 mod tune;
