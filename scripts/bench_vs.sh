@@ -13,6 +13,10 @@
 #   scripts/bench_vs.sh gl - [CASES] [ROUNDS] [ITERS]
 #       the peer is this crate on wgpu's GL backend (WGPU_BACKEND=gl, Mesa's llvmpipe), ours the
 #       default adapter (lavapipe's Vulkan): the same binary and arguments, backends interleaved
+#   scripts/bench_vs.sh device - [CASES] [ROUNDS] [ITERS]
+#       the peer is this crate on its own device (`bench --device crate`), ours the same binary on
+#       a device made as an application makes it (`bench --device own`: Context::from_parts;
+#       DEVICE=adopted: Context::from_device alone)
 #   scripts/bench_vs.sh browser - [CASES] [ROUNDS] [ITERS]
 #       the peer is this crate in headless Chromium's WebGPU (scripts/web.sh bench: the demo page's
 #       bench mode, a fresh browser per round; the same shapes and timing rule as `bench`)
@@ -29,8 +33,8 @@
 # STORAGE, default f32: ours in that storage format; burn is always f32).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-kind=${1:?"usage: $0 burn|self|gl|browser BINARY|- [CASES] [ROUNDS] [ITERS]"}
-peer=${2:?"usage: $0 burn|self|gl|browser BINARY|- [CASES] [ROUNDS] [ITERS]"}
+kind=${1:?"usage: $0 burn|self|gl|device|browser BINARY|- [CASES] [ROUNDS] [ITERS]"}
+peer=${2:?"usage: $0 burn|self|gl|device|browser BINARY|- [CASES] [ROUNDS] [ITERS]"}
 cases=${3:-"a b c d e"}
 rounds=${4:-3}
 iters=${5:-7}
@@ -50,16 +54,20 @@ shape_of() {
   esac
 }
 
-# The median (ms) of one `bench` process of a wgpu-attention binary.
+# The median (ms) of one `bench` process of a wgpu-attention binary (extra `bench` arguments in
+# $extra).
+extra=
+ours_extra=
+[ "$kind" = device ] && ours_extra="--device ${DEVICE:-own}"
 bench_median() { # binary shape
   local m
   if [ "$2" = 'matmul_1024^3_AB' ]; then
-    m=$("$1" bench --shapes small_h4_s128 --paths fused --iters "$iters" --storage "$storage" 2>>"$log" | awk -v s="$2" '$1 == s { print $5 }')
+    m=$("$1" bench --shapes small_h4_s128 --paths fused --iters "$iters" --storage "$storage" $extra 2>>"$log" | awk -v s="$2" '$1 == s { print $5 }')
   elif [ "$mode" = bwd ]; then
-    m=$("$1" bench --shapes "$2" --paths auto,fused-bwd --iters "$iters" --storage "$storage" --no-matmul 2>>"$log" \
+    m=$("$1" bench --shapes "$2" --paths auto,fused-bwd --iters "$iters" --storage "$storage" --no-matmul $extra 2>>"$log" \
       | awk -v s="$2" '$1 == s && ($2 == "auto" || $2 == "fused-bwd") { t += $5; n++ } END { if (n == 2) printf "%.3f", t }')
   else
-    m=$("$1" bench --shapes "$2" --paths auto --iters "$iters" --storage "$storage" --no-matmul 2>>"$log" | awk -v s="$2" '$1 == s && $2 == "auto" { print $5 }')
+    m=$("$1" bench --shapes "$2" --paths auto --iters "$iters" --storage "$storage" --no-matmul $extra 2>>"$log" | awk -v s="$2" '$1 == s && $2 == "auto" { print $5 }')
   fi
   [ -n "$m" ] || { echo "no median from $1 for $2 (stderr in $log)" >&2; exit 1; }
   echo "$m"
@@ -68,6 +76,8 @@ bench_median() { # binary shape
 peer_median() { # case
   if [ "$kind" = gl ]; then
     WGPU_BACKEND=gl bench_median "$ours" "$(shape_of "$1")"
+  elif [ "$kind" = device ]; then
+    extra="--device crate" bench_median "$ours" "$(shape_of "$1")"
   elif [ "$kind" = browser ]; then
     local m
     m=$(./scripts/web.sh bench "$(shape_of "$1")" "$iters" 2>>"$log" | awk -v s="$(shape_of "$1")" '$1 == s { print $(NF - 1) }')
@@ -94,7 +104,7 @@ for c in $cases; do
   ratios=()
   for r in $(seq 1 "$rounds"); do
     p=$(peer_median "$c")
-    o=$(bench_median "$ours" "$shape")
+    o=$(extra=$ours_extra bench_median "$ours" "$shape")
     ratio=$(awk -v p="$p" -v o="$o" 'BEGIN { printf "%.2f", p / o }')
     ratios+=("$ratio")
     printf '%-26s %5s %12s %12s %8s\n' "$shape" "$r" "$p" "$o" "$ratio"

@@ -70,6 +70,11 @@ has() { case " $BACKENDS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if has vulkan; then
   if [ "$(uname -s)" = Linux ]; then
     stage "tests on Vulkan" env WGPU_BACKEND=vulkan cargo test --locked
+    # WebGPU's rules natively: wgpu's strict WebGPU compliance (WebGPU's features only, its
+    # validation) on the attention, golden and error suites, in minutes rather than inside
+    # Chromium.
+    stage "strict WebGPU (Vulkan)" env WGPU_BACKEND=vulkan WGPU_STRICT_WEBGPU_COMPLIANCE=1 \
+      cargo test --locked --test sdpa --test golden --test errors
     # Subgroup forms at the subgroup sizes of real GPUs: lavapipe emulates 4, 16, 32 and 64 lanes
     # (LP_NATIVE_VECTOR_WIDTH 128, 512, 1024, 2048). Every form on shapes with tails and on
     # decode shapes; where the subgroup check (src/subgroup_probe.rs) finds the driver's

@@ -597,3 +597,17 @@ fn prepared_kernels_cover_a_growing_kv_cache() {
         assert_eq!(fresh.cached_pipelines(), prepared, "S = {s} compiled a kernel");
     }
 }
+
+/// The strict-WebGPU lane (CI runs this file, `errors.rs` and `golden.rs` with
+/// `WGPU_STRICT_WEBGPU_COMPLIANCE=1` on Vulkan): the context's device has WebGPU's features
+/// only, so every kernel and limit the suite touches is validated as a browser would.
+#[test]
+fn strict_webgpu_lane_has_only_webgpu_features() {
+    let Some(ctx) = ctx() else { return };
+    if std::env::var("WGPU_STRICT_WEBGPU_COMPLIANCE").as_deref() != Ok("1") {
+        return;
+    }
+    let extra = ctx.features() - wgpu::Features::all_webgpu_mask();
+    assert!(extra.is_empty(), "features beyond WebGPU's: {extra:?}");
+    assert!(ctx.caps().subgroup.is_none() || ctx.features().contains(wgpu::Features::SUBGROUP));
+}

@@ -11,7 +11,7 @@ use wgpu_attention::shapes::{self, GpuInputs, Shape};
 use wgpu_attention::{wgpu, Context, Path, Storage};
 
 use crate::timing::{gflops, ms, time_runs};
-use crate::{context, CliResult};
+use crate::CliResult;
 
 #[derive(Args)]
 pub(crate) struct BenchArgs {
@@ -50,6 +50,11 @@ pub(crate) struct BenchArgs {
     /// both. On an adapter without timestamp queries: a one-line note and the wall-time table.
     #[arg(long)]
     gpu_time: bool,
+    /// Whose device to run on: the crate's own (`Context::new`), or an application's
+    /// (`own`: its adapter request and device handed over with `Context::from_parts`;
+    /// `adopted`: with `Context::from_device` alone): `scripts/bench_vs.sh device` compares them.
+    #[arg(long, value_enum, default_value = "crate")]
+    device: crate::DeviceKind,
 }
 
 /// `bench`: the table of timings.
@@ -60,7 +65,7 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
     } else {
         dedup(a.paths.clone())
     };
-    let ctx = context()?;
+    let ctx = crate::context_on(a.device)?;
     println!("adapter: {}", ctx.describe());
     let gpu_time = a.gpu_time && ctx.has_gpu_timer();
     if a.gpu_time && !gpu_time {

@@ -23,7 +23,7 @@ use std::process::ExitCode;
 
 use clap::builder::TypedValueParser;
 use clap::{Parser, Subcommand, ValueEnum};
-use wgpu_attention::{Causal, Context, Path, Sdpa};
+use wgpu_attention::{wgpu, Causal, Context, Path, Sdpa};
 
 use backward::BackwardArgs;
 use bench::BenchArgs;
@@ -154,6 +154,49 @@ pub(crate) fn context() -> CliResult<Idle> {
     Context::new_blocking()
         .map(Idle)
         .map_err(|e| format!("could not set up the GPU: {e}").into())
+}
+
+/// Whose device a command runs on: the crate's own (`Context::new`), or one made the way an
+/// application makes it (its own adapter request and `request_device` with the adapter's
+/// limits and `Context::wanted_features`), handed over with `Context::from_parts` (`own`) or
+/// with `Context::from_device` alone (`adopted`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum DeviceKind {
+    Crate,
+    Own,
+    Adopted,
+}
+
+/// [`context`] on the device `kind` names.
+pub(crate) fn context_on(kind: DeviceKind) -> CliResult<Idle> {
+    if kind == DeviceKind::Crate {
+        return context();
+    }
+    pollster::block_on(async {
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+        desc.backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::PRIMARY);
+        let instance = wgpu::Instance::new(desc);
+        let adapter = instance
+            .request_adapter(&wgpu::RequestAdapterOptions {
+                power_preference: wgpu::PowerPreference::HighPerformance,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| format!("could not set up the GPU: {e}"))?;
+        let (device, queue) = adapter
+            .request_device(&wgpu::DeviceDescriptor {
+                label: Some("application device"),
+                required_features: adapter.features() & Context::wanted_features(),
+                required_limits: adapter.limits(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| format!("could not set up the GPU: {e}"))?;
+        Ok(Idle(match kind {
+            DeviceKind::Own => Context::from_parts(&adapter, device, queue),
+            _ => Context::from_device(device, queue),
+        }))
+    })
 }
 
 /// The context, waited on when a command ends, so that no kernel the adapter compiles in the
