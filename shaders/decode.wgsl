@@ -81,6 +81,13 @@ fn main(
         let alpha = rescale(m, m_new);
         let pj = weight(x, m_new);
         sum = sum * alpha + pj;
+        // Keys past the allowed end (weight 0, alpha 1) leave the accumulator as it is: their
+        // V rows (a KV cache's unwritten capacity, read clamped) may hold NaN, and 0 * NaN is
+        // NaN.
+        if (j >= j_end) {
+            m = m_new;
+            continue;
+        }
         if (P8) {
             for (var d8 = 0u; d8 < EV8; d8++) { // unroll
                 let vv = load_v8(kvrow, d8);

@@ -232,10 +232,53 @@ fn nan_input_propagates_without_crash() {
         .all(|x| x.is_finite()));
 }
 
+/// A NaN logit makes its row NaN on every path with a mask and a bias too, as in PyTorch: the
+/// masks test NaN by its bit pattern (WGSL lets compilers assume no NaNs, and lavapipe folded
+/// the comparison, so the fused and decode paths' NaN row came out 0, silently).
+#[test]
+fn nan_row_under_mask_and_bias_is_nan_on_every_path() {
+    let Some(ctx) = ctx() else { return };
+    let mut case = Case::random((1, 2, 2, 5, 7, 4, 4), 11).with_random_mask(12);
+    case.q[[0, 1, 1, 0]] = f32::NAN;
+    let mut bias = ndarray::Array::zeros(IxDyn(&[5, 7]));
+    bias[[1, 3]] = f32::NEG_INFINITY;
+    case.bias = Some(bias);
+    for path in [Path::Fused, Path::Decode, Path::Unfused] {
+        case.check(
+            ctx,
+            path,
+            TOL,
+            &format!("NaN row with mask and -inf bias, {path:?}"),
+        );
+    }
+    let mut plain = Case::random((1, 2, 2, 5, 7, 4, 4), 13).with_random_bias(14);
+    plain.k[[0, 0, 2, 1]] = f32::NAN;
+    for path in [Path::Fused, Path::Decode, Path::Unfused] {
+        plain.check(ctx, path, TOL, &format!("NaN key under a bias, {path:?}"));
+    }
+    // NaN in keys and values past the key length (a KV cache's unwritten capacity) must not
+    // reach any row: every output finite and as the reference's. The fused and decode paths
+    // (the paths a decode loop takes); the unfused path still multiplies those V rows by their
+    // zero weights (0 * NaN), left for now.
+    let mut padded = Case::random((1, 2, 2, 5, 7, 4, 4), 15).with_random_bias(16);
+    padded.kv_lens = Some(vec![5]);
+    padded.k[[0, 0, 6, 0]] = f32::NAN;
+    padded.k[[0, 1, 5, 2]] = f32::NAN;
+    padded.v[[0, 1, 6, 1]] = f32::NAN;
+    for path in [Path::Fused, Path::Decode] {
+        padded.check(ctx, path, TOL, &format!("NaN past the key length, {path:?}"));
+    }
+    for path in [Path::Fused, Path::Decode] {
+        let out = padded.sdpa().path(path).run_blocking(ctx).unwrap();
+        assert!(
+            out.output.iter().all(|x| x.is_finite()),
+            "{path:?}: NaN past the key length leaked"
+        );
+    }
+}
+
 /// A NaN logit makes its row NaN, but keys the boolean mask (or a -inf bias) removes keep
-/// weight 0 in that row, as in the reference (the unfused path returns the weights). Only the
-/// unfused path: with a mask or bias, lavapipe's compiler folds the fused and decode kernels'
-/// NaN comparisons (WGSL lets implementations assume no NaNs) and their NaN row comes out 0.
+/// weight 0 in that row, as in the reference (the unfused path returns the weights).
 #[test]
 fn nan_row_keeps_masked_weights_zero() {
     let Some(ctx) = ctx() else { return };

@@ -27,12 +27,6 @@ fn prob(x: f32, lse: f32) -> f32 {
     return select(exp(x - lse), 0.0, x < MASKED || is_empty_lse(lse));
 }
 
-// Whether x is NaN, by its bits (CPU adapters compile float comparisons as ordered ones, so
-// `x != x` and `x != 0.0` are false for NaN there).
-fn is_nan_bits(x: f32) -> bool {
-    return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
-}
-
 // dS = P (dP - D), 0 where P is 0 (a masked key's dP may be anything, NaN included); a NaN P
 // propagates.
 fn dscore(pij: f32, dp: f32, d: f32) -> f32 {

@@ -10,6 +10,13 @@
 const MASKED: f32 = -3.0e38;
 const START: f32 = -3.4e38;
 
+// Whether x is NaN, by its bits: WGSL lets compilers assume no NaNs, and CPU adapters compile
+// float comparisons as ordered ones, so `x != x` is false for NaN there and `!(x < c)` may be
+// folded to `x >= c` (false for NaN).
+fn is_nan_bits(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
+}
+
 // -inf, made at run time: a constant expression whose value is infinite is a shader-creation
 // error (Tint refuses `bitcast<f32>(0xff800000u)`; naga accepts it), a private variable is not
 // a constant expression.
