@@ -51,7 +51,7 @@ fn expected(t: u32, n: u32) -> [f32; 8] {
 /// on the device; any device error counts as a failure).
 #[cfg(not(target_arch = "wasm32"))]
 pub(crate) fn subgroups_work(device: &wgpu::Device, queue: &wgpu::Queue, size: u32) -> bool {
-    if !size.is_power_of_two() || size < 2 || size > 128 {
+    if !size.is_power_of_two() || !(2..=128).contains(&size) {
         return false;
     }
     let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
