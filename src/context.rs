@@ -49,7 +49,9 @@ struct Inner {
     faults: crate::faults::Injector,
     lost: Arc<Mutex<Option<String>>>,
     /// The reported fixed subgroup size once `subgroup_probe` has confirmed it (None: not
-    /// fixed, or the device's subgroup operations are wrong at it).
+    /// fixed, or the device's subgroup operations are wrong at it). Native only: the check
+    /// blocks on the device.
+    #[cfg(not(target_arch = "wasm32"))]
     subgroup: std::sync::OnceLock<Option<u32>>,
 }
 
@@ -240,6 +242,7 @@ impl Context {
                 pipelines: PipelineCache::default(),
                 faults: Default::default(),
                 lost,
+                #[cfg(not(target_arch = "wasm32"))]
                 subgroup: std::sync::OnceLock::new(),
             }),
             forms,

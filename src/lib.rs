@@ -47,6 +47,7 @@ mod sdpa;
 #[cfg(feature = "shapes")]
 pub mod shapes;
 mod storage;
+#[cfg(not(target_arch = "wasm32"))]
 mod subgroup_probe;
 mod tensor;
 mod timer;

@@ -32,6 +32,7 @@ pub(crate) fn knob(key: &str) -> Option<u32> {
         .map(|&(_, v)| v)
 }
 
+#[cfg_attr(target_arch = "wasm32", allow(dead_code))]
 const KEYS: &[&str] = &[
     "fused_wg",
     "fused_rq",
@@ -46,6 +47,7 @@ const KEYS: &[&str] = &[
     "wg_memory",
 ];
 
+#[cfg_attr(target_arch = "wasm32", allow(dead_code))]
 fn parse(s: &str) -> Vec<(String, u32)> {
     let mut out = Vec::new();
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
