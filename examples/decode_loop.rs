@@ -1,5 +1,7 @@
 //! A token-by-token decode loop on a KV cache held in your own GPU buffers: K and V of
-//! capacity `CAP` positions `[1, Hkv, CAP, E]`, GQA (8 query heads on 2 key/value heads), each
+//! capacity `CAP` positions laid out `[1, CAP, Hkv, E]` (each token's heads adjacent, as most
+//! LLM runtimes keep them: one write appends a token; read in place through
+//! `TensorLayout::Bshe`, no copy), GQA (8 query heads on 2 key/value heads), each
 //! step appending one position and attending over the cache with `kv_lens` = the filled length
 //! and bottom-right causal (aligned to that length, FlashAttention's rule: query `i` of the `L`
 //! new rows sees keys `j <= i + len - L`), so the shapes never change and the kernels,
@@ -12,7 +14,7 @@
 
 use ndarray::{s, Array4};
 use wgpu_attention::check::{compare, F32_TOLERANCE};
-use wgpu_attention::{reference, wgpu, Causal, Context, Options, Sdpa, Storage, Tensor};
+use wgpu_attention::{reference, wgpu, Causal, Context, Options, Sdpa, Storage, Tensor, TensorLayout};
 
 const CAP: usize = 640;
 const HQ: usize = 8;
@@ -47,28 +49,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
     };
     let (kc, vc) = (cache("k cache"), cache("v cache"));
-    // Append positions [from, to) of every head: one write per head (rows of E f32).
+    // Append positions [from, to): one write of `[to - from, Hkv, E]` f32 each for K and V.
     let append = |from: usize, to: usize| {
-        for h in 0..HKV {
-            let at = ((h * CAP + from) * E * 4) as u64;
-            let rows = |a: &Array4<f32>| {
-                a.slice(s![0, h, from..to, ..])
-                    .iter()
-                    .copied()
-                    .collect::<Vec<f32>>()
-            };
-            queue.write_buffer(&kc, at, bytemuck::cast_slice(&rows(&k_all)));
-            queue.write_buffer(&vc, at, bytemuck::cast_slice(&rows(&v_all)));
-        }
+        let at = (from * HKV * E * 4) as u64;
+        let rows = |a: &Array4<f32>| {
+            // [Hkv, n, E] -> [n, Hkv, E]
+            a.slice(s![0, .., from..to, ..])
+                .permuted_axes([1, 0, 2])
+                .iter()
+                .copied()
+                .collect::<Vec<f32>>()
+        };
+        queue.write_buffer(&kc, at, bytemuck::cast_slice(&rows(&k_all)));
+        queue.write_buffer(&vc, at, bytemuck::cast_slice(&rows(&v_all)));
     };
+    // The cache as a [1, Hkv, CAP, E] tensor whose buffer holds [1, CAP, Hkv, E].
+    let cached =
+        |buf| Tensor::from_buffer(buf, Storage::F32, &[1, HKV, CAP, E]).with_layout(TensorLayout::Bshe);
     let attend = |q: &Array4<f32>, len: usize| -> Result<f64, Box<dyn std::error::Error>> {
-        let call = Sdpa::new(
-            q,
-            Tensor::from_buffer(&kc, Storage::F32, &[1, HKV, CAP, E]),
-            Tensor::from_buffer(&vc, Storage::F32, &[1, HKV, CAP, E]),
-        )
-        .causal(Causal::BottomRight)
-        .kv_lens(&[len]);
+        let call = Sdpa::new(q, cached(&kc), cached(&vc))
+            .causal(Causal::BottomRight)
+            .kv_lens(&[len]);
         let t = std::time::Instant::now();
         let got = call.run_blocking(&ctx)?;
         let gpu = t.elapsed().as_secs_f64();
@@ -97,10 +98,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let t = std::time::Instant::now();
     let prefill_q = noise((1, HQ, PREFILL, E), 3);
     let step_q = noise((1, HQ, 1, E), 4);
-    let kv = |_| Tensor::from_buffer(&kc, Storage::F32, &[1, HKV, CAP, E]);
     let mut forms = 0;
     for q in [&prefill_q, &step_q] {
-        forms += Sdpa::new(q, kv(()), kv(()))
+        forms += Sdpa::new(q, cached(&kc), cached(&vc))
             .causal(Causal::BottomRight)
             .kv_lens(&[CAP])
             .prepare_blocking(&ctx, CAP..=CAP)?;

@@ -85,7 +85,7 @@ if has vulkan; then
           the_forms_this_device_offers decode_shapes_in_every_decode_form shapes_with_tails_in_every_fused_form || exit 1
       done'
     # The library users' examples, each checking its result against the reference.
-    stage "examples on Vulkan" sh -c 'WGPU_BACKEND=vulkan cargo run --locked --example own_device && WGPU_BACKEND=vulkan cargo run --locked --example decode_loop'
+    stage "examples on Vulkan" sh -c 'WGPU_BACKEND=vulkan cargo run --locked --example own_device && WGPU_BACKEND=vulkan cargo run --locked --example decode_loop && WGPU_BACKEND=vulkan cargo run --locked --example layer'
     # scripts/gpu_report.sh's short form (the command for a machine with a GPU), so it keeps
     # working: adapter, bench --gpu-time rows with GPU times, the report page.
     stage "GPU report, short form" env WGPU_BACKEND=vulkan REPORT_DIR=target/gpu_report ./scripts/gpu_report.sh --quick

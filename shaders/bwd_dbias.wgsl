@@ -46,13 +46,13 @@ fn main(
                     if (j < end) {
                         var s = 0.0;
                         for (var c = 0u; c < p.e; c++) {
-                            s += (q_get(row * p.e + c) * p.scale) * k_get((kvh * p.s + j) * p.e + c);
+                            s += (q_get(q_base(row) + c) * p.scale) * k_get(k_base(kvh * p.s + j) + c);
                         }
                         let x = masked_logit(s, true, b, h, i, j);
                         let pij = prob(x, lse);
                         var dp = 0.0;
                         for (var c = 0u; c < p.ev; c++) {
-                            dp += dout_get(row * p.ev + c) * v_get((kvh * p.s + j) * p.ev + c);
+                            dp += dout_get(dout_base(row) + c) * v_get(v_base(kvh * p.s + j) + c);
                         }
                         total += dscore(pij, dp, dsum);
                     }

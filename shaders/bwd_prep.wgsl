@@ -25,7 +25,7 @@ fn main(
     }
     var d = 0.0;
     for (var c = 0u; c < p.ev; c++) {
-        d += o_get(row * p.ev + c) * dout_get(row * p.ev + c);
+        d += o_get(o_base(row) + c) * dout_get(dout_base(row) + c);
     }
     stats[row] = lse[row];
     stats[p.rows + row] = d;

@@ -6,8 +6,10 @@
 //
 // The host prepends `Params` (generated from src/kernels/decode.rs: rows, splits, ev),
 // common/softmax.wgsl (sentinels), and the declarations of part_out (binding 0) and out
-// (binding 2) in their storage formats with `store2(i, x)`, which stores elements i and i + 1
-// of out (i + 1 only when i + 1 < Ev: whole words, or element by element) (src/kernels/access.rs).
+// (binding 2) in their storage formats with `store2(row0, d, x)`, which stores elements d and
+// d + 1 of the out row starting at row0 (d + 1 only when d + 1 < Ev: whole words, or element by
+// element), and `out_base(row)`, where out's row starts (dense, or the output's view `p.x.o`)
+// (src/kernels/access.rs).
 // Each invocation computes pairs of elements, so half outputs are stored in whole words.
 //
 // Bindings: 0 part_out [splits][rows][Ev], 1 part_lse [splits][rows] (read);
@@ -39,7 +41,7 @@ fn main(
     }
     if (!any) {
         for (var d = 2u * tid; d < p.ev; d += 2u * WG) {
-            store2(row * p.ev, d, vec2<f32>(0.0));
+            store2(out_base(row), d, vec2<f32>(0.0));
         }
         if (tid == 0u) {
             lse[row] = neg_inf();
@@ -63,7 +65,7 @@ fn main(
                 o += exp(l - mx) * vec2<f32>(part_out_get(base + d), part_out_get(base + d1));
             }
         }
-        store2(row * p.ev, d, o / total);
+        store2(out_base(row), d, o / total);
     }
     if (tid == 0u) {
         lse[row] = mx + log(total);

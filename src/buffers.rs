@@ -92,6 +92,36 @@ pub(crate) fn check_gpu_buffer(
     Ok(())
 }
 
+/// [`check_gpu_buffer`] for a view: `bytes` from `bind_offset` (the tensor at `offset`) must
+/// lie in the buffer.
+#[allow(clippy::too_many_arguments)]
+fn check_view_buffer(
+    tensor: &'static str,
+    buf: &wgpu::Buffer,
+    bind_offset: u64,
+    bytes: u64,
+    offset: u64,
+    shape: &[usize],
+    view: &crate::view::View,
+    storage: Storage,
+) -> Result<()> {
+    let bad = |reason: String| Err(Error::BadBuffer { tensor, reason });
+    if !buf.usage().contains(wgpu::BufferUsages::STORAGE) {
+        return bad(format!("usage {:?} lacks STORAGE", buf.usage()));
+    }
+    if bind_offset.checked_add(bytes).is_none_or(|end| end > buf.size()) {
+        return bad(format!(
+            "shape {shape:?} through strides {:?} from byte offset {offset} reaches byte {} in the declared format {} ({} bytes an element), buffer has {}",
+            view.strides,
+            bind_offset + bytes,
+            storage.name(),
+            storage.element_bytes(),
+            buf.size()
+        ));
+    }
+    Ok(())
+}
+
 pub(crate) fn binding(buf: &wgpu::Buffer, offset: u64, bytes: u64) -> wgpu::BufferBinding<'_> {
     wgpu::BufferBinding {
         buffer: buf,
@@ -155,8 +185,12 @@ pub(crate) fn dummy(ctx: &Context) -> wgpu::Buffer {
 /// A validated input, before upload.
 pub(crate) struct Operand<'t, 'a> {
     tensor: &'t Tensor<'a>,
+    /// Bytes bound.
     pub(crate) bytes: u64,
     pub(crate) storage: Storage,
+    /// Where the binding starts in a caller's buffer (its offset, or the 256-aligned byte
+    /// below a view's offset).
+    bind_offset: u64,
 }
 
 /// An input on the GPU: our upload, or the caller's buffer.
@@ -166,20 +200,63 @@ pub(crate) enum Uploaded<'a> {
 }
 
 impl<'t, 'a> Operand<'t, 'a> {
+    /// A dense input (no view: the layer, the variants, the matmul).
     pub(crate) fn check(ctx: &Context, name: &'static str, t: &'t Tensor<'a>) -> Result<Self> {
+        if t.view.is_set() && t.misuse.is_none() {
+            return Err(Error::BadBuffer {
+                tensor: name,
+                reason: "layouts, capacities and strides are read by Sdpa and Backward (q, k, v, the output, dout); here the tensor must be dense row-major".into(),
+            });
+        }
+        Self::check_inner(ctx, name, t, false)
+    }
+
+    /// An input or output that may be a view ([`crate::view`]): bound from the 256-aligned
+    /// byte at or below its offset, over the elements the view reaches.
+    pub(crate) fn check_viewed(ctx: &Context, name: &'static str, t: &'t Tensor<'a>) -> Result<Self> {
+        Self::check_inner(ctx, name, t, true)
+    }
+
+    fn check_inner(ctx: &Context, name: &'static str, t: &'t Tensor<'a>, views: bool) -> Result<Self> {
         let elems: usize = t.shape.iter().product();
         let storage = t.storage();
-        let bytes = storage.bytes(elems);
+        let mut bytes = storage.bytes(elems);
         if let Some(reason) = t.misuse {
             return Err(Error::BadBuffer {
                 tensor: name,
                 reason: reason.into(),
             });
         }
+        let mut bind_offset = 0;
         match &t.data {
             TensorData::Host(d) => check_len(name, &t.shape, d.len())?,
             TensorData::Gpu { buffer, offset, .. } => {
-                check_gpu_buffer(ctx, name, buffer, *offset, &t.shape, storage)?
+                let view = if views {
+                    crate::view::resolve(name, &t.view, &t.shape, *offset, storage)?
+                } else {
+                    None
+                };
+                match view {
+                    None => {
+                        check_gpu_buffer(ctx, name, buffer, *offset, &t.shape, storage)?;
+                        bind_offset = *offset;
+                    }
+                    Some(view) => {
+                        bind_offset = offset - offset % crate::view::BIND_ALIGN;
+                        let shape: [usize; 4] = t.shape.as_slice().try_into().expect("a view is 4-D");
+                        bytes = storage.bytes(view.extent(shape));
+                        check_view_buffer(
+                            name,
+                            buffer,
+                            bind_offset,
+                            bytes,
+                            *offset,
+                            &t.shape,
+                            &view,
+                            storage,
+                        )?;
+                    }
+                }
             }
         }
         fits(name, bytes, ctx.max_binding(), "max_storage_buffer_binding_size")?;
@@ -187,13 +264,14 @@ impl<'t, 'a> Operand<'t, 'a> {
             tensor: t,
             bytes,
             storage,
+            bind_offset,
         })
     }
 
     pub(crate) fn upload(&self, ctx: &Context, label: &str) -> Uploaded<'a> {
         match &self.tensor.data {
             TensorData::Host(d) => Uploaded::Owned(storage_init(ctx, label, &d.bytes()), self.bytes),
-            TensorData::Gpu { buffer, offset, .. } => Uploaded::Borrowed(buffer, *offset, self.bytes),
+            TensorData::Gpu { buffer, .. } => Uploaded::Borrowed(buffer, self.bind_offset, self.bytes),
         }
     }
 }

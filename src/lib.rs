@@ -53,6 +53,7 @@ mod tensor;
 mod timer;
 mod tune;
 mod variants;
+mod view;
 
 pub use context::Context;
 pub use error::{Error, Result};
@@ -64,8 +65,8 @@ pub use matmul::matmul;
 #[cfg(not(target_arch = "wasm32"))]
 pub use matmul::matmul_blocking;
 pub use mha::{
-    MhaBackward, MhaConfig, MhaForward, MhaGrads, MhaOutput, MhaTimings, MhaWeights, MultiHeadAttention,
-    NeedWeights,
+    MhaBackward, MhaConfig, MhaForward, MhaGpuGrads, MhaGpuOutput, MhaGrads, MhaOutput, MhaTimings,
+    MhaWeights, MultiHeadAttention, NeedWeights,
 };
 pub use options::Options;
 pub use problem::{Causal, Problem};
@@ -81,5 +82,6 @@ pub use storage::{Element, Formats, Storage};
 pub use tensor::{Mask, Tensor};
 pub use timer::GpuTimed;
 pub use variants::{GpuVariantOutput, Variant, VariantKind, VariantOutput, VariantParams};
+pub use view::TensorLayout;
 /// Re-exported so callers use the same wgpu version.
 pub use wgpu;

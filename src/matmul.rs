@@ -72,7 +72,8 @@ pub async fn matmul<'a>(
                     heads: heads as u32,
                     group: group as u32,
                     ..kernel::Params::dense(m as u32, n as u32, k as u32, trans_b, alpha)
-                },
+                }
+                .split_heads(),
                 batch: batch as u32,
                 trans_b,
                 formats: [a_op.storage, b_op.storage, Storage::F32, Storage::F32],

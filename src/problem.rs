@@ -139,6 +139,9 @@ pub struct Problem {
     pub kv_lens: Option<Vec<u32>>,
     /// The storage formats of q, k, v, the bias and the output (all f32 by default).
     pub storage: crate::storage::Formats,
+    /// Where q, k, v, the output (and the backward's dout) lie in their buffers, for those
+    /// that are not dense (see [`TensorLayout`](crate::TensorLayout)).
+    pub(crate) views: crate::view::Views,
 }
 
 fn dims4(tensor: &'static str, shape: &[usize]) -> Result<[usize; 4]> {
@@ -197,6 +200,7 @@ impl Problem {
             bias: None,
             kv_lens: None,
             storage: Default::default(),
+            views: Default::default(),
         })
     }
 
@@ -286,6 +290,12 @@ impl Problem {
     /// `[B, Hq, L, Ev]`.
     pub fn out_shape(&self) -> [usize; 4] {
         [self.batch, self.q_heads, self.seq_q, self.head_dim_v]
+    }
+
+    /// Whether the kernels can read q, k, v and the output as vec4 rows: E and Ev multiples of
+    /// 4, and so every view's offset and strides.
+    pub(crate) fn vec4_rows(&self) -> bool {
+        self.head_dim.is_multiple_of(4) && self.head_dim_v.is_multiple_of(4) && self.views.aligned(4)
     }
 
     /// `B * Hq`.

@@ -5,6 +5,7 @@ use std::borrow::Cow;
 use ndarray::{ArrayBase, Data, Dimension};
 
 use crate::storage::{Element, HostData, Storage};
+use crate::view::{TensorLayout, ViewSpec};
 
 /// Borrow a standard-layout array's data; copy any other layout into row-major order.
 fn row_major<T: Copy, S: Data<Elem = T>, D: Dimension>(a: &ArrayBase<S, D>) -> Cow<'_, [T]> {
@@ -23,7 +24,10 @@ fn view_row_major<T: Copy, D: Dimension>(a: ndarray::ArrayView<'_, T, D>) -> Cow
 }
 
 /// A tensor given to the GPU: host data (copied up once) or a caller's GPU buffer (bound in
-/// place, no copy). Row-major, contiguous. Host data is `f32`, [`half::f16`] or [`half::bf16`]
+/// place, no copy). Host data is row-major and contiguous; a GPU buffer is too unless given
+/// a layout, a sequence capacity or strides ([`Tensor::with_layout`],
+/// [`Tensor::with_seq_capacity`], [`Tensor::with_strides`]: read in place, see
+/// [`TensorLayout`]). Host data is `f32`, [`half::f16`] or [`half::bf16`]
 /// (slices or ndarray arrays) and keeps its format on the device; a GPU buffer holds the
 /// format declared in [`Tensor::from_buffer`].
 #[derive(Debug, Clone)]
@@ -32,6 +36,8 @@ pub struct Tensor<'a> {
     pub(crate) shape: Vec<usize>,
     /// A builder call that does not apply to this tensor, reported when it is used.
     pub(crate) misuse: Option<&'static str>,
+    /// The layout, capacity or strides asked for (GPU buffers; dense when unset).
+    pub(crate) view: ViewSpec,
 }
 
 #[derive(Debug, Clone)]
@@ -52,6 +58,7 @@ impl<'a> Tensor<'a> {
             data: TensorData::Host(T::host_data(Cow::Borrowed(data))),
             shape: shape.to_vec(),
             misuse: None,
+            view: ViewSpec::default(),
         }
     }
 
@@ -70,18 +77,65 @@ impl<'a> Tensor<'a> {
             },
             shape: shape.to_vec(),
             misuse: None,
+            view: ViewSpec::default(),
         }
     }
 
-    /// Start a GPU buffer's tensor at byte `offset` (a multiple of the device's
-    /// `min_storage_buffer_offset_alignment`, checked before any GPU work). Host data has no
-    /// offset: calling this on it makes the call fail with [`Error::BadBuffer`].
+    /// Start a GPU buffer's tensor at byte `offset`. q, k, v and the output of [`Sdpa`] and
+    /// [`Backward`] take any multiple of the element size (an offset that is not a multiple
+    /// of 256 is read through a view, see [`TensorLayout`]); other entry points need a
+    /// multiple of the device's `min_storage_buffer_offset_alignment`. Checked before any
+    /// GPU work. Host data has no offset: calling this on it makes the call fail with
+    /// [`Error::BadBuffer`].
     ///
     /// [`Error::BadBuffer`]: crate::Error::BadBuffer
+    /// [`Sdpa`]: crate::Sdpa
+    /// [`Backward`]: crate::Backward
     pub fn at_offset(mut self, offset: u64) -> Self {
         match &mut self.data {
             TensorData::Gpu { offset: o, .. } => *o = offset,
             TensorData::Host(_) => self.misuse = Some("at_offset was given host data, which has no offset"),
+        }
+        self
+    }
+
+    /// Read a GPU buffer's `[B, H, S, E]` tensor (the shape keeps that order) in `layout`:
+    /// [`TensorLayout::Bshe`] for a buffer holding `[B, S, H, E]`. In place, no copy. With
+    /// [`Tensor::with_seq_capacity`] the buffer holds more rows than the shape's S. Host data
+    /// is row-major `[B, H, S, E]`: calling this on it makes the call fail with
+    /// [`Error::BadBuffer`](crate::Error::BadBuffer).
+    pub fn with_layout(mut self, layout: TensorLayout) -> Self {
+        self.view.layout = Some(layout);
+        self.gpu_only("with_layout")
+    }
+
+    /// The buffer holds `capacity` rows per head (a KV cache allocated for `capacity` tokens,
+    /// of which the shape's `S` are used): row `s` of head `h` of batch `b` is where the layout
+    /// puts it in a `[B, H, capacity, E]` (or `[B, capacity, H, E]`) buffer. GPU buffers only.
+    pub fn with_seq_capacity(mut self, capacity: usize) -> Self {
+        self.view.capacity = Some(capacity);
+        self.gpu_only("with_seq_capacity")
+    }
+
+    /// Explicit element strides of the shape's four dims `[B, H, S, E]` (E's must be 1: rows
+    /// are contiguous, and may be anywhere): element `(b, h, s, e)` is at element
+    /// `b·strides[0] + h·strides[1] + s·strides[2] + e` from the tensor's offset. Inputs may
+    /// repeat elements (stride 0 broadcasts); an output may not. For q, k, v and the output of
+    /// [`Sdpa`](crate::Sdpa) and [`Backward`](crate::Backward); GPU buffers only.
+    pub fn with_strides(mut self, strides: &[usize]) -> Self {
+        self.view.strides = Some(strides.to_vec());
+        self.gpu_only("with_strides")
+    }
+
+    fn gpu_only(mut self, call: &'static str) -> Self {
+        if matches!(self.data, TensorData::Host(_)) {
+            self.misuse = Some(match call {
+                "with_layout" => "with_layout describes a GPU buffer; host data is row-major [B, H, S, E]",
+                "with_seq_capacity" => {
+                    "with_seq_capacity describes a GPU buffer; host data is row-major [B, H, S, E]"
+                }
+                _ => "with_strides describes a GPU buffer; host data is row-major [B, H, S, E]",
+            });
         }
         self
     }
@@ -165,6 +219,7 @@ where
             data: TensorData::Host(T::host_data(row_major(a))),
             shape: a.shape().to_vec(),
             misuse: None,
+            view: ViewSpec::default(),
         }
     }
 }
@@ -177,6 +232,7 @@ impl<'a, T: Element, D: Dimension> From<ndarray::ArrayView<'a, T, D>> for Tensor
             data: TensorData::Host(T::host_data(view_row_major(a))),
             shape,
             misuse: None,
+            view: ViewSpec::default(),
         }
     }
 }

@@ -182,14 +182,33 @@ fn caller_buffers_are_checked() {
     .unwrap_err();
     assert!(matches!(e, Error::BadBuffer { tensor: "q", .. }), "{e}");
     let big = mk(4096, wgpu::BufferUsages::STORAGE);
+    // An offset inside an element.
     let e = Sdpa::new(
-        Tensor::from_buffer(&big, wgpu_attention::Storage::F32, &[1, 1, 3, 4]).at_offset(4),
+        Tensor::from_buffer(&big, wgpu_attention::Storage::F32, &[1, 1, 3, 4]).at_offset(6),
         &k,
         &k,
     )
     .run_blocking(ctx)
     .unwrap_err();
     assert!(matches!(e, Error::BadBuffer { tensor: "q", .. }), "{e}");
+    // Any whole element is fine for Sdpa (read through a view); the layer needs the device's
+    // alignment.
+    Sdpa::new(
+        Tensor::from_buffer(&big, wgpu_attention::Storage::F32, &[1, 1, 3, 4]).at_offset(4),
+        &k,
+        &k,
+    )
+    .run_blocking(ctx)
+    .unwrap();
+    let e = wgpu_attention::matmul_blocking(
+        ctx,
+        Tensor::from_buffer(&big, wgpu_attention::Storage::F32, &[1, 3, 4]).at_offset(4),
+        Tensor::from_buffer(&big, wgpu_attention::Storage::F32, &[1, 3, 4]),
+        true,
+        1.0,
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::BadBuffer { tensor: "a", .. }), "{e}");
     let e = Sdpa::new(&k, &k, &k)
         .output_into(Tensor::from_buffer(
             &small,

@@ -341,6 +341,111 @@ fn constant_query_and_value_heads_broadcast_over_batch() {
     );
 }
 
+/// A decode step as a generation loop runs it: the new token's query projected, the keys and
+/// values given as cached heads (`key_heads`, `value_heads`, broadcast or per batch), the whole
+/// layer recorded into the caller's encoder with its output in the caller's buffer (at an
+/// offset), and the weights per head; against the reference.
+#[test]
+fn decode_step_with_cached_heads_recorded_into_caller_buffer() {
+    let Some(ctx) = ctx() else { return };
+    use wgpu_attention::wgpu;
+    let c = MhaConfig::new(32, 4).kv_heads(2);
+    let w = MhaWeights::xavier_uniform(c, 17).unwrap();
+    let layer = MultiHeadAttention::new(ctx, &w).unwrap();
+    let mut r = rng(18);
+    let (b, s, d) = (2, 23, c.head_dim());
+    let x: Array3<f32> = rand_array(&mut r, (b, 1, 32));
+    for kb in [1, b] {
+        let kh: Array4<f32> = rand_array(&mut r, (kb, 2, s, d));
+        let vh: Array4<f32> = rand_array(&mut r, (b, 2, s, d));
+        let inputs = MhaInputs {
+            key_heads: Some(kh.view()),
+            value_heads: Some(vh.view()),
+            ..MhaInputs::self_attention(x.view())
+        };
+        let want = reference::mha(&w, &inputs, &Options::default()).unwrap();
+        // run
+        let o = layer
+            .forward(&x)
+            .key_heads(&kh)
+            .value_heads(&vh)
+            .run_blocking(ctx)
+            .unwrap();
+        assert_report(
+            compare(o.output.iter().copied(), want.out.iter().copied(), TOL),
+            &format!("cached heads (key batch {kb})"),
+        );
+        // record into our encoder, output into our buffer at an offset
+        let align = ctx.limits().min_storage_buffer_offset_alignment as u64;
+        let out = ctx.device().create_buffer(&wgpu::BufferDescriptor {
+            label: Some("layer output"),
+            size: align + (b * 32 * 4) as u64,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        let gpu = layer
+            .forward(&x)
+            .key_heads(&kh)
+            .value_heads(&vh)
+            .return_weights()
+            .output_into(Tensor::from_buffer(&out, Storage::F32, &[b, 1, 32]).at_offset(align))
+            .record(ctx, &mut enc)
+            .unwrap();
+        ctx.queue().submit([enc.finish()]);
+        assert_eq!(gpu.output_offset, align);
+        let got = pollster::block_on(ctx.read_f32(&gpu.output, align, (b * 32 * 4) as u64)).unwrap();
+        assert_report(
+            compare(got.iter().copied(), want.out.iter().copied(), TOL),
+            &format!("recorded (key batch {kb})"),
+        );
+        let weights = gpu.weights.expect("weights asked for");
+        let wv = pollster::block_on(ctx.read_f32(&weights, 0, weights.size())).unwrap();
+        assert_report(
+            compare(wv.iter().copied(), want.weights.iter().copied(), TOL),
+            &format!("recorded weights (key batch {kb})"),
+        );
+    }
+    // Mistakes: an output buffer of the wrong shape or format, key heads of the wrong width.
+    let out = ctx.device().create_buffer(&wgpu::BufferDescriptor {
+        label: None,
+        size: 4096,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let kh: Array4<f32> = rand_array(&mut r, (b, 2, s, d));
+    let mut enc = ctx.device().create_command_encoder(&Default::default());
+    let e = layer
+        .forward(&x)
+        .output_into(Tensor::from_buffer(&out, Storage::F16, &[b, 1, 32]))
+        .record(ctx, &mut enc)
+        .unwrap_err();
+    assert!(matches!(e, wgpu_attention::Error::StorageMismatch { .. }), "{e}");
+    let e = layer
+        .forward(&x)
+        .output_into(Tensor::from_buffer(&out, Storage::F32, &[b, 2, 32]))
+        .record(ctx, &mut enc)
+        .unwrap_err();
+    assert!(matches!(e, wgpu_attention::Error::ShapeMismatch { .. }), "{e}");
+    let narrow: Array4<f32> = rand_array(&mut r, (b, 2, s, d + 1));
+    let e = layer
+        .forward(&x)
+        .key_heads(&narrow)
+        .value_heads(&kh)
+        .run_blocking(ctx)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            wgpu_attention::Error::ShapeMismatch {
+                tensor: "key_heads",
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
 #[test]
 fn gpu_buffer_inputs_and_profiled_run() {
     let Some(ctx) = ctx() else { return };

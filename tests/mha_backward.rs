@@ -31,6 +31,7 @@ fn named<F: Copy + Into<f64>>(g: &MhaGrads<F>) -> Vec<(&'static str, Option<Vec<
         ("key", g.key.as_ref().map(flat)),
         ("value", g.value.as_ref().map(flat)),
         ("query_heads", g.query_heads.as_ref().map(flat)),
+        ("key_heads", g.key_heads.as_ref().map(flat)),
         ("value_heads", g.value_heads.as_ref().map(flat)),
         ("w_q", Some(flat(&g.w_q))),
         ("w_k", Some(flat(&g.w_k))),
@@ -195,10 +196,17 @@ fn given_heads_gradients() {
     let x: Array3<f32> = rand_array(&mut r, (b, s, 32));
     let xk: Array3<f32> = rand_array(&mut r, (b, s, 32));
     let dout: Array3<f32> = rand_array(&mut r, (b, l, 32));
-    for (qb, vb, cross) in [(1, 1, false), (b, 0, false), (1, b, true)] {
-        let label = format!("query heads batch {qb}, value heads batch {vb}, cross {cross}");
+    for (qb, vb, kb, cross) in [
+        (1, 1, 0, false),
+        (b, 0, 0, false),
+        (1, b, 0, true),
+        (b, 0, 1, true),
+    ] {
+        let label =
+            format!("query heads batch {qb}, key heads batch {kb}, value heads batch {vb}, cross {cross}");
         let qh: ndarray::Array4<f32> = rand_array(&mut r, (qb, 4, l, d));
         let vh: Option<ndarray::Array4<f32>> = (vb > 0).then(|| rand_array(&mut r, (vb, 2, s, d)));
+        let kh: Option<ndarray::Array4<f32>> = (kb > 0).then(|| rand_array(&mut r, (kb, 2, s, d)));
         let mut inputs = if cross {
             MhaInputs::cross(x.view(), xk.view(), xk.view())
         } else {
@@ -206,6 +214,7 @@ fn given_heads_gradients() {
         };
         inputs.query_heads = Some(qh.view());
         inputs.value_heads = vh.as_ref().map(|v| v.view());
+        inputs.key_heads = kh.as_ref().map(|k| k.view());
         let opts = Options {
             causal: Causal::BottomRight,
             ..Default::default()
@@ -219,7 +228,18 @@ fn given_heads_gradients() {
         if let Some(v) = &vh {
             f = f.value_heads(v);
         }
+        if let Some(k) = &kh {
+            f = f.key_heads(k);
+        }
         let got = f.backward(&dout).run_blocking(ctx).unwrap();
+        if kb > 0 {
+            assert_eq!(got.key_heads.as_ref().unwrap().dim().0, kb, "{label}");
+            assert!(got.w_k.iter().all(|&x| x == 0.0), "{label}: unused W_K");
+            assert!(
+                got.key.as_ref().unwrap().iter().all(|&x| x == 0.0),
+                "{label}: unused key"
+            );
+        }
         assert_eq!(got.query_heads.as_ref().unwrap().dim().0, qb, "{label}");
         assert!(got.w_q.iter().all(|&x| x == 0.0), "{label}: unused W_Q");
         if vb > 0 {
@@ -271,6 +291,23 @@ fn gpu_buffer_inputs() {
         .run_blocking(ctx)
         .unwrap();
     assert_eq!(host, gpu);
+    // Recorded into our encoder, the gradients left on the GPU: the same values.
+    let mut enc = ctx.device().create_command_encoder(&Default::default());
+    let g = layer
+        .forward(Tensor::from_buffer(&xb, Storage::F32, &[2, 9, 16]))
+        .backward(Tensor::from_buffer(&db, Storage::F32, &[2, 9, 16]))
+        .record(ctx, &mut enc)
+        .unwrap();
+    ctx.queue().submit([enc.finish()]);
+    let read = |b: &wgpu_attention::wgpu::Buffer, n: usize| {
+        pollster::block_on(ctx.read_f32(b, 0, (n * 4) as u64)).unwrap()
+    };
+    assert_eq!(read(&g.query, 2 * 9 * 16), host.query.as_slice().unwrap());
+    assert_eq!(read(&g.w[0], 16 * 16), host.w_q.as_slice().unwrap());
+    assert_eq!(read(&g.w[3], 16 * 16), host.w_o.as_slice().unwrap());
+    let y = pollster::block_on(ctx.read_f32(&g.output, g.output_offset, (2 * 9 * 16 * 4) as u64)).unwrap();
+    assert_eq!(y, host.output.as_slice().unwrap());
+    assert!(g.heads.iter().all(Option::is_none));
 }
 
 /// A wrong-shaped upstream gradient, a decode path and bad inputs are typed errors.

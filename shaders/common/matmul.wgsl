@@ -28,16 +28,18 @@ fn term_dot4(a: vec4<f32>, b: vec4<f32>, k: u32) -> f32 {
     return dot(a, b);
 }
 
-// Element offsets of batch slice z in A, B and C. B is shared by groups of query heads
-// (grouped-query attention): global batch-head gz = b_z0 + z maps to kv slice
-// (gz / heads) * (heads / group) + (gz % heads) / group.
+// Element offsets of batch slice z in A, B and C. A global slice g (z plus the operand's
+// z0) is head g % heads of batch g / heads; B is shared by groups of query heads
+// (grouped-query attention): query head h reads B's head h / group. `*_batch` step over
+// batches, `*_head` over the heads of one (views: [B, S, H, E] and the like).
 fn slice_bases(z: u32) -> vec3<u32> {
-    let gz = p.b_z0 + z;
-    let b_slice = (gz / p.heads) * (p.heads / p.group) + (gz % p.heads) / p.group;
+    let ga = p.a_z0 + z;
+    let gb = p.b_z0 + z;
+    let gc = p.c_z0 + z;
     return vec3<u32>(
-        (p.a_z0 + z) * p.a_batch + p.a_off,
-        b_slice * p.b_batch + p.b_off,
-        (p.c_z0 + z) * p.c_batch + p.c_off,
+        (ga / p.heads) * p.a_batch + (ga % p.heads) * p.a_head + p.a_off,
+        (gb / p.heads) * p.b_batch + ((gb % p.heads) / p.group) * p.b_head + p.b_off,
+        (gc / p.heads) * p.c_batch + (gc % p.heads) * p.c_head + p.c_off,
     );
 }
 

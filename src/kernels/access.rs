@@ -181,13 +181,23 @@ pub(crate) fn array8(name: &str, binding: u32, s: Storage) -> String {
 /// The attention kernels' q, k, v (bindings 3-5) and out (binding 6) in their formats, with
 /// `load_q`/`load_k`/`load_v(row, c4) -> vec4<f32>` (column block `c4` of a row, zero padded
 /// past the head dim) and `store_out(row, c4, x)`. `vec4`: E and Ev are multiples of 4 (one
-/// load per block; `E4`/`EV4` are the dims in vec4s); else every element is bounds-checked
-/// against `p.e` / `p.ev`. `out` is `out_fmt` (f32 scratch for the decode kernel's partials).
-/// `vec8` (E and Ev multiples of 8, with `vec4`): k and v in the vec8 layout ([`array8`]), and
+/// load per block; `E4`/`EV4` are the dims in vec4s), and so are the offsets and strides of
+/// every view; else every element is bounds-checked against `p.e` / `p.ev`. `out` is
+/// `out_fmt` (f32 scratch for the decode kernel's partials). `vec8` (E and Ev multiples of 8,
+/// with `vec4`, views aligned to 8): k and v in the vec8 layout ([`array8`]), and
 /// `load_k8`/`load_v8(row, c8) -> array<vec4<f32>, 2>` read 8 elements in one load for half
-/// formats (elsewhere they are two `load_*` calls).
-pub(crate) fn attention_io(f: &Formats, out_fmt: Storage, vec4: bool, ev_odd: bool, vec8: bool) -> String {
-    let out_access = if out_fmt.is_half() && !vec4 && ev_odd {
+/// formats (elsewhere they are two `load_*` calls). `views`: the tensors read (written)
+/// through views (`p.x`), the others dense.
+pub(crate) fn attention_io(
+    f: &Formats,
+    out_fmt: Storage,
+    vec4: bool,
+    ev_odd: bool,
+    vec8: bool,
+    views: &crate::view::Views,
+) -> String {
+    let out_pairs = views.out.is_none_or(|v| v.aligned(2));
+    let out_access = if out_fmt.is_half() && !vec4 && (ev_odd || !out_pairs) {
         Access::Atomic
     } else {
         Access::Write
@@ -198,9 +208,9 @@ pub(crate) fn attention_io(f: &Formats, out_fmt: Storage, vec4: bool, ev_odd: bo
     if vec8 {
         s += &array8("k", 4, f.k);
         s += &array8("v", 5, f.v);
-        for (x, d) in [("k", "E4"), ("v", "EV4")] {
+        for x in ["k", "v"] {
             s += &format!(
-                "fn load_{x}8(row: u32, c8: u32) -> array<vec4<f32>, 2> {{ return {x}_get8((row * {d} + 2u * c8) * 4u); }}\n"
+                "fn load_{x}8(row: u32, c8: u32) -> array<vec4<f32>, 2> {{ return {x}_get8({x}_base(row) + 8u * c8); }}\n"
             );
         }
     } else {
@@ -213,18 +223,44 @@ pub(crate) fn attention_io(f: &Formats, out_fmt: Storage, vec4: bool, ev_odd: bo
         }
     }
     s += &array("out", 6, out_fmt, vec4, out_access);
-    for (x, dim) in [("q", Dim::E), ("k", Dim::E), ("v", Dim::EV)] {
+    for (x, dim, view) in [
+        ("q", Dim::E, views.q),
+        ("k", Dim::E, views.k),
+        ("v", Dim::EV, views.v),
+    ] {
+        s += &row_base(x, dim, vec4, view.map(|_| x), "");
         s += &row_loader(x, dim, vec4);
     }
+    s += &row_base("out", Dim::EV, vec4, views.out.map(|_| "o"), "");
     s += &row_storer(
         "out",
         "out",
         Dim::EV,
         vec4,
         out_fmt.is_half() && out_access == Access::Write,
-        "",
     );
     s
+}
+
+/// `fn NAME_base(row: u32) -> u32`: the element where row `row` of a tensor with rows of `dim`
+/// elements starts. Dense: `at row·dim` (`at` a WGSL expression ending in `+`, or empty).
+/// Through the view `p.x.SLOT` (`view`: the slot, [`super::TensorViews`]): the row index
+/// `(b·heads + h)·n + s` is split and the view's offset and strides applied.
+pub(crate) fn row_base(name: &str, dim: Dim, vec4: bool, view: Option<&str>, at: &str) -> String {
+    match view {
+        None if vec4 => format!(
+            "fn {name}_base(row: u32) -> u32 {{ return {at}row * ({} * 4u); }}\n",
+            dim.vec4s
+        ),
+        None => format!(
+            "fn {name}_base(row: u32) -> u32 {{ return {at}row * {}; }}\n",
+            dim.size
+        ),
+        Some(slot) => format!(
+            "fn {name}_base(row: u32) -> u32 {{\n    let v = p.x.{slot};\n    let bh = row / v.n;\n    \
+             return v.off + (bh / v.heads) * v.b + (bh % v.heads) * v.h + (row - bh * v.n) * v.s;\n}}\n"
+        ),
+    }
 }
 
 /// A head dim: its vec4 count (a prelude constant) and its size (a params field).
@@ -250,41 +286,43 @@ impl Dim {
 }
 
 /// `load_X(row, c4) -> vec4<f32>`: column block `c4` of row `row` of the declared array `x`
-/// with rows of `dim` elements, zero padded past the dim (the vec4 layout: one load).
+/// with rows of `dim` elements starting at `X_base(row)` ([`row_base`]), zero padded past the
+/// dim (the vec4 layout: one load).
 pub(crate) fn row_loader(x: &str, dim: Dim, vec4: bool) -> String {
-    let (d4, d) = (dim.vec4s, dim.size);
+    let d = dim.size;
     if vec4 {
         format!(
-            "fn load_{x}(row: u32, c4: u32) -> vec4<f32> {{ return {x}_get4((row * {d4} + c4) * 4u); }}\n"
+            "fn load_{x}(row: u32, c4: u32) -> vec4<f32> {{ return {x}_get4({x}_base(row) + c4 * 4u); }}\n"
         )
     } else {
         format!(
             "fn load_{x}(row: u32, c4: u32) -> vec4<f32> {{\n    var x = vec4<f32>(0.0);\n    \
+             let base = {x}_base(row);\n    \
              for (var c = 0u; c < 4u; c++) {{ // unroll\n        if (c4 * 4u + c < {d}) {{\n            \
-             x[c] = {x}_get(row * {d} + c4 * 4u + c);\n        }}\n    }}\n    return x;\n}}\n"
+             x[c] = {x}_get(base + c4 * 4u + c);\n        }}\n    }}\n    return x;\n}}\n"
         )
     }
 }
 
 /// `store_NAME(row, c4, x)`: column block `c4` of row `row` of the declared array `arr` (rows of
-/// `dim` elements, starting at element `base`, a WGSL expression ending in `+`, or empty), the
-/// elements past the dim dropped. `pairs`: a
-/// half format whose rows start at even elements and hold an even count (stored as whole words).
-pub(crate) fn row_storer(name: &str, arr: &str, dim: Dim, vec4: bool, pairs: bool, at: &str) -> String {
-    let (d4, d) = (dim.vec4s, dim.size);
+/// `dim` elements starting at `NAME_base(row)`, [`row_base`]), the elements past the dim
+/// dropped. `pairs`: a half format whose rows start at even elements and hold an even count
+/// (stored as whole words).
+pub(crate) fn row_storer(name: &str, arr: &str, dim: Dim, vec4: bool, pairs: bool) -> String {
+    let d = dim.size;
     if vec4 {
-        format!("fn store_{name}(row: u32, c4: u32, x: vec4<f32>) {{ {arr}_set4({at}(row * {d4} + c4) * 4u, x); }}\n")
+        format!("fn store_{name}(row: u32, c4: u32, x: vec4<f32>) {{ {arr}_set4({name}_base(row) + c4 * 4u, x); }}\n")
     } else if pairs {
         format!(
-            "fn store_{name}(row: u32, c4: u32, x: vec4<f32>) {{\n    \
-             if (c4 * 4u < {d}) {{ {arr}_set2({at}row * {d} + c4 * 4u, x.xy); }}\n    \
-             if (c4 * 4u + 2u < {d}) {{ {arr}_set2({at}row * {d} + c4 * 4u + 2u, x.zw); }}\n}}\n"
+            "fn store_{name}(row: u32, c4: u32, x: vec4<f32>) {{\n    let base = {name}_base(row);\n    \
+             if (c4 * 4u < {d}) {{ {arr}_set2(base + c4 * 4u, x.xy); }}\n    \
+             if (c4 * 4u + 2u < {d}) {{ {arr}_set2(base + c4 * 4u + 2u, x.zw); }}\n}}\n"
         )
     } else {
         format!(
-            "fn store_{name}(row: u32, c4: u32, x: vec4<f32>) {{\n    \
+            "fn store_{name}(row: u32, c4: u32, x: vec4<f32>) {{\n    let base = {name}_base(row);\n    \
              for (var c = 0u; c < 4u; c++) {{ // unroll\n        if (c4 * 4u + c < {d}) {{\n            \
-             {arr}_set({at}row * {d} + c4 * 4u + c, x[c]);\n        }}\n    }}\n}}\n"
+             {arr}_set(base + c4 * 4u + c, x[c]);\n        }}\n    }}\n}}\n"
         )
     }
 }

@@ -5,13 +5,14 @@
 //! scores). Every kernel binds at most 8 storage buffers: the key lengths ride in the
 //! statistics buffer, and dK and dV share one f32 output.
 
-use super::access::{array, row_loader, row_storer, Access, Dim};
-use super::{common, dispatch, grid_1d, mask_flags, params_of, Binding, KernelSpec, Masks};
+use super::access::{array, row_base, row_loader, row_storer, Access, Dim};
+use super::{common, dispatch, grid_1d, mask_flags, params_of, Binding, KernelSpec, Masks, TensorViews};
 use crate::context::Context;
 use crate::error::Result;
 use crate::forms::Caps;
 use crate::problem::Problem;
 use crate::storage::{Formats, Storage};
+use crate::view::Views;
 
 /// The backward's shared snippet (`shaders/common/backward.wgsl`).
 const BACKWARD: &str = include_str!("../../shaders/common/backward.wgsl");
@@ -92,6 +93,7 @@ wgsl_struct! {
     /// The backward kernels' params (`p` in `bwd_*.wgsl`); each kernel reads the fields it needs.
     pub(crate) struct Params {
         m: Masks,
+        x: TensorViews,
         batch: u32,
         l: u32,
         s: u32,
@@ -133,6 +135,7 @@ impl Params {
         let [db_b, db_h, db_l, db_s] = p.bias.map_or([1; 4], |b| b.shape);
         Params {
             m: Masks::new(p, mask_strides),
+            x: TensorViews::new(p),
             batch: p.batch as u32,
             l: p.seq_q as u32,
             s: p.seq_kv as u32,
@@ -174,6 +177,8 @@ pub(crate) struct Config {
     /// subgroup); else they are staged in workgroup memory.
     pub sg: bool,
     pub vec4: bool,
+    /// The inputs read through views.
+    pub views: Views,
     /// E is odd (half dQ stores are then element by element, by atomics).
     pub e_odd: bool,
     pub formats: Formats,
@@ -251,7 +256,8 @@ impl Config {
             bq,
             unroll,
             sg: sg.is_some(),
-            vec4: p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4),
+            vec4: p.vec4_rows(),
+            views: p.views,
             e_odd: p.head_dim % 2 == 1,
             formats: p.storage,
             has_mask: p.mask.is_some(),
@@ -267,7 +273,13 @@ impl Config {
             self.ev4,
             self.wg,
             self.unroll,
-            grad_io(&self.formats, self.has_mask, self.has_bias, self.vec4)
+            grad_io(
+                &self.formats,
+                self.has_mask,
+                self.has_bias,
+                self.vec4,
+                &self.views
+            )
         )
     }
 
@@ -282,13 +294,14 @@ impl Config {
             super::flash::KV_SHARED
         };
         format!(
-            "{}const BK: u32 = {}u;\nconst RQ: u32 = {}u;\nconst SG_KV: bool = {};\n{kv}{}{}",
+            "{}const BK: u32 = {}u;\nconst RQ: u32 = {}u;\nconst SG_KV: bool = {};\n{kv}{}",
             self.common_prelude(),
             self.bk,
             self.rq,
             self.sg,
-            array("dq", 7, fq, self.vec4, access),
-            row_storer("dq", "dq", Dim::E, self.vec4, fq.is_half() && !odd, "")
+            array("dq", 7, fq, self.vec4, access)
+                + &row_base("dq", Dim::E, self.vec4, None, "")
+                + &row_storer("dq", "dq", Dim::E, self.vec4, fq.is_half() && !odd)
         )
     }
 
@@ -303,26 +316,29 @@ impl Config {
             self.sg,
             if self.sg { Q_SUBGROUP } else { Q_SHARED },
             array("dkv", 7, Storage::F32, self.vec4, Access::Write),
-            row_storer("dk", "dkv", Dim::E, self.vec4, false, ""),
-            row_storer("dv", "dkv", Dim::EV, self.vec4, false, "p.dv_off + ")
+            row_base("dk", Dim::E, self.vec4, None, "") + &row_storer("dk", "dkv", Dim::E, self.vec4, false),
+            row_base("dv", Dim::EV, self.vec4, None, "p.dv_off + ")
+                + &row_storer("dv", "dkv", Dim::EV, self.vec4, false)
         )
     }
 }
 
 /// The mask flags, the bias, and q, k, v, dout (bindings 2-5) in their formats (`out`: dout's)
-/// with `load_q`, `load_k`, `load_v`, `load_dout(row, c4)`.
-fn grad_io(f: &Formats, has_mask: bool, has_bias: bool, vec4: bool) -> String {
+/// with `load_q`, `load_k`, `load_v`, `load_dout(row, c4)` and their `X_base(row)` (dense, or
+/// through the `views`).
+fn grad_io(f: &Formats, has_mask: bool, has_bias: bool, vec4: bool, views: &Views) -> String {
     let mut s = mask_flags(has_mask, has_bias, f.bias);
-    for (i, (x, fmt, dim)) in [
-        ("q", f.q, Dim::E),
-        ("k", f.k, Dim::E),
-        ("v", f.v, Dim::EV),
-        ("dout", f.out, Dim::EV),
+    for (i, (x, fmt, dim, view, slot)) in [
+        ("q", f.q, Dim::E, views.q, "q"),
+        ("k", f.k, Dim::E, views.k, "k"),
+        ("v", f.v, Dim::EV, views.v, "v"),
+        ("dout", f.out, Dim::EV, views.dout, "g"),
     ]
     .into_iter()
     .enumerate()
     {
         s += &array(x, 2 + i as u32, fmt, vec4, Access::Read);
+        s += &row_base(x, dim, vec4, view.map(|_| slot), "");
         s += &row_loader(x, dim, vec4);
     }
     s
@@ -336,12 +352,16 @@ pub(crate) fn dbias_prelude(p: &Problem) -> String {
     } else {
         Access::Write
     };
-    grad_io(f, p.mask.is_some(), true, false) + &array("dbias", 7, f.bias, false, access)
+    grad_io(f, p.mask.is_some(), true, false, &p.views) + &array("dbias", 7, f.bias, false, access)
 }
 
-/// The prep kernel's prelude: o and dout (bindings 0, 1) in their formats.
-pub(crate) fn prep_prelude(o: Storage, dout: Storage) -> String {
-    array("o", 0, o, false, Access::Read) + &array("dout", 1, dout, false, Access::Read)
+/// The prep kernel's prelude: o and dout (bindings 0, 1) in their formats, with `o_base` and
+/// `dout_base` (dense, or through the `views`).
+pub(crate) fn prep_prelude(o: Storage, dout: Storage, views: &Views) -> String {
+    array("o", 0, o, false, Access::Read)
+        + &array("dout", 1, dout, false, Access::Read)
+        + &row_base("o", Dim::EV, false, views.out.map(|_| "o"), "")
+        + &row_base("dout", Dim::EV, false, views.dout.map(|_| "g"), "")
 }
 
 /// The ds kernel's prelude.

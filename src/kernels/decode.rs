@@ -4,7 +4,7 @@
 //! combines them by the logsumexp rule (also exposed as [`crate::merge`]). [`Config`] picks the
 //! form ([`DecodeForm`]) and the split for the device.
 
-use super::{common, dispatch, grid_1d, params_of, Binding, KernelSpec, Masks};
+use super::{common, dispatch, grid_1d, params_of, Binding, KernelSpec, Masks, TensorViews};
 use crate::context::Context;
 use crate::error::Result;
 use crate::forms::{Caps, DecodeForm};
@@ -47,6 +47,7 @@ wgsl_struct! {
     /// The decode kernel's params (`p` in `decode.wgsl`).
     pub(crate) struct Params {
         m: Masks,
+        x: TensorViews,
         l: u32,
         s: u32,
         e: u32,
@@ -70,6 +71,8 @@ wgsl_struct! {
         splits: u32,
         ev: u32,
         _pad0: u32,
+        /// The output's view (`x.o`), when it is one.
+        x: TensorViews,
     }
 }
 
@@ -101,6 +104,8 @@ pub(crate) struct Config {
     formats: crate::storage::Formats,
     vec4: bool,
     ev_odd: bool,
+    /// The tensors read through views (the output is written by the merge).
+    views: crate::view::Views,
     masks: bool,
     bias: bool,
 }
@@ -151,7 +156,8 @@ impl Config {
             e4: p.head_dim.div_ceil(4),
             ev4: p.head_dim_v.div_ceil(4),
             formats: p.storage,
-            vec4: p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4),
+            vec4: p.vec4_rows(),
+            views: p.views,
             ev_odd: p.head_dim_v % 2 == 1,
             masks: p.mask.is_some(),
             bias: p.bias.is_some(),
@@ -165,6 +171,7 @@ impl Config {
             && self.e4.is_multiple_of(2)
             && self.ev4.is_multiple_of(2)
             && (self.formats.k.is_half() || self.formats.v.is_half())
+            && self.views.aligned(8)
     }
 
     /// The kernel's constants, reductions and I/O snippet.
@@ -198,7 +205,11 @@ impl Config {
                 crate::Storage::F32,
                 self.vec4,
                 self.ev_odd,
-                self.p8()
+                self.p8(),
+                &crate::view::Views {
+                    out: None,
+                    ..self.views
+                },
             ),
             reductions[0],
             reductions[1],
@@ -228,10 +239,16 @@ pub(crate) fn record_decode(
 }
 
 /// The merge's declarations of part_out (format `parts`) and out (format `out`, rows of `ev`).
-pub(crate) fn merge_prelude(parts: crate::Storage, out: crate::Storage, ev: u32) -> String {
-    use super::access::{array, Access};
-    // Half outputs with an even Ev are stored in whole words; with an odd one, by atomics.
-    let words = out.is_half() && ev.is_multiple_of(2);
+pub(crate) fn merge_prelude(
+    parts: crate::Storage,
+    out: crate::Storage,
+    ev: u32,
+    view: Option<crate::view::View>,
+) -> String {
+    use super::access::{array, row_base, Access, Dim};
+    // Half outputs with an even Ev (and rows at even elements) are stored in whole words;
+    // else by atomics.
+    let words = out.is_half() && ev.is_multiple_of(2) && view.is_none_or(|v| v.aligned(2));
     let access = if out.is_half() && !words {
         Access::Atomic
     } else {
@@ -243,9 +260,10 @@ pub(crate) fn merge_prelude(parts: crate::Storage, out: crate::Storage, ev: u32)
         "fn store2(row0: u32, d: u32, x: vec2<f32>) {\n    out_set(row0 + d, x.x);\n    if (d + 1u < p.ev) { out_set(row0 + d + 1u, x.y); }\n}\n"
     };
     format!(
-        "{}{}{store}",
+        "{}{}{store}{}",
         array("part_out", 0, parts, false, Access::Read),
-        array("out", 2, out, false, access)
+        array("out", 2, out, false, access),
+        row_base("out", Dim::EV, false, view.map(|_| "o"), "")
     )
 }
 
@@ -256,13 +274,14 @@ pub(crate) fn record_merge(
     buffers: [wgpu::BufferBinding<'_>; 4],
     params: &MergeParams,
     formats: (crate::Storage, crate::Storage),
+    view: Option<crate::view::View>,
 ) -> Result<()> {
     let grid = grid_1d(params.rows, ctx.limits().max_compute_workgroups_per_dimension);
     dispatch(
         ctx,
         encoder,
         &MERGE,
-        &merge_prelude(formats.0, formats.1, params.ev),
+        &merge_prelude(formats.0, formats.1, params.ev, view),
         &[],
         &buffers,
         bytemuck::bytes_of(params),

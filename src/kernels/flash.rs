@@ -5,7 +5,7 @@
 //! GQA by indexing the shared K/V head. Memory is linear in L and S: the score matrix is never
 //! written. [`Config`] picks the form and tile sizes for the device.
 
-use super::{common, dispatch, grid_1d, params_of, Binding, KernelSpec, Masks};
+use super::{common, dispatch, grid_1d, params_of, Binding, KernelSpec, Masks, TensorViews};
 use crate::context::Context;
 use crate::error::Result;
 use crate::forms::{Caps, FusedForm};
@@ -78,6 +78,7 @@ wgsl_struct! {
     /// The fused kernel's params (`p` in `flash.wgsl`).
     pub(crate) struct Params {
         m: Masks,
+        x: TensorViews,
         l: u32,
         s: u32,
         e: u32,
@@ -112,6 +113,8 @@ pub(crate) struct Config {
     pub vec4: bool,
     /// Ev is odd (half outputs are then stored element by element, with atomics).
     pub ev_odd: bool,
+    /// The tensors read (written) through views.
+    pub views: crate::view::Views,
     /// Unroll the loops marked in the shader.
     pub unroll: bool,
     /// The K/V tile is held one key per invocation and read by subgroup shuffles (`bk == wg`,
@@ -265,7 +268,8 @@ impl Config {
             rq,
             kg: kg.min(bk),
             formats: p.storage,
-            vec4: p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4),
+            vec4: p.vec4_rows(),
+            views: p.views,
             ev_odd: p.head_dim_v % 2 == 1,
             unroll,
             sg_kv,
@@ -324,7 +328,8 @@ impl Config {
             rq: 1,
             kg: 4,
             formats: p.storage,
-            vec4: p.head_dim.is_multiple_of(4) && p.head_dim_v.is_multiple_of(4),
+            vec4: p.vec4_rows(),
+            views: p.views,
             ev_odd: p.head_dim_v % 2 == 1,
             // GPU compilers; CPU adapters (where it is pinned for tests) compile the loops as
             // written in a fraction of the time.
@@ -378,7 +383,14 @@ impl Config {
     }
 
     pub(crate) fn prelude(&self) -> String {
-        let io = super::access::attention_io(&self.formats, self.formats.out, self.vec4, self.ev_odd, false);
+        let io = super::access::attention_io(
+            &self.formats,
+            self.formats.out,
+            self.vec4,
+            self.ev_odd,
+            false,
+            &self.views,
+        );
         let score = if self.additive {
             ADDITIVE_SCORE
         } else {

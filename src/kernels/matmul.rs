@@ -162,6 +162,12 @@ wgsl_struct! {
         c_row: u32,
         c_off: u32,
         alpha: f32,
+        /// Strides between the heads of one batch (slices `z` split as `(z / heads, z % heads)`;
+        /// B's head `(z % heads) / group`); `*_batch` then step over whole batches.
+        a_head: u32,
+        b_head: u32,
+        c_head: u32,
+        _pad0: u32,
         _pad1: u32,
         _pad2: u32,
     }
@@ -186,6 +192,58 @@ impl Params {
             c_row: n,
             alpha,
             ..Default::default()
+        }
+    }
+
+    /// A read through `v` (a `[B, H, S, E]` view: batch, head and row strides), from its row `row0`.
+    pub(crate) fn a_view(self, v: crate::view::View, row0: usize) -> Params {
+        let [b, h, r, _] = v.strides.map(|x| x as u32);
+        Params {
+            a_batch: b,
+            a_head: h,
+            a_row: r,
+            a_off: (v.offset + row0 * v.strides[2]) as u32,
+            ..self
+        }
+    }
+
+    /// B read through `v` from its row `row0` (see [`Params::a_view`]).
+    pub(crate) fn b_view(self, v: crate::view::View, row0: usize) -> Params {
+        let [b, h, r, _] = v.strides.map(|x| x as u32);
+        Params {
+            b_batch: b,
+            b_head: h,
+            b_row: r,
+            b_off: (v.offset + row0 * v.strides[2]) as u32,
+            ..self
+        }
+    }
+
+    /// C written through `v` from its row `row0` (see [`Params::a_view`]).
+    pub(crate) fn c_view(self, v: crate::view::View, row0: usize) -> Params {
+        let [b, h, r, _] = v.strides.map(|x| x as u32);
+        Params {
+            c_batch: b,
+            c_head: h,
+            c_row: r,
+            c_off: (v.offset + row0 * v.strides[2]) as u32,
+            ..self
+        }
+    }
+
+    /// Reread the per-slice strides `*_batch` of a product over `heads` heads sharing B by
+    /// groups of `group` as per-head strides (`*_head`) and per-batch strides (`*_batch` times
+    /// the heads of a batch): the same slices, in the form views need.
+    pub(crate) fn split_heads(self) -> Params {
+        let kv = self.heads / self.group;
+        Params {
+            a_head: self.a_batch,
+            a_batch: self.a_batch * self.heads,
+            b_head: self.b_batch,
+            b_batch: self.b_batch * kv,
+            c_head: self.c_batch,
+            c_batch: self.c_batch * self.heads,
+            ..self
         }
     }
 }
@@ -274,17 +332,22 @@ impl Matmul<'_> {
         let c_words = p.n.is_multiple_of(2)
             && p.c_row.is_multiple_of(2)
             && p.c_off.is_multiple_of(2)
-            && p.c_batch.is_multiple_of(2);
+            && p.c_batch.is_multiple_of(2)
+            && p.c_head.is_multiple_of(2);
         let (spec, prelude) = match form {
             Form::Tiled => (&SPEC, prelude(self.formats, c_words)),
             Form::Subgroup { rows } => {
                 let aligned = |x: u32| x.is_multiple_of(4);
-                let a4 = aligned(p.k) && aligned(p.a_row) && aligned(p.a_batch) && aligned(p.a_off);
-                let b4 = if self.trans_b {
-                    aligned(p.k) && aligned(p.b_row) && aligned(p.b_batch)
-                } else {
-                    aligned(p.n) && aligned(p.b_row) && aligned(p.b_batch)
-                };
+                let a4 = aligned(p.k)
+                    && aligned(p.a_row)
+                    && aligned(p.a_batch)
+                    && aligned(p.a_head)
+                    && aligned(p.a_off);
+                let b4 = aligned(if self.trans_b { p.k } else { p.n })
+                    && aligned(p.b_row)
+                    && aligned(p.b_batch)
+                    && aligned(p.b_head)
+                    && aligned(p.b_off);
                 (
                     &SG_SPEC,
                     prelude_vec4(self.formats, c_words, [a4, b4]) + &sg_prelude(rows, self.trans_b, a4, b4),

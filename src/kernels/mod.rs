@@ -63,6 +63,61 @@ wgsl_struct! {
     }
 }
 
+wgsl_struct! {
+    /// One tensor's view as the kernels read it (`p.x.q`, ...; see [`crate::view`]): the
+    /// element offset, the strides of B, H and S, and the rows per head `n` and the heads that
+    /// split a kernel's row index `(b·heads + h)·n + s`.
+    pub(crate) struct RowView {
+        off: u32,
+        b: u32,
+        h: u32,
+        s: u32,
+        n: u32,
+        heads: u32,
+        _pad0: u32,
+        _pad1: u32,
+    }
+}
+
+wgsl_struct! {
+    /// The views of q, k, v, the output (`o`; the backward's saved output) and the backward's
+    /// dout (`g`), read by the `X_base` functions of the tensors that are views
+    /// ([`access::row_base`]); zero for dense tensors.
+    pub(crate) struct TensorViews {
+        q: RowView,
+        k: RowView,
+        v: RowView,
+        o: RowView,
+        g: RowView,
+    }
+}
+
+impl TensorViews {
+    /// From the problem's views.
+    pub(crate) fn new(p: &crate::problem::Problem) -> Self {
+        let row = |v: Option<crate::view::View>, n: usize, heads: usize| {
+            v.map_or(RowView::default(), |v| RowView {
+                off: v.offset as u32,
+                b: v.strides[0] as u32,
+                h: v.strides[1] as u32,
+                s: v.strides[2] as u32,
+                n: n as u32,
+                heads: heads as u32,
+                ..Default::default()
+            })
+        };
+        let (l, s, hq, hkv) = (p.seq_q, p.seq_kv, p.q_heads, p.kv_heads);
+        let x = &p.views;
+        TensorViews {
+            q: row(x.q, l, hq),
+            k: row(x.k, s, hkv),
+            v: row(x.v, s, hkv),
+            o: row(x.out, l, hq),
+            g: row(x.dout, l, hq),
+        }
+    }
+}
+
 impl Masks {
     /// From the problem and the word strides of its packed mask (if any).
     pub(crate) fn new(p: &crate::problem::Problem, mask_strides: Option<[u32; 3]>) -> Self {
@@ -391,6 +446,23 @@ mod tests {
         }
     }
 
+    /// Views of every tensor (odd offsets and strides: the scalar form of each accessor).
+    fn test_views() -> crate::view::Views {
+        let v = |offset| {
+            Some(crate::view::View {
+                offset,
+                strides: [9001, 97, 131, 1],
+            })
+        };
+        crate::view::Views {
+            q: v(1),
+            k: v(3),
+            v: v(0),
+            out: v(5),
+            dout: v(7),
+        }
+    }
+
     /// Parse and validate `src` with naga (the front end wgpu uses), then check that the WGSL
     /// struct `T` has the Rust struct's fields, in order, at the same offsets.
     fn validate_with<T: WgslStruct>(label: &str, src: &str) {
@@ -471,6 +543,7 @@ mod tests {
                         .unwrap()
                         .with_kv_lens(&[5, 600])
                         .unwrap();
+                    p.views = test_views();
                 }
                 for caps in caps_list {
                     for form in caps.fused_forms() {
@@ -507,10 +580,16 @@ mod tests {
         for parts in Storage::ALL {
             for out in Storage::ALL {
                 for ev in [4, 5] {
-                    validate_with::<decode::MergeParams>(
-                        "merge",
-                        &source(&decode::MERGE, &decode::merge_prelude(parts, out, ev), false),
-                    );
+                    for view in [None, test_views().out] {
+                        validate_with::<decode::MergeParams>(
+                            "merge",
+                            &source(
+                                &decode::MERGE,
+                                &decode::merge_prelude(parts, out, ev, view),
+                                false,
+                            ),
+                        );
+                    }
                 }
             }
         }
@@ -570,6 +649,7 @@ mod tests {
                             .unwrap()
                             .with_kv_lens(&[5, 60])
                             .unwrap();
+                        p.views = test_views();
                     }
                     for (cpu, sg) in [(false, Some(32)), (true, Some(8)), (true, None)] {
                         let caps = Caps::new(&wgpu::Limits::default(), cpu, sg);
@@ -581,7 +661,10 @@ mod tests {
                             (&backward::DKV, c.dkv_prelude()),
                             (&backward::DBIAS, backward::dbias_prelude(&p)),
                             (&backward::DS, backward::ds_prelude(masked, masked, fmt)),
-                            (&backward::PREP, backward::prep_prelude(fmt, Storage::F32)),
+                            (
+                                &backward::PREP,
+                                backward::prep_prelude(fmt, Storage::F32, &p.views),
+                            ),
                         ] {
                             validate_with::<backward::Params>(
                                 &format!("{} {label}", spec.name),

@@ -66,6 +66,7 @@ fn mm_params(m: usize, n: usize, k: usize, trans_b: bool, alpha: f32) -> matmul:
         group: (SHAPE.1 / SHAPE.2) as u32,
         ..matmul::Params::dense(m as u32, n as u32, k as u32, trans_b, alpha)
     }
+    .split_heads()
 }
 
 fn run_matmul(
@@ -325,7 +326,8 @@ fn matmul_forms_and_formats_match_f64_product() {
                                 a_batch: (rows * k) as u32,
                                 a_off: (off * k) as u32,
                                 ..matmul::Params::dense(m as u32, n as u32, k as u32, trans_b, alpha)
-                            },
+                            }
+                            .split_heads(),
                             batch: batch as u32,
                             trans_b,
                             formats: fs,

@@ -64,23 +64,36 @@ impl<'a> MhaForward<'a> {
     }
 }
 
-/// The GPU buffers of the gradients, all f32.
-struct GradBufs {
-    query: wgpu::Buffer,
-    key: Option<wgpu::Buffer>,
-    value: Option<wgpu::Buffer>,
-    /// `[W_Q, W_K, W_V, W_O]`.
-    w: [wgpu::Buffer; 4],
-    /// `[b_Q, b_K, b_V, b_O]`, where the layer has them.
-    b: [Option<wgpu::Buffer>; 4],
-    /// dQ and dV of the attention backward (layer format), for given heads.
-    dq_heads: Option<wgpu::Buffer>,
-    dv_heads: Option<wgpu::Buffer>,
+/// The layer's gradients left on the GPU by [`MhaBackward::record`], each in f32 (given heads'
+/// in the layer's format) in its own buffer, row-major in the shape [`MhaGrads`] gives it.
+#[derive(Debug, Clone)]
+pub struct MhaGpuGrads {
+    /// The layer's output `Y` `[B, L, d_model]` in the layer's format, at
+    /// [`output_offset`](Self::output_offset) (the forward's `output_into` buffer, when given).
+    pub output: wgpu::Buffer,
+    /// Byte offset of the output.
+    pub output_offset: u64,
+    /// With respect to the query input (see [`MhaGrads::query`]).
+    pub query: wgpu::Buffer,
+    /// With respect to the key input, in cross-attention.
+    pub key: Option<wgpu::Buffer>,
+    /// With respect to the value input, in cross-attention.
+    pub value: Option<wgpu::Buffer>,
+    /// `[dW_Q, dW_K, dW_V, dW_O]`.
+    pub w: [wgpu::Buffer; 4],
+    /// `[db_Q, db_K, db_V, db_O]`, where the layer has them.
+    pub b: [Option<wgpu::Buffer>; 4],
+    /// With respect to given query, key and value heads, per batch element `[B, H|G, T, d_k]`
+    /// in the layer's format (not yet summed over a broadcast batch, which
+    /// [`MhaBackward::run`] does on the host).
+    pub heads: [Option<wgpu::Buffer>; 3],
 }
 
 impl MhaBackward<'_> {
-    /// Run on the GPU and read the gradients (and the layer's output) back.
-    pub async fn run(&self, ctx: &Context) -> Result<MhaGrads<f32>> {
+    /// Upload host inputs and record the layer's forward and backward into your `encoder`;
+    /// nothing is submitted. Every bad input is an error before anything is recorded; device
+    /// errors go to your error scope. The gradients stay on the GPU ([`MhaGpuGrads`]).
+    pub fn record(&self, ctx: &Context, enc: &mut wgpu::CommandEncoder) -> Result<MhaGpuGrads> {
         let fwd = &self.fwd;
         let pass = Pass::new(fwd, ctx, true)?;
         let dims = pass.dims;
@@ -96,8 +109,8 @@ impl MhaBackward<'_> {
         }
         let dout = Operand::check(ctx, "dout", &self.dout)?;
         let query_shape = fwd.query().shape().to_vec();
-        let shape3 = |s: &[usize]| [s[0], s[1], s[2]];
-        let key_shape = pass.key.as_ref().map(|_| [b, s, c.kdim]);
+        // The key input's own shape: unused (zero gradient) under given key heads.
+        let key_shape = fwd.key_input_shape();
         let value_shape = pass.value.as_ref().map(|_| [b, s, c.vdim]);
         // Every f32 buffer of the backward, and every product's grid, before any GPU work.
         let limit = "max_storage_buffer_binding_size";
@@ -128,179 +141,203 @@ impl MhaBackward<'_> {
             mm::check_grid(ctx, "multi-head attention backward", m, n)?;
         }
 
+        let f32_buf = |label: &str, n: usize| output(ctx, label, f32_bytes(n.max(1)));
+        let inputs = pass.upload_inputs();
+        pass.record_heads(enc, &inputs)?;
+        let dy = dout.upload(ctx, "dout");
+        let ones = storage_init(
+            ctx,
+            "ones",
+            bytemuck::cast_slice(&vec![1.0f32; (b * l.max(s)).max(1)]),
+        );
+        let m = fwd.layer();
+        let f = Storage::F32;
+        let lin = Linear {
+            ctx,
+            dummy: &pass.dummy,
+            ones: ones.as_entire_buffer_binding(),
+            weights: st,
+        };
+
+        // dO = split(dY W_O), in the layer's format.
+        let dmerged = output(ctx, "d merged", st.bytes((b * l * h * d).max(1)));
+        product(
+            dy.binding(),
+            m.w_o.as_entire_buffer_binding(),
+            dmerged.as_entire_buffer_binding(),
+            [b * l, h * d, e],
+            [dout.storage, st, st, st],
+            false,
+        )
+        .record(ctx, enc, &pass.dummy)?;
+        let dheads = output(ctx, "d heads", st.bytes((b * l * h * d).max(1)));
+        split_heads(ctx, enc, &dmerged, &dheads, [b, l, h, d], st)?;
+
+        // The attention backward (it records the forward it needs), then Y.
+        let attn = pass
+            .sdpa()
+            .backward(Tensor::from_buffer(&dheads, st, &dims.heads_q()))
+            .path(fwd.path_of())
+            .record(ctx, enc)?;
+        let fw = attn.forward.as_ref().expect("the backward ran the forward");
+        pass.record_output(enc, &fw.output, fw.output_offset)?;
+
+        // The gradient buffers, zeroed: unused inputs and parameters keep zeros, and the
+        // input gradients accumulate.
+        let bufs = MhaGpuGrads {
+            output: pass.dummy.clone(), // set below
+            output_offset: 0,
+            query: f32_buf("d query", elems(&query_shape)),
+            key: key_shape.map(|sh| f32_buf("d key", elems(&sh[..]))),
+            value: value_shape.map(|sh| f32_buf("d value", elems(&sh[..]))),
+            w: [
+                f32_buf("d w_q", e * e),
+                f32_buf("d w_k", c.kv_width() * c.kdim),
+                f32_buf("d w_v", c.kv_width() * c.vdim),
+                f32_buf("d w_o", e * h * d),
+            ],
+            b: [
+                m.b_q.as_ref().map(|_| f32_buf("d b_q", h * d)),
+                m.b_k.as_ref().map(|_| f32_buf("d b_k", g * d)),
+                m.b_v.as_ref().map(|_| f32_buf("d b_v", g * d)),
+                m.b_o.as_ref().map(|_| f32_buf("d b_o", e)),
+            ],
+            heads: [
+                fwd.has_query_heads().then(|| attn.dq.clone()),
+                fwd.has_key_heads().then(|| attn.dk.clone()),
+                fwd.has_value_heads().then(|| attn.dv.clone()),
+            ],
+        };
+        for buf in [Some(&bufs.query), bufs.key.as_ref(), bufs.value.as_ref()]
+            .into_iter()
+            .chain(bufs.w.iter().map(Some))
+            .chain(bufs.b.iter().map(Option::as_ref))
+            .flatten()
+        {
+            enc.clear_buffer(buf, 0, None);
+        }
+
+        // Output projection: dYᵀ [E, B·L].
+        let dy_t = f32_buf("dY transposed", b * l * e);
+        permute::record(
+            ctx,
+            enc,
+            dy.binding(),
+            binding(&dy_t, 0, dy_t.size()),
+            [1, 1, e, b * l],
+            [0, 0, 1, e],
+            (dout.storage, f),
+        )?;
+        lin.record(
+            enc,
+            &dy_t,
+            (dy.binding(), dout.storage),
+            (binding(&pass.merged, 0, st.bytes(b * l * h * d)), st),
+            &m.w_o,
+            [b * l, e, h * d],
+            (&bufs.w[3], bufs.b[3].as_ref(), None),
+        )?;
+
+        // Input projections, from their head gradients [B, n, t, d] (layer format).
+        let dx_k = bufs.key.as_ref().unwrap_or(&bufs.query);
+        let dx_v = bufs.value.as_ref().unwrap_or(&bufs.query);
+        let projections = [
+            (
+                0,
+                &attn.dq,
+                h,
+                l,
+                (inputs.query.binding(), pass.query.storage),
+                &m.w_q,
+                e,
+                &bufs.query,
+                fwd.has_query_heads(),
+            ),
+            (
+                1,
+                &attn.dk,
+                g,
+                s,
+                pass.key_input(&inputs),
+                &m.w_k,
+                c.kdim,
+                dx_k,
+                fwd.has_key_heads(),
+            ),
+            (
+                2,
+                &attn.dv,
+                g,
+                s,
+                pass.value_input(&inputs),
+                &m.w_v,
+                c.vdim,
+                dx_v,
+                fwd.has_value_heads(),
+            ),
+        ];
+        for (i, heads, n, t, x, w, inw, dx, given) in projections {
+            if given {
+                continue;
+            }
+            let size = b * n * t * d;
+            let g_t = f32_buf("head gradient transposed", size);
+            let g_m = f32_buf("head gradient merged", size);
+            let src = || binding(heads, 0, st.bytes(size));
+            // gᵀ [n·d, B·t] and g [B·t, n·d] from [B, n, t, d].
+            permute::record(
+                ctx,
+                enc,
+                src(),
+                binding(&g_t, 0, g_t.size()),
+                [n, d, b, t],
+                [t * d, 1, n * t * d, d],
+                (st, f),
+            )?;
+            permute::record(
+                ctx,
+                enc,
+                src(),
+                binding(&g_m, 0, g_m.size()),
+                [b, t, n, d],
+                [n * t * d, d, t * d, 1],
+                (st, f),
+            )?;
+            lin.record(
+                enc,
+                &g_t,
+                (binding(&g_m, 0, f32_bytes(size)), f),
+                x,
+                w,
+                [b * t, n * d, inw],
+                (&bufs.w[i], bufs.b[i].as_ref(), Some(dx)),
+            )?;
+        }
+        let (out, off) = pass.out_buffer();
+        Ok(MhaGpuGrads {
+            output: out.clone(),
+            output_offset: off,
+            ..bufs
+        })
+    }
+
+    /// Run on the GPU and read the gradients (and the layer's output) back.
+    pub async fn run(&self, ctx: &Context) -> Result<MhaGrads<f32>> {
         let bufs = ctx
-            .submit("wgpu-attention mha backward", |enc| {
-                let f32_buf = |label: &str, n: usize| output(ctx, label, f32_bytes(n.max(1)));
-                let inputs = pass.upload_inputs();
-                pass.record_heads(enc, &inputs)?;
-                let dy = dout.upload(ctx, "dout");
-                let ones = storage_init(
-                    ctx,
-                    "ones",
-                    bytemuck::cast_slice(&vec![1.0f32; (b * l.max(s)).max(1)]),
-                );
-                let m = fwd.layer();
-                let f = Storage::F32;
-                let lin = Linear {
-                    ctx,
-                    dummy: &pass.dummy,
-                    ones: ones.as_entire_buffer_binding(),
-                    weights: st,
-                };
-
-                // dO = split(dY W_O), in the layer's format.
-                let dmerged = output(ctx, "d merged", st.bytes((b * l * h * d).max(1)));
-                product(
-                    dy.binding(),
-                    m.w_o.as_entire_buffer_binding(),
-                    dmerged.as_entire_buffer_binding(),
-                    [b * l, h * d, e],
-                    [dout.storage, st, st, st],
-                    false,
-                )
-                .record(ctx, enc, &pass.dummy)?;
-                let dheads = output(ctx, "d heads", st.bytes((b * l * h * d).max(1)));
-                split_heads(ctx, enc, &dmerged, &dheads, [b, l, h, d], st)?;
-
-                // The attention backward (it records the forward it needs), then Y.
-                let attn = pass
-                    .sdpa()
-                    .backward(Tensor::from_buffer(&dheads, st, &dims.heads_q()))
-                    .path(fwd.path_of())
-                    .record(ctx, enc)?;
-                let fw = attn.forward.as_ref().expect("the backward ran the forward");
-                pass.record_output(enc, &fw.output, fw.output_offset)?;
-
-                // The gradient buffers, zeroed: unused inputs and parameters keep zeros, and the
-                // input gradients accumulate.
-                let bufs = GradBufs {
-                    query: f32_buf("d query", elems(&query_shape)),
-                    key: key_shape.map(|sh| f32_buf("d key", elems(&sh[..]))),
-                    value: value_shape.map(|sh| f32_buf("d value", elems(&sh[..]))),
-                    w: [
-                        f32_buf("d w_q", e * e),
-                        f32_buf("d w_k", c.kv_width() * c.kdim),
-                        f32_buf("d w_v", c.kv_width() * c.vdim),
-                        f32_buf("d w_o", e * h * d),
-                    ],
-                    b: [
-                        m.b_q.as_ref().map(|_| f32_buf("d b_q", h * d)),
-                        m.b_k.as_ref().map(|_| f32_buf("d b_k", g * d)),
-                        m.b_v.as_ref().map(|_| f32_buf("d b_v", g * d)),
-                        m.b_o.as_ref().map(|_| f32_buf("d b_o", e)),
-                    ],
-                    dq_heads: fwd.has_query_heads().then(|| attn.dq.clone()),
-                    dv_heads: fwd.has_value_heads().then(|| attn.dv.clone()),
-                };
-                for buf in [Some(&bufs.query), bufs.key.as_ref(), bufs.value.as_ref()]
-                    .into_iter()
-                    .chain(bufs.w.iter().map(Some))
-                    .chain(bufs.b.iter().map(Option::as_ref))
-                    .flatten()
-                {
-                    enc.clear_buffer(buf, 0, None);
-                }
-
-                // Output projection: dYᵀ [E, B·L].
-                let dy_t = f32_buf("dY transposed", b * l * e);
-                permute::record(
-                    ctx,
-                    enc,
-                    dy.binding(),
-                    binding(&dy_t, 0, dy_t.size()),
-                    [1, 1, e, b * l],
-                    [0, 0, 1, e],
-                    (dout.storage, f),
-                )?;
-                lin.record(
-                    enc,
-                    &dy_t,
-                    (dy.binding(), dout.storage),
-                    (binding(&pass.merged, 0, st.bytes(b * l * h * d)), st),
-                    &m.w_o,
-                    [b * l, e, h * d],
-                    (&bufs.w[3], bufs.b[3].as_ref(), None),
-                )?;
-
-                // Input projections, from their head gradients [B, n, t, d] (layer format).
-                let dx_k = bufs.key.as_ref().unwrap_or(&bufs.query);
-                let dx_v = bufs.value.as_ref().unwrap_or(&bufs.query);
-                let projections = [
-                    (
-                        0,
-                        &attn.dq,
-                        h,
-                        l,
-                        (inputs.query.binding(), pass.query.storage),
-                        &m.w_q,
-                        e,
-                        &bufs.query,
-                        fwd.has_query_heads(),
-                    ),
-                    (
-                        1,
-                        &attn.dk,
-                        g,
-                        s,
-                        pass.key_input(&inputs),
-                        &m.w_k,
-                        c.kdim,
-                        dx_k,
-                        false,
-                    ),
-                    (
-                        2,
-                        &attn.dv,
-                        g,
-                        s,
-                        pass.value_input(&inputs),
-                        &m.w_v,
-                        c.vdim,
-                        dx_v,
-                        fwd.has_value_heads(),
-                    ),
-                ];
-                for (i, heads, n, t, x, w, inw, dx, given) in projections {
-                    if given {
-                        continue;
-                    }
-                    let size = b * n * t * d;
-                    let g_t = f32_buf("head gradient transposed", size);
-                    let g_m = f32_buf("head gradient merged", size);
-                    let src = || binding(heads, 0, st.bytes(size));
-                    // gᵀ [n·d, B·t] and g [B·t, n·d] from [B, n, t, d].
-                    permute::record(
-                        ctx,
-                        enc,
-                        src(),
-                        binding(&g_t, 0, g_t.size()),
-                        [n, d, b, t],
-                        [t * d, 1, n * t * d, d],
-                        (st, f),
-                    )?;
-                    permute::record(
-                        ctx,
-                        enc,
-                        src(),
-                        binding(&g_m, 0, g_m.size()),
-                        [b, t, n, d],
-                        [n * t * d, d, t * d, 1],
-                        (st, f),
-                    )?;
-                    lin.record(
-                        enc,
-                        &g_t,
-                        (binding(&g_m, 0, f32_bytes(size)), f),
-                        x,
-                        w,
-                        [b * t, n * d, inw],
-                        (&bufs.w[i], bufs.b[i].as_ref(), Some(dx)),
-                    )?;
-                }
-                Ok((bufs, attn))
-            })
+            .submit("wgpu-attention mha backward", |enc| self.record(ctx, enc))
             .await?;
-        let (bufs, attn) = bufs;
+        let fwd = &self.fwd;
+        let dims = fwd.dims()?;
+        let Dims { b, l, s, h, g, d, e } = dims;
+        let c = fwd.layer().config;
+        let st = fwd.layer().storage;
+        let query_shape = fwd.query().shape().to_vec();
+        let shape3 = |s: &[usize]| [s[0], s[1], s[2]];
+        let key_shape = fwd.key_input_shape();
+        let value_shape = fwd.value_input_shape();
+        fn elems(x: &[usize]) -> usize {
+            x.iter().product()
+        }
 
         // Read back.
         let read = |buf: &wgpu::Buffer, n: usize| {
@@ -310,7 +347,9 @@ impl MhaBackward<'_> {
         let arr3 = |v: Vec<f32>, sh: [usize; 3]| Array3::from_shape_vec(sh, v).expect("gradient length");
         let arr2 =
             |v: Vec<f32>, r: usize, cc: usize| Array2::from_shape_vec((r, cc), v).expect("gradient length");
-        let output = ctx.read_as_f32(&pass.out, 0, b * l * e, st).await?;
+        let output = ctx
+            .read_as_f32(&bufs.output, bufs.output_offset, b * l * e, st)
+            .await?;
         let output = arr3(output, [b, l, e]);
         let query = arr3(
             read(&bufs.query, elems(&query_shape)).await?,
@@ -348,21 +387,25 @@ impl MhaBackward<'_> {
                 }
             })
         };
-        let dq = match &bufs.dq_heads {
-            Some(buf) => Some(ctx.read_as_f32(buf, 0, b * h * l * d, st).await?),
-            None => None,
-        };
-        let dv = match &bufs.dv_heads {
-            Some(buf) => Some(ctx.read_as_f32(buf, 0, b * g * s * d, st).await?),
-            None => None,
-        };
-        drop(attn);
+        let mut heads = Vec::new();
+        for (buf, n) in bufs
+            .heads
+            .iter()
+            .zip([b * h * l * d, b * g * s * d, b * g * s * d])
+        {
+            heads.push(match buf {
+                Some(buf) => Some(ctx.read_as_f32(buf, 0, n, st).await?),
+                None => None,
+            });
+        }
+        let [dq, dk, dv]: [Option<Vec<f32>>; 3] = heads.try_into().expect("three head gradients");
         Ok(MhaGrads {
             output,
             query,
             key,
             value,
             query_heads: given(dq, dims.heads_q(), fwd.query_heads_batch()),
+            key_heads: given(dk, dims.heads_kv(), fwd.key_heads_batch()),
             value_heads: given(dv, dims.heads_kv(), fwd.value_heads_batch()),
             w_q,
             w_k,

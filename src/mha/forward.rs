@@ -11,7 +11,7 @@ use crate::sdpa::{GpuOutput, Path, Sdpa};
 use crate::storage::Storage;
 use crate::tensor::Tensor;
 
-use super::{MhaOutput, MhaTimings, MultiHeadAttention, NeedWeights};
+use super::{MhaGpuOutput, MhaOutput, MhaTimings, MultiHeadAttention, NeedWeights};
 
 /// Builder of one forward pass of a [`MultiHeadAttention`]; finish with
 /// [`run`](MhaForward::run) or [`run_blocking`](MhaForward::run_blocking).
@@ -22,11 +22,14 @@ pub struct MhaForward<'a> {
     key: Option<Tensor<'a>>,
     value: Option<Tensor<'a>>,
     query_heads: Option<Tensor<'a>>,
+    key_heads: Option<Tensor<'a>>,
     value_heads: Option<Tensor<'a>>,
     options: Options<'a>,
     need_weights: NeedWeights,
     path: Path,
     profile: bool,
+    /// The caller's output buffer `[B, L, d_model]`, if any.
+    out: Option<Tensor<'a>>,
 }
 
 /// Shapes of one forward pass, validated.
@@ -62,11 +65,13 @@ impl<'a> MhaForward<'a> {
             key: None,
             value: None,
             query_heads: None,
+            key_heads: None,
             value_heads: None,
             options: Options::default(),
             need_weights: NeedWeights::No,
             path: Path::Auto,
             profile: false,
+            out: None,
         }
     }
 
@@ -86,6 +91,15 @@ impl<'a> MhaForward<'a> {
         self
     }
 
+    /// Use these key heads `[B or 1, G, S, d_k]` instead of projecting the key input: a KV
+    /// cache of keys projected by earlier steps (with [`value_heads`](Self::value_heads), a
+    /// decode step projects only the new query). `S` comes from these heads, and must agree
+    /// with the value heads or the value input.
+    pub fn key_heads(mut self, k: impl Into<Tensor<'a>>) -> Self {
+        self.key_heads = Some(k.into());
+        self
+    }
+
     /// Use these value heads `[B or 1, G, S, d_k]` instead of projecting the value input.
     pub fn value_heads(mut self, v: impl Into<Tensor<'a>>) -> Self {
         self.value_heads = Some(v.into());
@@ -97,6 +111,21 @@ impl<'a> MhaForward<'a> {
     /// Return the attention weights, per head or averaged (runs the unfused path).
     pub fn need_weights(mut self, w: NeedWeights) -> Self {
         self.need_weights = w;
+        self
+    }
+
+    /// Return the attention weights per head `[B, H, L, S]` (as [`Sdpa::return_weights`]; the
+    /// same as `need_weights(NeedWeights::PerHead)`; runs the unfused path).
+    pub fn return_weights(self) -> Self {
+        self.need_weights(NeedWeights::PerHead)
+    }
+
+    /// Write the layer's output `[B, L, d_model]` into `out`: a GPU buffer
+    /// ([`Tensor::from_buffer`]) in the layer's format ([`MultiHeadAttention::storage`]), dense.
+    /// [`run`](Self::run) reads it back from there (it then needs `COPY_SRC`);
+    /// [`record`](Self::record) leaves it there.
+    pub fn output_into(mut self, out: Tensor<'a>) -> Self {
+        self.out = Some(out);
         self
     }
 
@@ -145,14 +174,33 @@ impl<'a> MhaForward<'a> {
             Some(k) => (k, "key"),
             None => (&self.query, "query"),
         };
-        let [kb, s, kw] = key.dims::<3>(kname)?;
-        if kb != b || kw != c.kdim {
-            return Err(Error::ShapeMismatch {
-                tensor: kname,
-                expected: vec![b, s, c.kdim],
-                actual: key.shape().to_vec(),
-            });
-        }
+        let s = match &self.key_heads {
+            Some(kh) => {
+                if self.key.is_some() {
+                    key.dims::<3>("key")?; // unused, but its (zero) gradient has its shape
+                }
+                let sh = kh.dims::<4>("key_heads")?;
+                if (sh[0] != b && sh[0] != 1) || sh[1] != g || sh[3] != d {
+                    return Err(Error::ShapeMismatch {
+                        tensor: "key_heads",
+                        expected: vec![b, g, sh[2], d],
+                        actual: sh.to_vec(),
+                    });
+                }
+                sh[2]
+            }
+            None => {
+                let [kb, s, kw] = key.dims::<3>(kname)?;
+                if kb != b || kw != c.kdim {
+                    return Err(Error::ShapeMismatch {
+                        tensor: kname,
+                        expected: vec![b, s, c.kdim],
+                        actual: key.shape().to_vec(),
+                    });
+                }
+                s
+            }
+        };
         match &self.value_heads {
             Some(vh) => {
                 let sh = vh.dims::<4>("value_heads")?;
@@ -217,6 +265,28 @@ impl<'a> MhaForward<'a> {
         self.query_heads.is_some()
     }
 
+    /// The key input's shape `[B, S, kdim]` in cross-attention.
+    pub(super) fn key_input_shape(&self) -> Option<[usize; 3]> {
+        let s = self.key.as_ref()?.shape();
+        Some([s[0], s[1], s[2]])
+    }
+
+    /// The value input's shape `[B, S, vdim]` in cross-attention.
+    pub(super) fn value_input_shape(&self) -> Option<[usize; 3]> {
+        let s = self.value.as_ref()?.shape();
+        Some([s[0], s[1], s[2]])
+    }
+
+    /// Whether key heads are given.
+    pub(super) fn has_key_heads(&self) -> bool {
+        self.key_heads.is_some()
+    }
+
+    /// The batch of the given key heads (1: broadcast).
+    pub(super) fn key_heads_batch(&self) -> usize {
+        self.key_heads.as_ref().map_or(0, |t| t.shape()[0])
+    }
+
     /// Whether value heads are given.
     pub(super) fn has_value_heads(&self) -> bool {
         self.value_heads.is_some()
@@ -244,6 +314,25 @@ impl<'a> MhaForward<'a> {
             sdpa = sdpa.return_weights();
         }
         sdpa
+    }
+
+    /// Upload host inputs and record the whole layer (projections, attention, output
+    /// projection) into your `encoder`; nothing is submitted. Every bad input is an error
+    /// before anything is recorded; device errors go to your error scope (as with
+    /// [`Sdpa::record`]). The output stays on the GPU (in the
+    /// [`output_into`](Self::output_into) buffer when given); weights, when asked for, are per
+    /// head (average them yourself for [`NeedWeights::Averaged`]). Profiling does not apply.
+    pub fn record(&self, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<MhaGpuOutput> {
+        let pass = Pass::new(self, ctx, false)?;
+        pass.record_heads(encoder, &pass.upload_inputs())?;
+        let gpu = pass.sdpa().record(ctx, encoder)?;
+        pass.record_output(encoder, &gpu.output, gpu.output_offset)?;
+        let (output, output_offset) = pass.out_buffer();
+        Ok(MhaGpuOutput {
+            output: output.clone(),
+            output_offset,
+            weights: gpu.weights,
+        })
     }
 
     /// Run on the GPU and read the output (and the weights, if asked for) back.
@@ -277,14 +366,16 @@ pub(super) struct Pass<'p, 'a> {
     pub(super) key: Option<Operand<'p, 'a>>,
     pub(super) value: Option<Operand<'p, 'a>>,
     given_q: Option<Operand<'p, 'a>>,
+    given_k: Option<Operand<'p, 'a>>,
     given_v: Option<Operand<'p, 'a>>,
     /// Query, key and value heads `[B, H|G, T, d]`.
     qh: wgpu::Buffer,
     kh: wgpu::Buffer,
     vh: wgpu::Buffer,
-    /// Attention output merged back to `[B, L, H·d]`, and the layer output `[B, L, E]`.
+    /// Attention output merged back to `[B, L, H·d]`, and the layer output `[B, L, E]` (ours,
+    /// or the caller's `out_op`).
     pub(super) merged: wgpu::Buffer,
-    pub(super) out: wgpu::Buffer,
+    out: Option<wgpu::Buffer>,
     pub(super) dummy: wgpu::Buffer,
 }
 
@@ -323,6 +414,33 @@ impl<'p, 'a> Pass<'p, 'a> {
         }
         let optional =
             |t: &'p Option<Tensor<'a>>, name| t.as_ref().map(|t| Operand::check(ctx, name, t)).transpose();
+        let out_op = match &fwd.out {
+            Some(t) => {
+                if !matches!(t.data, crate::tensor::TensorData::Gpu { .. }) {
+                    return Err(Error::BadBuffer {
+                        tensor: "output",
+                        reason: "output_into takes a GPU buffer (Tensor::from_buffer), not host data".into(),
+                    });
+                }
+                if t.shape() != [b, l, e] {
+                    return Err(Error::ShapeMismatch {
+                        tensor: "output",
+                        expected: vec![b, l, e],
+                        actual: t.shape().to_vec(),
+                    });
+                }
+                if t.storage() != st {
+                    return Err(Error::StorageMismatch {
+                        tensor: "output",
+                        expected: st,
+                        actual: t.storage(),
+                        why: "the layer writes its output in its own format",
+                    });
+                }
+                Some(Operand::check(ctx, "output", t)?)
+            }
+            None => None,
+        };
         // An empty activation still needs a non-empty buffer.
         let buffer = |label: &str, elems: usize| output(ctx, label, st.bytes(elems.max(1)));
         Ok(Pass {
@@ -333,12 +451,16 @@ impl<'p, 'a> Pass<'p, 'a> {
             key: optional(&fwd.key, "key")?,
             value: optional(&fwd.value, "value")?,
             given_q: optional(&fwd.query_heads, "query_heads")?,
+            given_k: optional(&fwd.key_heads, "key_heads")?,
             given_v: optional(&fwd.value_heads, "value_heads")?,
             qh: buffer("query heads", b * h * l * d),
             kh: buffer("key heads", b * g * s * d),
             vh: buffer("value heads", b * g * s * d),
             merged: buffer("merged heads", b * l * h * d),
-            out: buffer("mha output", b * l * e),
+            out: match &out_op {
+                Some(_) => None,
+                None => Some(buffer("mha output", b * l * e)),
+            },
             dummy: buffer("dummy", 1),
         })
     }
@@ -374,6 +496,7 @@ impl<'p, 'a> Pass<'p, 'a> {
         let (c, m) = (&self.fwd.mha.config, &self.fwd.mha);
         let Dims { l, s, h, g, e, .. } = self.dims;
         let given_q = self.given_q.as_ref().zip(self.fwd.query_heads.as_ref());
+        let given_k = self.given_k.as_ref().zip(self.fwd.key_heads.as_ref());
         let given_v = self.given_v.as_ref().zip(self.fwd.value_heads.as_ref());
         self.heads(
             encoder,
@@ -385,7 +508,7 @@ impl<'p, 'a> Pass<'p, 'a> {
         )?;
         self.heads(
             encoder,
-            None,
+            given_k,
             self.key_input(inputs),
             (&m.w_k, m.b_k.as_ref()),
             &self.kh,
@@ -475,16 +598,29 @@ impl<'p, 'a> Pass<'p, 'a> {
             [h * l * d, d, l * d, 1],
             (st, st),
         )?;
-        project(
+        let (out, off) = self.out_buffer();
+        project_to(
             self.ctx,
             encoder,
             (binding(&self.merged, 0, self.merged.size()), st),
             (&self.fwd.mha.w_o, self.fwd.mha.b_o.as_ref()),
-            &self.out,
+            binding(out, off, st.bytes(b * l * e)),
             [b * l, e, h * d],
             st,
             &self.dummy,
         )
+    }
+
+    /// Where the layer's output goes: the caller's buffer and offset, or ours.
+    pub(super) fn out_buffer(&self) -> (&wgpu::Buffer, u64) {
+        match (&self.out, &self.fwd.out) {
+            (Some(b), _) => (b, 0),
+            (None, Some(t)) => match &t.data {
+                crate::tensor::TensorData::Gpu { buffer, offset, .. } => (buffer, *offset),
+                crate::tensor::TensorData::Host(_) => unreachable!("checked in Pass::new"),
+            },
+            (None, None) => unreachable!("one output buffer"),
+        }
     }
 
     /// Submit the three stages: in one submission, or (profiling) one each, waited for, with
@@ -548,9 +684,10 @@ impl<'p, 'a> Pass<'p, 'a> {
     async fn read_back(&self, gpu: &GpuOutput, mut times: [f64; 3]) -> Result<MhaOutput> {
         let Dims { b, l, s, h, e, .. } = self.dims;
         let t3 = web_time_now();
+        let (out, off) = self.out_buffer();
         let output = self
             .ctx
-            .read_as_f32(&self.out, 0, b * l * e, self.fwd.mha.storage)
+            .read_as_f32(out, off, b * l * e, self.fwd.mha.storage)
             .await?;
         let output = Array3::from_shape_vec((b, l, e), output).expect("output length");
         times[2] += web_time_now() - t3;
@@ -607,12 +744,37 @@ pub(crate) fn project(
     storage: Storage,
     dummy: &wgpu::Buffer,
 ) -> Result<()> {
+    let [m, n, _] = mnk;
+    project_to(
+        ctx,
+        encoder,
+        (x, x_storage),
+        (w, b),
+        binding(out, 0, storage.bytes(m * n)),
+        mnk,
+        storage,
+        dummy,
+    )
+}
+
+/// [`project`] into the binding `out`.
+#[allow(clippy::too_many_arguments)] // each is a distinct operand
+fn project_to(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    (x, x_storage): (wgpu::BufferBinding<'_>, Storage),
+    (w, b): (&wgpu::Buffer, Option<&wgpu::Buffer>),
+    out: wgpu::BufferBinding<'_>,
+    mnk: [usize; 3],
+    storage: Storage,
+    dummy: &wgpu::Buffer,
+) -> Result<()> {
     let [m, n, k] = mnk;
     mm::Matmul {
         a: x,
         b: w.as_entire_buffer_binding(),
         bias: b.map(|b| b.as_entire_buffer_binding()),
-        c: binding(out, 0, storage.bytes(m * n)),
+        c: out,
         params: mm::Params::dense(m as u32, n as u32, k as u32, true, 1.0),
         batch: 1,
         trans_b: true,

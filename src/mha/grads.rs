@@ -28,6 +28,8 @@ pub struct MhaGrads<F> {
     /// With respect to given query heads, in their shape `[B or 1, H, L, d_k]` (summed over
     /// the batch when it is broadcast).
     pub query_heads: Option<Array4<F>>,
+    /// With respect to given key heads, in their shape `[B or 1, G, S, d_k]`.
+    pub key_heads: Option<Array4<F>>,
     /// With respect to given value heads, in their shape `[B or 1, G, S, d_k]`.
     pub value_heads: Option<Array4<F>>,
     /// `[H·d_k, d_model]`.
@@ -58,6 +60,7 @@ impl<F: Copy> MhaGrads<F> {
             key: self.key.as_ref().map(|a| a.mapv(f)),
             value: self.value.as_ref().map(|a| a.mapv(f)),
             query_heads: self.query_heads.as_ref().map(|a| a.mapv(f)),
+            key_heads: self.key_heads.as_ref().map(|a| a.mapv(f)),
             value_heads: self.value_heads.as_ref().map(|a| a.mapv(f)),
             w_q: self.w_q.mapv(f),
             w_k: self.w_k.mapv(f),

@@ -28,7 +28,7 @@ mod forward;
 mod grads;
 pub(crate) mod weights;
 
-pub use backward::MhaBackward;
+pub use backward::{MhaBackward, MhaGpuGrads};
 pub use config::MhaConfig;
 pub(crate) use forward::project;
 pub use forward::MhaForward;
@@ -66,6 +66,18 @@ pub struct MhaOutput {
     pub avg_weights: Option<Array3<f32>>,
     /// Wall-clock time of each stage, with [`MhaForward::profile`].
     pub timings: Option<MhaTimings>,
+}
+
+/// The layer's results left on the GPU by [`MhaForward::record`].
+#[derive(Debug, Clone)]
+pub struct MhaGpuOutput {
+    /// The buffer holding the output `[B, L, d_model]` in the layer's format (the
+    /// [`output_into`](MhaForward::output_into) buffer, when given).
+    pub output: wgpu::Buffer,
+    /// Byte offset of the output in [`MhaGpuOutput::output`].
+    pub output_offset: u64,
+    /// Attention weights per head `[B, H, L, S]` (f32), when asked for.
+    pub weights: Option<wgpu::Buffer>,
 }
 
 /// Stage times of one profiled forward pass (each stage submitted and waited for on its own).

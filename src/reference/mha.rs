@@ -21,6 +21,8 @@ pub struct MhaInputs<'a> {
     pub value: Option<ArrayView3<'a, f32>>,
     /// Given query heads `[B or 1, H, L, d_k]` instead of the projected query.
     pub query_heads: Option<ArrayView4<'a, f32>>,
+    /// Given key heads `[B or 1, G, S, d_k]` instead of the projected key.
+    pub key_heads: Option<ArrayView4<'a, f32>>,
     /// Given value heads `[B or 1, G, S, d_k]` instead of the projected value.
     pub value_heads: Option<ArrayView4<'a, f32>>,
 }
@@ -33,6 +35,7 @@ impl<'a> MhaInputs<'a> {
             key: None,
             value: None,
             query_heads: None,
+            key_heads: None,
             value_heads: None,
         }
     }
@@ -44,6 +47,7 @@ impl<'a> MhaInputs<'a> {
             key: Some(key),
             value: Some(value),
             query_heads: None,
+            key_heads: None,
             value_heads: None,
         }
     }
@@ -151,7 +155,10 @@ pub fn mha(w: &crate::MhaWeights, inputs: &MhaInputs, opts: &Options) -> Result<
         None => split_heads(linear(inputs.query, &w.w_q, w.b_q.as_ref()), h),
     };
     let key = inputs.key.unwrap_or(inputs.query);
-    let k: Array4<f64> = split_heads(linear(key, &w.w_k, w.b_k.as_ref()), g);
+    let k: Array4<f64> = match &inputs.key_heads {
+        Some(kh) => given_heads(*kh, b),
+        None => split_heads(linear(key, &w.w_k, w.b_k.as_ref()), g),
+    };
     let v: Array4<f64> = match &inputs.value_heads {
         Some(vh) => given_heads(*vh, b),
         None => split_heads(
@@ -198,7 +205,10 @@ pub fn mha_backward_in<F: Float + Into<f64>, U: Copy + Into<f64>>(
         Some(qh) => given_heads(*qh, b),
         None => split_heads(linear(inputs.query, &w.w_q, w.b_q.as_ref()), h),
     };
-    let k: Array4<F> = split_heads(linear(key, &w.w_k, w.b_k.as_ref()), g);
+    let k: Array4<F> = match &inputs.key_heads {
+        Some(kh) => given_heads(*kh, b),
+        None => split_heads(linear(key, &w.w_k, w.b_k.as_ref()), g),
+    };
     let v: Array4<F> = match &inputs.value_heads {
         Some(vh) => given_heads(*vh, b),
         None => split_heads(linear(value, &w.w_v, w.b_v.as_ref()), g),
@@ -228,7 +238,14 @@ pub fn mha_backward_in<F: Float + Into<f64>, U: Copy + Into<f64>>(
         ),
         None => linear_backward(inputs.query, &w.w_q, &merge_heads(gr.dq.clone())),
     };
-    let (dxk, w_k, b_k) = linear_backward(key, &w.w_k, &merge_heads(gr.dk));
+    let (dxk, w_k, b_k) = match inputs.key_heads {
+        Some(_) => (
+            Array3::zeros(key.dim()),
+            zero2(&w.w_k),
+            Array1::zeros(w.w_k.nrows()),
+        ),
+        None => linear_backward(key, &w.w_k, &merge_heads(gr.dk.clone())),
+    };
     let (dxv, w_v, b_v) = match inputs.value_heads {
         Some(_) => (
             Array3::zeros(value.dim()),
@@ -253,6 +270,7 @@ pub fn mha_backward_in<F: Float + Into<f64>, U: Copy + Into<f64>>(
         key: cross.then_some(dxk),
         value: inputs.value.is_some().then_some(dxv),
         query_heads: given(inputs.query_heads, gr.dq),
+        key_heads: given(inputs.key_heads, gr.dk),
         value_heads: given(inputs.value_heads, gr.dv),
         w_q,
         w_k,
@@ -303,6 +321,7 @@ mod tests {
         k: Array3<f32>,
         v: Array3<f32>,
         qh: Option<Array4<f32>>,
+        kh: Option<Array4<f32>>,
         vh: Option<Array4<f32>>,
     }
 
@@ -314,6 +333,7 @@ mod tests {
                 MhaInputs::self_attention(self.x.view())
             };
             i.query_heads = self.qh.as_ref().map(|a| a.view());
+            i.key_heads = self.kh.as_ref().map(|a| a.view());
             i.value_heads = self.vh.as_ref().map(|a| a.view());
             i
         }
@@ -335,6 +355,7 @@ mod tests {
                 10 => self.v.as_slice_mut(),
                 11 => self.qh.as_mut()?.as_slice_mut(),
                 12 => self.vh.as_mut()?.as_slice_mut(),
+                13 => self.kh.as_mut()?.as_slice_mut(),
                 _ => None,
             };
             s
@@ -358,6 +379,7 @@ mod tests {
             10 => v(&g.value.clone()?.into_dyn()),
             11 => v(&g.query_heads.clone()?.into_dyn()),
             12 => v(&g.value_heads.clone()?.into_dyn()),
+            13 => v(&g.key_heads.clone()?.into_dyn()),
             _ => return None,
         })
     }
@@ -373,16 +395,16 @@ mod tests {
     /// every parameter and input: cross-attention with GQA, kdim/vdim != d_model, bottom-right
     /// causal, a mask with a fully masked row and key lengths; self-attention (the three uses
     /// of the input summed) with multi-query heads; given query heads (batch 1, broadcast) and
-    /// value heads.
+    /// value heads; given key heads (batch 1) in cross-attention.
     #[test]
     fn mha_backward_matches_finite_differences() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         let (b, l, s) = (2, 3, 4);
         let mask: Vec<bool> = (0..b * l * s).map(|i| i % 5 != 2 && i / s != 1).collect();
-        for case in 0..3 {
-            let cross = case == 0;
+        for case in 0..4 {
+            let cross = case == 0 || case == 3;
             let config = match case {
-                0 => MhaConfig::new(8, 4).kv_heads(2).kv_dims(5, 6),
+                0 | 3 => MhaConfig::new(8, 4).kv_heads(2).kv_dims(5, 6),
                 _ => MhaConfig::new(6, 2).kv_heads(1),
             };
             let s = if cross { s } else { l };
@@ -399,6 +421,8 @@ mod tests {
                 v: rand(&mut rng, (b, s, config.vdim)),
                 qh: (case == 2).then(|| rand(&mut rng, (1, config.num_heads, l, d))),
                 vh: (case == 2).then(|| rand(&mut rng, (b, config.num_kv_heads, s, d))),
+                // Cross-attention's keys given as heads (broadcast over the batch).
+                kh: (case == 3).then(|| rand(&mut rng, (1, config.num_kv_heads, s, d))),
             };
             let dout: Array3<f64> = rand(&mut rng, (b, l, e)).mapv(f64::from);
             let opts = match case {
@@ -422,7 +446,7 @@ mod tests {
             let y = mha(&point.w, &point.inputs(cross), &opts).unwrap().out;
             assert!((&g.output - &y).iter().all(|x| x.abs() < 1e-12));
             let mut checked = 0;
-            for n in 0..13 {
+            for n in 0..14 {
                 if !cross && (n == 9 || n == 10) {
                     continue; // no key/value inputs in self-attention
                 }

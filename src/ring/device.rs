@@ -299,6 +299,7 @@ impl Acc {
                     ..Default::default()
                 },
                 (Storage::F32, Storage::F32),
+                None,
             )?;
             encoder.copy_buffer_to_buffer(&self.out, 0, &self.parts, 0, o_bytes);
             encoder.copy_buffer_to_buffer(&self.lse, 0, &self.lses, 0, l_bytes);

@@ -128,10 +128,16 @@ impl<'a> Backward<'a> {
     /// Checks dO, and the saved output and logsumexp, against it (no GPU work).
     pub fn problem(&self) -> Result<Problem> {
         let p = self.sdpa.problem()?;
-        let p = p.clone().with_storage(Formats {
+        let mut p = p.clone().with_storage(Formats {
             out: self.dout.storage(),
             ..p.storage
         });
+        // The output read back is the saved one, when given (else the forward's, whose view
+        // the forward problem gave).
+        if let Some((o, _)) = &self.saved {
+            p.views.out = crate::view::of_tensor("output", o)?;
+        }
+        p.views.dout = crate::view::of_tensor("dout", &self.dout)?;
         let out = p.out_shape();
         check_shape("dout", &self.dout.shape, &out)?;
         if let Some((o, lse)) = &self.saved {
@@ -179,7 +185,8 @@ impl<'a> Backward<'a> {
         let (output, lse) = match &g.forward {
             Some(fw) => {
                 let fp = &fw.problem;
-                let o = read4(&fw.output, fp.out_shape(), fp.storage.out).await?;
+                // At the forward's offset, through its view (an output_into buffer).
+                let o = super::read_output(ctx, fw).await?;
                 let l = ctx
                     .read_f32(&fw.lse, 0, f32_bytes(fp.batch_heads() * fp.seq_q))
                     .await?;
@@ -213,10 +220,10 @@ impl<'a> Backward<'a> {
         let limit = "max_storage_buffer_binding_size";
         let f = p.storage;
         // Validate every size before any GPU work.
-        let q = Operand::check(ctx, "q", &self.sdpa.q)?;
-        let k = Operand::check(ctx, "k", &self.sdpa.k)?;
-        let v = Operand::check(ctx, "v", &self.sdpa.v)?;
-        let dout = Operand::check(ctx, "dout", &self.dout)?;
+        let q = Operand::check_viewed(ctx, "q", &self.sdpa.q)?;
+        let k = Operand::check_viewed(ctx, "k", &self.sdpa.k)?;
+        let v = Operand::check_viewed(ctx, "v", &self.sdpa.v)?;
+        let dout = Operand::check_viewed(ctx, "dout", &self.dout)?;
         let bias = self
             .sdpa
             .options
@@ -227,8 +234,23 @@ impl<'a> Backward<'a> {
         let saved = self
             .saved
             .as_ref()
-            .map(|(o, l)| Ok::<_, Error>((Operand::check(ctx, "output", o)?, Operand::check(ctx, "lse", l)?)))
+            .map(|(o, l)| {
+                Ok::<_, Error>((
+                    Operand::check_viewed(ctx, "output", o)?,
+                    Operand::check(ctx, "lse", l)?,
+                ))
+            })
             .transpose()?;
+        // The forward's output, when it goes to the caller's buffer (possibly a view).
+        let fw_out = match &self.saved {
+            None => self
+                .sdpa
+                .out
+                .as_ref()
+                .map(|t| Operand::check_viewed(ctx, "output", t))
+                .transpose()?,
+            Some(_) => None,
+        };
         let rows = p.batch_heads() * p.seq_q;
         let kv_rows = p.batch * p.kv_heads * p.seq_kv;
         let dv_off = (kv_rows * p.head_dim).next_multiple_of(64);
@@ -274,15 +296,19 @@ impl<'a> Backward<'a> {
         let dout = dout.upload(ctx, "dout");
         let bias = bias.map(|b| b.upload(ctx, "bias"));
         let saved = saved.map(|(o, l)| (o.upload(ctx, "output"), l.upload(ctx, "lse")));
+        let fw_up = fw_out.as_ref().map(|o| o.upload(ctx, "output"));
         let (o_fmt, o_bind, lse_bind) = match (&saved, &forward) {
             (Some((o, l)), _) => (self.saved.as_ref().unwrap().0.storage(), o.binding(), l.binding()),
             (None, Some(fw)) => (
                 fw.problem.storage.out,
-                binding(
-                    &fw.output,
-                    fw.output_offset,
-                    fw.problem.storage.out.bytes(rows * p.head_dim_v),
-                ),
+                match &fw_up {
+                    Some(o) => o.binding(),
+                    None => binding(
+                        &fw.output,
+                        fw.output_offset,
+                        fw.problem.storage.out.bytes(rows * p.head_dim_v),
+                    ),
+                },
                 fw.lse.as_entire_buffer_binding(),
             ),
             (None, None) => unreachable!("the forward runs when nothing is saved"),
@@ -304,7 +330,7 @@ impl<'a> Backward<'a> {
             ctx,
             encoder,
             &kb::PREP,
-            &kb::prep_prelude(o_fmt, f.out),
+            &kb::prep_prelude(o_fmt, f.out, &p.views),
             &[o_bind, dout.binding(), lse_bind, stats.as_entire_buffer_binding()],
             &kb::Params {
                 total: rows as u32,
@@ -431,7 +457,7 @@ fn check_workgroups(ctx: &Context, n: usize) -> Result<()> {
 /// The backward's plan.
 #[derive(Debug, Clone)]
 pub(crate) enum Plan {
-    Fused(kb::Config),
+    Fused(Box<kb::Config>),
     Unfused(ChunkPlan),
 }
 
@@ -447,11 +473,13 @@ impl Plan {
 pub(crate) fn plan(p: &Problem, path: Path, caps: &Caps) -> Result<Plan> {
     let fused = kb::Config::new(p, caps);
     match path {
-        Path::Auto if fused.is_ok() => Ok(Plan::Fused(fused.expect("checked"))),
-        Path::Fused => Ok(Plan::Fused(fused.map_err(|reason| Error::Unsupported {
-            path: "fused",
-            reason: format!("{reason}; Path::Auto falls back to Path::Unfused"),
-        })?)),
+        Path::Auto if fused.is_ok() => Ok(Plan::Fused(Box::new(fused.expect("checked")))),
+        Path::Fused => Ok(Plan::Fused(Box::new(fused.map_err(|reason| {
+            Error::Unsupported {
+                path: "fused",
+                reason: format!("{reason}; Path::Auto falls back to Path::Unfused"),
+            }
+        })?))),
         Path::Auto | Path::Unfused => {
             // Four score-sized chunks (S, dP/dS, Pᵀ, dSᵀ), each within a binding; whole
             // groups of query heads where they fit, so that one product sums a group.
@@ -558,6 +586,13 @@ fn record_unfused(
     let dk_bind = || binding(dkv, 0, f32_bytes(kv_rows * p.head_dim));
     let dv_bind = || binding(dkv, f32_bytes(dv_off), f32_bytes(kv_rows * p.head_dim_v));
     let prelude = kb::ds_prelude(p.mask.is_some(), p.bias.is_some(), f.bias);
+    let dense = crate::view::View::dense;
+    let (qv, kv) = (
+        p.views.q.unwrap_or(dense(p.q_shape())),
+        p.views.k.unwrap_or(dense(p.k_shape())),
+    );
+    let vv = p.views.v.unwrap_or(dense(p.v_shape()));
+    let gv = p.views.dout.unwrap_or(dense(p.out_shape()));
     for z0 in (0..bh).step_by(chunks.heads) {
         let nz = chunks.heads.min(bh - z0);
         for i0 in (0..p.seq_q).step_by(chunks.rows) {
@@ -565,9 +600,9 @@ fn record_unfused(
             let bytes = f32_bytes(nz * lc * p.seq_kv);
             let (z0u, i0u, lcu, nzu) = (z0 as u32, i0 as u32, lc as u32, nz as u32);
             // S = scale·Q Kᵀ and dP = dO Vᵀ for rows i0.. of heads z0..
-            for (a, b, c, d, fa, fb, alpha) in [
-                (&io.q, &io.k, &sc, e, f.q, f.k, p.scale),
-                (&io.dout, &io.v, &dp, ev, f.out, f.v, 1.0),
+            for (a, b, c, d, fa, fb, alpha, av, bv) in [
+                (&io.q, &io.k, &sc, e, f.q, f.k, p.scale, qv, kv),
+                (&io.dout, &io.v, &dp, ev, f.out, f.v, 1.0, gv, vv),
             ] {
                 matmul::Matmul {
                     a: a.clone(),
@@ -579,10 +614,11 @@ fn record_unfused(
                         group,
                         a_z0: z0u,
                         b_z0: z0u,
-                        a_batch: l * d,
-                        a_off: i0u * d,
                         ..matmul::Params::dense(lcu, s, d, true, alpha)
-                    },
+                    }
+                    .split_heads()
+                    .a_view(av, i0)
+                    .b_view(bv, 0),
                     batch: nzu,
                     trans_b: true,
                     formats: [fa, fb, Storage::F32, Storage::F32],
@@ -593,7 +629,11 @@ fn record_unfused(
             }
             // The group width of the transposes: whole groups of whole heads (one product per
             // kv head of the chunk), else one head (a product per head).
-            let grouped = lc == p.seq_q && nz.is_multiple_of(p.group());
+            // (Only dense q and dO stack the heads of a group as rows of one matrix.)
+            let grouped = lc == p.seq_q
+                && nz.is_multiple_of(p.group())
+                && p.views.q.is_none()
+                && p.views.dout.is_none();
             let gw = if grouped { p.group() } else { 1 };
             let total = nz * lc * p.seq_kv;
             kb::record(
@@ -634,7 +674,9 @@ fn record_unfused(
                     c_batch: l * e,
                     c_off: i0u * e,
                     ..matmul::Params::dense(lcu, e, s, false, p.scale)
-                },
+                }
+                .split_heads()
+                .b_view(kv, 0),
                 batch: nzu,
                 trans_b: false,
                 formats: [Storage::F32, f.k, Storage::F32, f.q],
@@ -651,26 +693,33 @@ fn record_unfused(
             } else {
                 (0..nzu).map(|zl| (zl, 1)).collect()
             };
-            for (a, b, c, d, fb, alpha) in [
-                (&pt, &io.dout, dv_bind(), ev, f.out, 1.0),
-                (&dst, &io.q, dk_bind(), e, f.q, p.scale),
+            for (a, b, c, d, fb, alpha, bv) in [
+                (&pt, &io.dout, dv_bind(), ev, f.out, 1.0, gv),
+                (&dst, &io.q, dk_bind(), e, f.q, p.scale, qv),
             ] {
                 for &(zl, batch) in &slices {
                     let z = z0u + zl;
+                    let params = matmul::Params {
+                        a_z0: zl,
+                        b_z0: z / gwu,
+                        b_batch: gwu * l * d,
+                        b_off: i0u * d,
+                        c_z0: z / group,
+                        c_batch: s * d,
+                        ..matmul::Params::dense(s, d, gwu * lcu, false, alpha)
+                    };
+                    // Through a view: one head (gw = 1) of rows i0.. of query head z.
+                    let params = if grouped {
+                        params
+                    } else {
+                        matmul::Params { heads, ..params }.split_heads().b_view(bv, i0)
+                    };
                     matmul::Matmul {
                         a: binding(a, 0, bytes),
                         b: b.clone(),
                         bias: None,
                         c: c.clone(),
-                        params: matmul::Params {
-                            a_z0: zl,
-                            b_z0: z / gwu,
-                            b_batch: gwu * l * d,
-                            b_off: i0u * d,
-                            c_z0: z / group,
-                            c_batch: s * d,
-                            ..matmul::Params::dense(s, d, gwu * lcu, false, alpha)
-                        },
+                        params,
                         batch,
                         trans_b: false,
                         formats: [Storage::F32, fb, Storage::F32, Storage::F32],

@@ -4,7 +4,7 @@
 use crate::buffers::{binding, dummy, f32_bytes, fits, output, scratch, storage_init, Operand};
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::kernels::{decode, flash, matmul, softmax, Masks};
+use crate::kernels::{decode, flash, matmul, softmax, Masks, TensorViews};
 use crate::problem::Problem;
 use crate::storage::Storage;
 use crate::tensor::Mask;
@@ -25,9 +25,9 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
     let binding_limit = "max_storage_buffer_binding_size";
 
     // Validate every size against the device before creating anything.
-    let q = Operand::check(ctx, "q", &sdpa.q)?;
-    let k = Operand::check(ctx, "k", &sdpa.k)?;
-    let v = Operand::check(ctx, "v", &sdpa.v)?;
+    let q = Operand::check_viewed(ctx, "q", &sdpa.q)?;
+    let k = Operand::check_viewed(ctx, "k", &sdpa.k)?;
+    let v = Operand::check_viewed(ctx, "v", &sdpa.v)?;
     let bias = sdpa
         .options
         .bias
@@ -36,9 +36,11 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         .transpose()?;
     let out_bytes = p.storage.out.bytes(p.out_shape().iter().product());
     fits("output", out_bytes, max_binding, binding_limit)?;
-    if let Some(t) = &sdpa.out {
-        Operand::check(ctx, "output", t)?;
-    }
+    let out_op = sdpa
+        .out
+        .as_ref()
+        .map(|t| Operand::check_viewed(ctx, "output", t))
+        .transpose()?;
     let weights_bytes = f32_bytes(p.batch_heads() * p.seq_q * p.seq_kv);
     if sdpa.weights {
         fits(
@@ -66,6 +68,7 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         .kv_lens
         .as_ref()
         .map(|l| storage_init(ctx, "kv_lens", bytemuck::cast_slice(l)));
+    let out_up = out_op.as_ref().map(|o| o.upload(ctx, "output"));
     let (out_buf, out_off) = match sdpa.out_buffer() {
         Some((b, off)) => (b.clone(), off),
         None => (output(ctx, "output", out_bytes), 0),
@@ -83,7 +86,9 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
             .zip(packed_mask.as_ref())
             .map(|(b, (_, st))| (b, *st)),
         lens: lens_buf.as_ref(),
-        out: binding(&out_buf, out_off, out_bytes),
+        out: out_up
+            .as_ref()
+            .map_or_else(|| binding(&out_buf, 0, out_bytes), |u| u.binding()),
         lse: &lse_buf,
         weights: weights_buf.as_ref(),
         dummy: &dummy,
@@ -204,6 +209,17 @@ fn record_unfused(
     );
     let masks = io.masks(p);
     let (heads, group) = (p.q_heads as u32, p.group() as u32);
+    // Where q, k, v and the output lie: their views, or dense.
+    let (q_shape, k_shape) = (
+        [p.batch, p.q_heads, p.seq_q, p.head_dim],
+        [p.batch, p.kv_heads, p.seq_kv, p.head_dim],
+    );
+    let v_shape = [p.batch, p.kv_heads, p.seq_kv, p.head_dim_v];
+    let dense = crate::view::View::dense;
+    let qv = p.views.q.unwrap_or(dense(q_shape));
+    let kv = p.views.k.unwrap_or(dense(k_shape));
+    let vv = p.views.v.unwrap_or(dense(v_shape));
+    let ov = p.views.out.unwrap_or(dense(p.out_shape()));
     for z0 in (0..bh).step_by(chunks.heads) {
         let nz = chunks.heads.min(bh - z0);
         for i0 in (0..p.seq_q).step_by(chunks.rows) {
@@ -222,10 +238,11 @@ fn record_unfused(
                     group,
                     a_z0: z0 as u32,
                     b_z0: z0 as u32,
-                    a_batch: l * e,
-                    a_off: i0 as u32 * e,
                     ..matmul::Params::dense(lc as u32, s, e, true, p.scale)
-                },
+                }
+                .split_heads()
+                .a_view(qv, i0)
+                .b_view(kv, 0),
                 batch: nz as u32,
                 trans_b: true,
                 formats: [p.storage.q, p.storage.k, Storage::F32, Storage::F32],
@@ -268,10 +285,11 @@ fn record_unfused(
                     group,
                     b_z0: z0 as u32,
                     c_z0: z0 as u32,
-                    c_batch: l * ev,
-                    c_off: i0 as u32 * ev,
                     ..matmul::Params::dense(lc as u32, ev, s, false, 1.0)
-                },
+                }
+                .split_heads()
+                .b_view(vv, 0)
+                .c_view(ov, i0),
                 batch: nz as u32,
                 trans_b: false,
                 formats: [Storage::F32, p.storage.v, Storage::F32, p.storage.out],
@@ -315,6 +333,7 @@ fn record_fused(
         &buffers,
         &flash::Params {
             m: io.masks(p),
+            x: TensorViews::new(p),
             l: p.seq_q as u32,
             s: p.seq_kv as u32,
             e: p.head_dim as u32,
@@ -364,6 +383,7 @@ fn record_decode(
         ),
         &decode::Params {
             m: io.masks(p),
+            x: TensorViews::new(p),
             l: p.seq_q as u32,
             s: p.seq_kv as u32,
             e: p.head_dim as u32,
@@ -390,8 +410,10 @@ fn record_decode(
             rows: rows as u32,
             splits: cfg.splits as u32,
             ev: p.head_dim_v as u32,
+            x: TensorViews::new(p),
             ..Default::default()
         },
         (Storage::F32, p.storage.out),
+        p.views.out,
     )
 }

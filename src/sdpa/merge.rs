@@ -88,6 +88,7 @@ pub async fn merge<'a>(
                     ..Default::default()
                 },
                 (Storage::F32, storage),
+                None,
             )?;
             Ok((out, lse))
         })

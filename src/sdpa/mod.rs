@@ -92,7 +92,8 @@ pub struct Output {
 /// Attention results left on the GPU by [`Sdpa::record`].
 #[derive(Debug, Clone)]
 pub struct GpuOutput {
-    /// Buffer holding the output `[B, Hq, L, Ev]` (the caller's, if one was given).
+    /// Buffer holding the output `[B, Hq, L, Ev]` (the caller's, if one was given, laid out as
+    /// its tensor says: a layout or strides put the elements where they say).
     pub output: wgpu::Buffer,
     /// Byte offset of the output in [`GpuOutput::output`].
     pub output_offset: u64,
@@ -248,13 +249,26 @@ impl<'a> Sdpa<'a> {
                 _ => out = t.storage(),
             }
         }
-        Ok(p.with_storage(Formats {
+        let mut p = p.with_storage(Formats {
             q,
             k: self.k.storage(),
             v: self.v.storage(),
             bias: self.options.bias.as_ref().map_or(Storage::F32, |b| b.storage()),
             out,
-        }))
+        });
+        p.views = crate::view::Views {
+            q: crate::view::of_tensor("q", &self.q)?,
+            k: crate::view::of_tensor("k", &self.k)?,
+            v: crate::view::of_tensor("v", &self.v)?,
+            out: self
+                .out
+                .as_ref()
+                .map(|t| crate::view::of_output("output", t))
+                .transpose()?
+                .flatten(),
+            dout: None,
+        };
+        Ok(p)
     }
 
     /// The plan of this call on `ctx`: the concrete path ([`Path::Auto`] resolved), the form
@@ -294,15 +308,7 @@ impl<'a> Sdpa<'a> {
             .submit("wgpu-attention sdpa", |encoder| self.record(ctx, encoder))
             .await?;
         let p = &gpu.problem;
-        let output = ctx
-            .read_as_f32(
-                &gpu.output,
-                gpu.output_offset,
-                p.out_shape().iter().product(),
-                p.storage.out,
-            )
-            .await?;
-        let output = Array4::from_shape_vec(p.out_shape(), output).expect("output length");
+        let output = read_output(ctx, &gpu).await?;
         let lse = if self.lse {
             let v = ctx
                 .read_f32(&gpu.lse, 0, f32_bytes(p.batch_heads() * p.seq_q))
@@ -406,14 +412,45 @@ impl Sdpa<'_> {
                     .map(|(sh, d)| Tensor::from_slice(d, sh).with_storage(f.bias)),
                 kv_lens: self.options.kv_lens.as_ref().map(|l| vec![s; l.len()]),
             };
+            // Tensors read through views are prepared as views (the kernels differ): zeroed
+            // scratch behind each, at the same offset within 256 bytes, with the same layout.
+            let shapes = [[b, hq, l, e], [b, hkv, s, e], [b, hkv, s, ev], base.out_shape()];
+            let formats = [f.q, f.k, f.v, f.out];
+            let given = [Some(&self.q), Some(&self.k), Some(&self.v), self.out.as_ref()];
+            let mut scratch_views = Vec::new();
+            for ((t, shape), st) in given.into_iter().zip(shapes).zip(formats) {
+                scratch_views.push(match t.and_then(view_spec) {
+                    Some((rem, mut spec)) => {
+                        if let Some(c) = &mut spec.capacity {
+                            *c = (*c).max(shape[2]);
+                        }
+                        let view = crate::view::resolve("prepare", &spec, &shape, rem, st)?
+                            .unwrap_or(crate::view::View::dense(shape));
+                        let bytes = (rem + st.bytes(view.extent(shape))).next_multiple_of(16);
+                        let buf = crate::buffers::scratch(ctx, "prepare view", bytes);
+                        Some((buf, rem, spec))
+                    }
+                    None => None,
+                });
+            }
+            let viewed = |i: usize| {
+                scratch_views[i].as_ref().map(|(buf, rem, spec)| {
+                    let mut t = Tensor::from_buffer(buf, formats[i], &shapes[i]).at_offset(*rem);
+                    t.view = spec.clone();
+                    t
+                })
+            };
             let mut call = Sdpa::new(
-                Tensor::from_slice(&q, &[b, hq, l, e]).with_storage(f.q),
-                Tensor::from_slice(&k, &[b, hkv, s, e]).with_storage(f.k),
-                Tensor::from_slice(&v, &[b, hkv, s, ev]).with_storage(f.v),
+                viewed(0).unwrap_or_else(|| Tensor::from_slice(&q, &shapes[0]).with_storage(f.q)),
+                viewed(1).unwrap_or_else(|| Tensor::from_slice(&k, &shapes[1]).with_storage(f.k)),
+                viewed(2).unwrap_or_else(|| Tensor::from_slice(&v, &shapes[2]).with_storage(f.v)),
             )
             .options(options)
             .path(self.path)
             .output_storage(f.out);
+            if let Some(out) = viewed(3) {
+                call = call.output_into(out);
+            }
             call.weights = self.weights;
             call.lse = self.lse;
             call.max_scores_bytes = self.max_scores_bytes;
@@ -435,6 +472,49 @@ impl Sdpa<'_> {
     #[cfg(not(target_arch = "wasm32"))]
     pub fn prepare_blocking(&self, ctx: &Context, seq_kv: std::ops::RangeInclusive<usize>) -> Result<usize> {
         pollster::block_on(self.prepare(ctx, seq_kv))
+    }
+}
+
+/// The output of a recorded call read back `[B, Hq, L, Ev]` (through its view, when it was
+/// written through one) and widened to f32.
+pub(crate) async fn read_output(ctx: &Context, gpu: &GpuOutput) -> Result<Array4<f32>> {
+    let p = &gpu.problem;
+    let shape = p.out_shape();
+    match p.views.out {
+        None => {
+            let v = ctx
+                .read_as_f32(
+                    &gpu.output,
+                    gpu.output_offset,
+                    shape.iter().product(),
+                    p.storage.out,
+                )
+                .await?;
+            Ok(Array4::from_shape_vec(shape, v).expect("output length"))
+        }
+        Some(view) => {
+            let start = gpu.output_offset - gpu.output_offset % crate::view::BIND_ALIGN;
+            let all = ctx
+                .read_as_f32(&gpu.output, start, view.extent(shape), p.storage.out)
+                .await?;
+            let [sb, sh, ss, _] = view.strides;
+            Ok(Array4::from_shape_fn(shape, |(b, h, i, e)| {
+                all[view.offset + b * sb + h * sh + i * ss + e]
+            }))
+        }
+    }
+}
+
+/// A GPU tensor's offset within 256 bytes and its view request, when it is read through a
+/// view (not dense from a 256-aligned offset).
+fn view_spec(t: &Tensor) -> Option<(u64, crate::view::ViewSpec)> {
+    match &t.data {
+        crate::tensor::TensorData::Gpu { offset, .. }
+            if t.view.is_set() || !offset.is_multiple_of(crate::view::BIND_ALIGN) =>
+        {
+            Some((offset % crate::view::BIND_ALIGN, t.view.clone()))
+        }
+        _ => None,
     }
 }
 

@@ -550,7 +550,8 @@ fn seq_project(
             heads: group as u32,
             group: group as u32,
             ..mm::Params::dense(rows as u32, n as u32, len as u32, false, 1.0)
-        },
+        }
+        .split_heads(),
         batch: batch as u32,
         trans_b: false,
         formats: [f32s, fx, f32s, f32s],

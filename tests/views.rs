@@ -1,0 +1,561 @@
+//! Views: q, k, v, the output and dout read (written) in place in the caller's buffers through
+//! layouts, sequence capacities, strides and element offsets, on every path and in the
+//! backward, against the CPU reference. Inputs sit in buffers whose other elements are NaN (a
+//! stray read shows up as a NaN output); outputs in buffers whose other elements hold a
+//! sentinel that must survive (a stray write shows up too).
+
+mod common;
+
+use common::{assert_report, ctx, twice_storage_tolerance, Case, TOL};
+use ndarray::Array4;
+use wgpu_attention::check::{compare, Tolerance};
+use wgpu_attention::{wgpu, Causal, Context, Error, Path, Sdpa, Storage, Tensor, TensorLayout};
+
+/// Where a `[B, H, S, E]` tensor lies in a buffer of `len` elements: the byte offset given to
+/// `at_offset` and the element strides given to `with_strides`.
+#[derive(Debug, Clone, Copy)]
+struct Place {
+    offset_bytes: u64,
+    strides: [usize; 4],
+    len: usize,
+}
+
+impl Place {
+    /// The element of index `i` (from the buffer's start).
+    fn at(&self, i: [usize; 4], s: Storage) -> usize {
+        self.offset_bytes as usize / s.element_bytes() as usize
+            + (0..4).map(|d| i[d] * self.strides[d]).sum::<usize>()
+    }
+
+    /// A layout with `cap` rows per head, `pad` spare elements before the tensor (its offset)
+    /// and after it.
+    fn layout(layout: TensorLayout, shape: [usize; 4], cap: usize, pad: usize, s: Storage) -> Place {
+        let strides = layout.strides(shape[1], cap, shape[3]);
+        let len = pad + shape[0] * strides[0] + pad;
+        Place {
+            offset_bytes: pad as u64 * s.element_bytes(),
+            strides,
+            len,
+        }
+    }
+}
+
+fn encode(values: &[f32], s: Storage) -> Vec<u8> {
+    let mut bytes: Vec<u8> = match s {
+        Storage::F32 => bytemuck::cast_slice(values).to_vec(),
+        Storage::F16 => values
+            .iter()
+            .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+            .collect(),
+        _ => values
+            .iter()
+            .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+            .collect(),
+    };
+    bytes.resize(bytes.len().next_multiple_of(4), 0);
+    bytes
+}
+
+/// A buffer of `place.len` elements in format `s`, `fill` everywhere but at the tensor `a`.
+fn placed(ctx: &Context, a: &Array4<f32>, place: &Place, s: Storage, fill: f32) -> wgpu::Buffer {
+    use wgpu::util::DeviceExt;
+    let mut host = vec![fill; place.len];
+    for (i, &x) in a.indexed_iter() {
+        host[place.at([i.0, i.1, i.2, i.3], s)] = x;
+    }
+    ctx.device()
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("view test"),
+            contents: &encode(&host, s),
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        })
+}
+
+fn tensor<'a>(buf: &'a wgpu::Buffer, place: &Place, s: Storage, shape: [usize; 4]) -> Tensor<'a> {
+    Tensor::from_buffer(buf, s, &shape)
+        .at_offset(place.offset_bytes)
+        .with_strides(&place.strides)
+}
+
+/// The whole buffer back: the tensor at `place`, and whether every other element still holds
+/// `fill`.
+fn read_back(
+    ctx: &Context,
+    buf: &wgpu::Buffer,
+    place: &Place,
+    s: Storage,
+    shape: [usize; 4],
+    fill: f32,
+) -> (Array4<f32>, usize) {
+    let all = pollster::block_on(ctx.read_as_f32(buf, 0, place.len, s)).unwrap();
+    let mut inside = vec![false; place.len];
+    let a = Array4::from_shape_fn(shape, |(b, h, i, e)| {
+        let at = place.at([b, h, i, e], s);
+        inside[at] = true;
+        all[at]
+    });
+    let stray = all
+        .iter()
+        .zip(&inside)
+        .filter(|(x, inside)| !**inside && x.to_bits() != fill.to_bits())
+        .count();
+    (a, stray)
+}
+
+const SENTINEL: f32 = 7.0;
+
+/// The views of one test: q, k, v and the output.
+struct Views {
+    name: &'static str,
+    q: Place,
+    k: Place,
+    v: Place,
+    out: Place,
+}
+
+/// Every kind of view for the case's shape in format `s`: `[B, S, H, E]` everywhere, a KV
+/// cache with spare capacity (both layouts), odd element offsets and strides (the scalar
+/// accessors), and q, k, v packed in one `[B, S, 3, H, E]` buffer (when Hq = Hkv and E = Ev).
+fn views(case: &Case, s: Storage) -> Vec<(Views, bool)> {
+    let (b, hq, l, e) = case.q.dim();
+    let (_, hkv, sk, ev) = case.v.dim();
+    let (qs, ks, vs, os) = ([b, hq, l, e], [b, hkv, sk, e], [b, hkv, sk, ev], [b, hq, l, ev]);
+    let lay = |layout, shape: [usize; 4], cap, pad| Place::layout(layout, shape, cap, pad, s);
+    let mut out = vec![
+        (
+            Views {
+                name: "bshe",
+                q: lay(TensorLayout::Bshe, qs, l, 0),
+                k: lay(TensorLayout::Bshe, ks, sk, 0),
+                v: lay(TensorLayout::Bshe, vs, sk, 0),
+                out: lay(TensorLayout::Bshe, os, l, 0),
+            },
+            false,
+        ),
+        (
+            Views {
+                name: "kv cache capacity",
+                q: lay(TensorLayout::Bhse, qs, l, 0),
+                k: lay(TensorLayout::Bhse, ks, sk + 9, 0),
+                v: lay(TensorLayout::Bshe, vs, sk + 4, 0),
+                out: lay(TensorLayout::Bhse, os, l + 3, 0),
+            },
+            false,
+        ),
+    ];
+    // Odd offsets and strides: rows 1 element apart from each other's ends, heads and batches
+    // further.
+    let odd = |shape: [usize; 4], off: usize| {
+        let row = shape[3] + 1;
+        let head = shape[2] * row + 3;
+        let batch = shape[1] * head + 5;
+        Place {
+            offset_bytes: off as u64 * s.element_bytes(),
+            strides: [batch, head, row, 1],
+            len: off + shape[0] * batch + 2,
+        }
+    };
+    out.push((
+        Views {
+            name: "odd offsets and strides",
+            q: odd(qs, 3),
+            k: odd(ks, 1),
+            v: odd(vs, 129),
+            out: odd(os, 5),
+        },
+        false,
+    ));
+    if hq == hkv && e == ev {
+        // One [B, S, 3, H, E] buffer: q, k, v at element offsets 0, H·E, 2·H·E.
+        let row = 3 * hq * e;
+        let packed = |which: usize, rows: usize| Place {
+            offset_bytes: (which * hq * e) as u64 * s.element_bytes(),
+            strides: [rows * row, e, row, 1],
+            len: b * rows.max(l).max(sk) * row,
+        };
+        out.push((
+            Views {
+                name: "packed qkv",
+                q: packed(0, l.max(sk)),
+                k: packed(1, l.max(sk)),
+                v: packed(2, l.max(sk)),
+                out: lay(TensorLayout::Bshe, os, l, 0),
+            },
+            true,
+        ));
+    }
+    out
+}
+
+/// Run the case with its q, k, v and output through every view, on `path`, against the
+/// reference; the output buffer's other elements must be untouched.
+fn check_views(ctx: &Context, case: &Case, path: Path, label: &str) {
+    let s = case.storage;
+    let tol = if s == Storage::F32 {
+        TOL
+    } else {
+        twice_storage_tolerance(s)
+    };
+    let want = case.reference();
+    let (b, hq, l, _) = case.q.dim();
+    let ev = case.v.dim().3;
+    let os = [b, hq, l, ev];
+    for (v, packed) in views(case, s) {
+        let label = format!("{label} {} {path:?} {s:?}", v.name);
+        let nan = f32::NAN;
+        let (qb, kb, vb);
+        let shared;
+        let (qbuf, kbuf, vbuf) = if packed {
+            // One buffer holding all three.
+            let mut host = vec![nan; v.q.len];
+            for (a, p) in [(&case.q, &v.q), (&case.k, &v.k), (&case.v, &v.v)] {
+                for (i, &x) in a.indexed_iter() {
+                    host[p.at([i.0, i.1, i.2, i.3], s)] = x;
+                }
+            }
+            use wgpu::util::DeviceExt;
+            shared = ctx
+                .device()
+                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some("packed qkv"),
+                    contents: &encode(&host, s),
+                    usage: wgpu::BufferUsages::STORAGE,
+                });
+            (&shared, &shared, &shared)
+        } else {
+            qb = placed(ctx, &case.q, &v.q, s, nan);
+            kb = placed(ctx, &case.k, &v.k, s, nan);
+            vb = placed(ctx, &case.v, &v.v, s, nan);
+            (&qb, &kb, &vb)
+        };
+        let outb = placed(ctx, &Array4::zeros(os), &v.out, s, SENTINEL);
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        Sdpa::new(
+            tensor(qbuf, &v.q, s, case.q.dim().into()),
+            tensor(kbuf, &v.k, s, case.k.dim().into()),
+            tensor(vbuf, &v.v, s, case.v.dim().into()),
+        )
+        .options(case.options())
+        .path(path)
+        .output_into(tensor(&outb, &v.out, s, os))
+        .record(ctx, &mut enc)
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+        ctx.queue().submit([enc.finish()]);
+        let (got, stray) = read_back(ctx, &outb, &v.out, s, os, SENTINEL);
+        assert_report(
+            compare(got.iter().copied(), want.out.iter().copied(), tol),
+            &label,
+        );
+        assert_eq!(stray, 0, "{label}: elements outside the output view were written");
+        // run: the host output gathered through the output's view.
+        let host = Sdpa::new(
+            tensor(qbuf, &v.q, s, case.q.dim().into()),
+            tensor(kbuf, &v.k, s, case.k.dim().into()),
+            tensor(vbuf, &v.v, s, case.v.dim().into()),
+        )
+        .options(case.options())
+        .path(path)
+        .output_into(tensor(&outb, &v.out, s, os))
+        .run_blocking(ctx)
+        .unwrap_or_else(|e| panic!("{label} run: {e}"));
+        assert_report(
+            compare(host.output.iter().copied(), want.out.iter().copied(), tol),
+            &format!("{label} run"),
+        );
+    }
+}
+
+fn masked(case: Case) -> Case {
+    let mut c = case.with_causal(Causal::BottomRight).with_random_bias(5);
+    let b = c.q.dim().0;
+    let s = c.k.dim().2;
+    c.kv_lens = Some((0..b).map(|i| [s, s / 2 + 1][i % 2]).collect());
+    c
+}
+
+#[test]
+fn views_on_every_path_match_reference() {
+    let Some(ctx) = ctx() else { return };
+    // Tails everywhere; GQA; E != Ev; vec4 rows (E, Ev multiples of 4) and scalar ones.
+    let shapes = [
+        ((2, 4, 2, 7, 13, 16, 8), 1),
+        ((1, 2, 2, 5, 11, 8, 8), 2),
+        ((2, 2, 1, 3, 9, 6, 5), 3),
+    ];
+    for (shape, seed) in shapes {
+        for s in [Storage::F32, Storage::F16] {
+            let plain = Case::random(shape, seed).with_storage(s);
+            let mask = masked(Case::random(shape, seed + 10).with_storage(s));
+            for path in Path::ALL {
+                check_views(ctx, &plain, path, &format!("{shape:?}"));
+                check_views(ctx, &mask, path, &format!("{shape:?} masked"));
+            }
+        }
+    }
+}
+
+/// A decode step: one query per sequence against a KV cache of capacity 640 in `[B, S, H, E]`
+/// holding 600 and 77 tokens (key lengths), on the decode path's split-K kernels and merge.
+#[test]
+fn decode_step_on_a_bshe_kv_cache() {
+    let Some(ctx) = ctx() else { return };
+    for s in [Storage::F32, Storage::Bf16] {
+        let mut case = Case::random((2, 4, 2, 1, 600, 16, 16), 40).with_storage(s);
+        case.kv_lens = Some(vec![600, 77]);
+        case.causal = Causal::BottomRight;
+        let want = case.reference();
+        let tol = if s == Storage::F32 {
+            TOL
+        } else {
+            twice_storage_tolerance(s)
+        };
+        let kp = Place::layout(TensorLayout::Bshe, [2, 2, 600, 16], 640, 0, s);
+        let (kb, vb) = (
+            placed(ctx, &case.k, &kp, s, f32::NAN),
+            placed(ctx, &case.v, &kp, s, f32::NAN),
+        );
+        for path in [Path::Decode, Path::Auto] {
+            // The named layout and capacity, not explicit strides.
+            let kv = |b| {
+                Tensor::from_buffer(b, s, &[2, 2, 600, 16])
+                    .with_layout(TensorLayout::Bshe)
+                    .with_seq_capacity(640)
+            };
+            let got = Sdpa::new(Tensor::from(&case.q).with_storage(s), kv(&kb), kv(&vb))
+                .options(case.options())
+                .path(path)
+                .run_blocking(ctx)
+                .unwrap();
+            assert_report(
+                compare(got.output.iter().copied(), want.out.iter().copied(), tol),
+                &format!("decode {path:?} {s:?}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn backward_reads_views() {
+    let Some(ctx) = ctx() else { return };
+    for (shape, seed) in [((2, 4, 2, 7, 13, 16, 8), 50), ((1, 2, 1, 6, 9, 6, 5), 51)] {
+        let case = masked(Case::random(shape, seed));
+        let (b, hq, l, _) = case.q.dim();
+        let ev = case.v.dim().3;
+        let os = [b, hq, l, ev];
+        let dout = common::rand_array(&mut common::rng(seed + 1), os);
+        for (v, packed) in views(&case, Storage::F32) {
+            if packed {
+                continue;
+            }
+            let nan = f32::NAN;
+            let qb = placed(ctx, &case.q, &v.q, Storage::F32, nan);
+            let kb = placed(ctx, &case.k, &v.k, Storage::F32, nan);
+            let vb = placed(ctx, &case.v, &v.v, Storage::F32, nan);
+            let gb = placed(ctx, &dout, &v.out, Storage::F32, nan);
+            let f = Storage::F32;
+            for path in [Path::Fused, Path::Unfused] {
+                let label = format!("{shape:?} {} {path:?}", v.name);
+                let sdpa = Sdpa::new(
+                    tensor(&qb, &v.q, f, case.q.dim().into()),
+                    tensor(&kb, &v.k, f, case.k.dim().into()),
+                    tensor(&vb, &v.v, f, case.v.dim().into()),
+                )
+                .options(case.options());
+                let g = sdpa
+                    .clone()
+                    .backward(tensor(&gb, &v.out, f, os))
+                    .path(path)
+                    .run_blocking(ctx)
+                    .unwrap_or_else(|e| panic!("{label}: {e}"));
+                common::assert_grads(&case, &g, &dout, &label);
+                // The saved output given through a view too (the forward's into a view).
+                let ob = placed(ctx, &Array4::zeros(os), &v.out, f, SENTINEL);
+                let fw = sdpa
+                    .clone()
+                    .output_into(tensor(&ob, &v.out, f, os))
+                    .return_lse()
+                    .path(path)
+                    .run_blocking(ctx)
+                    .unwrap();
+                assert_report(
+                    compare(
+                        fw.output.iter().copied(),
+                        case.reference().out.iter().copied(),
+                        TOL,
+                    ),
+                    &format!("{label} forward into a view"),
+                );
+                let lse = fw.lse.unwrap();
+                // The forward run by the backward, into the output view: Grads::output.
+                let g3 = sdpa
+                    .clone()
+                    .output_into(tensor(&ob, &v.out, f, os))
+                    .backward(tensor(&gb, &v.out, f, os))
+                    .path(path)
+                    .run_blocking(ctx)
+                    .unwrap_or_else(|e| panic!("{label} forward into a view: {e}"));
+                common::assert_grads(&case, &g3, &dout, &format!("{label} forward into a view"));
+                let g2 = sdpa
+                    .backward(tensor(&gb, &v.out, f, os))
+                    .saved(tensor(&ob, &v.out, f, os), &lse)
+                    .path(path)
+                    .run_blocking(ctx)
+                    .unwrap_or_else(|e| panic!("{label} saved: {e}"));
+                let tol = Tolerance {
+                    atol: 1e-5,
+                    rtol: 1e-5,
+                };
+                for (a, b, n) in [
+                    (&g.dq, &g2.dq, "dq"),
+                    (&g.dk, &g2.dk, "dk"),
+                    (&g.dv, &g2.dv, "dv"),
+                ] {
+                    assert_report(
+                        compare(b.iter().copied(), a.iter().map(|&x| x as f64), tol),
+                        &format!("{label} saved {n}"),
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Plausible mistakes with views are typed errors before any GPU work.
+#[test]
+fn view_mistakes_are_typed_errors() {
+    let Some(ctx) = ctx() else { return };
+    let buf = ctx.device().create_buffer(&wgpu::BufferDescriptor {
+        label: None,
+        size: 4096,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let f = Storage::F32;
+    let q = || Tensor::from_buffer(&buf, f, &[1, 2, 4, 8]);
+    let run = |q: Tensor, out: Option<Tensor>| {
+        let mut s = Sdpa::new(
+            q,
+            Tensor::from_buffer(&buf, f, &[1, 2, 4, 8]),
+            Tensor::from_buffer(&buf, f, &[1, 2, 4, 8]),
+        );
+        if let Some(o) = out {
+            s = s.output_into(o);
+        }
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        s.record(ctx, &mut enc).map(|_| ())
+    };
+    let bad = |r: Result<(), Error>, what: &str, label: &str| match r {
+        Err(Error::BadBuffer { reason, .. }) => assert!(reason.contains(what), "{label}: {reason}"),
+        other => panic!("{label}: expected BadBuffer mentioning {what:?}, got {other:?}"),
+    };
+    // A head dim that is not contiguous.
+    bad(
+        run(q().with_strides(&[64, 32, 8, 2]), None),
+        "contiguous",
+        "E stride 2",
+    );
+    // Three strides.
+    bad(
+        run(q().with_strides(&[64, 32, 8]), None),
+        "4 strides",
+        "three strides",
+    );
+    // Strides and a layout at once.
+    bad(
+        run(
+            q().with_strides(&[64, 32, 8, 1]).with_layout(TensorLayout::Bshe),
+            None,
+        ),
+        "cannot be combined",
+        "strides and layout",
+    );
+    // A capacity below S.
+    bad(run(q().with_seq_capacity(3), None), "capacity 3", "capacity");
+    // Past the buffer's end: 1 x 2 heads x 200 rows of capacity x 8 > 1024 elements.
+    bad(
+        run(q().with_seq_capacity(200), None),
+        "reaches byte",
+        "past the end",
+    );
+    // An offset that is not a multiple of the element.
+    bad(
+        run(q().at_offset(6), None),
+        "not a multiple of the 4-byte element",
+        "offset",
+    );
+    // An output whose heads overlap.
+    let out = Tensor::from_buffer(&buf, f, &[1, 2, 4, 8]).with_strides(&[64, 16, 8, 1]);
+    bad(run(q(), Some(out)), "overlap", "overlapping output");
+    // Views of host data.
+    let host = Array4::<f32>::zeros((1, 2, 4, 8));
+    bad(
+        run(Tensor::from(&host).with_layout(TensorLayout::Bshe), None),
+        "host data",
+        "host layout",
+    );
+    // A rank-3 tensor with a layout.
+    let r3 = Tensor::from_buffer(&buf, f, &[2, 4, 8]).with_layout(TensorLayout::Bshe);
+    assert!(
+        matches!(run(r3, None), Err(Error::WrongRank { .. })),
+        "rank 3 with a layout"
+    );
+    // The layer takes dense tensors only: a view there is refused, not misread.
+    let m = wgpu_attention::matmul_blocking(
+        ctx,
+        Tensor::from_buffer(&buf, f, &[2, 4, 8]).with_strides(&[32, 8, 1]),
+        Tensor::from_buffer(&buf, f, &[2, 8, 4]),
+        false,
+        1.0,
+    );
+    assert!(
+        matches!(m, Err(Error::BadBuffer { .. })),
+        "matmul of a view: {m:?}"
+    );
+}
+
+/// `prepare` compiles the view kernels a generation loop on a `[B, S, H, E]` cache will run:
+/// after it, steps across the decode threshold compile nothing (before, the views' kernels
+/// were compiled at the first step: an 8 s stall on lavapipe).
+#[test]
+fn prepared_views_cover_a_growing_kv_cache() {
+    let Some(ctx) = ctx() else { return };
+    let fresh = Context::from_device(ctx.device().clone(), ctx.queue().clone());
+    let cap = 700;
+    let f = Storage::F32;
+    let full = Case::random((1, 4, 2, 1, cap, 16, 16), 60);
+    let kp = Place::layout(TensorLayout::Bshe, [1, 2, cap, 16], cap, 0, f);
+    let (kb, vb) = (
+        placed(ctx, &full.k, &kp, f, 0.0),
+        placed(ctx, &full.v, &kp, f, 0.0),
+    );
+    let op = Place::layout(TensorLayout::Bshe, [1, 4, 1, 16], 1, 0, f);
+    let outb = placed(ctx, &Array4::zeros((1, 4, 1, 16)), &op, f, SENTINEL);
+    let call = |s: usize| {
+        let kv = |b| {
+            Tensor::from_buffer(b, f, &[1, 2, s, 16])
+                .with_layout(TensorLayout::Bshe)
+                .with_seq_capacity(cap)
+        };
+        Sdpa::new(&full.q, kv(&kb), kv(&vb))
+            .causal(Causal::BottomRight)
+            .output_into(tensor(&outb, &op, f, [1, 4, 1, 16]))
+    };
+    let forms = call(8).prepare_blocking(&fresh, 1..=cap).unwrap();
+    assert!(forms >= 2, "the decode path and another: {forms}");
+    let prepared = fresh.cached_pipelines();
+    for s in [3, 511, 512, 700] {
+        call(s).run_blocking(&fresh).unwrap();
+        assert_eq!(fresh.cached_pipelines(), prepared, "S = {s} compiled a kernel");
+        let mut case = Case::random((1, 4, 2, 1, s, 16, 16), 60);
+        case.q = full.q.clone();
+        case.k = full.k.slice(ndarray::s![.., .., ..s, ..]).to_owned();
+        case.v = full.v.slice(ndarray::s![.., .., ..s, ..]).to_owned();
+        case.causal = Causal::BottomRight;
+        let (got, stray) = read_back(&fresh, &outb, &op, f, [1, 4, 1, 16], SENTINEL);
+        assert_eq!(stray, 0);
+        assert_report(
+            compare(got.iter().copied(), case.reference().out.iter().copied(), TOL),
+            &format!("S = {s}"),
+        );
+    }
+}
