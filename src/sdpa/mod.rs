@@ -97,7 +97,8 @@ pub struct GpuOutput {
     pub output: wgpu::Buffer,
     /// Byte offset of the output in [`GpuOutput::output`].
     pub output_offset: u64,
-    /// Row logsumexp `[B, Hq, L]`.
+    /// Row logsumexp `[B, Hq, L]` (f32). Always written: every path's kernels produce it on
+    /// the way (4 bytes a row); [`Sdpa::return_lse`] only decides whether `run` reads it back.
     pub lse: wgpu::Buffer,
     /// Attention weights `[B, Hq, L, S]`, when requested.
     pub weights: Option<wgpu::Buffer>,
