@@ -46,6 +46,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         storage: Storage::F32,
     };
     let layer = MultiHeadAttention::new(&ctx, &weights)?; // uploads the parameters once
+    forward_and_backward(&ctx, &layer, &weights)?;
+    decode_step(&ctx, &layer, &weights)?;
+    println!("check: PASS");
+    Ok(())
+}
+
+/// 2. and 3.: causal self-attention over 2 sequences of 10 tokens, and its gradients.
+fn forward_and_backward(
+    ctx: &Context,
+    layer: &MultiHeadAttention,
+    weights: &MhaWeights,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let e = weights.config.d_model;
     let opts = Options {
         causal: Causal::TopLeft,
         ..Default::default()
@@ -53,9 +66,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // 2. Forward: causal self-attention over 2 sequences of 10 tokens.
     let x: Array3<f32> = noise((2, 10, e), 8);
-    let y = layer.forward(&x).causal(Causal::TopLeft).run_blocking(&ctx)?;
+    let y = layer.forward(&x).causal(Causal::TopLeft).run_blocking(ctx)?;
     let inputs = MhaInputs::self_attention(x.view());
-    let want = reference::mha(&weights, &inputs, &opts)?;
+    let want = reference::mha(weights, &inputs, &opts)?;
     let r = compare(y.output.iter().copied(), want.out.iter().copied(), F32_TOLERANCE);
     println!("forward  [2, 10, {e}]: {r}");
     if !r.passed() {
@@ -68,9 +81,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .forward(&x)
         .causal(Causal::TopLeft)
         .backward(&dy)
-        .run_blocking(&ctx)?;
-    let want = reference::mha_backward(&weights, &inputs, &opts, dy.view())?;
-    let plain = reference::mha_backward_f32(&weights, &inputs, &opts, dy.view())?;
+        .run_blocking(ctx)?;
+    let want = reference::mha_backward(weights, &inputs, &opts, dy.view())?;
+    let plain = reference::mha_backward_f32(weights, &inputs, &opts, dy.view())?;
     for (name, got, want, plain) in [
         (
             "dx",
@@ -105,6 +118,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     let _pytorch_names = g.state_dict(true, ""); // in_proj_weight, in_proj_bias, out_proj.*
+    Ok(())
+}
+
+/// 4. One decode step on cached heads, recorded into your encoder, into your buffer.
+fn decode_step(
+    ctx: &Context,
+    layer: &MultiHeadAttention,
+    weights: &MhaWeights,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let (config, e) = (weights.config, weights.config.d_model);
 
     // 4. A decode step as a generation loop runs it: the keys and values of the 30 earlier
     // tokens cached as heads [B, G, S, d_k], the new token's query projected, the whole layer
@@ -125,7 +148,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .key_heads(&k_cache)
         .value_heads(&v_cache)
         .output_into(Tensor::from_buffer(&out, Storage::F32, &[2, 1, e]))
-        .record(&ctx, &mut encoder)?;
+        .record(ctx, &mut encoder)?;
     ctx.queue().submit([encoder.finish()]);
     if let Some(err) = pollster::block_on(scope.pop()) {
         return Err(format!("device error: {err}").into());
@@ -136,12 +159,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         value_heads: Some(v_cache.view()),
         ..MhaInputs::self_attention(token.view())
     };
-    let want = reference::mha(&weights, &step, &Options::default())?;
+    let want = reference::mha(weights, &step, &Options::default())?;
     let r = compare(got.iter().copied(), want.out.iter().copied(), F32_TOLERANCE);
     println!("decode step on cached heads (recorded, your buffer): {r}");
     if !r.passed() {
         return Err("decode step".into());
     }
-    println!("check: PASS");
     Ok(())
 }

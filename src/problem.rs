@@ -292,6 +292,19 @@ impl Problem {
         [self.batch, self.q_heads, self.seq_q, self.head_dim_v]
     }
 
+    /// Where q, k, v, the output and dout lie: their views, or dense.
+    pub(crate) fn views_or_dense(&self) -> [crate::view::View; 5] {
+        let dense = crate::view::View::dense;
+        let x = &self.views;
+        [
+            x.q.unwrap_or(dense(self.q_shape())),
+            x.k.unwrap_or(dense(self.k_shape())),
+            x.v.unwrap_or(dense(self.v_shape())),
+            x.out.unwrap_or(dense(self.out_shape())),
+            x.dout.unwrap_or(dense(self.out_shape())),
+        ]
+    }
+
     /// Whether the kernels can read q, k, v and the output as vec4 rows: E and Ev multiples of
     /// 4, and so every view's offset and strides.
     pub(crate) fn vec4_rows(&self) -> bool {

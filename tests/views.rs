@@ -229,17 +229,20 @@ fn check_views(ctx: &Context, case: &Case, path: Path, label: &str) {
             (&qb, &kb, &vb)
         };
         let outb = placed(ctx, &Array4::zeros(os), &v.out, s, SENTINEL);
+        let call = || {
+            Sdpa::new(
+                tensor(qbuf, &v.q, s, case.q.dim().into()),
+                tensor(kbuf, &v.k, s, case.k.dim().into()),
+                tensor(vbuf, &v.v, s, case.v.dim().into()),
+            )
+            .options(case.options())
+            .path(path)
+            .output_into(tensor(&outb, &v.out, s, os))
+        };
         let mut enc = ctx.device().create_command_encoder(&Default::default());
-        Sdpa::new(
-            tensor(qbuf, &v.q, s, case.q.dim().into()),
-            tensor(kbuf, &v.k, s, case.k.dim().into()),
-            tensor(vbuf, &v.v, s, case.v.dim().into()),
-        )
-        .options(case.options())
-        .path(path)
-        .output_into(tensor(&outb, &v.out, s, os))
-        .record(ctx, &mut enc)
-        .unwrap_or_else(|e| panic!("{label}: {e}"));
+        call()
+            .record(ctx, &mut enc)
+            .unwrap_or_else(|e| panic!("{label}: {e}"));
         ctx.queue().submit([enc.finish()]);
         let (got, stray) = read_back(ctx, &outb, &v.out, s, os, SENTINEL);
         assert_report(
@@ -248,16 +251,9 @@ fn check_views(ctx: &Context, case: &Case, path: Path, label: &str) {
         );
         assert_eq!(stray, 0, "{label}: elements outside the output view were written");
         // run: the host output gathered through the output's view.
-        let host = Sdpa::new(
-            tensor(qbuf, &v.q, s, case.q.dim().into()),
-            tensor(kbuf, &v.k, s, case.k.dim().into()),
-            tensor(vbuf, &v.v, s, case.v.dim().into()),
-        )
-        .options(case.options())
-        .path(path)
-        .output_into(tensor(&outb, &v.out, s, os))
-        .run_blocking(ctx)
-        .unwrap_or_else(|e| panic!("{label} run: {e}"));
+        let host = call()
+            .run_blocking(ctx)
+            .unwrap_or_else(|e| panic!("{label} run: {e}"));
         assert_report(
             compare(host.output.iter().copied(), want.out.iter().copied(), tol),
             &format!("{label} run"),

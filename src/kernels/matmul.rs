@@ -197,36 +197,36 @@ impl Params {
 
     /// A read through `v` (a `[B, H, S, E]` view: batch, head and row strides), from its row `row0`.
     pub(crate) fn a_view(self, v: crate::view::View, row0: usize) -> Params {
-        let [b, h, r, _] = v.strides.map(|x| x as u32);
+        let [a_batch, a_head, a_row, a_off] = operand(v, row0);
         Params {
-            a_batch: b,
-            a_head: h,
-            a_row: r,
-            a_off: (v.offset + row0 * v.strides[2]) as u32,
+            a_batch,
+            a_head,
+            a_row,
+            a_off,
             ..self
         }
     }
 
     /// B read through `v` from its row `row0` (see [`Params::a_view`]).
     pub(crate) fn b_view(self, v: crate::view::View, row0: usize) -> Params {
-        let [b, h, r, _] = v.strides.map(|x| x as u32);
+        let [b_batch, b_head, b_row, b_off] = operand(v, row0);
         Params {
-            b_batch: b,
-            b_head: h,
-            b_row: r,
-            b_off: (v.offset + row0 * v.strides[2]) as u32,
+            b_batch,
+            b_head,
+            b_row,
+            b_off,
             ..self
         }
     }
 
     /// C written through `v` from its row `row0` (see [`Params::a_view`]).
     pub(crate) fn c_view(self, v: crate::view::View, row0: usize) -> Params {
-        let [b, h, r, _] = v.strides.map(|x| x as u32);
+        let [c_batch, c_head, c_row, c_off] = operand(v, row0);
         Params {
-            c_batch: b,
-            c_head: h,
-            c_row: r,
-            c_off: (v.offset + row0 * v.strides[2]) as u32,
+            c_batch,
+            c_head,
+            c_row,
+            c_off,
             ..self
         }
     }
@@ -246,6 +246,12 @@ impl Params {
             ..self
         }
     }
+}
+
+/// An operand's batch, head and row strides and its offset at row `row0`, read through `v`.
+fn operand(v: crate::view::View, row0: usize) -> [u32; 4] {
+    let [b, h, r, _] = v.strides;
+    [b, h, r, v.offset + row0 * r].map(|x| x as u32)
 }
 
 /// The declarations of a, b, bias, c in `formats` and `store_c4`. `c_words`: every row of c

@@ -112,34 +112,7 @@ impl MhaBackward<'_> {
         // The key input's own shape: unused (zero gradient) under given key heads.
         let key_shape = fwd.key_input_shape();
         let value_shape = pass.value.as_ref().map(|_| [b, s, c.vdim]);
-        // Every f32 buffer of the backward, and every product's grid, before any GPU work.
-        let limit = "max_storage_buffer_binding_size";
-        let max = ctx.max_binding();
-        fn elems(x: &[usize]) -> usize {
-            x.iter().product()
-        }
-        for (what, n) in [
-            ("query gradient", elems(&query_shape)),
-            ("key gradient", b * s * c.kdim),
-            ("value gradient", b * s * c.vdim),
-            ("transposed output gradient", b * l * e),
-            ("query head gradients (f32)", b * l * h * d),
-            ("key/value head gradients (f32)", b * s * g * d),
-            ("parameter gradients", e * e.max(c.kdim).max(c.vdim)),
-        ] {
-            fits(what, f32_bytes(n), max, limit)?;
-            fits(what, n as u64, u32::MAX as u64, "u32 element indices")?;
-        }
-        let tq = query_shape[1];
-        for (m, n) in [
-            (e, h * d),
-            (b * l, h * d),
-            (h * d, e.max(query_shape[2])),
-            (g * d, c.kdim.max(c.vdim)),
-            (b * tq.max(s), e.max(c.kdim).max(c.vdim)),
-        ] {
-            mm::check_grid(ctx, "multi-head attention backward", m, n)?;
-        }
+        check_sizes(ctx, &c, &dims, &query_shape)?;
 
         let f32_buf = |label: &str, n: usize| output(ctx, label, f32_bytes(n.max(1)));
         let inputs = pass.upload_inputs();
@@ -184,9 +157,10 @@ impl MhaBackward<'_> {
 
         // The gradient buffers, zeroed: unused inputs and parameters keep zeros, and the
         // input gradients accumulate.
+        let (out, output_offset) = pass.out_buffer();
         let bufs = MhaGpuGrads {
-            output: pass.dummy.clone(), // set below
-            output_offset: 0,
+            output: out.clone(),
+            output_offset,
             query: f32_buf("d query", elems(&query_shape)),
             key: key_shape.map(|sh| f32_buf("d key", elems(&sh[..]))),
             value: value_shape.map(|sh| f32_buf("d value", elems(&sh[..]))),
@@ -277,48 +251,18 @@ impl MhaBackward<'_> {
             ),
         ];
         for (i, heads, n, t, x, w, inw, dx, given) in projections {
-            if given {
-                continue;
+            if !given {
+                lin.record_heads(
+                    enc,
+                    heads,
+                    [b, n, t, d],
+                    x,
+                    (w, inw),
+                    (&bufs.w[i], bufs.b[i].as_ref(), dx),
+                )?;
             }
-            let size = b * n * t * d;
-            let g_t = f32_buf("head gradient transposed", size);
-            let g_m = f32_buf("head gradient merged", size);
-            let src = || binding(heads, 0, st.bytes(size));
-            // gᵀ [n·d, B·t] and g [B·t, n·d] from [B, n, t, d].
-            permute::record(
-                ctx,
-                enc,
-                src(),
-                binding(&g_t, 0, g_t.size()),
-                [n, d, b, t],
-                [t * d, 1, n * t * d, d],
-                (st, f),
-            )?;
-            permute::record(
-                ctx,
-                enc,
-                src(),
-                binding(&g_m, 0, g_m.size()),
-                [b, t, n, d],
-                [n * t * d, d, t * d, 1],
-                (st, f),
-            )?;
-            lin.record(
-                enc,
-                &g_t,
-                (binding(&g_m, 0, f32_bytes(size)), f),
-                x,
-                w,
-                [b * t, n * d, inw],
-                (&bufs.w[i], bufs.b[i].as_ref(), Some(dx)),
-            )?;
         }
-        let (out, off) = pass.out_buffer();
-        Ok(MhaGpuGrads {
-            output: out.clone(),
-            output_offset: off,
-            ..bufs
-        })
+        Ok(bufs)
     }
 
     /// Run on the GPU and read the gradients (and the layer's output) back.
@@ -335,9 +279,6 @@ impl MhaBackward<'_> {
         let shape3 = |s: &[usize]| [s[0], s[1], s[2]];
         let key_shape = fwd.key_input_shape();
         let value_shape = fwd.value_input_shape();
-        fn elems(x: &[usize]) -> usize {
-            x.iter().product()
-        }
 
         // Read back.
         let read = |buf: &wgpu::Buffer, n: usize| {
@@ -425,6 +366,42 @@ impl MhaBackward<'_> {
     }
 }
 
+/// Every f32 buffer of the layer's backward, and every product's grid, against the device
+/// (before any GPU work).
+fn check_sizes(ctx: &Context, c: &super::MhaConfig, dims: &Dims, query_shape: &[usize]) -> Result<()> {
+    let Dims { b, l, s, h, g, d, e } = *dims;
+    let limit = "max_storage_buffer_binding_size";
+    let max = ctx.max_binding();
+    for (what, n) in [
+        ("query gradient", elems(query_shape)),
+        ("key gradient", b * s * c.kdim),
+        ("value gradient", b * s * c.vdim),
+        ("transposed output gradient", b * l * e),
+        ("query head gradients (f32)", b * l * h * d),
+        ("key/value head gradients (f32)", b * s * g * d),
+        ("parameter gradients", e * e.max(c.kdim).max(c.vdim)),
+    ] {
+        fits(what, f32_bytes(n), max, limit)?;
+        fits(what, n as u64, u32::MAX as u64, "u32 element indices")?;
+    }
+    let tq = query_shape[1];
+    for (m, n) in [
+        (e, h * d),
+        (b * l, h * d),
+        (h * d, e.max(query_shape[2])),
+        (g * d, c.kdim.max(c.vdim)),
+        (b * tq.max(s), e.max(c.kdim).max(c.vdim)),
+    ] {
+        mm::check_grid(ctx, "multi-head attention backward", m, n)?;
+    }
+    Ok(())
+}
+
+/// The element count of a shape.
+fn elems(x: &[usize]) -> usize {
+    x.iter().product()
+}
+
 /// `C = A B` (row-major, no transposes) of `[m, n, k]`, in `formats` (a, b, bias, c).
 fn product<'b>(
     a: wgpu::BufferBinding<'b>,
@@ -459,6 +436,56 @@ struct Linear<'c> {
 }
 
 impl Linear<'_> {
+    /// [`Linear::record`] for a projection from its head gradient `heads` `[B, n, t, d]` (the
+    /// weights' format): `gᵀ` `[n·d, B·t]` and `g` `[B·t, n·d]` made by strided copies into
+    /// f32, then `dW`, `db` written and `dx` accumulated into `outs`.
+    #[allow(clippy::too_many_arguments)] // each is a distinct operand
+    fn record_heads(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        heads: &wgpu::Buffer,
+        [b, n, t, d]: [usize; 4],
+        x: (wgpu::BufferBinding<'_>, Storage),
+        (w, inw): (&wgpu::Buffer, usize),
+        (dw, db, dx): (&wgpu::Buffer, Option<&wgpu::Buffer>, &wgpu::Buffer),
+    ) -> Result<()> {
+        let (ctx, st, f) = (self.ctx, self.weights, Storage::F32);
+        let size = b * n * t * d;
+        let f32_buf = |label: &str| output(ctx, label, f32_bytes(size.max(1)));
+        let (g_t, g_m) = (
+            f32_buf("head gradient transposed"),
+            f32_buf("head gradient merged"),
+        );
+        let src = || binding(heads, 0, st.bytes(size));
+        permute::record(
+            ctx,
+            enc,
+            src(),
+            binding(&g_t, 0, g_t.size()),
+            [n, d, b, t],
+            [t * d, 1, n * t * d, d],
+            (st, f),
+        )?;
+        permute::record(
+            ctx,
+            enc,
+            src(),
+            binding(&g_m, 0, g_m.size()),
+            [b, t, n, d],
+            [n * t * d, d, t * d, 1],
+            (st, f),
+        )?;
+        self.record(
+            enc,
+            &g_t,
+            (binding(&g_m, 0, f32_bytes(size)), f),
+            x,
+            w,
+            [b * t, n * d, inw],
+            (dw, db, Some(dx)),
+        )
+    }
+
     /// The gradients of `y = x Wᵀ + b` for the upstream gradient `g` `[rows, n]` (format
     /// `gf`), given also as `g_t` = gᵀ `[n, rows]` (f32): `dW = gᵀ x` `[n, in]` and
     /// `db = gᵀ 1` written, `dx += g W` `[rows, in]` accumulated (all f32).

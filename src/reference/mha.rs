@@ -228,32 +228,21 @@ pub fn mha_backward_in<F: Float + Into<f64>, U: Copy + Into<f64>>(
     let merged = merge_heads(gr.out);
     let output = linear(merged.view(), &w.w_o, w.b_o.as_ref());
     let (_, w_o, b_o) = linear_backward(merged.view(), &w.w_o, &dy);
-    // Input projections (none for given heads: their projection is unused).
-    let zero2 = |m: &Array2<f32>| Array2::<F>::zeros(m.dim());
-    let (dxq, w_q, b_q) = match inputs.query_heads {
-        Some(_) => (
-            Array3::zeros(inputs.query.dim()),
-            zero2(&w.w_q),
-            Array1::zeros(w.w_q.nrows()),
-        ),
-        None => linear_backward(inputs.query, &w.w_q, &merge_heads(gr.dq.clone())),
+    // Each input projection's gradients (zeros where given heads replace it).
+    let back = |given: bool, x: ArrayView3<f32>, w: &Array2<f32>, dheads: &Array4<F>| {
+        if given {
+            (
+                Array3::zeros(x.dim()),
+                Array2::zeros(w.dim()),
+                Array1::zeros(w.nrows()),
+            )
+        } else {
+            linear_backward(x, w, &merge_heads(dheads.clone()))
+        }
     };
-    let (dxk, w_k, b_k) = match inputs.key_heads {
-        Some(_) => (
-            Array3::zeros(key.dim()),
-            zero2(&w.w_k),
-            Array1::zeros(w.w_k.nrows()),
-        ),
-        None => linear_backward(key, &w.w_k, &merge_heads(gr.dk.clone())),
-    };
-    let (dxv, w_v, b_v) = match inputs.value_heads {
-        Some(_) => (
-            Array3::zeros(value.dim()),
-            zero2(&w.w_v),
-            Array1::zeros(w.w_v.nrows()),
-        ),
-        None => linear_backward(value, &w.w_v, &merge_heads(gr.dv.clone())),
-    };
+    let (dxq, w_q, b_q) = back(inputs.query_heads.is_some(), inputs.query, &w.w_q, &gr.dq);
+    let (dxk, w_k, b_k) = back(inputs.key_heads.is_some(), key, &w.w_k, &gr.dk);
+    let (dxv, w_v, b_v) = back(inputs.value_heads.is_some(), value, &w.w_v, &gr.dv);
     // Given heads: the heads' gradient, summed over a broadcast batch.
     let given = |given: Option<ArrayView4<f32>>, grad: Array4<F>| {
         given.map(|x| match x.dim().0 {

@@ -241,16 +241,6 @@ impl<'a> Backward<'a> {
                 ))
             })
             .transpose()?;
-        // The forward's output, when it goes to the caller's buffer (possibly a view).
-        let fw_out = match &self.saved {
-            None => self
-                .sdpa
-                .out
-                .as_ref()
-                .map(|t| Operand::check_viewed(ctx, "output", t))
-                .transpose()?,
-            Some(_) => None,
-        };
         let rows = p.batch_heads() * p.seq_q;
         let kv_rows = p.batch * p.kv_heads * p.seq_kv;
         let dv_off = (kv_rows * p.head_dim).next_multiple_of(64);
@@ -296,19 +286,11 @@ impl<'a> Backward<'a> {
         let dout = dout.upload(ctx, "dout");
         let bias = bias.map(|b| b.upload(ctx, "bias"));
         let saved = saved.map(|(o, l)| (o.upload(ctx, "output"), l.upload(ctx, "lse")));
-        let fw_up = fw_out.as_ref().map(|o| o.upload(ctx, "output"));
         let (o_fmt, o_bind, lse_bind) = match (&saved, &forward) {
             (Some((o, l)), _) => (self.saved.as_ref().unwrap().0.storage(), o.binding(), l.binding()),
             (None, Some(fw)) => (
                 fw.problem.storage.out,
-                match &fw_up {
-                    Some(o) => o.binding(),
-                    None => binding(
-                        &fw.output,
-                        fw.output_offset,
-                        fw.problem.storage.out.bytes(rows * p.head_dim_v),
-                    ),
-                },
+                fw.output_binding(),
                 fw.lse.as_entire_buffer_binding(),
             ),
             (None, None) => unreachable!("the forward runs when nothing is saved"),
@@ -586,13 +568,7 @@ fn record_unfused(
     let dk_bind = || binding(dkv, 0, f32_bytes(kv_rows * p.head_dim));
     let dv_bind = || binding(dkv, f32_bytes(dv_off), f32_bytes(kv_rows * p.head_dim_v));
     let prelude = kb::ds_prelude(p.mask.is_some(), p.bias.is_some(), f.bias);
-    let dense = crate::view::View::dense;
-    let (qv, kv) = (
-        p.views.q.unwrap_or(dense(p.q_shape())),
-        p.views.k.unwrap_or(dense(p.k_shape())),
-    );
-    let vv = p.views.v.unwrap_or(dense(p.v_shape()));
-    let gv = p.views.dout.unwrap_or(dense(p.out_shape()));
+    let [qv, kv, vv, _, gv] = p.views_or_dense();
     for z0 in (0..bh).step_by(chunks.heads) {
         let nz = chunks.heads.min(bh - z0);
         for i0 in (0..p.seq_q).step_by(chunks.rows) {

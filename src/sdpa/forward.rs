@@ -209,17 +209,7 @@ fn record_unfused(
     );
     let masks = io.masks(p);
     let (heads, group) = (p.q_heads as u32, p.group() as u32);
-    // Where q, k, v and the output lie: their views, or dense.
-    let (q_shape, k_shape) = (
-        [p.batch, p.q_heads, p.seq_q, p.head_dim],
-        [p.batch, p.kv_heads, p.seq_kv, p.head_dim],
-    );
-    let v_shape = [p.batch, p.kv_heads, p.seq_kv, p.head_dim_v];
-    let dense = crate::view::View::dense;
-    let qv = p.views.q.unwrap_or(dense(q_shape));
-    let kv = p.views.k.unwrap_or(dense(k_shape));
-    let vv = p.views.v.unwrap_or(dense(v_shape));
-    let ov = p.views.out.unwrap_or(dense(p.out_shape()));
+    let [qv, kv, vv, ov, _] = p.views_or_dense();
     for z0 in (0..bh).step_by(chunks.heads) {
         let nz = chunks.heads.min(bh - z0);
         for i0 in (0..p.seq_q).step_by(chunks.rows) {

@@ -9,7 +9,7 @@
 
 use ndarray::{Array3, Array4};
 
-use crate::buffers::{f32_bytes, shape_bytes};
+use crate::buffers::{binding, f32_bytes, shape_bytes};
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::options::Options;
@@ -413,26 +413,13 @@ impl Sdpa<'_> {
                     .map(|(sh, d)| Tensor::from_slice(d, sh).with_storage(f.bias)),
                 kv_lens: self.options.kv_lens.as_ref().map(|l| vec![s; l.len()]),
             };
-            // Tensors read through views are prepared as views (the kernels differ): zeroed
-            // scratch behind each, at the same offset within 256 bytes, with the same layout.
+            // Tensors read through views are prepared as views (the kernels differ).
             let shapes = [[b, hq, l, e], [b, hkv, s, e], [b, hkv, s, ev], base.out_shape()];
             let formats = [f.q, f.k, f.v, f.out];
             let given = [Some(&self.q), Some(&self.k), Some(&self.v), self.out.as_ref()];
             let mut scratch_views = Vec::new();
             for ((t, shape), st) in given.into_iter().zip(shapes).zip(formats) {
-                scratch_views.push(match t.and_then(view_spec) {
-                    Some((rem, mut spec)) => {
-                        if let Some(c) = &mut spec.capacity {
-                            *c = (*c).max(shape[2]);
-                        }
-                        let view = crate::view::resolve("prepare", &spec, &shape, rem, st)?
-                            .unwrap_or(crate::view::View::dense(shape));
-                        let bytes = (rem + st.bytes(view.extent(shape))).next_multiple_of(16);
-                        let buf = crate::buffers::scratch(ctx, "prepare view", bytes);
-                        Some((buf, rem, spec))
-                    }
-                    None => None,
-                });
+                scratch_views.push(t.map(|t| scratch_view(ctx, t, shape, st)).transpose()?.flatten());
             }
             let viewed = |i: usize| {
                 scratch_views[i].as_ref().map(|(buf, rem, spec)| {
@@ -476,47 +463,75 @@ impl Sdpa<'_> {
     }
 }
 
-/// The output of a recorded call read back `[B, Hq, L, Ev]` (through its view, when it was
-/// written through one) and widened to f32.
-pub(crate) async fn read_output(ctx: &Context, gpu: &GpuOutput) -> Result<Array4<f32>> {
-    let p = &gpu.problem;
-    let shape = p.out_shape();
-    match p.views.out {
-        None => {
-            let v = ctx
-                .read_as_f32(
-                    &gpu.output,
-                    gpu.output_offset,
-                    shape.iter().product(),
-                    p.storage.out,
-                )
-                .await?;
-            Ok(Array4::from_shape_vec(shape, v).expect("output length"))
+impl GpuOutput {
+    /// The bytes of [`GpuOutput::output`] the output occupies: from its offset over its
+    /// elements, or, written through a view, from the 256-aligned byte below the offset over
+    /// the elements the view reaches (where the call bound it). With the view, or the dense one.
+    fn output_range(&self) -> (u64, usize, crate::view::View) {
+        let p = &self.problem;
+        let shape = p.out_shape();
+        match p.views.out {
+            None => (
+                self.output_offset,
+                shape.iter().product(),
+                crate::view::View::dense(shape),
+            ),
+            Some(view) => (
+                self.output_offset - self.output_offset % crate::view::BIND_ALIGN,
+                view.extent(shape),
+                view,
+            ),
         }
-        Some(view) => {
-            let start = gpu.output_offset - gpu.output_offset % crate::view::BIND_ALIGN;
-            let all = ctx
-                .read_as_f32(&gpu.output, start, view.extent(shape), p.storage.out)
-                .await?;
-            let [sb, sh, ss, _] = view.strides;
-            Ok(Array4::from_shape_fn(shape, |(b, h, i, e)| {
-                all[view.offset + b * sb + h * sh + i * ss + e]
-            }))
-        }
+    }
+
+    /// The output bound as the call bound it (for a later stage: the backward's).
+    pub(crate) fn output_binding(&self) -> wgpu::BufferBinding<'_> {
+        let (start, elems, _) = self.output_range();
+        binding(&self.output, start, self.problem.storage.out.bytes(elems))
     }
 }
 
-/// A GPU tensor's offset within 256 bytes and its view request, when it is read through a
-/// view (not dense from a 256-aligned offset).
-fn view_spec(t: &Tensor) -> Option<(u64, crate::view::ViewSpec)> {
-    match &t.data {
-        crate::tensor::TensorData::Gpu { offset, .. }
-            if t.view.is_set() || !offset.is_multiple_of(crate::view::BIND_ALIGN) =>
-        {
-            Some((offset % crate::view::BIND_ALIGN, t.view.clone()))
-        }
-        _ => None,
+/// The output of a recorded call read back `[B, Hq, L, Ev]` (through its view, when it was
+/// written through one) and widened to f32.
+pub(crate) async fn read_output(ctx: &Context, gpu: &GpuOutput) -> Result<Array4<f32>> {
+    let (start, elems, view) = gpu.output_range();
+    let all = ctx
+        .read_as_f32(&gpu.output, start, elems, gpu.problem.storage.out)
+        .await?;
+    let [sb, sh, ss, _] = view.strides;
+    Ok(Array4::from_shape_fn(gpu.problem.out_shape(), |(b, h, i, e)| {
+        all[view.offset + b * sb + h * sh + i * ss + e]
+    }))
+}
+
+/// For [`Sdpa::prepare`]: when `t` is read through a view, zeroed scratch holding a tensor of
+/// `shape` in format `st` read the same way (the same offset within 256 bytes, the same layout,
+/// its capacity at least `shape`'s S): its buffer, that offset and the view request.
+fn scratch_view(
+    ctx: &Context,
+    t: &Tensor,
+    shape: [usize; 4],
+    st: Storage,
+) -> Result<Option<(wgpu::Buffer, u64, crate::view::ViewSpec)>> {
+    let crate::tensor::TensorData::Gpu { offset, .. } = &t.data else {
+        return Ok(None);
+    };
+    let rem = offset % crate::view::BIND_ALIGN;
+    if !t.view.is_set() && rem == 0 {
+        return Ok(None);
     }
+    let mut spec = t.view.clone();
+    if let Some(c) = &mut spec.capacity {
+        *c = (*c).max(shape[2]);
+    }
+    let view =
+        crate::view::resolve("prepare", &spec, &shape, rem, st)?.unwrap_or(crate::view::View::dense(shape));
+    let bytes = (rem + st.bytes(view.extent(shape))).next_multiple_of(16);
+    Ok(Some((
+        crate::buffers::scratch(ctx, "prepare view", bytes),
+        rem,
+        spec,
+    )))
 }
 
 /// [`Sdpa::device_memory`] of a planned problem.
