@@ -378,82 +378,89 @@ impl Sdpa<'_> {
             }
         }
         for &(_, s) in &forms {
-            let [b, hq, l, e] = base.q_shape();
-            let (hkv, ev) = (base.kv_heads, base.head_dim_v);
-            let f = base.storage;
-            let zeros = |n: usize| vec![0f32; n];
-            let (q, k, v) = (
-                zeros(b * hq * l * e),
-                zeros(b * hkv * s * e),
-                zeros(b * hkv * s * ev),
-            );
-            let with_s = |shape: &[usize]| -> Vec<usize> {
-                let mut sh = shape.to_vec();
-                if let Some(last) = sh.last_mut() {
-                    if *last != 1 {
-                        *last = s;
-                    }
-                }
-                sh
-            };
-            let mask_shape = self.options.mask.as_ref().map(|m| with_s(&m.shape));
-            let mask_data = mask_shape.as_ref().map(|sh| vec![true; sh.iter().product()]);
-            let bias_shape = self.options.bias.as_ref().map(|b| with_s(&b.shape));
-            let bias_data = bias_shape.as_ref().map(|sh| zeros(sh.iter().product()));
-            let options = Options {
-                causal: self.options.causal,
-                scale: self.options.scale,
-                mask: mask_shape
-                    .as_ref()
-                    .zip(mask_data.as_ref())
-                    .map(|(sh, d)| crate::tensor::Mask::from_slice(d, sh)),
-                bias: bias_shape
-                    .as_ref()
-                    .zip(bias_data.as_ref())
-                    .map(|(sh, d)| Tensor::from_slice(d, sh).with_storage(f.bias)),
-                kv_lens: self.options.kv_lens.as_ref().map(|l| vec![s; l.len()]),
-            };
-            // Tensors read through views are prepared as views (the kernels differ).
-            let shapes = [[b, hq, l, e], [b, hkv, s, e], [b, hkv, s, ev], base.out_shape()];
-            let formats = [f.q, f.k, f.v, f.out];
-            let given = [Some(&self.q), Some(&self.k), Some(&self.v), self.out.as_ref()];
-            let mut scratch_views = Vec::new();
-            for ((t, shape), st) in given.into_iter().zip(shapes).zip(formats) {
-                scratch_views.push(t.map(|t| scratch_view(ctx, t, shape, st)).transpose()?.flatten());
-            }
-            let viewed = |i: usize| {
-                scratch_views[i].as_ref().map(|(buf, rem, spec)| {
-                    let mut t = Tensor::from_buffer(buf, formats[i], &shapes[i]).at_offset(*rem);
-                    t.view = spec.clone();
-                    t
-                })
-            };
-            let mut call = Sdpa::new(
-                viewed(0).unwrap_or_else(|| Tensor::from_slice(&q, &shapes[0]).with_storage(f.q)),
-                viewed(1).unwrap_or_else(|| Tensor::from_slice(&k, &shapes[1]).with_storage(f.k)),
-                viewed(2).unwrap_or_else(|| Tensor::from_slice(&v, &shapes[2]).with_storage(f.v)),
-            )
-            .options(options)
-            .path(self.path)
-            .output_storage(f.out);
-            if let Some(out) = viewed(3) {
-                call = call.output_into(out);
-            }
-            call.weights = self.weights;
-            call.lse = self.lse;
-            call.max_scores_bytes = self.max_scores_bytes;
-            ctx.scoped(|| {
-                let mut encoder = ctx
-                    .device()
-                    .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                        label: Some("wgpu-attention prepare"),
-                    });
-                call.record(ctx, &mut encoder).map(|_| ())
-            })
-            .await?;
+            self.prepare_at(ctx, &base, s).await?;
         }
         ctx.wait_idle()?;
         Ok(forms.len())
+    }
+
+    /// [`Sdpa::prepare`]'s recording of one form: this call on zero inputs with `s` keys (views
+    /// kept as views), into an encoder that is never submitted.
+    async fn prepare_at(&self, ctx: &Context, base: &Problem, s: usize) -> Result<()> {
+        let [b, hq, l, e] = base.q_shape();
+        let (hkv, ev) = (base.kv_heads, base.head_dim_v);
+        let f = base.storage;
+        let zeros = |n: usize| vec![0f32; n];
+        let (q, k, v) = (
+            zeros(b * hq * l * e),
+            zeros(b * hkv * s * e),
+            zeros(b * hkv * s * ev),
+        );
+        let with_s = |shape: &[usize]| -> Vec<usize> {
+            let mut sh = shape.to_vec();
+            if let Some(last) = sh.last_mut() {
+                if *last != 1 {
+                    *last = s;
+                }
+            }
+            sh
+        };
+        let mask_shape = self.options.mask.as_ref().map(|m| with_s(&m.shape));
+        let mask_data = mask_shape.as_ref().map(|sh| vec![true; sh.iter().product()]);
+        let bias_shape = self.options.bias.as_ref().map(|b| with_s(&b.shape));
+        let bias_data = bias_shape.as_ref().map(|sh| zeros(sh.iter().product()));
+        let options = Options {
+            causal: self.options.causal,
+            scale: self.options.scale,
+            mask: mask_shape
+                .as_ref()
+                .zip(mask_data.as_ref())
+                .map(|(sh, d)| crate::tensor::Mask::from_slice(d, sh)),
+            bias: bias_shape
+                .as_ref()
+                .zip(bias_data.as_ref())
+                .map(|(sh, d)| Tensor::from_slice(d, sh).with_storage(f.bias)),
+            kv_lens: self.options.kv_lens.as_ref().map(|l| vec![s; l.len()]),
+        };
+        // Tensors read through views are prepared as views (the kernels differ).
+        let shapes = [[b, hq, l, e], [b, hkv, s, e], [b, hkv, s, ev], base.out_shape()];
+        let formats = [f.q, f.k, f.v, f.out];
+        let given = [Some(&self.q), Some(&self.k), Some(&self.v), self.out.as_ref()];
+        let mut scratch_views = Vec::new();
+        for ((t, shape), st) in given.into_iter().zip(shapes).zip(formats) {
+            scratch_views.push(t.map(|t| scratch_view(ctx, t, shape, st)).transpose()?.flatten());
+        }
+        let viewed = |i: usize| {
+            scratch_views[i].as_ref().map(|(buf, rem, spec)| {
+                let mut t = Tensor::from_buffer(buf, formats[i], &shapes[i]).at_offset(*rem);
+                t.view = spec.clone();
+                t
+            })
+        };
+        let mut call = Sdpa::new(
+            viewed(0).unwrap_or_else(|| Tensor::from_slice(&q, &shapes[0]).with_storage(f.q)),
+            viewed(1).unwrap_or_else(|| Tensor::from_slice(&k, &shapes[1]).with_storage(f.k)),
+            viewed(2).unwrap_or_else(|| Tensor::from_slice(&v, &shapes[2]).with_storage(f.v)),
+        )
+        .options(options)
+        .path(self.path)
+        .output_storage(f.out);
+        if let Some(out) = viewed(3) {
+            call = call.output_into(out);
+        }
+        call.weights = self.weights;
+        call.lse = self.lse;
+        call.max_scores_bytes = self.max_scores_bytes;
+        ctx.scoped(|| {
+            let mut encoder = ctx
+                .device()
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("wgpu-attention prepare"),
+                });
+            call.record(ctx, &mut encoder).map(|_| ())
+        })
+        .await?;
+        Ok(())
     }
 
     /// Blocking version of [`prepare`](Sdpa::prepare).
