@@ -28,10 +28,11 @@ for part in $parts; do
       WGPU_ATTENTION_FORMS=fused=gpu-tiles row "tiles_bm=${t%,*},tiles_bn=${t#*,},wg_memory=49152" \
         --shapes c_h8_s4096_causal,a_h8_s1024,gpt2_h12_t1024_causal --paths fused --storage f32,f16
     done ;;
-  decode)
-    for wg in 32 64 128 256; do for t in 256 512 1024 2048; do
-      row "decode_wg=$wg,decode_target=$t" --shapes d_decode_h32_s4096_e128 --paths decode --storage f32,f16
-    done; done ;;
+  decode) # the one-key-per-invocation form against the tiled one, each over its sizes
+    for form in gpu gpu-tiles; do for wg in 64 128 256; do for t in 512 1024 2048 4096; do
+      WGPU_ATTENTION_FORMS=decode=$form row "form=$form,decode_wg=$wg,decode_target=$t" \
+        --shapes d_decode_h32_s4096_e128 --paths decode --storage f32,f16
+    done; done; done ;;
   bwd)
     for mem in 16384 32768; do for wg in 64 128; do for rows in 1 2; do for un in 0 1; do
       row "wg_memory=$mem,bwd_wg=$wg,bwd_rows=$rows,bwd_unroll=$un" --shapes a_h8_s1024,c_h8_s4096_causal --paths fused-bwd --storage f32

@@ -114,9 +114,13 @@ impl std::str::FromStr for FusedForm {
 #[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DecodeForm {
-    /// 64 invocations, loops over the head dims unrolled, reductions through workgroup memory.
-    /// The form for GPUs.
+    /// 64 invocations, each scoring and accumulating whole keys, loops over the head dims
+    /// unrolled, reductions through workgroup memory.
     Gpu,
+    /// Tiles of 128 keys (`shaders/decode_tiles.wgsl`): each invocation scores one key, then
+    /// the workgroup reads each V row together (one coalesced load per key), one vec4 of
+    /// accumulator per invocation. No subgroup operations. The form for GPUs.
+    GpuTiles,
     /// One subgroup per workgroup, loops as written, reductions by subgroup operations. CPU
     /// adapters with a fixed subgroup size.
     Subgroup,
@@ -127,12 +131,18 @@ pub enum DecodeForm {
 
 impl DecodeForm {
     /// Every decode form.
-    pub const ALL: [DecodeForm; 3] = [DecodeForm::Gpu, DecodeForm::Subgroup, DecodeForm::Cpu];
+    pub const ALL: [DecodeForm; 4] = [
+        DecodeForm::Gpu,
+        DecodeForm::GpuTiles,
+        DecodeForm::Subgroup,
+        DecodeForm::Cpu,
+    ];
 
-    /// The name: `gpu`, `subgroup`, `cpu`.
+    /// The name: `gpu`, `gpu-tiles`, `subgroup`, `cpu`.
     pub fn name(self) -> &'static str {
         match self {
             DecodeForm::Gpu => "gpu",
+            DecodeForm::GpuTiles => "gpu-tiles",
             DecodeForm::Subgroup => "subgroup",
             DecodeForm::Cpu => "cpu",
         }
@@ -148,7 +158,7 @@ impl std::str::FromStr for DecodeForm {
             .ok_or_else(|| Error::UnknownName {
                 kind: "decode kernel form",
                 name: s.to_string(),
-                expected: "gpu, subgroup, cpu",
+                expected: "gpu, gpu-tiles, subgroup, cpu",
             })
     }
 }

@@ -4,7 +4,7 @@
 //! - `fused_wg`, `fused_rq`, `fused_kg`: the fused forward's GPU form (invocations per
 //!   workgroup, query rows per invocation, keys per unrolled step);
 //! - `bwd_wg`, `bwd_rows`, `bwd_unroll` (0 or 1): the fused backward's GPU form;
-//! - `decode_wg`, `decode_target`: the decode kernel's GPU form (invocations, the number of
+//! - `decode_wg`, `decode_target`: the decode kernel's GPU forms (invocations, the number of
 //!   workgroups its split aims for);
 //! - `tiles_bm`, `tiles_bn`: the register-tiled GPU form's query rows and keys per tile
 //!   (multiples of 4, among the sizes it knows);

@@ -17,8 +17,8 @@
 mod common;
 
 use common::{ctx, goldens, Case, SHAPES, TOL};
-use wgpu_attention::check::compare;
-use wgpu_attention::{Causal, Context, DecodeForm, Form, FusedForm, Options, Path};
+use wgpu_attention::check::{compare, Tolerance};
+use wgpu_attention::{Causal, Context, DecodeForm, Form, FusedForm, Options, Path, Storage};
 
 /// Every mask kind at once: bottom-right causal, a boolean mask with fully masked rows, a
 /// bias and key lengths.
@@ -172,8 +172,20 @@ fn decode_shapes_in_every_decode_form() {
             "L=1 top-left",
             Case::random((1, 8, 1, 1, 777, 64, 64), 20).with_causal(Causal::TopLeft),
         ),
+        // Half formats with E a multiple of 8 (16-byte K loads), and the largest head dims.
+        (
+            "f16 E 128",
+            all_masks(Case::random((1, 4, 2, 2, 900, 128, 128), 21), 22).with_storage(Storage::F16),
+        ),
+        (
+            "bf16 E 256 Ev 200",
+            Case::random((1, 2, 1, 3, 600, 256, 200), 23)
+                .with_kv_lens()
+                .with_storage(Storage::Bf16),
+        ),
     ];
     for (name, case) in cases {
+        let tol = Tolerance::for_storage(case.storage);
         let want = case.reference();
         for (form, dctx) in decode_contexts(ctx, &case) {
             let plan = case.sdpa().plan(&dctx).unwrap();
@@ -182,7 +194,7 @@ fn decode_shapes_in_every_decode_form() {
                 &want,
                 &dctx,
                 Path::Decode,
-                TOL,
+                tol,
                 &format!("decode {name} [{}]", form.name()),
             );
         }

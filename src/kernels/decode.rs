@@ -18,6 +18,15 @@ pub(crate) const DECODE: KernelSpec = KernelSpec {
     params: params_of::<Params>,
 };
 
+/// The decode kernel's GPU-tiled form (`DecodeForm::GpuTiles`): same params and bindings.
+pub(crate) const DECODE_TILES: KernelSpec = KernelSpec {
+    name: "decode_tiles",
+    source: include_str!("../../shaders/decode_tiles.wgsl"),
+    common: &[common::SOFTMAX, common::MASKS],
+    bindings: super::ATTENTION_BINDINGS,
+    params: params_of::<Params>,
+};
+
 pub(crate) const MERGE: KernelSpec = KernelSpec {
     name: "merge",
     source: include_str!("../../shaders/merge.wgsl"),
@@ -76,10 +85,21 @@ wgsl_struct! {
     }
 }
 
-/// Keys per split (a multiple of 64, at most 1024) and the number of splits.
-pub(crate) fn split(p: &Problem) -> (usize, usize) {
+/// Workgroups the GPU-tiled form's split aims for: fewer, larger splits (H200, d_decode: 256
+/// workgroups of 256 invocations 0.064 ms f32, 512 of 128 0.072 ms, 2048 0.11 ms;
+/// docs/gpu/nvidia-h200.md).
+const TILES_TARGET_WORKGROUPS: usize = 256;
+/// The GPU-tiled form's invocations (same sweep).
+const TILES_WG: u32 = 256;
+
+/// Keys per split (a multiple of 64, at most 1024) and the number of splits, for `form`.
+pub(crate) fn split(p: &Problem, form: DecodeForm) -> (usize, usize) {
     let rows = p.batch_heads() * p.seq_q;
-    let target = crate::tune::knob("decode_target").map_or(TARGET_WORKGROUPS, |t| t as usize);
+    let default = match form {
+        DecodeForm::GpuTiles => TILES_TARGET_WORKGROUPS,
+        _ => TARGET_WORKGROUPS,
+    };
+    let target = crate::tune::knob("decode_target").map_or(default, |t| t as usize);
     let want = target.div_ceil(rows).max(1);
     let chunk = p.seq_kv.div_ceil(want).next_multiple_of(64).clamp(64, 1024);
     (chunk, p.seq_kv.div_ceil(chunk))
@@ -119,7 +139,7 @@ impl Config {
             .forms
             .decode
             .unwrap_or(match (caps.cpu, caps.decode_subgroup()) {
-                (false, _) => DecodeForm::Gpu,
+                (false, _) => DecodeForm::GpuTiles,
                 (true, Some(8)) => DecodeForm::Subgroup,
                 (true, _) => DecodeForm::Cpu,
             });
@@ -129,6 +149,13 @@ impl Config {
         let (wg, unroll) = match form {
             DecodeForm::Gpu => (
                 crate::tune::knob("decode_wg").unwrap_or(64),
+                p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM,
+            ),
+            // A power of two holding at least one V row's vec4s (EVP) in each of two subsets.
+            DecodeForm::GpuTiles => (
+                crate::tune::knob("decode_wg")
+                    .unwrap_or(TILES_WG)
+                    .max(2 * evp(p.head_dim_v.div_ceil(4)) as u32),
                 p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM,
             ),
             DecodeForm::Cpu => (8, false),
@@ -146,7 +173,17 @@ impl Config {
         if caps.max_invocations < wg || caps.max_workgroup_size_x < wg {
             return Err(format!("the {} decode form needs {wg} invocations", form.name()));
         }
-        let (chunk, splits) = split(p);
+        if form == DecodeForm::GpuTiles {
+            // qs, sc, red_m, red_s, red_acc (decode_tiles.wgsl).
+            let bytes = 16 * p.head_dim.div_ceil(4) + 20 * wg as usize + 8 * wg as usize;
+            if bytes > caps.workgroup_storage as usize {
+                return Err(format!(
+                    "the gpu-tiles decode form needs {bytes} bytes of workgroup memory at E = {}",
+                    p.head_dim
+                ));
+            }
+        }
+        let (chunk, splits) = split(p, form);
         Ok(Config {
             form,
             wg,
@@ -174,8 +211,34 @@ impl Config {
             && self.views.aligned(8)
     }
 
+    /// The kernel this form runs.
+    pub(crate) fn spec(&self) -> &'static KernelSpec {
+        match self.form {
+            DecodeForm::GpuTiles => &DECODE_TILES,
+            _ => &DECODE,
+        }
+    }
+
     /// The kernel's constants, reductions and I/O snippet.
     pub(crate) fn prelude(&self) -> String {
+        if self.form == DecodeForm::GpuTiles {
+            let evp = evp(self.ev4);
+            let ns = self.wg as usize / evp;
+            return format!(
+                "const WG: u32 = {}u;\nconst E4: u32 = {}u;\nconst EV4: u32 = {}u;\n\
+                 const EVP: u32 = {evp}u;\nconst NS: u32 = {ns}u;\nconst KPS: u32 = {}u;\n\
+                 const P8: bool = {};\nconst E8: u32 = {}u;\nconst UNROLL: bool = {};\n{}{}",
+                self.wg,
+                self.e4,
+                self.ev4,
+                self.wg as usize / ns,
+                self.p8(),
+                self.e4 / 2,
+                self.unroll,
+                super::mask_consts(self.masks, self.bias, self.formats.bias),
+                self.io(),
+            );
+        }
         let reductions = if self.form == DecodeForm::Subgroup {
             [common::REDUCE_SUBGROUP, ACC_SUBGROUP]
         } else {
@@ -199,22 +262,32 @@ impl Config {
             self.ev4 / rb,
             self.unroll,
             super::mask_consts(self.masks, self.bias, self.formats.bias),
-            // The partial outputs are f32 scratch; the merge writes the output's format.
-            super::access::attention_io(
-                &self.formats,
-                crate::Storage::F32,
-                self.vec4,
-                self.ev_odd,
-                self.p8(),
-                &crate::view::Views {
-                    out: None,
-                    ..self.views
-                },
-            ),
+            self.io(),
             reductions[0],
             reductions[1],
         )
     }
+
+    /// The I/O snippet. The partial outputs are f32 scratch; the merge writes the output's
+    /// format.
+    fn io(&self) -> String {
+        super::access::attention_io(
+            &self.formats,
+            crate::Storage::F32,
+            self.vec4,
+            self.ev_odd,
+            self.p8(),
+            &crate::view::Views {
+                out: None,
+                ..self.views
+            },
+        )
+    }
+}
+
+/// EV4 rounded up to a power of two: the invocations of the GPU-tiled form that read one V row.
+fn evp(ev4: usize) -> usize {
+    ev4.next_power_of_two()
 }
 
 /// Record the split pass. `buffers`: mask, bias, kv_lens, q, k, v, part_out, part_lse.
@@ -229,7 +302,7 @@ pub(crate) fn record_decode(
     dispatch(
         ctx,
         encoder,
-        &DECODE,
+        cfg.spec(),
         &cfg.prelude(),
         &[],
         &buffers,
@@ -296,11 +369,13 @@ mod tests {
     #[test]
     fn decode_of_one_row_makes_hundreds_of_workgroups() {
         let p = Problem::new(&[1, 32, 1, 128], &[1, 32, 4096, 128], &[1, 32, 4096, 128]).unwrap();
-        let (chunk, splits) = split(&p);
-        assert_eq!(chunk * splits, 4096);
-        assert!(splits * 32 >= 256, "{splits}");
+        for form in DecodeForm::ALL {
+            let (chunk, splits) = split(&p, form);
+            assert_eq!(chunk * splits, 4096);
+            assert!(splits * 32 >= 256, "{splits}");
+        }
         let p = Problem::new(&[1, 1, 1, 8], &[1, 1, 100_000, 8], &[1, 1, 100_000, 8]).unwrap();
-        let (chunk, splits) = split(&p);
+        let (chunk, splits) = split(&p, DecodeForm::Gpu);
         assert!(chunk <= 1024 && chunk * splits >= 100_000);
     }
 
@@ -310,7 +385,7 @@ mod tests {
         let caps = |cpu, sg| Caps::new(&wgpu::Limits::default(), cpu, sg);
         assert_eq!(
             Config::new(&p, &caps(false, Some(32))).unwrap().form,
-            DecodeForm::Gpu
+            DecodeForm::GpuTiles
         );
         assert_eq!(
             Config::new(&p, &caps(true, Some(8))).unwrap().form,

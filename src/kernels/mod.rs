@@ -423,6 +423,7 @@ mod tests {
             &pinv::INIT,
             &pinv::EYE_MINUS,
             &decode::DECODE,
+            &decode::DECODE_TILES,
             &decode::MERGE,
             &matmul::SPEC,
             &matmul::SG_SPEC,
@@ -561,10 +562,7 @@ mod tests {
                         let c = caps.with_forms(form);
                         let cfg = decode::Config::new(&p, &c).unwrap();
                         let label = format!("decode {form:?} E {e} Ev {ev} masked {masked} formats {fi}");
-                        validate_with::<decode::Params>(
-                            &label,
-                            &source(&decode::DECODE, &cfg.prelude(), false),
-                        );
+                        validate_with::<decode::Params>(&label, &source(cfg.spec(), &cfg.prelude(), false));
                     }
                 }
                 validate_with::<softmax::Params>(

@@ -305,7 +305,7 @@ mod tests {
         );
         assert_eq!(
             Plan::new(&decode, &req(Path::Auto), &gpu).unwrap().form(),
-            Form::Decode(DecodeForm::Gpu)
+            Form::Decode(DecodeForm::GpuTiles)
         );
     }
 

@@ -1,0 +1,152 @@
+// Split-K attention for few query rows and long key sequences, shaped for GPUs' memory system
+// (`DecodeForm::GpuTiles`; `decode.wgsl` is the one-key-per-invocation form).
+//
+// One workgroup per (key split, query row, batch-head), like decode.wgsl, with the same params,
+// bindings, masks and outputs (a split's normalised partial output and logsumexp, combined by
+// `merge.wgsl`). The split's keys are taken in tiles of WG keys, two phases per tile:
+//
+// 1. Scores: invocation t scores key t of the tile against the query row (kept in workgroup
+//    memory, `qs`: read by every invocation at the same address, a broadcast), its K row read
+//    with E4 independent vec4 loads (E8 16-byte loads for half formats), and writes the masked
+//    logit to `sc`.
+// 2. P V: the workgroup splits into NS = WG / EVP subsets of EVP invocations; invocation t
+//    owns vec4 `t % EVP` of the output and keys `t / EVP, t / EVP + NS, ...` of the tile. The
+//    invocations of a subset read one V row together, adjacent vec4s: one coalesced load per
+//    key. Each keeps its online-softmax state (max, sum and one vec4 of accumulator), the same
+//    in every invocation of a subset.
+//
+// Registers per invocation: one vec4 of accumulator and the dot product's vec4; no per-
+// invocation arrays, so nothing spills at E = 256 (the one-key form keeps E + Ev floats per
+// invocation). Arithmetic intensity is that of decoding (2 FLOPs per K or V element read): the
+// form is built to keep enough loads in flight to reach memory bandwidth, not to reuse data.
+//
+// After the split's tiles, the subsets' states are merged through workgroup memory (the
+// split's max, each subset rescaled to it, sums and accumulators added).
+//
+// Constants from the host (src/kernels/decode.rs): WG (invocations, a power of two, a multiple
+// of EVP), E4, EV4, EVP (EV4 rounded up to a power of two), NS = WG / EVP, KPS = WG / NS (keys
+// per subset per tile), P8, E8 (see decode.wgsl), UNROLL, HAS_MASK, HAS_BIAS.
+//
+// Bindings: 0 mask, 1 bias, 2 kv_lens, 3 q, 4 k, 5 v (read);
+//           6 part_out [splits][B*Hq*L][Ev], 7 part_lse [splits][B*Hq*L] (read_write); 8 params.
+
+@group(0) @binding(7) var<storage, read_write> part_lse: array<f32>;
+
+var<workgroup> qs: array<vec4<f32>, E4>;
+var<workgroup> sc: array<f32, WG>;
+var<workgroup> red_m: array<f32, NS>;
+var<workgroup> red_s: array<f32, NS>;
+var<workgroup> red_acc: array<vec4<f32>, WG>;
+
+@compute @workgroup_size(WG, 1, 1)
+fn main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) tid: u32,
+) {
+    // Every invocation reaches every barrier: a workgroup past the grid's end does no work but
+    // returns only after them (its row is clamped, its keys empty, its stores skipped).
+    let wid = wg.x + wg.y * nwg.x;
+    let live = wid < p.total;
+    let split = wid % p.splits;
+    let row = min(wid, p.total - 1u) / p.splits; // (bh, i) flattened
+    let i = row % p.l;
+    let bh = row / p.l;
+    let b = bh / p.heads;
+    let h = bh % p.heads;
+    let kvh = b * (p.heads / p.group) + h / p.group;
+
+    // Allowed keys of this row within the split: [j_begin, j_end).
+    let j_begin = split * p.chunk;
+    var j_end = min(j_begin + p.chunk, key_end(b, i));
+    if (!live) {
+        j_end = j_begin;
+    }
+
+    for (var d4 = tid; d4 < E4; d4 += WG) {
+        qs[d4] = load_q(row, d4) * p.scale;
+    }
+    workgroupBarrier();
+
+    let slot = tid % EVP;
+    let sub = tid / EVP;
+    var acc = vec4<f32>(0.0);
+    var m = START;
+    var sum = 0.0;
+    for (var t0 = j_begin; t0 < j_end; t0 += WG) {
+        // 1. Scores: key t0 + tid. Keys past the allowed end are not read.
+        let j = t0 + tid;
+        var x = START;
+        if (j < j_end) {
+            let kvrow = kvh * p.s + j;
+            var d = vec4<f32>(0.0);
+            if (P8) {
+                for (var d8 = 0u; d8 < E8; d8++) { // unroll
+                    let kk = load_k8(kvrow, d8);
+                    d += qs[2u * d8] * kk[0] + qs[2u * d8 + 1u] * kk[1];
+                }
+            } else {
+                for (var d4 = 0u; d4 < E4; d4++) { // unroll
+                    d += qs[d4] * load_k(kvrow, d4);
+                }
+            }
+            x = masked_logit(d.x + d.y + d.z + d.w, true, b, h, i, j);
+        }
+        sc[tid] = x;
+        workgroupBarrier();
+
+        // 2. P V over this subset's keys of the tile. Keys past the allowed end leave the
+        // state as it is (their V rows, a KV cache's unwritten capacity, may hold NaN, read
+        // clamped in bounds; 0 * NaN is NaN).
+        let n = j_end - t0;
+        if (slot < EV4) {
+            for (var c = 0u; c < KPS; c++) { // unroll
+                let k = sub + c * NS;
+                let vrow = kvh * p.s + min(t0 + k, p.s - 1u);
+                let vv = load_v(vrow, slot);
+                let xk = sc[k];
+                let m_new = max(m, xk);
+                let alpha = rescale(m, m_new);
+                let pk = weight(xk, m_new);
+                let inside = k < n;
+                sum = select(sum, sum * alpha + pk, inside);
+                acc = select(acc, acc * alpha + pk * vv, inside);
+                m = select(m, m_new, inside);
+            }
+        }
+        workgroupBarrier();
+    }
+
+    // The split's max over the subsets, each subset's state rescaled to it and summed.
+    if (slot == 0u) {
+        red_m[sub] = m;
+    }
+    workgroupBarrier();
+    var row_max = START;
+    for (var s = 0u; s < NS; s++) { // unroll
+        row_max = max(row_max, red_m[s]);
+    }
+    let f = rescale(m, row_max);
+    if (slot == 0u) {
+        red_s[sub] = sum * f;
+    }
+    red_acc[tid] = acc * f;
+    workgroupBarrier();
+    if (!live || tid >= EV4) {
+        return;
+    }
+    var row_sum = 0.0;
+    var total = vec4<f32>(0.0);
+    for (var s = 0u; s < NS; s++) { // unroll
+        row_sum += red_s[s];
+        total += red_acc[s * EVP + tid];
+    }
+    // A split with no allowed key has every weight 0: it writes 0 and logsumexp -inf.
+    let inv = select(1.0 / row_sum, 0.0, row_sum == 0.0);
+    let rows = p.total / p.splits;
+    let orow = split * rows + row;
+    store_out(orow, tid, total * inv);
+    if (tid == 0u) {
+        part_lse[orow] = row_lse(row_max, row_sum);
+    }
+}
