@@ -32,6 +32,15 @@ pub(crate) const SG_SPEC: KernelSpec = KernelSpec {
     params: params_of::<Params>,
 };
 
+/// The GPU form: `shaders/matmul_tiles.wgsl`.
+pub(crate) const TILES_SPEC: KernelSpec = KernelSpec {
+    name: "matmul_tiles",
+    source: include_str!("../../shaders/matmul_tiles.wgsl"),
+    common: &[super::common::MATMUL],
+    bindings: SPEC.bindings,
+    params: params_of::<Params>,
+};
+
 /// Output tile edge (rows and columns) per workgroup of the tiled form; the grid is sized for
 /// it (the subgroup form's tiles are smaller, see [`Form::tile`]).
 pub(crate) const TILE: u32 = 64;
@@ -45,6 +54,9 @@ pub(crate) enum Form {
     /// One subgroup of 8, `rows` rows per invocation, B shared by shuffles, unrolled
     /// (`matmul_sg.wgsl`): CPU adapters with a subgroup of 8.
     Subgroup { rows: u32 },
+    /// 16 x 16 invocations, a 128 x 128 tile, 8 x 8 per invocation, the next K step
+    /// prefetched into registers (`matmul_tiles.wgsl`): GPUs.
+    GpuTiles,
 }
 
 impl Form {
@@ -55,6 +67,8 @@ impl Form {
             // incl. compilation): 4 rows x 4 blocks x 2 k-steps 35 (1.4 s), 4 x 6 x 2 37 (2.9 s),
             // 4 x 4 x 4 37 (2.2 s), 8 x 2 x 2 31, 8 x 1 x 2 21, 2 x 8 x 2 30, 4 x 8 x 2 32 (4.5 s).
             Form::Subgroup { rows: SG_ROWS }
+        } else if !caps.cpu {
+            Form::GpuTiles
         } else {
             Form::Tiled
         }
@@ -64,6 +78,7 @@ impl Form {
     pub(crate) fn tile(self) -> [u32; 2] {
         match self {
             Form::Tiled => [TILE, TILE],
+            Form::GpuTiles => [2 * TILE, 2 * TILE],
             Form::Subgroup { rows } => [8 * rows, 8 * SG_NB],
         }
     }
@@ -342,6 +357,10 @@ impl Matmul<'_> {
             && p.c_head.is_multiple_of(2);
         let (spec, prelude) = match form {
             Form::Tiled => (&SPEC, prelude(self.formats, c_words)),
+            Form::GpuTiles => (
+                &TILES_SPEC,
+                prelude(self.formats, c_words) + "const UNROLL: bool = true;\n",
+            ),
             Form::Subgroup { rows } => {
                 let aligned = |x: u32| x.is_multiple_of(4);
                 let a4 = aligned(p.k)

@@ -427,6 +427,7 @@ mod tests {
             &decode::MERGE,
             &matmul::SPEC,
             &matmul::SG_SPEC,
+            &matmul::TILES_SPEC,
             &permute::SPEC,
             &softmax::SPEC,
         ]
@@ -596,6 +597,14 @@ mod tests {
                 validate_with::<matmul::Params>(
                     "matmul",
                     &source(&matmul::SPEC, &matmul::prelude([f, f, f, f], words), false),
+                );
+                validate_with::<matmul::Params>(
+                    "matmul_tiles",
+                    &source(
+                        &matmul::TILES_SPEC,
+                        &(matmul::prelude([f, f, f, f], words) + "const UNROLL: bool = true;\n"),
+                        false,
+                    ),
                 );
                 for trans_b in [false, true] {
                     for vec4 in [false, true] {

@@ -264,7 +264,7 @@ fn fused_first_use_form_and_fastest_form_agree() {
 fn matmul_forms_and_formats_match_f64_product() {
     use crate::storage::Storage;
     let Some(ctx) = ctx() else { return };
-    let mut forms = vec![matmul::Form::Tiled];
+    let mut forms = vec![matmul::Form::Tiled, matmul::Form::GpuTiles];
     if ctx.caps().subgroup == Some(8) {
         forms.push(matmul::Form::for_device(&ctx.caps()));
     }
@@ -277,6 +277,7 @@ fn matmul_forms_and_formats_match_f64_product() {
         (2, 33, 64, 64, 3),
         (1, 9, 130, 6, 1),
         (3, 70, 8, 37, 0),
+        (1, 150, 140, 21, 2),
     ] {
         for trans_b in [true, false] {
             for fs in format_sets {
