@@ -61,9 +61,9 @@ pub use faults::Fault;
 pub use forms::{Caps, DecodeForm, Forms, FusedForm};
 /// Re-exported: the half-precision host types ([`half::f16`], [`half::bf16`]).
 pub use half;
-pub use matmul::matmul;
 #[cfg(not(target_arch = "wasm32"))]
 pub use matmul::matmul_blocking;
+pub use matmul::{matmul, record_matmul};
 pub use mha::{
     MhaBackward, MhaConfig, MhaForward, MhaGpuGrads, MhaGpuOutput, MhaGrads, MhaOutput, MhaTimings,
     MhaWeights, MultiHeadAttention, NeedWeights,

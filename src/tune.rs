@@ -8,7 +8,9 @@
 //!   workgroups its split aims for);
 //! - `tiles_bm`, `tiles_bn`: the register-tiled GPU form's query rows and keys per tile
 //!   (multiples of 4, among the sizes it knows);
-//! - `wg_memory`: workgroup memory the GPU forms may use, bytes (at most the device's limit).
+//! - `wg_memory`: workgroup memory the GPU forms may use, bytes (at most the device's limit);
+//! - `matmul_tiles` (0 or 1): 0 runs the matmul's 64 x 64 form on GPUs instead of its
+//!   128 x 128 GPU form (to compare them).
 //!
 //! A developer's aid for measuring a new GPU (`scripts/gpu_report.sh` sweeps them); the plan's
 //! defaults are what it measured. Unknown keys and bad values are reported once on stderr and
@@ -45,6 +47,7 @@ const KEYS: &[&str] = &[
     "tiles_bm",
     "tiles_bn",
     "wg_memory",
+    "matmul_tiles",
 ];
 
 #[cfg_attr(target_arch = "wasm32", allow(dead_code))]

@@ -531,6 +531,118 @@ fn matmul_matches_plain_product() {
     ));
 }
 
+/// `record_matmul`: the product recorded into the caller's encoder and written into the caller's
+/// buffer, at an offset, in f16 and f32, from GPU operands (one of them shared); every mistake a
+/// typed error before anything is recorded.
+#[test]
+fn record_matmul_into_caller_buffer() {
+    use wgpu::util::DeviceExt;
+    use wgpu_attention::{record_matmul, Error, Storage, Tensor};
+    let Some(ctx) = ctx() else { return };
+    let mut r = common::rng(22);
+    let (batch, m, n, k) = (2, 37, 41, 19);
+    let a = common::rand_array(&mut r, (batch, m, k));
+    let b = common::rand_array(&mut r, (1, n, k));
+    let want = ndarray::Array3::from_shape_fn((batch, m, n), |(z, i, j)| {
+        0.25 * (0..k)
+            .map(|kk| a[[z, i, kk]] as f64 * b[[0, j, kk]] as f64)
+            .sum::<f64>()
+    });
+    let dev = ctx.device();
+    let upload = |x: &[f32]| {
+        dev.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: None,
+            contents: bytemuck::cast_slice(x),
+            usage: wgpu::BufferUsages::STORAGE,
+        })
+    };
+    let (abuf, bbuf) = (upload(a.as_slice().unwrap()), upload(b.as_slice().unwrap()));
+    let ta = || Tensor::from_buffer(&abuf, Storage::F32, &[batch, m, k]);
+    let tb = || Tensor::from_buffer(&bbuf, Storage::F32, &[1, n, k]);
+    let align = ctx.limits().min_storage_buffer_offset_alignment as u64;
+    for storage in [Storage::F32, Storage::F16] {
+        let c_bytes = storage.bytes(batch * m * n);
+        let cbuf = dev.create_buffer(&wgpu::BufferDescriptor {
+            label: None,
+            size: align + c_bytes,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        let c = Tensor::from_buffer(&cbuf, storage, &[batch, m, n]).at_offset(align);
+        let mut enc = dev.create_command_encoder(&Default::default());
+        record_matmul(ctx, &mut enc, ta(), tb(), c, true, 0.25).unwrap();
+        ctx.queue().submit([enc.finish()]);
+        let got = pollster::block_on(ctx.read_as_f32(&cbuf, align, batch * m * n, storage)).unwrap();
+        let tol = wgpu_attention::check::Tolerance::for_storage(storage);
+        common::assert_report(
+            compare(got.iter().copied(), want.iter().copied(), tol),
+            &format!("record_matmul {storage:?}"),
+        );
+    }
+    // Mistakes, each before anything is recorded.
+    let cbuf = dev.create_buffer(&wgpu::BufferDescriptor {
+        label: None,
+        size: 4 * (batch * m * n) as u64,
+        usage: wgpu::BufferUsages::STORAGE,
+        mapped_at_creation: false,
+    });
+    let c = || Tensor::from_buffer(&cbuf, Storage::F32, &[batch, m, n]);
+    let mut enc = dev.create_command_encoder(&Default::default());
+    let host_c = ndarray::Array3::<f32>::zeros((batch, m, n));
+    let bad = [
+        (
+            "c of the wrong shape",
+            record_matmul(
+                ctx,
+                &mut enc,
+                ta(),
+                tb(),
+                Tensor::from_buffer(&cbuf, Storage::F32, &[batch, n, m]),
+                true,
+                1.0,
+            ),
+        ),
+        (
+            "host c",
+            record_matmul(ctx, &mut enc, ta(), tb(), Tensor::from(&host_c), true, 1.0),
+        ),
+        (
+            "c in a's buffer",
+            record_matmul(
+                ctx,
+                &mut enc,
+                ta(),
+                tb(),
+                Tensor::from_buffer(&abuf, Storage::F16, &[batch, m, n]),
+                true,
+                1.0,
+            ),
+        ),
+        (
+            "c too small",
+            record_matmul(
+                ctx,
+                &mut enc,
+                ta(),
+                tb(),
+                Tensor::from_buffer(&bbuf, Storage::F32, &[batch, m, n]),
+                true,
+                1.0,
+            ),
+        ),
+        (
+            "b of the wrong shape",
+            record_matmul(ctx, &mut enc, ta(), tb(), c(), false, 1.0),
+        ),
+    ];
+    for (label, res) in bad {
+        match res {
+            Err(Error::ShapeMismatch { .. }) | Err(Error::BadBuffer { .. }) => {}
+            other => panic!("{label}: {other:?}"),
+        }
+    }
+}
+
 /// A problem big enough (2.5e8 FLOPs) that CPU adapters take the production unrolled fused
 /// kernel (16 rows per invocation at E = 64), with every mask kind, a fully masked row, a
 /// zero key length and a tail on both sequence lengths.

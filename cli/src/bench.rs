@@ -232,7 +232,7 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
     if !a.no_matmul {
         for &st in &storages {
             for trans_b in [true, false] {
-                println!("{}", matmul_row(&ctx, a.iters, st, trans_b)?);
+                println!("{}", matmul_row(&ctx, a, st, trans_b, gpu_time)?);
             }
         }
     }
@@ -405,8 +405,16 @@ fn dedup<T: PartialEq>(items: Vec<T>) -> Vec<T> {
 
 /// The crate's own matmul kernel on a 1024 x 1024 x 1024 product, `A Bᵀ` (`trans_b`, as in
 /// the projections and scores) or `A B`, operands in `storage` (inputs pre-uploaded, f32
-/// output read back), the yardstick for the attention paths' GFLOP/s.
-fn matmul_row(ctx: &Context, iters: u32, storage: Storage, trans_b: bool) -> CliResult<String> {
+/// output read back), the yardstick for the attention paths' GFLOP/s. With `gpu_time`, the
+/// product is recorded into a pre-made f32 buffer (`record_matmul`, no readback) and the GPU
+/// time of the same runs is added.
+fn matmul_row(
+    ctx: &Context,
+    a: &BenchArgs,
+    storage: Storage,
+    trans_b: bool,
+    gpu_time: bool,
+) -> CliResult<String> {
     use wgpu::util::DeviceExt;
     let n = 1024usize;
     let data: Vec<f32> = (0..n * n)
@@ -419,29 +427,58 @@ fn matmul_row(ctx: &Context, iters: u32, storage: Storage, trans_b: bool) -> Cli
             contents: &storage.encode(&data),
             usage: wgpu::BufferUsages::STORAGE,
         });
+    let c = ctx.device().create_buffer(&wgpu::BufferDescriptor {
+        label: Some("matmul bench c"),
+        size: (4 * n * n) as u64,
+        usage: wgpu::BufferUsages::STORAGE,
+        mapped_at_creation: false,
+    });
     let t = || wgpu_attention::Tensor::from_buffer(&buf, storage, &[1, n, n]);
-    let start = Instant::now();
-    wgpu_attention::matmul_blocking(ctx, t(), t(), trans_b, 1.0)?;
-    let first = start.elapsed();
-    let mut times = Vec::new();
-    for _ in 0..iters.max(1) {
-        let start = Instant::now();
-        wgpu_attention::matmul_blocking(ctx, t(), t(), trans_b, 1.0)?;
-        times.push(start.elapsed());
-    }
-    times.sort();
-    let median = times[times.len() / 2];
+    let mut gpu_times: Vec<Duration> = Vec::new();
+    let timing = if gpu_time {
+        time_runs(
+            ctx,
+            || {
+                let c = wgpu_attention::Tensor::from_buffer(&c, Storage::F32, &[1, n, n]);
+                let timed = ctx.time_gpu_blocking(|enc| {
+                    wgpu_attention::record_matmul(ctx, enc, t(), t(), c, trans_b, 1.0)
+                })?;
+                gpu_times.extend(timed.gpu);
+                Ok(())
+            },
+            a.warmup.max(1),
+            a.iters,
+            || {},
+        )?
+    } else {
+        time_runs(
+            ctx,
+            || wgpu_attention::matmul_blocking(ctx, t(), t(), trans_b, 1.0).map(drop),
+            a.warmup.max(1),
+            a.iters,
+            || {},
+        )?
+    };
+    let flops = 2.0 * (n * n * n) as f64;
+    let gpu = if gpu_times.len() >= a.iters as usize {
+        let mut timed = gpu_times[gpu_times.len() - a.iters as usize..].to_vec();
+        timed.sort();
+        let g = timed[timed.len() / 2];
+        format!(" {:>9} {:>10.3} {:>10.2}", "-", ms(g), gflops(flops, g))
+    } else {
+        String::new()
+    };
     Ok(format!(
-        "{:<24} {:<8} {storage:<5} {:>10.3} {:>10.3} {:>10.3} {:>9.2}",
+        "{:<24} {:<11} {storage:<5} {:>10.3} {:>10.3} {:>10.3} {:>9.2}{gpu}",
         if trans_b {
             "matmul_1024^3_ABt"
         } else {
             "matmul_1024^3_AB"
         },
         "matmul",
-        ms(first),
-        ms(median),
-        ms(times[0]),
-        gflops(2.0 * (n * n * n) as f64, median)
+        ms(timing.first),
+        ms(timing.median),
+        ms(timing.min),
+        gflops(flops, timing.median)
     ))
 }

@@ -67,7 +67,7 @@ impl Form {
             // incl. compilation): 4 rows x 4 blocks x 2 k-steps 35 (1.4 s), 4 x 6 x 2 37 (2.9 s),
             // 4 x 4 x 4 37 (2.2 s), 8 x 2 x 2 31, 8 x 1 x 2 21, 2 x 8 x 2 30, 4 x 8 x 2 32 (4.5 s).
             Form::Subgroup { rows: SG_ROWS }
-        } else if !caps.cpu {
+        } else if !caps.cpu && crate::tune::knob("matmul_tiles") != Some(0) {
             Form::GpuTiles
         } else {
             Form::Tiled
