@@ -143,20 +143,21 @@ impl Config {
                 (true, Some(8)) => DecodeForm::Subgroup,
                 (true, _) => DecodeForm::Cpu,
             });
-        // CPU adapters run the loops as written: on lavapipe at d_decode_h32_s4096_e128 the
-        // unrolled kernel took 2.6 s to compile (each per-invocation load becomes a loop over
-        // the SIMD lanes) and ran in 41 ms; the looped one compiles in 1.3 s and runs in 36 ms.
+        // CPU adapters run the loops as written, the GPU forms too when pinned there: on
+        // lavapipe at d_decode_h32_s4096_e128 the unrolled kernel took 2.6 s to compile (each
+        // per-invocation load becomes a loop over the SIMD lanes) and ran in 41 ms; the looped
+        // one compiles in 1.3 s and runs in 36 ms.
         let (wg, unroll) = match form {
             DecodeForm::Gpu => (
                 crate::tune::knob("decode_wg").unwrap_or(64),
-                p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM,
+                !caps.cpu && p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM,
             ),
             // A power of two holding at least one V row's vec4s (EVP) in each of two subsets.
             DecodeForm::GpuTiles => (
                 crate::tune::knob("decode_wg")
                     .unwrap_or(TILES_WG)
                     .max(2 * evp(p.head_dim_v.div_ceil(4)) as u32),
-                p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM,
+                !caps.cpu && p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM,
             ),
             DecodeForm::Cpu => (8, false),
             DecodeForm::Subgroup => (
