@@ -42,6 +42,12 @@ fn cast<F: Float, T: Copy + Into<f64>>(x: T) -> F {
     F::from(x.into()).expect("float conversion")
 }
 
+/// A 4-D array's elements in `F`, row-major: the loops below index plain slices, which stay
+/// fast in a caller's unoptimised build (ndarray's indexing does not).
+fn dense<F: Float, T: Copy + Into<f64>>(a: ArrayView4<T>) -> Vec<F> {
+    a.iter().map(|&x| cast(x)).collect()
+}
+
 /// Stage 1: the softmax weights `P` `[B, Hq, L, S]` and the row logsumexp, recomputed in `F`
 /// from q, k and the options (the same masking rules as [`super::masked_softmax`]).
 pub fn recompute<F: Float, T: Copy + Into<f64>>(
@@ -58,18 +64,22 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
     let mask = mask.as_ref().map(|m| broadcast4(m, (b, hq, l, s)));
     let bias = bias.as_ref().map(|m| broadcast4(m, (b, hq, l, s)));
     let kv_lens = opts.kv_lens.as_deref();
+    let (qd, kd) = (dense::<F, _>(q), dense::<F, _>(k));
     let mut p = Array4::<F>::zeros((b, hq, l, s));
     let mut lse = Array3::<F>::from_elem((b, hq, l), F::neg_infinity());
     let mut logits = vec![F::zero(); s];
     let mut ok = vec![false; s];
     for bi in 0..b {
         for h in 0..hq {
+            let kh = &kd[(bi * (hq / group) + h / group) * s * e..][..s * e];
             for i in 0..l {
+                let qrow = &qd[((bi * hq + h) * l + i) * e..][..e];
                 let mut max = F::neg_infinity();
                 for j in 0..s {
+                    let krow = &kh[j * e..][..e];
                     let mut acc = F::zero();
                     for d in 0..e {
-                        acc = acc + cast::<F, _>(q[[bi, h, i, d]]) * cast(k[[bi, h / group, j, d]]);
+                        acc = acc + qrow[d] * krow[d];
                     }
                     let x = scale * acc + bias.as_ref().map_or(F::zero(), |x| cast(x[[bi, h, i, j]]));
                     ok[j] = allowed(opts.causal, kv_lens, mask.as_ref(), [bi, h, i, j], l, s)
@@ -136,52 +146,78 @@ pub fn sdpa_backward_in<F: Float, T: Copy + Into<f64>, U: Copy + Into<f64>>(
     let (_, hkv, s, ev) = v.dim();
     let g = hq / hkv;
     let (p, lse) = recompute(q, k, opts, scale)?;
+    let (qd, kd, vd, dod) = (
+        dense::<F, _>(q),
+        dense::<F, _>(k),
+        dense::<F, _>(v),
+        dense::<F, _>(dout),
+    );
+    let pd = p.as_slice().expect("standard layout");
+    // Row r = (b Hq + h) L + i of a [B, Hq, L, width] array starts at element r · width.
     // Stage 2: O = P V, dV = Pᵀ dO, dP = dO Vᵀ.
-    let mut out = Array4::<F>::zeros((b, hq, l, ev));
-    let mut dv = Array4::<F>::zeros((b, hkv, s, ev));
-    let mut dp = Array4::<F>::zeros((b, hq, l, s));
+    let mut out = vec![F::zero(); b * hq * l * ev];
+    let mut dv = vec![F::zero(); b * hkv * s * ev];
+    let mut dp = vec![F::zero(); b * hq * l * s];
     for bi in 0..b {
         for h in 0..hq {
+            let kvh = bi * hkv + h / g;
             for i in 0..l {
+                let r = (bi * hq + h) * l + i;
+                let dorow = &dod[r * ev..][..ev];
+                let orow = &mut out[r * ev..][..ev];
                 for j in 0..s {
-                    let pij = p[[bi, h, i, j]];
+                    let pij = pd[r * s + j];
+                    let vrow = &vd[(kvh * s + j) * ev..][..ev];
+                    let dvrow = &mut dv[(kvh * s + j) * ev..][..ev];
                     let mut acc = F::zero();
                     for d in 0..ev {
-                        let vd: F = cast(v[[bi, h / g, j, d]]);
-                        let dod: F = cast(dout[[bi, h, i, d]]);
-                        out[[bi, h, i, d]] = out[[bi, h, i, d]] + pij * vd;
-                        dv[[bi, h / g, j, d]] = dv[[bi, h / g, j, d]] + pij * dod;
-                        acc = acc + dod * vd;
+                        orow[d] = orow[d] + pij * vrow[d];
+                        dvrow[d] = dvrow[d] + pij * dorow[d];
+                        acc = acc + dorow[d] * vrow[d];
                     }
-                    dp[[bi, h, i, j]] = acc;
+                    dp[r * s + j] = acc;
                 }
             }
         }
     }
     // Stage 3: D = rowsum(dO ∘ O), dS = P ∘ (dP − D).
-    let mut dsum = Array3::<F>::zeros((b, hq, l));
-    for ((bi, h, i, d), &o) in out.indexed_iter() {
-        dsum[[bi, h, i]] = dsum[[bi, h, i]] + cast::<F, _>(dout[[bi, h, i, d]]) * o;
+    let mut dsum = vec![F::zero(); b * hq * l];
+    for (r, x) in dsum.iter_mut().enumerate() {
+        for d in 0..ev {
+            *x = *x + dod[r * ev + d] * out[r * ev + d];
+        }
     }
+    let shape4 = |d4: usize| (b, hq, l, d4);
+    let out = Array4::from_shape_vec(shape4(ev), out).expect("out length");
+    let dp = Array4::from_shape_vec(shape4(s), dp).expect("dp length");
+    let dsum = Array3::from_shape_vec((b, hq, l), dsum).expect("D length");
     let ds = softmax_backward(&p, &dp, &dsum);
+    let dsd = ds.as_slice().expect("standard layout");
     // Stage 4: dQ = scale · dS K, dK = scale · dSᵀ Q.
-    let mut dq = Array4::<F>::zeros((b, hq, l, e));
-    let mut dk = Array4::<F>::zeros((b, hkv, s, e));
+    let mut dq = vec![F::zero(); b * hq * l * e];
+    let mut dk = vec![F::zero(); b * hkv * s * e];
     for bi in 0..b {
         for h in 0..hq {
+            let kvh = bi * hkv + h / g;
             for i in 0..l {
+                let r = (bi * hq + h) * l + i;
+                let qrow = &qd[r * e..][..e];
+                let dqrow = &mut dq[r * e..][..e];
                 for j in 0..s {
-                    let x = ds[[bi, h, i, j]];
+                    let x = dsd[r * s + j];
+                    let krow = &kd[(kvh * s + j) * e..][..e];
+                    let dkrow = &mut dk[(kvh * s + j) * e..][..e];
                     for d in 0..e {
-                        let kd: F = cast(k[[bi, h / g, j, d]]);
-                        let qd: F = cast(q[[bi, h, i, d]]);
-                        dq[[bi, h, i, d]] = dq[[bi, h, i, d]] + scale * x * kd;
-                        dk[[bi, h / g, j, d]] = dk[[bi, h / g, j, d]] + scale * x * qd;
+                        dqrow[d] = dqrow[d] + scale * x * krow[d];
+                        dkrow[d] = dkrow[d] + scale * x * qrow[d];
                     }
                 }
             }
         }
     }
+    let dv = Array4::from_shape_vec((b, hkv, s, ev), dv).expect("dv length");
+    let dq = Array4::from_shape_vec((b, hq, l, e), dq).expect("dq length");
+    let dk = Array4::from_shape_vec((b, hkv, s, e), dk).expect("dk length");
     // Stage 5: d(bias) = dS summed over the bias's broadcast dimensions.
     let dbias = pr.bias.map(|bc| {
         let [sb, sh, sl, ss] = bc.shape;
