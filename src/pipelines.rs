@@ -46,11 +46,28 @@ impl Pipeline {
         source: String,
         bindings: &[wgpu::BufferBindingType],
         constants: &[(&'static str, f64)],
+        unchecked: bool,
     ) -> Self {
-        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        let desc = wgpu::ShaderModuleDescriptor {
             label: Some(label),
             source: wgpu::ShaderSource::Wgsl(source.into()),
-        });
+        };
+        // SAFETY: `unchecked` is set for kernels whose every storage index is in range by
+        // construction (`KernelSpec::trusted`: rows clamped, tails guarded, loops bounded by
+        // params), whose bindings the crate checks against the shapes before any dispatch; or by
+        // the `unchecked` tuning knob, a developer's measurement switch.
+        #[cfg(not(target_arch = "wasm32"))]
+        let module = if unchecked {
+            unsafe { device.create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked()) }
+        } else {
+            device.create_shader_module(desc)
+        };
+        // The browser checks every shader itself.
+        #[cfg(target_arch = "wasm32")]
+        let module = {
+            let _ = unchecked;
+            device.create_shader_module(desc)
+        };
         let entries: Vec<wgpu::BindGroupLayoutEntry> = bindings
             .iter()
             .enumerate()
@@ -186,7 +203,7 @@ mod tests {
         };
         let cache = PipelineCache::default();
         let src = "@compute @workgroup_size(1) fn main() {}".to_string();
-        let build = || Pipeline::new(ctx.device(), "t", src.clone(), &[], &[]);
+        let build = || Pipeline::new(ctx.device(), "t", src.clone(), &[], &[], false);
         let key = |i: usize| Key::new("t", &format!("// {i}"), &[]);
         for i in 0..MAX_PIPELINES + 40 {
             cache.get_or_build(key(i), build);

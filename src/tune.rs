@@ -10,7 +10,10 @@
 //!   (multiples of 4, among the sizes it knows);
 //! - `wg_memory`: workgroup memory the GPU forms may use, bytes (at most the device's limit);
 //! - `matmul_tiles` (0 or 1): 0 runs the matmul's 64 x 64 form on GPUs instead of its
-//!   128 x 128 GPU form (to compare them).
+//!   128 x 128 GPU form (to compare them);
+//! - `unchecked` (0 or 1): 1 creates every kernel's shader module with wgpu's runtime checks
+//!   off (`create_shader_module_trusted`: no injected bounds checks, no loop bounding), 0 none;
+//!   unset, the kernels marked trusted run without them on GPUs (the fused forward).
 //!
 //! A developer's aid for measuring a new GPU (`scripts/gpu_report.sh` sweeps them); the plan's
 //! defaults are what it measured. Unknown keys and bad values are reported once on stderr and
@@ -48,6 +51,7 @@ const KEYS: &[&str] = &[
     "tiles_bn",
     "wg_memory",
     "matmul_tiles",
+    "unchecked",
 ];
 
 #[cfg_attr(target_arch = "wasm32", allow(dead_code))]

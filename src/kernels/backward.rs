@@ -42,6 +42,7 @@ pub(crate) const PREP: KernelSpec = KernelSpec {
         Binding::Params,
     ],
     params: params_of::<Params>,
+    trusted: false,
 };
 
 pub(crate) const DQ: KernelSpec = KernelSpec {
@@ -50,6 +51,7 @@ pub(crate) const DQ: KernelSpec = KernelSpec {
     common: &[common::SOFTMAX, common::MASKS, BACKWARD],
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
+    trusted: false,
 };
 
 pub(crate) const DKV: KernelSpec = KernelSpec {
@@ -58,6 +60,7 @@ pub(crate) const DKV: KernelSpec = KernelSpec {
     common: &[common::SOFTMAX, common::MASKS, BACKWARD],
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
+    trusted: false,
 };
 
 pub(crate) const DBIAS: KernelSpec = KernelSpec {
@@ -66,6 +69,7 @@ pub(crate) const DBIAS: KernelSpec = KernelSpec {
     common: &[common::SOFTMAX, common::MASKS, BACKWARD],
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
+    trusted: false,
 };
 
 pub(crate) const DS: KernelSpec = KernelSpec {
@@ -83,6 +87,7 @@ pub(crate) const DS: KernelSpec = KernelSpec {
         Binding::Params,
     ],
     params: params_of::<Params>,
+    trusted: false,
 };
 
 /// Every backward kernel, for the binding-limit and assembly tests.

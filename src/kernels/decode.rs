@@ -16,6 +16,7 @@ pub(crate) const DECODE: KernelSpec = KernelSpec {
     common: &[common::SOFTMAX, common::MASKS],
     bindings: super::ATTENTION_BINDINGS,
     params: params_of::<Params>,
+    trusted: false,
 };
 
 /// The decode kernel's GPU-tiled form (`DecodeForm::GpuTiles`): same params and bindings.
@@ -25,6 +26,7 @@ pub(crate) const DECODE_TILES: KernelSpec = KernelSpec {
     common: &[common::SOFTMAX, common::MASKS],
     bindings: super::ATTENTION_BINDINGS,
     params: params_of::<Params>,
+    trusted: false,
 };
 
 pub(crate) const MERGE: KernelSpec = KernelSpec {
@@ -39,6 +41,7 @@ pub(crate) const MERGE: KernelSpec = KernelSpec {
         Binding::Params,
     ],
     params: params_of::<MergeParams>,
+    trusted: false,
 };
 
 /// The accumulator reductions: through workgroup memory in blocks, or by subgroup operations.

@@ -17,6 +17,7 @@ pub(crate) const SPEC: KernelSpec = KernelSpec {
     common: &[common::SOFTMAX, common::MASKS],
     bindings: super::ATTENTION_BINDINGS,
     params: params_of::<Params>,
+    trusted: true,
 };
 
 /// The fused kernel with Bahdanau's additive score (`Config::additive`): the same source, one
@@ -28,6 +29,7 @@ pub(crate) const TILES_SPEC: KernelSpec = KernelSpec {
     common: SPEC.common,
     bindings: SPEC.bindings,
     params: SPEC.params,
+    trusted: true,
 };
 
 /// The register-tiled GPU form with the additive score (bindings as [`ADDITIVE_SPEC`]).
@@ -37,6 +39,7 @@ pub(crate) const TILES_ADDITIVE_SPEC: KernelSpec = KernelSpec {
     common: SPEC.common,
     bindings: ADDITIVE_SPEC.bindings,
     params: SPEC.params,
+    trusted: false,
 };
 
 pub(crate) const ADDITIVE_SPEC: KernelSpec = KernelSpec {
@@ -56,6 +59,7 @@ pub(crate) const ADDITIVE_SPEC: KernelSpec = KernelSpec {
         Binding::Params,
     ],
     params: params_of::<Params>,
+    trusted: false,
 };
 
 /// K/V tile access (declaration, staging, reads): staged in workgroup memory, or in registers

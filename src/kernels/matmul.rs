@@ -20,6 +20,7 @@ pub(crate) const SPEC: KernelSpec = KernelSpec {
         Binding::Params,
     ],
     params: params_of::<Params>,
+    trusted: false,
 };
 
 /// The form for CPU adapters whose subgroup is exactly 8 invocations (lavapipe):
@@ -30,6 +31,7 @@ pub(crate) const SG_SPEC: KernelSpec = KernelSpec {
     common: &[super::common::MATMUL],
     bindings: SPEC.bindings,
     params: params_of::<Params>,
+    trusted: false,
 };
 
 /// The GPU form: `shaders/matmul_tiles.wgsl`.
@@ -39,6 +41,7 @@ pub(crate) const TILES_SPEC: KernelSpec = KernelSpec {
     common: &[super::common::MATMUL],
     bindings: SPEC.bindings,
     params: params_of::<Params>,
+    trusted: false,
 };
 
 /// Output tile edge (rows and columns) per workgroup of the tiled form; the grid is sized for

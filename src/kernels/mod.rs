@@ -203,6 +203,13 @@ pub(crate) struct KernelSpec {
     pub(crate) bindings: &'static [Binding],
     /// The WGSL declarations of the params struct and its name.
     pub(crate) params: fn() -> (String, &'static str),
+    /// Every storage index the kernel forms is in range by construction (rows clamped into the
+    /// tensor, columns and tails guarded, loops bounded by params), given the bindings the host
+    /// checks against the shapes before any dispatch: on GPUs its module is created without
+    /// wgpu's runtime checks (`create_shader_module_trusted`), which cost the fused forward
+    /// 24-44% on an H200 (docs/gpu/nvidia-h200.md). Only the fused forward is marked: the
+    /// backward's kernels read rows past L under a `select` (discarded, but out of range).
+    pub(crate) trusted: bool,
 }
 
 /// [`KernelSpec::params`] of a struct declared by `wgsl_struct!`.
@@ -253,12 +260,18 @@ pub(crate) fn pipeline(
                     Binding::Params | Binding::Uniform => wgpu::BufferBindingType::Uniform,
                 })
                 .collect();
+            // The `unchecked` knob overrides (1: every kernel, 0: none), for measuring.
+            let unchecked = match crate::tune::knob("unchecked") {
+                Some(u) => u == 1,
+                None => spec.trusted && !ctx.caps().cpu,
+            };
             Pipeline::new(
                 ctx.device(),
                 spec.name,
                 source(spec, prelude, storage),
                 &types,
                 constants,
+                unchecked,
             )
         })
 }

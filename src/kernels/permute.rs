@@ -14,6 +14,7 @@ pub(crate) const SPEC: KernelSpec = KernelSpec {
     common: &[],
     bindings: &[Binding::Read, Binding::ReadWrite, Binding::Params],
     params: params_of::<Params>,
+    trusted: false,
 };
 
 /// Invocations per workgroup (`WG` in the shader).

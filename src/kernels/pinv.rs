@@ -12,6 +12,7 @@ pub(crate) const INIT: KernelSpec = KernelSpec {
     common: &[],
     bindings: &[Binding::Read, Binding::ReadWrite, Binding::Params],
     params: params_of::<InitParams>,
+    trusted: false,
 };
 
 pub(crate) const EYE_MINUS: KernelSpec = KernelSpec {
@@ -20,6 +21,7 @@ pub(crate) const EYE_MINUS: KernelSpec = KernelSpec {
     common: &[],
     bindings: &[Binding::Read, Binding::ReadWrite, Binding::Params],
     params: params_of::<EyeParams>,
+    trusted: false,
 };
 
 wgsl_struct! {

@@ -19,6 +19,7 @@ pub(crate) const SPEC: KernelSpec = KernelSpec {
         Binding::Params,
     ],
     params: params_of::<Params>,
+    trusted: false,
 };
 
 wgsl_struct! {
