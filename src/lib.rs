@@ -65,8 +65,8 @@ pub use half;
 pub use matmul::matmul_blocking;
 pub use matmul::{matmul, record_matmul};
 pub use mha::{
-    MhaBackward, MhaConfig, MhaForward, MhaGpuGrads, MhaGpuOutput, MhaGrads, MhaOutput, MhaTimings,
-    MhaWeights, MultiHeadAttention, NeedWeights,
+    MhaBackward, MhaConfig, MhaForward, MhaGpuGrads, MhaGpuOutput, MhaGrads, MhaGradsInto, MhaOutput,
+    MhaTimings, MhaWeights, MultiHeadAttention, NeedWeights,
 };
 pub use options::Options;
 pub use problem::{Causal, Problem};

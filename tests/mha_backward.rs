@@ -310,6 +310,172 @@ fn gpu_buffer_inputs() {
     assert!(g.heads.iter().all(Option::is_none));
 }
 
+/// Gradients into the caller's buffers (`grads_into`): overwritten, then accumulated onto what
+/// the buffers hold; every misuse a typed error before any GPU work.
+#[test]
+fn gradients_into_caller_buffers() {
+    let Some(ctx) = ctx() else { return };
+    use wgpu_attention::wgpu::{self, util::DeviceExt};
+    use wgpu_attention::MhaGradsInto;
+    let c = MhaConfig::new(16, 2);
+    let case = MhaCase::random(grid(c, (2, 9, 7), true), 33, Storage::F32);
+    let layer = MultiHeadAttention::new(ctx, &case.w).unwrap();
+    let dout = dout_for(&case, 6);
+    let call = || case.forward(&layer).backward(&dout);
+    let want = call().run_blocking(ctx).unwrap();
+    let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
+    let filled = |n: usize, x: f32| {
+        ctx.device()
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: None,
+                contents: bytemuck::cast_slice(&vec![x; n]),
+                usage,
+            })
+    };
+    let (dq, dk, dwq, dwo, dbv) = (
+        filled(2 * 9 * 16, 1.0),
+        filled(2 * 7 * 16, 1.0),
+        filled(16 * 16, 1.0),
+        filled(16 * 16 + 5, 1.0),
+        filled(16, 1.0),
+    );
+    let into = MhaGradsInto {
+        query: Some(&dq),
+        key: Some(&dk),
+        w: [Some(&dwq), None, None, Some(&dwo)],
+        b: [None, None, Some(&dbv), None],
+        ..Default::default()
+    };
+    let read = |b: &wgpu::Buffer, n: usize| pollster::block_on(ctx.read_f32(b, 0, (n * 4) as u64)).unwrap();
+    let got = call().grads_into(into).run_blocking(ctx).unwrap();
+    assert_eq!(got, want, "the same gradients, through the caller's buffers");
+    assert_eq!(read(&dq, 2 * 9 * 16), want.query.as_slice().unwrap());
+    assert_eq!(
+        read(&dk, 2 * 7 * 16),
+        want.key.as_ref().unwrap().as_slice().unwrap()
+    );
+    assert_eq!(read(&dwq, 16 * 16), want.w_q.as_slice().unwrap());
+    assert_eq!(read(&dbv, 16), want.b_v.as_ref().unwrap().as_slice().unwrap());
+    // Accumulated: a second call adds the same gradients (the buffers now hold them once).
+    let mut enc = ctx.device().create_command_encoder(&Default::default());
+    call()
+        .grads_into(MhaGradsInto {
+            accumulate: true,
+            ..into
+        })
+        .record(ctx, &mut enc)
+        .unwrap();
+    ctx.queue().submit([enc.finish()]);
+    let twice = |v: &[f32]| v.iter().map(|x| 2.0 * x).collect::<Vec<f32>>();
+    let tol = Tolerance {
+        atol: 1e-6,
+        rtol: 1e-6,
+    };
+    for (label, buf, one) in [
+        ("query", &dq, want.query.as_slice().unwrap()),
+        ("key", &dk, want.key.as_ref().unwrap().as_slice().unwrap()),
+        ("w_q", &dwq, want.w_q.as_slice().unwrap()),
+        ("w_o", &dwo, want.w_o.as_slice().unwrap()),
+        ("b_v", &dbv, want.b_v.as_ref().unwrap().as_slice().unwrap()),
+    ] {
+        let got = read(buf, one.len());
+        assert_report(
+            compare(got.iter().copied(), twice(one).iter().map(|&x| x as f64), tol),
+            &format!("{label} accumulated"),
+        );
+    }
+    // Misuse, each before any GPU work.
+    let small = filled(10, 0.0);
+    let no_copy = ctx.device().create_buffer(&wgpu::BufferDescriptor {
+        label: None,
+        size: 4 * 16 * 16,
+        usage: wgpu::BufferUsages::STORAGE,
+        mapped_at_creation: false,
+    });
+    let no_dst = ctx.device().create_buffer(&wgpu::BufferDescriptor {
+        label: None,
+        size: 4 * 16,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let uniform = ctx.device().create_buffer(&wgpu::BufferDescriptor {
+        label: None,
+        size: 4 * 16 * 16,
+        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let cases = [
+        (
+            "too small",
+            MhaGradsInto {
+                w: [Some(&small), None, None, None],
+                ..Default::default()
+            },
+            "w_q gradient",
+        ),
+        (
+            "twice the same buffer",
+            MhaGradsInto {
+                w: [Some(&dwq), Some(&dwq), None, None],
+                ..Default::default()
+            },
+            "w_k gradient",
+        ),
+        (
+            "not storage",
+            MhaGradsInto {
+                w: [None, None, Some(&uniform), None],
+                ..Default::default()
+            },
+            "w_v gradient",
+        ),
+        (
+            "no COPY_DST without accumulate",
+            MhaGradsInto {
+                b: [None, None, None, Some(&no_dst)],
+                ..Default::default()
+            },
+            "b_o gradient",
+        ),
+        (
+            "no COPY_SRC for run",
+            MhaGradsInto {
+                w: [None, None, None, Some(&no_copy)],
+                ..Default::default()
+            },
+            "w_o gradient",
+        ),
+    ];
+    for (label, into, tensor) in cases {
+        match call().grads_into(into).run_blocking(ctx) {
+            Err(Error::BadBuffer { tensor: t, .. }) if t == tensor => {}
+            other => panic!("{label}: {other:?}"),
+        }
+    }
+    // Self-attention has no key input gradient.
+    let self_case = MhaCase::random(grid(c, (2, 9, 9), false), 34, Storage::F32);
+    let self_layer = MultiHeadAttention::new(ctx, &self_case.w).unwrap();
+    let err = self_case
+        .forward(&self_layer)
+        .backward(&dout_for(&self_case, 7))
+        .grads_into(MhaGradsInto {
+            key: Some(&dk),
+            ..Default::default()
+        })
+        .run_blocking(ctx)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::BadBuffer {
+                tensor: "key gradient",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
 /// A wrong-shaped upstream gradient, a decode path and bad inputs are typed errors.
 #[test]
 fn bad_input_is_a_typed_error() {

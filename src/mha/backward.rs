@@ -51,6 +51,64 @@ use super::{MhaForward, MhaGrads};
 pub struct MhaBackward<'a> {
     fwd: MhaForward<'a>,
     dout: Tensor<'a>,
+    into: MhaGradsInto<'a>,
+}
+
+/// Your own f32 buffers for the layer's gradients ([`MhaBackward::grads_into`]): each one given
+/// receives that gradient, row-major in the shape [`MhaGrads`] gives it, at offset 0 (usage
+/// `STORAGE`; `COPY_DST`, as it is zeroed first, unless accumulating; `COPY_SRC` to read it
+/// back with [`MhaBackward::run`]); the crate makes the rest. With `accumulate`, every given
+/// buffer gets the gradient added to what it holds (gradient accumulation over micro-batches)
+/// instead of overwritten.
+///
+/// ```no_run
+/// # use wgpu_attention::{wgpu, Context, MhaConfig, MhaWeights, MhaGradsInto, MultiHeadAttention};
+/// # let ctx = Context::new_blocking()?;
+/// # let mha = MultiHeadAttention::new(&ctx, &MhaWeights::xavier_uniform(MhaConfig::new(64, 4), 0)?)?;
+/// # let x = ndarray::Array3::<f32>::ones((2, 16, 64));
+/// # let dy = x.clone();
+/// // Your optimizer's gradient buffer for W_Q, [64, 64] f32, summed over micro-batches.
+/// let dw_q = ctx.device().create_buffer(&wgpu::BufferDescriptor {
+///     label: Some("dW_Q"),
+///     size: 64 * 64 * 4,
+///     usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+///     mapped_at_creation: false,
+/// });
+/// let into = MhaGradsInto { w: [Some(&dw_q), None, None, None], accumulate: true, ..Default::default() };
+/// let mut enc = ctx.device().create_command_encoder(&Default::default());
+/// mha.forward(&x).backward(&dy).grads_into(into).record(&ctx, &mut enc)?;
+/// # Ok::<(), wgpu_attention::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MhaGradsInto<'b> {
+    /// With respect to the query input `[B, L, d_model]` (or given query heads' input shape).
+    pub query: Option<&'b wgpu::Buffer>,
+    /// With respect to the key input, in cross-attention.
+    pub key: Option<&'b wgpu::Buffer>,
+    /// With respect to the value input, in cross-attention.
+    pub value: Option<&'b wgpu::Buffer>,
+    /// `[dW_Q, dW_K, dW_V, dW_O]`.
+    pub w: [Option<&'b wgpu::Buffer>; 4],
+    /// `[db_Q, db_K, db_V, db_O]` (for the biases the layer has).
+    pub b: [Option<&'b wgpu::Buffer>; 4],
+    /// Add to the buffers' contents instead of overwriting them.
+    pub accumulate: bool,
+}
+
+impl MhaGradsInto<'_> {
+    fn given(&self) -> impl Iterator<Item = (&'static str, &wgpu::Buffer)> + '_ {
+        const W: [&str; 4] = ["w_q gradient", "w_k gradient", "w_v gradient", "w_o gradient"];
+        const B: [&str; 4] = ["b_q gradient", "b_k gradient", "b_v gradient", "b_o gradient"];
+        [
+            ("query gradient", self.query),
+            ("key gradient", self.key),
+            ("value gradient", self.value),
+        ]
+        .into_iter()
+        .chain(W.into_iter().zip(self.w))
+        .chain(B.into_iter().zip(self.b))
+        .filter_map(|(n, b)| b.map(|b| (n, b)))
+    }
 }
 
 impl<'a> MhaForward<'a> {
@@ -60,6 +118,7 @@ impl<'a> MhaForward<'a> {
         MhaBackward {
             fwd: self.for_backward(),
             dout: dout.into(),
+            into: MhaGradsInto::default(),
         }
     }
 }
@@ -89,7 +148,15 @@ pub struct MhaGpuGrads {
     pub heads: [Option<wgpu::Buffer>; 3],
 }
 
-impl MhaBackward<'_> {
+impl<'a> MhaBackward<'a> {
+    /// Write the gradients into your own buffers (each optional), overwriting or accumulating
+    /// ([`MhaGradsInto`]). Their sizes, usages and distinctness are checked before anything is
+    /// recorded.
+    pub fn grads_into(mut self, into: MhaGradsInto<'a>) -> Self {
+        self.into = into;
+        self
+    }
+
     /// Upload host inputs and record the layer's forward and backward into your `encoder`;
     /// nothing is submitted. Every bad input is an error before anything is recorded; device
     /// errors go to your error scope. The gradients stay on the GPU ([`MhaGpuGrads`]).
@@ -113,8 +180,16 @@ impl MhaBackward<'_> {
         let key_shape = fwd.key_input_shape();
         let value_shape = pass.value.as_ref().map(|_| [b, s, c.vdim]);
         check_sizes(ctx, &c, &dims, &query_shape)?;
+        let m = fwd.layer();
+        let into = &self.into;
+        check_into(into, m, &query_shape, key_shape, value_shape, &c, &dims)?;
 
         let f32_buf = |label: &str, n: usize| output(ctx, label, f32_bytes(n.max(1)));
+        // A given buffer, or one of the crate's.
+        let pick = |given: Option<&wgpu::Buffer>, label: &str, n: usize| match given {
+            Some(buf) => buf.clone(),
+            None => f32_buf(label, n),
+        };
         let inputs = pass.upload_inputs();
         pass.record_heads(enc, &inputs)?;
         let dy = dout.upload(ctx, "dout");
@@ -123,13 +198,13 @@ impl MhaBackward<'_> {
             "ones",
             bytemuck::cast_slice(&vec![1.0f32; (b * l.max(s)).max(1)]),
         );
-        let m = fwd.layer();
         let f = Storage::F32;
         let lin = Linear {
             ctx,
             dummy: &pass.dummy,
             ones: ones.as_entire_buffer_binding(),
             weights: st,
+            accumulate: into.accumulate,
         };
 
         // dO = split(dY W_O), in the layer's format.
@@ -155,26 +230,26 @@ impl MhaBackward<'_> {
         let fw = attn.forward.as_ref().expect("the backward ran the forward");
         pass.record_output(enc, &fw.output, fw.output_offset)?;
 
-        // The gradient buffers, zeroed: unused inputs and parameters keep zeros, and the
-        // input gradients accumulate.
+        // The gradient buffers, zeroed (the caller's too, unless they accumulate): unused
+        // inputs and parameters keep zeros, and the input gradients accumulate.
         let (out, output_offset) = pass.out_buffer();
         let bufs = MhaGpuGrads {
             output: out.clone(),
             output_offset,
-            query: f32_buf("d query", elems(&query_shape)),
-            key: key_shape.map(|sh| f32_buf("d key", elems(&sh[..]))),
-            value: value_shape.map(|sh| f32_buf("d value", elems(&sh[..]))),
+            query: pick(into.query, "d query", elems(&query_shape)),
+            key: key_shape.map(|sh| pick(into.key, "d key", elems(&sh[..]))),
+            value: value_shape.map(|sh| pick(into.value, "d value", elems(&sh[..]))),
             w: [
-                f32_buf("d w_q", e * e),
-                f32_buf("d w_k", c.kv_width() * c.kdim),
-                f32_buf("d w_v", c.kv_width() * c.vdim),
-                f32_buf("d w_o", e * h * d),
+                pick(into.w[0], "d w_q", e * e),
+                pick(into.w[1], "d w_k", c.kv_width() * c.kdim),
+                pick(into.w[2], "d w_v", c.kv_width() * c.vdim),
+                pick(into.w[3], "d w_o", e * h * d),
             ],
             b: [
-                m.b_q.as_ref().map(|_| f32_buf("d b_q", h * d)),
-                m.b_k.as_ref().map(|_| f32_buf("d b_k", g * d)),
-                m.b_v.as_ref().map(|_| f32_buf("d b_v", g * d)),
-                m.b_o.as_ref().map(|_| f32_buf("d b_o", e)),
+                m.b_q.as_ref().map(|_| pick(into.b[0], "d b_q", h * d)),
+                m.b_k.as_ref().map(|_| pick(into.b[1], "d b_k", g * d)),
+                m.b_v.as_ref().map(|_| pick(into.b[2], "d b_v", g * d)),
+                m.b_o.as_ref().map(|_| pick(into.b[3], "d b_o", e)),
             ],
             heads: [
                 fwd.has_query_heads().then(|| attn.dq.clone()),
@@ -188,7 +263,10 @@ impl MhaBackward<'_> {
             .chain(bufs.b.iter().map(Option::as_ref))
             .flatten()
         {
-            enc.clear_buffer(buf, 0, None);
+            let callers = into.given().any(|(_, given)| given == buf);
+            if !(callers && into.accumulate) {
+                enc.clear_buffer(buf, 0, None);
+            }
         }
 
         // Output projection: dYᵀ [E, B·L].
@@ -267,6 +345,14 @@ impl MhaBackward<'_> {
 
     /// Run on the GPU and read the gradients (and the layer's output) back.
     pub async fn run(&self, ctx: &Context) -> Result<MhaGrads<f32>> {
+        for (name, buf) in self.into.given() {
+            if !buf.usage().contains(wgpu::BufferUsages::COPY_SRC) {
+                return Err(Error::BadBuffer {
+                    tensor: name,
+                    reason: "run reads the gradients back: the buffer needs wgpu::BufferUsages::COPY_SRC (or use record)".into(),
+                });
+            }
+        }
         let bufs = ctx
             .submit("wgpu-attention mha backward", |enc| self.record(ctx, enc))
             .await?;
@@ -397,6 +483,85 @@ fn check_sizes(ctx: &Context, c: &super::MhaConfig, dims: &Dims, query_shape: &[
     Ok(())
 }
 
+/// The caller's gradient buffers ([`MhaGradsInto`]) against the gradients this layer makes:
+/// each one a gradient the layer has, large enough, usable as storage, and none the same buffer
+/// as another or as one of the layer's parameters.
+#[allow(clippy::too_many_arguments)] // each is a distinct fact about the layer
+fn check_into(
+    into: &MhaGradsInto<'_>,
+    m: &super::MultiHeadAttention,
+    query_shape: &[usize],
+    key_shape: Option<[usize; 3]>,
+    value_shape: Option<[usize; 3]>,
+    c: &super::MhaConfig,
+    dims: &Dims,
+) -> Result<()> {
+    let Dims { h, g, d, e, .. } = *dims;
+    let kv = c.kv_width();
+    let bad = |tensor: &'static str, reason: String| Err(Error::BadBuffer { tensor, reason });
+    let elems_of = |name: &str| -> Option<usize> {
+        Some(match name {
+            "query gradient" => elems(query_shape),
+            "key gradient" => return key_shape.map(|sh| elems(&sh)),
+            "value gradient" => return value_shape.map(|sh| elems(&sh)),
+            "w_q gradient" => e * e,
+            "w_k gradient" => kv * c.kdim,
+            "w_v gradient" => kv * c.vdim,
+            "w_o gradient" => e * h * d,
+            "b_q gradient" => return m.b_q.as_ref().map(|_| h * d),
+            "b_k gradient" => return m.b_k.as_ref().map(|_| g * d),
+            "b_v gradient" => return m.b_v.as_ref().map(|_| g * d),
+            "b_o gradient" => return m.b_o.as_ref().map(|_| e),
+            _ => unreachable!("a gradient's name"),
+        })
+    };
+    let params: Vec<&wgpu::Buffer> = [&m.w_q, &m.w_k, &m.w_v, &m.w_o]
+        .into_iter()
+        .chain([&m.b_q, &m.b_k, &m.b_v, &m.b_o].into_iter().flatten())
+        .collect();
+    let given: Vec<(&'static str, &wgpu::Buffer)> = into.given().collect();
+    for (i, &(name, buf)) in given.iter().enumerate() {
+        let Some(n) = elems_of(name) else {
+            return bad(
+                name,
+                "this layer has no such gradient (the key and value inputs' exist in cross-attention, a bias's where the layer has it)".into(),
+            );
+        };
+        if !buf.usage().contains(wgpu::BufferUsages::STORAGE) {
+            return bad(name, "the buffer needs wgpu::BufferUsages::STORAGE".into());
+        }
+        if !into.accumulate && !buf.usage().contains(wgpu::BufferUsages::COPY_DST) {
+            return bad(
+                name,
+                "the buffer is zeroed first: it needs wgpu::BufferUsages::COPY_DST (or accumulate)".into(),
+            );
+        }
+        if buf.size() < f32_bytes(n) {
+            return bad(
+                name,
+                format!(
+                    "needs {} bytes ({n} f32 values), the buffer has {}",
+                    f32_bytes(n),
+                    buf.size()
+                ),
+            );
+        }
+        if let Some((other, _)) = given[..i].iter().find(|(_, b)| *b == buf) {
+            return bad(
+                name,
+                format!("the same buffer as the {other}: each gradient needs its own"),
+            );
+        }
+        if params.contains(&buf) {
+            return bad(
+                name,
+                "one of the layer's own parameter buffers: gradients need buffers of their own".into(),
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The element count of a shape.
 fn elems(x: &[usize]) -> usize {
     x.iter().product()
@@ -433,6 +598,8 @@ struct Linear<'c> {
     ones: wgpu::BufferBinding<'c>,
     /// The weights' format.
     weights: Storage,
+    /// `dW` and `db` added to their buffers' contents (the caller's, accumulating).
+    accumulate: bool,
 }
 
 impl Linear<'_> {
@@ -508,7 +675,7 @@ impl Linear<'_> {
             dw.as_entire_buffer_binding(),
             [n, inw, rows],
             [f, xf, f, f],
-            false,
+            self.accumulate,
         )
         .record(self.ctx, enc, self.dummy)?;
         if let Some(db) = db {
@@ -518,7 +685,7 @@ impl Linear<'_> {
                 db.as_entire_buffer_binding(),
                 [n, 1, rows],
                 [f; 4],
-                false,
+                self.accumulate,
             )
             .record(self.ctx, enc, self.dummy)?;
         }

@@ -28,7 +28,7 @@ mod forward;
 mod grads;
 pub(crate) mod weights;
 
-pub use backward::{MhaBackward, MhaGpuGrads};
+pub use backward::{MhaBackward, MhaGpuGrads, MhaGradsInto};
 pub use config::MhaConfig;
 pub(crate) use forward::project;
 pub use forward::MhaForward;
