@@ -185,11 +185,6 @@ impl<'a> MhaBackward<'a> {
         check_into(into, m, &query_shape, key_shape, value_shape, &c, &dims)?;
 
         let f32_buf = |label: &str, n: usize| output(ctx, label, f32_bytes(n.max(1)));
-        // A given buffer, or one of the crate's.
-        let pick = |given: Option<&wgpu::Buffer>, label: &str, n: usize| match given {
-            Some(buf) => buf.clone(),
-            None => f32_buf(label, n),
-        };
         let inputs = pass.upload_inputs();
         pass.record_heads(enc, &inputs)?;
         let dy = dout.upload(ctx, "dout");
@@ -230,44 +225,9 @@ impl<'a> MhaBackward<'a> {
         let fw = attn.forward.as_ref().expect("the backward ran the forward");
         pass.record_output(enc, &fw.output, fw.output_offset)?;
 
-        // The gradient buffers, zeroed (the caller's too, unless they accumulate): unused
-        // inputs and parameters keep zeros, and the input gradients accumulate.
         let (out, output_offset) = pass.out_buffer();
-        let bufs = MhaGpuGrads {
-            output: out.clone(),
-            output_offset,
-            query: pick(into.query, "d query", elems(&query_shape)),
-            key: key_shape.map(|sh| pick(into.key, "d key", elems(&sh[..]))),
-            value: value_shape.map(|sh| pick(into.value, "d value", elems(&sh[..]))),
-            w: [
-                pick(into.w[0], "d w_q", e * e),
-                pick(into.w[1], "d w_k", c.kv_width() * c.kdim),
-                pick(into.w[2], "d w_v", c.kv_width() * c.vdim),
-                pick(into.w[3], "d w_o", e * h * d),
-            ],
-            b: [
-                m.b_q.as_ref().map(|_| pick(into.b[0], "d b_q", h * d)),
-                m.b_k.as_ref().map(|_| pick(into.b[1], "d b_k", g * d)),
-                m.b_v.as_ref().map(|_| pick(into.b[2], "d b_v", g * d)),
-                m.b_o.as_ref().map(|_| pick(into.b[3], "d b_o", e)),
-            ],
-            heads: [
-                fwd.has_query_heads().then(|| attn.dq.clone()),
-                fwd.has_key_heads().then(|| attn.dk.clone()),
-                fwd.has_value_heads().then(|| attn.dv.clone()),
-            ],
-        };
-        for buf in [Some(&bufs.query), bufs.key.as_ref(), bufs.value.as_ref()]
-            .into_iter()
-            .chain(bufs.w.iter().map(Some))
-            .chain(bufs.b.iter().map(Option::as_ref))
-            .flatten()
-        {
-            let callers = into.given().any(|(_, given)| given == buf);
-            if !(callers && into.accumulate) {
-                enc.clear_buffer(buf, 0, None);
-            }
-        }
+        let shapes = (query_shape.as_slice(), [key_shape, value_shape]);
+        let bufs = self.grad_buffers(ctx, enc, &dims, shapes, &attn, (out.clone(), output_offset));
 
         // Output projection: dYᵀ [E, B·L].
         let dy_t = f32_buf("dY transposed", b * l * e);
@@ -341,6 +301,65 @@ impl<'a> MhaBackward<'a> {
             }
         }
         Ok(bufs)
+    }
+
+    /// The gradient buffers (the caller's where given), zeroed, the caller's too unless they
+    /// accumulate: unused inputs and parameters keep zeros, and the input gradients accumulate.
+    /// `shapes`: the query input's, the key and value inputs' (in cross-attention); `output`:
+    /// the layer's output buffer and offset.
+    fn grad_buffers(
+        &self,
+        ctx: &Context,
+        enc: &mut wgpu::CommandEncoder,
+        dims: &Dims,
+        (query_shape, [key_shape, value_shape]): (&[usize], [Option<[usize; 3]>; 2]),
+        attn: &crate::GpuGrads,
+        (out, output_offset): (wgpu::Buffer, u64),
+    ) -> MhaGpuGrads {
+        let Dims { h, g, d, e, .. } = *dims;
+        let (fwd, into) = (&self.fwd, &self.into);
+        let (m, c) = (fwd.layer(), fwd.layer().config);
+        // A given buffer, or one of the crate's.
+        let pick = |given: Option<&wgpu::Buffer>, label: &str, n: usize| match given {
+            Some(buf) => buf.clone(),
+            None => output(ctx, label, f32_bytes(n.max(1))),
+        };
+        let bufs = MhaGpuGrads {
+            output: out,
+            output_offset,
+            query: pick(into.query, "d query", elems(query_shape)),
+            key: key_shape.map(|sh| pick(into.key, "d key", elems(&sh[..]))),
+            value: value_shape.map(|sh| pick(into.value, "d value", elems(&sh[..]))),
+            w: [
+                pick(into.w[0], "d w_q", e * e),
+                pick(into.w[1], "d w_k", c.kv_width() * c.kdim),
+                pick(into.w[2], "d w_v", c.kv_width() * c.vdim),
+                pick(into.w[3], "d w_o", e * h * d),
+            ],
+            b: [
+                m.b_q.as_ref().map(|_| pick(into.b[0], "d b_q", h * d)),
+                m.b_k.as_ref().map(|_| pick(into.b[1], "d b_k", g * d)),
+                m.b_v.as_ref().map(|_| pick(into.b[2], "d b_v", g * d)),
+                m.b_o.as_ref().map(|_| pick(into.b[3], "d b_o", e)),
+            ],
+            heads: [
+                fwd.has_query_heads().then(|| attn.dq.clone()),
+                fwd.has_key_heads().then(|| attn.dk.clone()),
+                fwd.has_value_heads().then(|| attn.dv.clone()),
+            ],
+        };
+        for buf in [Some(&bufs.query), bufs.key.as_ref(), bufs.value.as_ref()]
+            .into_iter()
+            .chain(bufs.w.iter().map(Some))
+            .chain(bufs.b.iter().map(Option::as_ref))
+            .flatten()
+        {
+            let callers = into.given().any(|(_, given)| given == buf);
+            if !(callers && into.accumulate) {
+                enc.clear_buffer(buf, 0, None);
+            }
+        }
+        bufs
     }
 
     /// Run on the GPU and read the gradients (and the layer's output) back.
