@@ -1,5 +1,5 @@
-//! The multi-head attention layer with your own weights: the forward pass, its gradients, and
-//! a decode step on cached key/value heads recorded into your own command encoder with the
+//! The multi-head attention layer with your own weights: the forward pass, its gradients (also
+//! accumulated over two micro-batches into your own buffer), and a decode step on cached key/value heads recorded into your own command encoder with the
 //! output in your own buffer. Each result is checked against the CPU reference.
 //!
 //! ```sh
@@ -10,7 +10,7 @@ use ndarray::{Array1, Array3, Array4, Dimension, ShapeBuilder};
 use wgpu_attention::check::{compare, flash_rule, F32_TOLERANCE};
 use wgpu_attention::reference::{self, MhaInputs};
 use wgpu_attention::{
-    wgpu, Causal, Context, MhaConfig, MhaWeights, MultiHeadAttention, Options, Storage, Tensor,
+    wgpu, Causal, Context, MhaConfig, MhaGradsInto, MhaWeights, MultiHeadAttention, Options, Storage, Tensor,
 };
 
 /// Deterministic values in [-0.5, 0.5).
@@ -118,6 +118,55 @@ fn forward_and_backward(
         }
     }
     let _pytorch_names = g.state_dict(true, ""); // in_proj_weight, in_proj_bias, out_proj.*
+    accumulate_gradients(ctx, layer, weights, (&x, &dy))
+}
+
+/// 3b. Gradient accumulation on the device: two micro-batches' dW_q summed into your own
+/// buffer (an optimizer's gradient), both recorded into your encoder, one submission.
+fn accumulate_gradients(
+    ctx: &Context,
+    layer: &MultiHeadAttention,
+    weights: &MhaWeights,
+    (x, dy): (&Array3<f32>, &Array3<f32>),
+) -> Result<(), Box<dyn std::error::Error>> {
+    let e = weights.config.d_model;
+    let dw_q = ctx.device().create_buffer(&wgpu::BufferDescriptor {
+        label: Some("your dW_q"),
+        size: (e * e * 4) as u64,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let (x2, dy2): (Array3<f32>, Array3<f32>) = (noise((2, 10, e), 10), noise((2, 10, e), 11));
+    let into = MhaGradsInto {
+        w: [Some(&dw_q), None, None, None],
+        accumulate: true,
+        ..Default::default()
+    };
+    let mut encoder = ctx.device().create_command_encoder(&Default::default());
+    encoder.clear_buffer(&dw_q, 0, None);
+    for (x, dy) in [(x, dy), (&x2, &dy2)] {
+        layer
+            .forward(x)
+            .causal(Causal::TopLeft)
+            .backward(dy)
+            .grads_into(into)
+            .record(ctx, &mut encoder)?;
+    }
+    ctx.queue().submit([encoder.finish()]);
+    let got = pollster::block_on(ctx.read_f32(&dw_q, 0, (e * e * 4) as u64))?;
+    let opts = Options {
+        causal: Causal::TopLeft,
+        ..Default::default()
+    };
+    let grad = |x: &Array3<f32>, dy: &Array3<f32>| {
+        reference::mha_backward(weights, &MhaInputs::self_attention(x.view()), &opts, dy.view())
+    };
+    let want = grad(x, dy)?.w_q + grad(&x2, &dy2)?.w_q;
+    let r = compare(got.iter().copied(), want.iter().copied(), F32_TOLERANCE);
+    println!("dW_q accumulated over two micro-batches (your buffer): {r}");
+    if !r.passed() {
+        return Err("accumulated dW_q".into());
+    }
     Ok(())
 }
 
