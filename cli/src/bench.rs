@@ -10,7 +10,7 @@ use wgpu_attention::shapes::mha::{self as mha_shapes, MhaShape};
 use wgpu_attention::shapes::{self, GpuInputs, Shape};
 use wgpu_attention::{wgpu, Context, Path, Storage};
 
-use crate::timing::{gflops, ms, time_runs};
+use crate::timing::{gflops, gpu_median, ms, time_call};
 use crate::CliResult;
 
 #[derive(Args)]
@@ -141,27 +141,16 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
                     let sdpa = gpu.sdpa().path(path);
                     sdpa.problem().and_then(|p| {
                         let mem = sdpa.device_memory(&ctx)?;
-                        let t = if gpu_time {
-                            time_runs(
-                                &ctx,
-                                || {
-                                    let t = ctx.time_gpu_blocking(|enc| sdpa.record(&ctx, enc))?;
-                                    gpu_times.extend(t.gpu);
-                                    Ok(())
-                                },
-                                a.warmup,
-                                a.iters,
-                                || pb.inc(1),
-                            )?
-                        } else {
-                            time_runs(
-                                &ctx,
-                                || sdpa.run_blocking(&ctx).map(drop),
-                                a.warmup,
-                                a.iters,
-                                || pb.inc(1),
-                            )?
-                        };
+                        let t = time_call(
+                            &ctx,
+                            gpu_time,
+                            |enc| sdpa.record(&ctx, enc),
+                            || sdpa.run_blocking(&ctx).map(drop),
+                            a.warmup,
+                            a.iters,
+                            &mut gpu_times,
+                            || pb.inc(1),
+                        )?;
                         Ok((p.flops(), t.first, t.median, t.min, Some(mem)))
                     })
                 }
@@ -171,35 +160,20 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
                     }
                     let bwd = saved.as_ref().expect("made above").backward(&gpu).path(path);
                     let flops = 2.5 * bwd.problem()?.flops();
-                    let t = if gpu_time {
-                        time_runs(
-                            &ctx,
-                            || {
-                                let t = ctx.time_gpu_blocking(|enc| bwd.record(&ctx, enc))?;
-                                gpu_times.extend(t.gpu);
-                                Ok(())
-                            },
-                            a.warmup,
-                            a.iters,
-                            || pb.inc(1),
-                        )?
-                    } else {
-                        time_runs(
-                            &ctx,
-                            || bwd.run_blocking(&ctx).map(drop),
-                            a.warmup,
-                            a.iters,
-                            || pb.inc(1),
-                        )?
-                    };
+                    let t = time_call(
+                        &ctx,
+                        gpu_time,
+                        |enc| bwd.record(&ctx, enc),
+                        || bwd.run_blocking(&ctx).map(drop),
+                        a.warmup,
+                        a.iters,
+                        &mut gpu_times,
+                        || pb.inc(1),
+                    )?;
                     Ok((flops, t.first, t.median, t.min, None))
                 })(),
             };
-            let gpu_median = (gpu_time && gpu_times.len() >= a.iters as usize).then(|| {
-                let mut timed = gpu_times[gpu_times.len() - a.iters as usize..].to_vec();
-                timed.sort();
-                timed[timed.len() / 2]
-            });
+            let gpu_median = gpu_median(&gpu_times, a.iters).filter(|_| gpu_time);
             let line = match row {
                 Ok((flops, first, median, min, mem)) => format!(
                     "{:<24} {:<11} {st:<5} {:>10.3} {:>10.3} {:>10.3} {:>9.2} {:>9}{}",
@@ -435,39 +409,23 @@ fn matmul_row(
     });
     let t = || wgpu_attention::Tensor::from_buffer(&buf, storage, &[1, n, n]);
     let mut gpu_times: Vec<Duration> = Vec::new();
-    let timing = if gpu_time {
-        time_runs(
-            ctx,
-            || {
-                let c = wgpu_attention::Tensor::from_buffer(&c, Storage::F32, &[1, n, n]);
-                let timed = ctx.time_gpu_blocking(|enc| {
-                    wgpu_attention::record_matmul(ctx, enc, t(), t(), c, trans_b, 1.0)
-                })?;
-                gpu_times.extend(timed.gpu);
-                Ok(())
-            },
-            a.warmup.max(1),
-            a.iters,
-            || {},
-        )?
-    } else {
-        time_runs(
-            ctx,
-            || wgpu_attention::matmul_blocking(ctx, t(), t(), trans_b, 1.0).map(drop),
-            a.warmup.max(1),
-            a.iters,
-            || {},
-        )?
-    };
+    let timing = time_call(
+        ctx,
+        gpu_time,
+        |enc| {
+            let c = wgpu_attention::Tensor::from_buffer(&c, Storage::F32, &[1, n, n]);
+            wgpu_attention::record_matmul(ctx, enc, t(), t(), c, trans_b, 1.0)
+        },
+        || wgpu_attention::matmul_blocking(ctx, t(), t(), trans_b, 1.0).map(drop),
+        a.warmup.max(1),
+        a.iters,
+        &mut gpu_times,
+        || {},
+    )?;
     let flops = 2.0 * (n * n * n) as f64;
-    let gpu = if gpu_times.len() >= a.iters as usize {
-        let mut timed = gpu_times[gpu_times.len() - a.iters as usize..].to_vec();
-        timed.sort();
-        let g = timed[timed.len() / 2];
+    let gpu = gpu_median(&gpu_times, a.iters).map_or(String::new(), |g| {
         format!(" {:>9} {:>10.3} {:>10.2}", "-", ms(g), gflops(flops, g))
-    } else {
-        String::new()
-    };
+    });
     Ok(format!(
         "{:<24} {:<11} {storage:<5} {:>10.3} {:>10.3} {:>10.3} {:>9.2}{gpu}",
         if trans_b {

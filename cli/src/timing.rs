@@ -59,6 +59,46 @@ pub(crate) fn time_runs<T>(
     })
 }
 
+/// [`time_runs`] of one call, either recorded between GPU timestamps (`gpu_times` gets every
+/// run's GPU time, warm-ups first) or run as the blocking call `run`.
+#[allow(clippy::too_many_arguments)] // the two ways to run, the counts, the sink, the tick
+pub(crate) fn time_call<R>(
+    ctx: &Context,
+    gpu_time: bool,
+    record: impl Fn(&mut wgpu_attention::wgpu::CommandEncoder) -> wgpu_attention::Result<R>,
+    run: impl Fn() -> wgpu_attention::Result<()>,
+    warmup: u32,
+    iters: u32,
+    gpu_times: &mut Vec<Duration>,
+    tick: impl FnMut(),
+) -> wgpu_attention::Result<Timing<()>> {
+    if gpu_time {
+        time_runs(
+            ctx,
+            || {
+                let t = ctx.time_gpu_blocking(&record)?;
+                gpu_times.extend(t.gpu);
+                Ok(())
+            },
+            warmup,
+            iters,
+            tick,
+        )
+    } else {
+        time_runs(ctx, run, warmup, iters, tick)
+    }
+}
+
+/// The median of the last `iters` GPU times (the timed runs'), if there are that many.
+pub(crate) fn gpu_median(gpu_times: &[Duration], iters: u32) -> Option<Duration> {
+    let n = iters as usize;
+    (n > 0 && gpu_times.len() >= n).then(|| {
+        let mut timed = gpu_times[gpu_times.len() - n..].to_vec();
+        timed.sort();
+        timed[timed.len() / 2]
+    })
+}
+
 /// Milliseconds.
 pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
