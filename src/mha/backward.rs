@@ -95,19 +95,35 @@ pub struct MhaGradsInto<'b> {
     pub accumulate: bool,
 }
 
+/// The gradients' names, in the order of [`MhaGradsInto::slots`] and [`grad_elems`].
+const GRAD_NAMES: [&str; 11] = [
+    "query gradient",
+    "key gradient",
+    "value gradient",
+    "w_q gradient",
+    "w_k gradient",
+    "w_v gradient",
+    "w_o gradient",
+    "b_q gradient",
+    "b_k gradient",
+    "b_v gradient",
+    "b_o gradient",
+];
+
 impl MhaGradsInto<'_> {
+    /// Every gradient's buffer, given or not, in the order of [`GRAD_NAMES`].
+    fn slots(&self) -> [Option<&wgpu::Buffer>; 11] {
+        let [wq, wk, wv, wo] = self.w;
+        let [bq, bk, bv, bo] = self.b;
+        [self.query, self.key, self.value, wq, wk, wv, wo, bq, bk, bv, bo]
+    }
+
+    /// The given buffers, named.
     fn given(&self) -> impl Iterator<Item = (&'static str, &wgpu::Buffer)> + '_ {
-        const W: [&str; 4] = ["w_q gradient", "w_k gradient", "w_v gradient", "w_o gradient"];
-        const B: [&str; 4] = ["b_q gradient", "b_k gradient", "b_v gradient", "b_o gradient"];
-        [
-            ("query gradient", self.query),
-            ("key gradient", self.key),
-            ("value gradient", self.value),
-        ]
-        .into_iter()
-        .chain(W.into_iter().zip(self.w))
-        .chain(B.into_iter().zip(self.b))
-        .filter_map(|(n, b)| b.map(|b| (n, b)))
+        GRAD_NAMES
+            .into_iter()
+            .zip(self.slots())
+            .filter_map(|(n, b)| b.map(|b| (n, b)))
     }
 }
 
@@ -182,7 +198,11 @@ impl<'a> MhaBackward<'a> {
         check_sizes(ctx, &c, &dims, &query_shape)?;
         let m = fwd.layer();
         let into = &self.into;
-        check_into(into, m, &query_shape, key_shape, value_shape, &c, &dims)?;
+        check_into(
+            into,
+            m,
+            &grad_elems(m, &dims, &query_shape, [key_shape, value_shape]),
+        )?;
 
         let f32_buf = |label: &str, n: usize| output(ctx, label, f32_bytes(n.max(1)));
         let inputs = pass.upload_inputs();
@@ -316,32 +336,24 @@ impl<'a> MhaBackward<'a> {
         attn: &crate::GpuGrads,
         (out, output_offset): (wgpu::Buffer, u64),
     ) -> MhaGpuGrads {
-        let Dims { h, g, d, e, .. } = *dims;
         let (fwd, into) = (&self.fwd, &self.into);
-        let (m, c) = (fwd.layer(), fwd.layer().config);
-        // A given buffer, or one of the crate's.
-        let pick = |given: Option<&wgpu::Buffer>, label: &str, n: usize| match given {
-            Some(buf) => buf.clone(),
-            None => output(ctx, label, f32_bytes(n.max(1))),
+        let sizes = grad_elems(fwd.layer(), dims, query_shape, [key_shape, value_shape]);
+        // Gradient i: the given buffer, or one of the crate's; None where the layer has none.
+        let slots = into.slots();
+        let pick = |i: usize| {
+            sizes[i].map(|n| match slots[i] {
+                Some(buf) => buf.clone(),
+                None => output(ctx, GRAD_NAMES[i], f32_bytes(n.max(1))),
+            })
         };
         let bufs = MhaGpuGrads {
             output: out,
             output_offset,
-            query: pick(into.query, "d query", elems(query_shape)),
-            key: key_shape.map(|sh| pick(into.key, "d key", elems(&sh[..]))),
-            value: value_shape.map(|sh| pick(into.value, "d value", elems(&sh[..]))),
-            w: [
-                pick(into.w[0], "d w_q", e * e),
-                pick(into.w[1], "d w_k", c.kv_width() * c.kdim),
-                pick(into.w[2], "d w_v", c.kv_width() * c.vdim),
-                pick(into.w[3], "d w_o", e * h * d),
-            ],
-            b: [
-                m.b_q.as_ref().map(|_| pick(into.b[0], "d b_q", h * d)),
-                m.b_k.as_ref().map(|_| pick(into.b[1], "d b_k", g * d)),
-                m.b_v.as_ref().map(|_| pick(into.b[2], "d b_v", g * d)),
-                m.b_o.as_ref().map(|_| pick(into.b[3], "d b_o", e)),
-            ],
+            query: pick(0).expect("the query input always has a gradient"),
+            key: pick(1),
+            value: pick(2),
+            w: [3, 4, 5, 6].map(|i| pick(i).expect("every weight has a gradient")),
+            b: [7, 8, 9, 10].map(pick),
             heads: [
                 fwd.has_query_heads().then(|| attn.dq.clone()),
                 fwd.has_key_heads().then(|| attn.dk.clone()),
@@ -502,45 +514,51 @@ fn check_sizes(ctx: &Context, c: &super::MhaConfig, dims: &Dims, query_shape: &[
     Ok(())
 }
 
-/// The caller's gradient buffers ([`MhaGradsInto`]) against the gradients this layer makes:
-/// each one a gradient the layer has, large enough, usable as storage, and none the same buffer
-/// as another or as one of the layer's parameters.
-#[allow(clippy::too_many_arguments)] // each is a distinct fact about the layer
+/// Each gradient's element count, in the order of [`GRAD_NAMES`]; None where the layer has no
+/// such gradient (the key and value inputs' outside cross-attention, a bias the layer lacks).
+/// The key and value inputs' shapes are given in cross-attention.
+fn grad_elems(
+    m: &super::MultiHeadAttention,
+    dims: &Dims,
+    query_shape: &[usize],
+    [key_shape, value_shape]: [Option<[usize; 3]>; 2],
+) -> [Option<usize>; 11] {
+    let Dims { h, g, d, e, .. } = *dims;
+    let c = m.config;
+    let kv = c.kv_width();
+    [
+        Some(elems(query_shape)),
+        key_shape.map(|sh| elems(&sh)),
+        value_shape.map(|sh| elems(&sh)),
+        Some(e * e),
+        Some(kv * c.kdim),
+        Some(kv * c.vdim),
+        Some(e * h * d),
+        m.b_q.as_ref().map(|_| h * d),
+        m.b_k.as_ref().map(|_| g * d),
+        m.b_v.as_ref().map(|_| g * d),
+        m.b_o.as_ref().map(|_| e),
+    ]
+}
+
+/// The caller's gradient buffers ([`MhaGradsInto`]) against the gradients this layer makes
+/// (`sizes`, from [`grad_elems`]): each one a gradient the layer has, large enough, usable as
+/// storage, and none the same buffer as another or as one of the layer's parameters.
 fn check_into(
     into: &MhaGradsInto<'_>,
     m: &super::MultiHeadAttention,
-    query_shape: &[usize],
-    key_shape: Option<[usize; 3]>,
-    value_shape: Option<[usize; 3]>,
-    c: &super::MhaConfig,
-    dims: &Dims,
+    sizes: &[Option<usize>; 11],
 ) -> Result<()> {
-    let Dims { h, g, d, e, .. } = *dims;
-    let kv = c.kv_width();
     let bad = |tensor: &'static str, reason: String| Err(Error::BadBuffer { tensor, reason });
-    let elems_of = |name: &str| -> Option<usize> {
-        Some(match name {
-            "query gradient" => elems(query_shape),
-            "key gradient" => return key_shape.map(|sh| elems(&sh)),
-            "value gradient" => return value_shape.map(|sh| elems(&sh)),
-            "w_q gradient" => e * e,
-            "w_k gradient" => kv * c.kdim,
-            "w_v gradient" => kv * c.vdim,
-            "w_o gradient" => e * h * d,
-            "b_q gradient" => return m.b_q.as_ref().map(|_| h * d),
-            "b_k gradient" => return m.b_k.as_ref().map(|_| g * d),
-            "b_v gradient" => return m.b_v.as_ref().map(|_| g * d),
-            "b_o gradient" => return m.b_o.as_ref().map(|_| e),
-            _ => unreachable!("a gradient's name"),
-        })
-    };
     let params: Vec<&wgpu::Buffer> = [&m.w_q, &m.w_k, &m.w_v, &m.w_o]
         .into_iter()
         .chain([&m.b_q, &m.b_k, &m.b_v, &m.b_o].into_iter().flatten())
         .collect();
-    let given: Vec<(&'static str, &wgpu::Buffer)> = into.given().collect();
-    for (i, &(name, buf)) in given.iter().enumerate() {
-        let Some(n) = elems_of(name) else {
+    let slots = into.slots();
+    let given: Vec<(usize, &wgpu::Buffer)> = (0..11).filter_map(|i| slots[i].map(|b| (i, b))).collect();
+    for (at, &(slot, buf)) in given.iter().enumerate() {
+        let name = GRAD_NAMES[slot];
+        let Some(n) = sizes[slot] else {
             return bad(
                 name,
                 "this layer has no such gradient (the key and value inputs' exist in cross-attention, a bias's where the layer has it)".into(),
@@ -565,7 +583,8 @@ fn check_into(
                 ),
             );
         }
-        if let Some((other, _)) = given[..i].iter().find(|(_, b)| *b == buf) {
+        if let Some(&(other, _)) = given[..at].iter().find(|(_, b)| *b == buf) {
+            let other = GRAD_NAMES[other];
             return bad(
                 name,
                 format!("the same buffer as the {other}: each gradient needs its own"),
