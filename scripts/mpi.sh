@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The ring over MPI (cargo feature `mpi`): installs Open MPI when missing, lints and builds with
-# the feature, then runs examples/ring_mpi.rs with 2 and 4 ranks on this machine (each rank
+# The ring over MPI (cargo feature `mpi`): installs Open MPI when missing, builds with the feature
+# (clippy linting as it compiles), then runs examples/ring_mpi.rs with 2 and 4 ranks on this machine (each rank
 # checks its rows against one device, rank 0 the backward by FlashAttention's rule), the CLI's
 # `run --mpi` and `backward --mpi` against one device (cli/tests/cli.rs), and three fault drills (a rank with a different problem, a
 # rank that stalls past the timeout, a rank that dies) that must end the job with an error,
@@ -9,6 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/apt.sh
+. scripts/lint_in_builds.sh
 
 if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null ||
   { command -v dpkg >/dev/null && ! dpkg -s libclang-dev >/dev/null 2>&1; }; then
@@ -20,11 +21,14 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 MPIRUN=(mpirun --oversubscribe)
 
 # The library's feature for the library and the example, the tool's (which forwards to it) for the
-# tool: it is its own package (cli/).
-cargo clippy --locked -p wgpu-attention --features mpi --lib --example ring_mpi -- -D warnings
-cargo clippy --locked -p wgpu-attention-cli --features mpi --bin wgpu-attention --test cli -- -D warnings
-cargo build --locked -p wgpu-attention --features mpi --example ring_mpi
-cargo build --locked -p wgpu-attention-cli --features mpi --bin wgpu-attention
+# tool: it is its own package (cli/). One selection for the build and the test, with the
+# examples' and tests' dev-dependencies in it as in `cargo test`: the same features for every
+# dependency, so that wgpu and naga are not compiled again for this pass (only the library, with
+# `mpi`, and what uses it); clippy lints the MPI code as it compiles it
+# (scripts/lint_in_builds.sh).
+targets=(-p wgpu-attention -p wgpu-attention-cli --features wgpu-attention/mpi,wgpu-attention-cli/mpi
+  --example ring_mpi --test cli)
+cargo_linted build --locked "${targets[@]}" --bin wgpu-attention
 EX=target/debug/examples/ring_mpi
 CLI=target/debug/wgpu-attention
 
@@ -42,7 +46,7 @@ for np in 2 4; do
 done
 
 echo "-- the CLI: run and backward with --mpi (under mpirun) and --devices against one device"
-cargo test --locked -p wgpu-attention-cli --features mpi --test cli -- run_on_a_ring backward_writes
+cargo_linted test --locked "${targets[@]}" -- run_on_a_ring backward_writes
 
 echo "-- fault drill: rank 1 has a different problem; every rank must say so"
 set +e

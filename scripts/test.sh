@@ -50,7 +50,10 @@ stage() { # stage <name> <command...>: run a stage and print its wall time
 
 stage rustfmt cargo fmt --all -- --check
 stage clippy cargo clippy --all-targets --locked -- -D warnings
-stage rustdoc env RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --lib --locked
+# With an example in the selection, so that the dev-dependencies' features are those clippy
+# resolved and their checked dependencies are reused (the library alone resolves other features
+# for wgpu's dependencies and checks wgpu again: 45 s).
+stage rustdoc env RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --lib --example own_device --locked
 BACKENDS=${WGPU_ATTENTION_BACKENDS:-vulkan gl browser web-demo mpi}
 for b in $BACKENDS; do
   case $b in vulkan | gl | browser | web-demo | mpi) ;; *)
@@ -87,8 +90,11 @@ if has vulkan; then
     # The library users' examples, each checking its result against the reference.
     stage "examples on Vulkan" sh -c 'WGPU_BACKEND=vulkan cargo run --locked --example own_device && WGPU_BACKEND=vulkan cargo run --locked --example decode_loop && WGPU_BACKEND=vulkan cargo run --locked --example layer'
     # scripts/gpu_report.sh's short form (the command for a machine with a GPU), so it keeps
-    # working: adapter, bench --gpu-time rows with GPU times, the report page.
-    stage "GPU report, short form" env WGPU_BACKEND=vulkan REPORT_DIR=target/gpu_report ./scripts/gpu_report.sh --quick
+    # working: adapter, bench --gpu-time rows with GPU times, the report page. With the tool
+    # `cargo test` built above (a build of its own would compile wgpu again: a selection
+    # without the tests' dev-dependencies resolves other features for wgpu's dependencies).
+    stage "GPU report, short form" env WGPU_BACKEND=vulkan REPORT_DIR=target/gpu_report \
+      GPU_REPORT_BIN=target/debug ./scripts/gpu_report.sh --quick
   else
     stage tests cargo test --locked
   fi
@@ -108,8 +114,6 @@ fi
 
 if has browser; then
   stage "browser tools (installed when missing)" ./scripts/web.sh tools
-  stage "clippy (wasm32: the browser suite and the demo)" cargo clippy --locked -p wgpu-attention-web \
-    --target wasm32-unknown-unknown --all-targets -- -D warnings
   stage "tests in Chromium (WebGPU)" ./scripts/web.sh test
 fi
 if has web-demo; then stage "web demo in Chromium" ./scripts/web.sh check; fi

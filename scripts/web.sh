@@ -5,6 +5,8 @@
 #                                 wasm-bindgen version in Cargo.lock, Debian's chromium and chromium-driver
 #   scripts/web.sh test           the browser test suite (web/tests/browser.rs, wasm-bindgen-test) in
 #                                 headless Chromium's WebGPU; fails when the browser finds no adapter
+#                                 (test and build lint the crates for wasm32 with clippy as they
+#                                 compile them: scripts/lint_in_builds.sh)
 #   scripts/web.sh build          the demo site into target/web/ (index.html, the wasm and its JS glue)
 #   scripts/web.sh serve [PORT]   serve target/web/ on http://127.0.0.1:PORT (default 8080)
 #   scripts/web.sh check          build, serve, load the page in headless Chromium, require "check: PASS"
@@ -19,6 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 . scripts/apt.sh
+. scripts/lint_in_builds.sh
 wasm_bindgen_version() { awk '/^name = "wasm-bindgen"$/ { getline; gsub(/"/, "", $3); print $3 }' Cargo.lock; }
 WEB_PROFILE=release
 
@@ -40,7 +43,7 @@ tools() {
 
 build() {
   tools
-  cargo build --locked --profile "$WEB_PROFILE" -p wgpu-attention-web --target wasm32-unknown-unknown
+  cargo_linted build --locked --profile "$WEB_PROFILE" -p wgpu-attention-web --target wasm32-unknown-unknown
   rm -rf target/web && mkdir -p target/web
   wasm-bindgen --target web --no-typescript --out-dir target/web \
     "target/wasm32-unknown-unknown/$WEB_PROFILE/wgpu_attention_web.wasm"
@@ -77,7 +80,7 @@ case "${1:-}" in
     cd web
     CHROMEDRIVER=$(command -v chromedriver) WASM_BINDGEN_TEST_TIMEOUT=${WASM_BINDGEN_TEST_TIMEOUT:-1800} \
       CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
-      cargo test --locked --profile "$WEB_PROFILE" --target wasm32-unknown-unknown --test browser -- "${@:2}"
+      cargo_linted test --locked --profile "$WEB_PROFILE" --target wasm32-unknown-unknown --test browser -- "${@:2}"
     ;;
   build) build ;;
   serve) build; serve "${2:-8080}" ;;

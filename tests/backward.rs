@@ -231,9 +231,18 @@ fn bad_input_is_a_typed_error() {
     check(ctx, &wide, Path::Auto, "E 300 auto");
 }
 
-/// Head dims from a fixed set (multiples of 4 and not, 1 and past 64), so that pipelines are
-/// reused across cases; everything else random.
-const DIMS: [usize; 5] = [1, 7, 16, 33, 64];
+/// The kernels' specialisations the random problems draw from: head dims (E, Ev) and whether a
+/// boolean mask and a bias are given. Compiling a specialisation is most of a case's time on
+/// lavapipe (the same 8 cases took 79 s with new pipelines and 19 s with Mesa's shader cache
+/// warm), so the random problems draw from three of the grid test's (scalar I/O with odd dims,
+/// a mask and a bias; vec4 I/O with neither; E = 128 with a bias) and randomise everything that
+/// is not compiled in: shapes, GQA groups, causal modes, key lengths and values. The grid test
+/// and the edge cases run the other head dims and mask kinds.
+const SPECIALISATIONS: [(usize, usize, bool, bool); 3] = [
+    (33, 65, true, true),
+    (16, 16, false, false),
+    (128, 5, false, true),
+];
 
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig { cases: 8, ..Default::default() })]
@@ -244,10 +253,10 @@ proptest::proptest! {
     #[test]
     fn random_problems_match_reference(
         b in 1usize..3, hkv in 1usize..3, group in 1usize..4, l in 1usize..40, s in 2usize..40,
-        e in proptest::sample::select(&DIMS[..]), ev in proptest::sample::select(&DIMS[..]),
-        causal in 0u8..3, mask in proptest::bool::ANY, bias in proptest::bool::ANY,
+        spec in proptest::sample::select(&SPECIALISATIONS[..]), causal in 0u8..3,
         lens in proptest::bool::ANY, seed in proptest::num::u64::ANY,
     ) {
+        let (e, ev, mask, bias) = spec;
         let Some(ctx) = thread_ctx() else { return Ok(()) };
         let case = random_problem((b, hkv, group, l, s, e, ev), causal, mask, bias, lens, seed);
         for path in PATHS {
