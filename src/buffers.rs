@@ -182,6 +182,17 @@ pub(crate) fn dummy(ctx: &Context) -> wgpu::Buffer {
     storage_init(ctx, "wgpu-attention dummy", &[0u8; 16])
 }
 
+/// Which views an operand may be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Viewing {
+    /// None: dense row-major.
+    Dense,
+    /// A `[B, H, S, E]` tensor's ([`crate::view::resolve`]).
+    Rows,
+    /// A bias's ([`crate::view::resolve_bias`]).
+    Bias,
+}
+
 /// A validated input, before upload.
 pub(crate) struct Operand<'t, 'a> {
     tensor: &'t Tensor<'a>,
@@ -208,16 +219,22 @@ impl<'t, 'a> Operand<'t, 'a> {
                 reason: "layouts, capacities and strides are read by Sdpa and Backward (q, k, v, the output, dout); here the tensor must be dense row-major".into(),
             });
         }
-        Self::check_inner(ctx, name, t, false)
+        Self::check_inner(ctx, name, t, Viewing::Dense)
     }
 
     /// An input or output that may be a view ([`crate::view`]): bound from the 256-aligned
     /// byte at or below its offset, over the elements the view reaches.
     pub(crate) fn check_viewed(ctx: &Context, name: &'static str, t: &'t Tensor<'a>) -> Result<Self> {
-        Self::check_inner(ctx, name, t, true)
+        Self::check_inner(ctx, name, t, Viewing::Rows)
     }
 
-    fn check_inner(ctx: &Context, name: &'static str, t: &'t Tensor<'a>, views: bool) -> Result<Self> {
+    /// The additive bias of [`Sdpa`](crate::Sdpa) and [`Backward`](crate::Backward), which
+    /// may be a view with strides of its own ([`crate::view::resolve_bias`]).
+    pub(crate) fn check_bias(ctx: &Context, t: &'t Tensor<'a>) -> Result<Self> {
+        Self::check_inner(ctx, "bias", t, Viewing::Bias)
+    }
+
+    fn check_inner(ctx: &Context, name: &'static str, t: &'t Tensor<'a>, viewing: Viewing) -> Result<Self> {
         let elems: usize = t.shape.iter().product();
         let storage = t.storage();
         let mut bytes = storage.bytes(elems);
@@ -231,10 +248,10 @@ impl<'t, 'a> Operand<'t, 'a> {
         match &t.data {
             TensorData::Host(d) => check_len(name, &t.shape, d.len())?,
             TensorData::Gpu { buffer, offset, .. } => {
-                let view = if views {
-                    crate::view::resolve(name, &t.view, &t.shape, *offset, storage)?
-                } else {
-                    None
+                let view = match viewing {
+                    Viewing::Rows => crate::view::resolve(name, &t.view, &t.shape, *offset, storage)?,
+                    Viewing::Bias => crate::view::resolve_bias(&t.view, &t.shape, *offset, storage)?,
+                    Viewing::Dense => None,
                 };
                 match view {
                     None => {
@@ -243,7 +260,9 @@ impl<'t, 'a> Operand<'t, 'a> {
                     }
                     Some(view) => {
                         bind_offset = offset - offset % crate::view::BIND_ALIGN;
-                        let shape: [usize; 4] = t.shape.as_slice().try_into().expect("a view is 4-D");
+                        // A view is 4-D (a bias's shape left-padded with ones).
+                        let mut shape = [1usize; 4];
+                        shape[4 - t.shape.len()..].copy_from_slice(&t.shape);
                         bytes = storage.bytes(view.extent(shape));
                         check_view_buffer(
                             name,

@@ -122,6 +122,13 @@ impl<'a> Tensor<'a> {
     /// `b·strides[0] + h·strides[1] + s·strides[2] + e` from the tensor's offset. Inputs may
     /// repeat elements (stride 0 broadcasts); an output may not. For q, k, v and the output of
     /// [`Sdpa`](crate::Sdpa) and [`Backward`](crate::Backward); GPU buffers only.
+    ///
+    /// The additive bias of [`Sdpa`](crate::Sdpa) and [`Backward`](crate::Backward) takes
+    /// strides too: one per dimension of its shape (rank 1 to 4), any values (its key stride
+    /// need not be 1; a dimension of size 1 ignores its stride), for a bias inside a larger
+    /// buffer (allocated for a KV cache's capacity, or transposed); an offset alone
+    /// ([`Tensor::at_offset`], any whole element) also reads it in place. Its gradient comes out
+    /// dense in its shape.
     pub fn with_strides(mut self, strides: &[usize]) -> Self {
         self.view.strides = Some(strides.to_vec());
         self.gpu_only("with_strides")

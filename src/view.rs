@@ -128,6 +128,10 @@ pub(crate) struct Views {
     pub out: Option<View>,
     /// The backward's output gradient.
     pub dout: Option<View>,
+    /// The additive bias, in its broadcast shape `[B|1, H|1, L|1, S|1]` (strides of broadcast
+    /// dimensions 0): read through `p.m` by the masks code, with no effect on the kernels'
+    /// specialisation.
+    pub bias: Option<View>,
 }
 
 impl Views {
@@ -230,6 +234,93 @@ pub(crate) fn of_tensor(name: &'static str, t: &crate::Tensor) -> Result<Option<
         crate::tensor::TensorData::Gpu { offset, storage, .. } => {
             let v = resolve(name, &t.view, &t.shape, *offset, *storage)?;
             Ok(v.filter(|v| !v.is_dense(t.shape.as_slice().try_into().expect("a view is 4-D"))))
+        }
+        crate::tensor::TensorData::Host(_) => Ok(None),
+    }
+}
+
+/// The view of a bias of `shape` (rank 1 to 4, broadcastable to the scores `[B, Hq, L, S]`) at
+/// byte `offset`: `None` when it is dense from a 256-aligned offset. Explicit strides
+/// ([`Tensor::with_strides`](crate::Tensor::with_strides), one per dimension of the shape,
+/// any values: a bias of a KV cache's capacity, a transposed one) and any element offset;
+/// layouts and capacities describe `[B, H, S, E]` tensors and are refused. The view is 4-D
+/// (the shape left-padded with ones), with stride 0 on every dimension of size 1.
+pub(crate) fn resolve_bias(
+    spec: &ViewSpec,
+    shape: &[usize],
+    offset: u64,
+    storage: Storage,
+) -> Result<Option<View>> {
+    let bad = |reason: String| Error::BadBuffer {
+        tensor: "bias",
+        reason,
+    };
+    let elem = storage.element_bytes();
+    let rem = offset % BIND_ALIGN;
+    if !spec.is_set() && rem == 0 {
+        return Ok(None);
+    }
+    if spec.layout.is_some() || spec.capacity.is_some() {
+        return Err(bad(
+            "with_layout and with_seq_capacity describe [B, H, S, E] tensors; give a bias in a larger buffer its strides with with_strides (one per dimension of its shape)"
+                .into(),
+        ));
+    }
+    if shape.is_empty() || shape.len() > 4 || shape.contains(&0) {
+        return Ok(None); // the shape's own check reports it
+    }
+    if !rem.is_multiple_of(elem) {
+        return Err(bad(format!(
+            "offset {offset} is not a multiple of the {}-byte element of the declared format {}",
+            elem,
+            storage.name()
+        )));
+    }
+    let given: Vec<usize> = match &spec.strides {
+        Some(st) if st.len() != shape.len() => {
+            return Err(bad(format!(
+                "with_strides needs one stride per dimension of the bias's shape {shape:?}, got {st:?}"
+            )))
+        }
+        Some(st) => st.clone(),
+        None => {
+            let mut dense = vec![1usize; shape.len()];
+            for d in (0..shape.len().saturating_sub(1)).rev() {
+                dense[d] = dense[d + 1] * shape[d + 1];
+            }
+            dense
+        }
+    };
+    let mut shape4 = [1usize; 4];
+    let mut strides = [0usize; 4];
+    let pad = 4 - shape.len();
+    shape4[pad..].copy_from_slice(shape);
+    strides[pad..].copy_from_slice(&given);
+    for d in 0..4 {
+        if shape4[d] == 1 {
+            strides[d] = 0;
+        }
+    }
+    Ok(Some(View {
+        offset: (rem / elem) as usize,
+        strides,
+    }))
+}
+
+/// The bias's view (see [`resolve_bias`]), `None` when it is dense (or host data).
+pub(crate) fn of_bias(t: &crate::Tensor) -> Result<Option<View>> {
+    match &t.data {
+        crate::tensor::TensorData::Gpu { offset, storage, .. } => {
+            let v = resolve_bias(&t.view, &t.shape, *offset, *storage)?;
+            let mut shape4 = [1usize; 4];
+            if (1..=4).contains(&t.shape.len()) {
+                shape4[4 - t.shape.len()..].copy_from_slice(&t.shape);
+            }
+            let dense = View {
+                offset: 0,
+                strides: crate::problem::Broadcast { shape: shape4 }.strides(),
+            };
+            Ok(v.filter(|v| *v != dense))
         }
         crate::tensor::TensorData::Host(_) => Ok(None),
     }

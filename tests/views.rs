@@ -1,6 +1,6 @@
 //! Views: q, k, v, the output and dout read (written) in place in the caller's buffers through
-//! layouts, sequence capacities, strides and element offsets, on every path and in the
-//! backward, against the CPU reference. Inputs sit in buffers whose other elements are NaN (a
+//! layouts, sequence capacities, strides and element offsets, and the bias through strides of
+//! its own and offsets, on every path and in the backward, against the CPU reference. Inputs sit in buffers whose other elements are NaN (a
 //! stray read shows up as a NaN output); outputs in buffers whose other elements hold a
 //! sentinel that must survive (a stray write shows up too).
 
@@ -416,6 +416,150 @@ fn backward_reads_views() {
     }
 }
 
+/// A bias of `shape` (rank 1 to 4) in a buffer of `len` elements: from element `offset`, with
+/// one stride per dimension (`explicit`: given by `with_strides`; else the dense ones, the view
+/// being its offset alone).
+struct BiasPlace {
+    name: &'static str,
+    shape: Vec<usize>,
+    offset: usize,
+    strides: Vec<usize>,
+    explicit: bool,
+    len: usize,
+}
+
+impl BiasPlace {
+    /// The bias's GPU tensor in `buf`.
+    fn tensor<'a>(&self, buf: &'a wgpu::Buffer, s: Storage) -> Tensor<'a> {
+        let t = Tensor::from_buffer(buf, s, &self.shape).at_offset(self.offset as u64 * s.element_bytes());
+        if self.explicit {
+            t.with_strides(&self.strides)
+        } else {
+            t
+        }
+    }
+
+    /// A buffer holding `bias` at this place in format `s`, NaN everywhere else.
+    fn buffer(&self, ctx: &Context, bias: &ndarray::ArrayD<f32>, s: Storage) -> wgpu::Buffer {
+        use wgpu::util::DeviceExt;
+        let mut host = vec![f32::NAN; self.len];
+        for (i, &x) in bias.indexed_iter() {
+            let at = self.offset
+                + (0..self.shape.len())
+                    .map(|d| i[d] * self.strides[d])
+                    .sum::<usize>();
+            host[at] = x;
+        }
+        ctx.device()
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("bias view test"),
+                contents: &encode(&host, s),
+                usage: wgpu::BufferUsages::STORAGE,
+            })
+    }
+}
+
+/// The bias's places for a problem of batch `b`, `h` heads, `l` queries and `s` keys: a whole
+/// `[B, H, L, S]` bias in a buffer allocated for S + 7 keys (a KV cache's capacity) from an odd
+/// element; a `[1, H, L, S]` one stored `[L, S, H]` (the key stride is not 1; the size-1
+/// dimension's stride, 999, is ignored); a `[L, S]` one, dense, at an odd element offset (a view
+/// by its offset alone).
+fn bias_places(b: usize, h: usize, l: usize, s: usize) -> Vec<BiasPlace> {
+    let cap = s + 7;
+    vec![
+        BiasPlace {
+            name: "[B, H, L, S] in a key capacity of S + 7",
+            shape: vec![b, h, l, s],
+            offset: 3,
+            strides: vec![h * l * cap, l * cap, cap, 1],
+            explicit: true,
+            len: 3 + b * h * l * cap + 2,
+        },
+        BiasPlace {
+            name: "[1, H, L, S] stored [L, S, H]",
+            shape: vec![1, h, l, s],
+            offset: 0,
+            strides: vec![999, 1, s * h, h],
+            explicit: true,
+            len: l * s * h,
+        },
+        BiasPlace {
+            name: "[L, S] dense at element 5",
+            shape: vec![l, s],
+            offset: 5,
+            strides: vec![s, 1],
+            explicit: false,
+            len: 5 + l * s + 1,
+        },
+    ]
+}
+
+/// The bias read in place through its own strides and offset, on every path (f32, f16) and
+/// in the backward (both paths: d(bias) in the bias's shape), against the reference on the
+/// same values; every other element of its buffer is NaN, so a stray read shows.
+#[test]
+fn bias_views_on_every_path_and_in_the_backward() {
+    let Some(ctx) = ctx() else { return };
+    for (shape, seed) in [((2, 4, 2, 7, 13, 16, 8), 70u64), ((1, 2, 1, 5, 9, 6, 5), 71)] {
+        let (b, hq, l, sk) = (shape.0, shape.1, shape.3, shape.4);
+        for place in bias_places(b, hq, l, sk) {
+            for st in [Storage::F32, Storage::F16] {
+                let mut case = Case::random(shape, seed).with_causal(Causal::BottomRight);
+                case.kv_lens = Some((0..b).map(|i| [sk, sk / 2 + 1][i % 2]).collect());
+                case.bias = Some(
+                    common::rand_array(&mut common::rng(seed + 5), ndarray::IxDyn(&place.shape))
+                        .mapv(|x| 2.0 * x),
+                );
+                let case = case.with_storage(st);
+                let buf = place.buffer(ctx, case.bias.as_ref().unwrap(), st);
+                let with_view = || {
+                    let mut o = case.options();
+                    o.bias = Some(place.tensor(&buf, st));
+                    o
+                };
+                let t = |a| Tensor::from(a).with_storage(st);
+                let tol = if st == Storage::F32 {
+                    TOL
+                } else {
+                    twice_storage_tolerance(st)
+                };
+                let want = case.reference();
+                for path in Path::ALL {
+                    let label = format!("{shape:?} {} {st:?} {path:?}", place.name);
+                    let got = Sdpa::new(t(&case.q), t(&case.k), t(&case.v))
+                        .options(with_view())
+                        .path(path)
+                        .run_blocking(ctx)
+                        .unwrap_or_else(|e| panic!("{label}: {e}"));
+                    assert_report(
+                        compare(got.output.iter().copied(), want.out.iter().copied(), tol),
+                        &label,
+                    );
+                }
+                if st != Storage::F32 {
+                    continue;
+                }
+                let dout = common::rand_array(&mut common::rng(seed + 6), [b, hq, l, shape.6]);
+                for path in [Path::Fused, Path::Unfused] {
+                    let label = format!("{shape:?} {} backward {path:?}", place.name);
+                    let g = Sdpa::new(t(&case.q), t(&case.k), t(&case.v))
+                        .options(with_view())
+                        .backward(&dout)
+                        .path(path)
+                        .run_blocking(ctx)
+                        .unwrap_or_else(|e| panic!("{label}: {e}"));
+                    assert_eq!(
+                        g.dbias.as_ref().map(|d| d.shape().to_vec()),
+                        Some(place.shape.clone()),
+                        "{label}: d(bias) in the bias's shape"
+                    );
+                    common::assert_grads(&case, &g, &dout, &label);
+                }
+            }
+        }
+    }
+}
+
 /// Plausible mistakes with views are typed errors before any GPU work.
 #[test]
 fn view_mistakes_are_typed_errors() {
@@ -495,6 +639,37 @@ fn view_mistakes_are_typed_errors() {
         matches!(run(r3, None), Err(Error::WrongRank { .. })),
         "rank 3 with a layout"
     );
+    // A bias: a layout or capacity (they describe [B, H, S, E] tensors), a stride per
+    // dimension missing, strides past the buffer's end, an offset inside an element.
+    let run_bias = |bias: Tensor| {
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        Sdpa::new(q(), q(), q())
+            .bias(bias)
+            .record(ctx, &mut enc)
+            .map(|_| ())
+    };
+    let bias = || Tensor::from_buffer(&buf, f, &[1, 2, 4, 4]);
+    bad(
+        run_bias(bias().with_layout(TensorLayout::Bshe)),
+        "with_strides",
+        "bias layout",
+    );
+    bad(
+        run_bias(bias().with_seq_capacity(8)),
+        "with_strides",
+        "bias capacity",
+    );
+    bad(
+        run_bias(bias().with_strides(&[16, 4, 1])),
+        "one stride per dimension",
+        "bias strides",
+    );
+    bad(
+        run_bias(bias().with_strides(&[0, 1000, 64, 1])),
+        "reaches byte",
+        "bias past the end",
+    );
+    bad(run_bias(bias().at_offset(2)), "not a multiple", "bias offset");
     // The layer takes dense tensors only: a view there is refused, not misread.
     let m = wgpu_attention::matmul_blocking(
         ctx,

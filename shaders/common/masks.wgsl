@@ -9,8 +9,8 @@
 // absent: CPU adapters execute both sides of every branch). `Masks` fields: has_causal,
 // causal_off (query i may see keys j <= i + causal_off, plus kv_len(b) when causal_by_len is
 // set: bottom-right alignment to each batch's key length), has_lens, the packed mask's word
-// strides mask_b, mask_h, mask_l (0 on broadcast dimensions) and the bias's element strides
-// bias_b, bias_h, bias_l, bias_s.
+// strides mask_b, mask_h, mask_l (0 on broadcast dimensions) and the bias's element offset and
+// strides bias_off, bias_b, bias_h, bias_l, bias_s (a view's, or its dense broadcast ones).
 
 @group(0) @binding(0) var<storage, read> mask: array<u32>;
 
@@ -46,7 +46,7 @@ fn mask_allows(b: u32, h: u32, i: u32, j: u32) -> bool {
 
 // The bias of (b, h, i, j), j clamped into the row.
 fn bias_at(b: u32, h: u32, i: u32, j: u32) -> f32 {
-    return bias_get(b * p.m.bias_b + h * p.m.bias_h + i * p.m.bias_l + min(j, p.s - 1u) * p.m.bias_s);
+    return bias_get(p.m.bias_off + b * p.m.bias_b + h * p.m.bias_h + i * p.m.bias_l + min(j, p.s - 1u) * p.m.bias_s);
 }
 
 // Whether logit `x` belongs to a key within its row's range: callers set the keys outside it

@@ -59,7 +59,8 @@ wgsl_struct! {
         bias_h: u32,
         bias_l: u32,
         bias_s: u32,
-        _pad0: u32,
+        /// The bias's element offset from its binding's start (a view's; 0 when dense).
+        bias_off: u32,
     }
 }
 
@@ -121,7 +122,11 @@ impl TensorViews {
 impl Masks {
     /// From the problem and the word strides of its packed mask (if any).
     pub(crate) fn new(p: &crate::problem::Problem, mask_strides: Option<[u32; 3]>) -> Self {
-        let bias = p.bias.map(|b| b.strides()).unwrap_or([0; 4]);
+        // A bias view's strides (0 on broadcast dimensions) and offset, else its dense ones.
+        let (bias, bias_off) = match (p.bias, p.views.bias) {
+            (Some(_), Some(v)) => (v.strides, v.offset),
+            (b, _) => (b.map(|b| b.strides()).unwrap_or([0; 4]), 0),
+        };
         let mask = mask_strides.unwrap_or([0; 3]);
         // Bottom-right alignment follows each batch's key length when key lengths are given.
         let by_len = p.causal == crate::problem::Causal::BottomRight && p.kv_lens.is_some();
@@ -141,7 +146,7 @@ impl Masks {
             bias_h: bias[1] as u32,
             bias_l: bias[2] as u32,
             bias_s: bias[3] as u32,
-            ..Default::default()
+            bias_off: bias_off as u32,
         }
     }
 }
@@ -475,6 +480,7 @@ mod tests {
             v: v(0),
             out: v(5),
             dout: v(7),
+            bias: v(9),
         }
     }
 

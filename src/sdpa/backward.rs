@@ -229,7 +229,7 @@ impl<'a> Backward<'a> {
             .options
             .bias
             .as_ref()
-            .map(|b| Operand::check(ctx, "bias", b))
+            .map(|b| Operand::check_bias(ctx, b))
             .transpose()?;
         let saved = self
             .saved

@@ -32,7 +32,7 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         .options
         .bias
         .as_ref()
-        .map(|b| Operand::check(ctx, "bias", b))
+        .map(|b| Operand::check_bias(ctx, b))
         .transpose()?;
     let out_bytes = p.storage.out.bytes(p.out_shape().iter().product());
     fits("output", out_bytes, max_binding, binding_limit)?;

@@ -268,6 +268,13 @@ impl<'a> Sdpa<'a> {
                 .transpose()?
                 .flatten(),
             dout: None,
+            bias: self
+                .options
+                .bias
+                .as_ref()
+                .map(crate::view::of_bias)
+                .transpose()?
+                .flatten(),
         };
         Ok(p)
     }
