@@ -74,10 +74,13 @@ if has vulkan; then
   if [ "$(uname -s)" = Linux ]; then
     stage "tests on Vulkan" env WGPU_BACKEND=vulkan cargo test --locked
     # WebGPU's rules natively: wgpu's strict WebGPU compliance (WebGPU's features only, its
-    # validation) on the attention, golden and error suites, in minutes rather than inside
-    # Chromium.
+    # validation) on the attention and error suites, in minutes rather than inside Chromium.
+    # Without the head dims up to 256 and the large problem, whose kernels (WebGPU's forms:
+    # no subgroups) take minutes to compile on a machine whose Mesa shader cache is empty; the
+    # browser suite runs them, with the goldens, under the same rules in Chromium.
     stage "strict WebGPU (Vulkan)" env WGPU_BACKEND=vulkan WGPU_STRICT_WEBGPU_COMPLIANCE=1 \
-      cargo test --locked --test sdpa --test golden --test errors
+      cargo test --locked --test sdpa --test errors -- --skip head_dims_up_to_256 \
+      --skip large_problem_on_the_unrolled_fused_kernel
     # Subgroup forms at the subgroup sizes of real GPUs: lavapipe emulates 4, 16, 32 and 64 lanes
     # (LP_NATIVE_VECTOR_WIDTH 128, 512, 1024, 2048). Every form on shapes with tails and on
     # decode shapes; where the subgroup check (src/subgroup_probe.rs) finds the driver's
