@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The project's test command: rustfmt, clippy (-D warnings), then the test suite on three real
+# The project's test command: rustfmt, clippy (-D warnings; the browser and MPI passes lint their
+# own builds as they compile them, scripts/lint_in_builds.sh), then the test suite on three real
 # backends, installing what a Debian/Ubuntu machine lacks:
 #   vulkan   the whole suite on the default adapter (Mesa's software Vulkan driver, lavapipe, is
 #            installed when the machine has no Vulkan driver at all)
