@@ -22,9 +22,10 @@ MPIRUN=(mpirun --oversubscribe)
 
 # The library's feature for the library and the example, the tool's (which forwards to it) for the
 # tool: it is its own package (cli/). One selection for the build and the test, with the
-# examples' and tests' dev-dependencies in it as in `cargo test`: the same features for every
-# dependency, so that wgpu and naga are not compiled again for this pass (only the library, with
-# `mpi`, and what uses it); clippy lints the MPI code as it compiles it
+# examples' and tests' dev-dependencies in it as in `cargo test`, so that wgpu and naga are
+# compiled once for this pass (the `mpi` crate's dependencies change some of their features),
+# not once per selection as with one cargo call per target; clippy lints the MPI code as it
+# compiles it
 # (scripts/lint_in_builds.sh).
 targets=(-p wgpu-attention -p wgpu-attention-cli --features wgpu-attention/mpi,wgpu-attention-cli/mpi
   --example ring_mpi --test cli)
