@@ -63,8 +63,13 @@ fn decode_contexts(ctx: &Context, case: &Case) -> Vec<(DecodeForm, Context)> {
 
 /// Check `case` on the fused path in every fused form, against one reference.
 fn check_fused_forms(ctx: &Context, case: &Case, label: &str) {
+    check_pinned_forms(case, fused_contexts(ctx, case), label);
+}
+
+/// Check `case` on the fused path in each of `forms` (pinned contexts), against one reference.
+fn check_pinned_forms(case: &Case, forms: Vec<(FusedForm, Context)>, label: &str) {
     let want = case.reference();
-    for (form, fctx) in fused_contexts(ctx, case) {
+    for (form, fctx) in forms {
         let plan = case.sdpa().path(Path::Fused).plan(&fctx).unwrap();
         assert_eq!(plan.form(), Form::Fused(form), "{label}: the pinned form runs");
         case.check_against(
@@ -137,19 +142,8 @@ fn check_head_dims(e: usize, ev: usize, seed: u64) {
         }
     }
     assert!(forms.len() >= 2, "{forms:?}");
-    let want = case.reference();
-    for form in forms {
-        let fctx = ctx.with_forms(form);
-        let plan = case.sdpa().path(Path::Fused).plan(&fctx).unwrap();
-        assert_eq!(plan.form(), Form::Fused(form), "the pinned form runs");
-        case.check_against(
-            &want,
-            &fctx,
-            Path::Fused,
-            TOL,
-            &format!("E {e}, Ev {ev} [{}]", form.name()),
-        );
-    }
+    let contexts = forms.into_iter().map(|f| (f, ctx.with_forms(f))).collect();
+    check_pinned_forms(&case, contexts, &format!("E {e}, Ev {ev}"));
 }
 
 #[test]
