@@ -3,7 +3,7 @@
 //! backward, the layer) on a fresh device, so that the kernels' background compilation races
 //! with the calls. Every result is checked against the reference on its own inputs (each
 //! call's inputs differ, so a crossed or lost result fails). `WGPU_ATTENTION_STRESS_CALLS` sets
-//! the calls per thread (default 40: the CI's short form).
+//! the calls per thread (default 30: the CI's short form).
 
 mod common;
 
@@ -15,7 +15,7 @@ fn calls_per_thread() -> usize {
     std::env::var("WGPU_ATTENTION_STRESS_CALLS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(40)
+        .unwrap_or(30)
 }
 
 /// 8 threads × `calls_per_thread()` mixed calls on one fresh context and one layer: every
@@ -26,11 +26,9 @@ fn eight_threads_share_one_context_and_one_layer() {
     let Some(ctx) = ctx() else { return };
     let layer = SharedLayer::new(ctx);
     let calls = calls_per_thread();
-    let shapes = [
-        (2, 4, 2, 17, 23, 16, 8),
-        (1, 2, 2, 5, 129, 8, 20),
-        (1, 3, 1, 33, 9, 12, 12),
-    ];
+    // Two shapes (tails, L < S and L > S, GQA): each compiles its own kernels per mask kind,
+    // format and path, and the calls race with those compilations on a cold shader cache.
+    let shapes = [(2, 4, 2, 17, 23, 16, 8), (1, 3, 1, 33, 9, 12, 12)];
     let done: Vec<Vec<String>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..THREADS)
             .map(|t| {

@@ -21,12 +21,13 @@ fn grid_of_shapes_and_masks_matches_reference() {
     }
 }
 
-/// Head dims at and near the fused kernel's limit of 256, on every path (the fused kernel must
-/// serve them, not fall back), with every mask kind combined.
+/// Head dims at the fused kernel's limit of 256, on every path (the fused kernel must serve
+/// them, not fall back), with every mask kind combined: vec4 I/O at the limit, scalar I/O just
+/// under it, and each limit beside the smallest dim (each pair compiles every kernel again).
 #[test]
 fn head_dims_up_to_256_on_every_path() {
     let Some(ctx) = ctx() else { return };
-    for (i, (e, ev)) in [(256, 256), (256, 3), (255, 129), (1, 256), (252, 200)]
+    for (i, (e, ev)) in [(256, 256), (256, 3), (255, 129), (1, 256)]
         .into_iter()
         .enumerate()
     {
