@@ -261,9 +261,7 @@ impl<'t, 'a> Operand<'t, 'a> {
                     Some(view) => {
                         bind_offset = offset - offset % crate::view::BIND_ALIGN;
                         // A view is 4-D (a bias's shape left-padded with ones).
-                        let mut shape = [1usize; 4];
-                        shape[4 - t.shape.len()..].copy_from_slice(&t.shape);
-                        bytes = storage.bytes(view.extent(shape));
+                        bytes = storage.bytes(view.extent(crate::problem::pad4(&t.shape)));
                         check_view_buffer(
                             name,
                             buffer,

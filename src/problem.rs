@@ -49,6 +49,14 @@ impl Causal {
     }
 }
 
+/// `shape` (rank 0 to 4) left-padded with ones to 4-D: how a mask or bias broadcasts against
+/// the scores `[B, Hq, L, S]`.
+pub(crate) fn pad4(shape: &[usize]) -> [usize; 4] {
+    let mut s = [1usize; 4];
+    s[4 - shape.len()..].copy_from_slice(shape);
+    s
+}
+
 /// A `[B|1, H|1, L|1, S|1]` broadcast shape of a mask or bias, with element strides
 /// (0 on broadcast dimensions) into its row-major storage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,8 +82,7 @@ impl Broadcast {
                 shape: shape.to_vec(),
             });
         }
-        let mut s4 = [1usize; 4];
-        s4[4 - shape.len()..].copy_from_slice(shape);
+        let s4 = pad4(shape);
         for d in 0..4 {
             if s4[d] != 1 && s4[d] != target[d] {
                 return Err(Error::NotBroadcastable {

@@ -291,11 +291,9 @@ pub(crate) fn resolve_bias(
             dense
         }
     };
-    let mut shape4 = [1usize; 4];
+    let shape4 = crate::problem::pad4(shape);
     let mut strides = [0usize; 4];
-    let pad = 4 - shape.len();
-    shape4[pad..].copy_from_slice(shape);
-    strides[pad..].copy_from_slice(&given);
+    strides[4 - shape.len()..].copy_from_slice(&given);
     for d in 0..4 {
         if shape4[d] == 1 {
             strides[d] = 0;
@@ -307,20 +305,20 @@ pub(crate) fn resolve_bias(
     }))
 }
 
-/// The bias's view (see [`resolve_bias`]), `None` when it is dense (or host data).
+/// The bias's view (see [`resolve_bias`]), `None` when it is dense (or host data): a view
+/// equal to the dense broadcast one, from the buffer's aligned start, is no view.
 pub(crate) fn of_bias(t: &crate::Tensor) -> Result<Option<View>> {
     match &t.data {
         crate::tensor::TensorData::Gpu { offset, storage, .. } => {
             let v = resolve_bias(&t.view, &t.shape, *offset, *storage)?;
-            let mut shape4 = [1usize; 4];
-            if (1..=4).contains(&t.shape.len()) {
-                shape4[4 - t.shape.len()..].copy_from_slice(&t.shape);
-            }
-            let dense = View {
-                offset: 0,
-                strides: crate::problem::Broadcast { shape: shape4 }.strides(),
-            };
-            Ok(v.filter(|v| *v != dense))
+            // `resolve_bias` gives a view only for a valid shape (rank 1 to 4).
+            Ok(v.filter(|v| {
+                let dense = crate::problem::Broadcast {
+                    shape: crate::problem::pad4(&t.shape),
+                }
+                .strides();
+                v.offset != 0 || v.strides != dense
+            }))
         }
         crate::tensor::TensorData::Host(_) => Ok(None),
     }

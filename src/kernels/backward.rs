@@ -217,9 +217,17 @@ impl Config {
         // CPU adapters: several rows (keys) per invocation in registers, unrolled; with a
         // fixed subgroup the other operand by shuffles (measured on lavapipe, a_h8_s1024:
         // 1 row 1242 ms, 4 rows 408 ms, 4 rows with shuffles 202 ms; the forward 52 ms).
+        // Problems under the forward's threshold (`CPU_UNROLL_MIN_FLOPS`) take one row, as
+        // the forward does: LLVM compiles the several-row kernels for seconds, more than
+        // such a problem runs (the cold CI's backward grid: 409 s, mostly compiling).
         let sg = caps.cpu.then(|| caps.fused_subgroup()).flatten();
         let (wg, rows, unroll) = if caps.cpu {
-            (sg.unwrap_or(8), (64 / e4.max(ev4)).clamp(1, 4), true)
+            let rows = if p.flops() >= super::flash::CPU_UNROLL_MIN_FLOPS {
+                (64 / e4.max(ev4)).clamp(1, 4)
+            } else {
+                1
+            };
+            (sg.unwrap_or(8), rows, true)
         } else {
             (
                 crate::tune::knob("bwd_wg").unwrap_or(64),

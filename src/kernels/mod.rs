@@ -703,6 +703,31 @@ mod tests {
         }
     }
 
+    /// On CPU adapters the fused backward takes one row (key) per invocation for problems
+    /// under the forward's threshold and several above it (the forward's rule); the
+    /// several-row kernels, which only large problems get, assemble and match the Rust params.
+    #[test]
+    fn cpu_backward_rows_follow_the_problem_size() {
+        for (e, ev) in [(64, 64), (37, 5), (8, 12)] {
+            for sg in [Some(8), None] {
+                let caps = Caps::new(&wgpu::Limits::default(), true, sg);
+                let small = Problem::new(&[2, 4, 9, e], &[2, 2, 60, e], &[2, 2, 60, ev]).unwrap();
+                assert!(small.flops() < flash::CPU_UNROLL_MIN_FLOPS);
+                assert_eq!(backward::Config::new(&small, &caps).unwrap().rq, 1);
+                let large = Problem::new(&[1, 8, 1024, e], &[1, 8, 1024, e], &[1, 8, 1024, ev]).unwrap();
+                assert!(large.flops() >= flash::CPU_UNROLL_MIN_FLOPS);
+                let c = backward::Config::new(&large, &caps).unwrap();
+                assert!(c.rq > 1 && c.rk > 1, "E {e} Ev {ev} subgroup {sg:?}: {c:?}");
+                for (spec, pre) in [(&backward::DQ, c.dq_prelude()), (&backward::DKV, c.dkv_prelude())] {
+                    validate_with::<backward::Params>(
+                        &format!("{} E {e} Ev {ev} subgroup {sg:?} rows {}", spec.name, c.rq),
+                        &source(spec, &pre, true),
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn grid_folds_over_the_limit() {
         assert_eq!(grid_1d(10, 65535), [10, 1, 1]);
