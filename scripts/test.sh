@@ -47,8 +47,10 @@ fi
 # it is installed (every machine of the project's kind has it): one process per test, scheduled
 # over every binary at once, the slowest first (.config/nextest.toml), so that both cores stay
 # busy to the end; elsewhere `cargo test` with the same arguments.
+have_nextest=0
+cargo nextest --version >/dev/null 2>&1 && have_nextest=1
 suite() {
-  if cargo nextest --version >/dev/null 2>&1; then
+  if [ "$have_nextest" = 1 ]; then
     cargo nextest run --profile ci --no-tests=fail "$@"
   else
     cargo test "$@"
@@ -94,7 +96,7 @@ if has vulkan; then
     export WGPU_BACKEND=vulkan
     stage "tests on Vulkan" suite --locked
     # cargo-nextest does not run documentation tests.
-    if cargo nextest --version >/dev/null 2>&1; then
+    if [ "$have_nextest" = 1 ]; then
       stage "documentation tests" cargo test --locked --doc
     fi
     # WebGPU's rules natively: wgpu's strict WebGPU compliance (WebGPU's features only, its
