@@ -311,6 +311,27 @@ impl Uploaded<'_> {
     }
 }
 
+/// Readback, as methods of the context (here, so that `context.rs` needs nothing of this
+/// module).
+impl Context {
+    /// Copy `size` bytes at `offset` of `buffer` (which needs `COPY_SRC`) back to the host as f32.
+    pub async fn read_f32(&self, buffer: &wgpu::Buffer, offset: u64, size: u64) -> Result<Vec<f32>> {
+        read_f32(self, buffer, offset, size).await
+    }
+
+    /// Read `elems` elements held in format `storage` at byte `offset` of `buffer` (which needs
+    /// `COPY_SRC`), widened to f32 (exactly: every f16 and bf16 value is an f32).
+    pub async fn read_as_f32(
+        &self,
+        buffer: &wgpu::Buffer,
+        offset: u64,
+        elems: usize,
+        storage: Storage,
+    ) -> Result<Vec<f32>> {
+        read_as_f32(self, buffer, offset, elems, storage).await
+    }
+}
+
 /// Copy `size` bytes at `offset` of `buffer` (which needs `COPY_SRC`) back to the host as f32.
 pub(crate) async fn read_f32(
     ctx: &Context,

@@ -93,7 +93,8 @@ where
     let mut count = 0;
     let mut failures = 0;
     let mut max_abs_err = 0.0f64;
-    let mut worst: Vec<(f64, usize, f64, f64)> = Vec::new();
+    // (badness, (index, actual, expected)), the worst first.
+    let mut worst: Vec<(f64, (usize, f64, f64))> = Vec::new();
     let mut ai = actual.into_iter();
     let mut ei = expected.into_iter();
     loop {
@@ -125,7 +126,7 @@ where
             } else {
                 f64::INFINITY
             };
-            worst.push((badness, idx, a, e));
+            worst.push((badness, (idx, a, e)));
             worst.sort_by(|x, y| y.0.total_cmp(&x.0));
             worst.truncate(5);
         }
@@ -134,7 +135,7 @@ where
         count,
         failures,
         max_abs_err,
-        worst: worst.into_iter().map(|(_, i, a, e)| (i, a, e)).collect(),
+        worst: worst.into_iter().map(|(_, x)| x).collect(),
         tolerance: tol,
     }
 }

@@ -53,6 +53,9 @@ struct Inner {
     /// blocks on the device.
     #[cfg(not(target_arch = "wasm32"))]
     subgroup: std::sync::OnceLock<Option<u32>>,
+    /// A small storage buffer bound where a kernel's optional input is absent (read-only:
+    /// one for every call).
+    dummy: std::sync::OnceLock<wgpu::Buffer>,
 }
 
 // The thread-safety contract above, checked at compile time.
@@ -244,6 +247,7 @@ impl Context {
                 lost,
                 #[cfg(not(target_arch = "wasm32"))]
                 subgroup: std::sync::OnceLock::new(),
+                dummy: std::sync::OnceLock::new(),
             }),
             forms,
         }
@@ -278,6 +282,19 @@ impl Context {
         let gl = self.inner.info.backend == wgpu::Backend::Gl;
         caps.background_compile &= !gl;
         caps
+    }
+
+    /// The read-only placeholder bound where a kernel's optional input is absent, made once.
+    pub(crate) fn dummy(&self) -> &wgpu::Buffer {
+        self.inner.dummy.get_or_init(|| {
+            // wgpu zero-initialises it.
+            self.inner.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("wgpu-attention dummy"),
+                size: 16,
+                usage: wgpu::BufferUsages::STORAGE,
+                mapped_at_creation: false,
+            })
+        })
     }
 
     /// The faults injected into this context.
@@ -498,23 +515,6 @@ impl Context {
             .buffer_memory
             .read()
             .max(0) as u64
-    }
-
-    /// Copy `size` bytes at `offset` of `buffer` (which needs `COPY_SRC`) back to the host as f32.
-    pub async fn read_f32(&self, buffer: &wgpu::Buffer, offset: u64, size: u64) -> Result<Vec<f32>> {
-        crate::buffers::read_f32(self, buffer, offset, size).await
-    }
-
-    /// Read `elems` elements held in format `storage` at byte `offset` of `buffer` (which needs
-    /// `COPY_SRC`), widened to f32 (exactly: every f16 and bf16 value is an f32).
-    pub async fn read_as_f32(
-        &self,
-        buffer: &wgpu::Buffer,
-        offset: u64,
-        elems: usize,
-        storage: crate::Storage,
-    ) -> Result<Vec<f32>> {
-        crate::buffers::read_as_f32(self, buffer, offset, elems, storage).await
     }
 }
 

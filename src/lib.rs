@@ -30,7 +30,7 @@ mod forms;
 #[cfg(feature = "heatmap")]
 pub mod heatmap;
 mod kernels;
-mod matmul;
+mod ops;
 #[cfg(all(any(feature = "heatmap", feature = "plot"), not(target_arch = "wasm32")))]
 mod picture;
 #[macro_use]
@@ -61,13 +61,13 @@ pub use faults::Fault;
 pub use forms::{Caps, DecodeForm, Forms, FusedForm};
 /// Re-exported: the half-precision host types ([`half::f16`], [`half::bf16`]).
 pub use half;
-#[cfg(not(target_arch = "wasm32"))]
-pub use matmul::matmul_blocking;
-pub use matmul::{matmul, record_matmul};
 pub use mha::{
     MhaBackward, MhaConfig, MhaForward, MhaGpuGrads, MhaGpuOutput, MhaGrads, MhaGradsInto, MhaOutput,
     MhaTimings, MhaWeights, MultiHeadAttention, NeedWeights,
 };
+#[cfg(not(target_arch = "wasm32"))]
+pub use ops::matmul::matmul_blocking;
+pub use ops::matmul::{matmul, record_matmul};
 pub use options::Options;
 pub use problem::{Causal, Problem};
 #[cfg(not(target_arch = "wasm32"))]

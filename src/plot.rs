@@ -197,12 +197,7 @@ impl LineChart {
         let (w, h) = (width as i32, height as i32);
         let k = (f64::from(width.min(height * 4 / 3)) / 640.0).clamp(0.75, 2.5);
         let px = |v: f64| (v * k).round() as i32;
-        let (title_t, label_t, tick_t, legend_t) = (
-            Text::new(18.0 * k),
-            Text::new(15.0 * k),
-            Text::new(13.0 * k),
-            Text::new(13.0 * k),
-        );
+        let [title_t, label_t, tick_t, legend_t] = [18.0, 15.0, 13.0, 13.0].map(|pt| Text::new(pt * k));
         let margin = px(10.0);
         let tick_len = px(5.0);
 

@@ -8,8 +8,8 @@ use std::time::Instant;
 use clap::Args;
 use wgpu_attention::{reference, Tensor};
 
+use crate::input::InputArgs;
 use crate::npy::{read_qkv, write_array};
-use crate::run::InputArgs;
 use crate::timing::ms;
 use crate::{context, CliResult};
 

@@ -12,6 +12,7 @@ mod bench_ring;
 mod bench_variants;
 mod demo;
 mod info;
+mod input;
 mod mha;
 mod npy;
 mod ring;

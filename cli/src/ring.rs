@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use wgpu_attention::{Backward, Context, Grads, Layout, Output, Ring, RingReport, Sdpa};
 
-use crate::run::InputArgs;
+use crate::input::InputArgs;
 use crate::timing::ms;
 use crate::CliResult;
 

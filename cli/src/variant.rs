@@ -9,8 +9,8 @@ use clap::Args;
 use wgpu_attention::reference;
 use wgpu_attention::{Tensor, Variant, VariantKind, VariantParams};
 
+use crate::input::InputArgs;
 use crate::npy::write_array;
-use crate::run::InputArgs;
 use crate::timing::ms;
 use crate::{context, CliResult};
 

@@ -201,6 +201,15 @@ fn gpu_form(p: &Problem, caps: &Caps) -> FusedForm {
     }
 }
 
+/// How a form of the fused kernel lays out its work ([`Config::new`]).
+struct FormLayout {
+    wg: u32,
+    rq: u32,
+    kg: u32,
+    unroll: bool,
+    sg_kv: bool,
+}
+
 impl Config {
     /// The configuration of the pinned form (`caps.forms.fused`) or the default one, or why
     /// the fused kernel cannot run `p` on this device.
@@ -211,16 +220,30 @@ impl Config {
         if form == FusedForm::GpuTiles {
             return Config::tiles(p, caps, pinned.is_some());
         }
-        let (wg, rq, kg, unroll, sg_kv) = match form {
-            FusedForm::Gpu => (
-                // Measured on an H100 (scripts/gpu_sweep.sh): 128 invocations 10% faster than
-                // 64 at c_h8_s4096_causal and a_h8_s1024; 2 or 4 rows per invocation spill
-                // registers (3x slower); 8 keys per step no better than 4.
+        // Invocations per workgroup, query rows per invocation, keys per step; whether the
+        // key loop is unrolled and K/V are shared by subgroup shuffles.
+        let layout = |wg, rq, kg, [unroll, sg_kv]: [bool; 2]| FormLayout {
+            wg,
+            rq,
+            kg,
+            unroll,
+            sg_kv,
+        };
+        let FormLayout {
+            wg,
+            rq,
+            kg,
+            unroll,
+            sg_kv,
+        } = match form {
+            // Measured on an H100 (scripts/gpu_sweep.sh): 128 invocations 10% faster than 64
+            // at c_h8_s4096_causal and a_h8_s1024; 2 or 4 rows per invocation spill registers
+            // (3x slower); 8 keys per step no better than 4.
+            FusedForm::Gpu => layout(
                 crate::tune::knob("fused_wg").unwrap_or(128),
                 crate::tune::knob("fused_rq").unwrap_or(1),
                 crate::tune::knob("fused_kg").unwrap_or(4),
-                true,
-                false,
+                [true, false],
             ),
             FusedForm::Subgroup { rows } => {
                 let s = caps.fused_subgroup().ok_or_else(|| {
@@ -230,10 +253,10 @@ impl Config {
                         caps.subgroup
                     )
                 })?;
-                (s, rows, 4, true, true)
+                layout(s, rows, 4, [true, true])
             }
-            FusedForm::Tiled { rows } => (8, rows, 2, true, false),
-            FusedForm::Loop { rows } => (8, rows, 4, false, false),
+            FusedForm::Tiled { rows } => layout(8, rows, 2, [true, false]),
+            FusedForm::Loop { rows } => layout(8, rows, 4, [false, false]),
             FusedForm::GpuTiles => unreachable!("configured by Config::tiles"),
         };
         if !(1..=16).contains(&rq) || caps.max_invocations < wg || caps.max_workgroup_size_x < wg {

@@ -195,6 +195,8 @@ impl Params {
     /// `C[z] = alpha · A[z] op(B[z])` for row-major, contiguous `[M, K]` slices of A,
     /// `[N, K]` (`trans_b`) or `[K, N]` slices of B and `[M, N]` slices of C, one B per z
     /// (heads = group = 1), no offsets. Callers override the strides and offsets that differ.
+    /// (The kernel's tests: everything else builds its params through [`crate::ops::matmul`].)
+    #[cfg(test)]
     pub(crate) fn dense(m: u32, n: u32, k: u32, trans_b: bool, alpha: f32) -> Params {
         Params {
             m,
@@ -213,45 +215,10 @@ impl Params {
         }
     }
 
-    /// A read through `v` (a `[B, H, S, E]` view: batch, head and row strides), from its row `row0`.
-    pub(crate) fn a_view(self, v: crate::view::View, row0: usize) -> Params {
-        let [a_batch, a_head, a_row, a_off] = operand(v, row0);
-        Params {
-            a_batch,
-            a_head,
-            a_row,
-            a_off,
-            ..self
-        }
-    }
-
-    /// B read through `v` from its row `row0` (see [`Params::a_view`]).
-    pub(crate) fn b_view(self, v: crate::view::View, row0: usize) -> Params {
-        let [b_batch, b_head, b_row, b_off] = operand(v, row0);
-        Params {
-            b_batch,
-            b_head,
-            b_row,
-            b_off,
-            ..self
-        }
-    }
-
-    /// C written through `v` from its row `row0` (see [`Params::a_view`]).
-    pub(crate) fn c_view(self, v: crate::view::View, row0: usize) -> Params {
-        let [c_batch, c_head, c_row, c_off] = operand(v, row0);
-        Params {
-            c_batch,
-            c_head,
-            c_row,
-            c_off,
-            ..self
-        }
-    }
-
     /// Reread the per-slice strides `*_batch` of a product over `heads` heads sharing B by
     /// groups of `group` as per-head strides (`*_head`) and per-batch strides (`*_batch` times
     /// the heads of a batch): the same slices, in the form views need.
+    #[cfg(test)]
     pub(crate) fn split_heads(self) -> Params {
         let kv = self.heads / self.group;
         Params {
@@ -264,12 +231,6 @@ impl Params {
             ..self
         }
     }
-}
-
-/// An operand's batch, head and row strides and its offset at row `row0`, read through `v`.
-fn operand(v: crate::view::View, row0: usize) -> [u32; 4] {
-    let [b, h, r, _] = v.strides;
-    [b, h, r, v.offset + row0 * r].map(|x| x as u32)
 }
 
 /// The declarations of a, b, bias, c in `formats` and `store_c4`. `c_words`: every row of c

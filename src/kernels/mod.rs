@@ -13,6 +13,7 @@ pub(crate) mod backward;
 pub(crate) mod decode;
 pub(crate) mod flash;
 pub(crate) mod matmul;
+pub(crate) mod merge;
 pub(crate) mod permute;
 pub(crate) mod pinv;
 pub(crate) mod softmax;
@@ -97,17 +98,10 @@ impl TensorViews {
     /// From the problem's views.
     pub(crate) fn new(p: &crate::problem::Problem) -> Self {
         let row = |v: Option<crate::view::View>, n: usize, heads: usize| {
-            v.map_or(RowView::default(), |v| RowView {
-                off: v.offset as u32,
-                b: v.strides[0] as u32,
-                h: v.strides[1] as u32,
-                s: v.strides[2] as u32,
-                n: n as u32,
-                heads: heads as u32,
-                ..Default::default()
-            })
+            v.map_or(RowView::default(), |v| RowView::new(v, heads, n))
         };
-        let (l, s, hq, hkv) = (p.seq_q, p.seq_kv, p.q_heads, p.kv_heads);
+        let (l, s) = (p.seq_q, p.seq_kv);
+        let (hq, hkv) = (p.q_heads, p.kv_heads);
         let x = &p.views;
         TensorViews {
             q: row(x.q, l, hq),
@@ -115,6 +109,29 @@ impl TensorViews {
             v: row(x.v, s, hkv),
             o: row(x.out, l, hq),
             g: row(x.dout, l, hq),
+        }
+    }
+
+    /// Only the output's view (`o`), of `heads` heads of `n` rows: the merge's.
+    pub(crate) fn output(v: crate::view::View, heads: usize, n: usize) -> Self {
+        TensorViews {
+            o: RowView::new(v, heads, n),
+            ..Default::default()
+        }
+    }
+}
+
+impl RowView {
+    /// `v`'s offset and strides, for `heads` heads of `n` rows each.
+    fn new(v: crate::view::View, heads: usize, n: usize) -> Self {
+        RowView {
+            off: v.offset as u32,
+            b: v.strides[0] as u32,
+            h: v.strides[1] as u32,
+            s: v.strides[2] as u32,
+            n: n as u32,
+            heads: heads as u32,
+            ..Default::default()
         }
     }
 }
@@ -442,7 +459,7 @@ mod tests {
             &pinv::EYE_MINUS,
             &decode::DECODE,
             &decode::DECODE_TILES,
-            &decode::MERGE,
+            &merge::MERGE,
             &matmul::SPEC,
             &matmul::SG_SPEC,
             &matmul::TILES_SPEC,
@@ -599,13 +616,9 @@ mod tests {
             for out in Storage::ALL {
                 for ev in [4, 5] {
                     for view in [None, test_views().out] {
-                        validate_with::<decode::MergeParams>(
+                        validate_with::<merge::Params>(
                             "merge",
-                            &source(
-                                &decode::MERGE,
-                                &decode::merge_prelude(parts, out, ev, view),
-                                false,
-                            ),
+                            &source(&merge::MERGE, &merge::prelude(parts, out, ev, view), false),
                         );
                     }
                 }

@@ -17,7 +17,9 @@ use ndarray::{Array1, Array2, Array3, Array4, Axis};
 use crate::buffers::{binding, f32_bytes, fits, output, storage_init, Operand};
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::kernels::{matmul as mm, permute};
+use crate::ops::copy;
+use crate::ops::matmul::{self, Matmul};
+use crate::ops::Mats;
 use crate::storage::Storage;
 use crate::tensor::Tensor;
 
@@ -181,29 +183,10 @@ impl<'a> MhaBackward<'a> {
         let pass = Pass::new(fwd, ctx, true)?;
         let dims = pass.dims;
         let Dims { b, l, s, h, g, d, e } = dims;
-        let c = fwd.layer().config;
-        let st = fwd.layer().storage;
-        if self.dout.shape() != [b, l, e] {
-            return Err(Error::ShapeMismatch {
-                tensor: "dout",
-                expected: vec![b, l, e],
-                actual: self.dout.shape().to_vec(),
-            });
-        }
-        let dout = Operand::check(ctx, "dout", &self.dout)?;
-        let query_shape = fwd.query().shape().to_vec();
-        // The key input's own shape: unused (zero gradient) under given key heads.
-        let key_shape = fwd.key_input_shape();
-        let value_shape = pass.value.as_ref().map(|_| [b, s, c.vdim]);
-        check_sizes(ctx, &c, &dims, &query_shape)?;
-        let m = fwd.layer();
+        let (c, st, m) = (fwd.layer().config, fwd.layer().storage, fwd.layer());
+        let (query_shape, key_shape, value_shape) = self.input_shapes(&pass);
+        let dout = self.check(ctx, &pass)?;
         let into = &self.into;
-        check_into(
-            into,
-            m,
-            &grad_elems(m, &dims, &query_shape, [key_shape, value_shape]),
-        )?;
-
         let f32_buf = |label: &str, n: usize| output(ctx, label, f32_bytes(n.max(1)));
         let inputs = pass.upload_inputs();
         pass.record_heads(enc, &inputs)?;
@@ -216,7 +199,6 @@ impl<'a> MhaBackward<'a> {
         let f = Storage::F32;
         let lin = Linear {
             ctx,
-            dummy: &pass.dummy,
             ones: ones.as_entire_buffer_binding(),
             weights: st,
             accumulate: into.accumulate,
@@ -225,14 +207,12 @@ impl<'a> MhaBackward<'a> {
         // dO = split(dY W_O), in the layer's format.
         let dmerged = output(ctx, "d merged", st.bytes((b * l * h * d).max(1)));
         product(
-            dy.binding(),
-            m.w_o.as_entire_buffer_binding(),
-            dmerged.as_entire_buffer_binding(),
+            (dy.binding(), dout.storage),
+            (m.w_o.as_entire_buffer_binding(), st),
+            (dmerged.as_entire_buffer_binding(), st),
             [b * l, h * d, e],
-            [dout.storage, st, st, st],
-            false,
         )
-        .record(ctx, enc, &pass.dummy)?;
+        .record(ctx, enc)?;
         let dheads = output(ctx, "d heads", st.bytes((b * l * h * d).max(1)));
         split_heads(ctx, enc, &dmerged, &dheads, [b, l, h, d], st)?;
 
@@ -251,14 +231,12 @@ impl<'a> MhaBackward<'a> {
 
         // Output projection: dYᵀ [E, B·L].
         let dy_t = f32_buf("dY transposed", b * l * e);
-        permute::record(
+        copy::transpose(
             ctx,
             enc,
-            dy.binding(),
-            binding(&dy_t, 0, dy_t.size()),
-            [1, 1, e, b * l],
-            [0, 0, 1, e],
-            (dout.storage, f),
+            (dy.binding(), dout.storage),
+            (binding(&dy_t, 0, dy_t.size()), f),
+            [b * l, e],
         )?;
         lin.record(
             enc,
@@ -270,57 +248,65 @@ impl<'a> MhaBackward<'a> {
             (&bufs.w[3], bufs.b[3].as_ref(), None),
         )?;
 
-        // Input projections, from their head gradients [B, n, t, d] (layer format).
+        // Input projections, from their head gradients (layer format).
+        let x_q = (inputs.query.binding(), pass.query.storage);
+        let [qd, kd, vd] = [(h, l), (g, s), (g, s)].map(|(n, t)| [b, n, t, d]);
         let dx_k = bufs.key.as_ref().unwrap_or(&bufs.query);
         let dx_v = bufs.value.as_ref().unwrap_or(&bufs.query);
-        let projections = [
-            (
-                0,
-                &attn.dq,
-                h,
-                l,
-                (inputs.query.binding(), pass.query.storage),
-                &m.w_q,
-                e,
-                &bufs.query,
-                fwd.has_query_heads(),
-            ),
-            (
-                1,
-                &attn.dk,
-                g,
-                s,
+        let input = |i: usize, dx| (&bufs.w[i], bufs.b[i].as_ref(), dx);
+        if !fwd.has_query_heads() {
+            lin.record_heads(enc, (&attn.dq, qd), x_q, (&m.w_q, e), input(0, &bufs.query))?;
+        }
+        if !fwd.has_key_heads() {
+            lin.record_heads(
+                enc,
+                (&attn.dk, kd),
                 pass.key_input(&inputs),
-                &m.w_k,
-                c.kdim,
-                dx_k,
-                fwd.has_key_heads(),
-            ),
-            (
-                2,
-                &attn.dv,
-                g,
-                s,
+                (&m.w_k, c.kdim),
+                input(1, dx_k),
+            )?;
+        }
+        if !fwd.has_value_heads() {
+            lin.record_heads(
+                enc,
+                (&attn.dv, vd),
                 pass.value_input(&inputs),
-                &m.w_v,
-                c.vdim,
-                dx_v,
-                fwd.has_value_heads(),
-            ),
-        ];
-        for (i, heads, n, t, x, w, inw, dx, given) in projections {
-            if !given {
-                lin.record_heads(
-                    enc,
-                    heads,
-                    [b, n, t, d],
-                    x,
-                    (w, inw),
-                    (&bufs.w[i], bufs.b[i].as_ref(), dx),
-                )?;
-            }
+                (&m.w_v, c.vdim),
+                input(2, dx_v),
+            )?;
         }
         Ok(bufs)
+    }
+
+    /// The query input's shape, and the key and value inputs' (in cross-attention; the key
+    /// input's is unused, a zero gradient, under given key heads).
+    fn input_shapes(&self, pass: &Pass<'_, '_>) -> (Vec<usize>, Option<[usize; 3]>, Option<[usize; 3]>) {
+        let Dims { b, s, .. } = pass.dims;
+        let vdim = self.fwd.layer().config.vdim;
+        (
+            self.fwd.query().shape().to_vec(),
+            self.fwd.key_input_shape(),
+            pass.value.as_ref().map(|_| [b, s, vdim]),
+        )
+    }
+
+    /// Check dO, the device's limits and the caller's gradient buffers before any GPU work.
+    fn check<'t>(&'t self, ctx: &Context, pass: &Pass<'_, '_>) -> Result<Operand<'t, 'a>> {
+        let Dims { b, l, e, .. } = pass.dims;
+        if self.dout.shape() != [b, l, e] {
+            return Err(Error::ShapeMismatch {
+                tensor: "dout",
+                expected: vec![b, l, e],
+                actual: self.dout.shape().to_vec(),
+            });
+        }
+        let dout = Operand::check(ctx, "dout", &self.dout)?;
+        let (query_shape, key_shape, value_shape) = self.input_shapes(pass);
+        let m = self.fwd.layer();
+        check_sizes(ctx, &m.config, &pass.dims, &query_shape)?;
+        let elems = grad_elems(m, &pass.dims, &query_shape, [key_shape, value_shape]);
+        check_into(&self.into, m, &elems)?;
+        Ok(dout)
     }
 
     /// The gradient buffers (the caller's where given), zeroed, the caller's too unless they
@@ -509,7 +495,7 @@ fn check_sizes(ctx: &Context, c: &super::MhaConfig, dims: &Dims, query_shape: &[
         (g * d, c.kdim.max(c.vdim)),
         (b * tq.max(s), e.max(c.kdim).max(c.vdim)),
     ] {
-        mm::check_grid(ctx, "multi-head attention backward", m, n)?;
+        matmul::check_grid(ctx, "multi-head attention backward", m, n, 1)?;
     }
     Ok(())
 }
@@ -605,33 +591,23 @@ fn elems(x: &[usize]) -> usize {
     x.iter().product()
 }
 
-/// `C = A B` (row-major, no transposes) of `[m, n, k]`, in `formats` (a, b, bias, c).
+/// `C = A B` for one row-major product of `[m, n, k]`, each operand with its format.
 fn product<'b>(
-    a: wgpu::BufferBinding<'b>,
-    b: wgpu::BufferBinding<'b>,
-    c: wgpu::BufferBinding<'b>,
+    (a, fa): (wgpu::BufferBinding<'b>, Storage),
+    (b, fb): (wgpu::BufferBinding<'b>, Storage),
+    (c, fc): (wgpu::BufferBinding<'b>, Storage),
     [m, n, k]: [usize; 3],
-    formats: [Storage; 4],
-    accumulate: bool,
-) -> mm::Matmul<'b> {
-    mm::Matmul {
-        a,
-        b,
-        bias: None,
-        c,
-        params: mm::Params::dense(m as u32, n as u32, k as u32, false, 1.0),
-        batch: 1,
-        trans_b: false,
-        formats,
-        accumulate,
-        additive: false,
-    }
+) -> Matmul<'b> {
+    Matmul::new(
+        Mats::dense(a, fa, m, k),
+        Mats::dense(b, fb, k, n),
+        Mats::dense(c, fc, m, n),
+    )
 }
 
 /// Records one linear layer's gradients by the matmul kernel.
 struct Linear<'c> {
     ctx: &'c Context,
-    dummy: &'c wgpu::Buffer,
     /// f32 ones, at least as many as rows.
     ones: wgpu::BufferBinding<'c>,
     /// The weights' format.
@@ -644,12 +620,10 @@ impl Linear<'_> {
     /// [`Linear::record`] for a projection from its head gradient `heads` `[B, n, t, d]` (the
     /// weights' format): `gᵀ` `[n·d, B·t]` and `g` `[B·t, n·d]` made by strided copies into
     /// f32, then `dW`, `db` written and `dx` accumulated into `outs`.
-    #[allow(clippy::too_many_arguments)] // each is a distinct operand
     fn record_heads(
         &self,
         enc: &mut wgpu::CommandEncoder,
-        heads: &wgpu::Buffer,
-        [b, n, t, d]: [usize; 4],
+        (heads, [b, n, t, d]): (&wgpu::Buffer, [usize; 4]),
         x: (wgpu::BufferBinding<'_>, Storage),
         (w, inw): (&wgpu::Buffer, usize),
         (dw, db, dx): (&wgpu::Buffer, Option<&wgpu::Buffer>, &wgpu::Buffer),
@@ -662,23 +636,25 @@ impl Linear<'_> {
             f32_buf("head gradient merged"),
         );
         let src = || binding(heads, 0, st.bytes(size));
-        permute::record(
+        // gᵀ: element (head, dim, batch, row) of the heads.
+        let heads_t = copy::Strided {
+            binding: src(),
+            storage: st,
+            strides: [t * d, 1, n * t * d, d],
+        };
+        copy::record(
             ctx,
             enc,
-            src(),
-            binding(&g_t, 0, g_t.size()),
+            &heads_t,
+            (binding(&g_t, 0, g_t.size()), f),
             [n, d, b, t],
-            [t * d, 1, n * t * d, d],
-            (st, f),
         )?;
-        permute::record(
+        copy::merge_heads(
             ctx,
             enc,
-            src(),
-            binding(&g_m, 0, g_m.size()),
-            [b, t, n, d],
-            [n * t * d, d, t * d, 1],
-            (st, f),
+            (src(), st),
+            (binding(&g_m, 0, g_m.size()), f),
+            [b, n, t, d],
         )?;
         self.record(
             enc,
@@ -708,35 +684,32 @@ impl Linear<'_> {
         let f = Storage::F32;
         let gt = || binding(g_t, 0, f32_bytes((n * rows).max(1)));
         product(
-            gt(),
-            x,
-            dw.as_entire_buffer_binding(),
+            (gt(), f),
+            (x, xf),
+            (dw.as_entire_buffer_binding(), f),
             [n, inw, rows],
-            [f, xf, f, f],
-            self.accumulate,
         )
-        .record(self.ctx, enc, self.dummy)?;
+        .accumulate(self.accumulate)
+        .record(self.ctx, enc)?;
         if let Some(db) = db {
             product(
-                gt(),
-                self.ones.clone(),
-                db.as_entire_buffer_binding(),
+                (gt(), f),
+                (self.ones.clone(), f),
+                (db.as_entire_buffer_binding(), f),
                 [n, 1, rows],
-                [f; 4],
-                self.accumulate,
             )
-            .record(self.ctx, enc, self.dummy)?;
+            .accumulate(self.accumulate)
+            .record(self.ctx, enc)?;
         }
         if let Some(dx) = dx {
             product(
-                g,
-                w.as_entire_buffer_binding(),
-                dx.as_entire_buffer_binding(),
+                (g, gf),
+                (w.as_entire_buffer_binding(), self.weights),
+                (dx.as_entire_buffer_binding(), f),
                 [rows, inw, n],
-                [gf, self.weights, f, f],
-                true,
             )
-            .record(self.ctx, enc, self.dummy)?;
+            .accumulate(true)
+            .record(self.ctx, enc)?;
         }
         Ok(())
     }

@@ -5,7 +5,7 @@ use ndarray::{Array3, Array4, Axis};
 use crate::buffers::{binding, f32_bytes, fits, output, Operand, Uploaded};
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::kernels::{matmul as mm, permute};
+use crate::ops::{copy, linear};
 use crate::options::Options;
 use crate::sdpa::{GpuOutput, Path, Sdpa};
 use crate::storage::Storage;
@@ -146,7 +146,8 @@ impl<'a> MhaForward<'a> {
     pub(super) fn dims(&self) -> Result<Dims> {
         let c = self.mha.config;
         c.validate()?;
-        let (h, g, d, e) = (c.num_heads, c.num_kv_heads, c.head_dim(), c.d_model);
+        let (h, g) = (c.num_heads, c.num_kv_heads);
+        let (d, e) = (c.head_dim(), c.d_model);
         let [b, lq, wq] = self.query.dims::<3>("query")?;
         if self.query_heads.is_none() && wq != e {
             return Err(Error::ShapeMismatch {
@@ -376,7 +377,6 @@ pub(super) struct Pass<'p, 'a> {
     /// or the caller's `out_op`).
     pub(super) merged: wgpu::Buffer,
     out: Option<wgpu::Buffer>,
-    pub(super) dummy: wgpu::Buffer,
 }
 
 impl<'p, 'a> Pass<'p, 'a> {
@@ -394,7 +394,7 @@ impl<'p, 'a> Pass<'p, 'a> {
             fits(what, f32_bytes(n), max, "max_storage_buffer_binding_size")?;
         }
         for (rows, cols) in [(b * l, e.max(h * d)), (b * s, g * d)] {
-            mm::check_grid(ctx, "projection", rows, cols)?;
+            crate::ops::matmul::check_grid(ctx, "projection", rows, cols, 1)?;
         }
         // The attention problem is validated (and planned) before any GPU work too.
         let empty: &[f32] = &[];
@@ -461,7 +461,6 @@ impl<'p, 'a> Pass<'p, 'a> {
                 Some(_) => None,
                 None => Some(buffer("mha output", b * l * e)),
             },
-            dummy: buffer("dummy", 1),
         })
     }
 
@@ -541,28 +540,33 @@ impl<'p, 'a> Pass<'p, 'a> {
             Some((op, tensor)) => {
                 let given = op.upload(self.ctx, "given heads");
                 let bstride = if tensor.shape()[0] == 1 { 0 } else { n * t * d };
-                permute::record(
+                let given = copy::Strided {
+                    binding: given.binding(),
+                    storage: op.storage,
+                    strides: [bstride, t * d, d, 1],
+                };
+                copy::record(
                     self.ctx,
                     encoder,
-                    given.binding(),
-                    binding(dst, 0, dst.size()),
+                    &given,
+                    (binding(dst, 0, dst.size()), self.fwd.mha.storage),
                     [b, n, t, d],
-                    [bstride, t * d, d, 1],
-                    (op.storage, self.fwd.mha.storage),
                 )
             }
             None => {
                 let st = self.fwd.mha.storage;
                 let proj = output(self.ctx, "projection", st.bytes((b * t * n * d).max(1)));
-                project(
+                linear::record(
                     self.ctx,
                     encoder,
                     (x, x_storage),
-                    (w, bias),
-                    &proj,
+                    linear::Weights {
+                        w,
+                        b: bias,
+                        storage: st,
+                    },
+                    binding(&proj, 0, st.bytes(b * t * n * d)),
                     [b * t, n * d, in_dim],
-                    st,
-                    &self.dummy,
                 )?;
                 split_heads(self.ctx, encoder, &proj, dst, [b, t, n, d], st)
             }
@@ -589,25 +593,25 @@ impl<'p, 'a> Pass<'p, 'a> {
     ) -> Result<()> {
         let Dims { b, l, h, d, e, .. } = self.dims;
         let st = self.fwd.mha.storage;
-        permute::record(
+        copy::merge_heads(
             self.ctx,
             encoder,
-            binding(attn, off, st.bytes(b * h * l * d)),
-            binding(&self.merged, 0, self.merged.size()),
-            [b, l, h, d],
-            [h * l * d, d, l * d, 1],
-            (st, st),
+            (binding(attn, off, st.bytes(b * h * l * d)), st),
+            (binding(&self.merged, 0, self.merged.size()), st),
+            [b, h, l, d],
         )?;
         let (out, off) = self.out_buffer();
-        project_to(
+        linear::record(
             self.ctx,
             encoder,
             (binding(&self.merged, 0, self.merged.size()), st),
-            (&self.fwd.mha.w_o, self.fwd.mha.b_o.as_ref()),
+            linear::Weights {
+                w: &self.fwd.mha.w_o,
+                b: self.fwd.mha.b_o.as_ref(),
+                storage: st,
+            },
             binding(out, off, st.bytes(b * l * e)),
             [b * l, e, h * d],
-            st,
-            &self.dummy,
         )
     }
 
@@ -731,60 +735,6 @@ fn web_time_now() -> f64 {
     }
 }
 
-/// Record `out[rows, n] = x[rows, k] · Wᵀ + b` with the tiled matmul kernel (bias in its
-/// epilogue). `mnk` = `[rows, n, k]`.
-#[allow(clippy::too_many_arguments)] // each is a distinct operand
-pub(crate) fn project(
-    ctx: &Context,
-    encoder: &mut wgpu::CommandEncoder,
-    (x, x_storage): (wgpu::BufferBinding<'_>, Storage),
-    (w, b): (&wgpu::Buffer, Option<&wgpu::Buffer>),
-    out: &wgpu::Buffer,
-    mnk: [usize; 3],
-    storage: Storage,
-    dummy: &wgpu::Buffer,
-) -> Result<()> {
-    let [m, n, _] = mnk;
-    project_to(
-        ctx,
-        encoder,
-        (x, x_storage),
-        (w, b),
-        binding(out, 0, storage.bytes(m * n)),
-        mnk,
-        storage,
-        dummy,
-    )
-}
-
-/// [`project`] into the binding `out`.
-#[allow(clippy::too_many_arguments)] // each is a distinct operand
-fn project_to(
-    ctx: &Context,
-    encoder: &mut wgpu::CommandEncoder,
-    (x, x_storage): (wgpu::BufferBinding<'_>, Storage),
-    (w, b): (&wgpu::Buffer, Option<&wgpu::Buffer>),
-    out: wgpu::BufferBinding<'_>,
-    mnk: [usize; 3],
-    storage: Storage,
-    dummy: &wgpu::Buffer,
-) -> Result<()> {
-    let [m, n, k] = mnk;
-    mm::Matmul {
-        a: x,
-        b: w.as_entire_buffer_binding(),
-        bias: b.map(|b| b.as_entire_buffer_binding()),
-        c: out,
-        params: mm::Params::dense(m as u32, n as u32, k as u32, true, 1.0),
-        batch: 1,
-        trans_b: true,
-        formats: [x_storage, storage, storage, storage],
-        accumulate: false,
-        additive: false,
-    }
-    .record(ctx, encoder, dummy)
-}
-
 /// `[B, T, heads, d]` (a projection) to `[B, heads, T, d]`.
 pub(super) fn split_heads(
     ctx: &Context,
@@ -794,13 +744,12 @@ pub(super) fn split_heads(
     [b, t, heads, d]: [usize; 4],
     storage: Storage,
 ) -> Result<()> {
-    permute::record(
+    let bytes = storage.bytes(b * t * heads * d);
+    copy::split_heads(
         ctx,
         encoder,
-        binding(src, 0, storage.bytes(b * t * heads * d)),
-        binding(dst, 0, storage.bytes(b * t * heads * d)),
-        [b, heads, t, d],
-        [t * heads * d, d, heads * d, 1],
-        (storage, storage),
+        (binding(src, 0, bytes), storage),
+        (binding(dst, 0, bytes), storage),
+        [b, t, heads, d],
     )
 }

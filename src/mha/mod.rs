@@ -30,7 +30,6 @@ pub(crate) mod weights;
 
 pub use backward::{MhaBackward, MhaGpuGrads, MhaGradsInto};
 pub use config::MhaConfig;
-pub(crate) use forward::project;
 pub use forward::MhaForward;
 pub use grads::MhaGrads;
 pub use weights::MhaWeights;

@@ -108,107 +108,24 @@ impl MhaWeights {
     /// is looked up as `prefix + key` (e.g. `"encoder.layers.0.self_attn."`).
     pub fn from_safetensors_prefixed(bytes: &[u8], prefix: &str, num_heads: usize) -> Result<Self> {
         let st = parse(bytes)?;
-        let format: std::cell::Cell<Option<Storage>> = std::cell::Cell::new(None);
-        let get = |name: &str| -> Result<Option<(Vec<usize>, Vec<f32>)>> {
-            let Some((shape, dtype, data)) = tensor_f32(&st, &format!("{prefix}{name}"))? else {
-                return Ok(None);
-            };
-            let this = match dtype {
-                safetensors::Dtype::F16 => Storage::F16,
-                safetensors::Dtype::BF16 => Storage::Bf16,
-                _ => Storage::F32,
-            };
-            match format.get() {
-                Some(f) if f != this => {
-                    return Err(Error::StorageMismatch {
-                        tensor: "weights",
-                        expected: f,
-                        actual: this,
-                        why: "every tensor of the layer must be of one format",
-                    })
-                }
-                _ => format.set(Some(this)),
-            }
-            Ok(Some((shape, data)))
-        };
-        let need = |name: &str| -> Result<(Vec<usize>, Vec<f32>)> {
-            get(name)?.ok_or_else(|| Error::MissingWeight {
-                key: format!("{prefix}{name}"),
-            })
+        let r = Reader {
+            st: &st,
+            prefix,
+            format: std::cell::Cell::new(None),
         };
         for unsupported in ["bias_k", "bias_v"] {
-            if get(unsupported)?.is_some() {
+            if r.get(unsupported)?.is_some() {
                 return Err(Error::WeightFile {
                     reason: format!("{prefix}{unsupported}: add_bias_kv is not supported"),
                 });
             }
         }
-        let matrix = |name: &str, t: (Vec<usize>, Vec<f32>), expected: Option<[usize; 2]>| {
-            let key = format!("{prefix}{name}");
-            let (shape, data) = t;
-            let ok = shape.len() == 2 && expected.is_none_or(|e| shape == e);
-            if !ok {
-                return Err(Error::WeightShape {
-                    key,
-                    expected: expected.map(|e| e.to_vec()).unwrap_or_default(),
-                    actual: shape,
-                });
-            }
-            Ok(Array2::from_shape_vec((shape[0], shape[1]), data).expect("safetensors length"))
-        };
-        let vector = |name: &str, t: (Vec<usize>, Vec<f32>), n: usize| {
-            if t.0 != [n] {
-                return Err(Error::WeightShape {
-                    key: format!("{prefix}{name}"),
-                    expected: vec![n],
-                    actual: t.0,
-                });
-            }
-            Ok(Array1::from_vec(t.1))
-        };
-        let (w_q, w_k, w_v, e) = if let Some(packed) = get("in_proj_weight")? {
-            let rows = packed.0.first().copied().unwrap_or(0);
-            let e = rows / 3;
-            let w = matrix("in_proj_weight", packed, Some([3 * e.max(1), e.max(1)]))?;
-            if rows % 3 != 0 || e == 0 {
-                return Err(Error::WeightShape {
-                    key: format!("{prefix}in_proj_weight"),
-                    expected: vec![3 * e.max(1), e.max(1)],
-                    actual: w.shape().to_vec(),
-                });
-            }
-            let part = |i: usize| w.slice(ndarray::s![i * e..(i + 1) * e, ..]).to_owned();
-            (part(0), part(1), part(2), e)
-        } else {
-            let w_q = matrix("q_proj_weight", need("q_proj_weight")?, None)?;
-            let e = w_q.nrows();
-            if w_q.ncols() != e {
-                return Err(Error::WeightShape {
-                    key: format!("{prefix}q_proj_weight"),
-                    expected: vec![e, e],
-                    actual: w_q.shape().to_vec(),
-                });
-            }
-            let w_k = matrix("k_proj_weight", need("k_proj_weight")?, None)?;
-            let w_v = matrix("v_proj_weight", need("v_proj_weight")?, None)?;
-            // PyTorch's rows are E; fewer rows (G · d_k) mean grouped-query heads.
-            let kv = w_k.nrows();
-            for (name, w) in [("k_proj_weight", &w_k), ("v_proj_weight", &w_v)] {
-                if w.nrows() != kv || w.nrows() > e || w.nrows() == 0 {
-                    return Err(Error::WeightShape {
-                        key: format!("{prefix}{name}"),
-                        expected: vec![e, w.ncols()],
-                        actual: w.shape().to_vec(),
-                    });
-                }
-            }
-            (w_q, w_k, w_v, e)
-        };
-        let w_o = matrix("out_proj.weight", need("out_proj.weight")?, Some([e, e]))?;
+        let ([w_q, w_k, w_v], e) = r.in_projections()?;
+        let w_o = r.matrix("out_proj.weight", r.need("out_proj.weight")?, Some([e, e]))?;
         let kv = w_k.nrows();
-        let (b_q, b_k, b_v) = match get("in_proj_bias")? {
+        let (b_q, b_k, b_v) = match r.get("in_proj_bias")? {
             Some(b) => {
-                let b = vector("in_proj_bias", b, e + 2 * kv)?;
+                let b = r.vector("in_proj_bias", b, e + 2 * kv)?;
                 let part = |from: usize, n: usize| Some(b.slice(ndarray::s![from..from + n]).to_owned());
                 (part(0, e), part(e, kv), part(e + kv, kv))
             }
@@ -227,8 +144,9 @@ impl MhaWeights {
                 ),
             });
         }
-        let b_o = get("out_proj.bias")?
-            .map(|b| vector("out_proj.bias", b, e))
+        let b_o = r
+            .get("out_proj.bias")?
+            .map(|b| r.vector("out_proj.bias", b, e))
             .transpose()?;
         let config = MhaConfig {
             d_model: e,
@@ -248,7 +166,7 @@ impl MhaWeights {
             b_k,
             b_v,
             b_o,
-            storage: format.get().unwrap_or(Storage::F32),
+            storage: r.format.get().unwrap_or(Storage::F32),
         };
         w.validate()?;
         Ok(w)
@@ -301,6 +219,110 @@ impl MhaWeights {
 }
 
 /// Parse safetensors bytes.
+/// A tensor's shape and its values widened to f32.
+type Loaded = (Vec<usize>, Vec<f32>);
+
+/// Reads one layer's tensors (every key under `prefix`), all of one storage format.
+struct Reader<'s> {
+    st: &'s safetensors::SafeTensors<'s>,
+    prefix: &'s str,
+    /// The format of the tensors read so far.
+    format: std::cell::Cell<Option<Storage>>,
+}
+
+impl Reader<'_> {
+    /// The tensor `name`, if present; an error if its format differs from the others'.
+    fn get(&self, name: &str) -> Result<Option<Loaded>> {
+        let Some((shape, dtype, data)) = tensor_f32(self.st, &format!("{}{name}", self.prefix))? else {
+            return Ok(None);
+        };
+        let this = match dtype {
+            safetensors::Dtype::F16 => Storage::F16,
+            safetensors::Dtype::BF16 => Storage::Bf16,
+            _ => Storage::F32,
+        };
+        match self.format.get() {
+            Some(f) if f != this => {
+                return Err(Error::StorageMismatch {
+                    tensor: "weights",
+                    expected: f,
+                    actual: this,
+                    why: "every tensor of the layer must be of one format",
+                })
+            }
+            _ => self.format.set(Some(this)),
+        }
+        Ok(Some((shape, data)))
+    }
+
+    /// The tensor `name`, which must be present.
+    fn need(&self, name: &str) -> Result<Loaded> {
+        self.get(name)?.ok_or_else(|| Error::MissingWeight {
+            key: format!("{}{name}", self.prefix),
+        })
+    }
+
+    /// `t` as a matrix (of shape `expected`, when given).
+    fn matrix(&self, name: &str, (shape, data): Loaded, expected: Option<[usize; 2]>) -> Result<Array2<f32>> {
+        let ok = shape.len() == 2 && expected.is_none_or(|e| shape == e);
+        if !ok {
+            return Err(Error::WeightShape {
+                key: format!("{}{name}", self.prefix),
+                expected: expected.map(|e| e.to_vec()).unwrap_or_default(),
+                actual: shape,
+            });
+        }
+        Ok(Array2::from_shape_vec((shape[0], shape[1]), data).expect("safetensors length"))
+    }
+
+    /// `t` as a vector of `n`.
+    fn vector(&self, name: &str, (shape, data): Loaded, n: usize) -> Result<Array1<f32>> {
+        if shape != [n] {
+            return Err(Error::WeightShape {
+                key: format!("{}{name}", self.prefix),
+                expected: vec![n],
+                actual: shape,
+            });
+        }
+        Ok(Array1::from_vec(data))
+    }
+
+    /// W_Q, W_K, W_V and d_model: packed (`in_proj_weight`) or separate (`q_proj_weight` ..,
+    /// whose fewer key/value rows mean grouped-query heads).
+    fn in_projections(&self) -> Result<([Array2<f32>; 3], usize)> {
+        let shape_error = |name: &str, expected: Vec<usize>, w: &Array2<f32>| Error::WeightShape {
+            key: format!("{}{name}", self.prefix),
+            expected,
+            actual: w.shape().to_vec(),
+        };
+        if let Some(packed) = self.get("in_proj_weight")? {
+            let rows = packed.0.first().copied().unwrap_or(0);
+            let e = rows / 3;
+            let w = self.matrix("in_proj_weight", packed, Some([3 * e.max(1), e.max(1)]))?;
+            if rows % 3 != 0 || e == 0 {
+                return Err(shape_error("in_proj_weight", vec![3 * e.max(1), e.max(1)], &w));
+            }
+            let part = |i: usize| w.slice(ndarray::s![i * e..(i + 1) * e, ..]).to_owned();
+            return Ok(([part(0), part(1), part(2)], e));
+        }
+        let w_q = self.matrix("q_proj_weight", self.need("q_proj_weight")?, None)?;
+        let e = w_q.nrows();
+        if w_q.ncols() != e {
+            return Err(shape_error("q_proj_weight", vec![e, e], &w_q));
+        }
+        let w_k = self.matrix("k_proj_weight", self.need("k_proj_weight")?, None)?;
+        let w_v = self.matrix("v_proj_weight", self.need("v_proj_weight")?, None)?;
+        // PyTorch's rows are E; fewer rows (G · d_k) mean grouped-query heads.
+        let kv = w_k.nrows();
+        for (name, w) in [("k_proj_weight", &w_k), ("v_proj_weight", &w_v)] {
+            if w.nrows() != kv || w.nrows() > e || w.nrows() == 0 {
+                return Err(shape_error(name, vec![e, w.ncols()], w));
+            }
+        }
+        Ok(([w_q, w_k, w_v], e))
+    }
+}
+
 pub(crate) fn parse(bytes: &[u8]) -> Result<safetensors::SafeTensors<'_>> {
     safetensors::SafeTensors::deserialize(bytes).map_err(|e| Error::WeightFile {
         reason: e.to_string(),
@@ -379,11 +401,11 @@ pub(crate) fn read_file(path: &std::path::Path, keys: &[String]) -> Result<Vec<u
         let mut data = vec![0u8; (end - begin) as usize];
         file.seek(SeekFrom::Start(8 + n + begin)).map_err(io)?;
         file.read_exact(&mut data).map_err(io)?;
-        tensors.push((key.clone(), info.dtype, info.shape.clone(), data));
+        tensors.push((key.clone(), (info.dtype, info.shape.clone()), data));
     }
     let views = tensors
         .iter()
-        .map(|(k, dtype, shape, data)| {
+        .map(|(k, (dtype, shape), data)| {
             safetensors::tensor::TensorView::new(*dtype, shape.clone(), data)
                 .map(|v| (k.clone(), v))
                 .map_err(|e| bad(format!("{k}: {e}")))

@@ -61,8 +61,8 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
     let group = hq / hkv;
     let mask = opts.mask_view()?;
     let bias = opts.bias_view()?;
-    let mask = mask.as_ref().map(|m| broadcast4(m, (b, hq, l, s)));
-    let bias = bias.as_ref().map(|m| broadcast4(m, (b, hq, l, s)));
+    let mask = mask.as_ref().map(|m| broadcast4(m, [b, hq, l, s]));
+    let bias = bias.as_ref().map(|m| broadcast4(m, [b, hq, l, s]));
     let kv_lens = opts.kv_lens.as_deref();
     let (qd, kd) = (dense::<F, _>(q), dense::<F, _>(k));
     let mut p = Array4::<F>::zeros((b, hq, l, s));
@@ -144,80 +144,35 @@ pub fn sdpa_backward_in<F: Float, T: Copy + Into<f64>, U: Copy + Into<f64>>(
     let scale: F = F::from(opts.scale.unwrap_or(1.0 / (pr.head_dim as f64).sqrt())).unwrap();
     let (b, hq, l, e) = q.dim();
     let (_, hkv, s, ev) = v.dim();
-    let g = hq / hkv;
     let (p, lse) = recompute(q, k, opts, scale)?;
-    let (qd, kd, vd, dod) = (
-        dense::<F, _>(q),
-        dense::<F, _>(k),
-        dense::<F, _>(v),
-        dense::<F, _>(dout),
-    );
-    let pd = p.as_slice().expect("standard layout");
-    // Row r = (b Hq + h) L + i of a [B, Hq, L, width] array starts at element r · width.
+    let (qd, kd) = (dense::<F, _>(q), dense::<F, _>(k));
+    let (vd, dod) = (dense::<F, _>(v), dense::<F, _>(dout));
+    let dims = Dims { b, hq, hkv, l, s };
     // Stage 2: O = P V, dV = Pᵀ dO, dP = dO Vᵀ.
-    let mut out = vec![F::zero(); b * hq * l * ev];
-    let mut dv = vec![F::zero(); b * hkv * s * ev];
-    let mut dp = vec![F::zero(); b * hq * l * s];
-    for bi in 0..b {
-        for h in 0..hq {
-            let kvh = bi * hkv + h / g;
-            for i in 0..l {
-                let r = (bi * hq + h) * l + i;
-                let dorow = &dod[r * ev..][..ev];
-                let orow = &mut out[r * ev..][..ev];
-                for j in 0..s {
-                    let pij = pd[r * s + j];
-                    let vrow = &vd[(kvh * s + j) * ev..][..ev];
-                    let dvrow = &mut dv[(kvh * s + j) * ev..][..ev];
-                    let mut acc = F::zero();
-                    for d in 0..ev {
-                        orow[d] = orow[d] + pij * vrow[d];
-                        dvrow[d] = dvrow[d] + pij * dorow[d];
-                        acc = acc + dorow[d] * vrow[d];
-                    }
-                    dp[r * s + j] = acc;
-                }
-            }
-        }
-    }
+    let (out, dv, dp) = values_stage(dims, &p, &vd, &dod, ev);
     // Stage 3: D = rowsum(dO ∘ O), dS = P ∘ (dP − D).
-    let mut dsum = vec![F::zero(); b * hq * l];
-    for (r, x) in dsum.iter_mut().enumerate() {
-        for d in 0..ev {
-            *x = *x + dod[r * ev + d] * out[r * ev + d];
-        }
-    }
-    let shape4 = |d4: usize| (b, hq, l, d4);
+    let dsum = dod
+        .chunks(ev.max(1))
+        .zip(out.chunks(ev.max(1)))
+        .take(b * hq * l)
+        .map(|(g, o)| g.iter().zip(o).fold(F::zero(), |acc, (&g, &o)| acc + g * o))
+        .collect::<Vec<F>>();
+    let shape4 = |d4: usize| [b, hq, l, d4];
     let out = Array4::from_shape_vec(shape4(ev), out).expect("out length");
     let dp = Array4::from_shape_vec(shape4(s), dp).expect("dp length");
     let dsum = Array3::from_shape_vec((b, hq, l), dsum).expect("D length");
     let ds = softmax_backward(&p, &dp, &dsum);
-    let dsd = ds.as_slice().expect("standard layout");
     // Stage 4: dQ = scale · dS K, dK = scale · dSᵀ Q.
-    let mut dq = vec![F::zero(); b * hq * l * e];
-    let mut dk = vec![F::zero(); b * hkv * s * e];
-    for bi in 0..b {
-        for h in 0..hq {
-            let kvh = bi * hkv + h / g;
-            for i in 0..l {
-                let r = (bi * hq + h) * l + i;
-                let qrow = &qd[r * e..][..e];
-                let dqrow = &mut dq[r * e..][..e];
-                for j in 0..s {
-                    let x = dsd[r * s + j];
-                    let krow = &kd[(kvh * s + j) * e..][..e];
-                    let dkrow = &mut dk[(kvh * s + j) * e..][..e];
-                    for d in 0..e {
-                        dqrow[d] = dqrow[d] + scale * x * krow[d];
-                        dkrow[d] = dkrow[d] + scale * x * qrow[d];
-                    }
-                }
-            }
-        }
-    }
-    let dv = Array4::from_shape_vec((b, hkv, s, ev), dv).expect("dv length");
-    let dq = Array4::from_shape_vec((b, hq, l, e), dq).expect("dq length");
-    let dk = Array4::from_shape_vec((b, hkv, s, e), dk).expect("dk length");
+    let (dq, dk) = qk_stage(
+        dims,
+        ds.as_slice().expect("standard layout"),
+        (&qd, &kd),
+        e,
+        scale,
+    );
+    let dv = Array4::from_shape_vec([b, hkv, s, ev], dv).expect("dv length");
+    let dq = Array4::from_shape_vec([b, hq, l, e], dq).expect("dq length");
+    let dk = Array4::from_shape_vec([b, hkv, s, e], dk).expect("dk length");
     // Stage 5: d(bias) = dS summed over the bias's broadcast dimensions.
     let dbias = pr.bias.map(|bc| {
         let [sb, sh, sl, ss] = bc.shape;
@@ -237,6 +192,83 @@ pub fn sdpa_backward_in<F: Float, T: Copy + Into<f64>, U: Copy + Into<f64>>(
         out,
         lse,
     })
+}
+
+/// The sizes the backward's stages loop over: batches, query and kv heads, query and key rows.
+#[derive(Clone, Copy)]
+struct Dims {
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    l: usize,
+    s: usize,
+}
+
+impl Dims {
+    /// Every query row `r = (b Hq + h) L + i` (of a `[B, Hq, L, width]` array, starting at
+    /// element `r · width`) with the row of its kv head's first key, `(b Hkv + h / G) S`.
+    fn rows(self) -> impl Iterator<Item = (usize, usize)> {
+        let g = self.hq / self.hkv;
+        (0..self.b).flat_map(move |bi| {
+            (0..self.hq).flat_map(move |h| {
+                (0..self.l).map(move |i| ((bi * self.hq + h) * self.l + i, (bi * self.hkv + h / g) * self.s))
+            })
+        })
+    }
+}
+
+/// Stage 2: O = P V, dV = Pᵀ dO and dP = dO Vᵀ, for the probabilities `p`, dense V and dO
+/// (`ev` columns). Returns (O, dV, dP), dense.
+fn values_stage<F: Float>(
+    d: Dims,
+    p: &Array4<F>,
+    v: &[F],
+    dout: &[F],
+    ev: usize,
+) -> (Vec<F>, Vec<F>, Vec<F>) {
+    let pd = p.as_slice().expect("standard layout");
+    let s = d.s;
+    let mut out = vec![F::zero(); d.b * d.hq * d.l * ev];
+    let mut dv = vec![F::zero(); d.b * d.hkv * s * ev];
+    let mut dp = vec![F::zero(); d.b * d.hq * d.l * s];
+    for (r, k0) in d.rows() {
+        let dorow = &dout[r * ev..][..ev];
+        let orow = &mut out[r * ev..][..ev];
+        for j in 0..s {
+            let pij = pd[r * s + j];
+            let vrow = &v[(k0 + j) * ev..][..ev];
+            let dvrow = &mut dv[(k0 + j) * ev..][..ev];
+            let mut acc = F::zero();
+            for c in 0..ev {
+                orow[c] = orow[c] + pij * vrow[c];
+                dvrow[c] = dvrow[c] + pij * dorow[c];
+                acc = acc + dorow[c] * vrow[c];
+            }
+            dp[r * s + j] = acc;
+        }
+    }
+    (out, dv, dp)
+}
+
+/// Stage 4: dQ = scale · dS K and dK = scale · dSᵀ Q for dense dS, Q and K (`e` columns).
+fn qk_stage<F: Float>(d: Dims, ds: &[F], (q, k): (&[F], &[F]), e: usize, scale: F) -> (Vec<F>, Vec<F>) {
+    let s = d.s;
+    let mut dq = vec![F::zero(); d.b * d.hq * d.l * e];
+    let mut dk = vec![F::zero(); d.b * d.hkv * s * e];
+    for (r, k0) in d.rows() {
+        let qrow = &q[r * e..][..e];
+        let dqrow = &mut dq[r * e..][..e];
+        for j in 0..s {
+            let x = ds[r * s + j];
+            let krow = &k[(k0 + j) * e..][..e];
+            let dkrow = &mut dk[(k0 + j) * e..][..e];
+            for c in 0..e {
+                dqrow[c] = dqrow[c] + scale * x * krow[c];
+                dkrow[c] = dkrow[c] + scale * x * qrow[c];
+            }
+        }
+    }
+    (dq, dk)
 }
 
 /// [`sdpa_backward_in`] in f64: the reference every GPU backward is checked against.

@@ -189,7 +189,8 @@ pub fn mha_backward_in<F: Float + Into<f64>, U: Copy + Into<f64>>(
 ) -> Result<MhaGrads<F>> {
     w.validate()?;
     let c = &w.config;
-    let (h, g, d, e) = (c.num_heads, c.num_kv_heads, c.head_dim(), c.d_model);
+    let (h, g) = (c.num_heads, c.num_kv_heads);
+    let (d, e) = (c.head_dim(), c.d_model);
     let (b, lq, _) = inputs.query.dim();
     let l = inputs.query_heads.map_or(lq, |qh| qh.dim().2);
     if dout.dim() != (b, l, e) {

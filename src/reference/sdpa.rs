@@ -59,7 +59,7 @@ fn scores_f64(q: &[f64], k: &[f64], [b, hq, hkv, l, s, e]: [usize; 6], scale: f6
 /// `a` (a mask or bias of rank 1 to 4, validated) broadcast to the scores' `dims`.
 pub(super) fn broadcast4<T, S: ndarray::Data<Elem = T>>(
     a: &ndarray::ArrayBase<S, ndarray::IxDyn>,
-    dims: (usize, usize, usize, usize),
+    dims: [usize; 4],
 ) -> ArrayView4<'_, T> {
     a.broadcast(dims)
         .expect("validated broadcast")
@@ -103,8 +103,8 @@ pub fn masked_softmax(scores: &Array4<f64>, opts: &Options) -> Result<(Array4<f6
     let (b, h, l, s) = scores.dim();
     let (mask_view, bias_view) = (opts.mask_view()?, opts.bias_view()?);
     let kv_lens = opts.kv_lens.as_deref();
-    let mask = mask_view.as_ref().map(|m| broadcast4(m, (b, h, l, s)));
-    let bias = bias_view.as_ref().map(|m| broadcast4(m, (b, h, l, s)));
+    let mask = mask_view.as_ref().map(|m| broadcast4(m, [b, h, l, s]));
+    let bias = bias_view.as_ref().map(|m| broadcast4(m, [b, h, l, s]));
     let mut weights = Array4::<f64>::zeros((b, h, l, s));
     let mut lse = Array3::<f64>::from_elem((b, h, l), f64::NEG_INFINITY);
     let mut logits = vec![0f64; s];

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use crate::buffers::{f32_bytes, output, storage_init};
 use crate::context::Context;
 use crate::error::Result;
-use crate::kernels::decode;
+use crate::ops::merge;
 use crate::options::Options;
 use crate::problem::Causal;
 use crate::sdpa::{GpuOutput, Sdpa};
@@ -283,23 +283,22 @@ impl Acc {
         encoder.copy_buffer_to_buffer(&g.output, g.output_offset, &self.parts, slot * o_bytes, o_bytes);
         encoder.copy_buffer_to_buffer(&g.lse, 0, &self.lses, slot * l_bytes, l_bytes);
         if self.started {
-            decode::record_merge(
+            merge::record(
                 ctx,
                 encoder,
-                [
-                    self.parts.as_entire_buffer_binding(),
-                    self.lses.as_entire_buffer_binding(),
-                    self.out.as_entire_buffer_binding(),
-                    self.lse.as_entire_buffer_binding(),
-                ],
-                &decode::MergeParams {
-                    rows: self.rows as u32,
+                &merge::Parts {
+                    outputs: self.parts.as_entire_buffer_binding(),
+                    storage: Storage::F32,
+                    lses: self.lses.as_entire_buffer_binding(),
                     splits: 2,
-                    ev: ev as u32,
-                    ..Default::default()
                 },
-                (Storage::F32, Storage::F32),
-                None,
+                &merge::Merged {
+                    output: self.out.as_entire_buffer_binding(),
+                    storage: Storage::F32,
+                    view: None,
+                    lse: self.lse.as_entire_buffer_binding(),
+                },
+                [self.rows, ev],
             )?;
             encoder.copy_buffer_to_buffer(&self.out, 0, &self.parts, 0, o_bytes);
             encoder.copy_buffer_to_buffer(&self.lse, 0, &self.lses, 0, l_bytes);
@@ -344,7 +343,7 @@ pub(crate) fn forward(
         .collect();
     let mut blocks = Blocks::new(ctx, plan, shard.block.clone());
     // Weights: each pair's, and its logsumexp, to rescale by the global one at the end.
-    let mut pair_weights: Vec<(usize, usize, Vec<f32>, Vec<f32>)> = vec![];
+    let mut pair_weights: Vec<PairWeights> = vec![];
     for (t, (b, pairs)) in plan.steps(rank).into_iter().enumerate() {
         let calls: Vec<Pair> = pairs
             .iter()
@@ -374,7 +373,12 @@ pub(crate) fn forward(
             let rows = accs[i].rows;
             let wv = block_on(ctx.read_f32(w, 0, w.size()))?;
             let lv = block_on(ctx.read_f32(&g.lse, 0, f32_bytes(rows)))?;
-            pair_weights.push((i, kc, wv, lv));
+            pair_weights.push(PairWeights {
+                chunk: i,
+                kv_chunk: kc,
+                weights: wv,
+                lse: lv,
+            });
         }
     }
     // The running sums are the results: read them back, rounded to the output's format.
@@ -398,10 +402,11 @@ pub(crate) fn forward(
             .iter()
             .map(|&c| vec![0.0; p.batch_heads() * plan.q_range(c).len() * s])
             .collect();
-        for (i, kc, wv, lv) in &pair_weights {
-            let k = plan.kv_range(*kc);
+        for pw in &pair_weights {
+            let (i, wv) = (pw.chunk, &pw.weights);
+            let k = plan.kv_range(pw.kv_chunk);
             let sk = k.len();
-            for (row, (&lp, &lg)) in lv.iter().zip(&lse[*i]).enumerate() {
+            for (row, (&lp, &lg)) in pw.lse.iter().zip(&lse[i]).enumerate() {
                 // Rows no key reached are zero in both.
                 let f = if lg == f32::NEG_INFINITY {
                     0.0
@@ -409,7 +414,7 @@ pub(crate) fn forward(
                     (lp - lg).exp()
                 };
                 for (j, &x) in wv[row * sk..(row + 1) * sk].iter().enumerate() {
-                    w[*i][row * s + k.start + j] = x * f;
+                    w[i][row * s + k.start + j] = x * f;
                 }
             }
         }
@@ -438,21 +443,7 @@ pub(crate) fn backward(
     let own = plan.chunks(rank);
     let mut clock = Clock::new(ctx);
     let qbufs = upload_q(ctx, plan, &shard);
-    // dO, and the saved output and logsumexp, of the own rows.
-    let dbufs: Vec<Option<[wgpu::Buffer; 3]>> = own
-        .iter()
-        .enumerate()
-        .map(|(i, &c)| {
-            (!plan.q_range(c).is_empty()).then(|| {
-                let (o, l) = &shard.saved[i];
-                [
-                    storage_init(ctx, "ring dout", &f.out.encode(&shard.dout[i])),
-                    storage_init(ctx, "ring saved output", &Storage::F32.encode(o)),
-                    storage_init(ctx, "ring saved lse", &Storage::F32.encode(l)),
-                ]
-            })
-        })
-        .collect();
+    let dbufs = upload_saved(ctx, plan, &shard, &own);
     let mut dq: Vec<Vec<f32>> = own
         .iter()
         .map(|&c| vec![0.0; p.batch_heads() * plan.q_range(c).len() * e])
@@ -491,34 +482,22 @@ pub(crate) fn backward(
         // Sum the pairs' gradients: dQ here, dK/dV into the block's travelling sums.
         let layout = plan.grads_layout(b);
         Clock::time(&mut clock.compute, || {
-            for (g, &(i, kc, _)) in grads.iter().zip(&pairs) {
-                let gp = &g.problem;
-                let add = |acc: &mut [f32], x: Vec<f32>| acc.iter_mut().zip(x).for_each(|(a, x)| *a += x);
-                let rows_q = gp.batch_heads() * gp.seq_q;
-                add(&mut dq[i], block_on(ctx.read_as_f32(&g.dq, 0, rows_q * e, f.q))?);
-                let &(_, k_at, v_at, _) = layout.iter().find(|x| x.0 == kc).expect("in block");
-                let kv_rows = gp.batch * gp.kv_heads * gp.seq_kv;
-                add(
-                    &mut sums[k_at..k_at + kv_rows * e],
-                    block_on(ctx.read_as_f32(&g.dk, 0, kv_rows * e, f.k))?,
-                );
-                add(
-                    &mut sums[v_at..v_at + kv_rows * ev],
-                    block_on(ctx.read_as_f32(&g.dv, 0, kv_rows * ev, f.v))?,
-                );
-                if let (Some(db), Some(buf), Some(bc)) = (dbias.as_mut(), g.dbias.as_ref(), gp.bias) {
-                    let part = block_on(ctx.read_as_f32(buf, 0, bc.len(), f.bias))?;
-                    add_bias(
-                        db,
-                        p.bias.expect("bias").shape,
-                        &part,
-                        bc.shape,
-                        plan.q_range(own[i]).start,
-                        plan.kv_range(kc).start,
-                    );
-                }
-            }
-            Ok(())
+            grads.iter().zip(&pairs).try_for_each(|(g, &(i, kc, _))| {
+                let at = layout.iter().find(|x| x.chunk == kc).expect("in block");
+                let acc = GradSums {
+                    dq: &mut dq[i],
+                    sums: &mut sums,
+                    dbias: dbias.as_mut(),
+                };
+                add_pair(
+                    ctx,
+                    plan,
+                    g,
+                    (at.dk, at.dv),
+                    acc,
+                    [plan.q_range(own[i]).start, plan.kv_range(kc).start],
+                )
+            })
         })?;
         // The block's sums go on with it; the next block's arrive (at the last step: this
         // device's own block, complete).
@@ -534,15 +513,81 @@ pub(crate) fn backward(
     }
     // `sums` is this device's block: per chunk dK then dV.
     let layout = plan.grads_layout(rank);
-    let dk = layout.iter().map(|&(_, k, v, _)| sums[k..v].to_vec()).collect();
-    let dv = layout
-        .iter()
-        .map(|&(_, _, v, end)| sums[v..end].to_vec())
-        .collect();
+    let dk = layout.iter().map(|x| sums[x.dk..x.dv].to_vec()).collect();
+    let dv = layout.iter().map(|x| sums[x.dv..x.end].to_vec()).collect();
     Ok((
         DeviceGrads { dq, dk, dv, dbias },
         clock.report(plan, rank, peak, started),
     ))
+}
+
+/// dO, and the saved output and logsumexp, of the own chunks' rows (None for an empty chunk).
+fn upload_saved(
+    ctx: &Context,
+    plan: &RingPlan,
+    shard: &Shard,
+    own: &[usize],
+) -> Vec<Option<[wgpu::Buffer; 3]>> {
+    own.iter()
+        .enumerate()
+        .map(|(i, &c)| {
+            (!plan.q_range(c).is_empty()).then(|| {
+                let (o, l) = &shard.saved[i];
+                [
+                    storage_init(ctx, "ring dout", &plan.p.storage.out.encode(&shard.dout[i])),
+                    storage_init(ctx, "ring saved output", &Storage::F32.encode(o)),
+                    storage_init(ctx, "ring saved lse", &Storage::F32.encode(l)),
+                ]
+            })
+        })
+        .collect()
+}
+
+/// A pair's attention weights and logsumexp, kept to rescale by the global logsumexp at the
+/// end: the own query chunk's index, the key chunk.
+struct PairWeights {
+    chunk: usize,
+    kv_chunk: usize,
+    weights: Vec<f32>,
+    lse: Vec<f32>,
+}
+
+/// Where a pair's gradients are summed: its query chunk's dQ, the block's dK/dV sums, d(bias).
+struct GradSums<'s> {
+    dq: &'s mut [f32],
+    sums: &'s mut [f32],
+    dbias: Option<&'s mut Vec<f32>>,
+}
+
+/// Read a pair's gradients `g` back and add them: dQ, dK at `k_at` and dV at `v_at` of the
+/// block's sums, d(bias) at the pair's rows and keys (`[q0, k0]`, global).
+fn add_pair(
+    ctx: &Context,
+    plan: &RingPlan,
+    g: &crate::GpuGrads,
+    (k_at, v_at): (usize, usize),
+    acc: GradSums<'_>,
+    [q0, k0]: [usize; 2],
+) -> Result<()> {
+    let (gp, f) = (&g.problem, plan.p.storage);
+    let (e, ev) = (gp.head_dim, gp.head_dim_v);
+    let add = |acc: &mut [f32], x: Vec<f32>| acc.iter_mut().zip(x).for_each(|(a, x)| *a += x);
+    let rows_q = gp.batch_heads() * gp.seq_q;
+    add(acc.dq, block_on(ctx.read_as_f32(&g.dq, 0, rows_q * e, f.q))?);
+    let kv_rows = gp.batch * gp.kv_heads * gp.seq_kv;
+    add(
+        &mut acc.sums[k_at..k_at + kv_rows * e],
+        block_on(ctx.read_as_f32(&g.dk, 0, kv_rows * e, f.k))?,
+    );
+    add(
+        &mut acc.sums[v_at..v_at + kv_rows * ev],
+        block_on(ctx.read_as_f32(&g.dv, 0, kv_rows * ev, f.v))?,
+    );
+    if let (Some(db), Some(buf), Some(bc)) = (acc.dbias, g.dbias.as_ref(), gp.bias) {
+        let part = block_on(ctx.read_as_f32(buf, 0, bc.len(), f.bias))?;
+        add_bias(db, plan.p.bias.expect("bias").shape, &part, bc.shape, q0, k0);
+    }
+    Ok(())
 }
 
 /// Add a pair's d(bias) (broadcast shape `part_shape`, its rows from `q0`, keys from `k0` of

@@ -411,6 +411,15 @@ pub struct RingPlan {
     pub(crate) backward: bool,
 }
 
+/// Where one key chunk's dK and dV sit in a block's travelling f32 sums (elements).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GradsPart {
+    pub(crate) chunk: usize,
+    pub(crate) dk: usize,
+    pub(crate) dv: usize,
+    pub(crate) end: usize,
+}
+
 impl RingPlan {
     pub(crate) fn new(sdpa: &Sdpa<'_>, n: usize, layout: Layout) -> Result<Self> {
         let p = sdpa.problem()?;
@@ -533,16 +542,21 @@ impl RingPlan {
     }
 
     /// Where each key chunk's dK and dV sit in the f32 sums of block `b` travelling in the
-    /// backward (per chunk dK then dV): (chunk, dK offset, dV offset, end), in elements.
-    pub(crate) fn grads_layout(&self, b: usize) -> Vec<(usize, usize, usize, usize)> {
+    /// backward (per chunk dK then dV), in elements.
+    pub(crate) fn grads_layout(&self, b: usize) -> Vec<GradsPart> {
         let (e, ev) = (self.p.head_dim, self.p.head_dim_v);
         let mut at = 0;
         self.chunks(b)
             .into_iter()
             .zip(self.kv_rows(b))
-            .map(|(c, rows)| {
-                let part = (c, at, at + rows * e, at + rows * (e + ev));
-                at = part.3;
+            .map(|(chunk, rows)| {
+                let part = GradsPart {
+                    chunk,
+                    dk: at,
+                    dv: at + rows * e,
+                    end: at + rows * (e + ev),
+                };
+                at = part.end;
                 part
             })
             .collect()
@@ -550,7 +564,7 @@ impl RingPlan {
 
     /// The number of f32 values in block `b`'s travelling dK/dV sums.
     pub(crate) fn grads_len(&self, b: usize) -> usize {
-        self.grads_layout(b).last().map_or(0, |x| x.3)
+        self.grads_layout(b).last().map_or(0, |x| x.end)
     }
 
     /// The causal alignment of the pair (query chunk, key chunk), or `None` when the causal
@@ -719,7 +733,8 @@ impl RingPlan {
     /// The output from every device's rows.
     pub(crate) fn assemble_output(&self, parts: &[DeviceOutput]) -> Output {
         let p = &self.p;
-        let (b, h, l, s, ev) = (p.batch, p.q_heads, p.seq_q, p.seq_kv, p.head_dim_v);
+        let (b, h) = (p.batch, p.q_heads);
+        let (l, s, ev) = (p.seq_q, p.seq_kv, p.head_dim_v);
         let mut out = Array4::<f32>::zeros((b, h, l, ev));
         let mut lse = Array3::<f32>::zeros((b, h, l));
         let mut weights = self.weights.then(|| Array4::<f32>::zeros((b, h, l, s)));
@@ -747,15 +762,9 @@ impl RingPlan {
     /// The gradients from every device's parts (d(bias) summed over the devices).
     pub(crate) fn assemble_grads(&self, parts: &[DeviceGrads]) -> Grads {
         let p = &self.p;
-        let (b, hq, hkv, l, s, e, ev) = (
-            p.batch,
-            p.q_heads,
-            p.kv_heads,
-            p.seq_q,
-            p.seq_kv,
-            p.head_dim,
-            p.head_dim_v,
-        );
+        let (b, hq, hkv) = (p.batch, p.q_heads, p.kv_heads);
+        let (l, s) = (p.seq_q, p.seq_kv);
+        let (e, ev) = (p.head_dim, p.head_dim_v);
         let mut dq = Array4::<f32>::zeros((b, hq, l, e));
         let mut dk = Array4::<f32>::zeros((b, hkv, s, e));
         let mut dv = Array4::<f32>::zeros((b, hkv, s, ev));

@@ -81,7 +81,8 @@ impl Shard {
     /// Device `rank`'s shard of `g`.
     pub(crate) fn new(plan: &RingPlan, rank: usize, g: &Global<'_>) -> Shard {
         let p = &plan.p;
-        let (b, hq, hkv, l, s) = (p.batch, p.q_heads, p.kv_heads, p.seq_q, p.seq_kv);
+        let (b, hq, hkv) = (p.batch, p.q_heads, p.kv_heads);
+        let (l, s) = (p.seq_q, p.seq_kv);
         let (e, ev) = (p.head_dim, p.head_dim_v);
         let chunks = plan.chunks(rank);
         let rows = |data: &[f32], heads: usize, len: usize, dim: usize, r: Range<usize>| {

@@ -4,7 +4,9 @@
 use crate::buffers::{binding, dummy, f32_bytes, fits, output, scratch, storage_init, Operand};
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::kernels::{decode, flash, matmul, softmax, Masks, TensorViews};
+use crate::kernels::{decode, flash, softmax, Masks, TensorViews};
+use crate::ops::matmul::Matmul;
+use crate::ops::{merge, Mats};
 use crate::problem::Problem;
 use crate::storage::Storage;
 use crate::tensor::Mask;
@@ -195,12 +197,7 @@ fn record_unfused(
     chunks: &ChunkPlan,
     io: &Io,
 ) -> Result<()> {
-    let (l, s, e, ev) = (
-        p.seq_q as u32,
-        p.seq_kv as u32,
-        p.head_dim as u32,
-        p.head_dim_v as u32,
-    );
+    let (l, s) = (p.seq_q as u32, p.seq_kv as u32);
     let bh = p.batch_heads();
     let scores = output(
         ctx,
@@ -208,7 +205,7 @@ fn record_unfused(
         f32_bytes(chunks.heads * chunks.rows * p.seq_kv),
     );
     let masks = io.masks(p);
-    let (heads, group) = (p.q_heads as u32, p.group() as u32);
+    let heads = p.q_heads as u32;
     let [qv, kv, vv, ov, _] = p.views_or_dense();
     for z0 in (0..bh).step_by(chunks.heads) {
         let nz = chunks.heads.min(bh - z0);
@@ -218,28 +215,20 @@ fn record_unfused(
             let sc = binding(&scores, 0, chunk_bytes);
             // 1. scores = scale * Q K^T (or the additive score): rows i0.. of each head's Q,
             // that head's K (GQA)
-            matmul::Matmul {
-                a: io.q.clone(),
-                b: io.k.clone(),
-                bias: io.u.clone(),
-                c: sc.clone(),
-                params: matmul::Params {
-                    heads,
-                    group,
-                    a_z0: z0 as u32,
-                    b_z0: z0 as u32,
-                    ..matmul::Params::dense(lc as u32, s, e, true, p.scale)
-                }
-                .split_heads()
-                .a_view(qv, i0)
-                .b_view(kv, 0),
-                batch: nz as u32,
-                trans_b: true,
-                formats: [p.storage.q, p.storage.k, Storage::F32, Storage::F32],
-                accumulate: false,
-                additive: io.u.is_some(),
+            let qk = Matmul::new(
+                Mats::view(io.q.clone(), p.storage.q, qv, i0, [lc, p.head_dim]).starting_at(z0),
+                Mats::view(io.k.clone(), p.storage.k, kv, 0, [p.seq_kv, p.head_dim]).starting_at(z0),
+                Mats::dense(sc.clone(), Storage::F32, lc, p.seq_kv),
+            )
+            .trans_b(true)
+            .alpha(p.scale)
+            .slices(nz)
+            .heads(p.q_heads, p.group());
+            match &io.u {
+                Some(u) => qk.additive(u.clone()),
+                None => qk,
             }
-            .record(ctx, encoder, io.dummy)?;
+            .record(ctx, encoder)?;
             // 2. masked softmax in place, logsumexp out
             let [mask, bias, lens] = io.mask_bindings();
             softmax::record(
@@ -265,28 +254,14 @@ fn record_unfused(
                 encoder.copy_buffer_to_buffer(&scores, 0, w, dst, chunk_bytes);
             }
             // 4. O = P V into rows i0.. of each head's output
-            matmul::Matmul {
-                a: sc,
-                b: io.v.clone(),
-                bias: None,
-                c: io.out.clone(),
-                params: matmul::Params {
-                    heads,
-                    group,
-                    b_z0: z0 as u32,
-                    c_z0: z0 as u32,
-                    ..matmul::Params::dense(lc as u32, ev, s, false, 1.0)
-                }
-                .split_heads()
-                .b_view(vv, 0)
-                .c_view(ov, i0),
-                batch: nz as u32,
-                trans_b: false,
-                formats: [Storage::F32, p.storage.v, Storage::F32, p.storage.out],
-                accumulate: false,
-                additive: false,
-            }
-            .record(ctx, encoder, io.dummy)?;
+            Matmul::new(
+                Mats::dense(sc, Storage::F32, lc, p.seq_kv),
+                Mats::view(io.v.clone(), p.storage.v, vv, 0, [p.seq_kv, p.head_dim_v]).starting_at(z0),
+                Mats::view(io.out.clone(), p.storage.out, ov, i0, [lc, p.head_dim_v]).starting_at(z0),
+            )
+            .slices(nz)
+            .heads(p.q_heads, p.group())
+            .record(ctx, encoder)?;
         }
     }
     Ok(())
@@ -387,23 +362,21 @@ fn record_decode(
             ..Default::default()
         },
     )?;
-    decode::record_merge(
+    merge::record(
         ctx,
         encoder,
-        [
-            part_out.as_entire_buffer_binding(),
-            part_lse.as_entire_buffer_binding(),
-            io.out.clone(),
-            io.lse.as_entire_buffer_binding(),
-        ],
-        &decode::MergeParams {
-            rows: rows as u32,
-            splits: cfg.splits as u32,
-            ev: p.head_dim_v as u32,
-            x: TensorViews::new(p),
-            ..Default::default()
+        &merge::Parts {
+            outputs: part_out.as_entire_buffer_binding(),
+            storage: Storage::F32,
+            lses: part_lse.as_entire_buffer_binding(),
+            splits: cfg.splits,
         },
-        (Storage::F32, p.storage.out),
-        p.views.out,
+        &merge::Merged {
+            output: io.out.clone(),
+            storage: p.storage.out,
+            view: p.views.out.map(|v| (v, [p.q_heads, p.seq_q])),
+            lse: io.lse.as_entire_buffer_binding(),
+        },
+        [rows, p.head_dim_v],
     )
 }

@@ -5,7 +5,7 @@ use ndarray::{Array3, Array4};
 use crate::buffers::{f32_bytes, fits, output, storage_init};
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::kernels::decode;
+use crate::ops::merge;
 use crate::storage::Storage;
 use crate::tensor::Tensor;
 
@@ -72,23 +72,22 @@ pub async fn merge<'a>(
             let pl = storage_init(ctx, "merge lse parts", bytemuck::cast_slice(&lses));
             let out = output(ctx, "merged output", out_bytes);
             let lse = output(ctx, "merged lse", f32_bytes(rows));
-            decode::record_merge(
+            merge::record(
                 ctx,
                 encoder,
-                [
-                    po.as_entire_buffer_binding(),
-                    pl.as_entire_buffer_binding(),
-                    out.as_entire_buffer_binding(),
-                    lse.as_entire_buffer_binding(),
-                ],
-                &decode::MergeParams {
-                    rows: rows as u32,
+                &merge::Parts {
+                    outputs: po.as_entire_buffer_binding(),
+                    storage: Storage::F32,
+                    lses: pl.as_entire_buffer_binding(),
                     splits: 2,
-                    ev: ev as u32,
-                    ..Default::default()
                 },
-                (Storage::F32, storage),
-                None,
+                &merge::Merged {
+                    output: out.as_entire_buffer_binding(),
+                    storage,
+                    view: None,
+                    lse: lse.as_entire_buffer_binding(),
+                },
+                [rows, ev],
             )?;
             Ok((out, lse))
         })

@@ -224,6 +224,27 @@ impl VariantParams {
         pinv_iters: usize,
     ) -> Result<Dims> {
         let p = options.problem(q, k, v)?;
+        let kind = self.kind();
+        check_options(kind, options, weights)?;
+        let (ev_out, inner) = self.check_params(&p, pinv_iters)?;
+        let (e, s, l) = (p.head_dim, p.seq_kv, p.seq_q);
+        Ok(Dims {
+            batch: p.batch,
+            hq: p.q_heads,
+            hkv: p.kv_heads,
+            l,
+            s,
+            e,
+            ev: p.head_dim_v,
+            ev_out,
+            inner,
+            scale: options.scale.unwrap_or_else(|| kind.default_scale(e)),
+        })
+    }
+
+    /// Check the parameters' shapes against the problem: the output's head dim and the
+    /// variant's inner dimension (a, r, m or k_p).
+    fn check_params(&self, p: &crate::problem::Problem, pinv_iters: usize) -> Result<(usize, usize)> {
         let (e, s, l) = (p.head_dim, p.seq_kv, p.seq_q);
         let kind = self.kind();
         let mismatch = |tensor: &'static str, expected: Vec<usize>, actual: &[usize]| {
@@ -241,32 +262,6 @@ impl VariantParams {
             option,
             reason: reason.into(),
         };
-        if !kind.takes_masks() {
-            let why = match kind {
-                VariantKind::Nystrom => {
-                    "its landmarks average whole segments of queries and keys, so a per-key or per-row mask has no place in A = softmax(Q̃ K̃ᵀ)"
-                }
-                _ => "its projections mix every key position into each of the k_p rows, so a per-key mask has no meaning after them",
-            };
-            if options.mask.is_some() {
-                return Err(refuse("mask", why));
-            }
-            if options.bias.is_some() {
-                return Err(refuse("bias", why));
-            }
-            if options.kv_lens.is_some() {
-                return Err(refuse("kv_lens", why));
-            }
-            if options.causal != crate::problem::Causal::None {
-                return Err(refuse("causal", why));
-            }
-            if weights {
-                return Err(refuse(
-                    "weights",
-                    "it never forms the L × S attention matrix; use the exact SDPA for weights",
-                ));
-            }
-        }
         let mut ev_out = p.head_dim_v;
         let mut inner = 0;
         match self {
@@ -325,19 +320,44 @@ impl VariantParams {
                 inner = kp;
             }
         }
-        Ok(Dims {
-            batch: p.batch,
-            hq: p.q_heads,
-            hkv: p.kv_heads,
-            l,
-            s,
-            e,
-            ev: p.head_dim_v,
-            ev_out,
-            inner,
-            scale: options.scale.unwrap_or_else(|| kind.default_scale(e)),
-        })
+        Ok((ev_out, inner))
     }
+}
+
+/// Refuse the masks (and the weights) for the variants that cannot take them.
+fn check_options(kind: VariantKind, options: &Options, weights: bool) -> Result<()> {
+    let refuse = |option: &'static str, reason: &str| Error::VariantOption {
+        variant: kind.name(),
+        option,
+        reason: reason.into(),
+    };
+    if !kind.takes_masks() {
+        let why = match kind {
+                VariantKind::Nystrom => {
+                    "its landmarks average whole segments of queries and keys, so a per-key or per-row mask has no place in A = softmax(Q̃ K̃ᵀ)"
+                }
+                _ => "its projections mix every key position into each of the k_p rows, so a per-key mask has no meaning after them",
+            };
+        if options.mask.is_some() {
+            return Err(refuse("mask", why));
+        }
+        if options.bias.is_some() {
+            return Err(refuse("bias", why));
+        }
+        if options.kv_lens.is_some() {
+            return Err(refuse("kv_lens", why));
+        }
+        if options.causal != crate::problem::Causal::None {
+            return Err(refuse("causal", why));
+        }
+        if weights {
+            return Err(refuse(
+                "weights",
+                "it never forms the L × S attention matrix; use the exact SDPA for weights",
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// [`VariantParams::segment_means`] in f64 (the reference's landmarks).

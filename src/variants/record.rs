@@ -8,7 +8,9 @@ use super::{Dims, GpuVariantOutput, Variant, VariantParams};
 use crate::buffers::{binding, f32_bytes, fits, output, storage_init, Operand};
 use crate::context::Context;
 use crate::error::Result;
-use crate::kernels::{flash, matmul as mm, pinv};
+use crate::kernels::flash;
+use crate::ops::matmul::{self, Matmul};
+use crate::ops::{linear, pinv, Mats};
 use crate::options::Options;
 use crate::sdpa::{Path, Sdpa};
 use crate::storage::Storage;
@@ -86,77 +88,75 @@ fn check<'a>(var: &Variant<'a>, ctx: &Context) -> Result<Checked<'a>> {
     };
     let fmt = [var.q.storage(), var.k.storage(), var.v.storage()];
     let out = var.out_storage.unwrap_or(fmt[0]);
-    let (b, hq, hkv, l, s, e, ev) = (d.batch, d.hq, d.hkv, d.l, d.s, d.e, d.ev);
+    let Dims {
+        batch: b,
+        hq,
+        hkv,
+        l,
+        s,
+        e,
+        ev,
+        ..
+    } = d;
     let q_shape = [b, hq, l, e];
     let k_shape = [b, hkv, s, e];
     let v_shape = [b, hkv, s, ev];
     let f32s = Storage::F32;
     let max = ctx.max_binding();
     let fit = |what: &str, elems: usize| fits(what, f32_bytes(elems), max, "max_storage_buffer_binding_size");
+    // The exact attention on the inputs as they are; each variant changes what differs.
+    let base = Stage {
+        q: (q_shape, fmt[0]),
+        k: (k_shape, fmt[1]),
+        v: (v_shape, fmt[2]),
+        options: options.clone(),
+        path: var.path,
+        weights: var.weights,
+        out,
+        additive: false,
+    };
     let main = match var.params {
         VariantParams::General { .. } => {
             fit("q W", b * hq * l * e)?;
-            mm::check_grid(ctx, "q W", l, e)?;
+            matmul::check_grid(ctx, "q W", l, e, b * hq)?;
             Stage {
                 q: (q_shape, f32s),
-                k: (k_shape, fmt[1]),
-                v: (v_shape, fmt[2]),
-                options: options.clone(),
-                path: var.path,
-                weights: var.weights,
-                out,
-                additive: false,
+                ..base
             }
         }
         VariantParams::Additive { .. } => {
             let a = d.inner;
             fit("additive query projection", b * hq * l * a)?;
             fit("additive key projection", b * hkv * s * a)?;
-            mm::check_grid(ctx, "additive query projection", b * hq * l, a)?;
-            mm::check_grid(ctx, "additive key projection", b * hkv * s, a)?;
+            matmul::check_grid(ctx, "additive query projection", b * hq * l, a, 1)?;
+            matmul::check_grid(ctx, "additive key projection", b * hkv * s, a, 1)?;
             Stage {
                 q: ([b, hq, l, a], f32s),
                 k: ([b, hkv, s, a], f32s),
-                v: (v_shape, fmt[2]),
                 // The scale is folded into u.
                 options: Options {
                     scale: Some(1.0),
                     ..options.clone()
                 },
-                path: var.path,
-                weights: var.weights,
-                out,
                 additive: true,
+                ..base
             }
         }
         VariantParams::LowRankV { a } => {
             fit("low-rank output", b * hq * l * a.ncols())?;
-            mm::check_grid(ctx, "low-rank output", b * hq * l, a.ncols())?;
-            Stage {
-                q: (q_shape, fmt[0]),
-                k: (k_shape, fmt[1]),
-                v: (v_shape, fmt[2]),
-                options: options.clone(),
-                path: var.path,
-                weights: var.weights,
-                out: f32s,
-                additive: false,
-            }
+            matmul::check_grid(ctx, "low-rank output", b * hq * l, a.ncols(), 1)?;
+            Stage { out: f32s, ..base }
         }
         VariantParams::Linformer { .. } => {
             let kp = d.inner;
             fit("projected keys", b * hkv * kp * e)?;
             fit("projected values", b * hkv * kp * ev)?;
-            mm::check_grid(ctx, "Linformer projection", kp, e.max(ev))?;
+            matmul::check_grid(ctx, "Linformer projection", kp, e.max(ev), b * hkv)?;
             Stage {
-                q: (q_shape, fmt[0]),
                 k: ([b, hkv, kp, e], f32s),
                 v: ([b, hkv, kp, ev], f32s),
-                options: options.clone(),
-                path: var.path,
                 weights: false,
-                out,
-                additive: false,
+                ..base
             }
         }
         VariantParams::Nystrom { .. } => {
@@ -165,20 +165,16 @@ fn check<'a>(var: &Variant<'a>, ctx: &Context) -> Result<Checked<'a>> {
             fit("landmark keys", b * hq * m * e)?;
             fit("Nyström A", b * hq * m * m)?;
             fit("Nyström B' V", b * hq * m * ev)?;
-            mm::check_grid(ctx, "Nyström landmarks", m, e.max(ev).max(m))?;
+            matmul::check_grid(ctx, "Nyström landmarks", m, e.max(ev).max(m), b * hq)?;
             // The two inner softmax stages.
             for stage in nystrom_stages(&d, fmt, &options) {
                 stage.sdpa(None).plan(ctx)?;
             }
             Stage {
-                q: (q_shape, fmt[0]),
                 k: ([b, hq, m, e], f32s),
                 v: ([b, hq, m, ev], f32s),
-                options: options.clone(),
-                path: var.path,
                 weights: false,
-                out,
-                additive: false,
+                ..base
             }
         }
     };
@@ -195,7 +191,13 @@ fn check<'a>(var: &Variant<'a>, ctx: &Context) -> Result<Checked<'a>> {
 /// Nyström's inner softmax stages: A = softmax(s Q̃ K̃ᵀ) (the weights of an unfused call) and
 /// B'V = softmax(s Q̃ Kᵀ) V.
 fn nystrom_stages<'a>(d: &Dims, fmt: [Storage; 3], options: &Options<'a>) -> [Stage<'a>; 2] {
-    let (b, hq, m, e) = (d.batch, d.hq, d.inner, d.e);
+    let Dims {
+        batch: b,
+        hq,
+        inner: m,
+        e,
+        ..
+    } = *d;
     let f32s = Storage::F32;
     [
         Stage {
@@ -261,302 +263,307 @@ pub(super) fn record(
     encoder: &mut wgpu::CommandEncoder,
 ) -> Result<GpuVariantOutput> {
     let c = check(var, ctx)?;
-    let q = Operand::check(ctx, "q", &var.q)?;
-    let k = Operand::check(ctx, "k", &var.k)?;
-    let v = Operand::check(ctx, "v", &var.v)?;
-    let d = c.dims;
-    let (b, hq, hkv, l, s, e, ev) = (d.batch, d.hq, d.hkv, d.l, d.s, d.e, d.ev);
-    let [fq, fk, fv] = c.fmt;
-    let f32s = Storage::F32;
-    let dummy = crate::buffers::dummy(ctx);
-    let upload = |label: &str, data: &[f32]| storage_init(ctx, label, bytemuck::cast_slice(data));
-    let matrix = |label: &str, a: &Array2<f32>| {
-        upload(label, &a.as_standard_layout().iter().copied().collect::<Vec<_>>())
-    };
-    let scratch = |label: &str, elems: usize| output(ctx, label, f32_bytes(elems.max(1)));
-    let finish = |gpu: crate::sdpa::GpuOutput| GpuVariantOutput {
-        output: gpu.output,
-        shape: d.out_shape(),
-        storage: c.out,
-        weights: gpu.weights,
+    let r = Rec {
+        ctx,
+        var,
+        q: Operand::check(ctx, "q", &var.q)?,
+        k: Operand::check(ctx, "k", &var.k)?,
+        v: Operand::check(ctx, "v", &var.v)?,
+        c,
     };
     match var.params {
-        VariantParams::General { w } => {
-            let (q_up, w_buf) = (q.upload(ctx, "q"), matrix("w", w));
-            let qw = scratch("q W", b * hq * l * e);
-            // Q' = Q W: every (batch, head) slice of Q times the shared W.
-            mm::Matmul {
-                a: q_up.binding(),
-                b: w_buf.as_entire_buffer_binding(),
-                bias: None,
-                c: binding(&qw, 0, f32_bytes(b * hq * l * e)),
-                params: mm::Params {
-                    b_batch: 0,
-                    ..mm::Params::dense(l as u32, e as u32, e as u32, false, 1.0)
-                },
-                batch: (b * hq) as u32,
-                trans_b: false,
-                formats: [fq, f32s, f32s, f32s],
-                accumulate: false,
-                additive: false,
-            }
-            .record(ctx, encoder, &dummy)?;
-            let qw_t = Tensor::from_buffer(&qw, crate::Storage::F32, &[b, hq, l, e]);
-            let gpu = c
-                .main
-                .sdpa(Some([qw_t, var.k.clone(), var.v.clone()]))
-                .record(ctx, encoder)?;
-            Ok(finish(gpu))
-        }
-        VariantParams::Additive { w_q, w_k, u, b: bias } => {
-            let a = d.inner;
-            let (q_up, k_up) = (q.upload(ctx, "q"), k.upload(ctx, "k"));
-            let (wq_buf, wk_buf) = (matrix("w_q", w_q), matrix("w_k", w_k));
-            let padded = |x: Option<&ndarray::Array1<f32>>, factor: f32| {
-                let mut p = vec![0f32; padded_u_len(a)];
-                if let Some(x) = x {
-                    for (dst, src) in p.iter_mut().zip(x) {
-                        *dst = src * factor;
-                    }
-                }
-                p
-            };
-            // The scale is folded into u; u is bound as a uniform (fused) or storage (unfused).
-            let u_buf = crate::buffers::init(
-                ctx,
-                "u",
-                bytemuck::cast_slice(&padded(Some(u), d.scale as f32)),
-                wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::UNIFORM,
-            );
-            let b_buf = bias.as_ref().map(|x| upload("b", &padded(Some(x), 1.0)));
-            let qa = scratch("W_q q + b", b * hq * l * a);
-            let ka = scratch("W_k k", b * hkv * s * a);
-            for (x, w, out, rows, fx, bias) in [
-                (q_up.binding(), &wq_buf, &qa, b * hq * l, fq, b_buf.as_ref()),
-                (k_up.binding(), &wk_buf, &ka, b * hkv * s, fk, None),
-            ] {
-                crate::mha::project(ctx, encoder, (x, fx), (w, bias), out, [rows, a, e], f32s, &dummy)?;
-            }
-            let tensors = [
-                Tensor::from_buffer(&qa, crate::Storage::F32, &[b, hq, l, a]),
-                Tensor::from_buffer(&ka, crate::Storage::F32, &[b, hkv, s, a]),
-                var.v.clone(),
-            ];
-            let mut sdpa = c.main.sdpa(Some(tensors));
-            sdpa.additive_u = Some(&u_buf);
-            let gpu = sdpa.record(ctx, encoder)?;
-            Ok(finish(gpu))
-        }
-        VariantParams::LowRankV { a } => {
-            let gpu = c
-                .main
-                .sdpa(Some([var.q.clone(), var.k.clone(), var.v.clone()]))
-                .record(ctx, encoder)?;
-            let (r, ev_out) = (ev, a.ncols());
-            let a_buf = matrix("a", a);
-            let out_bytes = c.out.bytes(b * hq * l * ev_out);
-            let out = output(ctx, "output", out_bytes);
-            // (P U) A: one product over every row of every head.
-            mm::Matmul {
-                a: binding(&gpu.output, 0, f32_bytes(b * hq * l * r)),
-                b: a_buf.as_entire_buffer_binding(),
-                bias: None,
-                c: binding(&out, 0, out_bytes),
-                params: mm::Params::dense((b * hq * l) as u32, ev_out as u32, r as u32, false, 1.0),
-                batch: 1,
-                trans_b: false,
-                formats: [f32s, f32s, f32s, c.out],
-                accumulate: false,
-                additive: false,
-            }
-            .record(ctx, encoder, &dummy)?;
-            Ok(GpuVariantOutput {
-                output: out,
-                shape: d.out_shape(),
-                storage: c.out,
-                weights: gpu.weights,
-            })
-        }
-        VariantParams::Linformer { e: ep, f: fp } => {
-            let kp = d.inner;
-            let (k_up, v_up) = (k.upload(ctx, "k"), v.upload(ctx, "v"));
-            let (e_buf, f_buf) = (matrix("e", ep), matrix("f", fp));
-            let kk = scratch("E_p K", b * hkv * kp * e);
-            let vv = scratch("F_p V", b * hkv * kp * ev);
-            for (proj, x, fx, out, n) in [(&e_buf, &k_up, fk, &kk, e), (&f_buf, &v_up, fv, &vv, ev)] {
-                seq_project(
-                    ctx,
-                    encoder,
-                    proj,
-                    x.binding(),
-                    fx,
-                    out,
-                    [kp, n, s],
-                    [b * hkv, 1],
-                    &dummy,
-                )?;
-            }
-            let tensors = [
-                var.q.clone(),
-                Tensor::from_buffer(&kk, crate::Storage::F32, &[b, hkv, kp, e]),
-                Tensor::from_buffer(&vv, crate::Storage::F32, &[b, hkv, kp, ev]),
-            ];
-            let gpu = c.main.sdpa(Some(tensors)).record(ctx, encoder)?;
-            Ok(finish(gpu))
-        }
-        VariantParams::Nystrom { .. } => {
-            let m = d.inner;
-            let bh = b * hq;
-            let (q_up, k_up) = (q.upload(ctx, "q"), k.upload(ctx, "k"));
-            let ml = matrix("query segments", &VariantParams::segment_means(m, l));
-            let ms = matrix("key segments", &VariantParams::segment_means(m, s));
-            let qt = scratch("landmark queries", bh * m * e);
-            let kt = scratch("landmark keys", bh * m * e);
-            seq_project(
-                ctx,
-                encoder,
-                &ml,
-                q_up.binding(),
-                fq,
-                &qt,
-                [m, e, l],
-                [bh, 1],
-                &dummy,
-            )?;
-            // One landmark-key slice per query head (grouped-query heads share their kv head's).
-            seq_project(
-                ctx,
-                encoder,
-                &ms,
-                k_up.binding(),
-                fk,
-                &kt,
-                [m, e, s],
-                [bh, hq / hkv],
-                &dummy,
-            )?;
-            let lm_shape = [b, hq, m, e];
-            let [a_stage, bv_stage] = nystrom_stages(&d, c.fmt, &c.options);
-            let a_out = a_stage
-                .sdpa(Some([
-                    Tensor::from_buffer(&qt, crate::Storage::F32, &lm_shape),
-                    Tensor::from_buffer(&kt, crate::Storage::F32, &lm_shape),
-                    Tensor::from_buffer(&kt, crate::Storage::F32, &lm_shape),
-                ]))
-                .record(ctx, encoder)?;
-            let a_mat = a_out.weights.expect("A's stage returns its weights");
-            let bv = bv_stage
-                .sdpa(Some([
-                    Tensor::from_buffer(&qt, crate::Storage::F32, &lm_shape),
-                    k_up.tensor(&[b, hkv, s, e], fk),
-                    var.v.clone(),
-                ]))
-                .record(ctx, encoder)?;
-            // Z ≈ pinv(A): Z0 = Aᵀ / (‖A‖₁ ‖A‖∞), then Z ← ¼ Z (13I − AZ (15I − AZ (7I − AZ))).
-            let mm_elems = bh * m * m;
-            fn whole(buf: &wgpu::Buffer) -> wgpu::BufferBinding<'_> {
-                buf.as_entire_buffer_binding()
-            }
-            let mat = whole;
-            let mut z = scratch("Z", mm_elems);
-            let mut z_next = scratch("Z next", mm_elems);
-            let (az, t, u) = (
-                scratch("A Z", mm_elems),
-                scratch("T", mm_elems),
-                scratch("U", mm_elems),
-            );
-            pinv::record_init(ctx, encoder, mat(&a_mat), mat(&z), m, bh)?;
-            let product = |enc: &mut wgpu::CommandEncoder,
-                           x: &wgpu::Buffer,
-                           y: &wgpu::Buffer,
-                           out: &wgpu::Buffer,
-                           alpha: f32| {
-                mm::Matmul {
-                    a: mat(x),
-                    b: mat(y),
-                    bias: None,
-                    c: mat(out),
-                    params: mm::Params::dense(m as u32, m as u32, m as u32, false, alpha),
-                    batch: bh as u32,
-                    trans_b: false,
-                    formats: [f32s; 4],
-                    accumulate: false,
-                    additive: false,
-                }
-                .record(ctx, enc, &dummy)
-            };
-            for _ in 0..var.pinv_iters {
-                product(encoder, &a_mat, &z, &az, 1.0)?;
-                pinv::record_eye_minus(ctx, encoder, [mat(&az), mat(&t)], m, bh, 7.0)?;
-                product(encoder, &az, &t, &u, 1.0)?;
-                pinv::record_eye_minus(ctx, encoder, [mat(&u), mat(&t)], m, bh, 15.0)?;
-                product(encoder, &az, &t, &u, 1.0)?;
-                pinv::record_eye_minus(ctx, encoder, [mat(&u), mat(&t)], m, bh, 13.0)?;
-                product(encoder, &z, &t, &z_next, 0.25)?;
-                std::mem::swap(&mut z, &mut z_next);
-            }
-            // W = Z (B'V), then out = softmax(s Q K̃ᵀ) W.
-            let w = scratch("Z B'V", bh * m * ev);
-            mm::Matmul {
-                a: mat(&z),
-                b: binding(&bv.output, 0, f32_bytes(bh * m * ev)),
-                bias: None,
-                c: binding(&w, 0, f32_bytes(bh * m * ev)),
-                params: mm::Params::dense(m as u32, ev as u32, m as u32, false, 1.0),
-                batch: bh as u32,
-                trans_b: false,
-                formats: [f32s; 4],
-                accumulate: false,
-                additive: false,
-            }
-            .record(ctx, encoder, &dummy)?;
-            let gpu = c
-                .main
-                .sdpa(Some([
-                    q_up.tensor(&[b, hq, l, e], fq),
-                    Tensor::from_buffer(&kt, crate::Storage::F32, &lm_shape),
-                    Tensor::from_buffer(&w, crate::Storage::F32, &[b, hq, m, ev]),
-                ]))
-                .record(ctx, encoder)?;
-            Ok(finish(gpu))
-        }
+        VariantParams::General { w } => r.general(encoder, w),
+        VariantParams::Additive { w_q, w_k, u, b } => r.additive(encoder, [w_q, w_k], (u, b.as_ref())),
+        VariantParams::LowRankV { a } => r.low_rank_v(encoder, a),
+        VariantParams::Linformer { e, f } => r.linformer(encoder, [e, f]),
+        VariantParams::Nystrom { .. } => r.nystrom(encoder),
     }
 }
 
-/// Record `out[z] = P · X[z]` along the sequence: P `[rows, len]` (f32, shared), X slices
-/// `[len, n]` in format `fx`, `mnk = [rows, n, len]`; `[batch, group]`: `batch` output slices,
-/// slice z reading X slice `z / group` (grouped-query heads sharing a kv head).
-#[allow(clippy::too_many_arguments)] // each is a distinct operand
+/// One variant's recording: its inputs checked, its stages planned.
+struct Rec<'r, 'a> {
+    ctx: &'r Context,
+    var: &'r Variant<'a>,
+    q: Operand<'r, 'a>,
+    k: Operand<'r, 'a>,
+    v: Operand<'r, 'a>,
+    c: Checked<'a>,
+}
+
+impl Rec<'_, '_> {
+    /// A host matrix uploaded (f32, row-major).
+    fn matrix(&self, label: &str, a: &Array2<f32>) -> wgpu::Buffer {
+        let data: Vec<f32> = a.as_standard_layout().iter().copied().collect();
+        storage_init(self.ctx, label, bytemuck::cast_slice(&data))
+    }
+
+    /// An f32 scratch buffer of `elems`.
+    fn scratch(&self, label: &str, elems: usize) -> wgpu::Buffer {
+        output(self.ctx, label, f32_bytes(elems.max(1)))
+    }
+
+    /// The variant's output from its final stage's.
+    fn finish(&self, gpu: crate::sdpa::GpuOutput) -> GpuVariantOutput {
+        GpuVariantOutput {
+            output: gpu.output,
+            shape: self.c.dims.out_shape(),
+            storage: self.c.out,
+            weights: gpu.weights,
+        }
+    }
+
+    /// The final attention stage on `tensors` (q, k, v).
+    fn main(&self, encoder: &mut wgpu::CommandEncoder, tensors: [Tensor<'_>; 3]) -> Result<GpuVariantOutput> {
+        let gpu = self.c.main.sdpa(Some(tensors)).record(self.ctx, encoder)?;
+        Ok(self.finish(gpu))
+    }
+
+    /// `softmax(s (Q W) Kᵀ) V`.
+    fn general(&self, encoder: &mut wgpu::CommandEncoder, w: &Array2<f32>) -> Result<GpuVariantOutput> {
+        let (ctx, d, f32s) = (self.ctx, self.c.dims, Storage::F32);
+        let (bh, l, e) = (d.batch * d.hq, d.l, d.e);
+        let (q_up, w_buf) = (self.q.upload(ctx, "q"), self.matrix("w", w));
+        let qw = self.scratch("q W", bh * l * e);
+        // Q' = Q W: every (batch, head) slice of Q times the shared W.
+        Matmul::new(
+            Mats::dense(q_up.binding(), self.c.fmt[0], l, e),
+            Mats::shared(w_buf.as_entire_buffer_binding(), f32s, e, e),
+            Mats::dense(binding(&qw, 0, f32_bytes(bh * l * e)), f32s, l, e),
+        )
+        .slices(bh)
+        .record(ctx, encoder)?;
+        let qw_t = Tensor::from_buffer(&qw, f32s, &[d.batch, d.hq, l, e]);
+        self.main(encoder, [qw_t, self.var.k.clone(), self.var.v.clone()])
+    }
+
+    /// Bahdanau's `softmax(s uᵀ tanh(W_q q + b + W_k k)) V`: the projections by the linear
+    /// op, the score by the fused kernel's additive form.
+    fn additive(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        [w_q, w_k]: [&Array2<f32>; 2],
+        (u, bias): (&ndarray::Array1<f32>, Option<&ndarray::Array1<f32>>),
+    ) -> Result<GpuVariantOutput> {
+        let (ctx, d, f32s) = (self.ctx, self.c.dims, Storage::F32);
+        let Dims {
+            batch: b,
+            hq,
+            hkv,
+            l,
+            s,
+            e,
+            inner: a,
+            ..
+        } = d;
+        let (q_up, k_up) = (self.q.upload(ctx, "q"), self.k.upload(ctx, "k"));
+        let (wq_buf, wk_buf) = (self.matrix("w_q", w_q), self.matrix("w_k", w_k));
+        let padded = |x: &ndarray::Array1<f32>, factor: f32| {
+            let mut p = vec![0f32; padded_u_len(a)];
+            for (dst, src) in p.iter_mut().zip(x) {
+                *dst = src * factor;
+            }
+            p
+        };
+        // The scale is folded into u; u is bound as a uniform (fused) or storage (unfused).
+        let u_buf = crate::buffers::init(
+            ctx,
+            "u",
+            bytemuck::cast_slice(&padded(u, d.scale as f32)),
+            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::UNIFORM,
+        );
+        let b_buf = bias.map(|x| storage_init(ctx, "b", bytemuck::cast_slice(&padded(x, 1.0))));
+        let qa = self.scratch("W_q q + b", b * hq * l * a);
+        let ka = self.scratch("W_k k", b * hkv * s * a);
+        let weights = |w, b| linear::Weights { w, b, storage: f32s };
+        linear::record(
+            ctx,
+            encoder,
+            (q_up.binding(), self.c.fmt[0]),
+            weights(&wq_buf, b_buf.as_ref()),
+            binding(&qa, 0, f32_bytes(b * hq * l * a)),
+            [b * hq * l, a, e],
+        )?;
+        linear::record(
+            ctx,
+            encoder,
+            (k_up.binding(), self.c.fmt[1]),
+            weights(&wk_buf, None),
+            binding(&ka, 0, f32_bytes(b * hkv * s * a)),
+            [b * hkv * s, a, e],
+        )?;
+        let tensors = [
+            Tensor::from_buffer(&qa, f32s, &[b, hq, l, a]),
+            Tensor::from_buffer(&ka, f32s, &[b, hkv, s, a]),
+            self.var.v.clone(),
+        ];
+        let mut sdpa = self.c.main.sdpa(Some(tensors));
+        sdpa.additive_u = Some(&u_buf);
+        let gpu = sdpa.record(ctx, encoder)?;
+        Ok(self.finish(gpu))
+    }
+
+    /// `(softmax(s Q Kᵀ) V) A`: the attention, then one product over every row of every head.
+    fn low_rank_v(&self, encoder: &mut wgpu::CommandEncoder, a: &Array2<f32>) -> Result<GpuVariantOutput> {
+        let (ctx, d) = (self.ctx, self.c.dims);
+        let (f32s, out_fmt) = (Storage::F32, self.c.out);
+        let var = self.var;
+        let gpu = self
+            .c
+            .main
+            .sdpa(Some([var.q.clone(), var.k.clone(), var.v.clone()]))
+            .record(ctx, encoder)?;
+        let (rows, r, ev_out) = (d.batch * d.hq * d.l, d.ev, a.ncols());
+        let a_buf = self.matrix("a", a);
+        let out_bytes = out_fmt.bytes(rows * ev_out);
+        let out = output(ctx, "output", out_bytes);
+        Matmul::new(
+            Mats::dense(binding(&gpu.output, 0, f32_bytes(rows * r)), f32s, rows, r),
+            Mats::dense(a_buf.as_entire_buffer_binding(), f32s, r, ev_out),
+            Mats::dense(binding(&out, 0, out_bytes), out_fmt, rows, ev_out),
+        )
+        .record(ctx, encoder)?;
+        Ok(GpuVariantOutput {
+            output: out,
+            shape: d.out_shape(),
+            storage: out_fmt,
+            weights: gpu.weights,
+        })
+    }
+
+    /// Linformer's `softmax(s Q (E K)ᵀ) (F V)`: the sequence projections, then attention.
+    fn linformer(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        [ep, fp]: [&Array2<f32>; 2],
+    ) -> Result<GpuVariantOutput> {
+        let (ctx, d, f32s) = (self.ctx, self.c.dims, Storage::F32);
+        let Dims {
+            s, e, ev, inner: kp, ..
+        } = d;
+        let bk = d.batch * d.hkv;
+        let (k_up, v_up) = (self.k.upload(ctx, "k"), self.v.upload(ctx, "v"));
+        let (e_buf, f_buf) = (self.matrix("e", ep), self.matrix("f", fp));
+        let kk = self.scratch("E_p K", bk * kp * e);
+        let vv = self.scratch("F_p V", bk * kp * ev);
+        let [_, fk, fv] = self.c.fmt;
+        seq_project(
+            ctx,
+            encoder,
+            &e_buf,
+            (k_up.binding(), fk),
+            &kk,
+            [kp, e, s],
+            [bk, 1],
+        )?;
+        seq_project(
+            ctx,
+            encoder,
+            &f_buf,
+            (v_up.binding(), fv),
+            &vv,
+            [kp, ev, s],
+            [bk, 1],
+        )?;
+        self.main(
+            encoder,
+            [
+                self.var.q.clone(),
+                Tensor::from_buffer(&kk, f32s, &[d.batch, d.hkv, kp, e]),
+                Tensor::from_buffer(&vv, f32s, &[d.batch, d.hkv, kp, ev]),
+            ],
+        )
+    }
+
+    /// Nyströmformer's `softmax(s Q K̃ᵀ) · pinv(softmax(s Q̃ K̃ᵀ)) · softmax(s Q̃ Kᵀ) V`, the
+    /// landmarks Q̃ and K̃ segment means of Q and K.
+    fn nystrom(&self, encoder: &mut wgpu::CommandEncoder) -> Result<GpuVariantOutput> {
+        let (ctx, d, f32s) = (self.ctx, self.c.dims, Storage::F32);
+        let Dims {
+            batch: b,
+            hq,
+            hkv,
+            l,
+            s,
+            e,
+            ev,
+            inner: m,
+            ..
+        } = d;
+        let bh = b * hq;
+        let [fq, fk, _] = self.c.fmt;
+        let (q_up, k_up) = (self.q.upload(ctx, "q"), self.k.upload(ctx, "k"));
+        let ml = self.matrix("query segments", &VariantParams::segment_means(m, l));
+        let ms = self.matrix("key segments", &VariantParams::segment_means(m, s));
+        let qt = self.scratch("landmark queries", bh * m * e);
+        let kt = self.scratch("landmark keys", bh * m * e);
+        seq_project(ctx, encoder, &ml, (q_up.binding(), fq), &qt, [m, e, l], [bh, 1])?;
+        // One landmark-key slice per query head (grouped-query heads share their kv head's).
+        seq_project(
+            ctx,
+            encoder,
+            &ms,
+            (k_up.binding(), fk),
+            &kt,
+            [m, e, s],
+            [bh, hq / hkv],
+        )?;
+        let lm_shape = [b, hq, m, e];
+        let landmarks = |buf| Tensor::from_buffer(buf, f32s, &lm_shape);
+        let [a_stage, bv_stage] = nystrom_stages(&d, self.c.fmt, &self.c.options);
+        let a_out = a_stage
+            .sdpa(Some([landmarks(&qt), landmarks(&kt), landmarks(&kt)]))
+            .record(ctx, encoder)?;
+        let a_mat = a_out.weights.expect("A's stage returns its weights");
+        let bv = bv_stage
+            .sdpa(Some([
+                landmarks(&qt),
+                k_up.tensor(&[b, hkv, s, e], fk),
+                self.var.v.clone(),
+            ]))
+            .record(ctx, encoder)?;
+        // Z ≈ pinv(A) by Newton–Schulz.
+        let z = pinv::record(ctx, encoder, &a_mat, [bh, m], self.var.pinv_iters)?;
+        // W = Z (B'V), then out = softmax(s Q K̃ᵀ) W.
+        let w = self.scratch("Z B'V", bh * m * ev);
+        Matmul::new(
+            Mats::dense(z.as_entire_buffer_binding(), f32s, m, m),
+            Mats::dense(binding(&bv.output, 0, f32_bytes(bh * m * ev)), f32s, m, ev),
+            Mats::dense(binding(&w, 0, f32_bytes(bh * m * ev)), f32s, m, ev),
+        )
+        .slices(bh)
+        .record(ctx, encoder)?;
+        self.main(
+            encoder,
+            [
+                q_up.tensor(&[b, hq, l, e], fq),
+                landmarks(&kt),
+                Tensor::from_buffer(&w, f32s, &[b, hq, m, ev]),
+            ],
+        )
+    }
+}
+
+/// Record `out[z] = P · X[z / group]` along the sequence: P `[rows, len]` (f32, shared), X
+/// slices `[len, n]` in their format, `[rows, n, len]` = `dims`; `[batch, group]`: `batch`
+/// output slices, slice z reading X slice `z / group` (grouped-query heads sharing a kv head).
 fn seq_project(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
     p: &wgpu::Buffer,
-    x: wgpu::BufferBinding<'_>,
-    fx: Storage,
+    (x, fx): (wgpu::BufferBinding<'_>, Storage),
     out: &wgpu::Buffer,
     [rows, n, len]: [usize; 3],
     [batch, group]: [usize; 2],
-    dummy: &wgpu::Buffer,
 ) -> Result<()> {
     let f32s = Storage::F32;
-    mm::Matmul {
-        a: p.as_entire_buffer_binding(),
-        b: x,
-        bias: None,
-        c: binding(out, 0, f32_bytes(batch * rows * n)),
-        params: mm::Params {
-            a_batch: 0,
-            // Slice z reads X slice z / group: heads = group, so (z / heads) (heads / group) = z / group.
-            heads: group as u32,
-            group: group as u32,
-            ..mm::Params::dense(rows as u32, n as u32, len as u32, false, 1.0)
-        }
-        .split_heads(),
-        batch: batch as u32,
-        trans_b: false,
-        formats: [f32s, fx, f32s, f32s],
-        accumulate: false,
-        additive: false,
-    }
-    .record(ctx, encoder, dummy)
+    // Heads = group: slice z is head z % group of batch z / group, and every head of a batch
+    // reads X's batch z / group.
+    Matmul::new(
+        Mats::shared(p.as_entire_buffer_binding(), f32s, rows, len),
+        Mats::dense(x, fx, len, n),
+        Mats::dense(binding(out, 0, f32_bytes(batch * rows * n)), f32s, rows, n),
+    )
+    .slices(batch)
+    .heads(group, group)
+    .record(ctx, encoder)
 }

@@ -1,0 +1,118 @@
+//! The attention inputs and options `run`, `backward` and `variant` share: the `.npy` files,
+//! the mask, bias, key lengths, causal alignment, scale, path, storage format and ring flags.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use ndarray::{Array4, ArrayD};
+use wgpu_attention::{Options, Path, Sdpa, Storage, Tensor};
+
+use crate::npy::{read_array, read_float, read_qkv};
+use crate::{path_parser, CausalArg, CliResult};
+
+/// The attention inputs and options `run` and `backward` share.
+#[derive(Args)]
+pub(crate) struct InputArgs {
+    /// Queries, f32 or f16 .npy [B, Hq, L, E].
+    #[arg(long, value_name = "Q.npy")]
+    q: PathBuf,
+    /// Keys, f32 or f16 .npy [B, Hkv, S, E].
+    #[arg(long, value_name = "K.npy")]
+    k: PathBuf,
+    /// Values, f32 or f16 .npy [B, Hkv, S, Ev].
+    #[arg(long, value_name = "V.npy")]
+    v: PathBuf,
+    /// Boolean mask .npy (true = may attend), rank 1-4, broadcastable to [B, Hq, L, S].
+    #[arg(long, value_name = "M.npy")]
+    mask: Option<PathBuf>,
+    /// Additive f32 or f16 bias .npy, rank 1-4, broadcastable to [B, Hq, L, S] (-inf masks a key).
+    #[arg(long, value_name = "B.npy")]
+    bias: Option<PathBuf>,
+    /// Per-batch key lengths (key padding), comma separated: batch b attends keys j < len[b].
+    #[arg(long, value_delimiter = ',', value_name = "LEN,..")]
+    kv_lens: Option<Vec<usize>>,
+    /// Causal mask alignment.
+    #[arg(long, value_enum, default_value_t = CausalArg::None)]
+    causal: CausalArg,
+    /// Softmax scale [default: 1/sqrt(E)].
+    #[arg(long, allow_negative_numbers = true)]
+    scale: Option<f32>,
+    /// Implementation to run on the GPU.
+    #[arg(long, value_parser = path_parser(), default_value = "auto")]
+    pub(crate) path: Path,
+    /// Run the CPU reference (f64, slow) instead of the GPU; outputs are written as f32.
+    #[arg(long, conflicts_with = "path")]
+    pub(crate) cpu: bool,
+    /// Device storage format of q, k, v, the bias and the output (f32 accumulation): inputs
+    /// are rounded to it (to nearest even) and the output, rounded to it, is written as f32.
+    /// With --cpu the reference runs on the rounded inputs and its output is rounded too.
+    #[arg(long, value_parser = crate::storage_parser(), default_value = "f32")]
+    pub(crate) storage: Storage,
+    /// Run on a ring of N devices of the chosen adapter in one process (ring attention: the
+    /// sequence split across them, key/value blocks passed round; the same results as one).
+    #[arg(long, value_name = "N", conflicts_with = "cpu")]
+    pub(crate) devices: Option<usize>,
+    /// Run as one rank of an MPI ring, started by `mpirun -np N` (each rank one GPU context):
+    /// every rank reads the inputs and keeps its shards; rank 0 writes the outputs.
+    #[cfg(feature = "mpi")]
+    #[arg(long, conflicts_with_all = ["cpu", "devices"])]
+    pub(crate) mpi: bool,
+    /// How a ring (--devices, --mpi) deals the sequence out: zigzag balances causal work,
+    /// contiguous does not.
+    #[arg(long, default_value = "zigzag")]
+    pub(crate) layout: wgpu_attention::Layout,
+}
+
+/// The inputs as the device holds them (rounded to the storage format).
+pub(crate) struct Inputs {
+    pub(crate) q: Array4<f32>,
+    pub(crate) k: Array4<f32>,
+    pub(crate) v: Array4<f32>,
+    pub(crate) mask: Option<ArrayD<bool>>,
+    pub(crate) bias: Option<ArrayD<f32>>,
+}
+
+impl InputArgs {
+    /// Read and round the inputs.
+    pub(crate) fn load(&self) -> CliResult<Inputs> {
+        let q = read_qkv(&self.q, "q", "[B, Hq, L, E]")?;
+        let k = read_qkv(&self.k, "k", "[B, Hkv, S, E]")?;
+        let v = read_qkv(&self.v, "v", "[B, Hkv, S, Ev]")?;
+        let mask = self
+            .mask
+            .as_deref()
+            .map(|p| read_array::<bool>(p, "mask", "bool ('|b1')", "np.asarray(m, dtype=bool)"))
+            .transpose()?;
+        let bias = self.bias.as_deref().map(|p| read_float(p, "bias")).transpose()?;
+        // The values the device holds: every input rounded to the storage format.
+        let st = self.storage;
+        let round = |x: f32| st.round(x);
+        Ok(Inputs {
+            q: q.mapv(round),
+            k: k.mapv(round),
+            v: v.mapv(round),
+            mask,
+            bias: bias.map(|b| b.mapv(round)),
+        })
+    }
+
+    /// One set of options for the GPU call and the CPU reference.
+    pub(crate) fn options<'a>(&self, x: &'a Inputs) -> Options<'a> {
+        Options {
+            causal: self.causal.into(),
+            scale: self.scale.map(f64::from),
+            mask: x.mask.as_ref().map(|m| m.into()),
+            bias: x
+                .bias
+                .as_ref()
+                .map(|b| Tensor::from(b).with_storage(self.storage)),
+            kv_lens: self.kv_lens.clone(),
+        }
+    }
+
+    /// The GPU call on the inputs.
+    pub(crate) fn sdpa<'a>(&self, x: &'a Inputs) -> Sdpa<'a> {
+        let t = |a| Tensor::from(a).with_storage(self.storage);
+        Sdpa::new(t(&x.q), t(&x.k), t(&x.v)).options(self.options(x))
+    }
+}

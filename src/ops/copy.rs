@@ -1,0 +1,129 @@
+//! Strided copies with a change of storage format (`shaders/permute.wgsl`, through
+//! [`crate::kernels::permute`]): the layer's head split and merge, transposes, broadcasts of a
+//! batch-1 tensor, and format conversions.
+
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::kernels::permute as kernel;
+use crate::storage::Storage;
+
+/// A 4-D tensor read through element strides (0 broadcasts).
+#[derive(Clone, Debug)]
+pub(crate) struct Strided<'a> {
+    pub(crate) binding: wgpu::BufferBinding<'a>,
+    pub(crate) storage: Storage,
+    pub(crate) strides: [usize; 4],
+}
+
+/// A dense destination in its format.
+pub(crate) type Dense<'a> = (wgpu::BufferBinding<'a>, Storage);
+
+/// Elements a binding holds in `storage`.
+fn held(b: &wgpu::BufferBinding<'_>, storage: Storage) -> usize {
+    let bytes = match b.size {
+        Some(size) => size.get(),
+        None => b.buffer.size() - b.offset,
+    };
+    (bytes / storage.element_bytes()) as usize
+}
+
+/// Record `dst[i0][i1][i2][i3] = src[Σ ik · strides[k]]` for the dense `dims` of dst,
+/// converting formats, after checking that both lie inside their bindings.
+pub(crate) fn record(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    src: &Strided<'_>,
+    (dst, dst_storage): Dense<'_>,
+    dims: [usize; 4],
+) -> Result<()> {
+    let total: usize = dims.iter().product();
+    if total == 0 {
+        return Ok(());
+    }
+    let reach = 1 + dims
+        .iter()
+        .zip(src.strides)
+        .map(|(&n, s)| (n - 1) * s)
+        .sum::<usize>();
+    let (src_held, dst_held) = (held(&src.binding, src.storage), held(&dst, dst_storage));
+    if reach > src_held || total > dst_held || u32::try_from(reach.max(total)).is_err() {
+        return Err(Error::Internal(format!(
+            "copy of {dims:?} through strides {:?}: reaches element {reach} of {src_held}, \
+             writes {total} of {dst_held}",
+            src.strides
+        )));
+    }
+    kernel::record(
+        ctx,
+        encoder,
+        src.binding.clone(),
+        dst,
+        dims,
+        src.strides,
+        (src.storage, dst_storage),
+    )
+}
+
+/// `[B, T, H, d]` (a projection's rows) to `[B, H, T, d]` (heads).
+pub(crate) fn split_heads(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    (src, src_storage): Dense<'_>,
+    dst: Dense<'_>,
+    [b, t, h, d]: [usize; 4],
+) -> Result<()> {
+    let src = Strided {
+        binding: src,
+        storage: src_storage,
+        strides: [t * h * d, d, h * d, 1],
+    };
+    record(ctx, encoder, &src, dst, [b, h, t, d])
+}
+
+/// `[B, H, L, d]` (heads) to `[B, L, H, d]` (rows of the merged heads).
+pub(crate) fn merge_heads(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    (src, src_storage): Dense<'_>,
+    dst: Dense<'_>,
+    [b, h, l, d]: [usize; 4],
+) -> Result<()> {
+    let src = Strided {
+        binding: src,
+        storage: src_storage,
+        strides: [h * l * d, d, l * d, 1],
+    };
+    record(ctx, encoder, &src, dst, [b, l, h, d])
+}
+
+/// `[rows, cols]` to its transpose `[cols, rows]`.
+pub(crate) fn transpose(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    (src, src_storage): Dense<'_>,
+    dst: Dense<'_>,
+    [rows, cols]: [usize; 2],
+) -> Result<()> {
+    let src = Strided {
+        binding: src,
+        storage: src_storage,
+        strides: [0, 0, 1, cols],
+    };
+    record(ctx, encoder, &src, dst, [1, 1, cols, rows])
+}
+
+/// `elems` elements converted from one format to another.
+pub(crate) fn convert(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    (src, src_storage): Dense<'_>,
+    dst: Dense<'_>,
+    elems: usize,
+) -> Result<()> {
+    let src = Strided {
+        binding: src,
+        storage: src_storage,
+        strides: [0, 0, 0, 1],
+    };
+    record(ctx, encoder, &src, dst, [1, 1, 1, elems])
+}

@@ -1,0 +1,79 @@
+//! The backward's plan (pure: the problem, the requested path and the device's caps): the
+//! fused kernels' configuration, or the unfused path's chunks of scores.
+
+use crate::buffers::fits;
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::forms::Caps;
+use crate::kernels::backward as kb;
+use crate::problem::Problem;
+use crate::sdpa::plan::ChunkPlan;
+use crate::sdpa::Path;
+
+/// Where a backward cannot run.
+const NO_DECODE: &str =
+    "the backward has fused and unfused paths; use Path::Fused, Path::Unfused or Path::Auto";
+
+/// The fused kernels' (tiles per head, workgroups): dK/dV over key tiles of every kv head,
+/// dQ over query tiles of every query head.
+pub(super) fn fused_grids(p: &Problem, cfg: &kb::Config) -> [(usize, usize); 2] {
+    let k_tiles = p.seq_kv.div_ceil((cfg.wg * cfg.rk) as usize);
+    let q_tiles = p.seq_q.div_ceil((cfg.wg * cfg.rq) as usize);
+    [
+        (k_tiles, k_tiles * p.batch * p.kv_heads),
+        (q_tiles, q_tiles * p.batch_heads()),
+    ]
+}
+
+pub(super) fn check_workgroups(ctx: &Context, n: usize) -> Result<()> {
+    let max = ctx.limits().max_compute_workgroups_per_dimension as u64;
+    fits(
+        "backward workgroups",
+        n as u64,
+        max * max,
+        "max_compute_workgroups_per_dimension (squared)",
+    )
+}
+
+/// The backward's plan.
+#[derive(Debug, Clone)]
+pub(crate) enum Plan {
+    Fused(Box<kb::Config>),
+    Unfused(ChunkPlan),
+}
+
+impl Plan {
+    pub(super) fn path(&self) -> Path {
+        match self {
+            Plan::Fused(_) => Path::Fused,
+            Plan::Unfused(_) => Path::Unfused,
+        }
+    }
+}
+
+pub(crate) fn plan(p: &Problem, path: Path, caps: &Caps) -> Result<Plan> {
+    let fused = kb::Config::new(p, caps);
+    match path {
+        Path::Auto if fused.is_ok() => Ok(Plan::Fused(Box::new(fused.expect("checked")))),
+        Path::Fused => Ok(Plan::Fused(Box::new(fused.map_err(|reason| {
+            Error::Unsupported {
+                path: "fused",
+                reason: format!("{reason}; Path::Auto falls back to Path::Unfused"),
+            }
+        })?))),
+        Path::Auto | Path::Unfused => {
+            // Four score-sized chunks (S, dP/dS, Pᵀ, dSᵀ), each within a binding; whole
+            // groups of query heads where they fit, so that one product sums a group.
+            let mut c = ChunkPlan::new(p, caps.max_binding, caps)?;
+            let g = p.group();
+            if c.rows == p.seq_q && c.heads >= g {
+                c.heads -= c.heads % g;
+            }
+            Ok(Plan::Unfused(c))
+        }
+        Path::Decode => Err(Error::Unsupported {
+            path: "decode",
+            reason: NO_DECODE.into(),
+        }),
+    }
+}

@@ -1,0 +1,337 @@
+//! Recording one backward, the part both paths share: every size checked before GPU work,
+//! the forward (unless its output and logsumexp are given), the uploads, the statistics
+//! (`bwd_prep`), then the path's recorder, dK and dV in their formats, and d(bias).
+
+use crate::buffers::{binding, dummy, f32_bytes, fits, output, Operand};
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::kernels::backward as kb;
+use crate::ops::copy;
+use crate::problem::Problem;
+use crate::sdpa::forward::pack_mask;
+use crate::sdpa::Path;
+use crate::storage::Storage;
+
+use super::plan::{check_workgroups, fused_grids, plan, Plan};
+use super::{Backward, GpuGrads};
+
+/// [`Backward::record`].
+pub(super) fn record(
+    bw: &Backward<'_>,
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+) -> Result<GpuGrads> {
+    let p = bw.problem()?;
+    let plan = plan(&p, bw.path, &ctx.caps())?;
+    // Every input, size and grid checked before any GPU work.
+    let inputs = Inputs::check(bw, ctx)?;
+    let packed_mask = bw.sdpa.options.mask.as_ref().map(|m| pack_mask(&p, m));
+    let sizes = Sizes::new(&p);
+    sizes.check(ctx, &p, &plan, packed_mask.as_ref().map(|(w, _)| w.len()))?;
+
+    let forward = match inputs.saved {
+        Some(_) => None,
+        None => Some(record_forward(bw, ctx, encoder, plan.path())?),
+    };
+    let [q, k, v, dout] = [
+        (inputs.q, "q"),
+        (inputs.k, "k"),
+        (inputs.v, "v"),
+        (inputs.dout, "dout"),
+    ]
+    .map(|(x, name)| x.upload(ctx, name));
+    let bias = inputs.bias.map(|b| b.upload(ctx, "bias"));
+    let saved = inputs
+        .saved
+        .map(|(o, l)| (o.upload(ctx, "output"), l.upload(ctx, "lse")));
+    let (o_fmt, o_bind, lse_bind) = match (&saved, &forward) {
+        (Some((o, l)), _) => (inputs.saved_format, o.binding(), l.binding()),
+        (None, Some(fw)) => (
+            fw.problem.storage.out,
+            fw.output_binding(),
+            fw.lse.as_entire_buffer_binding(),
+        ),
+        (None, None) => unreachable!("the forward runs when nothing is saved"),
+    };
+    let dummy = dummy(ctx);
+    let mask_buf = packed_mask
+        .as_ref()
+        .map(|(w, _)| crate::buffers::storage_init(ctx, "mask", bytemuck::cast_slice(w)));
+    let mut params = kb::Params::new(&p, packed_mask.as_ref().map(|(_, st)| *st));
+    params.dv_off = sizes.dv_off as u32;
+
+    let stats = record_stats(
+        ctx,
+        encoder,
+        (&p, &sizes),
+        &params,
+        [o_bind, dout.binding(), lse_bind],
+        o_fmt,
+    )?;
+    let io = Io {
+        mask: mask_buf.as_ref().unwrap_or(&dummy).as_entire_buffer_binding(),
+        bias: bias
+            .as_ref()
+            .map_or(dummy.as_entire_buffer_binding(), |b| b.binding()),
+        q: q.binding(),
+        k: k.binding(),
+        v: v.binding(),
+        dout: dout.binding(),
+        stats: stats.as_entire_buffer_binding(),
+    };
+    let dq = output(ctx, "dq", p.storage.q.bytes(sizes.rows * p.head_dim));
+    // dK and dV in f32, in one buffer, dV at dv_off.
+    let dkv = output(ctx, "dk and dv", sizes.dkv_bytes);
+    match &plan {
+        Plan::Fused(cfg) => super::fused::record(ctx, encoder, (&p, cfg), &io, &params, [&dkv, &dq])?,
+        Plan::Unfused(chunks) => {
+            encoder.clear_buffer(&dkv, 0, None);
+            super::unfused::record(
+                ctx,
+                encoder,
+                (&p, chunks),
+                &io,
+                &params,
+                [&dkv, &dq],
+                sizes.dv_off,
+            )?;
+        }
+    }
+    // dK and dV in k's and v's formats.
+    let (kv, dv_at) = (sizes.kv_rows, f32_bytes(sizes.dv_off));
+    let dk = convert(ctx, encoder, ("dk", &dkv, 0), kv * p.head_dim, p.storage.k)?;
+    let dv = convert(ctx, encoder, ("dv", &dkv, dv_at), kv * p.head_dim_v, p.storage.v)?;
+    let dbias = p
+        .bias
+        .map(|bc| record_dbias(ctx, encoder, &p, bc.len(), (&io, &params)))
+        .transpose()?;
+    Ok(GpuGrads {
+        dq,
+        dk,
+        dv,
+        dbias,
+        forward,
+        problem: p,
+    })
+}
+
+/// The forward, when O and the logsumexp are not given. Under Path::Auto it runs on the
+/// backward's path (`path`), so that the backward recomputes each logit with the arithmetic
+/// that made the logsumexp (at logits of 1e4, f32 rounding differences between kernels are
+/// 1e-3 in P).
+fn record_forward(
+    bw: &Backward<'_>,
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    path: Path,
+) -> Result<crate::sdpa::GpuOutput> {
+    if bw.sdpa.path == Path::Auto {
+        bw.sdpa.clone().path(path).record(ctx, encoder)
+    } else {
+        bw.sdpa.record(ctx, encoder)
+    }
+}
+
+/// The backward's inputs, checked against the device (nothing uploaded yet).
+struct Inputs<'t, 'a> {
+    q: Operand<'t, 'a>,
+    k: Operand<'t, 'a>,
+    v: Operand<'t, 'a>,
+    dout: Operand<'t, 'a>,
+    bias: Option<Operand<'t, 'a>>,
+    /// The saved output and logsumexp, and the output's format.
+    saved: Option<(Operand<'t, 'a>, Operand<'t, 'a>)>,
+    saved_format: Storage,
+}
+
+impl<'t, 'a> Inputs<'t, 'a> {
+    fn check(bw: &'t Backward<'a>, ctx: &Context) -> Result<Self> {
+        let s = &bw.sdpa;
+        let bias = s
+            .options
+            .bias
+            .as_ref()
+            .map(|b| Operand::check_bias(ctx, b))
+            .transpose()?;
+        let saved = bw
+            .saved
+            .as_ref()
+            .map(|(o, l)| {
+                Ok::<_, Error>((
+                    Operand::check_viewed(ctx, "output", o)?,
+                    Operand::check(ctx, "lse", l)?,
+                ))
+            })
+            .transpose()?;
+        Ok(Inputs {
+            q: Operand::check_viewed(ctx, "q", &s.q)?,
+            k: Operand::check_viewed(ctx, "k", &s.k)?,
+            v: Operand::check_viewed(ctx, "v", &s.v)?,
+            dout: Operand::check_viewed(ctx, "dout", &bw.dout)?,
+            bias,
+            saved,
+            saved_format: bw.saved.as_ref().map_or(Storage::F32, |(o, _)| o.storage()),
+        })
+    }
+}
+
+/// The sizes of the backward's buffers.
+struct Sizes {
+    /// Query rows of every head.
+    rows: usize,
+    /// Key rows of every kv head.
+    kv_rows: usize,
+    /// Where dV starts in the f32 dK/dV buffer (elements).
+    dv_off: usize,
+    /// lse and D per query row, then the key lengths.
+    stats_len: usize,
+    dkv_bytes: u64,
+}
+
+impl Sizes {
+    fn new(p: &Problem) -> Self {
+        let rows = p.batch_heads() * p.seq_q;
+        let kv_rows = p.batch * p.kv_heads * p.seq_kv;
+        let dv_off = (kv_rows * p.head_dim).next_multiple_of(64);
+        Sizes {
+            rows,
+            kv_rows,
+            dv_off,
+            stats_len: 2 * rows + p.batch,
+            dkv_bytes: f32_bytes(dv_off + kv_rows * p.head_dim_v).next_multiple_of(16),
+        }
+    }
+
+    /// Check every buffer (and the packed mask's `mask_words`) against the device's binding
+    /// limit, and every grid against its workgroup limit.
+    fn check(&self, ctx: &Context, p: &Problem, plan: &Plan, mask_words: Option<usize>) -> Result<()> {
+        let max = ctx.max_binding();
+        let fit = |what: &str, bytes: u64| fits(what, bytes, max, "max_storage_buffer_binding_size");
+        fit("backward statistics", f32_bytes(self.stats_len))?;
+        fit("dq", p.storage.q.bytes(self.rows * p.head_dim))?;
+        fit("dk and dv (f32)", self.dkv_bytes)?;
+        if let Some(words) = mask_words {
+            fit("packed mask", f32_bytes(words))?;
+        }
+        if let Plan::Unfused(c) = plan {
+            fit("scores chunk", f32_bytes(c.heads * c.rows * p.seq_kv))?;
+        }
+        // Every grid: the row and bias kernels' (64 invocations each) and the fused kernels'.
+        let grids = match plan {
+            Plan::Fused(cfg) => fused_grids(p, cfg),
+            Plan::Unfused(_) => [(0, 0); 2],
+        };
+        [self.rows.div_ceil(64), p.bias.map_or(0, |b| b.len()).div_ceil(64)]
+            .into_iter()
+            .chain(grids.map(|(_, total)| total))
+            .try_for_each(|n| check_workgroups(ctx, n))
+    }
+}
+
+/// The statistics (lse and D per query row by `bwd_prep`, from O, dO and the forward's
+/// logsumexp: `rows` = `[o, dout, lse]` with O in `o_fmt`), then the key lengths (written by
+/// the host).
+fn record_stats(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    (p, sizes): (&Problem, &Sizes),
+    params: &kb::Params,
+    [o, dout, lse]: [wgpu::BufferBinding<'_>; 3],
+    o_fmt: Storage,
+) -> Result<wgpu::Buffer> {
+    let stats = output(ctx, "backward statistics", f32_bytes(sizes.stats_len));
+    if let Some(lens) = &p.kv_lens {
+        ctx.queue()
+            .write_buffer(&stats, f32_bytes(2 * sizes.rows), bytemuck::cast_slice(lens));
+    }
+    kb::record(
+        ctx,
+        encoder,
+        &kb::PREP,
+        &kb::prep_prelude(o_fmt, p.storage.out, &p.views),
+        &[o, dout, lse, stats.as_entire_buffer_binding()],
+        &kb::Params {
+            total: sizes.rows as u32,
+            ..*params
+        },
+        sizes.rows.div_ceil(64) as u32,
+    )?;
+    Ok(stats)
+}
+
+/// Record d(bias) (`n` elements of the bias's broadcast shape, in its format) by `bwd_dbias`.
+fn record_dbias(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    p: &Problem,
+    n: usize,
+    (io, params): (&Io<'_>, &kb::Params),
+) -> Result<wgpu::Buffer> {
+    let buf = output(ctx, "dbias", p.storage.bias.bytes(n));
+    kb::record(
+        ctx,
+        encoder,
+        &kb::DBIAS,
+        &kb::dbias_prelude(p),
+        &io.with_out(buf.as_entire_buffer_binding()),
+        &kb::Params {
+            total: n as u32,
+            ..*params
+        },
+        n.div_ceil(64) as u32,
+    )?;
+    Ok(buf)
+}
+
+/// What the gradient kernels bind: mask, bias, q, k, v, dout, stats.
+pub(super) struct Io<'b> {
+    pub(super) mask: wgpu::BufferBinding<'b>,
+    pub(super) bias: wgpu::BufferBinding<'b>,
+    pub(super) q: wgpu::BufferBinding<'b>,
+    pub(super) k: wgpu::BufferBinding<'b>,
+    pub(super) v: wgpu::BufferBinding<'b>,
+    pub(super) dout: wgpu::BufferBinding<'b>,
+    pub(super) stats: wgpu::BufferBinding<'b>,
+}
+
+impl<'b> Io<'b> {
+    /// The bindings of a gradient kernel writing `out`.
+    pub(super) fn with_out<'c>(&self, out: wgpu::BufferBinding<'c>) -> Vec<wgpu::BufferBinding<'c>>
+    where
+        'b: 'c,
+    {
+        vec![
+            self.mask.clone(),
+            self.bias.clone(),
+            self.q.clone(),
+            self.k.clone(),
+            self.v.clone(),
+            self.dout.clone(),
+            self.stats.clone(),
+            out,
+        ]
+    }
+}
+
+/// `elems` f32 values at byte `offset` of `src` as a new buffer in format `to` (a copy for f32).
+fn convert(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    (label, src, offset): (&str, &wgpu::Buffer, u64),
+    elems: usize,
+    to: Storage,
+) -> Result<wgpu::Buffer> {
+    let dst = output(ctx, label, to.bytes(elems));
+    if to == Storage::F32 {
+        encoder.copy_buffer_to_buffer(src, offset, &dst, 0, f32_bytes(elems));
+    } else {
+        copy::convert(
+            ctx,
+            encoder,
+            (binding(src, offset, f32_bytes(elems)), Storage::F32),
+            (dst.as_entire_buffer_binding(), to),
+            elems,
+        )?;
+    }
+    Ok(dst)
+}
