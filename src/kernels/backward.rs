@@ -134,8 +134,9 @@ wgsl_struct! {
 }
 
 impl Params {
-    /// The sizes of `p` (tiles and totals left for the caller).
-    pub(crate) fn new(p: &Problem, mask_strides: Option<[u32; 3]>) -> Params {
+    /// The sizes of `p`, dV at element `dv_off` of the f32 dK/dV buffer (tiles, totals and
+    /// chunks set by [`Params::over`], [`Params::tiled`], [`Params::chunk`]).
+    pub(crate) fn new(p: &Problem, mask_strides: Option<[u32; 3]>, dv_off: usize) -> Params {
         let rows = (p.batch_heads() * p.seq_q) as u32;
         let [db_b, db_h, db_l, db_s] = p.bias.map_or([1; 4], |b| b.shape);
         Params {
@@ -156,7 +157,38 @@ impl Params {
             db_l: db_l as u32,
             db_s: db_s as u32,
             gw: 1,
+            dv_off: dv_off as u32,
             ..Default::default()
+        }
+    }
+
+    /// These params over `total` invocations (one per row or element).
+    pub(crate) fn over(self, total: usize) -> Params {
+        Params {
+            total: total as u32,
+            ..self
+        }
+    }
+
+    /// The fused kernels': `total` workgroups over `tiles` tiles per head.
+    pub(crate) fn tiled(self, tiles: usize, total: usize) -> Params {
+        Params {
+            tiles: tiles as u32,
+            total: total as u32,
+            ..self
+        }
+    }
+
+    /// One chunk of the unfused backward's scores (`bwd_ds`): rows `i0 .. i0 + lc` of heads
+    /// from `z0`, transposed by groups of `gw` heads, `total` scores.
+    pub(crate) fn chunk(self, [z0, i0, lc, gw]: [usize; 4], total: usize) -> Params {
+        Params {
+            total: total as u32,
+            z0: z0 as u32,
+            i0: i0 as u32,
+            lc: lc as u32,
+            gw: gw as u32,
+            ..self
         }
     }
 }

@@ -37,15 +37,36 @@ wgsl_struct! {
     }
 }
 
-/// Record the softmax over `params.total` rows of `scores`. `buffers`: mask, bias, kv_lens,
-/// scores, lse.
+/// A chunk of score rows: rows `i0 .. i0 + rows` of heads `z0 .. z0 + heads` (over every
+/// batch's heads), `[heads, rows, S]` in the scores buffer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Chunk {
+    pub(crate) z0: usize,
+    pub(crate) heads: usize,
+    pub(crate) i0: usize,
+    pub(crate) rows: usize,
+}
+
+/// Record the softmax over the chunk's score rows of `p` with the kernels' `masks`, in place.
+/// `buffers`: mask, bias, kv_lens, scores, lse.
 pub(crate) fn record(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
-    p: &Problem,
+    (p, masks): (&Problem, Masks),
     buffers: [wgpu::BufferBinding<'_>; 5],
-    params: &Params,
+    c: Chunk,
 ) -> Result<()> {
+    let params = Params {
+        m: masks,
+        rows: c.rows as u32,
+        total: (c.heads * c.rows) as u32,
+        s: p.seq_kv as u32,
+        l: p.seq_q as u32,
+        z0: c.z0 as u32,
+        i0: c.i0 as u32,
+        heads: p.q_heads as u32,
+        ..Default::default()
+    };
     let grid = grid_1d(params.total, ctx.limits().max_compute_workgroups_per_dimension);
     dispatch(
         ctx,
@@ -54,7 +75,7 @@ pub(crate) fn record(
         &mask_consts(p.mask.is_some(), p.bias.is_some(), p.storage.bias),
         &[],
         &buffers,
-        bytemuck::bytes_of(params),
+        bytemuck::bytes_of(&params),
         grid,
     )
 }

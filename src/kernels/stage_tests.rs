@@ -181,7 +181,7 @@ fn softmax_stage_matches_reference_masked_softmax() {
         softmax::record(
             &ctx,
             &mut enc,
-            &p,
+            (&p, super::Masks::new(&p, Some(mstr))),
             [
                 mask_b.as_entire_buffer_binding(),
                 bias_b.as_entire_buffer_binding(),
@@ -189,14 +189,11 @@ fn softmax_stage_matches_reference_masked_softmax() {
                 sc.as_entire_buffer_binding(),
                 lse.as_entire_buffer_binding(),
             ],
-            &softmax::Params {
-                m: super::Masks::new(&p, Some(mstr)),
-                rows: l as u32,
-                total: (b * hq * l) as u32,
-                s: s as u32,
-                l: l as u32,
-                heads: hq as u32,
-                ..Default::default()
+            softmax::Chunk {
+                z0: 0,
+                heads: b * hq,
+                i0: 0,
+                rows: l,
             },
         )
         .unwrap();

@@ -218,7 +218,6 @@ impl MhaWeights {
     }
 }
 
-/// Parse safetensors bytes.
 /// A tensor's shape and its values widened to f32.
 type Loaded = (Vec<usize>, Vec<f32>);
 
@@ -323,6 +322,7 @@ impl Reader<'_> {
     }
 }
 
+/// Parse safetensors bytes.
 pub(crate) fn parse(bytes: &[u8]) -> Result<safetensors::SafeTensors<'_>> {
     safetensors::SafeTensors::deserialize(bytes).map_err(|e| Error::WeightFile {
         reason: e.to_string(),

@@ -8,7 +8,7 @@
 
 use ndarray::Array3;
 
-use super::Mats;
+use super::{param, Mats};
 use crate::buffers::{binding, f32_bytes, fits, Operand};
 use crate::context::Context;
 use crate::error::{Error, Result};
@@ -156,18 +156,19 @@ impl<'a> Matmul<'a> {
             a_z0: u(a.first)?,
             b_z0: u(b.first)?,
             c_z0: u(c.first)?,
-            a_batch: u(a_batch)?,
-            a_head: u(a_head)?,
-            a_row: u(a.row_stride)?,
-            a_off: u(a.offset)?,
-            b_batch: u(b_batch)?,
-            b_head: u(b_head)?,
-            b_row: u(b.row_stride)?,
-            b_off: u(b.offset)?,
-            c_batch: u(c_batch)?,
-            c_head: u(c_head)?,
-            c_row: u(c.row_stride)?,
-            c_off: u(c.offset)?,
+            // Checked above: every element reached is below 2^32 (see `param`).
+            a_batch: param(a_batch),
+            a_head: param(a_head),
+            a_row: param(a.row_stride),
+            a_off: param(a.offset),
+            b_batch: param(b_batch),
+            b_head: param(b_head),
+            b_row: param(b.row_stride),
+            b_off: param(b.offset),
+            c_batch: param(c_batch),
+            c_head: param(c_head),
+            c_row: param(c.row_stride),
+            c_off: param(c.offset),
             alpha: self.alpha,
             ..Default::default()
         })

@@ -132,11 +132,12 @@ impl<'a> Mats<'a> {
     }
 
     /// Check that the op's `count` slices lie inside the binding, for an op over `heads` heads
-    /// sharing this operand by groups of `group` (`name` names it in the error).
+    /// sharing this operand by groups of `group` (`name` names it in the error), and that every
+    /// element they reach has a u32 index (the kernels' indices are u32).
     fn check_bounds(&self, name: &str, count: usize, heads: usize, group: usize) -> Result<()> {
         let reach = self.at.reach(count, heads, group);
         let held = self.bound_elems();
-        if reach > held {
+        if reach > held || reach > 1 << 32 {
             return Err(Error::Internal(format!(
                 "{name}: {count} slices of {} x {} from slice {} reach element {reach}, its binding \
                  holds {held} ({} bytes each)",
@@ -148,6 +149,14 @@ impl<'a> Mats<'a> {
         }
         Ok(())
     }
+}
+
+/// A stride or offset as the kernels' u32 param. Only valid for an operand that passed
+/// [`Mats::check_bounds`]: every element it reaches is below 2³², so a stride past u32 is only
+/// ever multiplied by 0 (a size-1 dimension, or slices that stay in one batch) and its
+/// wrapped low bits never reach an index (WGSL's u32 arithmetic wraps too).
+pub(crate) fn param(x: usize) -> u32 {
+    x as u32
 }
 
 impl Slices {
@@ -254,5 +263,44 @@ mod tests {
         };
         assert_eq!(w.reach(1000, 7, 1), 40);
         assert_eq!(w.reach(0, 7, 1), 0);
+    }
+
+    /// A chunk of scores whose batch stride (its slice size times the heads) passes 2^32
+    /// while the chunk stays inside one batch: the u32 params wrap, the kernel's wrapping u32
+    /// arithmetic still lands on every slice's true offset.
+    #[test]
+    fn strides_past_u32_wrap_to_the_true_offsets() {
+        let (rows, cols, heads) = (1 << 14, 1 << 14, 16);
+        let chunk = Slices {
+            rows,
+            cols,
+            offset: 0,
+            row_stride: cols,
+            slicing: Slicing::Contiguous { stride: rows * cols },
+            first: 0,
+        };
+        let count = 15; // fewer slices than heads: one batch
+        assert!(chunk.reach(count, heads, 1) <= 1 << 32);
+        let [batch, head] = chunk.strides(heads);
+        assert!(batch >= 1 << 32);
+        for g in 0..count {
+            let wgsl = ((g / heads) as u32)
+                .wrapping_mul(param(batch))
+                .wrapping_add(((g % heads) as u32).wrapping_mul(param(head)));
+            assert_eq!(wgsl as usize, g * rows * cols, "slice {g}");
+        }
+        // A view whose size-1 batch has a stride past u32.
+        let one = Slices {
+            slicing: Slicing::Strided {
+                batch: 5 << 32,
+                head: 64,
+            },
+            ..at(View::dense([1, 4, 8, 8]), 0, 8, 8)
+        };
+        assert_eq!(one.reach(4, 4, 1), 4 * 64);
+        for g in 0..4usize {
+            let wgsl = ((g / 4) as u32).wrapping_mul(param(5 << 32)) + (g % 4) as u32 * 64;
+            assert_eq!(wgsl as usize, g * 64);
+        }
     }
 }

@@ -197,7 +197,6 @@ fn record_unfused(
     chunks: &ChunkPlan,
     io: &Io,
 ) -> Result<()> {
-    let (l, s) = (p.seq_q as u32, p.seq_kv as u32);
     let bh = p.batch_heads();
     let scores = output(
         ctx,
@@ -205,7 +204,6 @@ fn record_unfused(
         f32_bytes(chunks.heads * chunks.rows * p.seq_kv),
     );
     let masks = io.masks(p);
-    let heads = p.q_heads as u32;
     let [qv, kv, vv, ov, _] = p.views_or_dense();
     for z0 in (0..bh).step_by(chunks.heads) {
         let nz = chunks.heads.min(bh - z0);
@@ -231,23 +229,14 @@ fn record_unfused(
             .record(ctx, encoder)?;
             // 2. masked softmax in place, logsumexp out
             let [mask, bias, lens] = io.mask_bindings();
-            softmax::record(
-                ctx,
-                encoder,
-                p,
-                [mask, bias, lens, sc.clone(), io.lse.as_entire_buffer_binding()],
-                &softmax::Params {
-                    m: masks,
-                    rows: lc as u32,
-                    total: (nz * lc) as u32,
-                    s,
-                    l,
-                    z0: z0 as u32,
-                    i0: i0 as u32,
-                    heads,
-                    ..Default::default()
-                },
-            )?;
+            let chunk = softmax::Chunk {
+                z0,
+                heads: nz,
+                i0,
+                rows: lc,
+            };
+            let bindings = [mask, bias, lens, sc.clone(), io.lse.as_entire_buffer_binding()];
+            softmax::record(ctx, encoder, (p, masks), bindings, chunk)?;
             // 3. the weights, if asked for: this chunk is one contiguous block of [BH, L, S]
             if let Some(w) = io.weights {
                 let dst = f32_bytes((z0 * p.seq_q + i0) * p.seq_kv);

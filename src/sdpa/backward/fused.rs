@@ -26,11 +26,7 @@ pub(super) fn record(
             spec,
             &prelude,
             &io.with_out(out.as_entire_buffer_binding()),
-            &kb::Params {
-                tiles: tiles as u32,
-                total: total as u32,
-                ..*params
-            },
+            &params.tiled(tiles, total),
             total as u32,
         )
     };

@@ -57,8 +57,7 @@ pub(super) fn record(
     let mask_buf = packed_mask
         .as_ref()
         .map(|(w, _)| crate::buffers::storage_init(ctx, "mask", bytemuck::cast_slice(w)));
-    let mut params = kb::Params::new(&p, packed_mask.as_ref().map(|(_, st)| *st));
-    params.dv_off = sizes.dv_off as u32;
+    let params = kb::Params::new(&p, packed_mask.as_ref().map(|(_, st)| *st), sizes.dv_off);
 
     let stats = record_stats(
         ctx,
@@ -146,7 +145,12 @@ struct Inputs<'t, 'a> {
 
 impl<'t, 'a> Inputs<'t, 'a> {
     fn check(bw: &'t Backward<'a>, ctx: &Context) -> Result<Self> {
+        // In the order the errors are reported: q, k, v, dO, the bias, the saved tensors.
         let s = &bw.sdpa;
+        let q = Operand::check_viewed(ctx, "q", &s.q)?;
+        let k = Operand::check_viewed(ctx, "k", &s.k)?;
+        let v = Operand::check_viewed(ctx, "v", &s.v)?;
+        let dout = Operand::check_viewed(ctx, "dout", &bw.dout)?;
         let bias = s
             .options
             .bias
@@ -164,10 +168,10 @@ impl<'t, 'a> Inputs<'t, 'a> {
             })
             .transpose()?;
         Ok(Inputs {
-            q: Operand::check_viewed(ctx, "q", &s.q)?,
-            k: Operand::check_viewed(ctx, "k", &s.k)?,
-            v: Operand::check_viewed(ctx, "v", &s.v)?,
-            dout: Operand::check_viewed(ctx, "dout", &bw.dout)?,
+            q,
+            k,
+            v,
+            dout,
             bias,
             saved,
             saved_format: bw.saved.as_ref().map_or(Storage::F32, |(o, _)| o.storage()),
@@ -250,10 +254,7 @@ fn record_stats(
         &kb::PREP,
         &kb::prep_prelude(o_fmt, p.storage.out, &p.views),
         &[o, dout, lse, stats.as_entire_buffer_binding()],
-        &kb::Params {
-            total: sizes.rows as u32,
-            ..*params
-        },
+        &params.over(sizes.rows),
         sizes.rows.div_ceil(64) as u32,
     )?;
     Ok(stats)
@@ -274,10 +275,7 @@ fn record_dbias(
         &kb::DBIAS,
         &kb::dbias_prelude(p),
         &io.with_out(buf.as_entire_buffer_binding()),
-        &kb::Params {
-            total: n as u32,
-            ..*params
-        },
+        &params.over(n),
         n.div_ceil(64) as u32,
     )?;
     Ok(buf)

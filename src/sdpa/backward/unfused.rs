@@ -197,14 +197,7 @@ impl Unfused<'_> {
                 binding(dst, 0, bytes),
                 self.io.stats.clone(),
             ],
-            &kb::Params {
-                total: total as u32,
-                z0: c.z0 as u32,
-                i0: c.i0 as u32,
-                lc: c.lc as u32,
-                gw: gw as u32,
-                ..*self.params
-            },
+            &self.params.chunk([c.z0, c.i0, c.lc, gw], total),
             total.div_ceil(64) as u32,
         )
     }
