@@ -145,8 +145,8 @@ mod render {
             picture::write(path.as_ref(), &self.png()?)
         }
 
-        /// Checks the input and places everything.
-        fn layout(&self) -> Result<Layout> {
+        /// Checks the weights, the cell size and the labels' counts: `(H, L, S)`.
+        fn check(&self) -> Result<(usize, usize, usize)> {
             let (h, l, s) = self.weights.dim();
             let c = self.cell;
             if h == 0 || l == 0 || s == 0 || c == 0 {
@@ -165,30 +165,17 @@ mod render {
             count("query labels", &self.queries, l, "queries (L)")?;
             count("key labels", &self.keys, s, "keys (S)")?;
             count("titles", &self.titles, h, "heads")?;
-            // Too many cells for any picture: refuse before measuring labels.
-            let (cells_w, cells_h) = (s as u64 * c as u64, l as u64 * c as u64);
-            check_size("heatmap", cells_w, cells_h)?;
-            let (cells_w, cells_h) = (cells_w as i32, cells_h as i32);
-            let c = c as i32;
+            Ok((h, l, s))
+        }
 
-            let label_t = Text::new((c as f64 * 0.6).clamp(11.0, 15.0));
-            let title_t = Text::new(label_t.size + 2.0);
+        /// The column labels, every how many columns, and whether upright: across when each
+        /// fits its cell(s), else upright.
+        fn x_labels(&self, label_t: &Text, s: usize, c: i32) -> Result<(Labels, usize, bool)> {
             let line = label_t.size * 1.25;
-            // Rows: every `y_step`-th labelled, so that labels do not overlap.
-            let (y_labels, y_step) = labels(&self.queries, l, line / c as f64);
-            let mut y_labels_w = 0;
-            for (_, t) in &y_labels {
-                y_labels_w = y_labels_w.max(label_t.width(t)?);
-            }
-            // Columns: written across when each fits its cell(s), else upright.
-            let (x_labels, x_step, upright) = match &self.keys {
+            Ok(match &self.keys {
                 Some(_) => {
                     let (all, _) = labels(&self.keys, s, 1.0);
-                    let mut widest = 0;
-                    for (_, t) in &all {
-                        widest = widest.max(label_t.width(t)?);
-                    }
-                    if widest + 4 <= c {
+                    if widest(label_t, &all)? + 4 <= c {
                         (all, 1, false)
                     } else {
                         let (some, step) = labels(&self.keys, s, line / c as f64);
@@ -200,11 +187,27 @@ mod render {
                     let (some, step) = labels(&None, s, (widest + 6) as f64 / c as f64);
                     (some, step, false)
                 }
-            };
-            let mut x_labels_w = 0;
-            for (_, t) in &x_labels {
-                x_labels_w = x_labels_w.max(label_t.width(t)?);
-            }
+            })
+        }
+
+        /// Checks the input and places everything.
+        fn layout(&self) -> Result<Layout> {
+            let (h, l, s) = self.check()?;
+            let c = self.cell;
+            // Too many cells for any picture: refuse before measuring labels.
+            let (cells_w, cells_h) = (s as u64 * c as u64, l as u64 * c as u64);
+            check_size("heatmap", cells_w, cells_h)?;
+            let (cells_w, cells_h) = (cells_w as i32, cells_h as i32);
+            let c = c as i32;
+
+            let label_t = Text::new((c as f64 * 0.6).clamp(11.0, 15.0));
+            let title_t = Text::new(label_t.size + 2.0);
+            let line = label_t.size * 1.25;
+            // Rows: every `y_step`-th labelled, so that labels do not overlap.
+            let (y_labels, y_step) = labels(&self.queries, l, line / c as f64);
+            let y_labels_w = widest(&label_t, &y_labels)?;
+            let (x_labels, x_step, upright) = self.x_labels(&label_t, s, c)?;
+            let x_labels_w = widest(&label_t, &x_labels)?;
             let titles: Vec<String> = match &self.titles {
                 Some(t) => t.iter().map(|t| shorten(t, 40)).collect(),
                 None => (0..h).map(|i| format!("head {i}")).collect(),
@@ -242,10 +245,7 @@ mod render {
             let bar_top = MARGIN + title_h;
             let bar_bottom = (MARGIN + grid_h - x_labels_h).max(bar_top + BAR_MIN);
             let bar_ticks = bar_ticks(max as f64, (bar_bottom - bar_top) as f64, bar_t.size * 1.3);
-            let mut bar_labels_w = 0;
-            for (_, t) in &bar_ticks {
-                bar_labels_w = bar_labels_w.max(bar_t.width(t)?);
-            }
+            let bar_labels_w = widest(&bar_t, &bar_ticks)?;
             let bar_x = MARGIN + grid_w + GAP_X;
             let bar_w = (BAR + 6 + bar_labels_w).max(bar_t.width(BAR_CAPTION)? + 2);
             // Under everything, which way the panels read.
@@ -396,6 +396,14 @@ mod render {
         bar_ticks: Vec<(f64, String)>,
         /// The note's text style and top.
         note: (Text, i32),
+    }
+
+    /// Labels and the index (row or column) each names.
+    type Labels = Vec<(usize, String)>;
+
+    /// The widest of `labels` in `t`'s text (0 for none).
+    fn widest<T>(t: &Text, labels: &[(T, String)]) -> Result<i32> {
+        labels.iter().try_fold(0, |w, (_, s)| Ok(w.max(t.width(s)?)))
     }
 
     /// The labels of `n` positions (the given ones, else indices), every `step`-th, where `step`

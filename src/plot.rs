@@ -194,104 +194,28 @@ impl LineChart {
         xs: Scale,
         ys: Scale,
     ) -> Result<()> {
-        let (w, h) = (width as i32, height as i32);
-        let k = (f64::from(width.min(height * 4 / 3)) / 640.0).clamp(0.75, 2.5);
-        let px = |v: f64| (v * k).round() as i32;
-        let [title_t, label_t, tick_t, legend_t] = [18.0, 15.0, 13.0, 13.0].map(|pt| Text::new(pt * k));
-        let margin = px(10.0);
-        let tick_len = px(5.0);
-
-        // The legend, on the right.
-        let sample = px(30.0);
-        let row = (legend_t.size * 1.5).round() as i32;
-        let mut names: Vec<String> = self.series.iter().map(|s| shorten(&s.name, 40)).collect();
-        let max_legend = w * 2 / 5;
-        let mut name_w = 0;
-        for limit in (4..=40).rev().step_by(4) {
-            name_w = 0;
-            for n in &names {
-                name_w = name_w.max(legend_t.width(n)?);
-            }
-            if sample + px(24.0) + name_w <= max_legend {
-                break;
-            }
-            names = self.series.iter().map(|s| shorten(&s.name, limit)).collect();
-        }
-        let legend_w = (sample + px(24.0) + name_w).min(max_legend);
-
-        // Vertical layout: title, plot, x ticks, x label.
-        let title_h = if self.title.is_empty() {
-            0
-        } else {
-            (title_t.size * 1.6).round() as i32
-        };
-        let x_label_h = if self.x_label.is_empty() {
-            0
-        } else {
-            (label_t.size * 1.5).round() as i32
-        };
-        let x_ticks_h = tick_len + (tick_t.size * 1.3).round() as i32;
-        let top = margin + title_h + px(6.0);
-        let bottom = h - margin - x_label_h - x_ticks_h;
-        let plot_h = bottom - top;
-        if plot_h < 40 {
-            return Err(Error::Picture(format!(
-                "line chart of {width} x {height} pixels: too short to draw"
-            )));
-        }
-        let y_ticks = ys.ticks(plot_h as f64, |_| Ok(tick_t.size * 1.6))?;
-        let mut y_ticks_w = 0;
-        for t in y_ticks.iter().filter(|t| !t.label.is_empty()) {
-            y_ticks_w = y_ticks_w.max(tick_t.width(&t.label)?);
-        }
-        let y_label_w = if self.y_label.is_empty() {
-            0
-        } else {
-            (label_t.size * 1.5).round() as i32
-        };
-        let left = margin + y_label_w + y_ticks_w + px(4.0) + tick_len;
-        let right = w - margin - legend_w - px(12.0);
-        let plot_w = right - left;
-        if plot_w < 40 {
-            return Err(Error::Picture(format!(
-                "line chart of {width} x {height} pixels: too narrow to draw"
-            )));
-        }
-        let x_ticks = xs.ticks(plot_w as f64, |label| {
-            Ok(f64::from(tick_t.width(label)?) + 14.0 * k)
-        })?;
-
+        let st = Style::new(width, height);
+        let (names, legend_w) = self.legend_names(&st, width as i32)?;
+        let (frame, x_ticks, y_ticks) = self.layout(&st, [width, height], legend_w, [&xs, &ys])?;
         // The plot: grid, frame, lines, markers.
-        let area = root.clone().shrink((left, top), (plot_w as u32, plot_h as u32));
+        let area = root.clone().shrink(
+            (frame.left, frame.top),
+            (
+                (frame.right - frame.left) as u32,
+                (frame.bottom - frame.top) as u32,
+            ),
+        );
         let chart = ChartBuilder::on(&area)
             .build_cartesian_2d(xs.lo..xs.hi, ys.lo..ys.hi)
             .map_err(draw_err)?;
         let to_px = |u: f64, v: f64| chart.backend_coord(&(u, v));
-        let grid = |t: &Tick| {
-            if t.label.is_empty() {
-                RGBColor(238, 238, 238)
-            } else {
-                RGBColor(215, 215, 215)
-            }
-        };
-        for t in &x_ticks {
-            let (x, _) = to_px(t.at, ys.lo);
-            root.draw(&PathElement::new(vec![(x, top), (x, bottom)], grid(t)))
-                .map_err(draw_err)?;
-        }
-        for t in &y_ticks {
-            let (_, y) = to_px(xs.lo, t.at);
-            root.draw(&PathElement::new(vec![(left, y), (right, y)], grid(t)))
-                .map_err(draw_err)?;
-        }
-        let frame = RGBColor(110, 110, 110);
-        root.draw(&Rectangle::new([(left, top), (right, bottom)], frame))
-            .map_err(draw_err)?;
-        let stroke = px(2.0).max(1) as u32;
+        let x_at: Vec<i32> = x_ticks.iter().map(|t| to_px(t.at, ys.lo).0).collect();
+        let y_at: Vec<i32> = y_ticks.iter().map(|t| to_px(xs.lo, t.at).1).collect();
+        draw_grid(root, &frame, (&x_ticks, &x_at), (&y_ticks, &y_at))?;
         for (i, line) in lines.iter().enumerate() {
             let colour = COLOURS[i % COLOURS.len()];
             let points: Vec<(i32, i32)> = line.iter().map(|&(x, y)| to_px(xs.to(x), ys.to(y))).collect();
-            root.draw(&PathElement::new(points, colour.stroke_width(stroke)))
+            root.draw(&PathElement::new(points, colour.stroke_width(st.stroke)))
                 .map_err(draw_err)?;
         }
         for (i, line) in lines.iter().enumerate() {
@@ -301,99 +225,256 @@ impl LineChart {
                     root,
                     MARKERS[i % MARKERS.len()],
                     p,
-                    px(4.5),
+                    st.px(4.5),
                     COLOURS[i % COLOURS.len()],
                 )?;
             }
         }
+        draw_ticks(root, &st, &frame, (&x_ticks, &x_at), (&y_ticks, &y_at))?;
+        self.draw_labels(root, &st, &frame, height as i32)?;
+        let legend_x = width as i32 - st.margin - legend_w;
+        draw_legend(root, &st, &names, (legend_x, frame.top), width as i32 - st.margin)
+    }
 
-        // Ticks and their labels.
-        for t in &x_ticks {
-            let (x, _) = to_px(t.at, ys.lo);
-            let len = if t.label.is_empty() {
-                tick_len / 2
-            } else {
-                tick_len
-            };
-            root.draw(&PathElement::new(vec![(x, bottom), (x, bottom + len)], frame))
-                .map_err(draw_err)?;
-            tick_t.draw(
-                root,
-                &t.label,
-                (x, bottom + tick_len + px(3.0)),
-                Align::Centre,
-                Align::Start,
-            )?;
+    /// The legend's names (shortened until the legend takes at most 2/5 of the width) and
+    /// its width.
+    fn legend_names(&self, st: &Style, w: i32) -> Result<(Vec<String>, i32)> {
+        let sample = st.px(30.0);
+        let mut names: Vec<String> = self.series.iter().map(|s| shorten(&s.name, 40)).collect();
+        let max_legend = w * 2 / 5;
+        let mut name_w = 0;
+        for limit in (4..=40).rev().step_by(4) {
+            name_w = 0;
+            for n in &names {
+                name_w = name_w.max(st.legend.width(n)?);
+            }
+            if sample + st.px(24.0) + name_w <= max_legend {
+                break;
+            }
+            names = self.series.iter().map(|s| shorten(&s.name, limit)).collect();
         }
-        for t in &y_ticks {
-            let (_, y) = to_px(xs.lo, t.at);
-            let len = if t.label.is_empty() {
-                tick_len / 2
-            } else {
-                tick_len
-            };
-            root.draw(&PathElement::new(vec![(left - len, y), (left, y)], frame))
-                .map_err(draw_err)?;
-            tick_t.draw(
-                root,
-                &t.label,
-                (left - tick_len - px(4.0), y),
-                Align::End,
-                Align::Centre,
-            )?;
-        }
+        Ok((names, (sample + st.px(24.0) + name_w).min(max_legend)))
+    }
 
-        // Title and axis labels.
-        title_t.draw(
-            root,
-            &self.title,
-            ((left + right) / 2, margin),
-            Align::Centre,
-            Align::Start,
-        )?;
-        label_t.draw(
+    /// The plot's frame and the axes' ticks: vertically the title, the plot, the x ticks and
+    /// the x label; horizontally the y label, the y ticks, the plot and the legend.
+    fn layout(
+        &self,
+        st: &Style,
+        [width, height]: [u32; 2],
+        legend_w: i32,
+        [xs, ys]: [&Scale; 2],
+    ) -> Result<(Frame, Vec<Tick>, Vec<Tick>)> {
+        let (w, h) = (width as i32, height as i32);
+        let text_h = |text: &str, t: &Text, lines: f64| {
+            if text.is_empty() {
+                0
+            } else {
+                (t.size * lines).round() as i32
+            }
+        };
+        let (title_h, x_label_h) = (
+            text_h(&self.title, &st.title, 1.6),
+            text_h(&self.x_label, &st.label, 1.5),
+        );
+        let x_ticks_h = st.tick_len + (st.tick.size * 1.3).round() as i32;
+        let top = st.margin + title_h + st.px(6.0);
+        let bottom = h - st.margin - x_label_h - x_ticks_h;
+        let too_small = |what: &str| {
+            Error::Picture(format!(
+                "line chart of {width} x {height} pixels: too {what} to draw"
+            ))
+        };
+        if bottom - top < 40 {
+            return Err(too_small("short"));
+        }
+        let y_ticks = ys.ticks((bottom - top) as f64, |_| Ok(st.tick.size * 1.6))?;
+        let mut y_ticks_w = 0;
+        for t in y_ticks.iter().filter(|t| !t.label.is_empty()) {
+            y_ticks_w = y_ticks_w.max(st.tick.width(&t.label)?);
+        }
+        let y_label_w = text_h(&self.y_label, &st.label, 1.5);
+        let left = st.margin + y_label_w + y_ticks_w + st.px(4.0) + st.tick_len;
+        let right = w - st.margin - legend_w - st.px(12.0);
+        if right - left < 40 {
+            return Err(too_small("narrow"));
+        }
+        let x_ticks = xs.ticks((right - left) as f64, |label| {
+            Ok(f64::from(st.tick.width(label)?) + 14.0 * st.k)
+        })?;
+        let frame = Frame {
+            left,
+            right,
+            top,
+            bottom,
+        };
+        Ok((frame, x_ticks, y_ticks))
+    }
+
+    /// The title and the axis labels.
+    fn draw_labels(&self, root: &Area<'_>, st: &Style, f: &Frame, h: i32) -> Result<()> {
+        let mid_x = (f.left + f.right) / 2;
+        st.title
+            .draw(root, &self.title, (mid_x, st.margin), Align::Centre, Align::Start)?;
+        st.label.draw(
             root,
             &self.x_label,
-            ((left + right) / 2, h - margin),
+            (mid_x, h - st.margin),
             Align::Centre,
             Align::End,
         )?;
-        label_t.upward().draw(
+        st.label.upward().draw(
             root,
             &self.y_label,
-            (margin + label_t.cap_height(), (top + bottom) / 2),
+            (st.margin + st.label.cap_height(), (f.top + f.bottom) / 2),
             Align::Centre,
             Align::End,
-        )?;
+        )
+    }
+}
 
-        // The legend: a sample of each line with its marker, and the name.
-        let lx = w - margin - legend_w;
-        let legend_h = row * names.len() as i32 + px(10.0);
-        root.draw(&Rectangle::new(
-            [(lx, top), (w - margin, top + legend_h)],
-            RGBColor(200, 200, 200),
+/// A chart's text and strokes, scaled to its pixels.
+struct Style {
+    /// Pixels per point of a 640-pixel chart.
+    k: f64,
+    title: Text,
+    label: Text,
+    tick: Text,
+    legend: Text,
+    margin: i32,
+    tick_len: i32,
+    stroke: u32,
+}
+
+impl Style {
+    fn new(width: u32, height: u32) -> Style {
+        let k = (f64::from(width.min(height * 4 / 3)) / 640.0).clamp(0.75, 2.5);
+        let px = |v: f64| (v * k).round() as i32;
+        let [title, label, tick, legend] = [18.0, 15.0, 13.0, 13.0].map(|pt| Text::new(pt * k));
+        Style {
+            k,
+            title,
+            label,
+            tick,
+            legend,
+            margin: px(10.0),
+            tick_len: px(5.0),
+            stroke: px(2.0).max(1) as u32,
+        }
+    }
+
+    /// `v` points in pixels.
+    fn px(&self, v: f64) -> i32 {
+        (v * self.k).round() as i32
+    }
+}
+
+/// The plot area's edges, in pixels.
+struct Frame {
+    left: i32,
+    right: i32,
+    top: i32,
+    bottom: i32,
+}
+
+/// Ticks with their pixel positions along their axis.
+type Placed<'t> = (&'t [Tick], &'t [i32]);
+
+/// The grid lines at the ticks (lighter at unlabelled ones) and the frame.
+fn draw_grid(root: &Area<'_>, f: &Frame, (xt, xp): Placed<'_>, (yt, yp): Placed<'_>) -> Result<()> {
+    let grid = |t: &Tick| {
+        if t.label.is_empty() {
+            RGBColor(238, 238, 238)
+        } else {
+            RGBColor(215, 215, 215)
+        }
+    };
+    for (t, &x) in xt.iter().zip(xp) {
+        root.draw(&PathElement::new(vec![(x, f.top), (x, f.bottom)], grid(t)))
+            .map_err(draw_err)?;
+    }
+    for (t, &y) in yt.iter().zip(yp) {
+        root.draw(&PathElement::new(vec![(f.left, y), (f.right, y)], grid(t)))
+            .map_err(draw_err)?;
+    }
+    root.draw(&Rectangle::new([(f.left, f.top), (f.right, f.bottom)], FRAME))
+        .map_err(draw_err)?;
+    Ok(())
+}
+
+/// The frame's colour.
+const FRAME: RGBColor = RGBColor(110, 110, 110);
+
+/// The ticks (half length where unlabelled) and their labels.
+fn draw_ticks(
+    root: &Area<'_>,
+    st: &Style,
+    f: &Frame,
+    (xt, xp): Placed<'_>,
+    (yt, yp): Placed<'_>,
+) -> Result<()> {
+    let len = |t: &Tick| {
+        if t.label.is_empty() {
+            st.tick_len / 2
+        } else {
+            st.tick_len
+        }
+    };
+    for (t, &x) in xt.iter().zip(xp) {
+        root.draw(&PathElement::new(
+            vec![(x, f.bottom), (x, f.bottom + len(t))],
+            FRAME,
         ))
         .map_err(draw_err)?;
-        for (i, name) in names.iter().enumerate() {
-            let colour = COLOURS[i % COLOURS.len()];
-            let y = top + px(5.0) + row * i as i32 + row / 2;
-            let (x0, x1) = (lx + px(8.0), lx + px(8.0) + sample);
-            root.draw(&PathElement::new(
-                vec![(x0, y), (x1, y)],
-                colour.stroke_width(stroke),
-            ))
-            .map_err(draw_err)?;
-            marker(
-                root,
-                MARKERS[i % MARKERS.len()],
-                ((x0 + x1) / 2, y),
-                px(4.5),
-                colour,
-            )?;
-            legend_t.draw(root, name, (x1 + px(8.0), y), Align::Start, Align::Centre)?;
-        }
-        Ok(())
+        let at = (x, f.bottom + st.tick_len + st.px(3.0));
+        st.tick.draw(root, &t.label, at, Align::Centre, Align::Start)?;
     }
+    for (t, &y) in yt.iter().zip(yp) {
+        root.draw(&PathElement::new(vec![(f.left - len(t), y), (f.left, y)], FRAME))
+            .map_err(draw_err)?;
+        let at = (f.left - st.tick_len - st.px(4.0), y);
+        st.tick.draw(root, &t.label, at, Align::End, Align::Centre)?;
+    }
+    Ok(())
+}
+
+/// The legend from `(x, top)` to the right edge `x_end`: a sample of each line with its
+/// marker, and the name.
+fn draw_legend(
+    root: &Area<'_>,
+    st: &Style,
+    names: &[String],
+    (lx, top): (i32, i32),
+    x_end: i32,
+) -> Result<()> {
+    let row = (st.legend.size * 1.5).round() as i32;
+    let sample = st.px(30.0);
+    let legend_h = row * names.len() as i32 + st.px(10.0);
+    root.draw(&Rectangle::new(
+        [(lx, top), (x_end, top + legend_h)],
+        RGBColor(200, 200, 200),
+    ))
+    .map_err(draw_err)?;
+    for (i, name) in names.iter().enumerate() {
+        let colour = COLOURS[i % COLOURS.len()];
+        let y = top + st.px(5.0) + row * i as i32 + row / 2;
+        let (x0, x1) = (lx + st.px(8.0), lx + st.px(8.0) + sample);
+        root.draw(&PathElement::new(
+            vec![(x0, y), (x1, y)],
+            colour.stroke_width(st.stroke),
+        ))
+        .map_err(draw_err)?;
+        marker(
+            root,
+            MARKERS[i % MARKERS.len()],
+            ((x0 + x1) / 2, y),
+            st.px(4.5),
+            colour,
+        )?;
+        st.legend
+            .draw(root, name, (x1 + st.px(8.0), y), Align::Start, Align::Centre)?;
+    }
+    Ok(())
 }
 
 /// A marker of `shape` and half-size `r` centred on the pixel `p`.

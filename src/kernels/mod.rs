@@ -612,6 +612,14 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The other kernels (the ops' merge, matmul forms and strided copy) assemble into WGSL
+    /// that naga accepts with the Rust params layout, in every format; and the nested masks'
+    /// layout, through the fused kernel. Runs without a GPU.
+    #[test]
+    fn every_op_kernel_assembles_and_params_match_rust() {
+        use crate::storage::Storage;
         for parts in Storage::ALL {
             for out in Storage::ALL {
                 for ev in [4, 5] {
@@ -661,7 +669,7 @@ mod tests {
         // The nested masks, through the fused kernel.
         let cfg = flash::Config::new(
             &Problem::new(&[1, 1, 1, 4], &[1, 1, 1, 4], &[1, 1, 1, 4]).unwrap(),
-            &caps_list[0],
+            &Caps::new(&wgpu::Limits::default(), false, Some(32)),
         )
         .unwrap();
         let src = source(&flash::SPEC, &cfg.prelude(), false);

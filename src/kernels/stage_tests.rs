@@ -253,6 +253,33 @@ fn fused_first_use_form_and_fastest_form_agree() {
     assert_eq!(first, second, "the two forms differ");
 }
 
+/// `alpha · A[z] op(B) + bias` in f64 for the `batch` slices of `rows` rows of A from row
+/// `off` (`[batch, m, n, k]` = `dims`), one B shared (`[N, K]` when `trans_b`), the bias
+/// (empty: none) added to every row.
+fn f64_product(
+    (a, off, rows): (&[f32], usize, usize),
+    (b, trans_b): (&[f32], bool),
+    bias: &[f32],
+    [batch, m, n, k]: [usize; 4],
+    alpha: f32,
+) -> Vec<f64> {
+    let mut want = vec![0f64; batch * m * n];
+    for z in 0..batch {
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = 0f64;
+                for kk in 0..k {
+                    let bv = if trans_b { b[j * k + kk] } else { b[kk * n + j] };
+                    acc += a[(z * rows + off + i) * k + kk] as f64 * bv as f64;
+                }
+                let bias_v = bias.get(j).map_or(0.0, |&x| x as f64);
+                want[(z * m + i) * n + j] = alpha as f64 * acc + bias_v;
+            }
+        }
+    }
+    want
+}
+
 /// Both matmul forms (the subgroup one where the device has a subgroup of 8), every storage
 /// format of a, b, bias and c, transposed and plain B, with and without bias, batches with a
 /// shared B (GQA mapping), row offsets, tails on every tile edge and K not a multiple of 4,
@@ -305,20 +332,9 @@ fn matmul_forms_and_formats_match_f64_product() {
                 // With and without the bias epilogue, alternately (each compiles its own pipelines).
                 let with_bias = case % 2 == 0;
                 {
-                    let mut want = vec![0f64; c_elems];
-                    for z in 0..batch {
-                        for i in 0..m {
-                            for j in 0..n {
-                                let mut acc = 0f64;
-                                for kk in 0..k {
-                                    let bv = if trans_b { b[j * k + kk] } else { b[kk * n + j] };
-                                    acc += a[(z * rows + off + i) * k + kk] as f64 * bv as f64;
-                                }
-                                let bias_v = if with_bias { bias[j] as f64 } else { 0.0 };
-                                want[(z * m + i) * n + j] = alpha as f64 * acc + bias_v;
-                            }
-                        }
-                    }
+                    let bias_used = if with_bias { &bias[..] } else { &[][..] };
+                    let want =
+                        f64_product((&a, off, rows), (&b, trans_b), bias_used, [batch, m, n, k], alpha);
                     for &form in &forms {
                         // The GPU form's loads and epilogue are format-generic: f32 and the mixed
                         // set cover them (each set compiles its own pipelines on CPU adapters).

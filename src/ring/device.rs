@@ -333,7 +333,7 @@ pub(crate) fn forward(
     let started = Instant::now();
     let peak = plan.check_device(ctx, rank)?;
     let p = &plan.p;
-    let (ev, s) = (p.head_dim_v, p.seq_kv);
+    let ev = p.head_dim_v;
     let own = plan.chunks(rank);
     let mut clock = Clock::new(ctx);
     let qbufs = upload_q(ctx, plan, &shard);
@@ -397,29 +397,9 @@ pub(crate) fn forward(
         out.push(o.into_iter().map(|x| plan.out_storage.round(x)).collect());
         lse.push(block_on(ctx.read_f32(&acc.lses, 0, f32_bytes(rows)))?);
     }
-    let weights = plan.weights.then(|| {
-        let mut w: Vec<Vec<f32>> = own
-            .iter()
-            .map(|&c| vec![0.0; p.batch_heads() * plan.q_range(c).len() * s])
-            .collect();
-        for pw in &pair_weights {
-            let (i, wv) = (pw.chunk, &pw.weights);
-            let k = plan.kv_range(pw.kv_chunk);
-            let sk = k.len();
-            for (row, (&lp, &lg)) in pw.lse.iter().zip(&lse[i]).enumerate() {
-                // Rows no key reached are zero in both.
-                let f = if lg == f32::NEG_INFINITY {
-                    0.0
-                } else {
-                    (lp - lg).exp()
-                };
-                for (j, &x) in wv[row * sk..(row + 1) * sk].iter().enumerate() {
-                    w[i][row * s + k.start + j] = x * f;
-                }
-            }
-        }
-        w
-    });
+    let weights = plan
+        .weights
+        .then(|| rescale_weights(plan, &own, &pair_weights, &lse));
     Ok((
         DeviceOutput { out, lse, weights },
         clock.report(plan, rank, peak, started),
@@ -541,6 +521,38 @@ fn upload_saved(
             })
         })
         .collect()
+}
+
+/// Every pair's weights rescaled by the global logsumexp of its rows (`lse`, per own chunk),
+/// into each own chunk's `[B·Hq, rows, S]` weights.
+fn rescale_weights(
+    plan: &RingPlan,
+    own: &[usize],
+    pair_weights: &[PairWeights],
+    lse: &[Vec<f32>],
+) -> Vec<Vec<f32>> {
+    let (p, s) = (&plan.p, plan.p.seq_kv);
+    let mut w: Vec<Vec<f32>> = own
+        .iter()
+        .map(|&c| vec![0.0; p.batch_heads() * plan.q_range(c).len() * s])
+        .collect();
+    for pw in pair_weights {
+        let (i, wv) = (pw.chunk, &pw.weights);
+        let k = plan.kv_range(pw.kv_chunk);
+        let sk = k.len();
+        for (row, (&lp, &lg)) in pw.lse.iter().zip(&lse[i]).enumerate() {
+            // Rows no key reached are zero in both.
+            let f = if lg == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (lp - lg).exp()
+            };
+            for (j, &x) in wv[row * sk..(row + 1) * sk].iter().enumerate() {
+                w[i][row * s + k.start + j] = x * f;
+            }
+        }
+    }
+    w
 }
 
 /// A pair's attention weights and logsumexp, kept to rescale by the global logsumexp at the

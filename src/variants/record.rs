@@ -102,8 +102,7 @@ fn check<'a>(var: &Variant<'a>, ctx: &Context) -> Result<Checked<'a>> {
     let k_shape = [b, hkv, s, e];
     let v_shape = [b, hkv, s, ev];
     let f32s = Storage::F32;
-    let max = ctx.max_binding();
-    let fit = |what: &str, elems: usize| fits(what, f32_bytes(elems), max, "max_storage_buffer_binding_size");
+    check_stage_sizes(var, ctx, &d)?;
     // The exact attention on the inputs as they are; each variant changes what differs.
     let base = Stage {
         q: (q_shape, fmt[0]),
@@ -116,20 +115,12 @@ fn check<'a>(var: &Variant<'a>, ctx: &Context) -> Result<Checked<'a>> {
         additive: false,
     };
     let main = match var.params {
-        VariantParams::General { .. } => {
-            fit("q W", b * hq * l * e)?;
-            matmul::check_grid(ctx, "q W", l, e, b * hq)?;
-            Stage {
-                q: (q_shape, f32s),
-                ..base
-            }
-        }
+        VariantParams::General { .. } => Stage {
+            q: (q_shape, f32s),
+            ..base
+        },
         VariantParams::Additive { .. } => {
             let a = d.inner;
-            fit("additive query projection", b * hq * l * a)?;
-            fit("additive key projection", b * hkv * s * a)?;
-            matmul::check_grid(ctx, "additive query projection", b * hq * l, a, 1)?;
-            matmul::check_grid(ctx, "additive key projection", b * hkv * s, a, 1)?;
             Stage {
                 q: ([b, hq, l, a], f32s),
                 k: ([b, hkv, s, a], f32s),
@@ -142,16 +133,9 @@ fn check<'a>(var: &Variant<'a>, ctx: &Context) -> Result<Checked<'a>> {
                 ..base
             }
         }
-        VariantParams::LowRankV { a } => {
-            fit("low-rank output", b * hq * l * a.ncols())?;
-            matmul::check_grid(ctx, "low-rank output", b * hq * l, a.ncols(), 1)?;
-            Stage { out: f32s, ..base }
-        }
+        VariantParams::LowRankV { .. } => Stage { out: f32s, ..base },
         VariantParams::Linformer { .. } => {
             let kp = d.inner;
-            fit("projected keys", b * hkv * kp * e)?;
-            fit("projected values", b * hkv * kp * ev)?;
-            matmul::check_grid(ctx, "Linformer projection", kp, e.max(ev), b * hkv)?;
             Stage {
                 k: ([b, hkv, kp, e], f32s),
                 v: ([b, hkv, kp, ev], f32s),
@@ -161,11 +145,6 @@ fn check<'a>(var: &Variant<'a>, ctx: &Context) -> Result<Checked<'a>> {
         }
         VariantParams::Nystrom { .. } => {
             let m = d.inner;
-            fit("landmark queries", b * hq * m * e)?;
-            fit("landmark keys", b * hq * m * e)?;
-            fit("Nyström A", b * hq * m * m)?;
-            fit("Nyström B' V", b * hq * m * ev)?;
-            matmul::check_grid(ctx, "Nyström landmarks", m, e.max(ev).max(m), b * hq)?;
             // The two inner softmax stages.
             for stage in nystrom_stages(&d, fmt, &options) {
                 stage.sdpa(None).plan(ctx)?;
@@ -186,6 +165,53 @@ fn check<'a>(var: &Variant<'a>, ctx: &Context) -> Result<Checked<'a>> {
         options,
         main,
     })
+}
+
+/// Check the buffers and product grids of a variant's stages before the attention's own
+/// (`d`: its dimensions).
+fn check_stage_sizes(var: &Variant<'_>, ctx: &Context, d: &Dims) -> Result<()> {
+    let Dims {
+        batch: b,
+        hq,
+        hkv,
+        l,
+        s,
+        e,
+        ev,
+        inner,
+        ..
+    } = *d;
+    let max = ctx.max_binding();
+    let fit = |what: &str, elems: usize| fits(what, f32_bytes(elems), max, "max_storage_buffer_binding_size");
+    match var.params {
+        VariantParams::General { .. } => {
+            fit("q W", b * hq * l * e)?;
+            matmul::check_grid(ctx, "q W", l, e, b * hq)
+        }
+        VariantParams::Additive { .. } => {
+            fit("additive query projection", b * hq * l * inner)?;
+            fit("additive key projection", b * hkv * s * inner)?;
+            matmul::check_grid(ctx, "additive query projection", b * hq * l, inner, 1)?;
+            matmul::check_grid(ctx, "additive key projection", b * hkv * s, inner, 1)
+        }
+        VariantParams::LowRankV { a } => {
+            fit("low-rank output", b * hq * l * a.ncols())?;
+            matmul::check_grid(ctx, "low-rank output", b * hq * l, a.ncols(), 1)
+        }
+        VariantParams::Linformer { .. } => {
+            fit("projected keys", b * hkv * inner * e)?;
+            fit("projected values", b * hkv * inner * ev)?;
+            matmul::check_grid(ctx, "Linformer projection", inner, e.max(ev), b * hkv)
+        }
+        VariantParams::Nystrom { .. } => {
+            let m = inner;
+            fit("landmark queries", b * hq * m * e)?;
+            fit("landmark keys", b * hq * m * e)?;
+            fit("Nyström A", b * hq * m * m)?;
+            fit("Nyström B' V", b * hq * m * ev)?;
+            matmul::check_grid(ctx, "Nyström landmarks", m, e.max(ev).max(m), b * hq)
+        }
+    }
 }
 
 /// Nyström's inner softmax stages: A = softmax(s Q̃ K̃ᵀ) (the weights of an unfused call) and
