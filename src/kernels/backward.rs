@@ -254,7 +254,7 @@ impl Config {
         // such a problem runs (the cold CI's backward grid: 409 s, mostly compiling).
         let sg = caps.cpu.then(|| caps.fused_subgroup()).flatten();
         let (wg, rows, unroll) = if caps.cpu {
-            let rows = if p.flops() >= super::flash::CPU_UNROLL_MIN_FLOPS {
+            let rows = if super::flash::cpu_large(p) {
                 (64 / e4.max(ev4)).clamp(1, 4)
             } else {
                 1

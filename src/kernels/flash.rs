@@ -144,6 +144,13 @@ pub(crate) struct Config {
 /// (the fastest form; see [`Config::for_now`]).
 pub(crate) const CPU_UNROLL_MIN_FLOPS: f64 = 2.5e8;
 
+/// Whether `p` is large enough for a CPU adapter's slow-to-compile, fast-to-run kernels (at
+/// least [`CPU_UNROLL_MIN_FLOPS`]): the forward's unrolled and several-row forms, the
+/// backward's several rows (keys) per invocation.
+pub(crate) fn cpu_large(p: &Problem) -> bool {
+    p.flops() >= CPU_UNROLL_MIN_FLOPS
+}
+
 /// The head dims the fused kernels (forward and backward) hold in registers: up to 256.
 pub(crate) fn check_head_dims(p: &Problem) -> std::result::Result<(), String> {
     if p.head_dim > 256 || p.head_dim_v > 256 {
@@ -158,7 +165,7 @@ pub(crate) fn check_head_dims(p: &Problem) -> std::result::Result<(), String> {
 /// The fused kernel's form for `p` on a device with `caps` when none is pinned.
 pub(crate) fn default_form(p: &Problem, caps: &Caps) -> FusedForm {
     let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
-    let large = p.flops() >= CPU_UNROLL_MIN_FLOPS;
+    let large = cpu_large(p);
     let sg = caps.fused_subgroup().filter(|_| caps.cpu);
     match (caps.cpu, sg, large) {
         (false, _, _) => gpu_form(p, caps),
