@@ -103,12 +103,8 @@ fn check_shapes_with_tails(masked: bool) {
         } else {
             Case::random(shape, si as u64)
         };
-        let forms: Vec<(FusedForm, Context)> = fused_contexts(ctx, &case)
-            .into_iter()
-            .enumerate()
-            .filter(|(j, _)| (si + j) % 2 == usize::from(masked))
-            .map(|(_, f)| f)
-            .collect();
+        let forms: Vec<(FusedForm, Context)> =
+            every_other(fused_contexts(ctx, &case), si + usize::from(masked)).collect();
         let label = if masked { "all masks" } else { "no mask" };
         check_pinned_forms(&case, forms, &format!("{shape:?} {label}"));
     }
@@ -238,6 +234,16 @@ fn decode_shapes_in_every_decode_form() {
     }
 }
 
+/// Every other item of `items`: those at even positions when `parity` is even, else those at
+/// odd positions (cases take turns over the forms, so each pair runs once, not twice).
+fn every_other<T>(items: Vec<T>, parity: usize) -> impl Iterator<Item = T> {
+    items
+        .into_iter()
+        .enumerate()
+        .filter(move |(j, _)| (parity + j).is_multiple_of(2))
+        .map(|(_, x)| x)
+}
+
 /// PyTorch's goldens in every form: each golden in every other form (alternating with its
 /// index; tests/golden.rs runs each in the default forms), so that every form runs about half
 /// of them, every storage format, mask kind and head-dim class among them: the forms' own code
@@ -247,9 +253,7 @@ fn decode_shapes_in_every_decode_form() {
 fn pytorch_goldens_in_every_form() {
     let Some(ctx) = ctx() else { return };
     for (gi, g) in goldens().into_iter().enumerate() {
-        let every_other = |j: usize| (gi + j).is_multiple_of(2);
-        let fused = fused_contexts(ctx, &g.case).into_iter().enumerate();
-        for (form, fctx) in fused.filter(|(j, _)| every_other(*j)).map(|(_, f)| f) {
+        for (form, fctx) in every_other(fused_contexts(ctx, &g.case), gi) {
             let got = g
                 .case
                 .sdpa()
@@ -264,8 +268,7 @@ fn pytorch_goldens_in_every_form() {
                 &format!("fused [{}]", form.name()),
             );
         }
-        let decode = decode_contexts(ctx, &g.case).into_iter().enumerate();
-        for (form, dctx) in decode.filter(|(j, _)| every_other(*j)).map(|(_, f)| f) {
+        for (form, dctx) in every_other(decode_contexts(ctx, &g.case), gi) {
             let got = g
                 .case
                 .sdpa()
