@@ -637,11 +637,7 @@ impl Linear<'_> {
         );
         let src = || binding(heads, 0, st.bytes(size));
         // gᵀ: element (head, dim, batch, row) of the heads.
-        let heads_t = copy::Strided {
-            binding: src(),
-            storage: st,
-            strides: [t * d, 1, n * t * d, d],
-        };
+        let heads_t = copy::Strided::new((src(), st), [t * d, 1, n * t * d, d]);
         copy::record(
             ctx,
             enc,

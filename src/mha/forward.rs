@@ -540,11 +540,7 @@ impl<'p, 'a> Pass<'p, 'a> {
             Some((op, tensor)) => {
                 let given = op.upload(self.ctx, "given heads");
                 let bstride = if tensor.shape()[0] == 1 { 0 } else { n * t * d };
-                let given = copy::Strided {
-                    binding: given.binding(),
-                    storage: op.storage,
-                    strides: [bstride, t * d, d, 1],
-                };
+                let given = copy::Strided::new((given.binding(), op.storage), [bstride, t * d, d, 1]);
                 copy::record(
                     self.ctx,
                     encoder,

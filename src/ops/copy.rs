@@ -2,6 +2,7 @@
 //! [`crate::kernels::permute`]): the layer's head split and merge, transposes, broadcasts of a
 //! batch-1 tensor, and format conversions.
 
+use super::held;
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::permute as kernel;
@@ -18,13 +19,15 @@ pub(crate) struct Strided<'a> {
 /// A dense destination in its format.
 pub(crate) type Dense<'a> = (wgpu::BufferBinding<'a>, Storage);
 
-/// Elements a binding holds in `storage`.
-fn held(b: &wgpu::BufferBinding<'_>, storage: Storage) -> usize {
-    let bytes = match b.size {
-        Some(size) => size.get(),
-        None => b.buffer.size() - b.offset,
-    };
-    (bytes / storage.element_bytes()) as usize
+impl<'a> Strided<'a> {
+    /// The binding `src` in its format, read through `strides`.
+    pub(crate) fn new((binding, storage): Dense<'a>, strides: [usize; 4]) -> Self {
+        Strided {
+            binding,
+            storage,
+            strides,
+        }
+    }
 }
 
 /// Record `dst[i0][i1][i2][i3] = src[Σ ik · strides[k]]` for the dense `dims` of dst,
@@ -68,62 +71,66 @@ pub(crate) fn record(
 pub(crate) fn split_heads(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
-    (src, src_storage): Dense<'_>,
+    src: Dense<'_>,
     dst: Dense<'_>,
     [b, t, h, d]: [usize; 4],
 ) -> Result<()> {
-    let src = Strided {
-        binding: src,
-        storage: src_storage,
-        strides: [t * h * d, d, h * d, 1],
-    };
-    record(ctx, encoder, &src, dst, [b, h, t, d])
+    record(
+        ctx,
+        encoder,
+        &Strided::new(src, [t * h * d, d, h * d, 1]),
+        dst,
+        [b, h, t, d],
+    )
 }
 
 /// `[B, H, L, d]` (heads) to `[B, L, H, d]` (rows of the merged heads).
 pub(crate) fn merge_heads(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
-    (src, src_storage): Dense<'_>,
+    src: Dense<'_>,
     dst: Dense<'_>,
     [b, h, l, d]: [usize; 4],
 ) -> Result<()> {
-    let src = Strided {
-        binding: src,
-        storage: src_storage,
-        strides: [h * l * d, d, l * d, 1],
-    };
-    record(ctx, encoder, &src, dst, [b, l, h, d])
+    record(
+        ctx,
+        encoder,
+        &Strided::new(src, [h * l * d, d, l * d, 1]),
+        dst,
+        [b, l, h, d],
+    )
 }
 
 /// `[rows, cols]` to its transpose `[cols, rows]`.
 pub(crate) fn transpose(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
-    (src, src_storage): Dense<'_>,
+    src: Dense<'_>,
     dst: Dense<'_>,
     [rows, cols]: [usize; 2],
 ) -> Result<()> {
-    let src = Strided {
-        binding: src,
-        storage: src_storage,
-        strides: [0, 0, 1, cols],
-    };
-    record(ctx, encoder, &src, dst, [1, 1, cols, rows])
+    record(
+        ctx,
+        encoder,
+        &Strided::new(src, [0, 0, 1, cols]),
+        dst,
+        [1, 1, cols, rows],
+    )
 }
 
 /// `elems` elements converted from one format to another.
 pub(crate) fn convert(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
-    (src, src_storage): Dense<'_>,
+    src: Dense<'_>,
     dst: Dense<'_>,
     elems: usize,
 ) -> Result<()> {
-    let src = Strided {
-        binding: src,
-        storage: src_storage,
-        strides: [0, 0, 0, 1],
-    };
-    record(ctx, encoder, &src, dst, [1, 1, 1, elems])
+    record(
+        ctx,
+        encoder,
+        &Strided::new(src, [0, 0, 0, 1]),
+        dst,
+        [1, 1, 1, elems],
+    )
 }

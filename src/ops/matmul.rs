@@ -8,7 +8,7 @@
 
 use ndarray::Array3;
 
-use super::{param, Mats};
+use super::{param, u32_param, Mats};
 use crate::buffers::{binding, f32_bytes, fits, Operand};
 use crate::context::Context;
 use crate::error::{Error, Result};
@@ -144,9 +144,7 @@ impl<'a> Matmul<'a> {
         let [a_batch, a_head] = a.strides(heads);
         let [b_batch, b_head] = b.strides(heads / group);
         let [c_batch, c_head] = c.strides(heads);
-        let u = |x: usize| -> Result<u32> {
-            u32::try_from(x).map_err(|_| Error::Internal(format!("matmul: {x} does not fit a u32 param")))
-        };
+        let u = |x: usize| u32_param("matmul", x);
         Ok(kernel::Params {
             m: u(m)?,
             n: u(n)?,

@@ -4,7 +4,7 @@
 //! blocks.
 
 use crate::context::Context;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::kernels::merge as kernel;
 use crate::kernels::TensorViews;
 use crate::storage::Storage;
@@ -39,9 +39,7 @@ pub(crate) fn record(
     merged: &Merged<'_>,
     [rows, ev]: [usize; 2],
 ) -> Result<()> {
-    let u = |x: usize| -> Result<u32> {
-        u32::try_from(x).map_err(|_| Error::Internal(format!("merge: {x} does not fit a u32 param")))
-    };
+    let u = |x: usize| super::u32_param("merge", x);
     let x = match merged.view {
         Some((v, [heads, per_head])) => TensorViews::output(v, heads, per_head),
         None => TensorViews::default(),

@@ -122,21 +122,12 @@ impl<'a> Mats<'a> {
         self
     }
 
-    /// Elements the binding holds.
-    fn bound_elems(&self) -> usize {
-        let bytes = match self.binding.size {
-            Some(size) => size.get(),
-            None => self.binding.buffer.size() - self.binding.offset,
-        };
-        (bytes / self.storage.element_bytes()) as usize
-    }
-
     /// Check that the op's `count` slices lie inside the binding, for an op over `heads` heads
     /// sharing this operand by groups of `group` (`name` names it in the error), and that every
     /// element they reach has a u32 index (the kernels' indices are u32).
     fn check_bounds(&self, name: &str, count: usize, heads: usize, group: usize) -> Result<()> {
         let reach = self.at.reach(count, heads, group);
-        let held = self.bound_elems();
+        let held = held(&self.binding, self.storage);
         if reach > held || reach as u64 > 1 << 32 {
             return Err(Error::Internal(format!(
                 "{name}: {count} slices of {} x {} from slice {} reach element {reach}, its binding \
@@ -149,6 +140,21 @@ impl<'a> Mats<'a> {
         }
         Ok(())
     }
+}
+
+/// Elements of `storage` that `b` holds.
+fn held(b: &wgpu::BufferBinding<'_>, storage: Storage) -> usize {
+    let bytes = match b.size {
+        Some(size) => size.get(),
+        None => b.buffer.size() - b.offset,
+    };
+    (bytes / storage.element_bytes()) as usize
+}
+
+/// A size or index as a kernel's u32 param, or the internal error naming `op` when it does
+/// not fit.
+fn u32_param(op: &str, x: usize) -> Result<u32> {
+    u32::try_from(x).map_err(|_| Error::Internal(format!("{op}: {x} does not fit a u32 param")))
 }
 
 /// A stride or offset as the kernels' u32 param. Only valid for an operand that passed
