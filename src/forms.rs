@@ -163,6 +163,115 @@ impl std::str::FromStr for DecodeForm {
     }
 }
 
+/// A form of the fused backward's kernels (`shaders/bwd_dq.wgsl`, `shaders/bwd_dkv.wgsl`).
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BackwardForm {
+    /// 64 invocations, one query row (dQ) or key (dK, dV) each, unrolled, the other operand's
+    /// tiles staged in up to 32 KiB of workgroup memory. The form for GPUs.
+    Gpu,
+    /// One subgroup per workgroup, `rows` rows (keys) per invocation in registers, the other
+    /// operand's tile held one row per invocation and read by subgroup shuffles (no workgroup
+    /// memory); unrolled. CPU adapters with a fixed subgroup size of 4 to 16 (lavapipe: 8).
+    Subgroup {
+        /// Rows (keys) per invocation (1 to 8).
+        rows: u32,
+    },
+    /// 8 invocations, `rows` rows (keys) each in registers, tiles in workgroup memory,
+    /// unrolled. CPU adapters without a fixed subgroup size.
+    Tiled {
+        /// Rows (keys) per invocation (1 to 8).
+        rows: u32,
+    },
+}
+
+impl BackwardForm {
+    /// Rows (keys) per invocation.
+    pub fn rows(self) -> u32 {
+        match self {
+            BackwardForm::Gpu => 1,
+            BackwardForm::Subgroup { rows } | BackwardForm::Tiled { rows } => rows,
+        }
+    }
+
+    /// The name: `gpu`, `subgroup:R`, `tiled:R` (R rows per invocation).
+    pub fn name(self) -> String {
+        match self {
+            BackwardForm::Gpu => "gpu".into(),
+            BackwardForm::Subgroup { rows } => format!("subgroup:{rows}"),
+            BackwardForm::Tiled { rows } => format!("tiled:{rows}"),
+        }
+    }
+}
+
+impl std::str::FromStr for BackwardForm {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || Error::UnknownName {
+            kind: "backward kernel form",
+            name: s.to_string(),
+            expected: "gpu, subgroup:R, tiled:R (R = rows per invocation, 1 to 8)",
+        };
+        let (kind, rows) = match s.split_once(':') {
+            Some((k, r)) => (k, Some(r.parse::<u32>().map_err(|_| bad())?)),
+            None => (s, None),
+        };
+        if rows.is_some_and(|r| !(1..=8).contains(&r)) {
+            return Err(bad());
+        }
+        match (kind, rows) {
+            ("gpu", None) => Ok(BackwardForm::Gpu),
+            ("subgroup", r) => Ok(BackwardForm::Subgroup { rows: r.unwrap_or(1) }),
+            ("tiled", r) => Ok(BackwardForm::Tiled { rows: r.unwrap_or(1) }),
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// A form of the matmul kernel (the unfused paths' products, the multi-head layer's
+/// projections, the variants' stages).
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MatmulForm {
+    /// 16 x 16 invocations, a 64 x 64 tile of C staged through workgroup memory
+    /// (`shaders/matmul.wgsl`): CPU adapters without a subgroup of 8.
+    Tiled,
+    /// 16 x 16 invocations, a 128 x 128 tile of C, 8 x 8 per invocation, the next K step
+    /// prefetched into registers (`shaders/matmul_tiles.wgsl`). The form for GPUs.
+    GpuTiles,
+    /// One subgroup of 8, 4 rows per invocation, B shared by shuffles, unrolled
+    /// (`shaders/matmul_sg.wgsl`): CPU adapters with a fixed subgroup size of 8 (lavapipe).
+    Subgroup,
+}
+
+impl MatmulForm {
+    /// Every matmul form.
+    pub const ALL: [MatmulForm; 3] = [MatmulForm::Tiled, MatmulForm::GpuTiles, MatmulForm::Subgroup];
+
+    /// The name: `tiled`, `gpu-tiles`, `subgroup`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MatmulForm::Tiled => "tiled",
+            MatmulForm::GpuTiles => "gpu-tiles",
+            MatmulForm::Subgroup => "subgroup",
+        }
+    }
+}
+
+impl std::str::FromStr for MatmulForm {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        MatmulForm::ALL
+            .into_iter()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| Error::UnknownName {
+                kind: "matmul kernel form",
+                name: s.to_string(),
+                expected: "tiled, gpu-tiles, subgroup",
+            })
+    }
+}
+
 /// Forms pinned for a context's calls (tests, benchmarks, tuning); `None` lets the plan choose.
 /// A pinned form the device cannot run makes the call fail with [`Error::Unsupported`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -171,6 +280,11 @@ pub struct Forms {
     pub fused: Option<FusedForm>,
     /// The decode kernel's form.
     pub decode: Option<DecodeForm>,
+    /// The fused backward's form.
+    pub backward: Option<BackwardForm>,
+    /// The matmul's form (every product: the unfused forward and backward, the layer, the
+    /// variants).
+    pub matmul: Option<MatmulForm>,
 }
 
 /// Only the fused kernel's form pinned.
@@ -178,7 +292,7 @@ impl From<FusedForm> for Forms {
     fn from(f: FusedForm) -> Forms {
         Forms {
             fused: Some(f),
-            decode: None,
+            ..Forms::default()
         }
     }
 }
@@ -187,26 +301,48 @@ impl From<FusedForm> for Forms {
 impl From<DecodeForm> for Forms {
     fn from(f: DecodeForm) -> Forms {
         Forms {
-            fused: None,
             decode: Some(f),
+            ..Forms::default()
+        }
+    }
+}
+
+/// Only the fused backward's form pinned.
+impl From<BackwardForm> for Forms {
+    fn from(f: BackwardForm) -> Forms {
+        Forms {
+            backward: Some(f),
+            ..Forms::default()
+        }
+    }
+}
+
+/// Only the matmul's form pinned.
+impl From<MatmulForm> for Forms {
+    fn from(f: MatmulForm) -> Forms {
+        Forms {
+            matmul: Some(f),
+            ..Forms::default()
         }
     }
 }
 
 impl Forms {
-    /// Parse `fused=<form>,decode=<form>` (either part may be left out), the syntax of the
-    /// `WGPU_ATTENTION_FORMS` environment variable.
+    /// Parse `fused=<form>,decode=<form>,backward=<form>,matmul=<form>` (any part may be left
+    /// out), the syntax of the `WGPU_ATTENTION_FORMS` environment variable.
     pub fn parse(s: &str) -> Result<Forms> {
         let mut forms = Forms::default();
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             match part.split_once('=') {
                 Some(("fused", f)) => forms.fused = Some(f.parse()?),
                 Some(("decode", f)) => forms.decode = Some(f.parse()?),
+                Some(("backward", f)) => forms.backward = Some(f.parse()?),
+                Some(("matmul", f)) => forms.matmul = Some(f.parse()?),
                 _ => {
                     return Err(Error::UnknownName {
                         kind: "kernel form setting",
                         name: part.to_string(),
-                        expected: "fused=<form>, decode=<form>",
+                        expected: "fused=<form>, decode=<form>, backward=<form>, matmul=<form>",
                     })
                 }
             }
@@ -304,6 +440,26 @@ impl Caps {
             .collect()
     }
 
+    /// The fused backward's forms this device can run (the ones the tests check it with).
+    pub fn backward_forms(&self) -> Vec<BackwardForm> {
+        let mut v = vec![BackwardForm::Gpu, BackwardForm::Tiled { rows: 2 }];
+        if self.fused_subgroup().is_some() {
+            v.extend([
+                BackwardForm::Subgroup { rows: 1 },
+                BackwardForm::Subgroup { rows: 2 },
+            ]);
+        }
+        v
+    }
+
+    /// The matmul's forms this device can run.
+    pub fn matmul_forms(&self) -> Vec<MatmulForm> {
+        MatmulForm::ALL
+            .into_iter()
+            .filter(|f| *f != MatmulForm::Subgroup || self.subgroup == Some(8))
+            .collect()
+    }
+
     /// The subgroup size of the fused kernel's subgroup form: the subgroup size, when it is fixed
     /// and 4 to 16 (the workgroup is one subgroup, each invocation holding one key of the tile).
     pub(crate) fn fused_subgroup(&self) -> Option<u32> {
@@ -344,7 +500,28 @@ mod tests {
             Forms::parse("fused=subgroup:2, decode=gpu"),
             Ok(Forms {
                 fused: Some(FusedForm::Subgroup { rows: 2 }),
-                decode: Some(DecodeForm::Gpu)
+                decode: Some(DecodeForm::Gpu),
+                ..Forms::default()
+            })
+        );
+        for f in [
+            BackwardForm::Gpu,
+            BackwardForm::Subgroup { rows: 3 },
+            BackwardForm::Tiled { rows: 8 },
+        ] {
+            assert_eq!(f.name().parse::<BackwardForm>(), Ok(f));
+        }
+        for f in MatmulForm::ALL {
+            assert_eq!(f.name().parse::<MatmulForm>(), Ok(f));
+        }
+        assert!("tiled:9".parse::<BackwardForm>().is_err());
+        assert!("gpu:1".parse::<BackwardForm>().is_err());
+        assert_eq!(
+            Forms::parse("backward=tiled:2,matmul=gpu-tiles"),
+            Ok(Forms {
+                backward: Some(BackwardForm::Tiled { rows: 2 }),
+                matmul: Some(MatmulForm::GpuTiles),
+                ..Forms::default()
             })
         );
         assert!(Forms::parse("flash=gpu").is_err());

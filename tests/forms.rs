@@ -1,6 +1,7 @@
 //! The form matrix: every case whose result depends on the kernel's form, checked in one
-//! process against every form of the fused and decode kernels this device can run
-//! ([`Caps::fused_forms`], [`Caps::decode_forms`]), with one reference per case. The other
+//! process against every form of the fused, decode, backward and matmul kernels this device
+//! can run ([`Caps::fused_forms`], [`Caps::decode_forms`], [`Caps::backward_forms`],
+//! [`Caps::matmul_forms`]), with one reference per case. The other
 //! test files run the default forms (the plan's choice); this file pins each form through
 //! [`Context::with_forms`].
 //!
@@ -8,17 +9,23 @@
 //! every mask kind combined (bottom-right causal, a boolean mask with fully masked rows, a bias,
 //! key lengths); head dims at the limit of 256; a problem large enough for the fastest CPU
 //! form, with a zero key length; decode shapes; mask and bias broadcasts, `-inf` biases and
-//! ±1e4 logits; batch × heads over 65,535; the PyTorch goldens; one multi-head attention layer.
+//! ±1e4 logits; batch × heads over 65,535; the PyTorch goldens; one multi-head attention layer;
+//! the backward on shapes with tails, with and without every mask kind; the unfused paths and
+//! the public matmul; pinned forms the device cannot run.
 //! Each case skips its default form, which the rest of the suite checks.
 //!
 //! [`Caps::fused_forms`]: wgpu_attention::Caps::fused_forms
 //! [`Caps::decode_forms`]: wgpu_attention::Caps::decode_forms
+//! [`Caps::backward_forms`]: wgpu_attention::Caps::backward_forms
+//! [`Caps::matmul_forms`]: wgpu_attention::Caps::matmul_forms
 
 mod common;
 
 use common::{ctx, goldens, Case, SHAPES, TOL};
 use wgpu_attention::check::{compare, Tolerance};
-use wgpu_attention::{Causal, Context, DecodeForm, Form, FusedForm, Options, Path, Storage};
+use wgpu_attention::{
+    BackwardForm, Causal, Context, DecodeForm, Error, Form, FusedForm, MatmulForm, Options, Path, Storage,
+};
 
 /// Every mask kind at once: bottom-right causal, a boolean mask with fully masked rows, a
 /// bias and key lengths.
@@ -484,5 +491,161 @@ fn batch_times_heads_over_65535_in_every_form() {
         Path::Unfused,
         TOL,
         &format!("B*H = 300, grid limit {limit} [unfused]"),
+    );
+}
+
+/// An upstream gradient for `case`, rounded to its format.
+fn dout_for(case: &Case, seed: u64) -> ndarray::Array4<f32> {
+    let (b, h, l, _) = case.dims();
+    let ev = case.v.dim().3;
+    common::rand_array(&mut common::rng(seed), (b, h, l, ev)).mapv(|x| case.storage.round(x))
+}
+
+/// The backward of `case` on `path` in `fctx`'s pinned forms, which must be the ones that run
+/// (`want`), checked against the reference by FlashAttention's rule.
+fn check_backward(fctx: &Context, case: &Case, path: Path, want: Form, label: &str) {
+    let dout = dout_for(case, 99);
+    let dout_t = wgpu_attention::Tensor::from(&dout).with_storage(case.storage);
+    let b = case.sdpa().backward(dout_t).path(path);
+    assert_eq!(b.form(fctx).unwrap(), want, "{label}: the pinned form runs");
+    let g = b.run_blocking(fctx).unwrap_or_else(|e| panic!("{label}: {e}"));
+    common::assert_grads(case, &g, &dout, label);
+}
+
+/// The fused backward in every form this device offers but each case's default (tests/backward.rs
+/// runs the default on every shape and mask kind): three shapes with tails (small odd head
+/// dims and L != S; vec4 I/O at E = 64 with GQA; MQA with E != Ev), each form meeting each
+/// shape once, without a mask and with every mask kind at once in turn. Each pair compiles its
+/// own kernels, and the unrolled multi-row forms compile for seconds per vec4 of the head dims
+/// (at E = 33, Ev = 65 with every mask: 14-17 s each on lavapipe), so the odd dims are small.
+#[test]
+fn backward_in_every_backward_form() {
+    let Some(ctx) = ctx() else { return };
+    let forms = ctx.caps().backward_forms();
+    assert!(
+        forms.contains(&BackwardForm::Gpu) && forms.len() >= 2,
+        "{forms:?}"
+    );
+    for (si, shape) in [
+        (1, 2, 2, 19, 37, 7, 5),
+        (2, 4, 2, 65, 63, 64, 64),
+        (1, 4, 1, 5, 129, 8, 20),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let plain = Case::random(shape, 300 + si as u64);
+        let dout = dout_for(&plain, 1);
+        let default = plain.sdpa().backward(&dout).path(Path::Fused).form(ctx).ok();
+        for (fi, form) in forms.iter().copied().enumerate() {
+            if default == Some(Form::Backward(form)) {
+                continue;
+            }
+            let masked = (si + fi) % 2 == 1;
+            let case = Case::random(shape, 300 + si as u64);
+            let case = if masked { all_masks(case, 7) } else { case };
+            let label = format!(
+                "{shape:?} {} [{}]",
+                if masked { "all masks" } else { "no mask" },
+                form.name()
+            );
+            check_backward(
+                &ctx.with_forms(form),
+                &case,
+                Path::Fused,
+                Form::Backward(form),
+                &label,
+            );
+        }
+    }
+}
+
+/// The matmul in every form this device offers but its default (the stage test in
+/// `src/kernels/stage_tests.rs` runs every form on every storage format): the unfused forward
+/// with every mask kind and the unfused backward, each on a shape with tails, and the public
+/// `matmul` with a transposed B.
+#[test]
+fn unfused_paths_in_every_matmul_form() {
+    let Some(ctx) = ctx() else { return };
+    let forms = ctx.caps().matmul_forms();
+    assert!(
+        forms.contains(&MatmulForm::Tiled) && forms.contains(&MatmulForm::GpuTiles),
+        "{forms:?}"
+    );
+    let fwd = all_masks(Case::random((1, 4, 2, 70, 130, 33, 65), 41), 43);
+    let bwd = Case::random((2, 4, 2, 65, 63, 64, 64), 42);
+    let default = fwd.sdpa().path(Path::Unfused).plan(ctx).unwrap().form();
+    let want = fwd.reference();
+    let (m, n, k) = (67, 45, 19);
+    let a = common::rand_array(&mut common::rng(5), (1, m, k));
+    let b = common::rand_array(&mut common::rng(6), (1, n, k));
+    let product = ndarray::Array2::from_shape_fn((m, n), |(i, j)| {
+        (0..k)
+            .map(|x| a[[0, i, x]] as f64 * b[[0, j, x]] as f64)
+            .sum::<f64>()
+    });
+    for form in forms {
+        if default == Form::Unfused(form) {
+            continue;
+        }
+        let fctx = ctx.with_forms(form);
+        let label = format!("[{}]", form.name());
+        let plan = fwd.sdpa().path(Path::Unfused).plan(&fctx).unwrap();
+        assert_eq!(plan.form(), Form::Unfused(form), "{label}: the pinned form runs");
+        fwd.check_against(
+            &want,
+            &fctx,
+            Path::Unfused,
+            TOL,
+            &format!("forward, all masks {label}"),
+        );
+        check_backward(
+            &fctx,
+            &bwd,
+            Path::Unfused,
+            Form::Unfused(form),
+            &format!("backward {label}"),
+        );
+        let c = wgpu_attention::matmul_blocking(&fctx, &a, &b, true, 1.0).unwrap();
+        let r = compare(c.iter().copied(), product.iter().copied(), TOL);
+        assert!(r.passed(), "matmul {label}: {r}");
+    }
+}
+
+/// A pinned form the device cannot run is refused with a typed error, before any GPU work, on
+/// every path that would run it (not replaced by another path).
+#[test]
+fn pinned_forms_the_device_cannot_run_are_refused() {
+    let Some(ctx) = ctx() else { return };
+    let caps = ctx.caps();
+    let case = Case::random((1, 2, 2, 9, 21, 8, 8), 3);
+    let dout = dout_for(&case, 4);
+    let unsupported = |r: Result<Form, Error>, what: &str| {
+        assert!(matches!(r, Err(Error::Unsupported { .. })), "{what}: {r:?}");
+    };
+    if !caps
+        .backward_forms()
+        .iter()
+        .any(|f| matches!(f, BackwardForm::Subgroup { .. }))
+    {
+        let fctx = ctx.with_forms(BackwardForm::Subgroup { rows: 1 });
+        for path in [Path::Auto, Path::Fused] {
+            unsupported(
+                case.sdpa().backward(&dout).path(path).form(&fctx),
+                "backward subgroup form",
+            );
+        }
+    }
+    if caps.subgroup != Some(8) {
+        let fctx = ctx.with_forms(MatmulForm::Subgroup);
+        unsupported(
+            case.sdpa().path(Path::Unfused).plan(&fctx).map(|p| p.form()),
+            "matmul subgroup form",
+        );
+    }
+    let out_of_range = ctx.with_forms(BackwardForm::Tiled { rows: 9 });
+    unsupported(
+        case.sdpa().backward(&dout).path(Path::Fused).form(&out_of_range),
+        "9 rows",
     );
 }

@@ -9,7 +9,7 @@ use super::access::{array, row_base, row_loader, row_storer, Access, Dim};
 use super::{common, dispatch, grid_1d, mask_flags, params_of, Binding, KernelSpec, Masks, TensorViews};
 use crate::context::Context;
 use crate::error::Result;
-use crate::forms::Caps;
+use crate::forms::{BackwardForm, Caps};
 use crate::problem::Problem;
 use crate::storage::{Formats, Storage};
 use crate::view::Views;
@@ -196,6 +196,7 @@ impl Params {
 /// The fused backward's specialisation for a problem on a device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Config {
+    pub form: BackwardForm,
     pub e4: u32,
     pub ev4: u32,
     /// Invocations per workgroup.
@@ -223,6 +224,28 @@ pub(crate) struct Config {
     pub has_bias: bool,
 }
 
+/// The form the plan picks: on GPUs [`BackwardForm::Gpu`]; on CPU adapters several rows (keys)
+/// per invocation in registers, unrolled, with a fixed subgroup the other operand by shuffles
+/// (measured on lavapipe, a_h8_s1024: 1 row 1242 ms, 4 rows 408 ms, 4 rows with shuffles
+/// 202 ms; the forward 52 ms). Problems under the forward's threshold (`flash::cpu_large`) take
+/// one row, as the forward does: LLVM compiles the several-row kernels for seconds, more than
+/// such a problem runs (the cold CI's backward grid: 409 s, mostly compiling).
+fn default_form(p: &Problem, caps: &Caps) -> BackwardForm {
+    if !caps.cpu {
+        return BackwardForm::Gpu;
+    }
+    let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
+    let rows = if super::flash::cpu_large(p) {
+        (64 / e4.max(ev4)).clamp(1, 4)
+    } else {
+        1
+    };
+    match caps.fused_subgroup() {
+        Some(_) => BackwardForm::Subgroup { rows },
+        None => BackwardForm::Tiled { rows },
+    }
+}
+
 /// The dK/dV kernel's access to row `ii` of its query tile: by subgroup shuffle from the
 /// invocation holding it, or from workgroup memory.
 const Q_SUBGROUP: &str = "\
@@ -240,42 +263,43 @@ fn stat_at(ii: u32) -> vec3<f32> { return vec3<f32>(lse_tile[ii], dsum_tile[ii],
 const WG_MEMORY: u32 = 16 * 1024;
 
 impl Config {
-    /// The form for `p` on a device with `caps`: GPUs 64 invocations, one row (key) each, unrolled, K/V and Q/dO tiles in up to 32 KiB of workgroup memory;
-    /// CPU adapters 8 invocations with several rows (keys) each in registers, unrolled.
-    /// Or why the fused backward cannot run `p`.
+    /// The configuration of the pinned form (`caps.forms.backward`) or the default one
+    /// ([`BackwardForm`] describes each), or why the fused backward cannot run `p` there.
     pub(crate) fn new(p: &Problem, caps: &Caps) -> std::result::Result<Config, String> {
         super::flash::check_head_dims(p)?;
         let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
-        // CPU adapters: several rows (keys) per invocation in registers, unrolled; with a
-        // fixed subgroup the other operand by shuffles (measured on lavapipe, a_h8_s1024:
-        // 1 row 1242 ms, 4 rows 408 ms, 4 rows with shuffles 202 ms; the forward 52 ms).
-        // Problems under the forward's threshold (`CPU_UNROLL_MIN_FLOPS`) take one row, as
-        // the forward does: LLVM compiles the several-row kernels for seconds, more than
-        // such a problem runs (the cold CI's backward grid: 409 s, mostly compiling).
-        let sg = caps.cpu.then(|| caps.fused_subgroup()).flatten();
-        let (wg, rows, unroll) = if caps.cpu {
-            let rows = if super::flash::cpu_large(p) {
-                (64 / e4.max(ev4)).clamp(1, 4)
-            } else {
-                1
-            };
-            (sg.unwrap_or(8), rows, true)
-        } else {
-            (
+        let form = caps.forms.backward.unwrap_or_else(|| default_form(p, caps));
+        let (wg, rows, unroll, sg) = match form {
+            BackwardForm::Gpu => (
                 crate::tune::knob("bwd_wg").unwrap_or(64),
                 crate::tune::knob("bwd_rows").unwrap_or(1),
                 // Measured on an H100 (scripts/gpu_sweep.sh, c_h8_s4096_causal): unrolled 13.6 ms,
                 // loops as written 42 ms (their register arrays go to local memory); 2 rows per
                 // invocation spill (5.3 ms against 1.7 ms at a_h8_s1024).
                 crate::tune::knob("bwd_unroll").is_none_or(|u| u != 0),
-            )
+                None,
+            ),
+            BackwardForm::Subgroup { rows } => {
+                let s = caps.fused_subgroup().ok_or_else(|| {
+                    format!(
+                        "the {} form needs a fixed subgroup size of 4 to 16 (device: {:?})",
+                        form.name(),
+                        caps.subgroup
+                    )
+                })?;
+                (s, rows, true, Some(s))
+            }
+            BackwardForm::Tiled { rows } => (8, rows, true, None),
         };
-        if caps.max_invocations < wg || caps.max_workgroup_size_x < wg {
-            return Err(format!("it needs {wg} invocations per workgroup"));
+        if !(1..=8).contains(&rows) || caps.max_invocations < wg || caps.max_workgroup_size_x < wg {
+            return Err(format!(
+                "the {} form needs {wg} invocations per workgroup and 1 to 8 rows",
+                form.name()
+            ));
         }
-        let wg_memory = match caps.cpu {
-            false => crate::tune::knob("wg_memory").unwrap_or(super::flash::GPU_WG_MEMORY),
-            true => WG_MEMORY,
+        let wg_memory = match form {
+            BackwardForm::Gpu => crate::tune::knob("wg_memory").unwrap_or(super::flash::GPU_WG_MEMORY),
+            _ => WG_MEMORY,
         };
         let budget = wg_memory.min(caps.workgroup_storage).saturating_sub(16);
         let tiles: &[u32] = if wg_memory > WG_MEMORY {
@@ -292,6 +316,7 @@ impl Config {
             ),
         };
         Ok(Config {
+            form,
             e4,
             ev4,
             wg,

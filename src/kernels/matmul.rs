@@ -45,44 +45,61 @@ pub(crate) const TILES_SPEC: KernelSpec = KernelSpec {
 };
 
 /// Output tile edge (rows and columns) per workgroup of the tiled form; the grid is sized for
-/// it (the subgroup form's tiles are smaller, see [`Form::tile`]).
+/// it (the subgroup form's tiles are smaller, see `Form::tile`).
 pub(crate) const TILE: u32 = 64;
 
 /// How the product is laid out on the device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Form {
-    /// 16 x 16 invocations, a 64 x 64 tile staged through workgroup memory: GPUs, and CPU
-    /// adapters without a fixed subgroup of 8.
-    Tiled,
-    /// One subgroup of 8, `rows` rows per invocation, B shared by shuffles, unrolled
-    /// (`matmul_sg.wgsl`): CPU adapters with a subgroup of 8.
-    Subgroup { rows: u32 },
-    /// 16 x 16 invocations, a 128 x 128 tile, 8 x 8 per invocation, the next K step
-    /// prefetched into registers (`matmul_tiles.wgsl`): GPUs.
-    GpuTiles,
-}
+pub(crate) use crate::forms::MatmulForm as Form;
 
-impl Form {
-    /// The form for `ctx`'s adapter.
-    pub(crate) fn for_device(caps: &crate::forms::Caps) -> Form {
-        if caps.cpu && caps.subgroup == Some(8) {
+/// The pinned form (`caps.forms.matmul`) or the default one: on CPU adapters with a fixed
+/// subgroup of 8 the subgroup form, on GPUs the register-tiled form, else the tiled form. Or
+/// why the pinned one cannot run on this device.
+pub(crate) fn form_for(caps: &crate::forms::Caps) -> std::result::Result<Form, String> {
+    let form = caps
+        .forms
+        .matmul
+        .unwrap_or(if caps.cpu && caps.subgroup == Some(8) {
             // Measured on lavapipe at 1024^3 (A Bᵀ, `wgpu-attention bench`), GFLOP/s (first call
             // incl. compilation): 4 rows x 4 blocks x 2 k-steps 35 (1.4 s), 4 x 6 x 2 37 (2.9 s),
             // 4 x 4 x 4 37 (2.2 s), 8 x 2 x 2 31, 8 x 1 x 2 21, 2 x 8 x 2 30, 4 x 8 x 2 32 (4.5 s).
-            Form::Subgroup { rows: SG_ROWS }
+            Form::Subgroup
         } else if !caps.cpu && crate::tune::knob("matmul_tiles") != Some(0) {
             Form::GpuTiles
         } else {
             Form::Tiled
-        }
+        });
+    if !caps.matmul_forms().contains(&form) {
+        return Err(format!(
+            "the {} matmul form needs a fixed subgroup size of 8 (device: {:?})",
+            form.name(),
+            caps.subgroup
+        ));
     }
+    // Both tiled forms run 16 x 16 invocations with 8 KiB of workgroup memory.
+    if form != Form::Subgroup && (caps.max_invocations < 256 || caps.max_workgroup_size_x < 16) {
+        return Err(format!(
+            "the {} matmul form needs 16 x 16 invocations",
+            form.name()
+        ));
+    }
+    Ok(form)
+}
 
+/// [`form_for`] `ctx`'s device, its refusal an [`Error::Unsupported`](crate::Error).
+pub(crate) fn form(ctx: &Context) -> Result<Form> {
+    form_for(&ctx.caps()).map_err(|reason| crate::error::Error::Unsupported {
+        path: "matmul",
+        reason,
+    })
+}
+
+impl Form {
     /// Rows and columns of C per workgroup.
     pub(crate) fn tile(self) -> [u32; 2] {
         match self {
             Form::Tiled => [TILE, TILE],
             Form::GpuTiles => [2 * TILE, 2 * TILE],
-            Form::Subgroup { rows } => [8 * rows, 8 * SG_NB],
+            Form::Subgroup => [8 * SG_ROWS, 8 * SG_NB],
         }
     }
 }
@@ -90,7 +107,7 @@ impl Form {
 /// Check that an `m × n` product fits the device's grid (in the form `ctx` runs) before any
 /// GPU work: `what` names it in the error.
 pub(crate) fn check_grid(ctx: &Context, what: &str, m: usize, n: usize) -> Result<()> {
-    let [tm, tn] = Form::for_device(&ctx.caps()).tile();
+    let [tm, tn] = form(ctx)?.tile();
     let max = ctx.limits().max_compute_workgroups_per_dimension as usize;
     for (extent, tile, axis) in [(m, tm, "rows"), (n, tn, "columns")] {
         if extent.div_ceil(tile as usize) > max {
@@ -290,8 +307,7 @@ impl Matmul<'_> {
         encoder: &mut wgpu::CommandEncoder,
         dummy: &wgpu::Buffer,
     ) -> Result<()> {
-        let form = Form::for_device(&ctx.caps());
-        self.record_form(ctx, encoder, dummy, form)
+        self.record_form(ctx, encoder, dummy, form(ctx)?)
     }
 
     /// [`Matmul::record`] in `form`.
@@ -327,7 +343,7 @@ impl Matmul<'_> {
                 &TILES_SPEC,
                 prelude(self.formats, c_words) + &format!("const UNROLL: bool = {};\n", !ctx.caps().cpu),
             ),
-            Form::Subgroup { rows } => {
+            Form::Subgroup => {
                 let aligned = |x: u32| x.is_multiple_of(4);
                 let a4 = aligned(p.k)
                     && aligned(p.a_row)
@@ -341,7 +357,8 @@ impl Matmul<'_> {
                     && aligned(p.b_off);
                 (
                     &SG_SPEC,
-                    prelude_vec4(self.formats, c_words, [a4, b4]) + &sg_prelude(rows, self.trans_b, a4, b4),
+                    prelude_vec4(self.formats, c_words, [a4, b4])
+                        + &sg_prelude(SG_ROWS, self.trans_b, a4, b4),
                 )
             }
         };

@@ -18,7 +18,7 @@ pub(crate) mod permute;
 pub(crate) mod pinv;
 pub(crate) mod softmax;
 #[cfg(test)]
-mod stage_tests;
+pub(crate) mod stage_tests;
 pub(crate) mod unroll;
 
 use crate::context::Context;

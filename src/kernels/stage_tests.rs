@@ -13,7 +13,7 @@ use crate::problem::Causal;
 use crate::reference;
 use crate::Context;
 
-fn ctx() -> Option<Context> {
+pub(crate) fn ctx() -> Option<Context> {
     match Context::new_blocking() {
         Ok(c) => Some(c),
         Err(e) if std::env::var("WGPU_ATTENTION_REQUIRE_GPU").as_deref() != Ok("1") => {
@@ -24,7 +24,7 @@ fn ctx() -> Option<Context> {
     }
 }
 
-fn lcg(n: usize, seed: u64) -> Vec<f32> {
+pub(crate) fn lcg(n: usize, seed: u64) -> Vec<f32> {
     let mut x = seed
         .wrapping_mul(6364136223846793005)
         .wrapping_add(1442695040888963407);
@@ -288,10 +288,7 @@ fn f64_product(
 fn matmul_forms_and_formats_match_f64_product() {
     use crate::storage::Storage;
     let Some(ctx) = ctx() else { return };
-    let mut forms = vec![matmul::Form::Tiled, matmul::Form::GpuTiles];
-    if ctx.caps().subgroup == Some(8) {
-        forms.push(matmul::Form::for_device(&ctx.caps()));
-    }
+    let forms = ctx.caps().matmul_forms();
     let mixed = [Storage::F16, Storage::Bf16, Storage::F32, Storage::F16];
     let format_sets = [[Storage::F32; 4], [Storage::F16; 4], [Storage::Bf16; 4], mixed];
     // (batch, m, n, k, a_off rows): tails everywhere; aligned (vec4 loads); K % 4 != 0.

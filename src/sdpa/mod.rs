@@ -22,7 +22,7 @@ pub(crate) mod forward;
 pub(crate) mod merge;
 pub(crate) mod plan;
 
-use plan::{Kernel, Plan, Request};
+use plan::{Form, Kernel, Plan, Request};
 
 /// Which implementation runs the attention.
 #[non_exhaustive]

@@ -4,7 +4,7 @@
 
 use crate::buffers::{f32_bytes, F32};
 use crate::error::{Error, Result};
-use crate::forms::{Caps, DecodeForm, Forms, FusedForm};
+use crate::forms::{BackwardForm, Caps, DecodeForm, Forms, FusedForm, MatmulForm};
 use crate::kernels::{decode, flash, matmul};
 use crate::problem::Problem;
 
@@ -14,8 +14,10 @@ use super::Path;
 #[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Form {
-    /// The unfused path's kernels (matmul, softmax, matmul) have one form.
-    Unfused,
+    /// The unfused path's kernels (matmul, softmax, matmul): the matmul's form.
+    Unfused(MatmulForm),
+    /// The fused backward's form.
+    Backward(BackwardForm),
     /// The fused kernel's form.
     Fused(FusedForm),
     /// The decode kernel's form.
@@ -156,7 +158,7 @@ impl Plan {
     /// The form of the path's kernel.
     pub fn form(&self) -> Form {
         match &self.kernel {
-            Kernel::Unfused(_) => Form::Unfused,
+            Kernel::Unfused(c) => Form::Unfused(c.form),
             Kernel::Fused(c) => Form::Fused(c.form),
             Kernel::Decode(c) => Form::Decode(c.form),
         }
@@ -191,10 +193,16 @@ pub(crate) struct ChunkPlan {
     pub heads: usize,
     /// Query rows per chunk (`L` unless `heads == 1`).
     pub rows: usize,
+    /// The matmul's form.
+    pub form: MatmulForm,
 }
 
 impl ChunkPlan {
     pub(crate) fn new(p: &Problem, budget_bytes: u64, caps: &Caps) -> Result<Self> {
+        let form = matmul::form_for(caps).map_err(|reason| Error::Unsupported {
+            path: "unfused",
+            reason,
+        })?;
         let max_grid = caps.max_workgroups as usize;
         let tile = matmul::TILE as usize;
         let budget = (budget_bytes / F32) as usize;
@@ -220,11 +228,12 @@ impl ChunkPlan {
         let max_rows = (max_grid * tile).min(l);
         if l * s <= budget && l <= max_rows {
             let heads = (budget / (l * s)).min(p.batch_heads()).min(max_grid);
-            Ok(ChunkPlan { heads, rows: l })
+            Ok(ChunkPlan { heads, rows: l, form })
         } else {
             Ok(ChunkPlan {
                 heads: 1,
                 rows: (budget / s).min(max_rows),
+                form,
             })
         }
     }
@@ -338,11 +347,75 @@ mod tests {
         let pinned = caps(true, Some(8)).with_forms(Forms {
             fused: Some(FusedForm::Loop { rows: 3 }),
             decode: Some(DecodeForm::Gpu),
+            ..Forms::default()
         });
         let plan = Plan::new(&small, &req(Path::Auto), &pinned).unwrap();
         assert_eq!(plan.form(), Form::Fused(FusedForm::Loop { rows: 3 }));
         let plan = Plan::new(&small, &req(Path::Decode), &pinned).unwrap();
         assert_eq!(plan.form(), Form::Decode(DecodeForm::Gpu));
+        // The unfused path's matmul: the subgroup form with a subgroup of 8, pinnable, and
+        // refused where the subgroup size is not 8.
+        let plan = Plan::new(&small, &req(Path::Unfused), &pinned).unwrap();
+        assert_eq!(plan.form(), Form::Unfused(MatmulForm::Subgroup));
+        let gpu_tiles = pinned.with_forms(MatmulForm::GpuTiles);
+        let plan = Plan::new(&small, &req(Path::Unfused), &gpu_tiles).unwrap();
+        assert_eq!(plan.form(), Form::Unfused(MatmulForm::GpuTiles));
+        let sixteen = caps(true, Some(16)).with_forms(MatmulForm::Subgroup);
+        assert!(matches!(
+            Plan::new(&small, &req(Path::Unfused), &sixteen),
+            Err(Error::Unsupported { path: "unfused", .. })
+        ));
+        let plan = Plan::new(&small, &req(Path::Unfused), &caps(false, Some(32))).unwrap();
+        assert_eq!(plan.form(), Form::Unfused(MatmulForm::GpuTiles));
+    }
+
+    /// The backward's plan: the default forms (GPU; CPU with and without a subgroup, one row
+    /// below the forward's threshold), pinned forms, and a pinned form the device cannot run
+    /// refused rather than replaced by the unfused path.
+    #[test]
+    fn backward_forms_by_device_and_pinned() {
+        use crate::sdpa::backward::plan as bplan;
+        let small = Problem::new(&[1, 4, 70, 40], &[1, 2, 130, 40], &[1, 2, 130, 24]).unwrap();
+        let large = Problem::new(&[1, 8, 1024, 64], &[1, 8, 1024, 64], &[1, 8, 1024, 64]).unwrap();
+        let form = |p: &Problem, path, c: &Caps| bplan(p, path, c).map(|b| b.form());
+        assert_eq!(
+            form(&small, Path::Auto, &caps(false, Some(32))),
+            Ok(Form::Backward(BackwardForm::Gpu))
+        );
+        assert_eq!(
+            form(&small, Path::Auto, &caps(true, Some(8))),
+            Ok(Form::Backward(BackwardForm::Subgroup { rows: 1 }))
+        );
+        assert_eq!(
+            form(&large, Path::Auto, &caps(true, Some(8))),
+            Ok(Form::Backward(BackwardForm::Subgroup { rows: 4 }))
+        );
+        assert_eq!(
+            form(&large, Path::Auto, &caps(true, None)),
+            Ok(Form::Backward(BackwardForm::Tiled { rows: 4 }))
+        );
+        let tiled = caps(true, Some(8)).with_forms(BackwardForm::Tiled { rows: 3 });
+        assert_eq!(
+            form(&small, Path::Fused, &tiled),
+            Ok(Form::Backward(BackwardForm::Tiled { rows: 3 }))
+        );
+        assert_eq!(
+            form(&small, Path::Unfused, &tiled),
+            Ok(Form::Unfused(MatmulForm::Subgroup))
+        );
+        // A subgroup form without a fixed subgroup size: refused on the fused and automatic
+        // paths, not run unfused in its place.
+        let sg = caps(true, None).with_forms(BackwardForm::Subgroup { rows: 1 });
+        for path in [Path::Auto, Path::Fused] {
+            assert!(matches!(
+                form(&small, path, &sg),
+                Err(Error::Unsupported { path: "fused", reason }) if reason.contains("pinned")
+            ));
+        }
+        assert!(matches!(
+            form(&small, Path::Decode, &sg),
+            Err(Error::Unsupported { .. })
+        ));
     }
 
     /// The unfused path's chunks fit the budget: whole heads when L·S fits, else row blocks.

@@ -14,6 +14,8 @@
 mod fused;
 mod plan;
 mod record;
+#[cfg(test)]
+mod stage_tests;
 mod unfused;
 
 use ndarray::{Array3, Array4, ArrayD, IxDyn};
@@ -25,7 +27,7 @@ use crate::problem::Problem;
 use crate::storage::{Formats, Storage};
 use crate::tensor::Tensor;
 
-use super::{GpuOutput, Path, Sdpa};
+use super::{Form, GpuOutput, Path, Sdpa};
 pub(crate) use plan::plan;
 
 /// The backward of one attention call: gradients of a loss with respect to q, k, v and the
@@ -124,6 +126,14 @@ impl<'a> Backward<'a> {
     pub fn resolved_path(&self, ctx: &Context) -> Result<Path> {
         let p = self.problem()?;
         Ok(plan(&p, self.path, &ctx.caps())?.path())
+    }
+
+    /// The form the backward's kernels run in on `ctx`: [`Form::Backward`] on the fused path,
+    /// [`Form::Unfused`] (the matmul's form) on the unfused one; or why the forced path or a
+    /// form pinned by [`Context::with_forms`] cannot run.
+    pub fn form(&self, ctx: &Context) -> Result<Form> {
+        let p = self.problem()?;
+        Ok(plan(&p, self.path, &ctx.caps())?.form())
     }
 
     /// The validated problem (the backward's formats: q, k, v, bias as given, `out` = dO's).

@@ -4,10 +4,11 @@
 use crate::buffers::fits;
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::forms::Caps;
+use crate::forms::{Caps, Forms};
 use crate::kernels::backward as kb;
 use crate::problem::Problem;
 use crate::sdpa::plan::ChunkPlan;
+use crate::sdpa::Form;
 use crate::sdpa::Path;
 
 /// Where a backward cannot run.
@@ -49,31 +50,52 @@ impl Plan {
             Plan::Unfused(_) => Path::Unfused,
         }
     }
+
+    pub(crate) fn form(&self) -> Form {
+        match self {
+            Plan::Fused(c) => Form::Backward(c.form),
+            Plan::Unfused(c) => Form::Unfused(c.form),
+        }
+    }
 }
 
 pub(crate) fn plan(p: &Problem, path: Path, caps: &Caps) -> Result<Plan> {
     let fused = kb::Config::new(p, caps);
+    // A pinned form that cannot run a problem the default form could: where the fused path
+    // is chosen, an error, not a silent fallback to the unfused path.
+    let pinned_refused = fused.is_err()
+        && caps.forms.backward.is_some()
+        && kb::Config::new(p, &caps.with_forms(Forms::default())).is_ok();
+    let refused = |reason: String| Error::Unsupported {
+        path: "fused",
+        reason,
+    };
     match path {
-        Path::Auto if fused.is_ok() => Ok(Plan::Fused(Box::new(fused.expect("checked")))),
-        Path::Fused => Ok(Plan::Fused(Box::new(fused.map_err(|reason| {
-            Error::Unsupported {
-                path: "fused",
-                reason: format!("{reason}; Path::Auto falls back to Path::Unfused"),
+        Path::Auto | Path::Fused => match fused {
+            Ok(cfg) => Ok(Plan::Fused(Box::new(cfg))),
+            Err(reason) if pinned_refused => {
+                Err(refused(format!("the pinned form cannot run here: {reason}")))
             }
-        })?))),
-        Path::Auto | Path::Unfused => {
-            // Four score-sized chunks (S, dP/dS, Pᵀ, dSᵀ), each within a binding; whole
-            // groups of query heads where they fit, so that one product sums a group.
-            let mut c = ChunkPlan::new(p, caps.max_binding, caps)?;
-            let g = p.group();
-            if c.rows == p.seq_q && c.heads >= g {
-                c.heads -= c.heads % g;
-            }
-            Ok(Plan::Unfused(c))
-        }
+            Err(reason) if path == Path::Fused => Err(refused(format!(
+                "{reason}; Path::Auto falls back to Path::Unfused"
+            ))),
+            Err(_) => unfused(p, caps),
+        },
+        Path::Unfused => unfused(p, caps),
         Path::Decode => Err(Error::Unsupported {
             path: "decode",
             reason: NO_DECODE.into(),
         }),
     }
+}
+
+/// The unfused path's chunks: four score-sized chunks (S, dP/dS, Pᵀ, dSᵀ), each within a
+/// binding; whole groups of query heads where they fit, so that one product sums a group.
+fn unfused(p: &Problem, caps: &Caps) -> Result<Plan> {
+    let mut c = ChunkPlan::new(p, caps.max_binding, caps)?;
+    let g = p.group();
+    if c.rows == p.seq_q && c.heads >= g {
+        c.heads -= c.heads % g;
+    }
+    Ok(Plan::Unfused(c))
 }

@@ -180,20 +180,20 @@ impl<'t, 'a> Inputs<'t, 'a> {
 }
 
 /// The sizes of the backward's buffers.
-struct Sizes {
+pub(super) struct Sizes {
     /// Query rows of every head.
-    rows: usize,
+    pub(super) rows: usize,
     /// Key rows of every kv head.
-    kv_rows: usize,
+    pub(super) kv_rows: usize,
     /// Where dV starts in the f32 dK/dV buffer (elements).
-    dv_off: usize,
+    pub(super) dv_off: usize,
     /// lse and D per query row, then the key lengths.
-    stats_len: usize,
-    dkv_bytes: u64,
+    pub(super) stats_len: usize,
+    pub(super) dkv_bytes: u64,
 }
 
 impl Sizes {
-    fn new(p: &Problem) -> Self {
+    pub(super) fn new(p: &Problem) -> Self {
         let rows = p.batch_heads() * p.seq_q;
         let kv_rows = p.batch * p.kv_heads * p.seq_kv;
         let dv_off = (kv_rows * p.head_dim).next_multiple_of(64);
@@ -235,7 +235,7 @@ impl Sizes {
 /// The statistics (lse and D per query row by `bwd_prep`, from O, dO and the forward's
 /// logsumexp: `rows` = `[o, dout, lse]` with O in `o_fmt`), then the key lengths (written by
 /// the host).
-fn record_stats(
+pub(super) fn record_stats(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
     (p, sizes): (&Problem, &Sizes),
@@ -261,7 +261,7 @@ fn record_stats(
 }
 
 /// Record d(bias) (`n` elements of the bias's broadcast shape, in its format) by `bwd_dbias`.
-fn record_dbias(
+pub(super) fn record_dbias(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
     p: &Problem,
