@@ -5,7 +5,8 @@
 //! GQA by indexing the shared K/V head. Memory is linear in L and S: the score matrix is never
 //! written. [`Config`] picks the form and tile sizes for the device.
 
-use super::{common, dispatch, grid_1d, params_of, Binding, KernelSpec, Masks, TensorViews};
+use super::score::Score;
+use super::{common, dispatch, grid_1d, params_of, KernelSpec, Masks, TensorViews};
 use crate::context::Context;
 use crate::error::Result;
 use crate::forms::{Caps, FusedForm};
@@ -20,9 +21,7 @@ pub(crate) const SPEC: KernelSpec = KernelSpec {
     trusted: true,
 };
 
-/// The fused kernel with Bahdanau's additive score (`Config::additive`): the same source, one
-/// more input before the params: u, a uniform array (WebGPU allows 8 storage buffers per
-/// stage, and the kernel has 8 already).
+/// The register-tiled GPU form (`shaders/flash_tiles.wgsl`).
 pub(crate) const TILES_SPEC: KernelSpec = KernelSpec {
     name: "flash_tiles",
     source: include_str!("../../shaders/flash_tiles.wgsl"),
@@ -30,36 +29,6 @@ pub(crate) const TILES_SPEC: KernelSpec = KernelSpec {
     bindings: SPEC.bindings,
     params: SPEC.params,
     trusted: true,
-};
-
-/// The register-tiled GPU form with the additive score (bindings as [`ADDITIVE_SPEC`]).
-pub(crate) const TILES_ADDITIVE_SPEC: KernelSpec = KernelSpec {
-    name: "flash_tiles_additive",
-    source: TILES_SPEC.source,
-    common: SPEC.common,
-    bindings: ADDITIVE_SPEC.bindings,
-    params: SPEC.params,
-    trusted: false,
-};
-
-pub(crate) const ADDITIVE_SPEC: KernelSpec = KernelSpec {
-    name: "flash_additive",
-    source: SPEC.source,
-    common: SPEC.common,
-    bindings: &[
-        Binding::Read,
-        Binding::Read,
-        Binding::Read,
-        Binding::Read,
-        Binding::Read,
-        Binding::Read,
-        Binding::ReadWrite,
-        Binding::ReadWrite,
-        Binding::Uniform,
-        Binding::Params,
-    ],
-    params: params_of::<Params>,
-    trusted: false,
 };
 
 /// K/V tile access (declaration, staging, reads): staged in workgroup memory, or in registers
@@ -132,10 +101,8 @@ pub(crate) struct Config {
     pub pinned: bool,
     /// The register-tiled GPU form's query rows per workgroup (0 for the other forms).
     pub bm: u32,
-    /// Bahdanau's additive score `Σ_a u_a tanh(q_a + k_a)` in place of the dot product (q and
-    /// k are the projections, q with the bias b added; u f32 at binding 8, zero-padded to
-    /// [`ADDITIVE_U_BYTES`]; the scale is folded into u, so `p.scale` is 1).
-    pub additive: bool,
+    /// How q and k make a logit (the score hook, `score.rs`).
+    pub score: Score,
 }
 
 /// On CPU adapters without a fixed subgroup size, problems below this many FLOPs use the
@@ -310,7 +277,7 @@ impl Config {
             has_mask: p.mask.is_some(),
             has_bias: p.bias.is_some(),
             pinned: pinned.is_some(),
-            additive: false,
+            score: Score::Dot,
             bm: 0,
         })
     }
@@ -372,7 +339,7 @@ impl Config {
             has_mask: p.mask.is_some(),
             has_bias: p.bias.is_some(),
             pinned,
-            additive: false,
+            score: Score::Dot,
             bm,
         })
     }
@@ -406,14 +373,9 @@ impl Config {
         self.wg * self.rq
     }
 
-    /// The kernel spec of this configuration (dot-product or additive score).
+    /// The kernel spec of this configuration: its form's, with the score hook's bindings.
     pub(crate) fn spec(&self) -> &'static KernelSpec {
-        match (self.form == FusedForm::GpuTiles, self.additive) {
-            (false, false) => &SPEC,
-            (false, true) => &ADDITIVE_SPEC,
-            (true, false) => &TILES_SPEC,
-            (true, true) => &TILES_ADDITIVE_SPEC,
-        }
+        self.score.fused_spec(self.form == FusedForm::GpuTiles)
     }
 
     pub(crate) fn prelude(&self) -> String {
@@ -425,11 +387,7 @@ impl Config {
             false,
             &self.views,
         );
-        let score = if self.additive {
-            ADDITIVE_SCORE
-        } else {
-            "fn score4(q: vec4<f32>, k: vec4<f32>, d4: u32) -> vec4<f32> {\n    return q * k;\n}\n"
-        };
+        let score = self.score.fused_wgsl();
         if self.form == FusedForm::GpuTiles {
             let nx = self.bk / 4;
             let evt = self.ev4.div_ceil(nx);
@@ -480,19 +438,8 @@ fn staged_rows(sg_kv: bool, bk: u32) -> u32 {
     }
 }
 
-/// Bytes of the additive score's u as the fused kernel binds it: 256 f32 (A ≤ 256 like every
-/// head dim of the fused kernel), zero-padded.
-pub(crate) const ADDITIVE_U_BYTES: u64 = 1024;
-
-/// The additive score's declarations: u (binding 8, a uniform array of 64 vec4s) and `score4`, the four terms
-/// `u_a tanh(q_a + k_a)` of vec4 block `d4` (the argument clamped to ±15, where tanh is 1 in
-/// f32: drivers may compute tanh by exponentials that overflow).
-const ADDITIVE_SCORE: &str = "@group(0) @binding(8) var<uniform> u4: array<vec4<f32>, 64>;\n\
-fn score4(q: vec4<f32>, k: vec4<f32>, d4: u32) -> vec4<f32> {\n    \
-return u4[d4] * tanh(clamp(q + k, vec4<f32>(-15.0), vec4<f32>(15.0)));\n}\n";
-
-/// Record the fused kernel. `buffers`: mask, bias, kv_lens, q, k, v, out, lse, and u when
-/// the score is additive.
+/// Record the fused kernel. `buffers`: mask, bias, kv_lens, q, k, v, out, lse, then the score
+/// hook's (u for the additive score).
 pub(crate) fn record(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,

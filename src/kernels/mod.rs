@@ -16,6 +16,7 @@ pub(crate) mod matmul;
 pub(crate) mod merge;
 pub(crate) mod permute;
 pub(crate) mod pinv;
+pub(crate) mod score;
 pub(crate) mod softmax;
 #[cfg(test)]
 pub(crate) mod stage_tests;
@@ -187,7 +188,7 @@ pub(crate) fn mask_flags(has_mask: bool, has_bias: bool, bias: crate::Storage) -
 }
 
 /// How a kernel binds one buffer; the binding number is the index in [`KernelSpec::bindings`].
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Binding {
     /// `var<storage, read>`.
     Read,
@@ -454,7 +455,9 @@ mod tests {
         assert_eq!(webgpu, 8);
         for spec in [
             &flash::SPEC,
-            &flash::ADDITIVE_SPEC,
+            &score::ADDITIVE_SPEC,
+            &score::TILES_ADDITIVE_SPEC,
+            &flash::TILES_SPEC,
             &pinv::INIT,
             &pinv::EYE_MINUS,
             &decode::DECODE,

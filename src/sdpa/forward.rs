@@ -4,6 +4,7 @@
 use crate::buffers::{binding, dummy, f32_bytes, fits, output, scratch, storage_init, Operand};
 use crate::context::Context;
 use crate::error::{Error, Result};
+use crate::kernels::score::ScoreInput;
 use crate::kernels::{decode, flash, softmax, Masks, TensorViews};
 use crate::ops::matmul::Matmul;
 use crate::ops::{merge, Mats};
@@ -18,11 +19,6 @@ use super::{GpuOutput, Sdpa};
 pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<GpuOutput> {
     let p = sdpa.problem()?;
     let plan = Plan::new(&p, &sdpa.request(), &ctx.caps())?;
-    debug_assert_eq!(
-        sdpa.additive,
-        sdpa.additive_u.is_some(),
-        "the additive score needs its u"
-    );
     let max_binding = ctx.max_binding();
     let binding_limit = "max_storage_buffer_binding_size";
 
@@ -94,7 +90,7 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         lse: &lse_buf,
         weights: weights_buf.as_ref(),
         dummy: &dummy,
-        u: sdpa.additive_u.map(|b| b.as_entire_buffer_binding()),
+        score: sdpa.score,
     };
     match &plan.kernel {
         Kernel::Unfused(chunks) => record_unfused(ctx, encoder, &p, chunks, &io)?,
@@ -147,8 +143,8 @@ struct Io<'b> {
     lse: &'b wgpu::Buffer,
     weights: Option<&'b wgpu::Buffer>,
     dummy: &'b wgpu::Buffer,
-    /// Bahdanau's u when the score is additive (the variants).
-    u: Option<wgpu::BufferBinding<'b>>,
+    /// The score hook, with what it binds.
+    score: ScoreInput<'b>,
 }
 
 impl<'b> Io<'b> {
@@ -222,11 +218,7 @@ fn record_unfused(
             .alpha(p.scale)
             .slices(nz)
             .heads(p.q_heads, p.group());
-            match &io.u {
-                Some(u) => qk.additive(u.clone()),
-                None => qk,
-            }
-            .record(ctx, encoder)?;
+            qk.score(io.score)?.record(ctx, encoder)?;
             // 2. masked softmax in place, logsumexp out
             let [mask, bias, lens] = io.mask_bindings();
             let chunk = softmax::Chunk {
@@ -279,7 +271,7 @@ fn record_fused(
     let mut buffers = io
         .attention(io.out.clone(), io.lse.as_entire_buffer_binding())
         .to_vec();
-    buffers.extend(io.u.clone());
+    buffers.extend(io.score.binding()?);
     flash::record(
         ctx,
         encoder,

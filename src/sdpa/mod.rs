@@ -12,6 +12,7 @@ use ndarray::{Array3, Array4};
 use crate::buffers::{binding, f32_bytes, shape_bytes};
 use crate::context::Context;
 use crate::error::{Error, Result};
+use crate::kernels::score::ScoreInput;
 use crate::options::Options;
 use crate::problem::Problem;
 use crate::storage::{Formats, Storage};
@@ -136,11 +137,10 @@ pub struct Sdpa<'a> {
     /// The caller's output tensor (a GPU buffer), if any.
     pub(crate) out: Option<Tensor<'a>>,
     pub(crate) out_storage: Option<Storage>,
-    /// Bahdanau's additive score (the attention variants): q and k are then the projections
-    /// (q with b added) and the scale 1. Planned from this flag; recorded with `additive_u`.
-    pub(crate) additive: bool,
-    /// The additive score's u (f32, zero-padded to a multiple of 64), bound when recording.
-    pub(crate) additive_u: Option<&'a wgpu::Buffer>,
+    /// How q and k make a logit, with what its hook binds (`kernels/score.rs`): the dot
+    /// product, or the attention variants' additive score (q and k the projections, q with b
+    /// added, the scale 1 and folded into u).
+    pub(crate) score: ScoreInput<'a>,
 }
 
 impl<'a> Sdpa<'a> {
@@ -157,8 +157,7 @@ impl<'a> Sdpa<'a> {
             max_scores_bytes: None,
             out: None,
             out_storage: None,
-            additive: false,
-            additive_u: None,
+            score: ScoreInput::Dot,
         }
     }
 
@@ -297,7 +296,7 @@ impl<'a> Sdpa<'a> {
             path: self.path,
             weights: self.weights,
             max_scores_bytes: self.max_scores_bytes,
-            additive: self.additive,
+            score: self.score.score(),
         }
     }
 

@@ -5,6 +5,7 @@
 use crate::buffers::{f32_bytes, F32};
 use crate::error::{Error, Result};
 use crate::forms::{BackwardForm, Caps, DecodeForm, Forms, FusedForm, MatmulForm};
+use crate::kernels::score::Score;
 use crate::kernels::{decode, flash, matmul};
 use crate::problem::Problem;
 
@@ -65,8 +66,8 @@ pub(crate) struct Request {
     pub path: Path,
     pub weights: bool,
     pub max_scores_bytes: Option<u64>,
-    /// Bahdanau's additive score (the attention variants): fused or unfused, never decode.
-    pub additive: bool,
+    /// How q and k make a logit (the score hook): the plan asks it where it runs.
+    pub score: Score,
 }
 
 /// The plan of one call: which path runs, in which form of its kernel ([`Form`]), with which
@@ -93,7 +94,7 @@ impl Plan {
     /// pinned form) cannot run it.
     pub(crate) fn new(p: &Problem, req: &Request, caps: &Caps) -> Result<Plan> {
         let fused = flash::Config::new(p, caps).map(|c| flash::Config {
-            additive: req.additive,
+            score: req.score,
             ..c
         });
         // A pinned fused form that cannot run a problem the default form could: where the
@@ -101,15 +102,15 @@ impl Plan {
         let pinned_refused = fused.is_err()
             && caps.forms.fused.is_some()
             && flash::Config::new(p, &caps.with_forms(Forms::default())).is_ok();
+        if let (Path::Decode, Err(reason)) = (req.path, req.score.decode()) {
+            return Err(Error::Unsupported {
+                path: "decode",
+                reason: reason.into(),
+            });
+        }
         let decode_shape = p.seq_q <= decode::MAX_ROWS && p.seq_kv >= decode::MIN_KEYS;
         let path = match req.path {
-            Path::Auto if !req.weights && decode_shape && !req.additive => Path::Decode,
-            Path::Decode if req.additive => {
-                return Err(Error::Unsupported {
-                    path: "decode",
-                    reason: "the additive score runs on the fused and unfused paths".into(),
-                })
-            }
+            Path::Auto if !req.weights && decode_shape && req.score.decode().is_ok() => Path::Decode,
             Path::Auto if !req.weights && (fused.is_ok() || pinned_refused) => Path::Fused,
             Path::Auto => Path::Unfused,
             Path::Fused | Path::Decode if req.weights => {
@@ -252,7 +253,7 @@ mod tests {
             path,
             weights: false,
             max_scores_bytes: None,
-            additive: false,
+            score: Score::Dot,
         }
     }
 
@@ -426,7 +427,7 @@ mod tests {
         let plan = |budget| {
             let r = Request {
                 max_scores_bytes: Some(budget),
-                additive: false,
+                score: Score::Dot,
                 ..req(Path::Unfused)
             };
             Plan::new(&p, &r, &c).unwrap().tiles()
@@ -438,7 +439,7 @@ mod tests {
                 &p,
                 &Request {
                     max_scores_bytes: Some(100),
-                    additive: false,
+                    score: Score::Dot,
                     ..req(Path::Unfused)
                 },
                 &c

@@ -8,7 +8,7 @@ use super::{Dims, GpuVariantOutput, Variant, VariantParams};
 use crate::buffers::{binding, f32_bytes, fits, output, storage_init, Operand};
 use crate::context::Context;
 use crate::error::Result;
-use crate::kernels::flash;
+use crate::kernels::score::{Score, ScoreInput, ADDITIVE_U_BYTES};
 use crate::ops::matmul::{self, Matmul};
 use crate::ops::{linear, pinv, Mats};
 use crate::options::Options;
@@ -25,8 +25,8 @@ struct Stage<'a> {
     path: Path,
     weights: bool,
     out: Storage,
-    /// Bahdanau's additive score (the caller binds u before recording).
-    additive: bool,
+    /// The score hook (the additive variant's caller binds u before recording).
+    score: Score,
 }
 
 impl Stage<'_> {
@@ -43,7 +43,9 @@ impl Stage<'_> {
         if self.weights {
             s = s.return_weights();
         }
-        s.additive = self.additive;
+        if self.score == Score::Additive {
+            s.score = ScoreInput::Additive(None);
+        }
         s
     }
 }
@@ -63,9 +65,9 @@ fn params_bytes(params: &VariantParams) -> u64 {
 }
 
 /// u (and b) as uploaded: zero-padded to a multiple of 64 and at least the fused kernel's
-/// uniform array ([`flash::ADDITIVE_U_BYTES`]).
+/// uniform array ([`ADDITIVE_U_BYTES`]).
 fn padded_u_len(a: usize) -> usize {
-    a.next_multiple_of(64).max((flash::ADDITIVE_U_BYTES / 4) as usize)
+    a.next_multiple_of(64).max((ADDITIVE_U_BYTES / 4) as usize)
 }
 
 /// Every check of `var` on `ctx`, then the stage plans (shared by [`record`] and
@@ -112,7 +114,7 @@ fn check<'a>(var: &Variant<'a>, ctx: &Context) -> Result<Checked<'a>> {
         path: var.path,
         weights: var.weights,
         out,
-        additive: false,
+        score: Score::Dot,
     };
     let main = match var.params {
         VariantParams::General { .. } => Stage {
@@ -129,7 +131,7 @@ fn check<'a>(var: &Variant<'a>, ctx: &Context) -> Result<Checked<'a>> {
                     scale: Some(1.0),
                     ..options.clone()
                 },
-                additive: true,
+                score: Score::Additive,
                 ..base
             }
         }
@@ -234,7 +236,7 @@ fn nystrom_stages<'a>(d: &Dims, fmt: [Storage; 3], options: &Options<'a>) -> [St
             path: Path::Unfused,
             weights: true,
             out: f32s,
-            additive: false,
+            score: Score::Dot,
         },
         Stage {
             q: ([b, hq, m, e], f32s),
@@ -244,7 +246,7 @@ fn nystrom_stages<'a>(d: &Dims, fmt: [Storage; 3], options: &Options<'a>) -> [St
             path: Path::Auto,
             weights: false,
             out: f32s,
-            additive: false,
+            score: Score::Dot,
         },
     ]
 }
@@ -423,7 +425,7 @@ impl Rec<'_, '_> {
             self.var.v.clone(),
         ];
         let mut sdpa = self.c.main.sdpa(Some(tensors));
-        sdpa.additive_u = Some(&u_buf);
+        sdpa.score = ScoreInput::Additive(Some(&u_buf));
         let gpu = sdpa.record(ctx, encoder)?;
         Ok(self.finish(gpu))
     }
