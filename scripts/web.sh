@@ -3,6 +3,8 @@
 #
 #   scripts/web.sh tools          install what is missing: the wasm32 target, wasm-bindgen-cli at the
 #                                 wasm-bindgen version in Cargo.lock, Debian's chromium and chromium-driver
+#   scripts/web.sh bindgen        only the wasm32 target and wasm-bindgen-cli (scripts/test.sh starts
+#                                 it in the background, scripts/prefetch.sh)
 #   scripts/web.sh test           the browser test suite (web/tests/browser.rs, wasm-bindgen-test) in
 #                                 headless Chromium's WebGPU; fails when the browser finds no adapter
 #                                 (test and build lint the crates for wasm32 with clippy as they
@@ -25,7 +27,7 @@ cd "$(dirname "$0")/.."
 wasm_bindgen_version() { awk '/^name = "wasm-bindgen"$/ { getline; gsub(/"/, "", $3); print $3 }' Cargo.lock; }
 WEB_PROFILE=release
 
-tools() {
+bindgen() {
   if command -v rustup >/dev/null && ! rustup target list --installed | grep -q '^wasm32-unknown-unknown$'; then
     rustup target add wasm32-unknown-unknown
   fi
@@ -36,6 +38,10 @@ tools() {
     cargo install -q wasm-bindgen-cli --version "$want" --locked 2>/dev/null ||
       cargo install -q wasm-bindgen-cli --version "$want"
   fi
+}
+
+tools() {
+  bindgen
   if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
     apt_install "Chromium and ChromeDriver for the browser tests" chromium chromium-driver || exit 1
   fi
@@ -75,6 +81,7 @@ with_server() { # with_server CMD...: serve target/web on a free port while CMD 
 
 case "${1:-}" in
   tools) tools ;;
+  bindgen) bindgen ;;
   test)
     tools
     cd web

@@ -1,0 +1,59 @@
+# Sourced by scripts/test.sh: what the later passes fetch or build for themselves, started at the
+# beginning in the background, so that it overlaps the build and the Vulkan tests: network waits,
+# and compiling at the lowest CPU priority (nice 19), which takes only the cycles the foreground
+# leaves idle (the examples, the documentation tests, the end of each test pass).
+#
+#   packages  the Debian packages the GL, browser and MPI passes install when they are missing,
+#             downloaded into apt's cache only: each pass still installs its own (apt_install)
+#   bindgen   the wasm32 target and wasm-bindgen-cli (scripts/web.sh bindgen), for the browser
+#             passes
+#
+# prefetch_start PASS...: start what the passes PASS... need; prefetch_wait NAME: wait for one
+# (its output is printed then; a failure is reported, and the pass itself then installs what it
+# lacks and fails if it cannot).
+
+PREFETCH_LOGS=target/prefetch
+declare -A PREFETCH_PIDS=()
+
+# prefetch_packages PKG...: download the packages of PKG... that are not installed.
+prefetch_packages() {
+  local missing=() p
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ "${#missing[@]}" = 0 ] && return 0
+  echo "== downloading ${missing[*]}"
+  as_root apt-get update -qq &&
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --download-only \
+      --no-install-recommends "${missing[@]}"
+}
+
+prefetch_start() {
+  local pkgs=() b
+  for b in "$@"; do
+    case $b in
+      gl) pkgs+=(libegl1 libegl-mesa0 libgles2 libgl1-mesa-dri) ;;
+      browser | web-demo) pkgs+=(chromium chromium-driver) ;;
+      mpi) pkgs+=(openmpi-bin libopenmpi-dev libclang-dev) ;;
+    esac
+  done
+  mkdir -p "$PREFETCH_LOGS"
+  if [ "${#pkgs[@]}" -gt 0 ] && command -v apt-get >/dev/null && command -v dpkg >/dev/null; then
+    prefetch_packages "${pkgs[@]}" >"$PREFETCH_LOGS/packages.log" 2>&1 &
+    PREFETCH_PIDS[packages]=$!
+  fi
+  case " $* " in *" browser "* | *" web-demo "*)
+    nice -n 19 ./scripts/web.sh bindgen >"$PREFETCH_LOGS/bindgen.log" 2>&1 &
+    PREFETCH_PIDS[bindgen]=$!
+    ;;
+  esac
+  echo "== started in the background: ${!PREFETCH_PIDS[*]} (logs in $PREFETCH_LOGS/)"
+}
+
+prefetch_wait() {
+  local name=$1 pid=${PREFETCH_PIDS[$1]:-} t0=$SECONDS status=0
+  [ -n "$pid" ] || return 0
+  wait "$pid" || status=$?
+  unset "PREFETCH_PIDS[$name]"
+  echo "== background $name: done ($((SECONDS - t0)) s waited, status $status)"
+  sed 's/^/   /' "$PREFETCH_LOGS/$name.log"
+  return 0
+}
