@@ -15,14 +15,20 @@
 PREFETCH_LOGS=target/prefetch
 declare -A PREFETCH_PIDS=()
 
+# As root, or through sudo without a password prompt (in the background there is no one to
+# answer it): else nothing is downloaded, and the passes install as they would have.
+prefetch_as_root() {
+  if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo -n "$@"; else return 1; fi
+}
+
 # prefetch_packages PKG...: download the packages of PKG... that are not installed.
 prefetch_packages() {
   local missing=() p
   for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   [ "${#missing[@]}" = 0 ] && return 0
   echo "== downloading ${missing[*]}"
-  as_root apt-get update -qq &&
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --download-only \
+  prefetch_as_root apt-get update -qq &&
+    prefetch_as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --download-only \
       --no-install-recommends "${missing[@]}"
 }
 
