@@ -24,7 +24,8 @@
 # CASES: letters of the benchmark shapes (default "a b c d e"): a a_h8_s1024, b
 # b_h8_s1024_causal, c c_h8_s4096_causal, d d_decode_h32_s4096_e128, e e_b4_h12_s256_padmask;
 # and m, the 1024^3 matmul C = A B (burn: `PEER_BURN_BINARY matmul api <iters>`; ours: the
-# `matmul_1024^3_AB` row of `bench`).
+# `matmul_1024^3_AB` row of `bench`); l, the multi-head attention layer mha_bert_base_l128 (self
+# only: the forward's median of the `bench` layer row).
 # MODE=bwd (burn and self only): forward + backward. Burn: `PEER_BURN_BINARY <case> bwd <iters>`
 # (its autodiff backend); ours: the sum of the medians of the `auto` (forward) and `fused-bwd`
 # (backward on the saved output and logsumexp) rows of one `bench` process.
@@ -50,6 +51,7 @@ shape_of() {
   case $1 in
     a) echo a_h8_s1024 ;; b) echo b_h8_s1024_causal ;; c) echo c_h8_s4096_causal ;;
     d) echo d_decode_h32_s4096_e128 ;; e) echo e_b4_h12_s256_padmask ;; m) echo 'matmul_1024^3_AB' ;;
+    l) echo mha_bert_base_l128 ;;
     *) echo "unknown case $1" >&2; exit 2 ;;
   esac
 }
@@ -61,7 +63,9 @@ ours_extra=
 [ "$kind" = device ] && ours_extra="--device ${DEVICE:-own}"
 bench_median() { # binary shape
   local m
-  if [ "$2" = 'matmul_1024^3_AB' ]; then
+  if [ "$2" = mha_bert_base_l128 ]; then
+    m=$("$1" bench --shapes "$2" --iters "$iters" --storage "$storage" --no-matmul $extra 2>>"$log" | awk -v s="$2" '$1 == s { print $4 }')
+  elif [ "$2" = 'matmul_1024^3_AB' ]; then
     m=$("$1" bench --shapes small_h4_s128 --paths fused --iters "$iters" --storage "$storage" $extra 2>>"$log" | awk -v s="$2" '$1 == s { print $5 }')
   elif [ "$mode" = bwd ]; then
     m=$("$1" bench --shapes "$2" --paths auto,fused-bwd --iters "$iters" --storage "$storage" --no-matmul $extra 2>>"$log" \
