@@ -48,7 +48,7 @@ fn main(
                         for (var c = 0u; c < p.e; c++) {
                             s += (q_get(q_base(row) + c) * p.scale) * k_get(k_base(kvh * p.s + j) + c);
                         }
-                        let x = masked_logit(s, false, b, h, i, j);
+                        let x = masked_logit(s, true, b, h, i, j);
                         let pij = prob(x, lse);
                         var dp = 0.0;
                         for (var c = 0u; c < p.ev; c++) {

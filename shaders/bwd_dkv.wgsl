@@ -125,7 +125,7 @@ fn main(
                     }
                     var x = select(START, d.x + d.y + d.z + d.w, j < end);
                     if (HAS_MASK || HAS_BIAS) {
-                        x = masked_logit(x, out_of_range(x), b, h, i, j);
+                        x = masked_logit(x, in_range(x), b, h, i, j);
                     }
                     let pij = prob(x, lse);
                     var dp = vec4<f32>(0.0);

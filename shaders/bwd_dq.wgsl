@@ -79,7 +79,7 @@ fn main(
                 var x = select(START, d.x + d.y + d.z + d.w, j < row_end[r]);
                 if (HAS_MASK || HAS_BIAS) {
                     let i = min(qt * BQ + r * WG + tid, p.l - 1u);
-                    x = masked_logit(x, out_of_range(x), b, h, i, j);
+                    x = masked_logit(x, in_range(x), b, h, i, j);
                 }
                 let pij = prob(x, lse[r]);
                 var dp = vec4<f32>(0.0);

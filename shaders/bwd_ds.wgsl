@@ -35,7 +35,7 @@ fn main(
     let h = bh % p.heads;
     let i = p.i0 + ii;
     let row = bh * p.l + i;
-    let x = masked_logit(sc[t], j >= key_end(b, i), b, h, i, j);
+    let x = masked_logit(sc[t], j < key_end(b, i), b, h, i, j);
     let pij = prob(x, lse_of(row));
     let ds = dscore(pij, dp[t], dsum_of(row));
     dp[t] = ds;

@@ -76,7 +76,7 @@ fn main(
                 d += qr[d4] * load_k(kvrow, d4);
             }
         }
-        let x = masked_logit(d.x + d.y + d.z + d.w, j >= j_end, b, h, i, j);
+        let x = masked_logit(d.x + d.y + d.z + d.w, j < j_end, b, h, i, j);
         let m_new = max(m, x);
         let alpha = rescale(m, m_new);
         let pj = weight(x, m_new);

@@ -90,7 +90,7 @@ fn main(
                     d += qs[d4] * load_k(kvrow, d4);
                 }
             }
-            x = masked_logit(d.x + d.y + d.z + d.w, false, b, h, i, j);
+            x = masked_logit(d.x + d.y + d.z + d.w, true, b, h, i, j);
         }
         sc[tid] = x;
         workgroupBarrier();

@@ -130,7 +130,7 @@ fn main(
                     for (var r = 0u; r < RQ; r++) { // unroll
                         let i = min(qt * BQ + r * WG + tid, p.l - 1u);
                         let x = sc[r * KG + jj];
-                        sc[r * KG + jj] = masked_logit(x, out_of_range(x), b, h, i, j);
+                        sc[r * KG + jj] = masked_logit(x, in_range(x), b, h, i, j);
                     }
                 }
             }

@@ -189,7 +189,7 @@ fn main(
                 var x = select(START, dd.x + dd.y + dd.z + dd.w, j < row_end[r]);
                 if (HAS_MASK || HAS_BIAS) {
                     let i = min(i0 + r * NY + ty, p.l - 1u);
-                    x = masked_logit(x, out_of_range(x), b, h, i, j);
+                    x = masked_logit(x, in_range(x), b, h, i, j);
                 }
                 sc[r * TN + t] = x;
                 pm = max(pm, x);

@@ -45,7 +45,7 @@ fn main(
     var m = START;
     var s = 0.0;
     for (var j = tid; j < jend; j += WG) {
-        let x = masked_logit(scores[row_base + j], false, b, h, i, j);
+        let x = masked_logit(scores[row_base + j], true, b, h, i, j);
         let m_new = max(m, x);
         s = s * rescale(m, m_new) + weight(x, m_new);
         m = m_new;
@@ -59,7 +59,7 @@ fn main(
         var w = 0.0;
         if (j < jend) {
             // A masked key weighs 0 even in a NaN row (0 * NaN would be NaN).
-            let x = masked_logit(scores[row_base + j], false, b, h, i, j);
+            let x = masked_logit(scores[row_base + j], true, b, h, i, j);
             w = select(weight(x, row_max) * inv, 0.0, x < MASKED);
         }
         scores[row_base + j] = w;

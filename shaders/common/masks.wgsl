@@ -49,28 +49,26 @@ fn bias_at(b: u32, h: u32, i: u32, j: u32) -> f32 {
     return bias_get(p.m.bias_off + b * p.m.bias_b + h * p.m.bias_h + i * p.m.bias_l + min(j, p.s - 1u) * p.m.bias_s);
 }
 
-// Whether logit `x` is of a key outside its row's range: callers set the keys past the causal
-// limit or the key length to START exactly. An ordered comparison, false for NaN (a NaN logit
-// must stay).
-fn out_of_range(x: f32) -> bool {
-    return x == START;
+// Whether logit `x` belongs to a key within its row's range: callers set the keys outside it
+// (past the causal limit or the key length) to START exactly. By bits for NaN: `x != START` is
+// an ordered comparison on CPU adapters, false for NaN, and a NaN logit must stay.
+fn in_range(x: f32) -> bool {
+    return is_nan_bits(x) || x != START;
 }
 
-// The logit `x` of key `j` for row `i` after the boolean mask and the bias: START when `drop`
-// is set, when the mask forbids the key, or when the biased logit is -inf. Masked-out keys
-// ignore the bias; a -inf bias masks; a NaN logit of an allowed key stays NaN, as in PyTorch.
-// Every float test is a plain ordered comparison that is false for NaN (`y < MASKED`), none
-// negated: CPU adapters compile comparisons as if there were no NaN and fold `!(y < c)` into
-// `y >= c`, and a test of the bits costs the masked kernels about a tenth of their time on
-// lavapipe.
-fn masked_logit(x: f32, drop: bool, b: u32, h: u32, i: u32, j: u32) -> f32 {
+// The logit `x` of key `j` for row `i` after the boolean mask and the bias: START when `keep`
+// is false, when the mask forbids the key, or when the biased logit is -inf. Masked-out keys
+// ignore the bias; a -inf bias masks; a NaN logit of an allowed key stays NaN.
+fn masked_logit(x: f32, keep: bool, b: u32, h: u32, i: u32, j: u32) -> f32 {
     var y = x;
-    var d = drop;
+    var k = keep;
     if (HAS_MASK) {
-        d = d || !mask_allows(b, h, i, j);
+        k = k && mask_allows(b, h, i, j);
     }
     if (HAS_BIAS) {
         y += bias_at(b, h, i, j);
     }
-    return select(y, START, d || y < MASKED);
+    // A NaN logit (or bias) stays NaN, tested by its bits (see is_nan_bits), so that its row
+    // comes out NaN as in PyTorch.
+    return select(START, y, k && (is_nan_bits(y) || !(y < MASKED)));
 }
