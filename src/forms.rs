@@ -79,6 +79,18 @@ impl FusedForm {
     }
 }
 
+/// A form's name split into its kind and its rows per invocation (`kind:R`, R from 1 to
+/// `max`), or None where R is not such a number.
+fn split_rows(s: &str, max: u32) -> Option<(&str, Option<u32>)> {
+    match s.split_once(':') {
+        Some((kind, r)) => {
+            let rows = r.parse::<u32>().ok().filter(|r| (1..=max).contains(r))?;
+            Some((kind, Some(rows)))
+        }
+        None => Some((s, None)),
+    }
+}
+
 impl std::str::FromStr for FusedForm {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
@@ -87,13 +99,7 @@ impl std::str::FromStr for FusedForm {
             name: s.to_string(),
             expected: "gpu, gpu-tiles, subgroup:R, tiled:R, loop:R (R = rows per invocation, 1 to 16)",
         };
-        let (kind, rows) = match s.split_once(':') {
-            Some((k, r)) => (k, Some(r.parse::<u32>().map_err(|_| bad())?)),
-            None => (s, None),
-        };
-        if rows.is_some_and(|r| !(1..=16).contains(&r)) {
-            return Err(bad());
-        }
+        let (kind, rows) = split_rows(s, 16).ok_or_else(bad)?;
         match (kind, rows) {
             ("gpu", None) => return Ok(FusedForm::Gpu),
             ("gpu-tiles", None) => return Ok(FusedForm::GpuTiles),
@@ -212,13 +218,7 @@ impl std::str::FromStr for BackwardForm {
             name: s.to_string(),
             expected: "gpu, subgroup:R, tiled:R (R = rows per invocation, 1 to 8)",
         };
-        let (kind, rows) = match s.split_once(':') {
-            Some((k, r)) => (k, Some(r.parse::<u32>().map_err(|_| bad())?)),
-            None => (s, None),
-        };
-        if rows.is_some_and(|r| !(1..=8).contains(&r)) {
-            return Err(bad());
-        }
+        let (kind, rows) = split_rows(s, 8).ok_or_else(bad)?;
         match (kind, rows) {
             ("gpu", None) => Ok(BackwardForm::Gpu),
             ("subgroup", r) => Ok(BackwardForm::Subgroup { rows: r.unwrap_or(1) }),
@@ -464,6 +464,17 @@ impl Caps {
     /// and 4 to 16 (the workgroup is one subgroup, each invocation holding one key of the tile).
     pub(crate) fn fused_subgroup(&self) -> Option<u32> {
         self.subgroup.filter(|s| (4..=16).contains(s))
+    }
+
+    /// [`Caps::fused_subgroup`] for the form named `form` (the fused forward's or the
+    /// backward's subgroup form), or why the device cannot run it.
+    pub(crate) fn fused_subgroup_for(&self, form: &str) -> std::result::Result<u32, String> {
+        self.fused_subgroup().ok_or_else(|| {
+            format!(
+                "the {form} form needs a fixed subgroup size of 4 to 16 (device: {:?})",
+                self.subgroup
+            )
+        })
     }
 
     /// The workgroup size of the decode kernel's subgroup form: the subgroup size, when it is

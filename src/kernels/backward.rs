@@ -280,13 +280,7 @@ impl Config {
                 None,
             ),
             BackwardForm::Subgroup { rows } => {
-                let s = caps.fused_subgroup().ok_or_else(|| {
-                    format!(
-                        "the {} form needs a fixed subgroup size of 4 to 16 (device: {:?})",
-                        form.name(),
-                        caps.subgroup
-                    )
-                })?;
+                let s = caps.fused_subgroup_for(&form.name())?;
                 (s, rows, true, Some(s))
             }
             BackwardForm::Tiled { rows } => (8, rows, true, None),

@@ -220,13 +220,7 @@ impl Config {
                 [true, false],
             ),
             FusedForm::Subgroup { rows } => {
-                let s = caps.fused_subgroup().ok_or_else(|| {
-                    format!(
-                        "the {} form needs a fixed subgroup size of 4 to 16 (device: {:?})",
-                        form.name(),
-                        caps.subgroup
-                    )
-                })?;
+                let s = caps.fused_subgroup_for(&form.name())?;
                 layout(s, rows, 4, [true, true])
             }
             FusedForm::Tiled { rows } => layout(8, rows, 2, [true, false]),

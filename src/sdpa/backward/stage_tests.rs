@@ -29,8 +29,8 @@ const MASKED: Shape = (2, 4, 2, 37, 45, 19, 12);
 /// vec4 rows, MQA, no mask.
 const PLAIN: Shape = (1, 2, 1, 20, 33, 16, 16);
 
-/// One problem's host inputs, the reference's gradients (f64, and the plain f32 ones that
-/// FlashAttention's rule compares with), and D = rowsum(dO ∘ O) in f64.
+/// One problem's host inputs and options; `reference` gives the reference's gradients (f64,
+/// and the plain f32 ones that FlashAttention's rule compares with), `dsum` D = rowsum(dO ∘ O).
 struct Staged {
     q: Array4<f32>,
     k: Array4<f32>,
