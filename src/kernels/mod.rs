@@ -230,8 +230,10 @@ pub(crate) struct KernelSpec {
     /// tensor, columns and tails guarded, loops bounded by params), given the bindings the host
     /// checks against the shapes before any dispatch: on GPUs its module is created without
     /// wgpu's runtime checks (`create_shader_module_trusted`), which cost the fused forward
-    /// 24-44% on an H200 (docs/gpu/nvidia-h200.md). Only the fused forward is marked: the
-    /// backward's kernels read rows past L under a `select` (discarded, but out of range).
+    /// 24-44% on an H200 (docs/gpu/nvidia-h200.md). Marked: the fused forward and the fused
+    /// backward (`bwd_prep`, `bwd_dq`, `bwd_dkv`: rows clamped to L and S, keys past S read
+    /// through the clamped mask and bias accessors); zero-sized dimensions never reach them
+    /// (`Error::ZeroSized`).
     pub(crate) trusted: bool,
 }
 
