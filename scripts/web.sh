@@ -35,8 +35,10 @@ bindgen() {
   if ! wasm-bindgen --version 2>/dev/null | grep -q " $want\$"; then
     echo "== installing wasm-bindgen-cli $want (the wasm-bindgen version in Cargo.lock)"
     # --locked pins the CLI's own dependencies; when one of them has been yanked since, resolve anew.
-    cargo install -q wasm-bindgen-cli --version "$want" --locked 2>/dev/null ||
-      cargo install -q wasm-bindgen-cli --version "$want"
+    # Unoptimised (opt-level 0): it compiles in 69 s instead of 215 s on 2 cores, and processes
+    # the browser suite's 5 MB module in 1.1 s instead of 0.3 s.
+    CARGO_PROFILE_RELEASE_OPT_LEVEL=0 cargo install -q wasm-bindgen-cli --version "$want" --locked 2>/dev/null ||
+      CARGO_PROFILE_RELEASE_OPT_LEVEL=0 cargo install -q wasm-bindgen-cli --version "$want"
   fi
 }
 

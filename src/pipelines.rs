@@ -191,6 +191,105 @@ impl PipelineCache {
     }
 }
 
+/// A developer's aid for the test suite's compile time: with `WGPU_ATTENTION_COMPILE_LOG=FILE`
+/// set (native targets), every pipeline built is dispatched once at once on zeroed buffers
+/// (params all zero: every kernel returns at once), so that drivers which compile at the first
+/// dispatch (lavapipe) compile it there, and a line is appended to FILE: the kernel's name, a
+/// hash of its source and constants (the same hash is the same specialisation, which a
+/// driver's shader cache compiles once), the milliseconds from creation to the end of that
+/// dispatch, and the process's arguments (a test runner's test name).
+/// `scripts/compile_profile.py` sums it per kernel and per test.
+#[cfg(not(target_arch = "wasm32"))]
+pub(crate) mod compile_log {
+    use super::Pipeline;
+    use std::hash::{Hash, Hasher};
+    use std::io::Write;
+    use std::sync::{Mutex, OnceLock};
+
+    fn file() -> &'static Option<Mutex<std::fs::File>> {
+        static FILE: OnceLock<Option<Mutex<std::fs::File>>> = OnceLock::new();
+        FILE.get_or_init(|| {
+            let path = std::env::var_os("WGPU_ATTENTION_COMPILE_LOG")?;
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .ok()?;
+            Some(Mutex::new(f))
+        })
+    }
+
+    /// Whether the log is on.
+    pub(crate) fn enabled() -> bool {
+        file().is_some()
+    }
+
+    /// Dispatch `pipeline` (bindings of `types`) once on zeroed buffers, wait for it, and log
+    /// the time since `t0`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn first_dispatch(
+        device: &wgpu::Device,
+        queue: &wgpu::Queue,
+        pipeline: &Pipeline,
+        types: &[wgpu::BufferBindingType],
+        label: &str,
+        source: &str,
+        constants: &[(&str, f64)],
+        t0: std::time::Instant,
+    ) {
+        let buffers: Vec<wgpu::Buffer> = types
+            .iter()
+            .map(|_| {
+                device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("wgpu-attention compile log"),
+                    size: 1 << 16,
+                    usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::UNIFORM,
+                    mapped_at_creation: false,
+                })
+            })
+            .collect();
+        let entries: Vec<wgpu::BindGroupEntry> = buffers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| wgpu::BindGroupEntry {
+                binding: i as u32,
+                resource: b.as_entire_binding(),
+            })
+            .collect();
+        let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("wgpu-attention compile log"),
+            layout: &pipeline.layout,
+            entries: &entries,
+        });
+        let mut encoder = device.create_command_encoder(&Default::default());
+        {
+            let mut pass = encoder.begin_compute_pass(&Default::default());
+            pass.set_pipeline(&pipeline.pipeline);
+            pass.set_bind_group(0, &bind_group, &[]);
+            pass.dispatch_workgroups(1, 1, 1);
+        }
+        queue.submit([encoder.finish()]);
+        let _ = device.poll(wgpu::PollType::wait_indefinitely());
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        source.hash(&mut h);
+        for (n, v) in constants {
+            n.hash(&mut h);
+            v.to_bits().hash(&mut h);
+        }
+        if let Some(f) = file() {
+            let args: Vec<String> = std::env::args().skip(1).collect();
+            let line = format!(
+                "{label}\t{:016x}\t{:.1}\t{}\n",
+                h.finish(),
+                t0.elapsed().as_secs_f64() * 1e3,
+                args.join(" ")
+            );
+            // One write per line (O_APPEND): lines of concurrent processes do not interleave.
+            let _ = f.lock().unwrap().write_all(line.as_bytes());
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

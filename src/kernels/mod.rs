@@ -290,14 +290,24 @@ pub(crate) fn pipeline(
                 Some(u) => u == 1,
                 None => spec.trusted && !ctx.caps().cpu,
             };
-            Pipeline::new(
-                ctx.device(),
-                spec.name,
-                source(spec, prelude, storage),
-                &types,
-                constants,
-                unchecked,
-            )
+            let src = source(spec, prelude, storage);
+            #[cfg(not(target_arch = "wasm32"))]
+            if crate::pipelines::compile_log::enabled() {
+                let t0 = std::time::Instant::now();
+                let p = Pipeline::new(ctx.device(), spec.name, src.clone(), &types, constants, unchecked);
+                crate::pipelines::compile_log::first_dispatch(
+                    ctx.device(),
+                    ctx.queue(),
+                    &p,
+                    &types,
+                    spec.name,
+                    &src,
+                    constants,
+                    t0,
+                );
+                return p;
+            }
+            Pipeline::new(ctx.device(), spec.name, src, &types, constants, unchecked)
         })
 }
 
