@@ -3,8 +3,9 @@
 # and compiling at the lowest CPU priority (nice 19), which takes only the cycles the foreground
 # leaves idle (the examples, the documentation tests, the end of each test pass).
 #
-#   packages  the Debian packages the GL, browser and MPI passes install when they are missing,
-#             downloaded into apt's cache only: each pass still installs its own (apt_install)
+#   packages  the Debian packages the GL, browser and MPI passes need, installed when missing
+#             (unpacking and configuring them overlaps the build: 45 s of a cold run when the
+#             passes installed their own); each pass still installs what it lacks (apt_install)
 #   bindgen   the wasm32 target and wasm-bindgen-cli (scripts/web.sh bindgen), for the browser
 #             passes
 #
@@ -16,19 +17,19 @@ PREFETCH_LOGS=target/prefetch
 declare -A PREFETCH_PIDS=()
 
 # As root, or through sudo without a password prompt (in the background there is no one to
-# answer it): else nothing is downloaded, and the passes install as they would have.
+# answer it): else nothing is installed here, and the passes install as they would have.
 prefetch_as_root() {
   if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo -n "$@"; else return 1; fi
 }
 
-# prefetch_packages PKG...: download the packages of PKG... that are not installed.
+# prefetch_packages PKG...: install the packages of PKG... that are not installed.
 prefetch_packages() {
   local missing=() p
   for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   [ "${#missing[@]}" = 0 ] && return 0
-  echo "== downloading ${missing[*]}"
+  echo "== installing ${missing[*]}"
   prefetch_as_root apt-get update -qq &&
-    prefetch_as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --download-only \
+    prefetch_as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
       --no-install-recommends "${missing[@]}"
 }
 

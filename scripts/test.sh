@@ -74,7 +74,7 @@ for b in $BACKENDS; do
 done
 has() { case " $BACKENDS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
-# The later passes' Debian packages (downloaded) and wasm-bindgen-cli (compiled at the lowest
+# The later passes' Debian packages (installed) and wasm-bindgen-cli (compiled at the lowest
 # priority) in the background from here on, overlapping the build and the Vulkan tests
 # (scripts/prefetch.sh); each pass waits for its part.
 . scripts/prefetch.sh
