@@ -24,6 +24,11 @@ cd "$(dirname "$0")/.."
 
 . scripts/apt.sh
 . scripts/lint_in_builds.sh
+# A target folder of its own (WEB_TARGET_DIR, default target/web-build): the wasm32 builds share
+# nothing with the native ones (their host-side proc macros are built for the release profile),
+# and scripts/test.sh runs the MPI pass's native build beside the browser passes (one cargo
+# per target folder at a time).
+WEB_TARGET=${WEB_TARGET_DIR:-$PWD/target/web-build}
 wasm_bindgen_version() { awk '/^name = "wasm-bindgen"$/ { getline; gsub(/"/, "", $3); print $3 }' Cargo.lock; }
 WEB_PROFILE=release
 
@@ -51,10 +56,11 @@ tools() {
 
 build() {
   tools
-  cargo_linted build --locked --profile "$WEB_PROFILE" -p wgpu-attention-web --target wasm32-unknown-unknown
+  CARGO_TARGET_DIR=$WEB_TARGET cargo_linted build --locked --profile "$WEB_PROFILE" -p wgpu-attention-web \
+    --target wasm32-unknown-unknown
   rm -rf target/web && mkdir -p target/web
   wasm-bindgen --target web --no-typescript --out-dir target/web \
-    "target/wasm32-unknown-unknown/$WEB_PROFILE/wgpu_attention_web.wasm"
+    "$WEB_TARGET/wasm32-unknown-unknown/$WEB_PROFILE/wgpu_attention_web.wasm"
   cp web/index.html target/web/
   echo "== built target/web/ ($(du -sh target/web | cut -f1))"
 }
@@ -87,7 +93,8 @@ case "${1:-}" in
   test)
     tools
     cd web
-    CHROMEDRIVER=$(command -v chromedriver) WASM_BINDGEN_TEST_TIMEOUT=${WASM_BINDGEN_TEST_TIMEOUT:-1800} \
+    CARGO_TARGET_DIR=$WEB_TARGET CHROMEDRIVER=$(command -v chromedriver) \
+      WASM_BINDGEN_TEST_TIMEOUT=${WASM_BINDGEN_TEST_TIMEOUT:-1800} \
       CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
       cargo_linted test --locked --profile "$WEB_PROFILE" --target wasm32-unknown-unknown --test browser -- "${@:2}"
     ;;
