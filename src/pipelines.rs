@@ -35,6 +35,9 @@ impl Key {
 pub(crate) struct Pipeline {
     pub(crate) pipeline: wgpu::ComputePipeline,
     pub(crate) layout: wgpu::BindGroupLayout,
+    /// The number of its bindings.
+    #[cfg_attr(target_arch = "wasm32", allow(dead_code))]
+    bindings: usize,
 }
 
 impl Pipeline {
@@ -102,7 +105,49 @@ impl Pipeline {
             },
             cache: None,
         });
-        Pipeline { pipeline, layout }
+        Pipeline {
+            pipeline,
+            layout,
+            bindings: bindings.len(),
+        }
+    }
+
+    /// Record and submit one workgroup of it on zeroed buffers (params all zero: every kernel
+    /// returns at once), so that a driver that compiles at the first dispatch (lavapipe)
+    /// compiles it now. Each binding gets 64 KiB, the most a uniform binding may hold.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub(crate) fn dispatch_zeroed(&self, device: &wgpu::Device, queue: &wgpu::Queue) {
+        let buffers: Vec<wgpu::Buffer> = (0..self.bindings)
+            .map(|_| {
+                device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("wgpu-attention warm-up"),
+                    size: 1 << 16,
+                    usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::UNIFORM,
+                    mapped_at_creation: false,
+                })
+            })
+            .collect();
+        let entries: Vec<wgpu::BindGroupEntry> = buffers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| wgpu::BindGroupEntry {
+                binding: i as u32,
+                resource: b.as_entire_binding(),
+            })
+            .collect();
+        let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("wgpu-attention warm-up"),
+            layout: &self.layout,
+            entries: &entries,
+        });
+        let mut encoder = device.create_command_encoder(&Default::default());
+        {
+            let mut pass = encoder.begin_compute_pass(&Default::default());
+            pass.set_pipeline(&self.pipeline);
+            pass.set_bind_group(0, &bind_group, &[]);
+            pass.dispatch_workgroups(1, 1, 1);
+        }
+        queue.submit([encoder.finish()]);
     }
 }
 
@@ -224,51 +269,18 @@ pub(crate) mod compile_log {
         file().is_some()
     }
 
-    /// Dispatch `pipeline` (bindings of `types`) once on zeroed buffers, wait for it, and log
-    /// the time since `t0`.
-    #[allow(clippy::too_many_arguments)]
+    /// Dispatch `pipeline` once on zeroed buffers ([`Pipeline::dispatch_zeroed`]), wait for it,
+    /// and log the time since `t0` under a hash of `source` and `constants`.
     pub(crate) fn first_dispatch(
         device: &wgpu::Device,
         queue: &wgpu::Queue,
         pipeline: &Pipeline,
-        types: &[wgpu::BufferBindingType],
         label: &str,
         source: &str,
         constants: &[(&str, f64)],
         t0: std::time::Instant,
     ) {
-        let buffers: Vec<wgpu::Buffer> = types
-            .iter()
-            .map(|_| {
-                device.create_buffer(&wgpu::BufferDescriptor {
-                    label: Some("wgpu-attention compile log"),
-                    size: 1 << 16,
-                    usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::UNIFORM,
-                    mapped_at_creation: false,
-                })
-            })
-            .collect();
-        let entries: Vec<wgpu::BindGroupEntry> = buffers
-            .iter()
-            .enumerate()
-            .map(|(i, b)| wgpu::BindGroupEntry {
-                binding: i as u32,
-                resource: b.as_entire_binding(),
-            })
-            .collect();
-        let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: Some("wgpu-attention compile log"),
-            layout: &pipeline.layout,
-            entries: &entries,
-        });
-        let mut encoder = device.create_command_encoder(&Default::default());
-        {
-            let mut pass = encoder.begin_compute_pass(&Default::default());
-            pass.set_pipeline(&pipeline.pipeline);
-            pass.set_bind_group(0, &bind_group, &[]);
-            pass.dispatch_workgroups(1, 1, 1);
-        }
-        queue.submit([encoder.finish()]);
+        pipeline.dispatch_zeroed(device, queue);
         let _ = device.poll(wgpu::PollType::wait_indefinitely());
         let mut h = std::collections::hash_map::DefaultHasher::new();
         source.hash(&mut h);

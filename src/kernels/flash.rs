@@ -348,7 +348,7 @@ impl Config {
         if self.rq == 1 || self.pinned || !self.unroll {
             return self;
         }
-        if super::warm(ctx, self.spec(), self.prelude(), std::mem::size_of::<Params>()) {
+        if super::warm(ctx, self.spec(), self.prelude()) {
             self
         } else {
             Config {

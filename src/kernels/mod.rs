@@ -299,7 +299,6 @@ pub(crate) fn pipeline(
                     ctx.device(),
                     ctx.queue(),
                     &p,
-                    &types,
                     spec.name,
                     &src,
                     constants,
@@ -393,10 +392,10 @@ pub(crate) fn dispatch(
 /// returns `false` then, and the caller uses that form. Elsewhere (GPUs compile at pipeline
 /// creation; the web has no threads; on GL one context serves every thread, see
 /// [`Context::caps`]) returns `true`: use the pipeline directly.
-pub(crate) fn warm(ctx: &Context, spec: &'static KernelSpec, prelude: String, params_size: usize) -> bool {
+pub(crate) fn warm(ctx: &Context, spec: &'static KernelSpec, prelude: String) -> bool {
     #[cfg(target_arch = "wasm32")]
     {
-        let _ = (ctx, spec, prelude, params_size);
+        let _ = (ctx, spec, prelude);
         true
     }
     #[cfg(not(target_arch = "wasm32"))]
@@ -415,32 +414,7 @@ pub(crate) fn warm(ctx: &Context, spec: &'static KernelSpec, prelude: String, pa
         let handle = std::thread::spawn(move || {
             // Errors here would recur, and be reported, where the pipeline is used.
             let _ = pollster::block_on(bg.scoped(|| {
-                let device = bg.device();
-                let buffers: Vec<wgpu::Buffer> = (1..spec.bindings.len())
-                    .map(|_| {
-                        device.create_buffer(&wgpu::BufferDescriptor {
-                            label: Some("wgpu-attention warm-up"),
-                            // Large enough for a uniform array binding (the additive score's u).
-                            size: 1024,
-                            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::UNIFORM,
-                            mapped_at_creation: false,
-                        })
-                    })
-                    .collect();
-                let bindings: Vec<wgpu::BufferBinding> =
-                    buffers.iter().map(|b| b.as_entire_buffer_binding()).collect();
-                let mut encoder = device.create_command_encoder(&Default::default());
-                dispatch(
-                    &bg,
-                    &mut encoder,
-                    spec,
-                    &prelude,
-                    &[],
-                    &bindings,
-                    &vec![0u8; params_size],
-                    [1, 1, 1],
-                )?;
-                bg.queue().submit([encoder.finish()]);
+                pipeline(&bg, spec, &prelude, &[]).dispatch_zeroed(bg.device(), bg.queue());
                 Ok(())
             }));
             bg.pipelines().end_warming(&key);
