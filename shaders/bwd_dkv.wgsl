@@ -120,10 +120,15 @@ fn main(
                 for (var r = 0u; r < RK; r++) { // unroll
                     let j = j_first + r * WG + tid;
                     var d = vec4<f32>(0.0);
+                    var xs = 0.0;
                     for (var d4 = 0u; d4 < E4; d4++) { // unroll
-                        d += q_at(ii, d4) * kr[r * E4 + d4];
+                        if (SCALAR_LOGITS) {
+                            xs = dot_fma(xs, q_at(ii, d4), kr[r * E4 + d4]);
+                        } else {
+                            d += q_at(ii, d4) * kr[r * E4 + d4];
+                        }
                     }
-                    var x = select(START, d.x + d.y + d.z + d.w, j < end);
+                    var x = select(START, select(d.x + d.y + d.z + d.w, xs, SCALAR_LOGITS), j < end);
                     if (HAS_MASK || HAS_BIAS) {
                         x = masked_logit(x, in_range(x), b, h, i, j);
                     }

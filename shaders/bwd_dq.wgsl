@@ -73,10 +73,15 @@ fn main(
             let j = j0 + jj;
             for (var r = 0u; r < RQ; r++) { // unroll
                 var d = vec4<f32>(0.0);
+                var xs = 0.0;
                 for (var d4 = 0u; d4 < E4; d4++) { // unroll
-                    d += qr[r * E4 + d4] * key_at(jj, d4);
+                    if (SCALAR_LOGITS) {
+                        xs = dot_fma(xs, qr[r * E4 + d4], key_at(jj, d4));
+                    } else {
+                        d += qr[r * E4 + d4] * key_at(jj, d4);
+                    }
                 }
-                var x = select(START, d.x + d.y + d.z + d.w, j < row_end[r]);
+                var x = select(START, select(d.x + d.y + d.z + d.w, xs, SCALAR_LOGITS), j < row_end[r]);
                 if (HAS_MASK || HAS_BIAS) {
                     let i = min(qt * BQ + r * WG + tid, p.l - 1u);
                     x = masked_logit(x, in_range(x), b, h, i, j);

@@ -107,18 +107,24 @@ fn main(
             var sc: array<f32, RQ * KG>;
             for (var jj = 0u; jj < KG; jj++) { // unroll
                 var d: array<vec4<f32>, RQ>;
+                var ds: array<f32, RQ>;
                 for (var r = 0u; r < RQ; r++) { // unroll
                     d[r] = vec4<f32>(0.0);
+                    ds[r] = 0.0;
                 }
                 for (var d4 = 0u; d4 < E4; d4++) { // unroll
                     let kv = key_at(jg + jj, d4);
                     for (var r = 0u; r < RQ; r++) { // unroll
-                        d[r] += score4(qr[r * E4 + d4], kv, d4);
+                        if (SCALAR_LOGITS) {
+                            ds[r] = score_fma(ds[r], qr[r * E4 + d4], kv, d4);
+                        } else {
+                            d[r] += score4(qr[r * E4 + d4], kv, d4);
+                        }
                     }
                 }
                 let j = j0 + jg + jj;
                 for (var r = 0u; r < RQ; r++) { // unroll
-                    let x = d[r].x + d[r].y + d[r].z + d[r].w;
+                    let x = select(d[r].x + d[r].y + d[r].z + d[r].w, ds[r], SCALAR_LOGITS);
                     sc[r * KG + jj] = select(START, x, j < row_end[r]);
                 }
             }

@@ -8,6 +8,12 @@
 //!   workgroups its split aims for);
 //! - `tiles_bm`, `tiles_bn`: the register-tiled GPU form's query rows and keys per tile
 //!   (multiples of 4, among the sizes it knows);
+//! - `tiles_tm`, `tiles_tn` (4 or 8): its query rows and keys per invocation;
+//! - `tiles_prefetch` (0 or 1): 1 issues the next K/V tile's loads before this tile's
+//!   arithmetic (registers for latency), 0 (the default) loads each tile when it is used;
+//! - `scalar_logits` (0 or 1): 0 has the GPU forms of the fused forward and backward keep
+//!   their logits as vec4 partials (the CPU forms' arithmetic) instead of scalars summed by
+//!   FMAs (the default: a quarter of the registers);
 //! - `wg_memory`: workgroup memory the GPU forms may use, bytes (at most the device's limit);
 //! - `matmul_tiles` (0 or 1): 0 runs the matmul's 64 x 64 form on GPUs instead of its
 //!   128 x 128 GPU form (to compare them);
@@ -49,6 +55,10 @@ const KEYS: &[&str] = &[
     "decode_target",
     "tiles_bm",
     "tiles_bn",
+    "tiles_tm",
+    "tiles_tn",
+    "scalar_logits",
+    "tiles_prefetch",
     "wg_memory",
     "matmul_tiles",
     "unchecked",

@@ -26,6 +26,15 @@ fn neg_inf() -> f32 {
     return bitcast<f32>(NEG_INF_BITS);
 }
 
+// The GPU-shaped forms' logit (forward and backward alike, SCALAR_LOGITS): the running dot
+// product `acc` plus q . k by four FMAs in a fixed order, so that the forward's logsumexp and
+// the backward's recomputed logits agree to the bit (explicit FMAs leave the driver no
+// contraction to choose: the H100 once gave a rolled and an unrolled loop different ones). The CPU forms keep vec4 partials summed
+// at the end (fewer dependent operations for LLVM), the same in their forward and backward.
+fn dot_fma(acc: f32, q: vec4<f32>, k: vec4<f32>) -> f32 {
+    return fma(q.w, k.w, fma(q.z, k.z, fma(q.y, k.y, fma(q.x, k.x, acc))));
+}
+
 // The weight exp(x - m) of logit `x` under the running max `m`; 0 for a masked logit.
 fn weight(x: f32, m: f32) -> f32 {
     return select(exp(x - m), 0.0, x < MASKED);

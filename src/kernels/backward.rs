@@ -332,11 +332,13 @@ impl Config {
     /// The constants and the q, k, v, dout loaders of the dQ and dK/dV kernels.
     fn common_prelude(&self) -> String {
         format!(
-            "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst WG: u32 = {}u;\nconst UNROLL: bool = {};\n{}",
+            "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst WG: u32 = {}u;\nconst UNROLL: bool = {};\n\
+             const SCALAR_LOGITS: bool = {};\n{}",
             self.e4,
             self.ev4,
             self.wg,
             self.unroll,
+            super::scalar_logits(self.form == BackwardForm::Gpu),
             grad_io(
                 &self.formats,
                 self.has_mask,

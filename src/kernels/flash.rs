@@ -101,6 +101,12 @@ pub(crate) struct Config {
     pub pinned: bool,
     /// The register-tiled GPU form's query rows per workgroup (0 for the other forms).
     pub bm: u32,
+    /// The logits are scalars summed by FMAs (`score_fma`, the GPU forms), not vec4 partials
+    /// ([`super::scalar_logits`]).
+    pub scalar_logits: bool,
+    /// The register-tiled GPU form issues the next K/V tile's loads before this tile's
+    /// arithmetic.
+    pub prefetch: bool,
     /// How q and k make a logit (the score hook, `score.rs`).
     pub score: Score,
 }
@@ -273,18 +279,24 @@ impl Config {
             pinned: pinned.is_some(),
             score: Score::Dot,
             bm: 0,
+            scalar_logits: super::scalar_logits(form == FusedForm::Gpu),
+            prefetch: false,
         })
     }
 
     /// The register-tiled GPU form's configuration: the largest tiles of (BM query rows, BN
     /// keys) whose Q, K, V and weight tiles fit the workgroup memory (48 KiB where the device
-    /// allows), with 4 x 4 logits per invocation.
+    /// allows), with TM x TN logits per invocation (4 x 4; the `tiles_*` knobs of
+    /// [`crate::tune`] choose others).
     fn tiles(p: &Problem, caps: &Caps, pinned: bool) -> std::result::Result<Config, String> {
+        use crate::tune::knob;
         let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
-        let memory = crate::tune::knob("wg_memory").unwrap_or(TILES_WG_MEMORY);
+        let memory = knob("wg_memory").unwrap_or(TILES_WG_MEMORY);
         let budget = memory.min(caps.workgroup_storage);
+        let tm = knob("tiles_tm").filter(|&k| k == 4 || k == 8).unwrap_or(4);
+        let tn = knob("tiles_tn").filter(|&k| k == 4 || k == 8).unwrap_or(4);
         let bytes = |bm: u32, bn: u32| {
-            let (nx, evt) = (bn / 4, ev4.div_ceil(bn / 4));
+            let (nx, evt) = (bn / tn, ev4.div_ceil(bn / tn));
             16 * (bm * (e4 + 1) + bn * (e4 + 1) + bn * nx * evt + bm * (bn / 4 + 1)) + 4 * bm * nx + 16
         };
         let tiles = [
@@ -304,10 +316,15 @@ impl Config {
         let (bm, bn) = tiles
             .into_iter()
             .filter(|&(bm, bn)| {
-                crate::tune::knob("tiles_bm").is_none_or(|k| k == bm)
-                    && crate::tune::knob("tiles_bn").is_none_or(|k| k == bn)
+                knob("tiles_bm").is_none_or(|k| k == bm)
+                    && knob("tiles_bn").is_none_or(|k| k == bn)
+                    && bm % tm == 0
+                    && bn % tn == 0
             })
-            .find(|&(bm, bn)| bytes(bm, bn) <= budget && (bm / 4) * (bn / 4) <= caps.max_invocations.min(caps.max_workgroup_size_x))
+            .find(|&(bm, bn)| {
+                bytes(bm, bn) <= budget
+                    && (bm / tm) * (bn / tn) <= caps.max_invocations.min(caps.max_workgroup_size_x)
+            })
             .ok_or_else(|| {
                 format!(
                     "the gpu-tiles form's tiles for E = {}, Ev = {} do not fit {budget} bytes of workgroup memory",
@@ -319,9 +336,9 @@ impl Config {
             e4,
             ev4,
             bk: bn,
-            wg: (bm / 4) * (bn / 4),
-            rq: 1,
-            kg: 4,
+            wg: (bm / tm) * (bn / tn),
+            rq: tm,
+            kg: tn,
             formats: p.storage,
             vec4: p.vec4_rows(),
             views: p.views,
@@ -335,6 +352,8 @@ impl Config {
             pinned,
             score: Score::Dot,
             bm,
+            scalar_logits: super::scalar_logits(true),
+            prefetch: knob("tiles_prefetch") == Some(1),
         })
     }
 
@@ -345,7 +364,7 @@ impl Config {
     /// 1.6x the run time; each row's arithmetic is the same, so are the results) while the fast
     /// form is compiled in the background ([`super::warm`]); later calls get it.
     pub(crate) fn for_now(self, ctx: &Context) -> Config {
-        if self.rq == 1 || self.pinned || !self.unroll {
+        if self.rq == 1 || self.pinned || !self.unroll || self.form == FusedForm::GpuTiles {
             return self;
         }
         if super::warm(ctx, self.spec(), self.prelude()) {
@@ -383,21 +402,27 @@ impl Config {
         );
         let score = self.score.fused_wgsl();
         if self.form == FusedForm::GpuTiles {
-            let nx = self.bk / 4;
+            let (tm, tn) = (self.rq, self.kg);
+            let nx = self.bk / tn;
             let evt = self.ev4.div_ceil(nx);
-            let ny = self.bm / 4;
+            let ny = self.bm / tm;
             return format!(
                 "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BM: u32 = {}u;\nconst BN: u32 = {}u;\n\
+                 const TM: u32 = {tm}u;\nconst TN: u32 = {tn}u;\nconst TMN: u32 = {}u;\n\
                  const NX: u32 = {nx}u;\nconst NY: u32 = {ny}u;\nconst EVT: u32 = {evt}u;\nconst TM_EVT: u32 = {}u;\n\
                  const NPK: u32 = {}u;\nconst NPV: u32 = {}u;\n\
+                 const SCALAR_LOGITS: bool = {};\nconst PREFETCH: bool = {};\n\
                  const UNROLL: bool = {};\n{}{io}{score}",
                 self.e4,
                 self.ev4,
                 self.bm,
                 self.bk,
-                4 * evt,
+                tm * tn,
+                tm * evt,
                 (self.bk * self.e4).div_ceil(nx * ny),
                 (self.bk * nx * evt).div_ceil(nx * ny),
+                self.scalar_logits,
+                self.prefetch,
                 self.unroll,
                 super::mask_consts(self.has_mask, self.has_bias, self.formats.bias),
             );
@@ -407,7 +432,7 @@ impl Config {
         format!(
             "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BK: u32 = {}u;\nconst WG: u32 = {}u;\n\
              const RQ: u32 = {}u;\nconst KG: u32 = {}u;\nconst NG: u32 = {}u;\n\
-             const UNROLL: bool = {};\nconst SG_KV: bool = {};\n{}{io}{kv}{score}",
+             const UNROLL: bool = {};\nconst SG_KV: bool = {};\nconst SCALAR_LOGITS: bool = {};\n{}{io}{kv}{score}",
             self.e4,
             self.ev4,
             self.bk,
@@ -417,6 +442,7 @@ impl Config {
             self.bk / self.kg,
             self.unroll,
             self.sg_kv,
+            self.scalar_logits,
             super::mask_consts(self.has_mask, self.has_bias, self.formats.bias),
         )
     }

@@ -169,6 +169,17 @@ impl Masks {
     }
 }
 
+/// Whether a form computes its logits as scalars summed by FMAs (`dot_fma` in
+/// `shaders/common/softmax.wgsl`) rather than vec4 partials summed at the end: the GPU forms of
+/// the fused forward and backward (`gpu_form`), unless the `scalar_logits=0` knob says
+/// otherwise. The forward and backward forms a device picks agree, so the backward's recomputed
+/// logits match the forward's logsumexp to the bit (FlashAttention's rule on large logits needs
+/// it). Measured on an H200 (gpu-tiles, c_h8_s4096_causal f32): 0.978 -> 0.939 ms, a quarter of
+/// the logits' registers.
+pub(crate) fn scalar_logits(gpu_form: bool) -> bool {
+    gpu_form && crate::tune::knob("scalar_logits") != Some(0)
+}
+
 /// The constants every masked forward kernel's prelude declares: whether a boolean mask and a
 /// bias are bound (their code is compiled out when absent), the bias (binding 1) in its format
 /// `bias`, and the key lengths (binding 2, read by `kv_len`).

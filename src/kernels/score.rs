@@ -3,9 +3,10 @@
 //! (`mask_consts` and `shaders/common/masks.wgsl`):
 //!
 //! - the fused kernels (`shaders/flash.wgsl`, `shaders/flash_tiles.wgsl`) call
-//!   `score4(q, k, d4)`, the four terms of vec4 block `d4` that they sum, which the hook
-//!   defines ([`Score::fused_wgsl`]), and bind what the hook declares after their own inputs
-//!   ([`Score::fused_spec`]);
+//!   `score4(q, k, d4)`, the four terms of vec4 block `d4` that they sum, or
+//!   `score_fma(acc, q, k, d4)`, the logit so far plus those terms (the register-tiled form's
+//!   scalar logits), which the hook defines ([`Score::fused_wgsl`]), and bind what the hook
+//!   declares after their own inputs ([`Score::fused_spec`]);
 //! - the matmul (the unfused path's scores) takes the same terms in its inner product (its
 //!   `ADDITIVE` override, `shaders/common/matmul.wgsl`), with the hook's input in its bias slot;
 //! - the decode kernel has no hook: [`Score::decode`] says why a score cannot run there.
@@ -38,7 +39,9 @@ pub(crate) enum Score {
 /// head dim of the fused kernel), zero-padded.
 pub(crate) const ADDITIVE_U_BYTES: u64 = 1024;
 
-const DOT: &str = "fn score4(q: vec4<f32>, k: vec4<f32>, d4: u32) -> vec4<f32> {\n    return q * k;\n}\n";
+const DOT: &str = "fn score4(q: vec4<f32>, k: vec4<f32>, d4: u32) -> vec4<f32> {\n    return q * k;\n}\n\
+fn score_fma(acc: f32, q: vec4<f32>, k: vec4<f32>, d4: u32) -> f32 {\n    \
+return dot_fma(acc, q, k);\n}\n";
 
 /// u (binding 8, a uniform array of 64 vec4s: WebGPU allows 8 storage buffers per stage and the
 /// fused kernel has 8 already) and the four terms `u_a tanh(q_a + k_a)` of vec4 block `d4` (the
@@ -46,7 +49,9 @@ const DOT: &str = "fn score4(q: vec4<f32>, k: vec4<f32>, d4: u32) -> vec4<f32> {
 /// that overflow).
 const ADDITIVE: &str = "@group(0) @binding(8) var<uniform> u4: array<vec4<f32>, 64>;\n\
 fn score4(q: vec4<f32>, k: vec4<f32>, d4: u32) -> vec4<f32> {\n    \
-return u4[d4] * tanh(clamp(q + k, vec4<f32>(-15.0), vec4<f32>(15.0)));\n}\n";
+return u4[d4] * tanh(clamp(q + k, vec4<f32>(-15.0), vec4<f32>(15.0)));\n}\n\
+fn score_fma(acc: f32, q: vec4<f32>, k: vec4<f32>, d4: u32) -> f32 {\n    \
+let t = score4(q, k, d4);\n    return acc + ((t.x + t.y) + (t.z + t.w));\n}\n";
 
 /// The fused kernel with the additive score: its source, one more input before the params.
 pub(crate) const ADDITIVE_SPEC: KernelSpec = KernelSpec {
