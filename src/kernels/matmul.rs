@@ -86,6 +86,27 @@ pub(crate) fn form_for(caps: &crate::forms::Caps) -> std::result::Result<Form, S
     Ok(form)
 }
 
+/// Products of fewer FLOPs than this (2 m n k over every slice) run the tiled form on CPU
+/// adapters whose default is the subgroup form, unless a form is pinned. Measured on lavapipe
+/// (`kernels::stage_tests::matmul_forms_and_formats_match_f64_product`, an empty Mesa cache):
+/// a subgroup-form kernel takes 4.0 s to compile, a tiled one 0.32 s, and each new shape class
+/// or storage format of a small product is a kernel of its own; at 1e7 FLOPs the tiled form's
+/// run (about 1 ms) costs less than the subgroup form's compilation by three orders of
+/// magnitude. Larger products (the benchmarks' projections and scores: 2.5e7 FLOPs and up)
+/// keep the subgroup form, which runs them 3-4x faster.
+pub(crate) const CPU_SMALL_PRODUCT_FLOPS: f64 = 1e7;
+
+/// [`form_for`], with small products on CPU adapters in the tiled form
+/// ([`CPU_SMALL_PRODUCT_FLOPS`]): `flops` is the product's 2 m n k over every slice.
+pub(crate) fn form_for_size(caps: &crate::forms::Caps, flops: f64) -> std::result::Result<Form, String> {
+    let form = form_for(caps)?;
+    let small = caps.cpu && caps.forms.matmul.is_none() && flops < CPU_SMALL_PRODUCT_FLOPS;
+    if form == Form::Subgroup && small && caps.max_invocations >= 256 && caps.max_workgroup_size_x >= 16 {
+        return Ok(Form::Tiled);
+    }
+    Ok(form)
+}
+
 /// [`form_for`] `ctx`'s device, its refusal an [`Error::Unsupported`](crate::Error).
 pub(crate) fn form(ctx: &Context) -> Result<Form> {
     form_for(&ctx.caps()).map_err(|reason| crate::error::Error::Unsupported {
@@ -307,7 +328,13 @@ impl Matmul<'_> {
         encoder: &mut wgpu::CommandEncoder,
         dummy: &wgpu::Buffer,
     ) -> Result<()> {
-        self.record_form(ctx, encoder, dummy, form(ctx)?)
+        let p = &self.params;
+        let flops = 2.0 * p.m as f64 * p.n as f64 * p.k as f64 * self.batch as f64;
+        let form = form_for_size(&ctx.caps(), flops).map_err(|reason| crate::error::Error::Unsupported {
+            path: "matmul",
+            reason,
+        })?;
+        self.record_form(ctx, encoder, dummy, form)
     }
 
     /// [`Matmul::record`] in `form`.

@@ -200,7 +200,10 @@ pub(crate) struct ChunkPlan {
 
 impl ChunkPlan {
     pub(crate) fn new(p: &Problem, budget_bytes: u64, caps: &Caps) -> Result<Self> {
-        let form = matmul::form_for(caps).map_err(|reason| Error::Unsupported {
+        // The score product's size class (its chunks are as large unless L S exceeds the
+        // budget, which only large problems do).
+        let flops = 2.0 * (p.batch_heads() * p.seq_q * p.seq_kv * p.head_dim) as f64;
+        let form = matmul::form_for_size(caps, flops).map_err(|reason| Error::Unsupported {
             path: "unfused",
             reason,
         })?;
@@ -354,9 +357,23 @@ mod tests {
         assert_eq!(plan.form(), Form::Fused(FusedForm::Loop { rows: 3 }));
         let plan = Plan::new(&small, &req(Path::Decode), &pinned).unwrap();
         assert_eq!(plan.form(), Form::Decode(DecodeForm::Gpu));
-        // The unfused path's matmul: the subgroup form with a subgroup of 8, pinnable, and
-        // refused where the subgroup size is not 8.
+        // The unfused path's matmul: the subgroup form with a subgroup of 8 (for products of
+        // 1e7 FLOPs and up; smaller ones tiled: quicker to compile), pinnable, and refused where
+        // the subgroup size is not 8.
         let plan = Plan::new(&small, &req(Path::Unfused), &pinned).unwrap();
+        assert_eq!(plan.form(), Form::Unfused(MatmulForm::Tiled));
+        let big = Problem::new(&[1, 4, 512, 64], &[1, 4, 512, 64], &[1, 4, 512, 64]).unwrap();
+        assert!(
+            2.0 * (big.batch_heads() * 512 * 512 * big.head_dim) as f64 >= matmul::CPU_SMALL_PRODUCT_FLOPS
+        );
+        let plan = Plan::new(&big, &req(Path::Unfused), &pinned).unwrap();
+        assert_eq!(plan.form(), Form::Unfused(MatmulForm::Subgroup));
+        let plan = Plan::new(
+            &small,
+            &req(Path::Unfused),
+            &pinned.with_forms(MatmulForm::Subgroup),
+        )
+        .unwrap();
         assert_eq!(plan.form(), Form::Unfused(MatmulForm::Subgroup));
         let gpu_tiles = pinned.with_forms(MatmulForm::GpuTiles);
         let plan = Plan::new(&small, &req(Path::Unfused), &gpu_tiles).unwrap();
@@ -400,8 +417,13 @@ mod tests {
             form(&small, Path::Fused, &tiled),
             Ok(Form::Backward(BackwardForm::Tiled { rows: 3 }))
         );
+        // The unfused backward's products: tiled below 1e7 FLOPs, else the subgroup form.
         assert_eq!(
             form(&small, Path::Unfused, &tiled),
+            Ok(Form::Unfused(MatmulForm::Tiled))
+        );
+        assert_eq!(
+            form(&large, Path::Unfused, &tiled),
             Ok(Form::Unfused(MatmulForm::Subgroup))
         );
         // A subgroup form without a fixed subgroup size: refused on the fused and automatic
