@@ -101,12 +101,6 @@ pub(crate) struct Config {
     pub pinned: bool,
     /// The register-tiled GPU form's query rows per workgroup (0 for the other forms).
     pub bm: u32,
-    /// The logits are scalars summed by FMAs (`score_fma`, the GPU forms), not vec4 partials
-    /// ([`super::scalar_logits`]).
-    pub scalar_logits: bool,
-    /// The register-tiled GPU form issues the next K/V tile's loads before this tile's
-    /// arithmetic.
-    pub prefetch: bool,
     /// How q and k make a logit (the score hook, `score.rs`).
     pub score: Score,
 }
@@ -279,8 +273,6 @@ impl Config {
             pinned: pinned.is_some(),
             score: Score::Dot,
             bm: 0,
-            scalar_logits: super::scalar_logits(form == FusedForm::Gpu),
-            prefetch: false,
         })
     }
 
@@ -352,8 +344,6 @@ impl Config {
             pinned,
             score: Score::Dot,
             bm,
-            scalar_logits: super::scalar_logits(true),
-            prefetch: knob("tiles_prefetch") == Some(1),
         })
     }
 
@@ -376,6 +366,12 @@ impl Config {
                 ..self
             }
         }
+    }
+
+    /// Whether the logits are scalars summed by FMAs (`score_fma`), not vec4 partials: the GPU
+    /// forms' arithmetic ([`super::scalar_logits`]).
+    fn scalar_logits(&self) -> bool {
+        super::scalar_logits(matches!(self.form, FusedForm::Gpu | FusedForm::GpuTiles))
     }
 
     /// Query rows per workgroup.
@@ -421,8 +417,10 @@ impl Config {
                 tm * evt,
                 (self.bk * self.e4).div_ceil(nx * ny),
                 (self.bk * nx * evt).div_ceil(nx * ny),
-                self.scalar_logits,
-                self.prefetch,
+                self.scalar_logits(),
+                // The next K/V tile's loads issued before this tile's arithmetic: off unless the
+                // knob asks (slower on an H200).
+                crate::tune::knob("tiles_prefetch") == Some(1),
                 self.unroll,
                 super::mask_consts(self.has_mask, self.has_bias, self.formats.bias),
             );
@@ -442,7 +440,7 @@ impl Config {
             self.bk / self.kg,
             self.unroll,
             self.sg_kv,
-            self.scalar_logits,
+            self.scalar_logits(),
             super::mask_consts(self.has_mask, self.has_bias, self.formats.bias),
         )
     }

@@ -76,14 +76,19 @@ pub(crate) fn form_for(caps: &crate::forms::Caps) -> std::result::Result<Form, S
             caps.subgroup
         ));
     }
-    // Both tiled forms run 16 x 16 invocations with 8 KiB of workgroup memory.
-    if form != Form::Subgroup && (caps.max_invocations < 256 || caps.max_workgroup_size_x < 16) {
+    if form != Form::Subgroup && !runs_16x16(caps) {
         return Err(format!(
             "the {} matmul form needs 16 x 16 invocations",
             form.name()
         ));
     }
     Ok(form)
+}
+
+/// Whether the device runs the tiled forms' workgroups: 16 x 16 invocations (with 8 KiB of
+/// workgroup memory).
+fn runs_16x16(caps: &crate::forms::Caps) -> bool {
+    caps.max_invocations >= 256 && caps.max_workgroup_size_x >= 16
 }
 
 /// Products of fewer FLOPs than this (2 m n k over every slice) run the tiled form on CPU
@@ -101,7 +106,7 @@ pub(crate) const CPU_SMALL_PRODUCT_FLOPS: f64 = 1e7;
 pub(crate) fn form_for_size(caps: &crate::forms::Caps, flops: f64) -> std::result::Result<Form, String> {
     let form = form_for(caps)?;
     let small = caps.cpu && caps.forms.matmul.is_none() && flops < CPU_SMALL_PRODUCT_FLOPS;
-    if form == Form::Subgroup && small && caps.max_invocations >= 256 && caps.max_workgroup_size_x >= 16 {
+    if form == Form::Subgroup && small && runs_16x16(caps) {
         return Ok(Form::Tiled);
     }
     Ok(form)
