@@ -24,7 +24,7 @@ for part in $parts; do
     for form in gpu gpu-tiles; do
       WGPU_ATTENTION_FORMS=fused=$form row "form=$form" --shapes all --paths fused --storage f32,f16
     done
-    for k in default tiles_prefetch=1 scalar_logits=0 tiles_tm=8 tiles_tn=8; do
+    for k in default tiles_sg=0 tiles_prefetch=1 scalar_logits=0 tiles_tm=8 tiles_tn=8; do
       WGPU_ATTENTION_FORMS=fused=gpu-tiles row "$k" --shapes c_h8_s4096_causal,a_h8_s1024 --paths fused --storage f32,f16
     done
     for t in 64,32 32,32 64,16; do

@@ -15,12 +15,18 @@
 //   const EVT: u32     -- output vec4 columns per invocation: ceil(EV4 / NX); TM_EVT = 4 EVT
 //   const NPK, NPV: u32 -- vec4s of the K and V tiles each invocation loads:
 //                      ceil(BN E4 / WG), ceil(BN NX EVT / WG)
+//   const SG_ROWS: bool -- each row's max and sum are reduced across its NX invocations (NX
+//                      adjacent lanes of one subgroup: the host checks NX divides the
+//                      subgroup size) by subgroup shuffles, not through workgroup memory: one
+//                      barrier per tile fewer
+//   const RED_LEN: u32 -- the length of red (1 where unused)
 //
 // Per tile of BN keys, invocation (ty, tx) owns the TM x TN block of logits of rows
 // ty + NY r (r < TM) and keys tx + NX t (t < TN): each vec4 of q and k read from workgroup
 // memory serves TN or TM logits (8 FMAs per load, against 4 in flash.wgsl's GPU form, and a
-// quarter of its registers). The rows' new max is reduced through workgroup memory (`red`),
-// the weights P go to workgroup memory (`p_tile`), and the same invocation accumulates
+// quarter of its registers). The rows' new max is reduced by subgroup shuffles (SG_ROWS) or
+// through workgroup memory (`red`), the weights P go to workgroup memory (`p_tile`), and the
+// same invocation accumulates
 // O += P V for its TM rows and the vec4 columns tx + NX k (k < EVT): each V vec4 serves TM
 // rows. Each row's sum stays split over the NX invocations of its rows until the end.
 // Strided rows and keys, and the Q/K tiles' padded row stride QS, keep the invocations of a
@@ -29,7 +35,7 @@
 // accumulators, TM max and sum, and with PREFETCH NPK + NPV vec4s of the next K/V tile (about
 // 60 floats at E = Ev = 64, BN = 32, without the prefetch; measured on an H200, the scalar
 // logits and no prefetch ran c_h8_s4096_causal 1.06x (f32) and 1.12x (f16) faster, and
-// TM x TN = 8 x 4, 4 x 8, 8 x 8 2-4.5x slower).
+// TM x TN = 8 x 4, 4 x 8, 8 x 8 2-4.5x slower; with SG_ROWS, 1.07-1.10x faster again).
 // Arithmetic intensity from workgroup memory: Q K^T does TM * TN vec4 FMAs (8 FLOP each) per
 // TM + TN vec4 loads, 2 vec4 FMAs per load at TM = TN = 4 (flash.wgsl's
 // GPU form: 1); P V does 4 * EVT * TM vec4 FMAs per TM + 4 * EVT loads (1.6 at EVT = 2).
@@ -54,8 +60,26 @@ var<workgroup> q_tile: array<vec4<f32>, BM * QS>;
 var<workgroup> k_tile: array<vec4<f32>, BN * QS>;
 var<workgroup> v_tile: array<vec4<f32>, BN * VS>;
 var<workgroup> p_tile: array<vec4<f32>, BM * PS>;
-var<workgroup> red: array<f32, BM * NX>;
+var<workgroup> red: array<f32, RED_LEN>;
 var<workgroup> wg_end: u32;
+
+// The max and the sum of x over the NX adjacent lanes of a row (SG_ROWS): a butterfly, so
+// every lane gets the same bits.
+fn row_max_sg(x: f32) -> f32 {
+    var y = x;
+    for (var o = 1u; o < NX; o *= 2u) {
+        y = max(y, subgroupShuffleXor(y, o));
+    }
+    return y;
+}
+
+fn row_sum_sg(x: f32) -> f32 {
+    var y = x;
+    for (var o = 1u; o < NX; o *= 2u) {
+        y += subgroupShuffleXor(y, o);
+    }
+    return y;
+}
 
 // Load this invocation's share of the K and V tiles of keys j0 .. j0 + BN of kv head `kvh`
 // (keys past kv_end and padding columns zero) into registers.
@@ -192,13 +216,16 @@ fn main(
             }
         }
         var sc: array<f32, TM * TN>;
+        var rmax: array<f32, TM>;
+        for (var c = 0u; c < TMN; c++) { // unroll
+            let dd = d[c];
+            sc[c] = select(dd.x + dd.y + dd.z + dd.w, ds[c], SCALAR_LOGITS);
+        }
         for (var r = 0u; r < TM; r++) { // unroll
             var pm = START;
             for (var t = 0u; t < TN; t++) { // unroll
                 let j = j0 + t * NX + tx;
-                let dd = d[r * TN + t];
-                let logit = select(dd.x + dd.y + dd.z + dd.w, ds[r * TN + t], SCALAR_LOGITS);
-                var x = select(START, logit, j < row_end[r]);
+                var x = select(START, sc[r * TN + t], j < row_end[r]);
                 if (HAS_MASK || HAS_BIAS) {
                     let i = min(i0 + r * NY + ty, p.l - 1u);
                     x = masked_logit(x, in_range(x), b, h, i, j);
@@ -206,9 +233,17 @@ fn main(
                 sc[r * TN + t] = x;
                 pm = max(pm, x);
             }
-            red[(r * NY + ty) * NX + tx] = pm;
+            rmax[r] = pm;
+            if (SG_ROWS) {
+                rmax[r] = row_max_sg(pm);
+            } else {
+                red[(r * NY + ty) * NX + tx] = pm;
+            }
         }
-        workgroupBarrier();
+        // The row maxima through workgroup memory (by subgroup shuffles, no barrier).
+        if (!SG_ROWS) {
+            workgroupBarrier();
+        }
 
         // Each row's new max (every invocation of the row reduces the same values in the same
         // order), the rescale factor, the weights into the P tile, this invocation's part of
@@ -216,9 +251,11 @@ fn main(
         var alpha: array<f32, TM>;
         for (var r = 0u; r < TM; r++) { // unroll
             let rr = r * NY + ty;
-            var mx = m[r];
-            for (var x = 0u; x < NX; x++) { // unroll
-                mx = max(mx, red[rr * NX + x]);
+            var mx = max(m[r], rmax[r]);
+            if (!SG_ROWS) {
+                for (var x = 0u; x < NX; x++) { // unroll
+                    mx = max(mx, red[rr * NX + x]);
+                }
             }
             alpha[r] = rescale(m[r], mx);
             m[r] = mx;
@@ -255,17 +292,29 @@ fn main(
     }
 
     // Each row's sum: the NX invocations' parts, added in the same order by all of them.
-    for (var r = 0u; r < TM; r++) { // unroll
-        red[(r * NY + ty) * NX + tx] = sum[r];
+    var totals: array<f32, TM>;
+    if (SG_ROWS) {
+        for (var r = 0u; r < TM; r++) { // unroll
+            totals[r] = row_sum_sg(sum[r]);
+        }
+    } else {
+        for (var r = 0u; r < TM; r++) { // unroll
+            red[(r * NY + ty) * NX + tx] = sum[r];
+        }
+        workgroupBarrier();
+        for (var r = 0u; r < TM; r++) { // unroll
+            let rr = r * NY + ty;
+            var total = 0.0;
+            for (var x = 0u; x < NX; x++) { // unroll
+                total += red[rr * NX + x];
+            }
+            totals[r] = total;
+        }
     }
-    workgroupBarrier();
     for (var r = 0u; r < TM; r++) { // unroll
         let rr = r * NY + ty;
         let i = i0 + rr;
-        var total = 0.0;
-        for (var x = 0u; x < NX; x++) { // unroll
-            total += red[rr * NX + x];
-        }
+        let total = totals[r];
         if (i < p.l) {
             let row = bh * p.l + i;
             let inv = select(1.0 / total, 0.0, total == 0.0);

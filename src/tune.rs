@@ -11,6 +11,8 @@
 //! - `tiles_tm`, `tiles_tn` (4 or 8): its query rows and keys per invocation;
 //! - `tiles_prefetch` (0 or 1): 1 issues the next K/V tile's loads before this tile's
 //!   arithmetic (registers for latency), 0 (the default) loads each tile when it is used;
+//! - `tiles_sg` (0 or 1): 0 reduces its rows' max and sum through workgroup memory, not by
+//!   subgroup shuffles (the default where the subgroup size allows);
 //! - `scalar_logits` (0 or 1): 0 has the GPU forms of the fused forward and backward keep
 //!   their logits as vec4 partials (the CPU forms' arithmetic) instead of scalars summed by
 //!   FMAs (the default: a quarter of the registers);
@@ -59,6 +61,7 @@ const KEYS: &[&str] = &[
     "tiles_tn",
     "scalar_logits",
     "tiles_prefetch",
+    "tiles_sg",
     "wg_memory",
     "matmul_tiles",
     "unchecked",
