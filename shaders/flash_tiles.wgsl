@@ -18,7 +18,10 @@
 //   const SG_ROWS: bool -- each row's max and sum are reduced across its NX invocations (NX
 //                      adjacent lanes of one subgroup: the host checks NX divides the
 //                      subgroup size) by subgroup shuffles, not through workgroup memory: one
-//                      barrier per tile fewer
+//                      barrier per tile fewer (the host then defines row_max_sg and row_sum_sg:
+//                      a butterfly of subgroupShuffleXor, every lane getting the same bits;
+//                      otherwise stubs, never called: a WebGPU compiler rejects subgroup
+//                      built-ins in a module without the `subgroups` extension)
 //   const RED_LEN: u32 -- the length of red (1 where unused)
 //
 // Per tile of BN keys, invocation (ty, tx) owns the TM x TN block of logits of rows
@@ -62,24 +65,6 @@ var<workgroup> v_tile: array<vec4<f32>, BN * VS>;
 var<workgroup> p_tile: array<vec4<f32>, BM * PS>;
 var<workgroup> red: array<f32, RED_LEN>;
 var<workgroup> wg_end: u32;
-
-// The max and the sum of x over the NX adjacent lanes of a row (SG_ROWS): a butterfly, so
-// every lane gets the same bits.
-fn row_max_sg(x: f32) -> f32 {
-    var y = x;
-    for (var o = 1u; o < NX; o *= 2u) {
-        y = max(y, subgroupShuffleXor(y, o));
-    }
-    return y;
-}
-
-fn row_sum_sg(x: f32) -> f32 {
-    var y = x;
-    for (var o = 1u; o < NX; o *= 2u) {
-        y += subgroupShuffleXor(y, o);
-    }
-    return y;
-}
 
 // Load this invocation's share of the K and V tiles of keys j0 .. j0 + BN of kv head `kvh`
 // (keys past kv_end and padding columns zero) into registers.

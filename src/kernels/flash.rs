@@ -53,6 +53,28 @@ const TILES_WG_MEMORY: u32 = 48 * 1024;
 /// (f32), 0.897 -> 0.822 ms (f16); a_h8_s1024 1.07x, gpt2_h12_t1024_causal 1.08x.
 const TILES_SG_ROWS: bool = true;
 
+/// The register-tiled form's reductions over a row's NX adjacent lanes (`SG_ROWS`): butterflies,
+/// so every lane gets the same bits (max is exact; the same pairs are added in every lane).
+const TILES_SG_ROW_FNS: &str = "fn row_max_sg(x: f32) -> f32 {
+    var y = x;
+    for (var o = 1u; o < NX; o *= 2u) {
+        y = max(y, subgroupShuffleXor(y, o));
+    }
+    return y;
+}
+fn row_sum_sg(x: f32) -> f32 {
+    var y = x;
+    for (var o = 1u; o < NX; o *= 2u) {
+        y += subgroupShuffleXor(y, o);
+    }
+    return y;
+}
+";
+
+/// Their stand-ins without subgroups (never called: `SG_ROWS` is false).
+const TILES_ROW_FN_STUBS: &str =
+    "fn row_max_sg(x: f32) -> f32 { return x; }\nfn row_sum_sg(x: f32) -> f32 { return x; }\n";
+
 wgsl_struct! {
     /// The fused kernel's params (`p` in `flash.wgsl`).
     pub(crate) struct Params {
@@ -423,7 +445,7 @@ impl Config {
                  const NX: u32 = {nx}u;\nconst NY: u32 = {ny}u;\nconst EVT: u32 = {evt}u;\nconst TM_EVT: u32 = {}u;\n\
                  const NPK: u32 = {}u;\nconst NPV: u32 = {}u;\n\
                  const SCALAR_LOGITS: bool = {};\nconst PREFETCH: bool = {};\n\
-                 const SG_ROWS: bool = {};\nconst RED_LEN: u32 = {red}u;\n\
+                 const SG_ROWS: bool = {};\nconst RED_LEN: u32 = {red}u;\n{}\
                  const UNROLL: bool = {};\n{}{io}{score}",
                 self.e4,
                 self.ev4,
@@ -438,6 +460,7 @@ impl Config {
                 // knob asks (slower on an H200).
                 crate::tune::knob("tiles_prefetch") == Some(1),
                 self.sg_rows,
+                if self.sg_rows { TILES_SG_ROW_FNS } else { TILES_ROW_FN_STUBS },
                 self.unroll,
                 super::mask_consts(self.has_mask, self.has_bias, self.formats.bias),
             );
@@ -562,6 +585,8 @@ mod tests {
             assert_eq!((c.bm, c.bk, c.sg_rows), (64, 32, want), "subgroup {sg:?}");
             let prelude = c.prelude();
             assert!(prelude.contains(&format!("const SG_ROWS: bool = {want};")));
+            // Subgroup built-ins only where used: WebGPU compilers reject them otherwise.
+            assert_eq!(prelude.contains("subgroupShuffleXor"), want, "subgroup {sg:?}");
             let red = if want { 1 } else { 64 * 8 };
             assert!(
                 prelude.contains(&format!("const RED_LEN: u32 = {red}u;")),
