@@ -129,7 +129,7 @@ fn main(
                         }
                     }
                     var x = select(START, select(d.x + d.y + d.z + d.w, xs, SCALAR_LOGITS), j < end);
-                    if (HAS_MASK || HAS_BIAS) {
+                    if (HAS_MASK || HAS_BIAS || HAS_WINDOW) {
                         x = masked_logit(x, in_range(x), b, h, i, j);
                     }
                     let pij = prob(x, lse);

@@ -82,7 +82,7 @@ fn main(
                     }
                 }
                 var x = select(START, select(d.x + d.y + d.z + d.w, xs, SCALAR_LOGITS), j < row_end[r]);
-                if (HAS_MASK || HAS_BIAS) {
+                if (HAS_MASK || HAS_BIAS || HAS_WINDOW) {
                     let i = min(qt * BQ + r * WG + tid, p.l - 1u);
                     x = masked_logit(x, in_range(x), b, h, i, j);
                 }

@@ -211,7 +211,7 @@ fn main(
             for (var t = 0u; t < TN; t++) { // unroll
                 let j = j0 + t * NX + tx;
                 var x = select(START, sc[r * TN + t], j < row_end[r]);
-                if (HAS_MASK || HAS_BIAS) {
+                if (HAS_MASK || HAS_BIAS || HAS_WINDOW) {
                     let i = min(i0 + r * NY + ty, p.l - 1u);
                     x = masked_logit(x, in_range(x), b, h, i, j);
                 }

@@ -154,6 +154,14 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A built-in score or mask modifier with a value outside its domain.
+    #[error("{modifier}: {reason}")]
+    InvalidModifier {
+        /// The modifier (`window`, `sink_tokens`, ...).
+        modifier: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
     /// The scale is NaN or infinite (or too large for the kernels' f32).
     #[error("scale must be finite in f32, got {scale}")]
     InvalidScale {

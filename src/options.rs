@@ -24,6 +24,11 @@ pub struct Options<'a> {
     pub bias: Option<Tensor<'a>>,
     /// Per-batch key lengths: batch `b` attends keys `j < kv_lens[b]` only.
     pub kv_lens: Option<Vec<usize>>,
+    /// A sliding window `(left, right)`, FlashAttention's `window_size` (see
+    /// [`Window`](crate::Window)).
+    pub window: Option<(i64, i64)>,
+    /// Keys `j < sink_tokens` exempt from the window (needs a window).
+    pub sink_tokens: usize,
 }
 
 impl<'a> Options<'a> {
@@ -31,7 +36,8 @@ impl<'a> Options<'a> {
     pub fn problem(&self, q: &[usize], k: &[usize], v: &[usize]) -> Result<Problem> {
         let mut p = Problem::new(q, k, v)?
             .with_scale(self.scale)?
-            .with_causal(self.causal);
+            .with_causal(self.causal)
+            .with_window(self.window, self.sink_tokens)?;
         if let Some(m) = &self.mask {
             p = p.with_mask(&m.shape)?;
             check_len("mask", &m.shape, m.data.len())?;
@@ -115,6 +121,22 @@ macro_rules! option_setters {
         /// Per-batch key lengths (padding): batch `b` attends keys `j < kv_lens[b]` only.
         pub fn kv_lens(mut self, lens: &[usize]) -> Self {
             self.options.kv_lens = Some(lens.to_vec());
+            self
+        }
+
+        /// A sliding window, FlashAttention's `window_size = (left, right)`: query `i` sees keys
+        /// `i + S - L - left <= j <= i + S - L + right`, `-1` unbounded on that side (with key
+        /// lengths, `S` is the batch's). Combines with every other mask (`(-1, 0)` alone is
+        /// bottom-right causal). Sides below `-1` are an error. See [`Window`](crate::Window).
+        pub fn window(mut self, left: i64, right: i64) -> Self {
+            self.options.window = Some((left, right));
+            self
+        }
+
+        /// The first `n` keys seen by every query whatever the window (StreamingLLM's
+        /// attention sinks); needs [`window`](Self::window).
+        pub fn sink_tokens(mut self, n: usize) -> Self {
+            self.options.sink_tokens = n;
             self
         }
 

@@ -49,6 +49,34 @@ impl Causal {
     }
 }
 
+/// A sliding window over the keys, FlashAttention's `window_size = (left, right)`: query `i`
+/// sees keys `i + S - L - left <= j <= i + S - L + right` (`-1`: unbounded on that side), and
+/// the first `sink_tokens` keys whatever the window (StreamingLLM's attention sinks; the other
+/// masks still apply to them). With key lengths, `S` is the batch's key length. The semantics
+/// table is in `docs/semantics.md`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Window {
+    /// Keys before the aligned diagonal a query sees (`-1`: all of them).
+    pub left: i64,
+    /// Keys after the aligned diagonal a query sees (`-1`: all of them).
+    pub right: i64,
+    /// The first keys every query sees, exempt from the window.
+    pub sink_tokens: usize,
+}
+
+impl Window {
+    /// Whether query `i` may see key `j` under the window, for `L = seq_q` queries and a
+    /// batch of `seq_kv` keys (its key length when key lengths are given).
+    pub fn allows(&self, i: usize, j: usize, seq_q: usize, seq_kv: usize) -> bool {
+        if j < self.sink_tokens {
+            return true;
+        }
+        let c = i as i64 + seq_kv as i64 - seq_q as i64;
+        let j = j as i64;
+        (self.left < 0 || j >= c - self.left) && (self.right < 0 || j <= c + self.right)
+    }
+}
+
 /// `shape` (rank 0 to 4) left-padded with ones to 4-D: how a mask or bias broadcasts against
 /// the scores `[B, Hq, L, S]`.
 pub(crate) fn pad4(shape: &[usize]) -> [usize; 4] {
@@ -144,6 +172,8 @@ pub struct Problem {
     pub bias: Option<Broadcast>,
     /// Per-batch key lengths, if any.
     pub kv_lens: Option<Vec<u32>>,
+    /// A sliding window (with attention-sink tokens), if any.
+    pub window: Option<Window>,
     /// The storage formats of q, k, v, the bias and the output (all f32 by default).
     pub storage: crate::storage::Formats,
     /// Where q, k, v, the output (and the backward's dout) lie in their buffers, for those
@@ -206,6 +236,7 @@ impl Problem {
             mask: None,
             bias: None,
             kv_lens: None,
+            window: None,
             storage: Default::default(),
             views: Default::default(),
         })
@@ -234,6 +265,37 @@ impl Problem {
     pub fn with_causal(mut self, causal: Causal) -> Self {
         self.causal = causal;
         self
+    }
+
+    /// Set a sliding window `(left, right)` (each `-1` or more) with `sink_tokens` keys
+    /// exempt from it; sink tokens without a window are an error (they would change nothing).
+    pub fn with_window(mut self, window: Option<(i64, i64)>, sink_tokens: usize) -> Result<Self> {
+        let Some((left, right)) = window else {
+            if sink_tokens > 0 {
+                return Err(Error::InvalidModifier {
+                    modifier: "sink_tokens",
+                    reason: format!(
+                        "{sink_tokens} sink tokens without a sliding window change nothing; set a window"
+                    ),
+                });
+            }
+            self.window = None;
+            return Ok(self);
+        };
+        for (side, v) in [("left", left), ("right", right)] {
+            if v < -1 {
+                return Err(Error::InvalidModifier {
+                    modifier: "window",
+                    reason: format!("{side} = {v}: each side is -1 (unbounded) or a number of keys >= 0"),
+                });
+            }
+        }
+        self.window = Some(Window {
+            left,
+            right,
+            sink_tokens,
+        });
+        Ok(self)
     }
 
     /// Add a boolean mask of the given (broadcastable) shape.

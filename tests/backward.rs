@@ -48,7 +48,7 @@ fn check(ctx: &Context, case: &Case, path: Path, label: &str) {
 fn grid_matches_reference_by_flash_rule() {
     let Some(ctx) = ctx() else { return };
     for (si, &shape) in SHAPES.iter().enumerate() {
-        for (ki, (name, kind)) in mask_kinds().into_iter().enumerate() {
+        for (ki, (name, kind)) in mask_and_window_kinds().into_iter().enumerate() {
             let alone = name == "bias" || name == "bool_mask";
             if alone && shape != (1, 2, 2, 70, 130, 33, 65) {
                 continue;

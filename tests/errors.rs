@@ -289,3 +289,62 @@ fn fused_path_refuses_what_it_cannot_do() {
     );
     big.check(ctx, Path::Auto, common::TOL, "E = 300 via auto");
 }
+
+/// Window sides below -1 and sink tokens without a window are typed errors before any GPU
+/// work, on the forward, the backward and the layer alike; the ring refuses windows.
+#[test]
+fn window_options_are_validated() {
+    let (q, k, v) = (
+        q(),
+        Array4::<f32>::zeros((2, 2, 7, 8)),
+        Array4::<f32>::zeros((2, 2, 7, 3)),
+    );
+    for (left, right) in [(-2, 0), (0, -2), (i64::MIN, 5)] {
+        let r = Sdpa::new(&q, &k, &v).window(left, right).problem();
+        assert!(
+            matches!(
+                r,
+                Err(Error::InvalidModifier {
+                    modifier: "window",
+                    ..
+                })
+            ),
+            "({left}, {right}): {r:?}"
+        );
+    }
+    let r = Sdpa::new(&q, &k, &v).sink_tokens(4).problem();
+    assert!(
+        matches!(
+            r,
+            Err(Error::InvalidModifier {
+                modifier: "sink_tokens",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let msg = Sdpa::new(&q, &k, &v)
+        .window(-3, 0)
+        .problem()
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("window") && msg.contains("-3"), "{msg}");
+    // Unbounded both ways, huge sides and sinks past S are valid.
+    for (l, r, n) in [(-1, -1, 0), (i64::MAX, i64::MAX, 0), (0, 0, 100)] {
+        Sdpa::new(&q, &k, &v)
+            .window(l, r)
+            .sink_tokens(n)
+            .problem()
+            .unwrap();
+    }
+    let Some(ctx) = ctx() else { return };
+    let dout = Array4::<f32>::zeros((2, 4, 5, 3));
+    let r = Sdpa::new(&q, &k, &v)
+        .window(-2, 0)
+        .backward(&dout)
+        .run_blocking(ctx);
+    assert!(matches!(r, Err(Error::InvalidModifier { .. })), "{:?}", r.err());
+    let ring = wgpu_attention::Ring::new(std::slice::from_ref(ctx));
+    let r = ring.run_blocking(&Sdpa::new(&q, &k, &v).window(4, 0));
+    assert!(matches!(r, Err(Error::Ring { .. })), "{:?}", r.err());
+}

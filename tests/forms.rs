@@ -364,6 +364,8 @@ fn broadcasts_infinite_bias_and_large_logits_in_every_form() {
             bias: Some(Array::from_elem(IxDyn(&[1]), offset)),
             kv_lens: None,
             causal: Causal::None,
+            window: None,
+            sink_tokens: 0,
             scale: Some(1.0),
             storage: wgpu_attention::Storage::F32,
         };
@@ -648,4 +650,48 @@ fn pinned_forms_the_device_cannot_run_are_refused() {
         case.sdpa().backward(&dout).path(Path::Fused).form(&out_of_range),
         "9 rows",
     );
+}
+
+/// Sliding windows (both kinds of `window_kinds`: two-sided with sink tokens; one-sided with
+/// bottom-right causal, a mask and key lengths, fully masked rows where L > S) in every fused
+/// form on shapes with tails, every decode form on a decode shape, and every backward form:
+/// each form its own specialisation of the window code (tests/sdpa.rs runs the defaults on
+/// every shape).
+#[test]
+fn windows_in_every_form() {
+    let Some(ctx) = ctx() else { return };
+    let kinds = common::window_kinds();
+    for (si, shape) in [(1, 2, 2, 70, 130, 33, 65), (1, 2, 2, 130, 7, 16, 5)]
+        .into_iter()
+        .enumerate()
+    {
+        for (name, kind) in &kinds {
+            let case = kind(Case::random(shape, 400 + si as u64));
+            check_pinned_forms(&case, every_fused_context(ctx), &format!("{shape:?} {name}"));
+        }
+    }
+    for (name, kind) in &kinds {
+        let case = kind(Case::random((2, 4, 2, 3, 1500, 16, 24), 410));
+        let want = case.reference();
+        for (form, dctx) in decode_contexts(ctx, &case) {
+            case.check_against(
+                &want,
+                &dctx,
+                Path::Decode,
+                TOL,
+                &format!("decode {name} [{}]", form.name()),
+            );
+        }
+    }
+    for (fi, form) in ctx.caps().backward_forms().into_iter().enumerate() {
+        let (name, kind) = &kinds[fi % kinds.len()];
+        let case = kind(Case::random((1, 2, 2, 19, 37, 7, 5), 420));
+        check_backward(
+            &ctx.with_forms(form),
+            &case,
+            Path::Fused,
+            Form::Backward(form),
+            &format!("{name} [{}]", form.name()),
+        );
+    }
 }

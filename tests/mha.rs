@@ -577,3 +577,76 @@ fn bad_configs_and_inputs_are_typed_errors() {
         Err(Error::NotBroadcastable { .. })
     ));
 }
+
+/// The layer with a sliding window and sink tokens (the options reach its attention call):
+/// self-attention with GQA and key lengths, and cross-attention with L != S and the weights,
+/// against the reference with the same options.
+#[test]
+fn window_reaches_the_layer() {
+    let Some(ctx) = ctx() else { return };
+    for (i, (config, cross, l, s, lens, weights)) in [
+        (
+            MhaConfig::new(48, 6).kv_heads(2),
+            false,
+            37,
+            37,
+            true,
+            NeedWeights::No,
+        ),
+        (
+            MhaConfig::new(36, 3).kv_dims(20, 28),
+            true,
+            23,
+            41,
+            false,
+            NeedWeights::PerHead,
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let g = Grid {
+            config,
+            b: 2,
+            l,
+            s,
+            cross,
+            causal: Causal::BottomRight,
+            mask: false,
+            bias: false,
+            lens,
+            weights,
+        };
+        let case = MhaCase::random(g, 700 + i as u64, Storage::F32);
+        let opts = wgpu_attention::Options {
+            window: Some((6, 0)),
+            sink_tokens: 2,
+            ..case.options()
+        };
+        let r = reference::mha(&case.w, &case.inputs(), &opts).unwrap();
+        let plain = reference::mha(&case.w, &case.inputs(), &case.options()).unwrap();
+        assert!(
+            r.out
+                .iter()
+                .zip(plain.out.iter())
+                .any(|(a, b)| (a - b).abs() > 1e-3),
+            "the window changes the output"
+        );
+        let layer = MultiHeadAttention::new(ctx, &case.w).unwrap();
+        let paths: &[Path] = if weights == NeedWeights::No {
+            &[Path::Fused, Path::Unfused]
+        } else {
+            &[Path::Auto]
+        };
+        for &path in paths {
+            let o = case
+                .forward(&layer)
+                .window(6, 0)
+                .sink_tokens(2)
+                .path(path)
+                .run_blocking(ctx)
+                .unwrap();
+            assert_mha_output(&o, &r, weights, TOL, &format!("{} window {path:?}", case.label()));
+        }
+    }
+}

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{ctx, mask_kinds, Case, SHAPES, TOL};
+use common::{ctx, mask_and_window_kinds, Case, SHAPES, TOL};
 use ndarray::{Array, Array4, IxDyn};
 use wgpu_attention::check::compare;
 use wgpu_attention::{Causal, Path, Sdpa};
@@ -13,7 +13,7 @@ fn grid_of_shapes_and_masks_matches_reference() {
     let Some(ctx) = ctx() else { return };
     for path in Path::ALL {
         for (si, &shape) in SHAPES.iter().enumerate() {
-            for (name, apply) in mask_kinds() {
+            for (name, apply) in mask_and_window_kinds() {
                 let case = apply(Case::random(shape, si as u64));
                 case.check(ctx, path, TOL, &format!("{path:?} {shape:?} {name}"));
             }
@@ -141,6 +141,8 @@ fn large_magnitude_logits_stay_finite() {
             bias: Some(Array::from_elem(IxDyn(&[1]), offset)),
             kv_lens: None,
             causal: Causal::None,
+            window: None,
+            sink_tokens: 0,
             scale: Some(1.0),
             storage: wgpu_attention::Storage::F32,
         };
@@ -155,6 +157,8 @@ fn large_magnitude_logits_stay_finite() {
         bias: None,
         kv_lens: None,
         causal: Causal::TopLeft,
+        window: None,
+        sink_tokens: 0,
         scale: Some(1.0),
         storage: wgpu_attention::Storage::F32,
     };

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{ctx, mask_kinds, Case, SHAPES};
+use common::{ctx, mask_and_window_kinds, Case, SHAPES};
 use half::{bf16, f16};
 use ndarray::Array4;
 use wgpu_attention::check::{compare, Tolerance};
@@ -29,7 +29,7 @@ fn grid_of_shapes_and_masks_in_half_formats() {
                     continue;
                 }
                 let alone = if (si + pi) % 4 < 2 { "bias" } else { "bool_mask" };
-                for (name, apply) in mask_kinds() {
+                for (name, apply) in mask_and_window_kinds() {
                     if name == alone {
                         continue;
                     }

@@ -34,6 +34,13 @@ pub(crate) struct InputArgs {
     /// Causal mask alignment.
     #[arg(long, value_enum, default_value_t = CausalArg::None)]
     causal: CausalArg,
+    /// Sliding window LEFT,RIGHT (FlashAttention's window_size): query i sees keys
+    /// i + S - L - LEFT <= j <= i + S - L + RIGHT; -1 leaves that side unbounded.
+    #[arg(long, value_name = "LEFT,RIGHT", allow_hyphen_values = true, value_parser = parse_window)]
+    window: Option<(i64, i64)>,
+    /// The first N keys, seen by every query whatever the window (attention sinks; needs --window).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    sink_tokens: usize,
     /// Softmax scale [default: 1/sqrt(E)].
     #[arg(long, allow_negative_numbers = true)]
     scale: Option<f32>,
@@ -107,6 +114,8 @@ impl InputArgs {
                 .as_ref()
                 .map(|b| Tensor::from(b).with_storage(self.storage)),
             kv_lens: self.kv_lens.clone(),
+            window: self.window,
+            sink_tokens: self.sink_tokens,
         }
     }
 
@@ -114,5 +123,19 @@ impl InputArgs {
     pub(crate) fn sdpa<'a>(&self, x: &'a Inputs) -> Sdpa<'a> {
         let t = |a| Tensor::from(a).with_storage(self.storage);
         Sdpa::new(t(&x.q), t(&x.k), t(&x.v)).options(self.options(x))
+    }
+}
+
+/// `LEFT,RIGHT`: two integers (range checks are the library's: a typed error before any work).
+fn parse_window(s: &str) -> Result<(i64, i64), String> {
+    let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+    match parts.as_slice() {
+        [l, r] => Ok((
+            l.parse().map_err(|e| format!("LEFT {l:?}: {e}"))?,
+            r.parse().map_err(|e| format!("RIGHT {r:?}: {e}"))?,
+        )),
+        _ => Err(format!(
+            "expected LEFT,RIGHT (two integers, -1 = unbounded), got {s:?}"
+        )),
     }
 }

@@ -985,3 +985,54 @@ fn mha_heatmap_with_tokens_and_wrong_token_counts() {
     let r = mha(self_c, "4", &dir.join("o4.npy"), &["--tokens", sentence]);
     assert_eq!(r.status.code(), Some(2));
 }
+
+/// `run --window LEFT,RIGHT --sink-tokens N` on the GPU matches `--cpu` on the same flags;
+/// a side below -1, a malformed window and sink tokens without a window are one-line errors
+/// with exit status 2 that write nothing.
+#[test]
+fn run_window_and_sink_tokens() {
+    let dir = out_dir("run-window");
+    let names = ["q.npy", "k.npy", "v.npy"].map(|n| dir.join(n));
+    let fill = |shape: [usize; 4], m: usize| {
+        Array4::from_shape_fn(shape, |(_, h, i, j)| {
+            ((h * 3 + i * m + j * 5) % 11) as f32 * 0.1 - 0.5
+        })
+    };
+    write_npy(&names[0], &fill([1, 2, 20, 8], 7)).unwrap();
+    write_npy(&names[1], &fill([1, 2, 33, 8], 3)).unwrap();
+    write_npy(&names[2], &fill([1, 2, 33, 8], 2)).unwrap();
+    let [q, k, v] = &names;
+    let (gpu, cpu) = (dir.join("gpu.npy"), dir.join("cpu.npy"));
+    let flags = [
+        "--window",
+        "4,-1",
+        "--sink-tokens",
+        "2",
+        "--causal",
+        "bottom-right",
+    ];
+    let r = run_qkv(q, k, v, &[&["--cpu", "--out", s(&cpu)][..], &flags].concat());
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    if common::ctx().is_some() {
+        let r = run_qkv(q, k, v, &[&["--out", s(&gpu)][..], &flags].concat());
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        let (g, c): (ArrayD<f32>, ArrayD<f32>) = (read_npy(&gpu).unwrap(), read_npy(&cpu).unwrap());
+        common::assert_report(
+            compare(g.iter().copied(), c.iter().map(|&x| x as f64), common::TOL),
+            "window gpu vs cpu",
+        );
+    }
+    for bad in [
+        &["--window", "-2,0"][..],
+        &["--window", "3"],
+        &["--window", "a,1"],
+        &["--sink-tokens", "3"],
+    ] {
+        let o = dir.join("bad.npy");
+        let r = run_qkv(q, k, v, &[&["--cpu", "--out", s(&o)][..], bad].concat());
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{bad:?}: {err}");
+        assert!(!o.exists(), "{bad:?} wrote its output");
+        assert!(err.contains("window") || err.contains("sink"), "{bad:?}: {err}");
+    }
+}

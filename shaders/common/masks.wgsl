@@ -1,12 +1,12 @@
 // The masks every attention kernel applies, in one place: the causal limit, the key lengths,
-// the packed boolean mask and the additive bias. Bindings 0 (mask) and 1 (bias) of every
+// the sliding window, the packed boolean mask and the additive bias. Bindings 0 (mask) and 1 (bias) of every
 // attention kernel; the bias is declared by the host in its storage format
 // (src/kernels/access.rs), and so is `kv_len(b)`, the key length of batch b: binding 2 of the
 // forward kernels, a tail of the statistics buffer in the backward ones (src/kernels/mod.rs).
 //
 // The including kernel's `Params` (generated from Rust) has `m: Masks` and the key length
-// `s`; its prelude declares HAS_MASK and HAS_BIAS (the mask and bias code is compiled out when
-// absent: CPU adapters execute both sides of every branch). `Masks` fields: has_causal,
+// `s`; its prelude declares HAS_MASK, HAS_BIAS and HAS_WINDOW (the mask, bias and window code
+// is compiled out when absent: CPU adapters execute both sides of every branch). `Masks` fields: has_causal,
 // causal_off (query i may see keys j <= i + causal_off, plus kv_len(b) when causal_by_len is
 // set: bottom-right alignment to each batch's key length), has_lens, the packed mask's word
 // strides mask_b, mask_h, mask_l (0 on broadcast dimensions) and the bias's element offset and
@@ -24,8 +24,24 @@ fn causal_end(b: u32, i: u32) -> u32 {
     return u32(clamp(i32(i) + causal_offset(b) + 1, 0, i32(p.s)));
 }
 
-// End (exclusive) of the keys query row `i` of batch `b` may see under the causal limit and
-// the key length; the boolean mask and the bias act within it.
+// The sliding window's diagonal of batch `b`: query i is aligned with key i + window_offset(b)
+// (S - L; with key lengths, the batch's length - L).
+fn window_offset(b: u32) -> i32 {
+    return p.m.win_off + select(0, i32(kv_len(b)), p.m.has_lens != 0u);
+}
+
+// Whether the sliding window (HAS_WINDOW) lets query `i` of batch `b` see key `j`: within
+// [c - left, c + right] around its diagonal c (a side -1: unbounded), or a sink token.
+fn window_allows(b: u32, i: u32, j: u32) -> bool {
+    let c = i32(i) + window_offset(b);
+    let jj = i32(j);
+    let inside = (p.m.win_left < 0 || jj >= c - p.m.win_left) && (p.m.win_right < 0 || jj <= c + p.m.win_right);
+    return inside || j < p.m.win_sinks;
+}
+
+// End (exclusive) of the keys query row `i` of batch `b` may see under the causal limit, the
+// key length and the window's right side (sink tokens past it kept); the boolean mask, the
+// bias and the window's left side act within it.
 fn key_end(b: u32, i: u32) -> u32 {
     var end = p.s;
     if (p.m.has_lens != 0u) {
@@ -33,6 +49,10 @@ fn key_end(b: u32, i: u32) -> u32 {
     }
     if (p.m.has_causal != 0u) {
         end = min(end, causal_end(b, i));
+    }
+    if (HAS_WINDOW && p.m.win_right >= 0) {
+        let w = u32(clamp(i32(i) + window_offset(b) + p.m.win_right + 1, 0, i32(p.s)));
+        end = min(end, max(w, min(p.m.win_sinks, p.s)));
     }
     return end;
 }
@@ -64,6 +84,9 @@ fn masked_logit(x: f32, keep: bool, b: u32, h: u32, i: u32, j: u32) -> f32 {
     var k = keep;
     if (HAS_MASK) {
         k = k && mask_allows(b, h, i, j);
+    }
+    if (HAS_WINDOW) {
+        k = k && window_allows(b, i, j);
     }
     if (HAS_BIAS) {
         y += bias_at(b, h, i, j);

@@ -104,6 +104,7 @@ pub(crate) struct Config {
     views: crate::view::Views,
     masks: bool,
     bias: bool,
+    window: bool,
 }
 
 impl Config {
@@ -175,6 +176,7 @@ impl Config {
             ev_odd: p.head_dim_v % 2 == 1,
             masks: p.mask.is_some(),
             bias: p.bias.is_some(),
+            window: p.window.is_some(),
         })
     }
 
@@ -212,7 +214,7 @@ impl Config {
                 self.p8(),
                 self.e4 / 2,
                 self.unroll,
-                super::mask_consts(self.masks, self.bias, self.formats.bias),
+                super::mask_consts(self.masks, self.bias, self.window, self.formats.bias),
                 self.io(),
             );
         }
@@ -238,7 +240,7 @@ impl Config {
             self.ev4 / 2,
             self.ev4 / rb,
             self.unroll,
-            super::mask_consts(self.masks, self.bias, self.formats.bias),
+            super::mask_consts(self.masks, self.bias, self.window, self.formats.bias),
             self.io(),
             reductions[0],
             reductions[1],

@@ -63,6 +63,14 @@ wgsl_struct! {
         bias_s: u32,
         /// The bias's element offset from its binding's start (a view's; 0 when dense).
         bias_off: u32,
+        /// The sliding window's sides (-1: unbounded), read where HAS_WINDOW.
+        win_left: i32,
+        win_right: i32,
+        /// The window's diagonal offset `S - L`, or `-L` with key lengths (the batch's length
+        /// is added).
+        win_off: i32,
+        /// Keys `j < win_sinks` are exempt from the window.
+        win_sinks: u32,
     }
 }
 
@@ -148,6 +156,10 @@ impl Masks {
         let mask = mask_strides.unwrap_or([0; 3]);
         // Bottom-right alignment follows each batch's key length when key lengths are given.
         let by_len = p.causal == crate::problem::Causal::BottomRight && p.kv_lens.is_some();
+        // Window sides past 2^30 keys are unbounded in effect (no binding holds that many
+        // keys) and keep the kernels' i32 arithmetic from overflowing.
+        let window = p.window;
+        let side = |v: i64| v.min(1 << 30) as i32;
         Masks {
             has_causal: (p.causal != crate::problem::Causal::None) as u32,
             causal_off: p
@@ -165,6 +177,10 @@ impl Masks {
             bias_l: bias[2] as u32,
             bias_s: bias[3] as u32,
             bias_off: bias_off as u32,
+            win_left: window.map_or(-1, |w| side(w.left)),
+            win_right: window.map_or(-1, |w| side(w.right)),
+            win_off: (if p.kv_lens.is_some() { 0 } else { p.seq_kv as i64 } - p.seq_q as i64) as i32,
+            win_sinks: window.map_or(0, |w| w.sink_tokens.min(u32::MAX as usize) as u32),
         }
     }
 }
@@ -183,17 +199,17 @@ pub(crate) fn scalar_logits(gpu_form: bool) -> bool {
 /// The constants every masked forward kernel's prelude declares: whether a boolean mask and a
 /// bias are bound (their code is compiled out when absent), the bias (binding 1) in its format
 /// `bias`, and the key lengths (binding 2, read by `kv_len`).
-pub(crate) fn mask_consts(has_mask: bool, has_bias: bool, bias: crate::Storage) -> String {
-    mask_flags(has_mask, has_bias, bias)
+pub(crate) fn mask_consts(has_mask: bool, has_bias: bool, has_window: bool, bias: crate::Storage) -> String {
+    mask_flags(has_mask, has_bias, has_window, bias)
         + "@group(0) @binding(2) var<storage, read> kv_lens: array<u32>;\n\
            fn kv_len(b: u32) -> u32 { return kv_lens[b]; }\n"
 }
 
 /// [`mask_consts`] without the key lengths (the backward kernels read them from their
 /// statistics buffer).
-pub(crate) fn mask_flags(has_mask: bool, has_bias: bool, bias: crate::Storage) -> String {
+pub(crate) fn mask_flags(has_mask: bool, has_bias: bool, has_window: bool, bias: crate::Storage) -> String {
     format!(
-        "const HAS_MASK: bool = {has_mask};\nconst HAS_BIAS: bool = {has_bias};\n{}",
+        "const HAS_MASK: bool = {has_mask};\nconst HAS_BIAS: bool = {has_bias};\nconst HAS_WINDOW: bool = {has_window};\n{}",
         access::bias(bias)
     )
 }
@@ -606,7 +622,12 @@ mod tests {
                     "softmax",
                     &source(
                         &softmax::SPEC,
-                        &mask_consts(p.mask.is_some(), p.bias.is_some(), p.storage.bias),
+                        &mask_consts(
+                            p.mask.is_some(),
+                            p.bias.is_some(),
+                            p.window.is_some(),
+                            p.storage.bias,
+                        ),
                         false,
                     ),
                 );
@@ -707,7 +728,7 @@ mod tests {
                             (&backward::DQ, c.dq_prelude()),
                             (&backward::DKV, c.dkv_prelude()),
                             (&backward::DBIAS, backward::dbias_prelude(&p)),
-                            (&backward::DS, backward::ds_prelude(masked, masked, fmt)),
+                            (&backward::DS, backward::ds_prelude(masked, masked, masked, fmt)),
                             (
                                 &backward::PREP,
                                 backward::prep_prelude(fmt, Storage::F32, &p.views),

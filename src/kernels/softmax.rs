@@ -72,7 +72,12 @@ pub(crate) fn record(
         ctx,
         encoder,
         &SPEC,
-        &mask_consts(p.mask.is_some(), p.bias.is_some(), p.storage.bias),
+        &mask_consts(
+            p.mask.is_some(),
+            p.bias.is_some(),
+            p.window.is_some(),
+            p.storage.bias,
+        ),
         &[],
         &buffers,
         bytemuck::bytes_of(&params),

@@ -165,6 +165,7 @@ fn softmax_stage_matches_reference_masked_softmax() {
             mask: Some((&mask).into()),
             bias: Some((&bias).into()),
             kv_lens: Some(lens.to_vec()),
+            ..Default::default()
         };
         let p = spec
             .problem(&[b, hq, l, e], &[b, hkv, s, e], &[b, hkv, s, ev])

@@ -63,7 +63,6 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
     let bias = opts.bias_view()?;
     let mask = mask.as_ref().map(|m| broadcast4(m, [b, hq, l, s]));
     let bias = bias.as_ref().map(|m| broadcast4(m, [b, hq, l, s]));
-    let kv_lens = opts.kv_lens.as_deref();
     let (qd, kd) = (dense::<F, _>(q), dense::<F, _>(k));
     let mut p = Array4::<F>::zeros((b, hq, l, s));
     let mut lse = Array3::<F>::from_elem((b, hq, l), F::neg_infinity());
@@ -82,8 +81,7 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
                         acc = acc + qrow[d] * krow[d];
                     }
                     let x = scale * acc + bias.as_ref().map_or(F::zero(), |x| cast(x[[bi, h, i, j]]));
-                    ok[j] = allowed(opts.causal, kv_lens, mask.as_ref(), [bi, h, i, j], l, s)
-                        && x != F::neg_infinity();
+                    ok[j] = allowed(opts, mask.as_ref(), [bi, h, i, j], l, s) && x != F::neg_infinity();
                     logits[j] = x;
                     if ok[j] {
                         max = if x.is_nan() || max.is_nan() {
@@ -335,6 +333,7 @@ mod tests {
                 mask: Some(Mask::from_slice(&mask, &[hq, l, s])),
                 bias: Some(Tensor::from_slice(&bias, &[hq, 1, s])),
                 kv_lens: Some(vec![4, 5]),
+                ..Default::default()
             };
             let g = sdpa_backward(q.view(), k.view(), v.view(), dout.view(), &opts).unwrap();
             let h = 1e-6;

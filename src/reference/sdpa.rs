@@ -5,7 +5,6 @@ use ndarray::{Array3, Array4, ArrayView4, Axis, Ix4};
 
 use crate::error::Result;
 use crate::options::Options;
-use crate::problem::Causal;
 
 /// All reference outputs, in f64.
 #[derive(Debug, Clone)]
@@ -67,16 +66,27 @@ pub(super) fn broadcast4<T, S: ndarray::Data<Elem = T>>(
         .expect("four dims")
 }
 
-/// Whether query `i` may attend key `j` of batch `b`, head `h` (mask, causal, key lengths).
+/// Whether query `i` may attend key `j` of batch `b`, head `h` (mask, causal, key lengths,
+/// window).
 pub(super) fn allowed(
-    causal: Causal,
-    kv_lens: Option<&[usize]>,
+    opts: &Options,
     mask: Option<&ndarray::ArrayView4<bool>>,
     idx: [usize; 4],
     l: usize,
     s: usize,
 ) -> bool {
+    let (causal, kv_lens) = (opts.causal, opts.kv_lens.as_deref());
     let [b, _h, i, j] = idx;
+    if let Some((left, right)) = opts.window {
+        let w = crate::Window {
+            left,
+            right,
+            sink_tokens: opts.sink_tokens,
+        };
+        if !w.allows(i, j, l, kv_lens.map_or(s, |lens| lens[b])) {
+            return false;
+        }
+    }
     if let Some(d) = causal.offset_for(l, s, kv_lens.map(|lens| lens[b])) {
         if j as i64 > i as i64 + d {
             return false;
@@ -102,7 +112,6 @@ pub(super) fn allowed(
 pub fn masked_softmax(scores: &Array4<f64>, opts: &Options) -> Result<(Array4<f64>, Array3<f64>)> {
     let (b, h, l, s) = scores.dim();
     let (mask_view, bias_view) = (opts.mask_view()?, opts.bias_view()?);
-    let kv_lens = opts.kv_lens.as_deref();
     let mask = mask_view.as_ref().map(|m| broadcast4(m, [b, h, l, s]));
     let bias = bias_view.as_ref().map(|m| broadcast4(m, [b, h, l, s]));
     let mut weights = Array4::<f64>::zeros((b, h, l, s));
@@ -117,7 +126,7 @@ pub fn masked_softmax(scores: &Array4<f64>, opts: &Options) -> Result<(Array4<f6
                 let mut max = f64::NEG_INFINITY;
                 let row = &dense[((bi * h + hi) * l + i) * s..][..s];
                 for j in 0..s {
-                    ok[j] = allowed(opts.causal, kv_lens, mask.as_ref(), [bi, hi, i, j], l, s);
+                    ok[j] = allowed(opts, mask.as_ref(), [bi, hi, i, j], l, s);
                     logits[j] = row[j] + bias.as_ref().map_or(0.0, |x| x[[bi, hi, i, j]] as f64);
                     if ok[j] {
                         // NaN propagates: f64::max ignores NaN, so check explicitly.

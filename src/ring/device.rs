@@ -156,6 +156,7 @@ impl Pair {
                 .as_ref()
                 .map(|(d, s)| Tensor::from_slice(d, s).with_storage(f.bias)),
             kv_lens: self.lens.clone(),
+            ..Options::default()
         })
         .path(plan.path);
         if let Some(bytes) = plan.max_scores_bytes {

@@ -432,6 +432,9 @@ impl RingPlan {
         if n == 0 {
             return refuse("a ring needs at least one device");
         }
+        if p.window.is_some() {
+            return refuse("a sliding window is not split over devices yet: run it on one device");
+        }
         if n > p.seq_q || n > p.seq_kv {
             return refuse(&format!(
                 "more devices than sequence positions (L = {}, S = {}): each device needs at least one query and one key",

@@ -427,6 +427,8 @@ impl Sdpa<'_> {
                 .zip(bias_data.as_ref())
                 .map(|(sh, d)| Tensor::from_slice(d, sh).with_storage(f.bias)),
             kv_lens: self.options.kv_lens.as_ref().map(|l| vec![s; l.len()]),
+            window: self.options.window,
+            sink_tokens: self.options.sink_tokens,
         };
         // Tensors read through views are prepared as views (the kernels differ).
         let shapes = [[b, hq, l, e], [b, hkv, s, e], [b, hkv, s, ev], base.out_shape()];

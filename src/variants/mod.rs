@@ -350,6 +350,9 @@ fn check_options(kind: VariantKind, options: &Options, weights: bool) -> Result<
         if options.causal != crate::problem::Causal::None {
             return Err(refuse("causal", why));
         }
+        if options.window.is_some() {
+            return Err(refuse("window", why));
+        }
         if weights {
             return Err(refuse(
                 "weights",

@@ -36,6 +36,9 @@ pub struct Case {
     pub bias: Option<ArrayD<f32>>,
     pub kv_lens: Option<Vec<usize>>,
     pub causal: Causal,
+    /// A sliding window `(left, right)` and its sink tokens.
+    pub window: Option<(i64, i64)>,
+    pub sink_tokens: usize,
     /// f64, as PyTorch's goldens give it; the GPU uses its f32 rounding.
     pub scale: Option<f64>,
     /// The device format of q, k, v, the bias and the output; the f32 arrays hold values
@@ -55,6 +58,8 @@ impl Case {
             bias: None,
             kv_lens: None,
             causal: Causal::None,
+            window: None,
+            sink_tokens: 0,
             scale: None,
             storage: Storage::F32,
         }
@@ -132,12 +137,21 @@ impl Case {
         self
     }
 
+    /// A sliding window `(left, right)` with `sinks` sink tokens.
+    pub fn with_window(mut self, left: i64, right: i64, sinks: usize) -> Case {
+        self.window = Some((left, right));
+        self.sink_tokens = sinks;
+        self
+    }
+
     /// The case's options, shared by the GPU call and the reference.
     pub fn options(&self) -> Options<'_> {
         let mut o = Options {
             causal: self.causal,
             scale: self.scale,
             kv_lens: self.kv_lens.clone(),
+            window: self.window,
+            sink_tokens: self.sink_tokens,
             ..Options::default()
         };
         o.mask = self.mask.as_ref().map(|m| m.into());
@@ -246,6 +260,8 @@ pub fn broadcast_cases() -> Vec<(String, Case)> {
             v: base.v.clone(),
             kv_lens: None,
             causal: Causal::None,
+            window: None,
+            sink_tokens: 0,
             scale: None,
             storage: Storage::F32,
         };
@@ -289,6 +305,27 @@ pub fn mask_kinds() -> Vec<MaskKind> {
                 .with_random_bias(12)
         }),
     ]
+}
+
+/// The sliding-window kinds (the ring and the approximate variants refuse windows, so they
+/// are apart from [`mask_kinds`]): both sides bounded with sink tokens; and a one-sided
+/// window (Mistral's) with bottom-right causal, a boolean mask and key lengths, where rows
+/// whose window falls past their batch's keys (L > S) are fully masked.
+pub fn window_kinds() -> Vec<MaskKind> {
+    vec![
+        ("window_both_sides_sinks", |c| c.with_window(5, 3, 2)),
+        ("window_left_causal_mask_lens", |c| {
+            c.with_window(9, -1, 0)
+                .with_causal(Causal::BottomRight)
+                .with_random_mask(13)
+                .with_kv_lens()
+        }),
+    ]
+}
+
+/// [`mask_kinds`] and [`window_kinds`].
+pub fn mask_and_window_kinds() -> Vec<MaskKind> {
+    mask_kinds().into_iter().chain(window_kinds()).collect()
 }
 
 /// A PyTorch float64 golden (`tests/fixtures/sdpa/<name>`, written by `scripts/make_goldens.py`):
@@ -382,6 +419,8 @@ pub fn golden_case(name: &str, file: &impl Fn(&str) -> Option<Vec<u8>>) -> (Case
             a.iter().map(|&x| x as usize).collect()
         }),
         causal,
+        window: None,
+        sink_tokens: 0,
         scale: meta["scale"].as_f64(),
         // Half goldens hold inputs already rounded to the format (by PyTorch's
         // `.half()` / `.bfloat16()`) and outputs computed in f64 from them.

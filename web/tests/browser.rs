@@ -247,6 +247,22 @@ async fn decode_shapes_on_every_path() {
     check_all_paths(&one, &ctx, "decode L=1 top-left (one key)").await;
 }
 
+/// Sliding windows (two-sided with sink tokens; one-sided with bottom-right causal, a mask and
+/// key lengths) on every path, on a shape with tails and L != S and on a decode shape.
+#[wasm_bindgen_test]
+async fn sliding_windows_on_every_path() {
+    let ctx = ctx().await;
+    for (name, kind) in window_kinds() {
+        for (si, shape) in [(1, 2, 2, 70, 130, 33, 65), (2, 4, 2, 3, 700, 16, 24)]
+            .into_iter()
+            .enumerate()
+        {
+            let case = kind(Case::random(shape, 80 + si as u64));
+            check_all_paths(&case, &ctx, &format!("{shape:?} {name}")).await;
+        }
+    }
+}
+
 #[wasm_bindgen_test]
 async fn head_dims_up_to_256_on_every_path() {
     let ctx = ctx().await;
@@ -324,6 +340,8 @@ async fn large_magnitude_logits_stay_finite() {
             bias: Some(Array::from_elem(IxDyn(&[1]), offset)),
             kv_lens: None,
             causal: Causal::None,
+            window: None,
+            sink_tokens: 0,
             scale: Some(1.0),
             storage: wgpu_attention::Storage::F32,
         };

@@ -38,7 +38,12 @@ pub(super) fn record(
         dq,
         dk: binding(dkv, 0, f32_bytes(kv_rows * p.head_dim)),
         dv: binding(dkv, f32_bytes(dv_off), f32_bytes(kv_rows * p.head_dim_v)),
-        ds_prelude: kb::ds_prelude(p.mask.is_some(), p.bias.is_some(), p.storage.bias),
+        ds_prelude: kb::ds_prelude(
+            p.mask.is_some(),
+            p.bias.is_some(),
+            p.window.is_some(),
+            p.storage.bias,
+        ),
     };
     let bh = p.batch_heads();
     for z0 in (0..bh).step_by(chunks.heads) {
