@@ -77,6 +77,18 @@ fn main(
     if (p.m.has_lens != 0u && j_first >= kv_len(b)) {
         i_stop = 0u;
     }
+    // The window: rows before j_first - offset - right see none of these keys, rows past
+    // j_last - offset + left neither, unless the tile holds sink tokens.
+    if (HAS_WINDOW && j_first >= p.m.win_sinks) {
+        let woff = window_offset(b);
+        if (p.m.win_right >= 0) {
+            i_start = max(i_start, u32(clamp(i32(j_first) - woff - p.m.win_right, 0, i32(p.l))));
+        }
+        if (p.m.win_left >= 0) {
+            let j_last = min(j_first + BKV, p.s) - 1u;
+            i_stop = min(i_stop, u32(clamp(i32(j_last) - woff + p.m.win_left + 1, 0, i32(p.l))));
+        }
+    }
     let t0 = i_start / BQ;
 
     for (var hh = 0u; hh < p.group; hh++) {

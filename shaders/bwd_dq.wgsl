@@ -21,6 +21,7 @@
 const BQ: u32 = WG * RQ;
 
 var<workgroup> wg_end: u32;
+var<workgroup> wg_begin: u32;
 
 @compute @workgroup_size(WG, 1, 1)
 fn main(
@@ -45,11 +46,14 @@ fn main(
     var dsum: array<f32, RQ>;
     var row_end: array<u32, RQ>;
 
+    // Keys before kv_begin (past the sink tokens) are outside every row's window.
     if (tid == 0u) {
         let last_row = min(qt * BQ + BQ, p.l) - 1u;
         wg_end = key_end(b, last_row);
+        wg_begin = key_begin(b, min(qt * BQ, p.l - 1u));
     }
     let kv_end = workgroupUniformLoad(&wg_end);
+    let kv_begin = workgroupUniformLoad(&wg_begin);
 
     for (var r = 0u; r < RQ; r++) { // unroll
         let i = qt * BQ + r * WG + tid;
@@ -67,7 +71,7 @@ fn main(
         row_end[r] = select(0u, key_end(b, min(i, p.l - 1u)), valid);
     }
 
-    for (var j0 = 0u; j0 < kv_end; j0 += BK) {
+    for (var j0 = next_tile(0u, kv_begin, BK); j0 < kv_end; j0 = next_tile(j0 + BK, kv_begin, BK)) {
         stage_kv(kvh, j0, kv_end, tid);
         for (var jj = 0u; jj < BK; jj++) { // unroll if SG_KV
             let j = j0 + jj;

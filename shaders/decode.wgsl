@@ -51,6 +51,11 @@ fn main(
     // Allowed keys of this row within the split: [j_begin, j_end).
     let j_begin = split * p.chunk;
     let j_end = min(j_begin + p.chunk, key_end(b, i));
+    // Keys before the window's first (past the sink tokens) are skipped.
+    var skip = 0u;
+    if (HAS_WINDOW && j_begin >= p.m.win_sinks) {
+        skip = min(max(j_begin, key_begin(b, i)) - j_begin, p.chunk);
+    }
 
     var qr: array<vec4<f32>, E4>;
     for (var d4 = 0u; d4 < E4; d4++) { // unroll
@@ -61,7 +66,7 @@ fn main(
     }
     var m = START;
     var sum = 0.0;
-    for (var jj = tid; jj < p.chunk; jj += WG) {
+    for (var jj = tid + skip; jj < p.chunk; jj += WG) {
         let j = j_begin + jj;
         // Rows past the allowed keys are read in bounds (clamped) and masked.
         let kvrow = kvh * p.s + min(j, p.s - 1u);

@@ -62,6 +62,11 @@ fn main(
     if (!live) {
         j_end = j_begin;
     }
+    // Keys before the window's first (past the sink tokens) are skipped.
+    var j_start = j_begin;
+    if (HAS_WINDOW && j_begin >= p.m.win_sinks) {
+        j_start = min(max(j_begin, key_begin(b, i)), j_end);
+    }
 
     for (var d4 = tid; d4 < E4; d4 += WG) {
         qs[d4] = load_q(row, d4) * p.scale;
@@ -73,7 +78,7 @@ fn main(
     var acc = vec4<f32>(0.0);
     var m = START;
     var sum = 0.0;
-    for (var t0 = j_begin; t0 < j_end; t0 += WG) {
+    for (var t0 = j_start; t0 < j_end; t0 += WG) {
         // 1. Scores: key t0 + tid. Keys past the allowed end are not read.
         let j = t0 + tid;
         var x = START;

@@ -65,6 +65,7 @@ var<workgroup> v_tile: array<vec4<f32>, BN * VS>;
 var<workgroup> p_tile: array<vec4<f32>, BM * PS>;
 var<workgroup> red: array<f32, RED_LEN>;
 var<workgroup> wg_end: u32;
+var<workgroup> wg_begin: u32;
 
 // Load this invocation's share of the K and V tiles of keys j0 .. j0 + BN of kv head `kvh`
 // (keys past kv_end and padding columns zero) into registers.
@@ -117,10 +118,13 @@ fn main(
     let ty = tid / NX;
     let i0 = qt * BM;
 
+    // Keys before kv_begin (past the sink tokens) are outside every row's window.
     if (tid == 0u) {
         wg_end = key_end(b, min(i0 + BM, p.l) - 1u);
+        wg_begin = key_begin(b, min(i0, p.l - 1u));
     }
     let kv_end = workgroupUniformLoad(&wg_end);
+    let kv_begin = workgroupUniformLoad(&wg_begin);
 
     // The scaled Q tile (rows past L zero).
     for (var t = tid; t < BM * E4; t += WG) {
@@ -155,8 +159,8 @@ fn main(
     // are issued before this tile's arithmetic, and land in workgroup memory after it.
     var kp: array<vec4<f32>, NPK>;
     var vp: array<vec4<f32>, NPV>;
-    for (var j0 = 0u; j0 < kv_end; j0 += BN) {
-        if (j0 == 0u || !PREFETCH) {
+    for (var j0 = next_tile(0u, kv_begin, BN); j0 < kv_end; j0 = next_tile(j0 + BN, kv_begin, BN)) {
+        if (j0 == next_tile(0u, kv_begin, BN) || !PREFETCH) {
             fetch_kv(kvh, j0, kv_end, tid, &kp, &vp);
         }
         for (var n = 0u; n < NPK; n++) { // unroll
@@ -172,8 +176,8 @@ fn main(
             }
         }
         workgroupBarrier();
-        if (PREFETCH && j0 + BN < kv_end) {
-            fetch_kv(kvh, j0 + BN, kv_end, tid, &kp, &vp);
+        if (PREFETCH && next_tile(j0 + BN, kv_begin, BN) < kv_end) {
+            fetch_kv(kvh, next_tile(j0 + BN, kv_begin, BN), kv_end, tid, &kp, &vp);
         }
 
         // The TM x TN logits: scalars summed by FMAs, or (as flash.wgsl) vec4 partials, then

@@ -39,6 +39,22 @@ fn window_allows(b: u32, i: u32, j: u32) -> bool {
     return inside || j < p.m.win_sinks;
 }
 
+// The first key the window's left side lets query row `i` of batch `b` see (0 without one); the
+// sink tokens before it stay visible. Grows with i: a tile of rows takes its first row's.
+fn key_begin(b: u32, i: u32) -> u32 {
+    if (!HAS_WINDOW || p.m.win_left < 0) {
+        return 0u;
+    }
+    return u32(clamp(i32(i) + window_offset(b) - p.m.win_left, 0, i32(p.s)));
+}
+
+// The key tile to visit at or after tile start `j` (tiles of `tile` keys, `begin` the rows'
+// smallest key_begin): the tiles past the sink tokens and wholly before `begin` are skipped.
+fn next_tile(j: u32, begin: u32, tile: u32) -> u32 {
+    let bt = begin / tile * tile;
+    return select(j, bt, HAS_WINDOW && j >= p.m.win_sinks && j < bt);
+}
+
 // End (exclusive) of the keys query row `i` of batch `b` may see under the causal limit, the
 // key length and the window's right side (sink tokens past it kept); the boolean mask, the
 // bias and the window's left side act within it.
