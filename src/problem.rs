@@ -386,13 +386,29 @@ impl Problem {
     }
 
     /// FLOPs counted as benchmarks report them: `2·B·Hq·L·S·(E + Ev)` (that is `4·B·H·L·S·E`
-    /// when `E == Ev`), halved when a causal mask is set.
+    /// when `E == Ev`), halved when a causal mask is set; with a sliding window, `2·B·Hq·(E +
+    /// Ev)` per (query, key) pair the window and the causal mask allow (counted row by row;
+    /// key lengths not counted), so that a window's GFLOP/s count the work it needs.
     pub fn flops(&self) -> f64 {
-        let f = 2.0
-            * self.batch_heads() as f64
-            * self.seq_q as f64
-            * self.seq_kv as f64
-            * (self.head_dim + self.head_dim_v) as f64;
+        let per_pair = 2.0 * self.batch_heads() as f64 * (self.head_dim + self.head_dim_v) as f64;
+        if let Some(w) = self.window {
+            let (l, s) = (self.seq_q as i64, self.seq_kv as i64);
+            let causal = self.causal.offset(self.seq_q, self.seq_kv);
+            let pairs: i64 = (0..l)
+                .map(|i| {
+                    let c = i + s - l;
+                    // Keys [0, end) under the causal mask; the window's [lo, hi]; sinks [0, n).
+                    let end = causal.map_or(s, |d| (i + d + 1).clamp(0, s));
+                    let lo = if w.left < 0 { 0 } else { (c - w.left).max(0) };
+                    let hi = if w.right < 0 { end } else { (c + w.right + 1).clamp(0, end) };
+                    let inside = (hi - lo).max(0);
+                    let sinks = (w.sink_tokens as i64).min(end).min(lo).max(0);
+                    inside + sinks
+                })
+                .sum();
+            return per_pair * pairs as f64;
+        }
+        let f = per_pair * self.seq_q as f64 * self.seq_kv as f64;
         if self.causal == Causal::None {
             f
         } else {
@@ -404,6 +420,23 @@ impl Problem {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A window's FLOPs count the pairs it allows: (1023, 0) with causal at L = S = 16384
+    /// is 1024 keys per row but the first 1023 rows' fewer; sink tokens add theirs.
+    #[test]
+    fn window_flops_count_allowed_pairs() {
+        let p = Problem::new(&[1, 8, 16384, 64], &[1, 8, 16384, 64], &[1, 8, 16384, 64])
+            .unwrap()
+            .with_causal(Causal::BottomRight);
+        let w = p.clone().with_window(Some((1023, 0)), 0).unwrap();
+        let pairs = 16384 * 1024 - 1023 * 1024 / 2;
+        assert_eq!(w.flops(), 2.0 * 8.0 * 128.0 * pairs as f64);
+        assert!(p.flops() / w.flops() > 8.0);
+        let small = Problem::new(&[1, 1, 4, 2], &[1, 1, 6, 2], &[1, 1, 6, 2]).unwrap();
+        // L = 4, S = 6: diagonals c = 2..5; window (1, 0) covers {c-1, c}; sinks {0}.
+        let w = small.with_window(Some((1, 0)), 1).unwrap();
+        assert_eq!(w.flops(), 2.0 * 4.0 * (4 * 2 + 4) as f64);
+    }
 
     #[test]
     fn broadcast_pads_and_strides() {
