@@ -71,6 +71,7 @@ fn main(
     var m: array<f32, RQ>;
     var sum: array<f32, RQ>;
     var row_end: array<u32, RQ>;
+    var row_begin: array<u32, RQ>;
 
     // Keys [0, kv_end) can matter to some row of this tile; later tiles are skipped whole.
     // Keys before kv_begin (past the sink tokens) are outside every row's window.
@@ -97,6 +98,12 @@ fn main(
         var end = select(0u, kv_end, valid);
         if (p.m.has_causal != 0u) {
             end = min(end, causal_end(b, i));
+        }
+        // The window by each row's key range [row_begin, row_end) and the sink tokens (cheaper
+        // per logit than masked_logit's window check).
+        if (HAS_WINDOW) {
+            end = min(end, key_end(b, min(i, p.l - 1u)));
+            row_begin[r] = key_begin(b, min(i, p.l - 1u));
         }
         row_end[r] = end;
     }
@@ -129,12 +136,16 @@ fn main(
                 let j = j0 + jg + jj;
                 for (var r = 0u; r < RQ; r++) { // unroll
                     let x = select(d[r].x + d[r].y + d[r].z + d[r].w, ds[r], SCALAR_LOGITS);
-                    sc[r * KG + jj] = select(START, x, j < row_end[r]);
+                    var ok = j < row_end[r];
+                    if (HAS_WINDOW) {
+                        ok = ok && (j >= row_begin[r] || j < p.m.win_sinks);
+                    }
+                    sc[r * KG + jj] = select(START, x, ok);
                 }
             }
             // The boolean mask and the bias (specialised away when absent: CPU adapters execute
             // both sides of every branch).
-            if (HAS_MASK || HAS_BIAS || HAS_WINDOW) {
+            if (HAS_MASK || HAS_BIAS) {
                 for (var jj = 0u; jj < KG; jj++) { // unroll
                     let j = j0 + jg + jj;
                     for (var r = 0u; r < RQ; r++) { // unroll

@@ -141,11 +141,17 @@ fn main(
     var m: array<f32, TM>;
     var sum: array<f32, TM>;
     var row_end: array<u32, TM>;
+    var row_begin: array<u32, TM>;
     for (var r = 0u; r < TM; r++) { // unroll
         let i = i0 + r * NY + ty;
         var end = select(0u, kv_end, i < p.l);
         if (p.m.has_causal != 0u) {
             end = min(end, causal_end(b, i));
+        }
+        // The window by each row's key range [row_begin, row_end) and the sink tokens.
+        if (HAS_WINDOW) {
+            end = min(end, key_end(b, min(i, p.l - 1u)));
+            row_begin[r] = key_begin(b, min(i, p.l - 1u));
         }
         row_end[r] = end;
         m[r] = START;
@@ -214,8 +220,12 @@ fn main(
             var pm = START;
             for (var t = 0u; t < TN; t++) { // unroll
                 let j = j0 + t * NX + tx;
-                var x = select(START, sc[r * TN + t], j < row_end[r]);
-                if (HAS_MASK || HAS_BIAS || HAS_WINDOW) {
+                var ok = j < row_end[r];
+                if (HAS_WINDOW) {
+                    ok = ok && (j >= row_begin[r] || j < p.m.win_sinks);
+                }
+                var x = select(START, sc[r * TN + t], ok);
+                if (HAS_MASK || HAS_BIAS) {
                     let i = min(i0 + r * NY + ty, p.l - 1u);
                     x = masked_logit(x, in_range(x), b, h, i, j);
                 }

@@ -400,7 +400,11 @@ impl Problem {
                     // Keys [0, end) under the causal mask; the window's [lo, hi]; sinks [0, n).
                     let end = causal.map_or(s, |d| (i + d + 1).clamp(0, s));
                     let lo = if w.left < 0 { 0 } else { (c - w.left).max(0) };
-                    let hi = if w.right < 0 { end } else { (c + w.right + 1).clamp(0, end) };
+                    let hi = if w.right < 0 {
+                        end
+                    } else {
+                        (c + w.right + 1).clamp(0, end)
+                    };
                     let inside = (hi - lo).max(0);
                     let sinks = (w.sink_tokens as i64).min(end).min(lo).max(0);
                     inside + sinks

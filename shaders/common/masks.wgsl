@@ -27,7 +27,10 @@ fn causal_end(b: u32, i: u32) -> u32 {
 // The sliding window's diagonal of batch `b`: query i is aligned with key i + window_offset(b)
 // (S - L; with key lengths, the batch's length - L).
 fn window_offset(b: u32) -> i32 {
-    return p.m.win_off + select(0, i32(kv_len(b)), p.m.has_lens != 0u);
+    if (p.m.has_lens != 0u) {
+        return p.m.win_off + i32(kv_len(b));
+    }
+    return p.m.win_off;
 }
 
 // Whether the sliding window (HAS_WINDOW) lets query `i` of batch `b` see key `j`: within
