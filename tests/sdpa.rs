@@ -11,9 +11,15 @@ use wgpu_attention::{Causal, Path, Sdpa};
 #[test]
 fn grid_of_shapes_and_masks_matches_reference() {
     let Some(ctx) = ctx() else { return };
-    for path in Path::ALL {
+    for (pi, path) in Path::ALL.into_iter().enumerate() {
         for (si, &shape) in SHAPES.iter().enumerate() {
             for (name, apply) in mask_and_window_kinds() {
+                // The window kinds on half the (path, shape) pairs, each path over tails, L != S
+                // and GQA among them (tests/forms.rs runs them in every form, tests/storage.rs
+                // and tests/backward.rs on their grids): CI time.
+                if name.starts_with("window") && (pi + si) % 2 == 1 {
+                    continue;
+                }
                 let case = apply(Case::random(shape, si as u64));
                 case.check(ctx, path, TOL, &format!("{path:?} {shape:?} {name}"));
             }
