@@ -52,10 +52,7 @@ fn main(
     let j_begin = split * p.chunk;
     let j_end = min(j_begin + p.chunk, key_end(b, i));
     // Keys before the window's first (past the sink tokens) are skipped.
-    var skip = 0u;
-    if (HAS_WINDOW && j_begin >= p.m.win_sinks) {
-        skip = min(max(j_begin, key_begin(b, i)) - j_begin, p.chunk);
-    }
+    let skip = min(first_key(b, i, j_begin) - j_begin, p.chunk);
 
     var qr: array<vec4<f32>, E4>;
     for (var d4 = 0u; d4 < E4; d4++) { // unroll

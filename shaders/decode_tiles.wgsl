@@ -63,10 +63,7 @@ fn main(
         j_end = j_begin;
     }
     // Keys before the window's first (past the sink tokens) are skipped.
-    var j_start = j_begin;
-    if (HAS_WINDOW && j_begin >= p.m.win_sinks) {
-        j_start = min(max(j_begin, key_begin(b, i)), j_end);
-    }
+    let j_start = min(first_key(b, i, j_begin), max(j_end, j_begin));
 
     for (var d4 = tid; d4 < E4; d4 += WG) {
         qs[d4] = load_q(row, d4) * p.scale;

@@ -51,6 +51,15 @@ fn key_begin(b: u32, i: u32) -> u32 {
     return u32(clamp(i32(i) + window_offset(b) - p.m.win_left, 0, i32(p.s)));
 }
 
+// The first key worth visiting at or after key `j` for query row `i` of batch `b`: past the
+// sink tokens, keys before the window's first are skipped (j itself otherwise).
+fn first_key(b: u32, i: u32, j: u32) -> u32 {
+    if (HAS_WINDOW && j >= p.m.win_sinks) {
+        return max(j, key_begin(b, i));
+    }
+    return j;
+}
+
 // The key tile to visit at or after tile start `j` (tiles of `tile` keys, `begin` the rows'
 // smallest key_begin): the tiles past the sink tokens and wholly before `begin` are skipped.
 fn next_tile(j: u32, begin: u32, tile: u32) -> u32 {
