@@ -35,7 +35,12 @@ for part in $parts; do
     for form in gpu gpu-tiles; do for wg in 64 128 256; do for t in 512 1024 2048 4096; do
       WGPU_ATTENTION_FORMS=decode=$form row "form=$form,decode_wg=$wg,decode_target=$t" \
         --shapes d_decode_h32_s4096_e128 --paths decode --storage f32,f16
-    done; done; done ;;
+    done; done; done
+    # the tiled form's invocations per key in the scores, at its sizes
+    for kl in 1 2 4 8 16; do
+      WGPU_ATTENTION_FORMS=decode=gpu-tiles row "decode_klanes=$kl" \
+        --shapes d_decode_h32_s4096_e128 --paths decode --storage f32,f16
+    done ;;
   bwd)
     for mem in 16384 32768; do for wg in 64 128; do for rows in 1 2; do for un in 0 1; do
       row "wg_memory=$mem,bwd_wg=$wg,bwd_rows=$rows,bwd_unroll=$un" --shapes a_h8_s1024,c_h8_s4096_causal --paths fused-bwd --storage f32

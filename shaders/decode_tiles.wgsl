@@ -5,10 +5,13 @@
 // bindings, masks and outputs (a split's normalised partial output and logsumexp, combined by
 // `merge.wgsl`). The split's keys are taken in tiles of WG keys, two phases per tile:
 //
-// 1. Scores: invocation t scores key t of the tile against the query row (kept in workgroup
-//    memory, `qs`: read by every invocation at the same address, a broadcast), its K row read
-//    with E4 independent vec4 loads (E8 16-byte loads for half formats), and writes the masked
-//    logit to `sc`.
+// 1. Scores: KL adjacent invocations score each key of the tile against the query row (kept
+//    in workgroup memory, `qs`: read by every invocation at the same address, a broadcast),
+//    each reading every KL-th 16-byte chunk of its K row (vec4 of f32, 8 halves), so that one
+//    load instruction of a subgroup reads whole stretches of K rows; their partial sums meet
+//    in `scp`, and invocation t writes key t's masked logit to `sc`. (KL = 1, one invocation
+//    per key reading its whole row, left lanes 256-512 bytes apart: 1.06-1.10x slower on an
+//    H200.)
 // 2. P V: the workgroup splits into NS = WG / EVP subsets of EVP invocations; invocation t
 //    owns vec4 `t % EVP` of the output and keys `t / EVP, t / EVP + NS, ...` of the tile. The
 //    invocations of a subset read one V row together, adjacent vec4s: one coalesced load per
@@ -25,7 +28,9 @@
 //
 // Constants from the host (src/kernels/decode.rs): WG (invocations, a power of two, a multiple
 // of EVP), E4, EV4, EVP (EV4 rounded up to a power of two), NS = WG / EVP, KPS = WG / NS (keys
-// per subset per tile), P8, E8 (see decode.wgsl), UNROLL, HAS_MASK, HAS_BIAS.
+// per subset per tile), P8, E8 (see decode.wgsl), KL (invocations per key in the scores, a
+// power of two dividing E8 or E4 and WG), SCP (WG * KL, or 1), KC8 = E8 / KL,
+// KC4 = E4 / KL, UNROLL, HAS_MASK, HAS_BIAS.
 //
 // Bindings: 0 mask, 1 bias, 2 kv_lens, 3 q, 4 k, 5 v (read);
 //           6 part_out [splits][B*Hq*L][Ev], 7 part_lse [splits][B*Hq*L] (read_write); 8 params.
@@ -37,6 +42,27 @@ var<workgroup> sc: array<f32, WG>;
 var<workgroup> red_m: array<f32, NS>;
 var<workgroup> red_s: array<f32, NS>;
 var<workgroup> red_acc: array<vec4<f32>, WG>;
+// The partial dot products of KL invocations per key (KL > 1).
+var<workgroup> scp: array<f32, SCP>;
+
+// The dot product of the query row (`qs`, scaled) with K row `kvrow`, over the 16-byte chunks
+// `lane, lane + KL, ...` (all of them when KL = 1).
+fn key_dot(kvrow: u32, lane: u32) -> f32 {
+    var d = vec4<f32>(0.0);
+    if (P8) {
+        for (var c = 0u; c < KC8; c++) { // unroll
+            let d8 = c * KL + lane;
+            let kk = load_k8(kvrow, d8);
+            d += qs[2u * d8] * kk[0] + qs[2u * d8 + 1u] * kk[1];
+        }
+    } else {
+        for (var c = 0u; c < KC4; c++) { // unroll
+            let d4 = c * KL + lane;
+            d += qs[d4] * load_k(kvrow, d4);
+        }
+    }
+    return d.x + d.y + d.z + d.w;
+}
 
 @compute @workgroup_size(WG, 1, 1)
 fn main(
@@ -77,22 +103,33 @@ fn main(
     var sum = 0.0;
     for (var t0 = j_start; t0 < j_end; t0 += WG) {
         // 1. Scores: key t0 + tid. Keys past the allowed end are not read.
-        let j = t0 + tid;
         var x = START;
-        if (j < j_end) {
-            let kvrow = kvh * p.s + j;
-            var d = vec4<f32>(0.0);
-            if (P8) {
-                for (var d8 = 0u; d8 < E8; d8++) { // unroll
-                    let kk = load_k8(kvrow, d8);
-                    d += qs[2u * d8] * kk[0] + qs[2u * d8 + 1u] * kk[1];
-                }
-            } else {
-                for (var d4 = 0u; d4 < E4; d4++) { // unroll
-                    d += qs[d4] * load_k(kvrow, d4);
-                }
+        let j = t0 + tid;
+        if (KL == 1u) {
+            if (j < j_end) {
+                x = masked_logit(key_dot(kvh * p.s + j, 0u), true, b, h, i, j);
             }
-            x = masked_logit(d.x + d.y + d.z + d.w, true, b, h, i, j);
+        } else {
+            // KL adjacent invocations score one key together, each a strided share of its
+            // 16-byte chunks: one load instruction reads KL adjacent chunks of a K row, not
+            // one chunk of each of 32 rows. Their partial sums meet in `scp`.
+            let lane = tid % KL;
+            for (var r = 0u; r < KL; r++) { // unroll
+                let jr = t0 + r * (WG / KL) + tid / KL;
+                var part = 0.0;
+                if (jr < j_end) {
+                    part = key_dot(kvh * p.s + jr, lane);
+                }
+                scp[r * WG + tid] = part;
+            }
+            workgroupBarrier();
+            if (j < j_end) {
+                var dot = 0.0;
+                for (var c = 0u; c < KL; c++) { // unroll
+                    dot += scp[tid * KL + c];
+                }
+                x = masked_logit(dot, true, b, h, i, j);
+            }
         }
         sc[tid] = x;
         workgroupBarrier();

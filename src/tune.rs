@@ -6,6 +6,8 @@
 //! - `bwd_wg`, `bwd_rows`, `bwd_unroll` (0 or 1): the fused backward's GPU form;
 //! - `decode_wg`, `decode_target`: the decode kernel's GPU forms (invocations, the number of
 //!   workgroups its split aims for);
+//! - `decode_klanes` (1, 2, 4, 8 or 16): invocations that score one key together in the decode
+//!   kernel's GPU-tiled form;
 //! - `tiles_bm`, `tiles_bn`: the register-tiled GPU form's query rows and keys per tile
 //!   (multiples of 4, among the sizes it knows);
 //! - `tiles_tm`, `tiles_tn` (4 or 8): its query rows and keys per invocation;
@@ -55,6 +57,7 @@ const KEYS: &[&str] = &[
     "bwd_unroll",
     "decode_wg",
     "decode_target",
+    "decode_klanes",
     "tiles_bm",
     "tiles_bn",
     "tiles_tm",

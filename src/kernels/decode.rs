@@ -105,7 +105,31 @@ pub(crate) struct Config {
     masks: bool,
     bias: bool,
     window: bool,
+    /// Invocations per key in the GPU-tiled form's scores.
+    kl: usize,
 }
+
+/// Invocations that score one key together in the GPU-tiled form (knob `decode_klanes`, a
+/// power of two up to 16): halved until it divides the K row's 16-byte chunks and `wg`.
+fn key_lanes(p: &Problem, wg: u32) -> usize {
+    let e4 = p.head_dim.div_ceil(4);
+    // Half formats with E a multiple of 8 read 8 elements per chunk (Config::p8); E4 / 2
+    // chunks then, which KL must divide too.
+    let chunks = if e4.is_multiple_of(2) { e4 / 2 } else { e4 };
+    let mut kl = crate::tune::knob("decode_klanes")
+        .map_or(KEY_LANES, |k| k as usize)
+        .clamp(1, 16)
+        .next_power_of_two();
+    while kl > 1 && (!chunks.is_multiple_of(kl) || !(wg as usize).is_multiple_of(kl)) {
+        kl /= 2;
+    }
+    kl
+}
+
+/// The GPU-tiled form's default invocations per key (H200, d_decode: 4 and 8 0.059-0.060 ms
+/// f32 and 0.050-0.051 ms f16, 1 0.066 and 0.054 ms, 16 0.065 and 0.057-0.058 ms;
+/// docs/gpu/nvidia-h200-decode-klanes.txt).
+const KEY_LANES: usize = 4;
 
 impl Config {
     /// The pinned form (`caps.forms.decode`) or the default one: the GPU form on GPUs; on CPU
@@ -153,7 +177,11 @@ impl Config {
         }
         if form == DecodeForm::GpuTiles {
             // qs, sc, red_m, red_s, red_acc (decode_tiles.wgsl).
-            let bytes = 16 * p.head_dim.div_ceil(4) + 20 * wg as usize + 8 * wg as usize;
+            let kl = key_lanes(p, wg);
+            let bytes = 16 * p.head_dim.div_ceil(4)
+                + 20 * wg as usize
+                + 8 * wg as usize
+                + if kl > 1 { 4 * wg as usize * kl } else { 0 };
             if bytes > caps.workgroup_storage as usize {
                 return Err(format!(
                     "the gpu-tiles decode form needs {bytes} bytes of workgroup memory at E = {}",
@@ -177,6 +205,11 @@ impl Config {
             masks: p.mask.is_some(),
             bias: p.bias.is_some(),
             window: p.window.is_some(),
+            kl: if form == DecodeForm::GpuTiles {
+                key_lanes(p, wg)
+            } else {
+                1
+            },
         })
     }
 
@@ -203,10 +236,13 @@ impl Config {
         if self.form == DecodeForm::GpuTiles {
             let evp = evp(self.ev4);
             let ns = self.wg as usize / evp;
+            let kl = self.kl;
             return format!(
                 "const WG: u32 = {}u;\nconst E4: u32 = {}u;\nconst EV4: u32 = {}u;\n\
                  const EVP: u32 = {evp}u;\nconst NS: u32 = {ns}u;\nconst KPS: u32 = {}u;\n\
-                 const P8: bool = {};\nconst E8: u32 = {}u;\nconst UNROLL: bool = {};\n{}{}",
+                 const P8: bool = {};\nconst E8: u32 = {}u;\nconst UNROLL: bool = {};\n\
+                 const KL: u32 = {kl}u;\nconst SCP: u32 = {}u;\nconst KC8: u32 = {}u;\n\
+                 const KC4: u32 = {}u;\n{}{}",
                 self.wg,
                 self.e4,
                 self.ev4,
@@ -214,6 +250,9 @@ impl Config {
                 self.p8(),
                 self.e4 / 2,
                 self.unroll,
+                if kl > 1 { self.wg as usize * kl } else { 1 },
+                self.e4 / 2 / kl,
+                self.e4 / kl,
                 super::mask_consts(self.masks, self.bias, self.window, self.formats.bias),
                 self.io(),
             );
