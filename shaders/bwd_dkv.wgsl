@@ -141,7 +141,8 @@ fn main(
                         }
                     }
                     var x = select(START, select(d.x + d.y + d.z + d.w, xs, SCALAR_LOGITS), j < end);
-                    if (HAS_MASK || HAS_BIAS || HAS_WINDOW) {
+                    let x0 = x;
+                    if (MASKED_LOGIT || HAS_WINDOW) {
                         x = masked_logit(x, in_range(x), b, h, i, j);
                     }
                     let pij = prob(x, lse);
@@ -151,7 +152,7 @@ fn main(
                         dp += g * vr[r * EV4 + d4];
                         dv[r * EV4 + d4] += pij * g;
                     }
-                    let ds = dscore(pij, dp.x + dp.y + dp.z + dp.w, dsum);
+                    let ds = dscore(pij, dp.x + dp.y + dp.z + dp.w, dsum) * softcap_grad(x0);
                     for (var d4 = 0u; d4 < E4; d4++) { // unroll
                         dk[r * E4 + d4] += ds * q_at(ii, d4);
                     }

@@ -37,7 +37,8 @@ fn main(
     let row = bh * p.l + i;
     let x = masked_logit(sc[t], j < key_end(b, i), b, h, i, j);
     let pij = prob(x, lse_of(row));
-    let ds = dscore(pij, dp[t], dsum_of(row));
+    // dS of the logit; dQ and dK take it through the softcap (d(bias) is bwd_dbias.wgsl's).
+    let ds = dscore(pij, dp[t], dsum_of(row)) * softcap_grad(sc[t]);
     dp[t] = ds;
     let u = zl / p.gw;
     let hl = zl % p.gw;

@@ -145,7 +145,7 @@ fn main(
             }
             // The boolean mask and the bias (specialised away when absent: CPU adapters execute
             // both sides of every branch).
-            if (HAS_MASK || HAS_BIAS) {
+            if (MASKED_LOGIT) {
                 for (var jj = 0u; jj < KG; jj++) { // unroll
                     let j = j0 + jg + jj;
                     for (var r = 0u; r < RQ; r++) { // unroll

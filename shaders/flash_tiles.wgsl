@@ -225,7 +225,7 @@ fn main(
                     ok = ok && (j >= row_begin[r] || j < p.m.win_sinks);
                 }
                 var x = select(START, sc[r * TN + t], ok);
-                if (HAS_MASK || HAS_BIAS) {
+                if (MASKED_LOGIT) {
                     let i = min(i0 + r * NY + ty, p.l - 1u);
                     x = masked_logit(x, in_range(x), b, h, i, j);
                 }

@@ -29,6 +29,10 @@ pub struct Options<'a> {
     pub window: Option<(i64, i64)>,
     /// Keys `j < sink_tokens` exempt from the window (needs a window).
     pub sink_tokens: usize,
+    /// The logit softcap `C`: `s = C tanh(s / C)` (see [`Problem::with_softcap`]).
+    pub softcap: Option<f32>,
+    /// ALiBi slopes, one per query head (see [`Problem::with_alibi`]).
+    pub alibi: Option<Vec<f32>>,
 }
 
 impl<'a> Options<'a> {
@@ -37,7 +41,9 @@ impl<'a> Options<'a> {
         let mut p = Problem::new(q, k, v)?
             .with_scale(self.scale)?
             .with_causal(self.causal)
-            .with_window(self.window, self.sink_tokens)?;
+            .with_window(self.window, self.sink_tokens)?
+            .with_softcap(self.softcap)?
+            .with_alibi(self.alibi.as_deref())?;
         if let Some(m) = &self.mask {
             p = p.with_mask(&m.shape)?;
             check_len("mask", &m.shape, m.data.len())?;
@@ -137,6 +143,21 @@ macro_rules! option_setters {
         /// attention sinks); needs [`window`](Self::window).
         pub fn sink_tokens(mut self, n: usize) -> Self {
             self.options.sink_tokens = n;
+            self
+        }
+
+        /// The logit softcap `C`: each scaled logit `s` becomes `C tanh(s / C)` before the
+        /// bias and ALiBi are added (Gemma 2, Grok); `C` finite and > 0.
+        pub fn softcap(mut self, c: f32) -> Self {
+            self.options.softcap = Some(c);
+            self
+        }
+
+        /// ALiBi with one slope per query head: the logit of query `i`, key `j` in head `h`
+        /// gets `- slopes[h] |i + S - L - j|` (bottom-right aligned; with key lengths `S` is
+        /// the batch's). See [`alibi_slopes`](crate::alibi_slopes) for the paper's slopes.
+        pub fn alibi(mut self, slopes: &[f32]) -> Self {
+            self.options.alibi = Some(slopes.to_vec());
             self
         }
 

@@ -77,6 +77,24 @@ impl Window {
     }
 }
 
+/// The ALiBi paper's slopes for `heads` query heads (Press et al., 2022; the reference code's
+/// `get_slopes`): `2^(-8 (h + 1) / n)` for a power of two `n`; otherwise those of the largest
+/// power of two below, then every other slope of twice that. For [`Problem::with_alibi`] and
+/// the `alibi` option.
+pub fn alibi_slopes(heads: usize) -> Vec<f32> {
+    fn pow2(n: usize) -> Vec<f64> {
+        let start = 2f64.powf(-8.0 / n as f64);
+        (1..=n).map(|h| start.powi(h as i32)).collect()
+    }
+    if heads == 0 {
+        return Vec::new();
+    }
+    let m = 1usize << heads.ilog2();
+    let mut out = pow2(m);
+    out.extend(pow2(2 * m).into_iter().step_by(2).take(heads - m));
+    out.into_iter().map(|x| x as f32).collect()
+}
+
 /// `shape` (rank 0 to 4) left-padded with ones to 4-D: how a mask or bias broadcasts against
 /// the scores `[B, Hq, L, S]`.
 pub(crate) fn pad4(shape: &[usize]) -> [usize; 4] {
@@ -174,6 +192,10 @@ pub struct Problem {
     pub kv_lens: Option<Vec<u32>>,
     /// A sliding window (with attention-sink tokens), if any.
     pub window: Option<Window>,
+    /// The logit softcap `C` (`s = C tanh(s / C)`, Gemma 2 and Grok), if any: finite, > 0.
+    pub softcap: Option<f32>,
+    /// ALiBi slopes, one per query head (`s -= slope[h] |i + S - L - j|`), if any.
+    pub alibi: Option<Vec<f32>>,
     /// The storage formats of q, k, v, the bias and the output (all f32 by default).
     pub storage: crate::storage::Formats,
     /// Where q, k, v, the output (and the backward's dout) lie in their buffers, for those
@@ -237,6 +259,8 @@ impl Problem {
             bias: None,
             kv_lens: None,
             window: None,
+            softcap: None,
+            alibi: None,
             storage: Default::default(),
             views: Default::default(),
         })
@@ -296,6 +320,53 @@ impl Problem {
             sink_tokens,
         });
         Ok(self)
+    }
+
+    /// Set the logit softcap `C`: each scaled logit becomes `C tanh(s / C)` before the bias
+    /// and ALiBi are added (Gemma 2, Grok). `C` must be finite and > 0.
+    pub fn with_softcap(mut self, softcap: Option<f32>) -> Result<Self> {
+        if let Some(c) = softcap {
+            if !(c.is_finite() && c > 0.0) {
+                return Err(Error::InvalidModifier {
+                    modifier: "softcap",
+                    reason: format!("C = {c}: the softcap is a finite number > 0"),
+                });
+            }
+        }
+        self.softcap = softcap;
+        Ok(self)
+    }
+
+    /// Set ALiBi slopes, one per query head: the logit of query `i` and key `j` in head `h`
+    /// gets `- slopes[h] |i + S - L - j|` (bottom-right aligned like the causal mask and the
+    /// window; with key lengths, `S` is the batch's). Each slope must be finite.
+    pub fn with_alibi(mut self, slopes: Option<&[f32]>) -> Result<Self> {
+        if let Some(sl) = slopes {
+            if sl.len() != self.q_heads {
+                return Err(Error::InvalidModifier {
+                    modifier: "alibi",
+                    reason: format!(
+                        "{} slopes for {} query heads: give one per query head",
+                        sl.len(),
+                        self.q_heads
+                    ),
+                });
+            }
+            if let Some((h, x)) = sl.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+                return Err(Error::InvalidModifier {
+                    modifier: "alibi",
+                    reason: format!("slope {h} is {x}: slopes are finite"),
+                });
+            }
+        }
+        self.alibi = slopes.map(<[f32]>::to_vec);
+        Ok(self)
+    }
+
+    /// The ALiBi distance of query `i` and key `j` in a batch of `seq_kv` keys (its key
+    /// length when key lengths are given): `|i + S - L - j|`.
+    pub fn alibi_distance(&self, i: usize, j: usize, seq_kv: usize) -> f64 {
+        (i as f64 + seq_kv as f64 - self.seq_q as f64 - j as f64).abs()
     }
 
     /// Add a boolean mask of the given (broadcastable) shape.
@@ -427,6 +498,20 @@ mod tests {
 
     /// A window's FLOPs count the pairs it allows: (1023, 0) with causal at L = S = 16384
     /// is 1024 keys per row but the first 1023 rows' fewer; sink tokens add theirs.
+    #[test]
+    fn alibi_slopes_follow_the_paper() {
+        // 8 heads: 1/2, 1/4, ..., 1/256.
+        let s8 = alibi_slopes(8);
+        assert_eq!(s8, (1..=8).map(|h| 0.5f32.powi(h)).collect::<Vec<_>>());
+        // 12 heads: the 8 above, then 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5 (every other of 16's).
+        let s12 = alibi_slopes(12);
+        assert_eq!(&s12[..8], &s8[..]);
+        for (k, x) in s12[8..].iter().enumerate() {
+            assert!((*x as f64 - 2f64.powf(-0.5 - k as f64)).abs() < 1e-7, "{k}: {x}");
+        }
+        assert_eq!(alibi_slopes(1), vec![2f32.powi(-8)]);
+    }
+
     #[test]
     fn window_flops_count_allowed_pairs() {
         let p = Problem::new(&[1, 8, 16384, 64], &[1, 8, 16384, 64], &[1, 8, 16384, 64])

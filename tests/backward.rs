@@ -65,6 +65,23 @@ fn grid_matches_reference_by_flash_rule() {
     }
 }
 
+/// The built-in score modifiers by FlashAttention's rule: a softcap (dQ and dK through its
+/// derivative, d(bias) not), ALiBi with key lengths, both with a window, a mask and a bias;
+/// each kind on both paths across two shapes (tails, L != S, GQA).
+#[test]
+fn modifiers_by_flash_rule() {
+    let Some(ctx) = ctx() else { return };
+    for (si, shape) in [(1, 2, 2, 70, 130, 33, 65), (2, 4, 2, 17, 23, 16, 8)]
+        .into_iter()
+        .enumerate()
+    {
+        for (ki, (name, kind)) in modifier_kinds().into_iter().enumerate() {
+            let case = kind(Case::random(shape, 700 + si as u64));
+            check(ctx, &case, PATHS[(si + ki) % 2], &format!("{shape:?} {name}"));
+        }
+    }
+}
+
 /// Biases (and masks) of every broadcast shape: d(bias) summed over the broadcast dims.
 #[test]
 fn broadcast_bias_gradients_are_summed() {

@@ -366,6 +366,8 @@ fn broadcasts_infinite_bias_and_large_logits_in_every_form() {
             causal: Causal::None,
             window: None,
             sink_tokens: 0,
+            softcap: None,
+            alibi: None,
             scale: Some(1.0),
             storage: wgpu_attention::Storage::F32,
         };
@@ -650,6 +652,42 @@ fn pinned_forms_the_device_cannot_run_are_refused() {
         case.sdpa().backward(&dout).path(Path::Fused).form(&out_of_range),
         "9 rows",
     );
+}
+
+/// The built-in score modifiers in every form: a softcap alone (the fused kernels route logits
+/// through `masked_logit` for it) and softcap with ALiBi, a window, a mask and a bias, in every
+/// fused form; the combined kind in every decode form; each kind in a backward form.
+#[test]
+fn modifiers_in_every_form() {
+    let Some(ctx) = ctx() else { return };
+    let kinds = common::modifier_kinds();
+    let (alone, all) = (&kinds[0], &kinds[2]);
+    for (name, kind) in [alone, all] {
+        let case = kind(Case::random((1, 2, 2, 70, 130, 33, 65), 430));
+        check_pinned_forms(&case, every_fused_context(ctx), name);
+    }
+    let case = (all.1)(Case::random((2, 4, 2, 3, 1500, 16, 24), 431));
+    let want = case.reference();
+    for (form, dctx) in decode_contexts(ctx, &case) {
+        case.check_against(
+            &want,
+            &dctx,
+            Path::Decode,
+            TOL,
+            &format!("decode {} [{}]", all.0, form.name()),
+        );
+    }
+    for (fi, form) in ctx.caps().backward_forms().into_iter().enumerate() {
+        let (name, kind) = &kinds[fi % kinds.len()];
+        let case = kind(Case::random((1, 2, 2, 19, 37, 7, 5), 432));
+        check_backward(
+            &ctx.with_forms(form),
+            &case,
+            Path::Fused,
+            Form::Backward(form),
+            &format!("{name} [{}]", form.name()),
+        );
+    }
 }
 
 /// Sliding windows (both kinds of `window_kinds`: two-sided with sink tokens; one-sided with

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{ctx, mask_and_window_kinds, Case, SHAPES, TOL};
+use common::{ctx, mask_and_window_kinds, modifier_kinds, Case, SHAPES, TOL};
 use ndarray::{Array, Array4, IxDyn};
 use wgpu_attention::check::compare;
 use wgpu_attention::{Causal, Path, Sdpa};
@@ -23,6 +23,24 @@ fn grid_of_shapes_and_masks_matches_reference() {
                 let case = apply(Case::random(shape, si as u64));
                 case.check(ctx, path, TOL, &format!("{path:?} {shape:?} {name}"));
             }
+        }
+    }
+}
+
+/// The built-in score modifiers (softcap, ALiBi; alone and with the window, masks and bias)
+/// on every path: tails, L != S, E != Ev and GQA, and a decode shape (3 query rows, 700 keys).
+#[test]
+fn modifiers_on_every_path() {
+    let Some(ctx) = ctx() else { return };
+    let shapes = [
+        (1, 2, 2, 70, 130, 33, 65),
+        (2, 4, 2, 65, 63, 64, 64),
+        (2, 4, 2, 3, 700, 16, 24),
+    ];
+    for (si, shape) in shapes.into_iter().enumerate() {
+        for (name, apply) in modifier_kinds() {
+            let case = apply(Case::random(shape, 600 + si as u64));
+            case.check_all_paths(ctx, TOL, &format!("{shape:?} {name}"));
         }
     }
 }
@@ -149,6 +167,8 @@ fn large_magnitude_logits_stay_finite() {
             causal: Causal::None,
             window: None,
             sink_tokens: 0,
+            softcap: None,
+            alibi: None,
             scale: Some(1.0),
             storage: wgpu_attention::Storage::F32,
         };
@@ -165,6 +185,8 @@ fn large_magnitude_logits_stay_finite() {
         causal: Causal::TopLeft,
         window: None,
         sink_tokens: 0,
+        softcap: None,
+        alibi: None,
         scale: Some(1.0),
         storage: wgpu_attention::Storage::F32,
     };

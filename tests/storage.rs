@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{ctx, mask_and_window_kinds, Case, SHAPES};
+use common::{ctx, mask_and_window_kinds, modifier_kinds, Case, SHAPES};
 use half::{bf16, f16};
 use ndarray::Array4;
 use wgpu_attention::check::{compare, Tolerance};
@@ -37,6 +37,22 @@ fn grid_of_shapes_and_masks_in_half_formats() {
                     case.check(ctx, path, tol, &format!("{s} {path:?} {shape:?} {name}"));
                 }
             }
+        }
+    }
+}
+
+/// The built-in score modifiers in half formats on every path (each kind in one format, the
+/// combined one in both), at a shape with tails, L != S and GQA.
+#[test]
+fn modifiers_in_half_formats() {
+    let Some(ctx) = ctx() else { return };
+    for (ki, (name, kind)) in modifier_kinds().into_iter().enumerate() {
+        for (fi, s) in HALF.into_iter().enumerate() {
+            if ki < 2 && ki != fi {
+                continue;
+            }
+            let case = kind(Case::random((2, 4, 2, 33, 47, 16, 24), 800 + ki as u64)).with_storage(s);
+            case.check_all_paths(ctx, Tolerance::for_storage(s), &format!("{s} {name}"));
         }
     }
 }

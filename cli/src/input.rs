@@ -41,6 +41,19 @@ pub(crate) struct InputArgs {
     /// The first N keys, seen by every query whatever the window (attention sinks; needs --window).
     #[arg(long, value_name = "N", default_value_t = 0)]
     sink_tokens: usize,
+    /// Logit softcap C: each scaled logit s becomes C tanh(s / C) before the bias and ALiBi
+    /// (Gemma 2, Grok); C > 0.
+    #[arg(long, value_name = "C", allow_negative_numbers = true)]
+    softcap: Option<f32>,
+    /// ALiBi slopes, one per query head, comma separated: the logit of query i and key j in
+    /// head h gets -slope[h] |i + S - L - j|.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "S0,S1,..",
+        allow_negative_numbers = true
+    )]
+    alibi: Option<Vec<f32>>,
     /// Softmax scale [default: 1/sqrt(E)].
     #[arg(long, allow_negative_numbers = true)]
     scale: Option<f32>,
@@ -116,6 +129,8 @@ impl InputArgs {
             kv_lens: self.kv_lens.clone(),
             window: self.window,
             sink_tokens: self.sink_tokens,
+            softcap: self.softcap,
+            alibi: self.alibi.clone(),
         }
     }
 

@@ -1,14 +1,15 @@
 // What the backward kernels share (bwd_dq.wgsl, bwd_dkv.wgsl, bwd_dbias.wgsl, bwd_ds.wgsl):
 // the statistics buffer `stats` (binding 6, written by bwd_prep.wgsl) and the recomputed
 // softmax weight. Layout of `stats` (f32 words): the rows' logsumexp [0, rows), their
-// D = rowsum(dO ∘ O) [rows, 2 rows), then the key lengths as u32 bits at lens_off (written by
-// the host), so that no kernel needs a ninth storage binding.
+// D = rowsum(dO ∘ O) [rows, 2 rows), then the auxiliary words at lens_off (written by the
+// host): the B key lengths, then the Hq ALiBi slopes (f32 bits), so that no kernel needs a
+// ninth storage binding.
 
 @group(0) @binding(6) var<storage, read> stats: array<f32>;
 
-// The key length of batch b (common/masks.wgsl's key_end reads it).
-fn kv_len(b: u32) -> u32 {
-    return bitcast<u32>(stats[p.lens_off + b]);
+// Auxiliary word i (common/masks.wgsl's kv_len and alibi_slope read them).
+fn aux_word(i: u32) -> u32 {
+    return bitcast<u32>(stats[p.lens_off + i]);
 }
 
 // The logsumexp of score row `row` (b * Hq * L + h * L + i).

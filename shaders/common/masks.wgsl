@@ -14,6 +14,17 @@
 
 @group(0) @binding(0) var<storage, read> mask: array<u32>;
 
+// The key length of batch b: auxiliary word b (the forward kernels' binding 2, the backward's
+// statistics tail; `aux_word` is declared by the host or common/backward.wgsl).
+fn kv_len(b: u32) -> u32 {
+    return aux_word(b);
+}
+
+// The ALiBi slope of query head h (HAS_ALIBI): auxiliary word alibi_off + h, as f32 bits.
+fn alibi_slope(h: u32) -> f32 {
+    return bitcast<f32>(aux_word(p.m.alibi_off + h));
+}
+
 // The causal offset of batch `b`: query i may see keys j <= i + causal_offset(b).
 fn causal_offset(b: u32) -> i32 {
     return p.m.causal_off + select(0, i32(kv_len(b)), p.m.causal_by_len != 0u);
@@ -104,11 +115,43 @@ fn in_range(x: f32) -> bool {
     return is_nan_bits(x) || x != START;
 }
 
-// The logit `x` of key `j` for row `i` after the boolean mask and the bias: START when `keep`
-// is false, when the mask forbids the key, or when the biased logit is -inf. Masked-out keys
-// ignore the bias; a -inf bias masks; a NaN logit of an allowed key stays NaN.
+// tanh, saturated before any implementation's exp overflows (tanh(9) is 1 in f32).
+fn tanh_sat(x: f32) -> f32 {
+    return tanh(clamp(x, -9.0, 9.0));
+}
+
+// The softcap C tanh(x / C) of scaled logit `x` (HAS_SOFTCAP; x itself otherwise). NaN stays.
+fn softcapped(x: f32) -> f32 {
+    if (!HAS_SOFTCAP || is_nan_bits(x)) {
+        return x;
+    }
+    return p.m.softcap * tanh_sat(x / p.m.softcap);
+}
+
+// d softcapped(x) / dx = 1 - tanh(x / C)^2 (1 without a softcap): the backward scales dS by it
+// for dQ and dK (the bias is added after the softcap: its gradient is dS itself).
+fn softcap_grad(x: f32) -> f32 {
+    if (!HAS_SOFTCAP) {
+        return 1.0;
+    }
+    let t = tanh_sat(x / p.m.softcap);
+    return 1.0 - t * t;
+}
+
+// The ALiBi term of (b, h, i, j): -slope[h] |i + S - L - j| (S the batch's key length with key
+// lengths, like the window's diagonal).
+fn alibi_term(b: u32, h: u32, i: u32, j: u32) -> f32 {
+    let c = i32(i) + window_offset(b);
+    return -alibi_slope(h) * abs(f32(c - i32(j)));
+}
+
+// The logit `x` (the scaled dot product) of key `j` for row `i` after the softcap, the bias,
+// ALiBi and the boolean mask: START when `keep` is false, when the mask forbids the key, or
+// when the biased logit is -inf. Masked-out keys ignore the bias; a -inf bias masks; a NaN
+// logit of an allowed key stays NaN. The order is docs/semantics.md's: softcap, then bias and
+// ALiBi, then the masks.
 fn masked_logit(x: f32, keep: bool, b: u32, h: u32, i: u32, j: u32) -> f32 {
-    var y = x;
+    var y = softcapped(x);
     var k = keep;
     if (HAS_MASK) {
         k = k && mask_allows(b, h, i, j);
@@ -118,6 +161,9 @@ fn masked_logit(x: f32, keep: bool, b: u32, h: u32, i: u32, j: u32) -> f32 {
     }
     if (HAS_BIAS) {
         y += bias_at(b, h, i, j);
+    }
+    if (HAS_ALIBI) {
+        y += alibi_term(b, h, i, j);
     }
     // A NaN logit (or bias) stays NaN, tested by its bits (see is_nan_bits), so that its row
     // comes out NaN as in PyTorch.

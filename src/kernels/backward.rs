@@ -222,7 +222,7 @@ pub(crate) struct Config {
     pub formats: Formats,
     pub has_mask: bool,
     pub has_bias: bool,
-    pub has_window: bool,
+    pub mods: super::Mods,
 }
 
 /// The form the plan picks: on GPUs [`BackwardForm::Gpu`]; on CPU adapters several rows (keys)
@@ -327,7 +327,7 @@ impl Config {
             formats: p.storage,
             has_mask: p.mask.is_some(),
             has_bias: p.bias.is_some(),
-            has_window: p.window.is_some(),
+            mods: super::Mods::of(p),
         })
     }
 
@@ -343,7 +343,7 @@ impl Config {
             super::scalar_logits(self.form == BackwardForm::Gpu),
             grad_io(
                 &self.formats,
-                [self.has_mask, self.has_bias, self.has_window],
+                (self.has_mask, self.has_bias, self.mods),
                 self.vec4,
                 &self.views
             )
@@ -393,9 +393,9 @@ impl Config {
 /// The mask flags, the bias, and q, k, v, dout (bindings 2-5) in their formats (`out`: dout's)
 /// with `load_q`, `load_k`, `load_v`, `load_dout(row, c4)` and their `X_base(row)` (dense, or
 /// through the `views`).
-fn grad_io(f: &Formats, masks: [bool; 3], vec4: bool, views: &Views) -> String {
-    let [has_mask, has_bias, has_window] = masks;
-    let mut s = mask_flags(has_mask, has_bias, has_window, f.bias);
+fn grad_io(f: &Formats, masks: (bool, bool, super::Mods), vec4: bool, views: &Views) -> String {
+    let (has_mask, has_bias, mods) = masks;
+    let mut s = mask_flags(has_mask, has_bias, mods, f.bias);
     for (i, (x, fmt, dim, view, slot)) in [
         ("q", f.q, Dim::E, views.q, "q"),
         ("k", f.k, Dim::E, views.k, "k"),
@@ -420,7 +420,7 @@ pub(crate) fn dbias_prelude(p: &Problem) -> String {
     } else {
         Access::Write
     };
-    grad_io(f, [p.mask.is_some(), true, p.window.is_some()], false, &p.views)
+    grad_io(f, (p.mask.is_some(), true, super::Mods::of(p)), false, &p.views)
         + &array("dbias", 7, f.bias, false, access)
 }
 
@@ -434,8 +434,8 @@ pub(crate) fn prep_prelude(o: Storage, dout: Storage, views: &Views) -> String {
 }
 
 /// The ds kernel's prelude.
-pub(crate) fn ds_prelude(has_mask: bool, has_bias: bool, has_window: bool, bias: Storage) -> String {
-    mask_flags(has_mask, has_bias, has_window, bias)
+pub(crate) fn ds_prelude(has_mask: bool, has_bias: bool, mods: super::Mods, bias: Storage) -> String {
+    mask_flags(has_mask, has_bias, mods, bias)
 }
 
 /// Record one dispatch of a gradient kernel over `workgroups` workgroups.

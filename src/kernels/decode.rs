@@ -104,7 +104,7 @@ pub(crate) struct Config {
     views: crate::view::Views,
     masks: bool,
     bias: bool,
-    window: bool,
+    mods: super::Mods,
     /// Invocations per key in the GPU-tiled form's scores.
     kl: usize,
 }
@@ -204,7 +204,7 @@ impl Config {
             ev_odd: p.head_dim_v % 2 == 1,
             masks: p.mask.is_some(),
             bias: p.bias.is_some(),
-            window: p.window.is_some(),
+            mods: super::Mods::of(p),
             kl: if form == DecodeForm::GpuTiles {
                 key_lanes(p, wg)
             } else {
@@ -253,7 +253,7 @@ impl Config {
                 if kl > 1 { self.wg as usize * kl } else { 1 },
                 self.e4 / 2 / kl,
                 self.e4 / kl,
-                super::mask_consts(self.masks, self.bias, self.window, self.formats.bias),
+                super::mask_consts(self.masks, self.bias, self.mods, self.formats.bias),
                 self.io(),
             );
         }
@@ -279,7 +279,7 @@ impl Config {
             self.ev4 / 2,
             self.ev4 / rb,
             self.unroll,
-            super::mask_consts(self.masks, self.bias, self.window, self.formats.bias),
+            super::mask_consts(self.masks, self.bias, self.mods, self.formats.bias),
             self.io(),
             reductions[0],
             reductions[1],

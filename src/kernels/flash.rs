@@ -125,8 +125,8 @@ pub(crate) struct Config {
     pub has_mask: bool,
     /// An additive bias is bound (else its code is compiled out).
     pub has_bias: bool,
-    /// A sliding window applies (else its code is compiled out).
-    pub has_window: bool,
+    /// The built-in modifiers (a window, softcap, ALiBi) that apply.
+    pub mods: super::Mods,
     /// The form was pinned ([`crate::Context::with_forms`]): run exactly it, no tiering.
     pub pinned: bool,
     /// The register-tiled GPU form's query rows per workgroup (0 for the other forms).
@@ -302,7 +302,7 @@ impl Config {
             sg_kv,
             has_mask: p.mask.is_some(),
             has_bias: p.bias.is_some(),
-            has_window: p.window.is_some(),
+            mods: super::Mods::of(p),
             pinned: pinned.is_some(),
             score: Score::Dot,
             bm: 0,
@@ -379,7 +379,7 @@ impl Config {
             sg_kv: false,
             has_mask: p.mask.is_some(),
             has_bias: p.bias.is_some(),
-            has_window: p.window.is_some(),
+            mods: super::Mods::of(p),
             pinned,
             score: Score::Dot,
             bm,
@@ -466,7 +466,7 @@ impl Config {
                 self.sg_rows,
                 if self.sg_rows { TILES_SG_ROW_FNS } else { TILES_ROW_FN_STUBS },
                 self.unroll,
-                super::mask_consts(self.has_mask, self.has_bias, self.has_window, self.formats.bias),
+                super::mask_consts(self.has_mask, self.has_bias, self.mods, self.formats.bias),
             );
         }
         // Naga takes the subgroup built-ins without `enable subgroups;` (which it rejects).
@@ -485,7 +485,7 @@ impl Config {
             self.unroll,
             self.sg_kv,
             self.scalar_logits(),
-            super::mask_consts(self.has_mask, self.has_bias, self.has_window, self.formats.bias),
+            super::mask_consts(self.has_mask, self.has_bias, self.mods, self.formats.bias),
         )
     }
 }

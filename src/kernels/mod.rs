@@ -71,6 +71,13 @@ wgsl_struct! {
         win_off: i32,
         /// Keys `j < win_sinks` are exempt from the window.
         win_sinks: u32,
+        /// The logit softcap C, read where HAS_SOFTCAP.
+        softcap: f32,
+        /// Where the ALiBi slopes start among the auxiliary words (`aux_word`: after the B key
+        /// lengths), read where HAS_ALIBI.
+        alibi_off: u32,
+        _mpad0: u32,
+        _mpad1: u32,
     }
 }
 
@@ -181,6 +188,9 @@ impl Masks {
             win_right: window.map_or(-1, |w| side(w.right)),
             win_off: (if p.kv_lens.is_some() { 0 } else { p.seq_kv as i64 } - p.seq_q as i64) as i32,
             win_sinks: window.map_or(0, |w| w.sink_tokens.min(u32::MAX as usize) as u32),
+            softcap: p.softcap.unwrap_or(0.0),
+            alibi_off: p.batch as u32,
+            ..Default::default()
         }
     }
 }
@@ -199,17 +209,47 @@ pub(crate) fn scalar_logits(gpu_form: bool) -> bool {
 /// The constants every masked forward kernel's prelude declares: whether a boolean mask and a
 /// bias are bound (their code is compiled out when absent), the bias (binding 1) in its format
 /// `bias`, and the key lengths (binding 2, read by `kv_len`).
-pub(crate) fn mask_consts(has_mask: bool, has_bias: bool, has_window: bool, bias: crate::Storage) -> String {
-    mask_flags(has_mask, has_bias, has_window, bias)
+pub(crate) fn mask_consts(has_mask: bool, has_bias: bool, mods: Mods, bias: crate::Storage) -> String {
+    mask_flags(has_mask, has_bias, mods, bias)
         + "@group(0) @binding(2) var<storage, read> kv_lens: array<u32>;\n\
-           fn kv_len(b: u32) -> u32 { return kv_lens[b]; }\n"
+           fn aux_word(i: u32) -> u32 { return kv_lens[i]; }\n"
+}
+
+/// The built-in modifiers a kernel specialises on (the code of each is compiled out when
+/// absent: CPU adapters execute both sides of every branch).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub(crate) struct Mods {
+    /// A sliding window (with sink tokens).
+    pub window: bool,
+    /// A logit softcap.
+    pub softcap: bool,
+    /// ALiBi slopes (read from the auxiliary words after the key lengths).
+    pub alibi: bool,
+}
+
+impl Mods {
+    /// The modifiers of `p`.
+    pub(crate) fn of(p: &crate::problem::Problem) -> Self {
+        Mods {
+            window: p.window.is_some(),
+            softcap: p.softcap.is_some(),
+            alibi: p.alibi.is_some(),
+        }
+    }
 }
 
 /// [`mask_consts`] without the key lengths (the backward kernels read them from their
 /// statistics buffer).
-pub(crate) fn mask_flags(has_mask: bool, has_bias: bool, has_window: bool, bias: crate::Storage) -> String {
+pub(crate) fn mask_flags(has_mask: bool, has_bias: bool, mods: Mods, bias: crate::Storage) -> String {
+    // MASKED_LOGIT: whether the fused kernels pass each logit through masked_logit (the window
+    // alone they apply by key ranges).
     format!(
-        "const HAS_MASK: bool = {has_mask};\nconst HAS_BIAS: bool = {has_bias};\nconst HAS_WINDOW: bool = {has_window};\n{}",
+        "const HAS_MASK: bool = {has_mask};\nconst HAS_BIAS: bool = {has_bias};\nconst HAS_WINDOW: bool = {};\n\
+         const HAS_SOFTCAP: bool = {};\nconst HAS_ALIBI: bool = {};\nconst MASKED_LOGIT: bool = {};\n{}",
+        mods.window,
+        mods.softcap,
+        mods.alibi,
+        has_mask || has_bias || mods.softcap || mods.alibi,
         access::bias(bias)
     )
 }
@@ -596,6 +636,12 @@ mod tests {
                         .with_bias(&[4, 1, 600])
                         .unwrap()
                         .with_kv_lens(&[5, 600])
+                        .unwrap()
+                        .with_window(Some((20, 3)), 2)
+                        .unwrap()
+                        .with_softcap(Some(5.0))
+                        .unwrap()
+                        .with_alibi(Some(&[0.5, 0.25, 0.125, 0.0625]))
                         .unwrap();
                     p.views = test_views();
                 }
@@ -622,12 +668,7 @@ mod tests {
                     "softmax",
                     &source(
                         &softmax::SPEC,
-                        &mask_consts(
-                            p.mask.is_some(),
-                            p.bias.is_some(),
-                            p.window.is_some(),
-                            p.storage.bias,
-                        ),
+                        &mask_consts(p.mask.is_some(), p.bias.is_some(), Mods::of(&p), p.storage.bias),
                         false,
                     ),
                 );
@@ -728,7 +769,10 @@ mod tests {
                             (&backward::DQ, c.dq_prelude()),
                             (&backward::DKV, c.dkv_prelude()),
                             (&backward::DBIAS, backward::dbias_prelude(&p)),
-                            (&backward::DS, backward::ds_prelude(masked, masked, masked, fmt)),
+                            (
+                                &backward::DS,
+                                backward::ds_prelude(masked, masked, Mods::of(&p), fmt),
+                            ),
                             (
                                 &backward::PREP,
                                 backward::prep_prelude(fmt, Storage::F32, &p.views),

@@ -75,7 +75,7 @@ pub(crate) fn record(
         &mask_consts(
             p.mask.is_some(),
             p.bias.is_some(),
-            p.window.is_some(),
+            crate::kernels::Mods::of(p),
             p.storage.bias,
         ),
         &[],

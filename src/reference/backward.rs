@@ -19,7 +19,7 @@ use num_traits::Float;
 use crate::error::Result;
 use crate::options::Options;
 
-use super::sdpa::{allowed, broadcast4};
+use super::sdpa::{allowed, broadcast4, modified, softcap_grad};
 
 /// Gradients of `sum(dO ∘ O)` with respect to every input, in the float type `F`.
 #[derive(Debug, Clone)]
@@ -80,7 +80,18 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
                     for d in 0..e {
                         acc = acc + qrow[d] * krow[d];
                     }
-                    let x = scale * acc + bias.as_ref().map_or(F::zero(), |x| cast(x[[bi, h, i, j]]));
+                    let raw = scale * acc;
+                    let x = if opts.softcap.is_some() || opts.alibi.is_some() {
+                        cast::<F, f64>(modified(
+                            opts,
+                            raw.to_f64().unwrap_or(f64::NAN),
+                            [bi, h, i, j],
+                            l,
+                            s,
+                        ))
+                    } else {
+                        raw
+                    } + bias.as_ref().map_or(F::zero(), |x| cast(x[[bi, h, i, j]]));
                     ok[j] = allowed(opts, mask.as_ref(), [bi, h, i, j], l, s) && x != F::neg_infinity();
                     logits[j] = x;
                     if ok[j] {
@@ -160,10 +171,24 @@ pub fn sdpa_backward_in<F: Float, T: Copy + Into<f64>, U: Copy + Into<f64>>(
     let dp = Array4::from_shape_vec(shape4(s), dp).expect("dp length");
     let dsum = Array3::from_shape_vec((b, hq, l), dsum).expect("D length");
     let ds = softmax_backward(&p, &dp, &dsum);
+    // Through the softcap (dQ and dK only: the bias is added after it).
+    let ds_qk = match opts.softcap {
+        None => None,
+        Some(_) => {
+            let mut d = ds.clone();
+            for ((bi, h, i, j), x) in d.indexed_iter_mut() {
+                let qrow = &qd[((bi * hq + h) * l + i) * e..][..e];
+                let krow = &kd[((bi * hkv + h / (hq / hkv)) * s + j) * e..][..e];
+                let raw = qrow.iter().zip(krow).fold(F::zero(), |a, (&q, &k)| a + q * k) * scale;
+                *x = *x * cast(softcap_grad(opts, raw.to_f64().unwrap_or(f64::NAN)));
+            }
+            Some(d)
+        }
+    };
     // Stage 4: dQ = scale · dS K, dK = scale · dSᵀ Q.
     let (dq, dk) = qk_stage(
         dims,
-        ds.as_slice().expect("standard layout"),
+        ds_qk.as_ref().unwrap_or(&ds).as_slice().expect("standard layout"),
         (&qd, &kd),
         e,
         scale,
@@ -314,7 +339,8 @@ mod tests {
 
     /// Central finite differences of the f64 forward agree with the analytic gradients, for
     /// every input, under GQA, a causal mask, a boolean mask with a fully masked row, a
-    /// broadcast bias (with a -inf entry) and key lengths, L != S and E != Ev.
+    /// broadcast bias (with a -inf entry) and key lengths, L != S and E != Ev; and with a
+    /// softcap (whose derivative dQ and dK take, d(bias) not) and ALiBi besides.
     #[test]
     fn backward_matches_finite_differences() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
@@ -326,13 +352,19 @@ mod tests {
         let mask: Vec<bool> = (0..hq * l * s).map(|i| i % 7 != 3 && i / s != 2).collect();
         let mut bias: Vec<f32> = (0..hq * s).map(|_| rng.random_range(-1.0..1.0)).collect();
         bias[4] = f32::NEG_INFINITY;
-        for causal in [Causal::None, Causal::BottomRight] {
+        for (causal, mods) in [
+            (Causal::None, false),
+            (Causal::BottomRight, false),
+            (Causal::BottomRight, true),
+        ] {
             let opts = Options {
                 causal,
                 scale: Some(0.7),
                 mask: Some(Mask::from_slice(&mask, &[hq, l, s])),
                 bias: Some(Tensor::from_slice(&bias, &[hq, 1, s])),
                 kv_lens: Some(vec![4, 5]),
+                softcap: mods.then_some(0.3),
+                alibi: mods.then(|| vec![0.3, -0.2, 0.1, 0.5]),
                 ..Default::default()
             };
             let g = sdpa_backward(q.view(), k.view(), v.view(), dout.view(), &opts).unwrap();

@@ -105,7 +105,30 @@ pub(super) fn allowed(
     true
 }
 
-/// Stage 2: add the bias, apply every mask, softmax each row with the max subtracted.
+/// The softcap and ALiBi of the scaled logit `x` of `idx` = (b, h, i, j), for `l` queries and
+/// `s` keys: `C tanh(x / C) - slope[h] |i + S_b - L - j|` (each only when set; `S_b` the batch's
+/// key length with key lengths). The bias is added after the softcap, like ALiBi.
+pub(super) fn modified(opts: &Options, x: f64, idx: [usize; 4], l: usize, s: usize) -> f64 {
+    let [b, h, i, j] = idx;
+    let mut y = x;
+    if let Some(c) = opts.softcap {
+        let c = f64::from(c);
+        y = c * (y / c).tanh();
+    }
+    if let Some(slopes) = &opts.alibi {
+        let sb = opts.kv_lens.as_ref().map_or(s, |lens| lens[b]);
+        y -= f64::from(slopes[h]) * (i as f64 + sb as f64 - l as f64 - j as f64).abs();
+    }
+    y
+}
+
+/// `d modified(x) / dx`: `1 - tanh(x / C)^2` with a softcap, else 1.
+pub(super) fn softcap_grad(opts: &Options, x: f64) -> f64 {
+    opts.softcap
+        .map_or(1.0, |c| 1.0 - (x / f64::from(c)).tanh().powi(2))
+}
+
+/// Stage 2: apply the softcap, add the bias and ALiBi, apply every mask, softmax each row with the max subtracted.
 /// Returns the weights and each row's logsumexp. A row with no allowed key (or whose allowed
 /// logits are all `-inf`) gives all-zero weights and logsumexp `-inf`. The options' scale is
 /// not used (the scores are already scaled); a bias must be host data.
@@ -127,7 +150,8 @@ pub fn masked_softmax(scores: &Array4<f64>, opts: &Options) -> Result<(Array4<f6
                 let row = &dense[((bi * h + hi) * l + i) * s..][..s];
                 for j in 0..s {
                     ok[j] = allowed(opts, mask.as_ref(), [bi, hi, i, j], l, s);
-                    logits[j] = row[j] + bias.as_ref().map_or(0.0, |x| x[[bi, hi, i, j]] as f64);
+                    logits[j] = modified(opts, row[j], [bi, hi, i, j], l, s)
+                        + bias.as_ref().map_or(0.0, |x| x[[bi, hi, i, j]] as f64);
                     if ok[j] {
                         // NaN propagates: f64::max ignores NaN, so check explicitly.
                         if logits[j].is_nan() || max.is_nan() {
@@ -212,4 +236,34 @@ pub fn sdpa<T: Copy + Into<f64>>(
 /// Average over the head axis: `[B, H, L, S]` to `[B, L, S]`.
 pub fn mean_over_heads(w: &Array4<f64>) -> Array3<f64> {
     w.mean_axis(Axis(1)).expect("at least one head")
+}
+
+#[cfg(test)]
+mod modifier_tests {
+    use super::*;
+
+    /// One query, two keys, written out by hand: softcap, then the bias and ALiBi (aligned
+    /// bottom-right to the batch's key length), then the softmax.
+    #[test]
+    fn softcap_and_alibi_by_hand() {
+        let q = ndarray::Array4::from_shape_vec((1, 1, 1, 1), vec![1.0f64]).unwrap();
+        let k = ndarray::Array4::from_shape_vec((1, 1, 3, 1), vec![2.0, -1.0, 7.0]).unwrap();
+        let v = ndarray::Array4::from_shape_vec((1, 1, 3, 1), vec![10.0, 20.0, 30.0]).unwrap();
+        let bias = [0.25f32, -0.5, 0.0];
+        let opts = Options {
+            scale: Some(1.0),
+            softcap: Some(1.5),
+            alibi: Some(vec![0.375]),
+            kv_lens: Some(vec![2]),
+            bias: Some(crate::Tensor::from_slice(&bias, &[1, 1, 1, 3])),
+            ..Default::default()
+        };
+        let got = sdpa(q.view(), k.view(), v.view(), &opts).unwrap().out[[0, 0, 0, 0]];
+        // Query 0 of L = 1 sits at key S_b - 1 = 1 (key length 2): distances 1, 0; key 2 is
+        // past the key length.
+        let x0 = 1.5 * (2.0f64 / 1.5).tanh() + 0.25 - 0.375;
+        let x1 = 1.5 * (-1.0f64 / 1.5).tanh() - 0.5;
+        let want = (10.0 * x0.exp() + 20.0 * x1.exp()) / (x0.exp() + x1.exp());
+        assert!((got - want).abs() < 1e-12, "{got} against {want}");
+    }
 }

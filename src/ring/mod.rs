@@ -435,6 +435,9 @@ impl RingPlan {
         if p.window.is_some() {
             return refuse("a sliding window is not split over devices yet: run it on one device");
         }
+        if p.softcap.is_some() || p.alibi.is_some() {
+            return refuse("a softcap or ALiBi is not split over devices yet: run it on one device");
+        }
         if n > p.seq_q || n > p.seq_kv {
             return refuse(&format!(
                 "more devices than sequence positions (L = {}, S = {}): each device needs at least one query and one key",

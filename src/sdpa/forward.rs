@@ -62,10 +62,7 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
     let mask_buf = packed_mask
         .as_ref()
         .map(|(w, _)| storage_init(ctx, "mask", bytemuck::cast_slice(w)));
-    let lens_buf = p
-        .kv_lens
-        .as_ref()
-        .map(|l| storage_init(ctx, "kv_lens", bytemuck::cast_slice(l)));
+    let lens_buf = aux_words(&p).map(|w| storage_init(ctx, "kv_lens", bytemuck::cast_slice(&w)));
     let out_up = out_op.as_ref().map(|o| o.upload(ctx, "output"));
     let (out_buf, out_off) = match sdpa.out_buffer() {
         Some((b, off)) => (b.clone(), off),
@@ -104,6 +101,17 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         weights: weights_buf,
         problem: p,
     })
+}
+
+/// The auxiliary words of binding 2 (`aux_word` in the kernels), when the problem has any: the
+/// B key lengths (0 without them), then the Hq ALiBi slopes as f32 bits.
+pub(crate) fn aux_words(p: &Problem) -> Option<Vec<u32>> {
+    if p.kv_lens.is_none() && p.alibi.is_none() {
+        return None;
+    }
+    let mut w = p.kv_lens.clone().unwrap_or_else(|| vec![0; p.batch]);
+    w.extend(p.alibi.iter().flatten().map(|x| x.to_bits()));
+    Some(w)
 }
 
 /// Pack a boolean mask into bits: `[Bm, Hm, Lm, ceil(S/32)]` u32 words (S always expanded),

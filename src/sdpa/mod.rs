@@ -429,6 +429,8 @@ impl Sdpa<'_> {
             kv_lens: self.options.kv_lens.as_ref().map(|l| vec![s; l.len()]),
             window: self.options.window,
             sink_tokens: self.options.sink_tokens,
+            softcap: self.options.softcap,
+            alibi: self.options.alibi.clone(),
         };
         // Tensors read through views are prepared as views (the kernels differ).
         let shapes = [[b, hq, l, e], [b, hkv, s, e], [b, hkv, s, ev], base.out_shape()];

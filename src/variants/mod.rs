@@ -353,6 +353,12 @@ fn check_options(kind: VariantKind, options: &Options, weights: bool) -> Result<
         if options.window.is_some() {
             return Err(refuse("window", why));
         }
+        if options.softcap.is_some() {
+            return Err(refuse("softcap", why));
+        }
+        if options.alibi.is_some() {
+            return Err(refuse("alibi", why));
+        }
         if weights {
             return Err(refuse(
                 "weights",

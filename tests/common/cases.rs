@@ -39,6 +39,9 @@ pub struct Case {
     /// A sliding window `(left, right)` and its sink tokens.
     pub window: Option<(i64, i64)>,
     pub sink_tokens: usize,
+    /// A logit softcap and ALiBi slopes (one per query head).
+    pub softcap: Option<f32>,
+    pub alibi: Option<Vec<f32>>,
     /// f64, as PyTorch's goldens give it; the GPU uses its f32 rounding.
     pub scale: Option<f64>,
     /// The device format of q, k, v, the bias and the output; the f32 arrays hold values
@@ -60,6 +63,8 @@ impl Case {
             causal: Causal::None,
             window: None,
             sink_tokens: 0,
+            softcap: None,
+            alibi: None,
             scale: None,
             storage: Storage::F32,
         }
@@ -144,6 +149,19 @@ impl Case {
         self
     }
 
+    /// A logit softcap `c`.
+    pub fn with_softcap(mut self, c: f32) -> Case {
+        self.softcap = Some(c);
+        self
+    }
+
+    /// ALiBi slopes large enough to matter at the tests' lengths (0.05 + 0.3 / (h + 1)).
+    pub fn with_alibi(mut self) -> Case {
+        let hq = self.q.shape()[1];
+        self.alibi = Some((0..hq).map(|h| 0.05 + 0.3 / (h + 1) as f32).collect());
+        self
+    }
+
     /// The case's options, shared by the GPU call and the reference.
     pub fn options(&self) -> Options<'_> {
         let mut o = Options {
@@ -152,6 +170,8 @@ impl Case {
             kv_lens: self.kv_lens.clone(),
             window: self.window,
             sink_tokens: self.sink_tokens,
+            softcap: self.softcap,
+            alibi: self.alibi.clone(),
             ..Options::default()
         };
         o.mask = self.mask.as_ref().map(|m| m.into());
@@ -262,6 +282,8 @@ pub fn broadcast_cases() -> Vec<(String, Case)> {
             causal: Causal::None,
             window: None,
             sink_tokens: 0,
+            softcap: None,
+            alibi: None,
             scale: None,
             storage: Storage::F32,
         };
@@ -319,6 +341,27 @@ pub fn window_kinds() -> Vec<MaskKind> {
                 .with_causal(Causal::BottomRight)
                 .with_random_mask(13)
                 .with_kv_lens()
+        }),
+    ]
+}
+
+/// The built-in score modifiers (the ring and the approximate variants refuse them): a
+/// softcap alone (the fused kernels pass logits through `masked_logit` for it alone); ALiBi
+/// with bottom-right causal and key lengths (its distance aligned to each batch's length);
+/// and both with a window, sink tokens, a boolean mask and a bias (softcap before the bias).
+/// The softcap of 0.8 bends the tests' logits (|s| up to about 2) well into tanh's curve.
+pub fn modifier_kinds() -> Vec<MaskKind> {
+    vec![
+        ("softcap", |c| c.with_softcap(0.8)),
+        ("alibi_causal_lens", |c| {
+            c.with_alibi().with_causal(Causal::BottomRight).with_kv_lens()
+        }),
+        ("softcap_alibi_window_mask_bias", |c| {
+            c.with_softcap(0.8)
+                .with_alibi()
+                .with_window(5, 3, 2)
+                .with_random_mask(14)
+                .with_random_bias(15)
         }),
     ]
 }
@@ -421,6 +464,8 @@ pub fn golden_case(name: &str, file: &impl Fn(&str) -> Option<Vec<u8>>) -> (Case
         causal,
         window: None,
         sink_tokens: 0,
+        softcap: None,
+        alibi: None,
         scale: meta["scale"].as_f64(),
         // Half goldens hold inputs already rounded to the format (by PyTorch's
         // `.half()` / `.bfloat16()`) and outputs computed in f64 from them.

@@ -201,7 +201,7 @@ impl Sizes {
             rows,
             kv_rows,
             dv_off,
-            stats_len: 2 * rows + p.batch,
+            stats_len: 2 * rows + p.batch + p.alibi.as_ref().map_or(0, Vec::len),
             dkv_bytes: f32_bytes(dv_off + kv_rows * p.head_dim_v).next_multiple_of(16),
         }
     }
@@ -247,6 +247,13 @@ pub(super) fn record_stats(
     if let Some(lens) = &p.kv_lens {
         ctx.queue()
             .write_buffer(&stats, f32_bytes(2 * sizes.rows), bytemuck::cast_slice(lens));
+    }
+    if let Some(slopes) = &p.alibi {
+        ctx.queue().write_buffer(
+            &stats,
+            f32_bytes(2 * sizes.rows + p.batch),
+            bytemuck::cast_slice(slopes),
+        );
     }
     kb::record(
         ctx,

@@ -259,7 +259,7 @@ fn ds_stage_matches_reference_softmax_backward() {
                 &ctx,
                 enc,
                 &kb::DS,
-                &kb::ds_prelude(true, true, true, Storage::F32),
+                &kb::ds_prelude(true, true, crate::kernels::Mods::of(&dev.p), Storage::F32),
                 &[
                     io.mask,
                     io.bias,

@@ -41,7 +41,7 @@ pub(super) fn record(
         ds_prelude: kb::ds_prelude(
             p.mask.is_some(),
             p.bias.is_some(),
-            p.window.is_some(),
+            crate::kernels::Mods::of(p),
             p.storage.bias,
         ),
     };
