@@ -348,3 +348,55 @@ fn window_options_are_validated() {
     let r = ring.run_blocking(&Sdpa::new(&q, &k, &v).window(4, 0));
     assert!(matches!(r, Err(Error::Ring { .. })), "{:?}", r.err());
 }
+
+/// A softcap that is not finite and > 0, an ALiBi slope count that is not Hq or a slope that
+/// is not finite: typed errors before any GPU work, forward and backward; the ring and the
+/// approximate variants refuse both.
+#[test]
+fn softcap_and_alibi_are_validated() {
+    let (q, k, v) = (
+        q(),
+        Array4::<f32>::zeros((2, 2, 7, 8)),
+        Array4::<f32>::zeros((2, 2, 7, 3)),
+    );
+    let is = |r: &wgpu_attention::Result<wgpu_attention::Problem>, m: &str| matches!(r, Err(Error::InvalidModifier { modifier, .. }) if *modifier == m);
+    for c in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+        let r = Sdpa::new(&q, &k, &v).softcap(c).problem();
+        assert!(is(&r, "softcap"), "{c}: {r:?}");
+    }
+    for slopes in [vec![0.5; 3], vec![0.5; 5], vec![], vec![0.5, f32::NAN, 0.5, 0.5]] {
+        let r = Sdpa::new(&q, &k, &v).alibi(&slopes).problem();
+        assert!(is(&r, "alibi"), "{slopes:?}: {r:?}");
+    }
+    let msg = Sdpa::new(&q, &k, &v)
+        .alibi(&[1.0; 3])
+        .problem()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("alibi") && msg.contains("3 slopes") && msg.contains("4 query heads"),
+        "{msg}"
+    );
+    // Negative and zero slopes, tiny and huge caps are valid.
+    Sdpa::new(&q, &k, &v)
+        .softcap(1e-3)
+        .alibi(&[0.0, -0.5, 1e6, 2.0])
+        .problem()
+        .unwrap();
+    Sdpa::new(&q, &k, &v).softcap(f32::MAX).problem().unwrap();
+    let Some(ctx) = ctx() else { return };
+    let dout = Array4::<f32>::zeros((2, 4, 5, 3));
+    let r = Sdpa::new(&q, &k, &v)
+        .softcap(-2.0)
+        .backward(&dout)
+        .run_blocking(ctx);
+    assert!(matches!(r, Err(Error::InvalidModifier { .. })), "{:?}", r.err());
+    let ring = wgpu_attention::Ring::new(std::slice::from_ref(ctx));
+    for sdpa in [
+        Sdpa::new(&q, &k, &v).softcap(30.0),
+        Sdpa::new(&q, &k, &v).alibi(&[0.5; 4]),
+    ] {
+        let r = ring.run_blocking(&sdpa);
+        assert!(matches!(r, Err(Error::Ring { .. })), "{:?}", r.err());
+    }
+}

@@ -650,3 +650,84 @@ fn window_reaches_the_layer() {
         }
     }
 }
+
+/// The layer with a softcap and ALiBi (the options reach its attention call): self-attention
+/// with GQA and key lengths, and cross-attention with L != S and the weights, against the
+/// reference with the same options.
+#[test]
+fn softcap_and_alibi_reach_the_layer() {
+    let Some(ctx) = ctx() else { return };
+    for (i, (config, cross, l, s, lens, weights)) in [
+        (
+            MhaConfig::new(48, 6).kv_heads(2),
+            false,
+            37,
+            37,
+            true,
+            NeedWeights::No,
+        ),
+        (
+            MhaConfig::new(36, 3).kv_dims(20, 28),
+            true,
+            23,
+            41,
+            false,
+            NeedWeights::PerHead,
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let heads = config.num_heads;
+        let g = Grid {
+            config,
+            b: 2,
+            l,
+            s,
+            cross,
+            causal: Causal::BottomRight,
+            mask: false,
+            bias: false,
+            lens,
+            weights,
+        };
+        let case = MhaCase::random(g, 710 + i as u64, Storage::F32);
+        let slopes = wgpu_attention::alibi_slopes(heads);
+        let opts = wgpu_attention::Options {
+            softcap: Some(0.5),
+            alibi: Some(slopes.clone()),
+            ..case.options()
+        };
+        let r = reference::mha(&case.w, &case.inputs(), &opts).unwrap();
+        let plain = reference::mha(&case.w, &case.inputs(), &case.options()).unwrap();
+        assert!(
+            r.out
+                .iter()
+                .zip(plain.out.iter())
+                .any(|(a, b)| (a - b).abs() > 1e-3),
+            "the modifiers change the output"
+        );
+        let layer = MultiHeadAttention::new(ctx, &case.w).unwrap();
+        let paths: &[Path] = if weights == NeedWeights::No {
+            &[Path::Fused, Path::Unfused]
+        } else {
+            &[Path::Auto]
+        };
+        for &path in paths {
+            let o = case
+                .forward(&layer)
+                .softcap(0.5)
+                .alibi(&slopes)
+                .path(path)
+                .run_blocking(ctx)
+                .unwrap();
+            assert_mha_output(
+                &o,
+                &r,
+                weights,
+                TOL,
+                &format!("{} softcap alibi {path:?}", case.label()),
+            );
+        }
+    }
+}

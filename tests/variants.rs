@@ -507,11 +507,32 @@ fn typed_errors() {
             ..Options::default()
         };
         option_err(run(&p, lens), "kv_lens");
+        let capped = Options {
+            softcap: Some(5.0),
+            ..Options::default()
+        };
+        option_err(run(&p, capped), "softcap");
+        let alibi = Options {
+            alibi: Some(vec![0.5, 0.25]),
+            ..Options::default()
+        };
+        option_err(run(&p, alibi), "alibi");
         let e = Variant::new(&q, &k, &v, &p)
             .return_weights()
             .run_blocking(ctx)
             .unwrap_err();
         option_err(e, "weights");
+    }
+    // No variant takes the softcap or ALiBi (their scores are their own).
+    for p in [
+        additive(m2(5, 4), m2(5, 4), v1(5), None),
+        VariantParams::LowRankV { a: m2(5, 6) },
+    ] {
+        let capped = Options {
+            softcap: Some(5.0),
+            ..Options::default()
+        };
+        option_err(run(&p, capped), "softcap");
     }
     let nys = VariantParams::Nystrom { landmarks: 2 };
     option_err(

@@ -1036,3 +1036,72 @@ fn run_window_and_sink_tokens() {
         assert!(err.contains("window") || err.contains("sink"), "{bad:?}: {err}");
     }
 }
+
+/// `run --softcap C --alibi S0,S1` on the GPU matches the CPU reference (and changes the
+/// output); a softcap <= 0, a slope count that is not Hq and a malformed slope are one-line
+/// errors with exit status 2 that write nothing.
+#[test]
+fn run_softcap_and_alibi() {
+    let dir = out_dir("run-softcap-alibi");
+    let names = ["q.npy", "k.npy", "v.npy"].map(|n| dir.join(n));
+    let fill = |shape: [usize; 4], m: usize| {
+        Array4::from_shape_fn(shape, |(_, h, i, j)| {
+            ((h * 3 + i * m + j * 5) % 11) as f32 * 0.3 - 1.5
+        })
+    };
+    write_npy(&names[0], &fill([1, 2, 20, 8], 7)).unwrap();
+    write_npy(&names[1], &fill([1, 2, 33, 8], 3)).unwrap();
+    write_npy(&names[2], &fill([1, 2, 33, 8], 2)).unwrap();
+    let [q, k, v] = &names;
+    let (gpu, cpu, plain) = (dir.join("gpu.npy"), dir.join("cpu.npy"), dir.join("plain.npy"));
+    let flags = [
+        "--softcap",
+        "0.7",
+        "--alibi",
+        "0.25,-0.125",
+        "--causal",
+        "bottom-right",
+    ];
+    let r = run_qkv(q, k, v, &[&["--cpu", "--out", s(&cpu)][..], &flags].concat());
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let r = run_qkv(
+        q,
+        k,
+        v,
+        &["--cpu", "--out", s(&plain), "--causal", "bottom-right"],
+    );
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let (c, p): (ArrayD<f32>, ArrayD<f32>) = (read_npy(&cpu).unwrap(), read_npy(&plain).unwrap());
+    assert!(
+        c.iter().zip(p.iter()).any(|(a, b)| (a - b).abs() > 1e-2),
+        "the modifiers change the output"
+    );
+    if common::ctx().is_some() {
+        let r = run_qkv(q, k, v, &[&["--out", s(&gpu)][..], &flags].concat());
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        let g: ArrayD<f32> = read_npy(&gpu).unwrap();
+        common::assert_report(
+            compare(g.iter().copied(), c.iter().map(|&x| x as f64), common::TOL),
+            "softcap alibi gpu vs cpu",
+        );
+    }
+    for (bad, word) in [
+        (&["--softcap", "0"][..], "softcap"),
+        (&["--softcap", "-3"], "softcap"),
+        (&["--alibi", "0.5"], "alibi"),
+        (&["--alibi", "0.5,0.25,1"], "alibi"),
+        (&["--alibi", "0.5,x"], "alibi"),
+    ] {
+        let o = dir.join("bad.npy");
+        let r = run_qkv(q, k, v, &[&["--out", s(&o)][..], bad].concat());
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{bad:?}: {err}");
+        assert!(!o.exists(), "{bad:?} wrote its output");
+        assert!(err.contains(word), "{bad:?}: {err}");
+        let lines: Vec<&str> = err
+            .lines()
+            .filter(|l| !l.trim().is_empty() && !l.contains("XDG_RUNTIME_DIR"))
+            .collect();
+        assert!(lines.len() <= 2, "{bad:?}: not a short message: {err}");
+    }
+}

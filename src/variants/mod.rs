@@ -331,6 +331,15 @@ fn check_options(kind: VariantKind, options: &Options, weights: bool) -> Result<
         option,
         reason: reason.into(),
     };
+    // The softcap and ALiBi are modifiers of the scaled dot-product score: the variants' scores
+    // are their own.
+    let why = "the softcap and ALiBi modify the scaled dot-product score, which this variant replaces";
+    if options.softcap.is_some() {
+        return Err(refuse("softcap", why));
+    }
+    if options.alibi.is_some() {
+        return Err(refuse("alibi", why));
+    }
     if !kind.takes_masks() {
         let why = match kind {
                 VariantKind::Nystrom => {
@@ -352,12 +361,6 @@ fn check_options(kind: VariantKind, options: &Options, weights: bool) -> Result<
         }
         if options.window.is_some() {
             return Err(refuse("window", why));
-        }
-        if options.softcap.is_some() {
-            return Err(refuse("softcap", why));
-        }
-        if options.alibi.is_some() {
-            return Err(refuse("alibi", why));
         }
         if weights {
             return Err(refuse(
