@@ -37,6 +37,10 @@ pub struct Shape {
     pub kv_lens: Option<&'static [usize]>,
     /// A sliding window `(left, right)` (see [`crate::Window`]), if any.
     pub window: Option<(i64, i64)>,
+    /// A logit softcap (see [`crate::Problem::with_softcap`]), if any.
+    pub softcap: Option<f32>,
+    /// ALiBi with the paper's slopes for `q_heads` ([`crate::alibi_slopes`]).
+    pub alibi: bool,
     /// Part of the default `bench` set (false for shapes too slow on software renderers).
     pub default: bool,
 }
@@ -62,6 +66,8 @@ const fn shape(
         causal,
         kv_lens,
         window: None,
+        softcap: None,
+        alibi: false,
         default,
     }
 }
@@ -69,6 +75,18 @@ const fn shape(
 /// `s` with a sliding window `(left, right)`.
 const fn windowed(mut s: Shape, left: i64, right: i64) -> Shape {
     s.window = Some((left, right));
+    s
+}
+
+/// `s` with a logit softcap `c`.
+const fn softcapped(mut s: Shape, c: f32) -> Shape {
+    s.softcap = Some(c);
+    s
+}
+
+/// `s` with ALiBi (the paper's slopes).
+const fn alibied(mut s: Shape) -> Shape {
+    s.alibi = true;
     s
 }
 
@@ -184,6 +202,29 @@ pub const SHAPES: &[Shape] = &[
         1023,
         0,
     ),
+    // Issue 27's score modifiers against the plain a_h8_s1024: Gemma 2's softcap of 50, and
+    // ALiBi with the paper's slopes.
+    softcapped(
+        shape(
+            "softcap_h8_s1024",
+            (1, 8, 8),
+            (1024, 1024),
+            (64, 64),
+            Causal::None,
+            None,
+            false,
+        ),
+        50.0,
+    ),
+    alibied(shape(
+        "alibi_h8_s1024",
+        (1, 8, 8),
+        (1024, 1024),
+        (64, 64),
+        Causal::None,
+        None,
+        false,
+    )),
 ];
 
 /// The shape called `name`.
@@ -253,6 +294,12 @@ impl Shape {
         if let Some((l, r)) = self.window {
             s.push_str(&format!(" window=({l}, {r})"));
         }
+        if let Some(c) = self.softcap {
+            s.push_str(&format!(" softcap={c}"));
+        }
+        if self.alibi {
+            s.push_str(" alibi");
+        }
         s
     }
 
@@ -263,6 +310,8 @@ impl Shape {
             .map_err(|e| e.to_string())?
             .with_causal(self.causal)
             .with_window(self.window, 0)
+            .and_then(|p| p.with_softcap(self.softcap))
+            .and_then(|p| p.with_alibi(self.alibi.then(|| crate::alibi_slopes(self.q_heads)).as_deref()))
             .map_err(|e| e.to_string())?;
         if let Some(lens) = self.kv_lens {
             p = p.with_kv_lens(lens).map_err(|e| e.to_string())?;
@@ -377,6 +426,12 @@ impl GpuInputs {
         }
         if let Some((l, r)) = s.window {
             sdpa = sdpa.window(l, r);
+        }
+        if let Some(c) = s.softcap {
+            sdpa = sdpa.softcap(c);
+        }
+        if s.alibi {
+            sdpa = sdpa.alibi(&crate::alibi_slopes(s.q_heads));
         }
         sdpa
     }

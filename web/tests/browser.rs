@@ -264,6 +264,20 @@ async fn sliding_windows_on_every_path() {
 }
 
 #[wasm_bindgen_test]
+async fn softcap_and_alibi_on_every_path() {
+    let ctx = ctx().await;
+    for (name, kind) in modifier_kinds() {
+        for (si, shape) in [(1, 2, 2, 70, 130, 33, 65), (2, 4, 2, 3, 700, 16, 24)]
+            .into_iter()
+            .enumerate()
+        {
+            let case = kind(Case::random(shape, 90 + si as u64));
+            check_all_paths(&case, &ctx, &format!("{shape:?} {name}")).await;
+        }
+    }
+}
+
+#[wasm_bindgen_test]
 async fn head_dims_up_to_256_on_every_path() {
     let ctx = ctx().await;
     for (i, (e, ev)) in [(256, 256), (255, 129), (1, 256)].into_iter().enumerate() {
@@ -342,6 +356,8 @@ async fn large_magnitude_logits_stay_finite() {
             causal: Causal::None,
             window: None,
             sink_tokens: 0,
+            softcap: None,
+            alibi: None,
             scale: Some(1.0),
             storage: wgpu_attention::Storage::F32,
         };
