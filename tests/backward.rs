@@ -53,6 +53,11 @@ fn grid_matches_reference_by_flash_rule() {
             if alone && shape != (1, 2, 2, 70, 130, 33, 65) {
                 continue;
             }
+            // The window kinds on every other shape (tests/forms.rs runs them in every
+            // backward form): CI time.
+            if name.starts_with("window") && (si + ki) % 2 == 1 {
+                continue;
+            }
             let case = kind(Case::random(shape, 100 + si as u64));
             let both = case.mask.is_some() && case.bias.is_some();
             let path = match (alone, both) {

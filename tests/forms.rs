@@ -662,10 +662,18 @@ fn modifiers_in_every_form() {
     let Some(ctx) = ctx() else { return };
     let kinds = common::modifier_kinds();
     let (alone, all) = (&kinds[0], &kinds[2]);
-    for (name, kind) in [alone, all] {
-        let case = kind(Case::random((1, 2, 2, 70, 130, 33, 65), 430));
-        check_pinned_forms(&case, every_fused_context(ctx), name);
-    }
+    let case = (all.1)(Case::random((1, 2, 2, 70, 130, 33, 65), 430));
+    check_pinned_forms(&case, every_fused_context(ctx), all.0);
+    // The softcap alone in the register-tiled form (its masked_logit gate; tests/sdpa.rs runs
+    // the other forward kernel's): CI time.
+    let case = (alone.1)(Case::random((1, 2, 2, 70, 130, 33, 65), 433));
+    let every = every_fused_context(ctx);
+    let tiles: Vec<_> = every
+        .iter()
+        .filter(|(f, _)| *f == FusedForm::GpuTiles)
+        .cloned()
+        .collect();
+    check_pinned_forms(&case, if tiles.is_empty() { every } else { tiles }, alone.0);
     let case = (all.1)(Case::random((2, 4, 2, 3, 1500, 16, 24), 431));
     let want = case.reference();
     for (form, dctx) in decode_contexts(ctx, &case) {

@@ -71,13 +71,13 @@ wgsl_struct! {
         win_off: i32,
         /// Keys `j < win_sinks` are exempt from the window.
         win_sinks: u32,
-        /// The logit softcap C, read where HAS_SOFTCAP.
+        /// The logit softcap C and 1 / C, read where HAS_SOFTCAP.
         softcap: f32,
+        softcap_inv: f32,
         /// Where the ALiBi slopes start among the auxiliary words (`aux_word`: after the B key
         /// lengths), read where HAS_ALIBI.
         alibi_off: u32,
         _mpad0: u32,
-        _mpad1: u32,
     }
 }
 
@@ -189,6 +189,7 @@ impl Masks {
             win_off: (if p.kv_lens.is_some() { 0 } else { p.seq_kv as i64 } - p.seq_q as i64) as i32,
             win_sinks: window.map_or(0, |w| w.sink_tokens.min(u32::MAX as usize) as u32),
             softcap: p.softcap.unwrap_or(0.0),
+            softcap_inv: p.softcap.map_or(0.0, |c| 1.0 / c),
             alibi_off: p.batch as u32,
             ..Default::default()
         }
