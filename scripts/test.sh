@@ -111,11 +111,13 @@ if has vulkan; then
     # WebGPU's rules natively: wgpu's strict WebGPU compliance (WebGPU's features only, its
     # validation) on the attention and error suites, in minutes rather than inside Chromium.
     # Without the head dims up to 256 and the large problem, whose kernels (WebGPU's forms:
-    # no subgroups) take minutes to compile on a machine whose Mesa shader cache is empty; the
+    # no subgroups) take minutes to compile on a machine whose Mesa shader cache is empty, and
+    # without the score modifiers (their code is masks.wgsl's, the same on every kernel); the
     # browser suite runs them, with the goldens, under the same rules in Chromium.
     strict_webgpu() {
       WGPU_STRICT_WEBGPU_COMPLIANCE=1 suite --locked --test sdpa --test errors -- \
-        --skip head_dims_up_to_256 --skip large_problem_on_the_unrolled_fused_kernel
+        --skip head_dims_up_to_256 --skip large_problem_on_the_unrolled_fused_kernel \
+        --skip modifiers_on_every_path
     }
     stage "strict WebGPU (Vulkan)" strict_webgpu
     # Subgroup forms at the subgroup sizes of real GPUs: lavapipe emulates 4, 16, 32 and 64 lanes
@@ -171,12 +173,15 @@ if has gl; then
   #   the form matrix runs those shapes and masks in every fused form, the goldens every path,
   #   tests/storage.rs's other cases the half formats' I/O (odd dims, vec4, decode, large);
   # - the form matrix's shapes with tails without masks (21 s): the same shapes run in every
-  #   form with every mask kind (the kernels differ in the mask code only, compiled out).
+  #   form with every mask kind (the kernels differ in the mask code only, compiled out);
+  # - the form matrix's windows and score modifiers (about 80 s): tests/sdpa.rs runs them on
+  #   every path here in the default forms, and the Vulkan pass in every form.
   gl_tests() {
     WGPU_BACKEND=gl WGPU_ATTENTION_REQUIRE_GPU=1 suite --locked --test sdpa --test golden \
       --test mha --test mha_backward --test variants --test errors --test forms --test storage \
       -- --skip head_dims_25 --skip batch_times_heads_over_65535 --skip pytorch_goldens_in_every_form \
-      --skip grid_of_shapes_and_masks --skip shapes_with_tails_in_every_fused_form
+      --skip grid_of_shapes_and_masks --skip shapes_with_tails_in_every_fused_form \
+      --skip windows_in_every_form --skip modifiers_in_every_form
   }
   stage "tests on GL" gl_tests
 fi

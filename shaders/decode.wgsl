@@ -106,9 +106,18 @@ fn main(
 
     // The split's max, then every state rescaled to it and summed (common/reduce_*.wgsl,
     // decode_acc_*.wgsl).
-    let row_max = wg_max(m, tid);
-    let f = rescale(m, row_max);
-    let row_sum = wg_sum(sum * f, tid);
+    let max0 = wg_max(m, tid);
+    let f0 = rescale(m, max0);
+    let sum0 = wg_sum(sum * f0, tid);
+    // The first split takes the sink logit into its denominator (HAS_SINKS): the merge's
+    // logsumexp rule then counts it once.
+    var st = vec3<f32>(max0, sum0, 1.0);
+    if (split == 0u) {
+        st = with_sink(max0, sum0, h);
+    }
+    let row_max = st.x;
+    let row_sum = st.y;
+    let f = f0 * st.z;
     // A split with no allowed key has every weight 0: it writes 0 and logsumexp -inf.
     let inv = select(1.0 / row_sum, 0.0, row_sum == 0.0);
     let rows = p.total / p.splits;

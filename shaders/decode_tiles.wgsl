@@ -174,18 +174,25 @@ fn main(
     if (!live || tid >= EV4) {
         return;
     }
-    var row_sum = 0.0;
+    var sum0 = 0.0;
     var total = vec4<f32>(0.0);
     for (var s = 0u; s < NS; s++) { // unroll
-        row_sum += red_s[s];
+        sum0 += red_s[s];
         total += red_acc[s * EVP + tid];
     }
+    // The first split takes the sink logit into its denominator (HAS_SINKS): the merge's
+    // logsumexp rule then counts it once.
+    var st = vec3<f32>(row_max, sum0, 1.0);
+    if (split == 0u) {
+        st = with_sink(row_max, sum0, h);
+    }
+    let row_sum = st.y;
     // A split with no allowed key has every weight 0: it writes 0 and logsumexp -inf.
-    let inv = select(1.0 / row_sum, 0.0, row_sum == 0.0);
+    let inv = select(st.z / row_sum, 0.0, row_sum == 0.0);
     let rows = p.total / p.splits;
     let orow = split * rows + row;
     store_out(orow, tid, total * inv);
     if (tid == 0u) {
-        part_lse[orow] = row_lse(row_max, row_sum);
+        part_lse[orow] = row_lse(st.x, row_sum);
     }
 }

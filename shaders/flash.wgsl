@@ -198,17 +198,19 @@ fn main(
         let i = qt * BQ + r * WG + tid;
         if (i < p.l) {
             let row = bh * p.l + i;
-            if (sum[r] == 0.0) {
+            // The sink logit joins the denominator (HAS_SINKS; as it was otherwise).
+            let st = with_sink(m[r], sum[r], h);
+            if (st.y == 0.0) {
                 for (var d4 = 0u; d4 < EV4; d4++) { // unroll
                     store_out(row, d4, vec4<f32>(0.0));
                 }
                 lse[row] = neg_inf();
             } else {
-                let inv = 1.0 / sum[r];
+                let inv = st.z / st.y;
                 for (var d4 = 0u; d4 < EV4; d4++) { // unroll
                     store_out(row, d4, acc[r * EV4 + d4] * inv);
                 }
-                lse[row] = row_lse(m[r], sum[r]);
+                lse[row] = row_lse(st.x, st.y);
             }
         }
     }

@@ -313,10 +313,12 @@ fn main(
     for (var r = 0u; r < TM; r++) { // unroll
         let rr = r * NY + ty;
         let i = i0 + rr;
-        let total = totals[r];
+        // The sink logit joins the denominator (HAS_SINKS; as it was otherwise).
+        let st = with_sink(m[r], totals[r], h);
+        let total = st.y;
         if (i < p.l) {
             let row = bh * p.l + i;
-            let inv = select(1.0 / total, 0.0, total == 0.0);
+            let inv = select(st.z / total, 0.0, total == 0.0);
             for (var k = 0u; k < EVT; k++) { // unroll
                 let c4 = k * NX + tx;
                 if (c4 < EV4) {
@@ -324,7 +326,7 @@ fn main(
                 }
             }
             if (tx == 0u) {
-                lse[row] = row_lse(m[r], total);
+                lse[row] = row_lse(st.x, total);
             }
         }
     }

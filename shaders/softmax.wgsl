@@ -50,8 +50,12 @@ fn main(
         s = s * rescale(m, m_new) + weight(x, m_new);
         m = m_new;
     }
-    let row_max = wg_max(m, tid);
-    let row_sum = wg_sum(s * rescale(m, row_max), tid);
+    let max0 = wg_max(m, tid);
+    let sum0 = wg_sum(s * rescale(m, max0), tid);
+    // The sink logit joins the denominator (HAS_SINKS; as it was otherwise).
+    let st = with_sink(max0, sum0, h);
+    let row_max = st.x;
+    let row_sum = st.y;
 
     // A fully masked row has row_sum = 0: zeros, logsumexp -inf.
     let inv = select(1.0 / row_sum, 0.0, row_sum == 0.0);

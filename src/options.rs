@@ -33,6 +33,8 @@ pub struct Options<'a> {
     pub softcap: Option<f32>,
     /// ALiBi slopes, one per query head (see [`Problem::with_alibi`]).
     pub alibi: Option<Vec<f32>>,
+    /// Sink logits, one per query head (see [`Problem::with_sink_logits`]).
+    pub sink_logits: Option<Vec<f32>>,
 }
 
 impl<'a> Options<'a> {
@@ -43,7 +45,8 @@ impl<'a> Options<'a> {
             .with_causal(self.causal)
             .with_window(self.window, self.sink_tokens)?
             .with_softcap(self.softcap)?
-            .with_alibi(self.alibi.as_deref())?;
+            .with_alibi(self.alibi.as_deref())?
+            .with_sink_logits(self.sink_logits.as_deref())?;
         if let Some(m) = &self.mask {
             p = p.with_mask(&m.shape)?;
             check_len("mask", &m.shape, m.data.len())?;
@@ -158,6 +161,15 @@ macro_rules! option_setters {
         /// the batch's). See [`alibi_slopes`](crate::alibi_slopes) for the paper's slopes.
         pub fn alibi(mut self, slopes: &[f32]) -> Self {
             self.options.alibi = Some(slopes.to_vec());
+            self
+        }
+
+        /// Sink logits, one per query head (gpt-oss's attention sinks): each row's softmax gets
+        /// `exp(sink[h])` added to its denominator, with no value, so its weights sum to less
+        /// than 1 and a row with no allowed key is 0. The backward gives their gradient
+        /// (`Grads::dsink`).
+        pub fn sink_logits(mut self, sinks: &[f32]) -> Self {
+            self.options.sink_logits = Some(sinks.to_vec());
             self
         }
 

@@ -196,6 +196,9 @@ pub struct Problem {
     pub softcap: Option<f32>,
     /// ALiBi slopes, one per query head (`s -= slope[h] |i + S - L - j|`), if any.
     pub alibi: Option<Vec<f32>>,
+    /// Sink logits, one per query head, added to each row's softmax denominator with no value
+    /// (gpt-oss), if any.
+    pub sink_logits: Option<Vec<f32>>,
     /// The storage formats of q, k, v, the bias and the output (all f32 by default).
     pub storage: crate::storage::Formats,
     /// Where q, k, v, the output (and the backward's dout) lie in their buffers, for those
@@ -261,6 +264,7 @@ impl Problem {
             window: None,
             softcap: None,
             alibi: None,
+            sink_logits: None,
             storage: Default::default(),
             views: Default::default(),
         })
@@ -323,13 +327,19 @@ impl Problem {
     }
 
     /// Set the logit softcap `C`: each scaled logit becomes `C tanh(s / C)` before the bias
-    /// and ALiBi are added (Gemma 2, Grok). `C` must be finite and > 0.
+    /// and ALiBi are added (Gemma 2, Grok). `C` must be > 0 with `C` and `1/C` normal f32
+    /// numbers (about 1.2e-38 to 8.5e37).
     pub fn with_softcap(mut self, softcap: Option<f32>) -> Result<Self> {
         if let Some(c) = softcap {
-            if !(c.is_finite() && c > 0.0) {
+            // The kernels multiply by 1/C: both C and 1/C must be normal f32 numbers (a GPU
+            // may flush subnormals to 0), so C lies in about [1.2e-38, 8.5e37].
+            if !(c > 0.0 && c.is_normal() && (1.0 / c).is_normal()) {
                 return Err(Error::InvalidModifier {
                     modifier: "softcap",
-                    reason: format!("C = {c}: the softcap is a finite number > 0"),
+                    reason: format!(
+                        "C = {c}: the softcap is a number > 0 whose reciprocal is a normal f32 \
+                         (about 1.2e-38 to 8.5e37)"
+                    ),
                 });
             }
         }
@@ -360,6 +370,33 @@ impl Problem {
             }
         }
         self.alibi = slopes.map(<[f32]>::to_vec);
+        Ok(self)
+    }
+
+    /// Set sink logits, one per query head: each row's softmax gets `exp(sink[h])` added to its
+    /// denominator, with no value (gpt-oss's attention sinks): `P_ij = exp(s_ij) / (sum_j
+    /// exp(s_ij) + exp(sink[h]))`, so a row's weights sum to less than 1 and a row with no
+    /// allowed key is 0. Each must be finite. The backward gives their gradient.
+    pub fn with_sink_logits(mut self, sinks: Option<&[f32]>) -> Result<Self> {
+        if let Some(sk) = sinks {
+            if sk.len() != self.q_heads {
+                return Err(Error::InvalidModifier {
+                    modifier: "sink_logits",
+                    reason: format!(
+                        "{} sink logits for {} query heads: give one per query head",
+                        sk.len(),
+                        self.q_heads
+                    ),
+                });
+            }
+            if let Some((h, x)) = sk.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+                return Err(Error::InvalidModifier {
+                    modifier: "sink_logits",
+                    reason: format!("sink logit {h} is {x}: sink logits are finite"),
+                });
+            }
+        }
+        self.sink_logits = sinks.map(<[f32]>::to_vec);
         Ok(self)
     }
 

@@ -360,7 +360,7 @@ fn softcap_and_alibi_are_validated() {
         Array4::<f32>::zeros((2, 2, 7, 3)),
     );
     let is = |r: &wgpu_attention::Result<wgpu_attention::Problem>, m: &str| matches!(r, Err(Error::InvalidModifier { modifier, .. }) if *modifier == m);
-    for c in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+    for c in [0.0, -1.0, f32::NAN, f32::INFINITY, f32::MAX, 1e38, 1e-39] {
         let r = Sdpa::new(&q, &k, &v).softcap(c).problem();
         assert!(is(&r, "softcap"), "{c}: {r:?}");
     }
@@ -368,6 +368,14 @@ fn softcap_and_alibi_are_validated() {
         let r = Sdpa::new(&q, &k, &v).alibi(&slopes).problem();
         assert!(is(&r, "alibi"), "{slopes:?}: {r:?}");
     }
+    for sinks in [vec![0.5; 3], vec![], vec![0.5, f32::INFINITY, 0.5, 0.5]] {
+        let r = Sdpa::new(&q, &k, &v).sink_logits(&sinks).problem();
+        assert!(is(&r, "sink_logits"), "{sinks:?}: {r:?}");
+    }
+    Sdpa::new(&q, &k, &v)
+        .sink_logits(&[-30.0, 0.0, 3.0, 1e30])
+        .problem()
+        .unwrap();
     let msg = Sdpa::new(&q, &k, &v)
         .alibi(&[1.0; 3])
         .problem()
@@ -383,7 +391,7 @@ fn softcap_and_alibi_are_validated() {
         .alibi(&[0.0, -0.5, 1e6, 2.0])
         .problem()
         .unwrap();
-    Sdpa::new(&q, &k, &v).softcap(f32::MAX).problem().unwrap();
+    Sdpa::new(&q, &k, &v).softcap(8e37).problem().unwrap();
     let Some(ctx) = ctx() else { return };
     let dout = Array4::<f32>::zeros((2, 4, 5, 3));
     let r = Sdpa::new(&q, &k, &v)
@@ -395,6 +403,7 @@ fn softcap_and_alibi_are_validated() {
     for sdpa in [
         Sdpa::new(&q, &k, &v).softcap(30.0),
         Sdpa::new(&q, &k, &v).alibi(&[0.5; 4]),
+        Sdpa::new(&q, &k, &v).sink_logits(&[0.5; 4]),
     ] {
         let r = ring.run_blocking(&sdpa);
         assert!(matches!(r, Err(Error::Ring { .. })), "{:?}", r.err());

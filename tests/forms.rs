@@ -368,6 +368,7 @@ fn broadcasts_infinite_bias_and_large_logits_in_every_form() {
             sink_tokens: 0,
             softcap: None,
             alibi: None,
+            sink_logits: None,
             scale: Some(1.0),
             storage: wgpu_attention::Storage::F32,
         };
@@ -707,14 +708,14 @@ fn modifiers_in_every_form() {
 fn windows_in_every_form() {
     let Some(ctx) = ctx() else { return };
     let kinds = common::window_kinds();
-    for (si, shape) in [(1, 2, 2, 70, 130, 33, 65), (1, 2, 2, 130, 7, 16, 5)]
+    // Each kind on one of the shapes (L < S, and L > S with rows past the keys): CI time.
+    for (si, (shape, (name, kind))) in [(1, 2, 2, 70, 130, 33, 65), (1, 2, 2, 130, 7, 16, 5)]
         .into_iter()
+        .zip(&kinds)
         .enumerate()
     {
-        for (name, kind) in &kinds {
-            let case = kind(Case::random(shape, 400 + si as u64));
-            check_pinned_forms(&case, every_fused_context(ctx), &format!("{shape:?} {name}"));
-        }
+        let case = kind(Case::random(shape, 400 + si as u64));
+        check_pinned_forms(&case, every_fused_context(ctx), &format!("{shape:?} {name}"));
     }
     for (name, kind) in &kinds {
         let case = kind(Case::random((2, 4, 2, 3, 1500, 16, 24), 410));

@@ -651,11 +651,11 @@ fn window_reaches_the_layer() {
     }
 }
 
-/// The layer with a softcap and ALiBi (the options reach its attention call): self-attention
+/// The layer with a softcap, ALiBi and sink logits (the options reach its attention call): self-attention
 /// with GQA and key lengths, and cross-attention with L != S and the weights, against the
 /// reference with the same options.
 #[test]
-fn softcap_and_alibi_reach_the_layer() {
+fn softcap_alibi_and_sinks_reach_the_layer() {
     let Some(ctx) = ctx() else { return };
     for (i, (config, cross, l, s, lens, weights)) in [
         (
@@ -693,9 +693,11 @@ fn softcap_and_alibi_reach_the_layer() {
         };
         let case = MhaCase::random(g, 710 + i as u64, Storage::F32);
         let slopes = wgpu_attention::alibi_slopes(heads);
+        let sinks: Vec<f32> = (0..heads).map(|h| 0.3 * h as f32 - 0.5).collect();
         let opts = wgpu_attention::Options {
             softcap: Some(0.5),
             alibi: Some(slopes.clone()),
+            sink_logits: Some(sinks.clone()),
             ..case.options()
         };
         let r = reference::mha(&case.w, &case.inputs(), &opts).unwrap();
@@ -718,6 +720,7 @@ fn softcap_and_alibi_reach_the_layer() {
                 .forward(&layer)
                 .softcap(0.5)
                 .alibi(&slopes)
+                .sink_logits(&sinks)
                 .path(path)
                 .run_blocking(ctx)
                 .unwrap();
@@ -726,8 +729,27 @@ fn softcap_and_alibi_reach_the_layer() {
                 &r,
                 weights,
                 TOL,
-                &format!("{} softcap alibi {path:?}", case.label()),
+                &format!("{} softcap alibi sinks {path:?}", case.label()),
             );
         }
+        // The layer's backward does not return d(sink logits) yet: a typed error, not a silent
+        // loss.
+        let dy = Array3::<f32>::zeros((2, l, case.w.config.d_model));
+        let r = case
+            .forward(&layer)
+            .sink_logits(&sinks)
+            .backward(&dy)
+            .run_blocking(ctx);
+        assert!(
+            matches!(
+                r,
+                Err(wgpu_attention::Error::InvalidModifier {
+                    modifier: "sink_logits",
+                    ..
+                })
+            ),
+            "{:?}",
+            r.err()
+        );
     }
 }

@@ -32,6 +32,9 @@ pub(crate) struct BackwardArgs {
     /// Where to write dL/d(bias), f32 .npy in the bias's shape (needs --bias).
     #[arg(long, value_name = "DB.npy", requires = "bias")]
     dbias_out: Option<PathBuf>,
+    /// Where to write dL/d(sink logits), f32 .npy [Hq] (needs --sink-logits).
+    #[arg(long, value_name = "DSINK.npy", requires = "sink_logits")]
+    dsink_out: Option<PathBuf>,
 }
 
 /// `backward`: gradients of sum(dO ∘ O) with respect to q, k, v (and the bias).
@@ -41,11 +44,12 @@ pub(crate) fn backward(a: &BackwardArgs) -> CliResult<ExitCode> {
         ("--dk-out", Some(a.dk_out.as_path())),
         ("--dv-out", Some(a.dv_out.as_path())),
         ("--dbias-out", a.dbias_out.as_deref()),
+        ("--dsink-out", a.dsink_out.as_deref()),
     ])?;
     let x = a.input.load()?;
     let st = a.input.storage;
     let dout = read_qkv(&a.dout, "dout", "[B, Hq, L, Ev]")?.mapv(|v| st.round(v));
-    let (dq, dk, dv, dbias, how) = if a.input.cpu {
+    let (dq, dk, dv, dbias, dsink, how) = if a.input.cpu {
         let started = Instant::now();
         let g = reference::sdpa_backward(
             x.q.view(),
@@ -64,6 +68,7 @@ pub(crate) fn backward(a: &BackwardArgs) -> CliResult<ExitCode> {
             g.dk.mapv(f).into_dyn(),
             g.dv.mapv(f).into_dyn(),
             g.dbias.map(|d| d.mapv(f)),
+            g.dsink.map(|d| d.mapv(|x| x as f32).into_dyn()),
             how,
         )
     } else {
@@ -93,7 +98,14 @@ pub(crate) fn backward(a: &BackwardArgs) -> CliResult<ExitCode> {
                 None => return Ok(ExitCode::SUCCESS),
             },
         };
-        (g.dq.into_dyn(), g.dk.into_dyn(), g.dv.into_dyn(), g.dbias, how)
+        (
+            g.dq.into_dyn(),
+            g.dk.into_dyn(),
+            g.dv.into_dyn(),
+            g.dbias,
+            g.dsink.map(|d| d.into_dyn()),
+            how,
+        )
     };
     println!("{how}");
     write_array(&a.dq_out, "dq", &dq)?;
@@ -101,6 +113,9 @@ pub(crate) fn backward(a: &BackwardArgs) -> CliResult<ExitCode> {
     write_array(&a.dv_out, "dv", &dv)?;
     if let Some(p) = &a.dbias_out {
         write_array(p, "dbias", &dbias.ok_or("no bias was given")?)?;
+    }
+    if let Some(p) = &a.dsink_out {
+        write_array(p, "dsink", &dsink.ok_or("no sink logits were given")?)?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -54,6 +54,10 @@ pub(crate) struct InputArgs {
         allow_negative_numbers = true
     )]
     alibi: Option<Vec<f32>>,
+    /// Sink logits, f32 .npy [Hq]: one per query head, added to each row's softmax
+    /// denominator with no value (gpt-oss's attention sinks).
+    #[arg(long, value_name = "SK.npy")]
+    pub(crate) sink_logits: Option<PathBuf>,
     /// Softmax scale [default: 1/sqrt(E)].
     #[arg(long, allow_negative_numbers = true)]
     scale: Option<f32>,
@@ -90,6 +94,7 @@ pub(crate) struct Inputs {
     pub(crate) v: Array4<f32>,
     pub(crate) mask: Option<ArrayD<bool>>,
     pub(crate) bias: Option<ArrayD<f32>>,
+    pub(crate) sink_logits: Option<Vec<f32>>,
 }
 
 impl InputArgs {
@@ -104,6 +109,22 @@ impl InputArgs {
             .map(|p| read_array::<bool>(p, "mask", "bool ('|b1')", "np.asarray(m, dtype=bool)"))
             .transpose()?;
         let bias = self.bias.as_deref().map(|p| read_float(p, "bias")).transpose()?;
+        let hq = q.shape()[1];
+        let sink_logits = self
+            .sink_logits
+            .as_deref()
+            .map(|p| {
+                let a = read_float(p, "sink logits")?;
+                if a.shape() != [hq] {
+                    return Err(format!(
+                        "sink logits: shape {:?} is not [Hq] = [{hq}] (one per query head)",
+                        a.shape()
+                    )
+                    .into());
+                }
+                Ok::<_, Box<dyn std::error::Error>>(a.iter().copied().collect::<Vec<f32>>())
+            })
+            .transpose()?;
         // The values the device holds: every input rounded to the storage format.
         let st = self.storage;
         let round = |x: f32| st.round(x);
@@ -113,6 +134,7 @@ impl InputArgs {
             v: v.mapv(round),
             mask,
             bias: bias.map(|b| b.mapv(round)),
+            sink_logits,
         })
     }
 
@@ -131,6 +153,7 @@ impl InputArgs {
             sink_tokens: self.sink_tokens,
             softcap: self.softcap,
             alibi: self.alibi.clone(),
+            sink_logits: x.sink_logits.clone(),
         }
     }
 

@@ -1105,3 +1105,107 @@ fn run_softcap_and_alibi() {
         assert!(lines.len() <= 2, "{bad:?}: not a short message: {err}");
     }
 }
+
+/// `run --sink-logits SK.npy` and `backward --sink-logits SK.npy --dsink-out D.npy` on the GPU
+/// match the CPU reference; sink logits of the wrong shape, and --dsink-out without sink
+/// logits, exit with status 2 and write nothing.
+#[test]
+fn sink_logits_and_their_gradient() {
+    let dir = out_dir("sink-logits");
+    let names = ["q.npy", "k.npy", "v.npy", "dout.npy", "sk.npy", "bad.npy"].map(|n| dir.join(n));
+    let fill = |shape: [usize; 4], m: usize| {
+        Array4::from_shape_fn(shape, |(_, h, i, j)| {
+            ((h * 3 + i * m + j * 5) % 11) as f32 * 0.2 - 1.0
+        })
+    };
+    write_npy(&names[0], &fill([1, 3, 9, 8], 7)).unwrap();
+    write_npy(&names[1], &fill([1, 3, 13, 8], 3)).unwrap();
+    write_npy(&names[2], &fill([1, 3, 13, 4], 2)).unwrap();
+    write_npy(&names[3], &fill([1, 3, 9, 4], 5)).unwrap();
+    write_npy(&names[4], &ndarray::arr1(&[0.5f32, -1.0, 2.0])).unwrap();
+    write_npy(&names[5], &ndarray::arr1(&[0.5f32, -1.0])).unwrap();
+    let [q, k, v, dout, sk, bad] = &names;
+    let (gpu, cpu) = (dir.join("gpu.npy"), dir.join("cpu.npy"));
+    let flags = ["--sink-logits", s(sk), "--causal", "bottom-right"];
+    let r = run_qkv(q, k, v, &[&["--cpu", "--out", s(&cpu)][..], &flags].concat());
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let grads = |tag: &str, cpu_flag: bool| {
+        let outs = ["dq", "dk", "dv", "dsink"].map(|n| dir.join(format!("{tag}-{n}.npy")));
+        let mut args = vec![
+            "backward",
+            "--q",
+            s(q),
+            "--k",
+            s(k),
+            "--v",
+            s(v),
+            "--dout",
+            s(dout),
+            "--dq-out",
+            s(&outs[0]),
+            "--dk-out",
+            s(&outs[1]),
+            "--dv-out",
+            s(&outs[2]),
+            "--dsink-out",
+            s(&outs[3]),
+        ];
+        args.extend(flags);
+        if cpu_flag {
+            args.push("--cpu");
+        }
+        let r = cli(&args);
+        assert!(
+            r.status.success(),
+            "{tag}: {}",
+            String::from_utf8_lossy(&r.stderr)
+        );
+        let d: ArrayD<f32> = read_npy(&outs[3]).unwrap();
+        assert_eq!(d.shape(), &[3]);
+        d
+    };
+    let dcpu = grads("cpu", true);
+    assert!(dcpu.iter().any(|&x| x.abs() > 1e-3), "{dcpu:?}");
+    if common::ctx().is_some() {
+        let r = run_qkv(q, k, v, &[&["--out", s(&gpu)][..], &flags].concat());
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        let (g, c): (ArrayD<f32>, ArrayD<f32>) = (read_npy(&gpu).unwrap(), read_npy(&cpu).unwrap());
+        common::assert_report(
+            compare(g.iter().copied(), c.iter().map(|&x| x as f64), common::TOL),
+            "sink logits gpu vs cpu",
+        );
+        let dgpu = grads("gpu", false);
+        common::assert_report(
+            compare(dgpu.iter().copied(), dcpu.iter().map(|&x| x as f64), common::TOL),
+            "dsink gpu vs cpu",
+        );
+    }
+    let o = dir.join("bad-out.npy");
+    let r = run_qkv(q, k, v, &["--cpu", "--out", s(&o), "--sink-logits", s(bad)]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{err}");
+    assert!(err.contains("sink logits") && err.contains("[3]"), "{err}");
+    assert!(!o.exists());
+    let r = cli(&[
+        "backward",
+        "--q",
+        s(q),
+        "--k",
+        s(k),
+        "--v",
+        s(v),
+        "--dout",
+        s(dout),
+        "--dq-out",
+        s(&o),
+        "--dk-out",
+        s(&o),
+        "--dv-out",
+        s(&o),
+        "--dsink-out",
+        s(&o),
+        "--cpu",
+    ]);
+    assert_eq!(r.status.code(), Some(2), "{}", String::from_utf8_lossy(&r.stderr));
+    assert!(!o.exists());
+}

@@ -25,6 +25,25 @@ fn alibi_slope(h: u32) -> f32 {
     return bitcast<f32>(aux_word(p.m.alibi_off + h));
 }
 
+// The sink logit of query head h (HAS_SINKS): auxiliary word sink_off + h, as f32 bits.
+fn sink_logit(h: u32) -> f32 {
+    return bitcast<f32>(aux_word(p.m.sink_off + h));
+}
+
+// A row's final state (max `m`, sum `s` of exp(logit - m)) with head h's sink logit added to
+// the denominator (HAS_SINKS): vec3(max', sum', f), where an accumulator kept under `m` moves
+// to max' by the factor f. A row with no allowed key (m = START, s = 0) gets sum' = 1 and
+// f = 0: output 0, logsumexp the sink logit.
+fn with_sink(m: f32, s: f32, h: u32) -> vec3<f32> {
+    if (!HAS_SINKS) {
+        return vec3<f32>(m, s, 1.0);
+    }
+    let sk = sink_logit(h);
+    let m2 = max(m, sk);
+    let f = rescale(m, m2);
+    return vec3<f32>(m2, s * f + exp(sk - m2), f);
+}
+
 // The causal offset of batch `b`: query i may see keys j <= i + causal_offset(b).
 fn causal_offset(b: u32) -> i32 {
     return p.m.causal_off + select(0, i32(kv_len(b)), p.m.causal_by_len != 0u);
@@ -120,8 +139,11 @@ fn in_range(x: f32) -> bool {
 // with the sign (no cancellation there: |tanh| > 0.24), saturated at |x| = 9 (1 in f32).
 fn tanh_sat(x: f32) -> f32 {
     let a = min(abs(x), 9.0);
-    let y = x * x;
-    let poly = x * (1.0 + y * (-1.0 / 3.0 + y * (2.0 / 15.0 + y * (-17.0 / 315.0 + y * (62.0 / 2835.0)))));
+    // Both sides are evaluated: the polynomial's on a clamped argument (no infinities, which
+    // WGSL lets a compiler assume away).
+    let xs = clamp(x, -0.25, 0.25);
+    let y = xs * xs;
+    let poly = xs * (1.0 + y * (-1.0 / 3.0 + y * (2.0 / 15.0 + y * (-17.0 / 315.0 + y * (62.0 / 2835.0)))));
     let big = 1.0 - 2.0 / (exp(2.0 * a) + 1.0);
     return select(select(big, -big, x < 0.0), poly, a < 0.25);
 }

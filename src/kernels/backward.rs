@@ -72,6 +72,16 @@ pub(crate) const DBIAS: KernelSpec = KernelSpec {
     trusted: false,
 };
 
+/// d(sink logits): one workgroup per query head (`shaders/bwd_dsink.wgsl`).
+pub(crate) const DSINK: KernelSpec = KernelSpec {
+    name: "bwd_dsink",
+    source: include_str!("../../shaders/bwd_dsink.wgsl"),
+    common: &[common::SOFTMAX],
+    bindings: &[Binding::Read, Binding::ReadWrite, Binding::Params],
+    params: params_of::<Params>,
+    trusted: false,
+};
+
 pub(crate) const DS: KernelSpec = KernelSpec {
     name: "bwd_ds",
     source: include_str!("../../shaders/bwd_ds.wgsl"),

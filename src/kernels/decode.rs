@@ -175,13 +175,16 @@ impl Config {
         if caps.max_invocations < wg || caps.max_workgroup_size_x < wg {
             return Err(format!("the {} decode form needs {wg} invocations", form.name()));
         }
+        let mut kl = 1;
         if form == DecodeForm::GpuTiles {
-            // qs, sc, red_m, red_s, red_acc (decode_tiles.wgsl).
-            let kl = key_lanes(p, wg);
-            let bytes = 16 * p.head_dim.div_ceil(4)
-                + 20 * wg as usize
-                + 8 * wg as usize
-                + if kl > 1 { 4 * wg as usize * kl } else { 0 };
+            // qs, sc, red_m, red_s, red_acc (decode_tiles.wgsl), and scp where KL > 1: KL is
+            // halved until the workgroup memory holds it (KL = 1 needs no scp).
+            let base = 16 * p.head_dim.div_ceil(4) + 20 * wg as usize + 8 * wg as usize;
+            kl = key_lanes(p, wg);
+            while kl > 1 && base + 4 * wg as usize * kl > caps.workgroup_storage as usize {
+                kl /= 2;
+            }
+            let bytes = base + if kl > 1 { 4 * wg as usize * kl } else { 0 };
             if bytes > caps.workgroup_storage as usize {
                 return Err(format!(
                     "the gpu-tiles decode form needs {bytes} bytes of workgroup memory at E = {}",
@@ -205,11 +208,7 @@ impl Config {
             masks: p.mask.is_some(),
             bias: p.bias.is_some(),
             mods: super::Mods::of(p),
-            kl: if form == DecodeForm::GpuTiles {
-                key_lanes(p, wg)
-            } else {
-                1
-            },
+            kl,
         })
     }
 
@@ -344,6 +343,18 @@ mod tests {
         let p = Problem::new(&[1, 1, 1, 8], &[1, 1, 100_000, 8], &[1, 1, 100_000, 8]).unwrap();
         let (chunk, splits) = split(&p, DecodeForm::Gpu);
         assert!(chunk <= 1024 && chunk * splits >= 100_000);
+    }
+
+    /// Where the scores' partial sums (scp) would not fit the workgroup memory, the tiled form
+    /// takes fewer invocations per key rather than failing: E = 1536 under WebGPU's 16 KiB.
+    #[test]
+    fn key_lanes_shrink_to_fit_workgroup_memory() {
+        let p = Problem::new(&[1, 4, 1, 1536], &[1, 4, 4096, 1536], &[1, 4, 4096, 64]).unwrap();
+        let caps = Caps::new(&wgpu::Limits::default(), false, Some(32));
+        let cfg = Config::new(&p, &caps).unwrap();
+        assert_eq!((cfg.form, cfg.wg, cfg.kl), (DecodeForm::GpuTiles, 256, 2));
+        let small = Problem::new(&[1, 4, 1, 128], &[1, 4, 4096, 128], &[1, 4, 4096, 128]).unwrap();
+        assert_eq!(Config::new(&small, &caps).unwrap().kl, KEY_LANES);
     }
 
     #[test]

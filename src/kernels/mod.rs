@@ -77,7 +77,9 @@ wgsl_struct! {
         /// Where the ALiBi slopes start among the auxiliary words (`aux_word`: after the B key
         /// lengths), read where HAS_ALIBI.
         alibi_off: u32,
-        _mpad0: u32,
+        /// Where the sink logits start among the auxiliary words (after the slopes), read
+        /// where HAS_SINKS.
+        sink_off: u32,
     }
 }
 
@@ -191,7 +193,7 @@ impl Masks {
             softcap: p.softcap.unwrap_or(0.0),
             softcap_inv: p.softcap.map_or(0.0, |c| 1.0 / c),
             alibi_off: p.batch as u32,
-            ..Default::default()
+            sink_off: (p.batch + p.alibi.as_ref().map_or(0, Vec::len)) as u32,
         }
     }
 }
@@ -226,6 +228,8 @@ pub(crate) struct Mods {
     pub softcap: bool,
     /// ALiBi slopes (read from the auxiliary words after the key lengths).
     pub alibi: bool,
+    /// Sink logits (the auxiliary words after the slopes).
+    pub sinks: bool,
 }
 
 impl Mods {
@@ -235,6 +239,7 @@ impl Mods {
             window: p.window.is_some(),
             softcap: p.softcap.is_some(),
             alibi: p.alibi.is_some(),
+            sinks: p.sink_logits.is_some(),
         }
     }
 }
@@ -246,10 +251,12 @@ pub(crate) fn mask_flags(has_mask: bool, has_bias: bool, mods: Mods, bias: crate
     // alone they apply by key ranges).
     format!(
         "const HAS_MASK: bool = {has_mask};\nconst HAS_BIAS: bool = {has_bias};\nconst HAS_WINDOW: bool = {};\n\
-         const HAS_SOFTCAP: bool = {};\nconst HAS_ALIBI: bool = {};\nconst MASKED_LOGIT: bool = {};\n{}",
+         const HAS_SOFTCAP: bool = {};\nconst HAS_ALIBI: bool = {};\nconst HAS_SINKS: bool = {};\n\
+         const MASKED_LOGIT: bool = {};\n{}",
         mods.window,
         mods.softcap,
         mods.alibi,
+        mods.sinks,
         has_mask || has_bias || mods.softcap || mods.alibi,
         access::bias(bias)
     )

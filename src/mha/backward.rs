@@ -180,6 +180,14 @@ impl<'a> MhaBackward<'a> {
     /// errors go to your error scope. The gradients stay on the GPU ([`MhaGpuGrads`]).
     pub fn record(&self, ctx: &Context, enc: &mut wgpu::CommandEncoder) -> Result<MhaGpuGrads> {
         let fwd = &self.fwd;
+        if fwd.options.sink_logits.is_some() {
+            return Err(crate::Error::InvalidModifier {
+                modifier: "sink_logits",
+                reason: "the layer's backward does not return d(sink logits) yet: use Sdpa::backward \
+                         on the heads for them"
+                    .into(),
+            });
+        }
         let pass = Pass::new(fwd, ctx, true)?;
         let dims = pass.dims;
         let Dims { b, l, s, h, g, d, e } = dims;

@@ -24,7 +24,7 @@ pub struct MhaForward<'a> {
     query_heads: Option<Tensor<'a>>,
     key_heads: Option<Tensor<'a>>,
     value_heads: Option<Tensor<'a>>,
-    options: Options<'a>,
+    pub(super) options: Options<'a>,
     need_weights: NeedWeights,
     path: Path,
     profile: bool,

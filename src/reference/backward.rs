@@ -32,6 +32,8 @@ pub struct Gradients<F> {
     pub dv: Array4<F>,
     /// In the bias's own shape, summed over its broadcast dimensions; when a bias is given.
     pub dbias: Option<ArrayD<F>>,
+    /// d(sink logits) `[Hq]`: `-sum_rows exp(sink[h] - lse) D`; when sink logits are given.
+    pub dsink: Option<ndarray::Array1<F>>,
     /// The forward output `[B, Hq, L, Ev]` computed on the way.
     pub out: Array4<F>,
     /// The forward logsumexp `[B, Hq, L]` (`-inf` on fully masked rows).
@@ -102,10 +104,14 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
                         };
                     }
                 }
+                let sink = opts.sink_logits.as_ref().map(|sk| cast::<F, f32>(sk[h]));
+                if let Some(sk) = sink {
+                    max = if max.is_nan() { max } else { max.max(sk) };
+                }
                 if max == F::neg_infinity() {
                     continue;
                 }
-                let mut sum = F::zero();
+                let mut sum = sink.map_or(F::zero(), |sk| (sk - max).exp());
                 for j in 0..s {
                     if ok[j] {
                         sum = sum + (logits[j] - max).exp();
@@ -207,11 +213,25 @@ pub fn sdpa_backward_in<F: Float, T: Copy + Into<f64>, U: Copy + Into<f64>>(
         let shape = opts.bias.as_ref().expect("bias given").shape.clone();
         acc.into_shape_with_order(IxDyn(&shape)).expect("same length")
     });
+    // d(sink logits): -sum over the head's rows of the sink's weight exp(sink - lse) times D.
+    let dsink = opts.sink_logits.as_ref().map(|sk| {
+        ndarray::Array1::from_shape_fn(hq, |h| {
+            let s = cast::<F, f32>(sk[h]);
+            let mut acc = F::zero();
+            for bi in 0..b {
+                for i in 0..l {
+                    acc = acc + (s - lse[[bi, h, i]]).exp() * dsum[[bi, h, i]];
+                }
+            }
+            -acc
+        })
+    });
     Ok(Gradients {
         dq,
         dk,
         dv,
         dbias,
+        dsink,
         out,
         lse,
     })
@@ -365,6 +385,7 @@ mod tests {
                 kv_lens: Some(vec![4, 5]),
                 softcap: mods.then_some(0.3),
                 alibi: mods.then(|| vec![0.3, -0.2, 0.1, 0.5]),
+                sink_logits: mods.then(|| vec![0.5, -1.0, 2.0, 0.0]),
                 ..Default::default()
             };
             let g = sdpa_backward(q.view(), k.view(), v.view(), dout.view(), &opts).unwrap();
@@ -410,6 +431,29 @@ mod tests {
                     (fd - an).abs() <= 1e-5 + 1e-4 * an.abs(),
                     "dbias[{n}]: fd {fd}, analytic {an}"
                 );
+            }
+            if let Some(sk) = &opts.sink_logits {
+                let ds = g.dsink.as_ref().unwrap();
+                for h in 0..hq {
+                    let at = |d: f32| {
+                        let mut s2 = sk.clone();
+                        s2[h] += d;
+                        let o = Options {
+                            sink_logits: Some(s2),
+                            ..opts.clone()
+                        };
+                        loss(&q, &k, &v, &dout, &o)
+                    };
+                    let step = 1.0f32 / 1024.0;
+                    let fd = (at(step) - at(-step)) / (2.0 * step as f64);
+                    assert!(
+                        (fd - ds[h]).abs() <= 1e-5 + 1e-4 * ds[h].abs(),
+                        "dsink[{h}]: fd {fd}, analytic {}",
+                        ds[h]
+                    );
+                }
+            } else {
+                assert!(g.dsink.is_none());
             }
             // The fully masked query row (head 0, row 2 by the mask) has zero gradients.
             assert!(g.dq.slice(ndarray::s![.., 0, 2, ..]).iter().all(|&x| x == 0.0));

@@ -161,10 +161,16 @@ pub fn masked_softmax(scores: &Array4<f64>, opts: &Options) -> Result<(Array4<f6
                         }
                     }
                 }
+                // A sink logit joins the denominator with no value: a row with no allowed key
+                // is 0 with logsumexp the sink.
+                let sink = opts.sink_logits.as_ref().map(|sk| f64::from(sk[hi]));
+                if let Some(sk) = sink {
+                    max = if max.is_nan() { max } else { max.max(sk) };
+                }
                 if max == f64::NEG_INFINITY {
                     continue; // fully masked row: zeros, lse = -inf
                 }
-                let mut sum = 0.0;
+                let mut sum = sink.map_or(0.0, |sk| (sk - max).exp());
                 for j in 0..s {
                     if ok[j] {
                         sum += (logits[j] - max).exp();
@@ -265,5 +271,26 @@ mod modifier_tests {
         let x1 = 1.5 * (-1.0f64 / 1.5).tanh() - 0.5;
         let want = (10.0 * x0.exp() + 20.0 * x1.exp()) / (x0.exp() + x1.exp());
         assert!((got - want).abs() < 1e-12, "{got} against {want}");
+        // A sink logit joins the denominator with no value; a row with no allowed key is 0
+        // with logsumexp the sink.
+        let sinks = Options {
+            sink_logits: Some(vec![0.5]),
+            ..opts.clone()
+        };
+        let got = sdpa(q.view(), k.view(), v.view(), &sinks).unwrap();
+        let den = x0.exp() + x1.exp() + 0.5f64.exp();
+        let want = (10.0 * x0.exp() + 20.0 * x1.exp()) / den;
+        assert!(
+            (got.out[[0, 0, 0, 0]] - want).abs() < 1e-12,
+            "{} against {want}",
+            got.out[[0, 0, 0, 0]]
+        );
+        assert!((got.lse[[0, 0, 0]] - den.ln()).abs() < 1e-12);
+        let empty = Options {
+            kv_lens: Some(vec![0]),
+            ..sinks
+        };
+        let got = sdpa(q.view(), k.view(), v.view(), &empty).unwrap();
+        assert_eq!((got.out[[0, 0, 0, 0]], got.lse[[0, 0, 0]]), (0.0, 0.5));
     }
 }

@@ -435,8 +435,10 @@ impl RingPlan {
         if p.window.is_some() {
             return refuse("a sliding window is not split over devices yet: run it on one device");
         }
-        if p.softcap.is_some() || p.alibi.is_some() {
-            return refuse("a softcap or ALiBi is not split over devices yet: run it on one device");
+        if p.softcap.is_some() || p.alibi.is_some() || p.sink_logits.is_some() {
+            return refuse(
+                "a softcap, ALiBi or sink logits are not split over devices yet: run them on one device",
+            );
         }
         if n > p.seq_q || n > p.seq_kv {
             return refuse(&format!(
@@ -803,6 +805,7 @@ impl RingPlan {
             dk: dk.mapv(|x| p.storage.k.round(x)),
             dv: dv.mapv(|x| p.storage.v.round(x)),
             dbias: dbias.map(|d| d.mapv(|x| p.storage.bias.round(x))),
+            dsink: None,
             output: None,
             lse: None,
         }

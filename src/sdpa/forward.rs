@@ -104,13 +104,15 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
 }
 
 /// The auxiliary words of binding 2 (`aux_word` in the kernels), when the problem has any: the
-/// B key lengths (0 without them), then the Hq ALiBi slopes as f32 bits.
+/// B key lengths (0 without them), then the Hq ALiBi slopes and the Hq sink logits as f32
+/// bits (each when given).
 pub(crate) fn aux_words(p: &Problem) -> Option<Vec<u32>> {
-    if p.kv_lens.is_none() && p.alibi.is_none() {
+    if p.kv_lens.is_none() && p.alibi.is_none() && p.sink_logits.is_none() {
         return None;
     }
     let mut w = p.kv_lens.clone().unwrap_or_else(|| vec![0; p.batch]);
     w.extend(p.alibi.iter().flatten().map(|x| x.to_bits()));
+    w.extend(p.sink_logits.iter().flatten().map(|x| x.to_bits()));
     Some(w)
 }
 

@@ -431,6 +431,7 @@ impl Sdpa<'_> {
             sink_tokens: self.options.sink_tokens,
             softcap: self.options.softcap,
             alibi: self.options.alibi.clone(),
+            sink_logits: self.options.sink_logits.clone(),
         };
         // Tensors read through views are prepared as views (the kernels differ).
         let shapes = [[b, hq, l, e], [b, hkv, s, e], [b, hkv, s, ev], base.out_shape()];

@@ -41,6 +41,8 @@ pub struct Shape {
     pub softcap: Option<f32>,
     /// ALiBi with the paper's slopes for `q_heads` ([`crate::alibi_slopes`]).
     pub alibi: bool,
+    /// Sink logits (0 for every query head: as much weight as a logit of 0).
+    pub sinks: bool,
     /// Part of the default `bench` set (false for shapes too slow on software renderers).
     pub default: bool,
 }
@@ -68,6 +70,7 @@ const fn shape(
         window: None,
         softcap: None,
         alibi: false,
+        sinks: false,
         default,
     }
 }
@@ -87,6 +90,12 @@ const fn softcapped(mut s: Shape, c: f32) -> Shape {
 /// `s` with ALiBi (the paper's slopes).
 const fn alibied(mut s: Shape) -> Shape {
     s.alibi = true;
+    s
+}
+
+/// `s` with sink logits.
+const fn sunk(mut s: Shape) -> Shape {
+    s.sinks = true;
     s
 }
 
@@ -225,6 +234,15 @@ pub const SHAPES: &[Shape] = &[
         None,
         false,
     )),
+    sunk(shape(
+        "sinks_h8_s1024",
+        (1, 8, 8),
+        (1024, 1024),
+        (64, 64),
+        Causal::None,
+        None,
+        false,
+    )),
 ];
 
 /// The shape called `name`.
@@ -300,6 +318,9 @@ impl Shape {
         if self.alibi {
             s.push_str(" alibi");
         }
+        if self.sinks {
+            s.push_str(" sink_logits");
+        }
         s
     }
 
@@ -312,6 +333,7 @@ impl Shape {
             .with_window(self.window, 0)
             .and_then(|p| p.with_softcap(self.softcap))
             .and_then(|p| p.with_alibi(self.alibi.then(|| crate::alibi_slopes(self.q_heads)).as_deref()))
+            .and_then(|p| p.with_sink_logits(self.sinks.then(|| vec![0.0; self.q_heads]).as_deref()))
             .map_err(|e| e.to_string())?;
         if let Some(lens) = self.kv_lens {
             p = p.with_kv_lens(lens).map_err(|e| e.to_string())?;
@@ -432,6 +454,9 @@ impl GpuInputs {
         }
         if s.alibi {
             sdpa = sdpa.alibi(&crate::alibi_slopes(s.q_heads));
+        }
+        if s.sinks {
+            sdpa = sdpa.sink_logits(&vec![0.0; s.q_heads]);
         }
         sdpa
     }

@@ -340,6 +340,12 @@ fn check_options(kind: VariantKind, options: &Options, weights: bool) -> Result<
     if options.alibi.is_some() {
         return Err(refuse("alibi", why));
     }
+    if options.sink_logits.is_some() {
+        return Err(refuse(
+            "sink_logits",
+            "sink logits join the scaled dot-product softmax, which this variant replaces",
+        ));
+    }
     if !kind.takes_masks() {
         let why = match kind {
                 VariantKind::Nystrom => {

@@ -42,6 +42,8 @@ pub struct Case {
     /// A logit softcap and ALiBi slopes (one per query head).
     pub softcap: Option<f32>,
     pub alibi: Option<Vec<f32>>,
+    /// Sink logits (one per query head).
+    pub sink_logits: Option<Vec<f32>>,
     /// f64, as PyTorch's goldens give it; the GPU uses its f32 rounding.
     pub scale: Option<f64>,
     /// The device format of q, k, v, the bias and the output; the f32 arrays hold values
@@ -65,6 +67,7 @@ impl Case {
             sink_tokens: 0,
             softcap: None,
             alibi: None,
+            sink_logits: None,
             scale: None,
             storage: Storage::F32,
         }
@@ -162,6 +165,13 @@ impl Case {
         self
     }
 
+    /// Sink logits around the tests' logits (so that they matter): 0.5 - 0.4 h.
+    pub fn with_sink_logits(mut self) -> Case {
+        let hq = self.q.shape()[1];
+        self.sink_logits = Some((0..hq).map(|h| 0.5 - 0.4 * h as f32).collect());
+        self
+    }
+
     /// The case's options, shared by the GPU call and the reference.
     pub fn options(&self) -> Options<'_> {
         let mut o = Options {
@@ -172,6 +182,7 @@ impl Case {
             sink_tokens: self.sink_tokens,
             softcap: self.softcap,
             alibi: self.alibi.clone(),
+            sink_logits: self.sink_logits.clone(),
             ..Options::default()
         };
         o.mask = self.mask.as_ref().map(|m| m.into());
@@ -284,6 +295,7 @@ pub fn broadcast_cases() -> Vec<(String, Case)> {
             sink_tokens: 0,
             softcap: None,
             alibi: None,
+            sink_logits: None,
             scale: None,
             storage: Storage::F32,
         };
@@ -347,18 +359,23 @@ pub fn window_kinds() -> Vec<MaskKind> {
 
 /// The built-in score modifiers (the ring and the approximate variants refuse them): a
 /// softcap alone (the fused kernels pass logits through `masked_logit` for it alone); ALiBi
-/// with bottom-right causal and key lengths (its distance aligned to each batch's length);
-/// and both with a window, sink tokens, a boolean mask and a bias (softcap before the bias).
+/// and sink logits with bottom-right causal and key lengths (its distance aligned to each
+/// batch's length); and all three with a window, sink tokens, a boolean mask and a bias
+/// (softcap before the bias; rows the window leaves empty give 0 with the sink).
 /// The softcap of 0.8 bends the tests' logits (|s| up to about 2) well into tanh's curve.
 pub fn modifier_kinds() -> Vec<MaskKind> {
     vec![
         ("softcap", |c| c.with_softcap(0.8)),
-        ("alibi_causal_lens", |c| {
-            c.with_alibi().with_causal(Causal::BottomRight).with_kv_lens()
+        ("alibi_sinks_causal_lens", |c| {
+            c.with_alibi()
+                .with_sink_logits()
+                .with_causal(Causal::BottomRight)
+                .with_kv_lens()
         }),
-        ("softcap_alibi_window_mask_bias", |c| {
+        ("softcap_alibi_sinks_window_mask_bias", |c| {
             c.with_softcap(0.8)
                 .with_alibi()
+                .with_sink_logits()
                 .with_window(5, 3, 2)
                 .with_random_mask(14)
                 .with_random_bias(15)
@@ -466,6 +483,7 @@ pub fn golden_case(name: &str, file: &impl Fn(&str) -> Option<Vec<u8>>) -> (Case
         sink_tokens: 0,
         softcap: None,
         alibi: None,
+        sink_logits: None,
         scale: meta["scale"].as_f64(),
         // Half goldens hold inputs already rounded to the format (by PyTorch's
         // `.half()` / `.bfloat16()`) and outputs computed in f64 from them.

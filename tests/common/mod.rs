@@ -203,6 +203,16 @@ pub fn assert_grads(case: &Case, g: &Grads, dout: &Array4<f32>, label: &str) {
         (None, None, None) => {}
         _ => panic!("{label}: dbias presence differs"),
     }
+    match (&g.dsink, &r64.dsink, &r32.dsink) {
+        (Some(got), Some(want), Some(plain)) => rule(
+            "dsink",
+            got.as_slice().unwrap(),
+            want.as_slice().unwrap(),
+            plain.as_slice().unwrap(),
+        ),
+        (None, None, None) => {}
+        _ => panic!("{label}: dsink presence differs"),
+    }
     // The forward it ran on the way.
     let out = g.output.as_ref().expect("the forward's output");
     let report = compare(

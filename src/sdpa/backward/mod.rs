@@ -67,6 +67,8 @@ pub struct Grads {
     pub dv: Array4<f32>,
     /// In the bias's own shape, summed over its broadcast dimensions; when a bias is given.
     pub dbias: Option<ArrayD<f32>>,
+    /// d(sink logits) `[Hq]`, when sink logits are given.
+    pub dsink: Option<ndarray::Array1<f32>>,
     /// The forward output `[B, Hq, L, Ev]`, when the backward ran the forward itself.
     pub output: Option<Array4<f32>>,
     /// The forward logsumexp `[B, Hq, L]`, when the backward ran the forward itself.
@@ -85,6 +87,8 @@ pub struct GpuGrads {
     pub dv: wgpu::Buffer,
     /// d(bias) in the bias's shape, when a bias is given.
     pub dbias: Option<wgpu::Buffer>,
+    /// d(sink logits) `[Hq]` in f32, when sink logits are given.
+    pub dsink: Option<wgpu::Buffer>,
     /// The forward's results, when the backward ran the forward itself.
     pub forward: Option<GpuOutput>,
     /// The validated problem.
@@ -194,6 +198,12 @@ impl<'a> Backward<'a> {
             }
             _ => None,
         };
+        let dsink = match &g.dsink {
+            Some(buf) => Some(ndarray::Array1::from(
+                ctx.read_as_f32(buf, 0, p.q_heads, Storage::F32).await?,
+            )),
+            None => None,
+        };
         let (output, lse) = match &g.forward {
             Some(fw) => {
                 let fp = &fw.problem;
@@ -212,6 +222,7 @@ impl<'a> Backward<'a> {
             dk,
             dv,
             dbias,
+            dsink,
             output,
             lse,
         })

@@ -104,11 +104,17 @@ pub(super) fn record(
         .bias
         .map(|bc| record_dbias(ctx, encoder, &p, bc.len(), (&io, &params)))
         .transpose()?;
+    let dsink = p
+        .sink_logits
+        .as_ref()
+        .map(|sk| record_dsink(ctx, encoder, sk.len(), &stats, &params))
+        .transpose()?;
     Ok(GpuGrads {
         dq,
         dk,
         dv,
         dbias,
+        dsink,
         forward,
         problem: p,
     })
@@ -201,7 +207,7 @@ impl Sizes {
             rows,
             kv_rows,
             dv_off,
-            stats_len: 2 * rows + p.batch + p.alibi.as_ref().map_or(0, Vec::len),
+            stats_len: 2 * rows + crate::sdpa::forward::aux_words(p).map_or(p.batch, |w| w.len()),
             dkv_bytes: f32_bytes(dv_off + kv_rows * p.head_dim_v).next_multiple_of(16),
         }
     }
@@ -244,16 +250,9 @@ pub(super) fn record_stats(
     o_fmt: Storage,
 ) -> Result<wgpu::Buffer> {
     let stats = output(ctx, "backward statistics", f32_bytes(sizes.stats_len));
-    if let Some(lens) = &p.kv_lens {
+    if let Some(words) = crate::sdpa::forward::aux_words(p) {
         ctx.queue()
-            .write_buffer(&stats, f32_bytes(2 * sizes.rows), bytemuck::cast_slice(lens));
-    }
-    if let Some(slopes) = &p.alibi {
-        ctx.queue().write_buffer(
-            &stats,
-            f32_bytes(2 * sizes.rows + p.batch),
-            bytemuck::cast_slice(slopes),
-        );
+            .write_buffer(&stats, f32_bytes(2 * sizes.rows), bytemuck::cast_slice(&words));
     }
     kb::record(
         ctx,
@@ -284,6 +283,27 @@ pub(super) fn record_dbias(
         &io.with_out(buf.as_entire_buffer_binding()),
         &params.over(n),
         n.div_ceil(64) as u32,
+    )?;
+    Ok(buf)
+}
+
+/// Record d(sink logits) (`heads` of them, f32) by `bwd_dsink` from the statistics.
+pub(super) fn record_dsink(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    heads: usize,
+    stats: &wgpu::Buffer,
+    params: &kb::Params,
+) -> Result<wgpu::Buffer> {
+    let buf = output(ctx, "dsink", f32_bytes(heads));
+    kb::record(
+        ctx,
+        encoder,
+        &kb::DSINK,
+        "",
+        &[stats.as_entire_buffer_binding(), buf.as_entire_buffer_binding()],
+        params,
+        heads as u32,
     )?;
     Ok(buf)
 }
