@@ -351,26 +351,36 @@ impl Problem {
     /// gets `- slopes[h] |i + S - L - j|` (bottom-right aligned like the causal mask and the
     /// window; with key lengths, `S` is the batch's). Each slope must be finite.
     pub fn with_alibi(mut self, slopes: Option<&[f32]>) -> Result<Self> {
-        if let Some(sl) = slopes {
-            if sl.len() != self.q_heads {
-                return Err(Error::InvalidModifier {
-                    modifier: "alibi",
-                    reason: format!(
-                        "{} slopes for {} query heads: give one per query head",
-                        sl.len(),
-                        self.q_heads
-                    ),
-                });
-            }
-            if let Some((h, x)) = sl.iter().enumerate().find(|(_, x)| !x.is_finite()) {
-                return Err(Error::InvalidModifier {
-                    modifier: "alibi",
-                    reason: format!("slope {h} is {x}: slopes are finite"),
-                });
-            }
-        }
-        self.alibi = slopes.map(<[f32]>::to_vec);
+        self.alibi = self.per_head("alibi", ("slope", "slopes"), slopes)?;
         Ok(self)
+    }
+
+    /// `values` (one per query head, each finite) as the modifier `modifier` stores them, or
+    /// its typed error naming `noun` (singular, plural).
+    fn per_head(
+        &self,
+        modifier: &'static str,
+        (one, many): (&str, &str),
+        values: Option<&[f32]>,
+    ) -> Result<Option<Vec<f32>>> {
+        let Some(v) = values else { return Ok(None) };
+        if v.len() != self.q_heads {
+            return Err(Error::InvalidModifier {
+                modifier,
+                reason: format!(
+                    "{} {many} for {} query heads: give one per query head",
+                    v.len(),
+                    self.q_heads
+                ),
+            });
+        }
+        if let Some((h, x)) = v.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+            return Err(Error::InvalidModifier {
+                modifier,
+                reason: format!("{one} {h} is {x}: {many} are finite"),
+            });
+        }
+        Ok(Some(v.to_vec()))
     }
 
     /// Set sink logits, one per query head: each row's softmax gets `exp(sink[h])` added to its
@@ -378,25 +388,7 @@ impl Problem {
     /// exp(s_ij) + exp(sink[h]))`, so a row's weights sum to less than 1 and a row with no
     /// allowed key is 0. Each must be finite. The backward gives their gradient.
     pub fn with_sink_logits(mut self, sinks: Option<&[f32]>) -> Result<Self> {
-        if let Some(sk) = sinks {
-            if sk.len() != self.q_heads {
-                return Err(Error::InvalidModifier {
-                    modifier: "sink_logits",
-                    reason: format!(
-                        "{} sink logits for {} query heads: give one per query head",
-                        sk.len(),
-                        self.q_heads
-                    ),
-                });
-            }
-            if let Some((h, x)) = sk.iter().enumerate().find(|(_, x)| !x.is_finite()) {
-                return Err(Error::InvalidModifier {
-                    modifier: "sink_logits",
-                    reason: format!("sink logit {h} is {x}: sink logits are finite"),
-                });
-            }
-        }
-        self.sink_logits = sinks.map(<[f32]>::to_vec);
+        self.sink_logits = self.per_head("sink_logits", ("sink logit", "sink logits"), sinks)?;
         Ok(self)
     }
 
