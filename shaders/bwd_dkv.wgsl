@@ -90,11 +90,22 @@ fn main(
         }
     }
     let t0 = i_start / BQ;
+    // The documents of this tile's keys (HAS_DOCS): query tiles holding none are skipped.
+    var kd = vec2<i32>(0);
+    if (HAS_DOCS) {
+        kd = doc_span(p.m.doc_kb, p.s, b, min(j_first, p.s - 1u), min(j_first + BKV, p.s));
+    }
 
     for (var hh = 0u; hh < p.group; hh++) {
         let h = hk * p.group + hh;
         let bh = b * p.heads + h;
         for (var i0 = t0 * BQ; i0 < i_stop; i0 += BQ) {
+            if (HAS_DOCS) {
+                let qd = query_docs(b, i0, i0 + BQ);
+                if (kd.x > qd.y || qd.x > kd.y) {
+                    continue;
+                }
+            }
             if (SG_Q) {
                 let i = i0 + tid;
                 let row = bh * p.l + min(i, p.l - 1u);

@@ -54,6 +54,8 @@ fn main(
     }
     let kv_end = workgroupUniformLoad(&wg_end);
     let kv_begin = workgroupUniformLoad(&wg_begin);
+    // The documents of this tile's rows (HAS_DOCS): key tiles holding none are skipped.
+    let qd = query_docs(b, qt * BQ, qt * BQ + BQ);
 
     for (var r = 0u; r < RQ; r++) { // unroll
         let i = qt * BQ + r * WG + tid;
@@ -71,7 +73,7 @@ fn main(
         row_end[r] = select(0u, key_end(b, min(i, p.l - 1u)), valid);
     }
 
-    for (var j0 = next_tile(0u, kv_begin, BK); j0 < kv_end; j0 = next_tile(j0 + BK, kv_begin, BK)) {
+    for (var j0 = next_key_tile(b, 0u, kv_begin, BK, kv_end, qd); j0 < kv_end; j0 = next_key_tile(b, j0 + BK, kv_begin, BK, kv_end, qd)) {
         stage_kv(kvh, j0, kv_end, tid);
         for (var jj = 0u; jj < BK; jj++) { // unroll if SG_KV
             let j = j0 + jj;

@@ -82,6 +82,8 @@ fn main(
     }
     let kv_end = workgroupUniformLoad(&wg_end);
     let kv_begin = workgroupUniformLoad(&wg_begin);
+    // The documents of this tile's rows (HAS_DOCS): key tiles holding none are skipped.
+    let qd = query_docs(b, qt * BQ, qt * BQ + BQ);
 
     for (var r = 0u; r < RQ; r++) { // unroll
         let i = qt * BQ + r * WG + tid;
@@ -108,7 +110,7 @@ fn main(
         row_end[r] = end;
     }
 
-    for (var j0 = next_tile(0u, kv_begin, BK); j0 < kv_end; j0 = next_tile(j0 + BK, kv_begin, BK)) {
+    for (var j0 = next_key_tile(b, 0u, kv_begin, BK, kv_end, qd); j0 < kv_end; j0 = next_key_tile(b, j0 + BK, kv_begin, BK, kv_end, qd)) {
         stage_kv(kvh, j0, kv_end, tid);
 
         // The tile in NG steps of KG keys (keys past kv_end have logit START and a zero V

@@ -125,6 +125,8 @@ fn main(
     }
     let kv_end = workgroupUniformLoad(&wg_end);
     let kv_begin = workgroupUniformLoad(&wg_begin);
+    // The documents of this tile's rows (HAS_DOCS): key tiles holding none are skipped.
+    let qd = query_docs(b, i0, i0 + BM);
 
     // The scaled Q tile (rows past L zero).
     for (var t = tid; t < BM * E4; t += WG) {
@@ -165,8 +167,10 @@ fn main(
     // are issued before this tile's arithmetic, and land in workgroup memory after it.
     var kp: array<vec4<f32>, NPK>;
     var vp: array<vec4<f32>, NPV>;
-    for (var j0 = next_tile(0u, kv_begin, BN); j0 < kv_end; j0 = next_tile(j0 + BN, kv_begin, BN)) {
-        if (j0 == next_tile(0u, kv_begin, BN) || !PREFETCH) {
+    let j_first = next_key_tile(b, 0u, kv_begin, BN, kv_end, qd);
+    var j_next = j_first;
+    for (var j0 = j_first; j0 < kv_end; j0 = j_next) {
+        if (j0 == j_first || !PREFETCH) {
             fetch_kv(kvh, j0, kv_end, tid, &kp, &vp);
         }
         for (var n = 0u; n < NPK; n++) { // unroll
@@ -182,8 +186,9 @@ fn main(
             }
         }
         workgroupBarrier();
-        if (PREFETCH && next_tile(j0 + BN, kv_begin, BN) < kv_end) {
-            fetch_kv(kvh, next_tile(j0 + BN, kv_begin, BN), kv_end, tid, &kp, &vp);
+        j_next = next_key_tile(b, j0 + BN, kv_begin, BN, kv_end, qd);
+        if (PREFETCH && j_next < kv_end) {
+            fetch_kv(kvh, j_next, kv_end, tid, &kp, &vp);
         }
 
         // The TM x TN logits: scalars summed by FMAs, or (as flash.wgsl) vec4 partials, then

@@ -69,7 +69,7 @@ pub use mha::{
 pub use ops::matmul::matmul_blocking;
 pub use ops::matmul::{matmul, record_matmul};
 pub use options::Options;
-pub use problem::{alibi_slopes, Causal, Problem, Window};
+pub use problem::{alibi_slopes, Causal, DocIds, Problem, Window};
 #[cfg(not(target_arch = "wasm32"))]
 pub use ring::{DeviceReport, Layout, Ring, RingGrads, RingOutput, RingPlan, RingReport};
 pub use sdpa::backward::{Backward, GpuGrads, Grads};

@@ -35,6 +35,8 @@ pub struct Options<'a> {
     pub alibi: Option<Vec<f32>>,
     /// Sink logits, one per query head (see [`Problem::with_sink_logits`]).
     pub sink_logits: Option<Vec<f32>>,
+    /// Document ids of packed sequences (see [`Problem::with_doc_ids`]).
+    pub doc_ids: Option<crate::problem::DocIds>,
 }
 
 impl<'a> Options<'a> {
@@ -46,7 +48,8 @@ impl<'a> Options<'a> {
             .with_window(self.window, self.sink_tokens)?
             .with_softcap(self.softcap)?
             .with_alibi(self.alibi.as_deref())?
-            .with_sink_logits(self.sink_logits.as_deref())?;
+            .with_sink_logits(self.sink_logits.as_deref())?
+            .with_doc_ids(self.doc_ids.as_ref().map(|d| (&d.q[..], &d.k[..])))?;
         if let Some(m) = &self.mask {
             p = p.with_mask(&m.shape)?;
             check_len("mask", &m.shape, m.data.len())?;
@@ -170,6 +173,19 @@ macro_rules! option_setters {
         /// (`Grads::dsink`).
         pub fn sink_logits(mut self, sinks: &[f32]) -> Self {
             self.options.sink_logits = Some(sinks.to_vec());
+            self
+        }
+
+        /// Document ids of packed sequences (FlexAttention's document mask): `q_docs` gives
+        /// the document of each query (`[B, L]` row-major), `k_docs` of each key (`[B, S]`);
+        /// query `i` of batch `b` sees key `j` only if `q_docs[b·L + i] == k_docs[b·S + j]`.
+        /// Combines with every other mask (causal within each document: add `causal`). Key
+        /// tiles holding none of a query tile's documents are skipped.
+        pub fn doc_ids(mut self, q_docs: &[i32], k_docs: &[i32]) -> Self {
+            self.options.doc_ids = Some($crate::DocIds {
+                q: q_docs.to_vec(),
+                k: k_docs.to_vec(),
+            });
             self
         }
 

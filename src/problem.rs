@@ -77,6 +77,16 @@ impl Window {
     }
 }
 
+/// Document ids of packed sequences (see [`Problem::with_doc_ids`]): query `i` of batch `b`
+/// sees key `j` only if `q[b·L + i] == k[b·S + j]`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DocIds {
+    /// The document of each query, `[B, L]` row-major.
+    pub q: Vec<i32>,
+    /// The document of each key, `[B, S]` row-major.
+    pub k: Vec<i32>,
+}
+
 /// The ALiBi paper's slopes for `heads` query heads (Press et al., 2022; the reference code's
 /// `get_slopes`): `2^(-8 (h + 1) / n)` for a power of two `n`; otherwise those of the largest
 /// power of two below, then every other slope of twice that. For [`Problem::with_alibi`] and
@@ -199,6 +209,9 @@ pub struct Problem {
     /// Sink logits, one per query head, added to each row's softmax denominator with no value
     /// (gpt-oss), if any.
     pub sink_logits: Option<Vec<f32>>,
+    /// Document ids of packed sequences (query `i` sees key `j` only within its document), if
+    /// any.
+    pub doc_ids: Option<DocIds>,
     /// The storage formats of q, k, v, the bias and the output (all f32 by default).
     pub storage: crate::storage::Formats,
     /// Where q, k, v, the output (and the backward's dout) lie in their buffers, for those
@@ -265,6 +278,7 @@ impl Problem {
             softcap: None,
             alibi: None,
             sink_logits: None,
+            doc_ids: None,
             storage: Default::default(),
             views: Default::default(),
         })
@@ -390,6 +404,46 @@ impl Problem {
     pub fn with_sink_logits(mut self, sinks: Option<&[f32]>) -> Result<Self> {
         self.sink_logits = self.per_head("sink_logits", ("sink logit", "sink logits"), sinks)?;
         Ok(self)
+    }
+
+    /// Set document ids (packed sequences, FlexAttention's document mask): `q` gives the
+    /// document of each query (`[B, L]` row-major), `k` of each key (`[B, S]`); query `i` of
+    /// batch `b` sees key `j` only if `q[b·L + i] == k[b·S + j]`. Any i32 values (a query whose
+    /// document has no key gets a fully masked row). Key tiles holding no document of a query
+    /// tile are skipped whole, so packed documents cost about their own attention, not the
+    /// whole sequence's.
+    pub fn with_doc_ids(mut self, ids: Option<(&[i32], &[i32])>) -> Result<Self> {
+        if let Some((q, k)) = ids {
+            let (bl, bs) = (self.batch * self.seq_q, self.batch * self.seq_kv);
+            if q.len() != bl || k.len() != bs {
+                return Err(Error::InvalidModifier {
+                    modifier: "doc_ids",
+                    reason: format!(
+                        "{} query and {} key document ids for B = {}, L = {}, S = {}: give [B, L] = \
+                         {bl} and [B, S] = {bs}",
+                        q.len(),
+                        k.len(),
+                        self.batch,
+                        self.seq_q,
+                        self.seq_kv
+                    ),
+                });
+            }
+            self.doc_ids = Some(DocIds {
+                q: q.to_vec(),
+                k: k.to_vec(),
+            });
+        } else {
+            self.doc_ids = None;
+        }
+        Ok(self)
+    }
+
+    /// Whether the document ids (if any) let query `i` of batch `b` see key `j`.
+    pub fn docs_allow(&self, b: usize, i: usize, j: usize) -> bool {
+        self.doc_ids
+            .as_ref()
+            .is_none_or(|d| d.q[b * self.seq_q + i] == d.k[b * self.seq_kv + j])
     }
 
     /// The ALiBi distance of query `i` and key `j` in a batch of `seq_kv` keys (its key

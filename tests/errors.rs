@@ -376,6 +376,26 @@ fn softcap_and_alibi_are_validated() {
         .sink_logits(&[-30.0, 0.0, 3.0, 1e30])
         .problem()
         .unwrap();
+    // Document ids: [B, L] = 10 and [B, S] = 14 (B 2, L 5, S 7), any values.
+    for (qd, kd) in [(9, 14), (10, 13), (5, 7), (14, 10), (0, 0)] {
+        let r = Sdpa::new(&q, &k, &v)
+            .doc_ids(&vec![0; qd], &vec![0; kd])
+            .problem();
+        assert!(is(&r, "doc_ids"), "{qd}, {kd}: {r:?}");
+    }
+    let msg = Sdpa::new(&q, &k, &v)
+        .doc_ids(&[0; 9], &[0; 14])
+        .problem()
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("9 query") && msg.contains("[B, L] = 10"), "{msg}");
+    Sdpa::new(&q, &k, &v)
+        .doc_ids(
+            &[i32::MIN; 10],
+            &[-1, 0, 1, i32::MAX, 5, 5, 5, 0, 0, 0, 0, 0, 0, 0],
+        )
+        .problem()
+        .unwrap();
     let msg = Sdpa::new(&q, &k, &v)
         .alibi(&[1.0; 3])
         .problem()
@@ -404,6 +424,7 @@ fn softcap_and_alibi_are_validated() {
         Sdpa::new(&q, &k, &v).softcap(30.0),
         Sdpa::new(&q, &k, &v).alibi(&[0.5; 4]),
         Sdpa::new(&q, &k, &v).sink_logits(&[0.5; 4]),
+        Sdpa::new(&q, &k, &v).doc_ids(&[0; 10], &[0; 14]),
     ] {
         let r = ring.run_blocking(&sdpa);
         assert!(matches!(r, Err(Error::Ring { .. })), "{:?}", r.err());

@@ -369,6 +369,7 @@ fn broadcasts_infinite_bias_and_large_logits_in_every_form() {
             softcap: None,
             alibi: None,
             sink_logits: None,
+            doc_ids: None,
             scale: Some(1.0),
             storage: wgpu_attention::Storage::F32,
         };

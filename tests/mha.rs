@@ -694,10 +694,21 @@ fn softcap_alibi_and_sinks_reach_the_layer() {
         let case = MhaCase::random(g, 710 + i as u64, Storage::F32);
         let slopes = wgpu_attention::alibi_slopes(heads);
         let sinks: Vec<f32> = (0..heads).map(|h| 0.3 * h as f32 - 0.5).collect();
+        // Three packed documents per batch, their boundaries moving with the batch.
+        let docs = |n: usize| -> Vec<i32> {
+            (0..2 * n)
+                .map(|t| ((t % n + t / n * 5) * 3 / (n + 5)) as i32)
+                .collect()
+        };
+        let (qd, kd) = (docs(l), docs(s));
         let opts = wgpu_attention::Options {
             softcap: Some(0.5),
             alibi: Some(slopes.clone()),
             sink_logits: Some(sinks.clone()),
+            doc_ids: Some(wgpu_attention::DocIds {
+                q: qd.clone(),
+                k: kd.clone(),
+            }),
             ..case.options()
         };
         let r = reference::mha(&case.w, &case.inputs(), &opts).unwrap();
@@ -721,6 +732,7 @@ fn softcap_alibi_and_sinks_reach_the_layer() {
                 .softcap(0.5)
                 .alibi(&slopes)
                 .sink_logits(&sinks)
+                .doc_ids(&qd, &kd)
                 .path(path)
                 .run_blocking(ctx)
                 .unwrap();
@@ -729,7 +741,7 @@ fn softcap_alibi_and_sinks_reach_the_layer() {
                 &r,
                 weights,
                 TOL,
-                &format!("{} softcap alibi sinks {path:?}", case.label()),
+                &format!("{} softcap alibi sinks docs {path:?}", case.label()),
             );
         }
         // The layer's backward does not return d(sink logits) yet: a typed error, not a silent

@@ -166,6 +166,7 @@ fn large_magnitude_logits_stay_finite() {
             softcap: None,
             alibi: None,
             sink_logits: None,
+            doc_ids: None,
             scale: Some(1.0),
             storage: wgpu_attention::Storage::F32,
         };
@@ -185,6 +186,7 @@ fn large_magnitude_logits_stay_finite() {
         softcap: None,
         alibi: None,
         sink_logits: None,
+        doc_ids: None,
         scale: Some(1.0),
         storage: wgpu_attention::Storage::F32,
     };

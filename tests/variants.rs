@@ -533,6 +533,14 @@ fn typed_errors() {
             ..Options::default()
         };
         option_err(run(&p, capped), "softcap");
+        let docs = Options {
+            doc_ids: Some(wgpu_attention::DocIds {
+                q: vec![0; 8],
+                k: vec![0; 6],
+            }),
+            ..Options::default()
+        };
+        option_err(run(&p, docs), "doc_ids");
     }
     let nys = VariantParams::Nystrom { landmarks: 2 };
     option_err(

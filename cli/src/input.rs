@@ -7,7 +7,7 @@ use clap::Args;
 use ndarray::{Array4, ArrayD};
 use wgpu_attention::{Options, Path, Sdpa, Storage, Tensor};
 
-use crate::npy::{read_array, read_float, read_qkv};
+use crate::npy::{read_array, read_float, read_int, read_qkv};
 use crate::{path_parser, CausalArg, CliResult};
 
 /// The attention inputs and options `run` and `backward` share.
@@ -58,6 +58,11 @@ pub(crate) struct InputArgs {
     /// denominator with no value (gpt-oss's attention sinks).
     #[arg(long, value_name = "SK.npy")]
     pub(crate) sink_logits: Option<PathBuf>,
+    /// Document ids of packed sequences, two integer .npy files (int32 or int64): the query
+    /// documents [B, L] and the key documents [B, S]; query i of batch b sees key j only if
+    /// QD[b, i] == KD[b, j].
+    #[arg(long, value_name = "QD.npy,KD.npy", value_delimiter = ',', num_args = 1)]
+    doc_ids: Option<Vec<PathBuf>>,
     /// Softmax scale [default: 1/sqrt(E)].
     #[arg(long, allow_negative_numbers = true)]
     scale: Option<f32>,
@@ -95,6 +100,7 @@ pub(crate) struct Inputs {
     pub(crate) mask: Option<ArrayD<bool>>,
     pub(crate) bias: Option<ArrayD<f32>>,
     pub(crate) sink_logits: Option<Vec<f32>>,
+    pub(crate) doc_ids: Option<wgpu_attention::DocIds>,
 }
 
 impl InputArgs {
@@ -125,6 +131,11 @@ impl InputArgs {
                 Ok::<_, Box<dyn std::error::Error>>(a.iter().copied().collect::<Vec<f32>>())
             })
             .transpose()?;
+        let doc_ids = self
+            .doc_ids
+            .as_deref()
+            .map(|paths| read_docs(paths, &q, &k))
+            .transpose()?;
         // The values the device holds: every input rounded to the storage format.
         let st = self.storage;
         let round = |x: f32| st.round(x);
@@ -135,6 +146,7 @@ impl InputArgs {
             mask,
             bias: bias.map(|b| b.mapv(round)),
             sink_logits,
+            doc_ids,
         })
     }
 
@@ -154,6 +166,7 @@ impl InputArgs {
             softcap: self.softcap,
             alibi: self.alibi.clone(),
             sink_logits: x.sink_logits.clone(),
+            doc_ids: x.doc_ids.clone(),
         }
     }
 
@@ -162,6 +175,29 @@ impl InputArgs {
         let t = |a| Tensor::from(a).with_storage(self.storage);
         Sdpa::new(t(&x.q), t(&x.k), t(&x.v)).options(self.options(x))
     }
+}
+
+/// `--doc-ids QD.npy,KD.npy`: two integer arrays, `[B, L]` and `[B, S]` of q and k.
+fn read_docs(paths: &[PathBuf], q: &Array4<f32>, k: &Array4<f32>) -> CliResult<wgpu_attention::DocIds> {
+    let [qd, kd] = paths else {
+        return Err(format!("--doc-ids: give two files, QD.npy,KD.npy (got {})", paths.len()).into());
+    };
+    let (b, l, s) = (q.shape()[0], q.shape()[2], k.shape()[2]);
+    let mut ids = Vec::new();
+    let parts = [
+        (qd, "query document ids", [b, l], "[B, L]"),
+        (kd, "key document ids", [b, s], "[B, S]"),
+    ];
+    for (path, what, want, named) in parts {
+        let a = read_int(path, what)?;
+        if a.shape() != want {
+            return Err(format!("{what}: shape {:?} is not {named} = {want:?}", a.shape()).into());
+        }
+        ids.push(a.iter().copied().collect::<Vec<i32>>());
+    }
+    let k_ids = ids.pop().expect("two");
+    let q_ids = ids.pop().expect("two");
+    Ok(wgpu_attention::DocIds { q: q_ids, k: k_ids })
 }
 
 /// `LEFT,RIGHT`: two integers (range checks are the library's: a typed error before any work).

@@ -67,6 +67,28 @@ pub(crate) fn read_float(path: &FsPath, what: &str) -> CliResult<ArrayD<f32>> {
         .into_owned())
 }
 
+/// Read an integer `.npy` as i32: int32 (`<i4`), or int64 (`<i8`) whose values fit in i32.
+pub(crate) fn read_int(path: &FsPath, what: &str) -> CliResult<ArrayD<i32>> {
+    const DTYPE: &str = "int32 ('<i4') or int64 ('<i8')";
+    const FIX: &str = "x.astype(np.int32)";
+    let mut reader = open_checked(path, what, DTYPE, FIX)?;
+    let p = path.display();
+    let file_len = reader
+        .get_ref()
+        .metadata()
+        .map_err(|e| format!("{what}: cannot read {p}: {e}"))?
+        .len();
+    let header = read_header(&mut reader, file_len).map_err(|_| format!("{what}: cannot read {p}"))?;
+    if header.descr.as_deref() != Some("<i8") {
+        return read_array::<i32>(path, what, DTYPE, FIX);
+    }
+    let wide = read_array::<i64>(path, what, DTYPE, FIX)?;
+    if let Some(x) = wide.iter().find(|&&x| i32::try_from(x).is_err()) {
+        return Err(format!("{what}: {p} holds {x}, outside int32").into());
+    }
+    Ok(wide.mapv(|x| x as i32))
+}
+
 /// Read q, k or v: f32 or f16, exactly 4-D.
 pub(crate) fn read_qkv(path: &FsPath, what: &str, layout: &str) -> CliResult<ndarray::Array4<f32>> {
     let a = read_float(path, what)?;

@@ -1209,3 +1209,117 @@ fn sink_logits_and_their_gradient() {
     assert_eq!(r.status.code(), Some(2), "{}", String::from_utf8_lossy(&r.stderr));
     assert!(!o.exists());
 }
+
+/// `--doc-ids QD.npy,KD.npy` (int32 and int64 files) on `run` and `backward`: the GPU against
+/// the CPU reference, the documents changing the result; misshapen ids, a float file and one
+/// file only exit 2 and write nothing.
+#[test]
+fn doc_ids_on_run_and_backward() {
+    let dir = out_dir("doc-ids");
+    let p = |n: &str| dir.join(n);
+    let fill = |shape: [usize; 4], m: usize| {
+        Array4::from_shape_fn(shape, |(b, h, i, j)| {
+            ((b * 7 + h * 3 + i * m + j * 5) % 11) as f32 * 0.2 - 1.0
+        })
+    };
+    let (q, k, v, dout) = (p("q.npy"), p("k.npy"), p("v.npy"), p("dout.npy"));
+    write_npy(&q, &fill([2, 2, 9, 8], 7)).unwrap();
+    write_npy(&k, &fill([2, 2, 13, 8], 3)).unwrap();
+    write_npy(&v, &fill([2, 2, 13, 4], 2)).unwrap();
+    write_npy(&dout, &fill([2, 2, 9, 4], 5)).unwrap();
+    // Queries in documents 0..3 (document 3 has no key: fully masked rows), keys 0..2.
+    let qd = ndarray::Array2::from_shape_fn((2, 9), |(b, i)| ((i + b) / 3) as i32 % 4);
+    let kd = ndarray::Array2::from_shape_fn((2, 13), |(b, j)| ((j + 2 * b) / 5) as i64 % 3);
+    let (qdp, kdp) = (p("qd.npy"), p("kd.npy"));
+    write_npy(&qdp, &qd).unwrap();
+    write_npy(&kdp, &kd).unwrap();
+    write_npy(p("bad.npy"), &ndarray::Array2::<i32>::zeros((2, 8))).unwrap();
+    write_npy(p("float.npy"), &ndarray::Array2::<f32>::zeros((2, 13))).unwrap();
+    let ids = format!("{},{}", s(&qdp), s(&kdp));
+    let flags = ["--doc-ids", ids.as_str(), "--causal", "bottom-right"];
+    let run = |tag: &str, cpu: bool, extra: &[&str]| {
+        let out = p(&format!("{tag}.npy"));
+        let mut args = vec!["--out", s(&out)];
+        args.extend(extra);
+        if cpu {
+            args.push("--cpu");
+        }
+        let r = run_qkv(&q, &k, &v, &args);
+        assert!(
+            r.status.success(),
+            "{tag}: {}",
+            String::from_utf8_lossy(&r.stderr)
+        );
+        read_npy::<_, ArrayD<f32>>(&out).unwrap()
+    };
+    let cpu = run("cpu", true, &flags);
+    let plain = run("plain", true, &flags[2..]);
+    assert!(cpu.iter().zip(&plain).any(|(a, b)| (a - b).abs() > 1e-3));
+    // Batch 1's last row is in document 3, which no key has: zero.
+    assert!(cpu.slice(ndarray::s![1, .., 7, ..]).iter().any(|&x| x != 0.0));
+    assert!(
+        cpu.slice(ndarray::s![1, .., 8, ..]).iter().all(|&x| x == 0.0),
+        "{cpu:?}"
+    );
+    let grads = |tag: &str, cpu_flag: bool| {
+        let outs = ["dq", "dk", "dv"].map(|n| p(&format!("{tag}-{n}.npy")));
+        let mut args = vec![
+            "backward",
+            "--q",
+            s(&q),
+            "--k",
+            s(&k),
+            "--v",
+            s(&v),
+            "--dout",
+            s(&dout),
+        ];
+        args.extend([
+            "--dq-out",
+            s(&outs[0]),
+            "--dk-out",
+            s(&outs[1]),
+            "--dv-out",
+            s(&outs[2]),
+        ]);
+        args.extend(flags);
+        if cpu_flag {
+            args.push("--cpu");
+        }
+        let r = cli(&args);
+        assert!(
+            r.status.success(),
+            "{tag}: {}",
+            String::from_utf8_lossy(&r.stderr)
+        );
+        outs.map(|o| read_npy::<_, ArrayD<f32>>(&o).unwrap())
+    };
+    let dcpu = grads("cpu", true);
+    if common::ctx().is_some() {
+        let gpu = run("gpu", false, &flags);
+        common::assert_report(
+            compare(gpu.iter().copied(), cpu.iter().map(|&x| x as f64), common::TOL),
+            "doc ids gpu vs cpu",
+        );
+        for (g, c) in grads("gpu", false).iter().zip(&dcpu) {
+            common::assert_report(
+                compare(g.iter().copied(), c.iter().map(|&x| x as f64), common::TOL),
+                "doc ids gradients gpu vs cpu",
+            );
+        }
+    }
+    let o = p("bad-out.npy");
+    let bad_ids = [
+        format!("{},{}", s(&qdp), s(&p("bad.npy"))),
+        format!("{},{}", s(&p("bad.npy")), s(&kdp)),
+        format!("{},{}", s(&qdp), s(&p("float.npy"))),
+        s(&qdp).to_string(),
+    ];
+    for (bad, want) in bad_ids.iter().zip(["[B, S]", "[B, L]", "int32", "two files"]) {
+        let r = run_qkv(&q, &k, &v, &["--out", s(&o), "--doc-ids", bad]);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{bad}: {err}");
+        assert!(err.contains(want) && err.lines().count() == 1, "{bad}: {err}");
+        assert!(!o.exists());
+    }
+}

@@ -80,6 +80,18 @@ wgsl_struct! {
         /// Where the sink logits start among the auxiliary words (after the slopes), read
         /// where HAS_SINKS.
         sink_off: u32,
+        /// Where the document ids start among the auxiliary words (after the sink logits),
+        /// read where HAS_DOCS: the queries' `[B, L]` at doc_q, the keys' `[B, S]` at doc_k,
+        /// then the (min, max) id of each block of DOC_BLOCK queries (doc_qb) and keys
+        /// (doc_kb) of each batch; doc_l is L.
+        doc_q: u32,
+        doc_k: u32,
+        doc_qb: u32,
+        doc_kb: u32,
+        doc_l: u32,
+        _pad0: u32,
+        _pad1: u32,
+        _pad2: u32,
     }
 }
 
@@ -169,6 +181,7 @@ impl Masks {
         // keys) and keep the kernels' i32 arithmetic from overflowing.
         let window = p.window;
         let side = |v: i64| v.min(1 << 30) as i32;
+        let doc = doc_offsets(p);
         Masks {
             has_causal: (p.causal != crate::problem::Causal::None) as u32,
             causal_off: p
@@ -194,8 +207,41 @@ impl Masks {
             softcap_inv: p.softcap.map_or(0.0, |c| 1.0 / c),
             alibi_off: p.batch as u32,
             sink_off: (p.batch + p.alibi.as_ref().map_or(0, Vec::len)) as u32,
+            doc_q: doc[0] as u32,
+            doc_k: doc[1] as u32,
+            doc_qb: doc[2] as u32,
+            doc_kb: doc[3] as u32,
+            doc_l: p.seq_q as u32,
+            ..Default::default()
         }
     }
+}
+
+/// The block of queries or keys whose (min, max) document id the kernels read to skip key
+/// tiles (`DOC_BLOCK` in `shaders/common/masks.wgsl`).
+pub(crate) const DOC_BLOCK: usize = 16;
+
+/// Where the document ids' four parts start among the auxiliary words (see
+/// [`crate::sdpa::forward::aux_words`]): the queries' ids, the keys', the query blocks' and the
+/// key blocks' (min, max) pairs.
+pub(crate) fn doc_offsets(p: &crate::problem::Problem) -> [usize; 4] {
+    let q = p.batch + p.alibi.as_ref().map_or(0, Vec::len) + p.sink_logits.as_ref().map_or(0, Vec::len);
+    let k = q + p.batch * p.seq_q;
+    let qb = k + p.batch * p.seq_kv;
+    let kb = qb + 2 * p.batch * p.seq_q.div_ceil(DOC_BLOCK);
+    [q, k, qb, kb]
+}
+
+/// The (min, max) of each block of [`DOC_BLOCK`] ids of each of the `rows` rows of `n` ids.
+pub(crate) fn doc_blocks(ids: &[i32], n: usize) -> Vec<i32> {
+    ids.chunks(n)
+        .flat_map(|row| row.chunks(DOC_BLOCK))
+        .flat_map(|blk| {
+            let lo = blk.iter().copied().min().unwrap_or(0);
+            let hi = blk.iter().copied().max().unwrap_or(0);
+            [lo, hi]
+        })
+        .collect()
 }
 
 /// Whether a form computes its logits as scalars summed by FMAs (`dot_fma` in
@@ -230,6 +276,8 @@ pub(crate) struct Mods {
     pub alibi: bool,
     /// Sink logits (the auxiliary words after the slopes).
     pub sinks: bool,
+    /// Document ids (the auxiliary words after the sink logits).
+    pub docs: bool,
 }
 
 impl Mods {
@@ -240,6 +288,7 @@ impl Mods {
             softcap: p.softcap.is_some(),
             alibi: p.alibi.is_some(),
             sinks: p.sink_logits.is_some(),
+            docs: p.doc_ids.is_some(),
         }
     }
 }
@@ -252,12 +301,13 @@ pub(crate) fn mask_flags(has_mask: bool, has_bias: bool, mods: Mods, bias: crate
     format!(
         "const HAS_MASK: bool = {has_mask};\nconst HAS_BIAS: bool = {has_bias};\nconst HAS_WINDOW: bool = {};\n\
          const HAS_SOFTCAP: bool = {};\nconst HAS_ALIBI: bool = {};\nconst HAS_SINKS: bool = {};\n\
-         const MASKED_LOGIT: bool = {};\n{}",
+         const HAS_DOCS: bool = {};\nconst MASKED_LOGIT: bool = {};\n{}",
         mods.window,
         mods.softcap,
         mods.alibi,
         mods.sinks,
-        has_mask || has_bias || mods.softcap || mods.alibi,
+        mods.docs,
+        has_mask || has_bias || mods.softcap || mods.alibi || mods.docs,
         access::bias(bias)
     )
 }

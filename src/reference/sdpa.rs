@@ -66,8 +66,8 @@ pub(super) fn broadcast4<T, S: ndarray::Data<Elem = T>>(
         .expect("four dims")
 }
 
-/// Whether query `i` may attend key `j` of batch `b`, head `h` (mask, causal, key lengths,
-/// window).
+/// Whether query `i` may attend key `j` of batch `b`, head `h` (document ids, window, causal,
+/// key lengths, mask).
 pub(super) fn allowed(
     opts: &Options,
     mask: Option<&ndarray::ArrayView4<bool>>,
@@ -77,6 +77,11 @@ pub(super) fn allowed(
 ) -> bool {
     let (causal, kv_lens) = (opts.causal, opts.kv_lens.as_deref());
     let [b, _h, i, j] = idx;
+    if let Some(d) = &opts.doc_ids {
+        if d.q[b * l + i] != d.k[b * s + j] {
+            return false;
+        }
+    }
     if let Some((left, right)) = opts.window {
         let w = crate::Window {
             left,
@@ -134,6 +139,18 @@ pub(super) fn softcap_grad(opts: &Options, x: f64) -> f64 {
 /// not used (the scores are already scaled); a bias must be host data.
 pub fn masked_softmax(scores: &Array4<f64>, opts: &Options) -> Result<(Array4<f64>, Array3<f64>)> {
     let (b, h, l, s) = scores.dim();
+    if let Some(d) = &opts.doc_ids {
+        if d.q.len() != b * l || d.k.len() != b * s {
+            return Err(crate::Error::InvalidModifier {
+                modifier: "doc_ids",
+                reason: format!(
+                    "{} query and {} key document ids for scores [{b}, {h}, {l}, {s}]: give B·L and B·S",
+                    d.q.len(),
+                    d.k.len()
+                ),
+            });
+        }
+    }
     let (mask_view, bias_view) = (opts.mask_view()?, opts.bias_view()?);
     let mask = mask_view.as_ref().map(|m| broadcast4(m, [b, h, l, s]));
     let bias = bias_view.as_ref().map(|m| broadcast4(m, [b, h, l, s]));

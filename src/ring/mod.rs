@@ -435,6 +435,9 @@ impl RingPlan {
         if p.window.is_some() {
             return refuse("a sliding window is not split over devices yet: run it on one device");
         }
+        if p.doc_ids.is_some() {
+            return refuse("document ids are not split over devices yet: run them on one device");
+        }
         if p.softcap.is_some() || p.alibi.is_some() || p.sink_logits.is_some() {
             return refuse(
                 "a softcap, ALiBi or sink logits are not split over devices yet: run them on one device",

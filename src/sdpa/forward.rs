@@ -105,14 +105,27 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
 
 /// The auxiliary words of binding 2 (`aux_word` in the kernels), when the problem has any: the
 /// B key lengths (0 without them), then the Hq ALiBi slopes and the Hq sink logits as f32
-/// bits (each when given).
+/// bits (each when given), then the document ids: the queries' `[B, L]`, the keys' `[B, S]`
+/// and each block's (min, max) of each (`crate::kernels::doc_offsets`).
 pub(crate) fn aux_words(p: &Problem) -> Option<Vec<u32>> {
-    if p.kv_lens.is_none() && p.alibi.is_none() && p.sink_logits.is_none() {
+    if p.kv_lens.is_none() && p.alibi.is_none() && p.sink_logits.is_none() && p.doc_ids.is_none() {
         return None;
     }
     let mut w = p.kv_lens.clone().unwrap_or_else(|| vec![0; p.batch]);
     w.extend(p.alibi.iter().flatten().map(|x| x.to_bits()));
     w.extend(p.sink_logits.iter().flatten().map(|x| x.to_bits()));
+    if let Some(d) = &p.doc_ids {
+        debug_assert_eq!(w.len(), crate::kernels::doc_offsets(p)[0]);
+        let blocks = |ids: &[i32], n| crate::kernels::doc_blocks(ids, n);
+        for ids in [
+            &d.q[..],
+            &d.k[..],
+            &blocks(&d.q, p.seq_q),
+            &blocks(&d.k, p.seq_kv),
+        ] {
+            w.extend(ids.iter().map(|&x| x as u32));
+        }
+    }
     Some(w)
 }
 

@@ -432,6 +432,10 @@ impl Sdpa<'_> {
             softcap: self.options.softcap,
             alibi: self.options.alibi.clone(),
             sink_logits: self.options.sink_logits.clone(),
+            doc_ids: self.options.doc_ids.as_ref().map(|_| crate::DocIds {
+                q: vec![0; b * l],
+                k: vec![0; b * s],
+            }),
         };
         // Tensors read through views are prepared as views (the kernels differ).
         let shapes = [[b, hq, l, e], [b, hkv, s, e], [b, hkv, s, ev], base.out_shape()];

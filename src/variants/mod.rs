@@ -346,6 +346,12 @@ fn check_options(kind: VariantKind, options: &Options, weights: bool) -> Result<
             "sink logits join the scaled dot-product softmax, which this variant replaces",
         ));
     }
+    if options.doc_ids.is_some() {
+        return Err(refuse(
+            "doc_ids",
+            "document ids are a mask of the scaled dot-product attention only (give a boolean mask where this variant takes one)",
+        ));
+    }
     if !kind.takes_masks() {
         let why = match kind {
                 VariantKind::Nystrom => {

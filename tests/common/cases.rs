@@ -11,8 +11,8 @@ use wgpu_attention::check::{compare, Report, Tolerance, F32_TOLERANCE};
 use wgpu_attention::reference;
 use wgpu_attention::reference::MhaInputs;
 use wgpu_attention::{
-    Causal, MhaConfig, MhaForward, MhaOutput, MhaWeights, MultiHeadAttention, NeedWeights, Options, Output,
-    Path, Sdpa, Storage, Tensor,
+    Causal, DocIds, MhaConfig, MhaForward, MhaOutput, MhaWeights, MultiHeadAttention, NeedWeights, Options,
+    Output, Path, Sdpa, Storage, Tensor,
 };
 
 /// Uniform values in [-1, 1).
@@ -44,6 +44,8 @@ pub struct Case {
     pub alibi: Option<Vec<f32>>,
     /// Sink logits (one per query head).
     pub sink_logits: Option<Vec<f32>>,
+    /// Document ids of packed sequences.
+    pub doc_ids: Option<DocIds>,
     /// f64, as PyTorch's goldens give it; the GPU uses its f32 rounding.
     pub scale: Option<f64>,
     /// The device format of q, k, v, the bias and the output; the f32 arrays hold values
@@ -68,6 +70,7 @@ impl Case {
             softcap: None,
             alibi: None,
             sink_logits: None,
+            doc_ids: None,
             scale: None,
             storage: Storage::F32,
         }
@@ -172,6 +175,41 @@ impl Case {
         self
     }
 
+    /// Packed sequences: about five documents of random lengths over the keys, in order, and
+    /// the queries' documents those of the keys at the same relative position (both sorted,
+    /// so that key tiles of other documents are skipped), different in each batch.
+    pub fn with_packed_docs(mut self, seed: u64) -> Case {
+        let (b, _, l, s) = self.dims();
+        let mut r = rng(seed);
+        let (mut q, mut k) = (Vec::new(), Vec::new());
+        for _ in 0..b {
+            let mut doc = 0;
+            let row: Vec<i32> = (0..s)
+                .map(|_| {
+                    if r.random_range(0.0..1.0) < 5.0 / s as f64 {
+                        doc += 1;
+                    }
+                    doc
+                })
+                .collect();
+            q.extend((0..l).map(|i| row[i * s / l]));
+            k.extend(row);
+        }
+        self.doc_ids = Some(DocIds { q, k });
+        self
+    }
+
+    /// Unordered document ids: queries' in 0..4, keys' in 0..3 (a query of document 3 sees no
+    /// key: a fully masked row).
+    pub fn with_random_docs(mut self, seed: u64) -> Case {
+        let (b, _, l, s) = self.dims();
+        let mut r = rng(seed);
+        let q = (0..b * l).map(|_| r.random_range(0..4)).collect();
+        let k = (0..b * s).map(|_| r.random_range(0..3)).collect();
+        self.doc_ids = Some(DocIds { q, k });
+        self
+    }
+
     /// The case's options, shared by the GPU call and the reference.
     pub fn options(&self) -> Options<'_> {
         let mut o = Options {
@@ -183,6 +221,7 @@ impl Case {
             softcap: self.softcap,
             alibi: self.alibi.clone(),
             sink_logits: self.sink_logits.clone(),
+            doc_ids: self.doc_ids.clone(),
             ..Options::default()
         };
         o.mask = self.mask.as_ref().map(|m| m.into());
@@ -296,6 +335,7 @@ pub fn broadcast_cases() -> Vec<(String, Case)> {
             softcap: None,
             alibi: None,
             sink_logits: None,
+            doc_ids: None,
             scale: None,
             storage: Storage::F32,
         };
@@ -359,23 +399,27 @@ pub fn window_kinds() -> Vec<MaskKind> {
 
 /// The built-in score modifiers (the ring and the approximate variants refuse them): a
 /// softcap alone (the fused kernels pass logits through `masked_logit` for it alone); ALiBi
-/// and sink logits with bottom-right causal and key lengths (its distance aligned to each
-/// batch's length); and all three with a window, sink tokens, a boolean mask and a bias
-/// (softcap before the bias; rows the window leaves empty give 0 with the sink).
+/// and sink logits with packed documents (key tiles skipped), bottom-right causal and key
+/// lengths (its distance aligned to each batch's length); and all three with unordered
+/// document ids (rows of a document no key has: fully masked), a window, sink tokens, a
+/// boolean mask and a bias (softcap before the bias; rows the window leaves empty give 0 with
+/// the sink).
 /// The softcap of 0.8 bends the tests' logits (|s| up to about 2) well into tanh's curve.
 pub fn modifier_kinds() -> Vec<MaskKind> {
     vec![
         ("softcap", |c| c.with_softcap(0.8)),
-        ("alibi_sinks_causal_lens", |c| {
+        ("alibi_sinks_packed_docs_causal_lens", |c| {
             c.with_alibi()
                 .with_sink_logits()
+                .with_packed_docs(16)
                 .with_causal(Causal::BottomRight)
                 .with_kv_lens()
         }),
-        ("softcap_alibi_sinks_window_mask_bias", |c| {
+        ("softcap_alibi_sinks_docs_window_mask_bias", |c| {
             c.with_softcap(0.8)
                 .with_alibi()
                 .with_sink_logits()
+                .with_random_docs(17)
                 .with_window(5, 3, 2)
                 .with_random_mask(14)
                 .with_random_bias(15)
@@ -484,6 +528,7 @@ pub fn golden_case(name: &str, file: &impl Fn(&str) -> Option<Vec<u8>>) -> (Case
         softcap: None,
         alibi: None,
         sink_logits: None,
+        doc_ids: None,
         scale: meta["scale"].as_f64(),
         // Half goldens hold inputs already rounded to the format (by PyTorch's
         // `.half()` / `.bfloat16()`) and outputs computed in f64 from them.

@@ -361,6 +361,7 @@ async fn large_magnitude_logits_stay_finite() {
             softcap: None,
             alibi: None,
             sink_logits: None,
+            doc_ids: None,
             scale: Some(1.0),
             storage: wgpu_attention::Storage::F32,
         };
