@@ -154,6 +154,15 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// User WGSL functions ([`UserMod`](crate::UserMod)) that naga rejects, with a wrong
+    /// signature, or unknown, duplicate or misnamed captures.
+    #[error("user WGSL{}: {message}", line.map(|l| format!(" line {l}")).unwrap_or_default())]
+    UserMod {
+        /// The source's line (1-based) the message is about, where naga gives one.
+        line: Option<usize>,
+        /// What is wrong (naga's message, with the line quoted).
+        message: String,
+    },
     /// A built-in score or mask modifier with a value outside its domain.
     #[error("{modifier}: {reason}")]
     InvalidModifier {

@@ -52,6 +52,7 @@ mod subgroup_probe;
 mod tensor;
 mod timer;
 mod tune;
+mod user_mod;
 mod variants;
 mod view;
 
@@ -81,6 +82,7 @@ pub use sdpa::{GpuOutput, Output, Path, Sdpa};
 pub use storage::{Element, Formats, Storage};
 pub use tensor::{Mask, Tensor};
 pub use timer::GpuTimed;
+pub use user_mod::{CpuMask, CpuScore, UserMod};
 pub use variants::{GpuVariantOutput, Variant, VariantKind, VariantOutput, VariantParams};
 pub use view::TensorLayout;
 /// Re-exported so callers use the same wgpu version.

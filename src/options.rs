@@ -37,6 +37,8 @@ pub struct Options<'a> {
     pub sink_logits: Option<Vec<f32>>,
     /// Document ids of packed sequences (see [`Problem::with_doc_ids`]).
     pub doc_ids: Option<crate::problem::DocIds>,
+    /// User WGSL `score_mod` / `mask_mod` with their captures (see [`UserMod`](crate::UserMod)).
+    pub user_mod: Option<crate::UserMod<'a>>,
 }
 
 impl<'a> Options<'a> {
@@ -49,7 +51,8 @@ impl<'a> Options<'a> {
             .with_softcap(self.softcap)?
             .with_alibi(self.alibi.as_deref())?
             .with_sink_logits(self.sink_logits.as_deref())?
-            .with_doc_ids(self.doc_ids.as_ref().map(|d| (&d.q[..], &d.k[..])))?;
+            .with_doc_ids(self.doc_ids.as_ref().map(|d| (&d.q[..], &d.k[..])))?
+            .with_user_mod(self.user_mod.as_ref())?;
         if let Some(m) = &self.mask {
             p = p.with_mask(&m.shape)?;
             check_len("mask", &m.shape, m.data.len())?;
@@ -186,6 +189,14 @@ macro_rules! option_setters {
                 q: q_docs.to_vec(),
                 k: k_docs.to_vec(),
             });
+            self
+        }
+
+        /// User WGSL functions: `score_mod` (applied to each logit after the softcap, the bias
+        /// and ALiBi) and/or `mask_mod` (and-ed with every other mask), with their captured
+        /// tensors. Checked by naga before any GPU work. See [`UserMod`]($crate::UserMod).
+        pub fn user_mod(mut self, m: $crate::UserMod<'a>) -> Self {
+            self.options.user_mod = Some(m);
             self
         }
 

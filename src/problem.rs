@@ -212,6 +212,8 @@ pub struct Problem {
     /// Document ids of packed sequences (query `i` sees key `j` only within its document), if
     /// any.
     pub doc_ids: Option<DocIds>,
+    /// User WGSL functions (checked), if any.
+    pub(crate) user_fns: Option<std::sync::Arc<crate::user_mod::UserFns>>,
     /// The storage formats of q, k, v, the bias and the output (all f32 by default).
     pub storage: crate::storage::Formats,
     /// Where q, k, v, the output (and the backward's dout) lie in their buffers, for those
@@ -279,6 +281,7 @@ impl Problem {
             alibi: None,
             sink_logits: None,
             doc_ids: None,
+            user_fns: None,
             storage: Default::default(),
             views: Default::default(),
         })
@@ -437,6 +440,23 @@ impl Problem {
             self.doc_ids = None;
         }
         Ok(self)
+    }
+
+    /// Set user WGSL functions (see [`UserMod`](crate::UserMod)): the source and captures are
+    /// checked by naga (a typed error before any GPU work).
+    pub fn with_user_mod(mut self, m: Option<&crate::UserMod>) -> Result<Self> {
+        self.user_fns = m.map(|m| m.fns()).transpose()?;
+        Ok(self)
+    }
+
+    /// Whether the problem has a user `score_mod`.
+    pub fn has_score_mod(&self) -> bool {
+        self.user_fns.as_ref().is_some_and(|u| u.score)
+    }
+
+    /// Whether the problem has user WGSL functions.
+    pub fn has_user_mod(&self) -> bool {
+        self.user_fns.is_some()
     }
 
     /// Whether the document ids (if any) let query `i` of batch `b` see key `j`.

@@ -87,6 +87,32 @@ fn modifiers_by_flash_rule() {
     }
 }
 
+/// A user `mask_mod` (prefix-LM and dilated, rows fully masked) with packed documents and a
+/// bias, on both paths; a `score_mod` is refused with a typed error (its gradient is not
+/// implemented), before any GPU work.
+#[test]
+fn user_mask_mod_by_flash_rule() {
+    let Some(ctx) = ctx() else { return };
+    let (_, mask_kind) = user_kinds()[1];
+    for (si, shape) in [(1, 2, 2, 70, 130, 33, 65), (2, 4, 2, 17, 23, 16, 8)]
+        .into_iter()
+        .enumerate()
+    {
+        let case = mask_kind(Case::random(shape, 720 + si as u64));
+        check(ctx, &case, PATHS[si % 2], &format!("{shape:?} mask_mod"));
+        check(ctx, &case, PATHS[(si + 1) % 2], &format!("{shape:?} mask_mod"));
+    }
+    let (_, score_kind) = user_kinds()[0];
+    let case = score_kind(Case::random((1, 2, 2, 9, 13, 8, 8), 730));
+    let dout = Array4::<f32>::zeros((1, 2, 9, 8));
+    let r = case.sdpa().backward(&dout).run_blocking(ctx);
+    assert!(
+        matches!(&r, Err(wgpu_attention::Error::InvalidModifier { modifier, .. }) if *modifier == "score_mod"),
+        "{:?}",
+        r.err()
+    );
+}
+
 /// Biases (and masks) of every broadcast shape: d(bias) summed over the broadcast dims.
 #[test]
 fn broadcast_bias_gradients_are_summed() {

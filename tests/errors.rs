@@ -430,3 +430,74 @@ fn softcap_and_alibi_are_validated() {
         assert!(matches!(r, Err(Error::Ring { .. })), "{:?}", r.err());
     }
 }
+
+/// User WGSL functions: naga's rejection quoting the line, a wrong signature, no function,
+/// duplicate and unknown captures, an entry point: typed errors from `problem()` (no GPU work);
+/// the CPU reference without closures, the ring and the variants refuse too.
+#[test]
+fn user_functions_are_checked() {
+    use wgpu_attention::UserMod;
+    let (q, k, v) = (
+        q(),
+        Array4::<f32>::zeros((2, 2, 7, 8)),
+        Array4::<f32>::zeros((2, 2, 7, 3)),
+    );
+    let table = [0.5f32; 4];
+    let good = "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {\n    return s + t(h);\n}";
+    let user = |src: &str| UserMod::wgsl(src).capture("t", &table);
+    let err = |m: UserMod| Sdpa::new(&q, &k, &v).user_mod(m).problem().unwrap_err();
+    // naga's message with the user's line (not the assembled kernel's), quoted.
+    let e = err(user("fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {\n    let x = 1.0;\n    return s + t(h) + y;\n}"));
+    let msg = e.to_string();
+    assert!(matches!(e, Error::UserMod { line: Some(3), .. }), "{msg}");
+    assert!(
+        msg.contains("line 3") && msg.contains("return s + t(h) + y;"),
+        "{msg}"
+    );
+    // A type error (validation, not parsing): a bool added to a float.
+    let e = err(user(
+        "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {\n    return s + t(h) + true;\n}",
+    ));
+    assert!(matches!(e, Error::UserMod { .. }), "{e}");
+    for (src, names, want) in [
+        ("fn score_mod(s: f32, b: u32, h: u32) -> f32 { return s + t(h); }", &["t"][..], "score_mod must be"),
+        ("fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> u32 { return u32(t(h)); }", &["t"], "mask_mod must be"),
+        ("fn helper(x: u32) -> f32 { return t(x); }", &["t"], "neither"),
+        (good, &["t", "t"], "twice"),
+        (good, &["t", "other"], "unknown"),
+        (good, &["t", "bad name"], "identifier"),
+        (
+            "@compute @workgroup_size(1) fn main() {}\nfn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { return t(h) > 0.0; }",
+            &["t"],
+            "entry point",
+        ),
+    ] {
+        let m = names.iter().fold(UserMod::wgsl(src), |m, n| m.capture(n, &table));
+        let e = err(m);
+        assert!(matches!(e, Error::UserMod { .. }) && e.to_string().contains(want), "{src}: {e}");
+    }
+    // A helper whose name is the kernels' own is renamed, not a collision.
+    let own = "fn masked_logit(x: f32) -> f32 { return x * 2.0; }\nconst START: f32 = 1.0;\n\
+               fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return masked_logit(s) + START + t(h); }";
+    Sdpa::new(&q, &k, &v).user_mod(user(own)).problem().unwrap();
+    // The reference needs the functions as closures.
+    let opts = wgpu_attention::Options {
+        user_mod: Some(user(good)),
+        ..Default::default()
+    };
+    let r = wgpu_attention::reference::sdpa(q.view(), k.view(), v.view(), &opts);
+    assert!(
+        matches!(&r, Err(Error::UserMod { message, .. }) if message.contains("cpu_score")),
+        "{:?}",
+        r.err()
+    );
+    let Some(ctx) = ctx() else { return };
+    let ring = wgpu_attention::Ring::new(std::slice::from_ref(ctx));
+    let r = ring.run_blocking(&Sdpa::new(&q, &k, &v).user_mod(user(good)));
+    assert!(matches!(r, Err(Error::Ring { .. })), "{:?}", r.err());
+    // A rejected source fails the call before any GPU work.
+    let r = Sdpa::new(&q, &k, &v)
+        .user_mod(user("fn score_mod("))
+        .run_blocking(ctx);
+    assert!(matches!(r, Err(Error::UserMod { .. })), "{:?}", r.err());
+}

@@ -370,6 +370,7 @@ fn broadcasts_infinite_bias_and_large_logits_in_every_form() {
             alibi: None,
             sink_logits: None,
             doc_ids: None,
+            user_mod: None,
             scale: Some(1.0),
             storage: wgpu_attention::Storage::F32,
         };

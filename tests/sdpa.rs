@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{ctx, mask_and_window_kinds, modifier_kinds, Case, SHAPES, TOL};
+use common::{ctx, mask_and_window_kinds, modifier_kinds, user_kinds, Case, SHAPES, TOL};
 use ndarray::{Array, Array4, IxDyn};
 use wgpu_attention::check::compare;
 use wgpu_attention::{Causal, Path, Sdpa};
@@ -36,6 +36,22 @@ fn modifiers_on_every_path() {
     for (si, shape) in shapes.into_iter().enumerate() {
         for (name, apply) in modifier_kinds() {
             let case = apply(Case::random(shape, 600 + si as u64));
+            case.check_all_paths(ctx, TOL, &format!("{shape:?} {name}"));
+        }
+    }
+}
+
+/// User WGSL functions on every path (fused, decode, unfused): a captured relative-position
+/// bias in a `score_mod`, a prefix-LM and dilated `mask_mod` (rows fully masked), with the
+/// built-in masks, on a shape with tails and GQA and a decode shape; the same source on a new
+/// sequence length reuses its checked code.
+#[test]
+fn user_functions_on_every_path() {
+    let Some(ctx) = ctx() else { return };
+    let shapes = [(1, 2, 2, 70, 130, 33, 65), (2, 4, 2, 3, 700, 16, 24)];
+    for (si, shape) in shapes.into_iter().enumerate() {
+        for (name, apply) in user_kinds() {
+            let case = apply(Case::random(shape, 610 + si as u64));
             case.check_all_paths(ctx, TOL, &format!("{shape:?} {name}"));
         }
     }
@@ -167,6 +183,7 @@ fn large_magnitude_logits_stay_finite() {
             alibi: None,
             sink_logits: None,
             doc_ids: None,
+            user_mod: None,
             scale: Some(1.0),
             storage: wgpu_attention::Storage::F32,
         };
@@ -187,6 +204,7 @@ fn large_magnitude_logits_stay_finite() {
         alibi: None,
         sink_logits: None,
         doc_ids: None,
+        user_mod: None,
         scale: Some(1.0),
         storage: wgpu_attention::Storage::F32,
     };

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{ctx, mask_and_window_kinds, modifier_kinds, Case, SHAPES};
+use common::{ctx, mask_and_window_kinds, modifier_kinds, user_kinds, Case, SHAPES};
 use half::{bf16, f16};
 use ndarray::Array4;
 use wgpu_attention::check::{compare, Tolerance};
@@ -49,9 +49,9 @@ fn grid_of_shapes_and_masks_in_half_formats() {
 #[test]
 fn modifiers_in_half_formats() {
     let Some(ctx) = ctx() else { return };
-    for (ki, (name, kind)) in modifier_kinds().into_iter().enumerate() {
+    for (ki, (name, kind)) in modifier_kinds().into_iter().chain(user_kinds()).enumerate() {
         for (fi, s) in HALF.into_iter().enumerate() {
-            if ki < 2 && ki != fi {
+            if ki != 2 && ki % 2 != fi {
                 continue;
             }
             let case = kind(Case::random((2, 4, 2, 33, 47, 16, 24), 800 + ki as u64)).with_storage(s);

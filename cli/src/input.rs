@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use ndarray::{Array4, ArrayD};
-use wgpu_attention::{Options, Path, Sdpa, Storage, Tensor};
+use wgpu_attention::{Options, Path, Sdpa, Storage, Tensor, UserMod};
 
 use crate::npy::{read_array, read_float, read_int, read_qkv};
 use crate::{path_parser, CausalArg, CliResult};
@@ -63,6 +63,15 @@ pub(crate) struct InputArgs {
     /// QD[b, i] == KD[b, j].
     #[arg(long, value_name = "QD.npy,KD.npy", value_delimiter = ',', num_args = 1)]
     doc_ids: Option<Vec<PathBuf>>,
+    /// User WGSL functions: a file defining `fn score_mod(s: f32, b: u32, h: u32, i: u32, j:
+    /// u32) -> f32` and/or `fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool` (and helpers);
+    /// captures (--capture) are read in it as NAME(idx: u32) -> f32. GPU only.
+    #[arg(long = "mod", value_name = "F.wgsl")]
+    user_mod: Option<PathBuf>,
+    /// A tensor the --mod source reads as NAME(idx) (f32 or f16 .npy, any shape, flattened
+    /// row-major); repeatable.
+    #[arg(long, value_name = "NAME=X.npy", requires = "user_mod")]
+    capture: Vec<String>,
     /// Softmax scale [default: 1/sqrt(E)].
     #[arg(long, allow_negative_numbers = true)]
     scale: Option<f32>,
@@ -92,6 +101,9 @@ pub(crate) struct InputArgs {
     pub(crate) layout: wgpu_attention::Layout,
 }
 
+/// A `--mod` source and its captures (name, values).
+pub(crate) type UserSource = (String, Vec<(String, Vec<f32>)>);
+
 /// The inputs as the device holds them (rounded to the storage format).
 pub(crate) struct Inputs {
     pub(crate) q: Array4<f32>,
@@ -101,6 +113,8 @@ pub(crate) struct Inputs {
     pub(crate) bias: Option<ArrayD<f32>>,
     pub(crate) sink_logits: Option<Vec<f32>>,
     pub(crate) doc_ids: Option<wgpu_attention::DocIds>,
+    /// The --mod source and its captures (name, values).
+    pub(crate) user_mod: Option<UserSource>,
 }
 
 impl InputArgs {
@@ -136,6 +150,7 @@ impl InputArgs {
             .as_deref()
             .map(|paths| read_docs(paths, &q, &k))
             .transpose()?;
+        let user_mod = self.read_user_mod()?;
         // The values the device holds: every input rounded to the storage format.
         let st = self.storage;
         let round = |x: f32| st.round(x);
@@ -147,6 +162,7 @@ impl InputArgs {
             bias: bias.map(|b| b.mapv(round)),
             sink_logits,
             doc_ids,
+            user_mod,
         })
     }
 
@@ -167,7 +183,44 @@ impl InputArgs {
             alibi: self.alibi.clone(),
             sink_logits: x.sink_logits.clone(),
             doc_ids: x.doc_ids.clone(),
+            user_mod: x.user_mod.as_ref().map(|(src, caps)| {
+                caps.iter()
+                    .fold(UserMod::wgsl(src), |m, (name, data)| m.capture(name, data))
+            }),
         }
+    }
+
+    /// `--mod F.wgsl` and its `--capture NAME=X.npy` files (checked by the library when the
+    /// call is built, before any GPU work).
+    fn read_user_mod(&self) -> CliResult<Option<UserSource>> {
+        let Some(path) = &self.user_mod else {
+            return Ok(None);
+        };
+        if self.cpu {
+            return Err(
+                "--mod: the CPU reference cannot run WGSL: drop --cpu (the library's \
+                        reference takes the functions as Rust closures)"
+                    .into(),
+            );
+        }
+        let src = std::fs::read_to_string(path)
+            .map_err(|e| format!("--mod: cannot read {}: {e}", path.display()))?;
+        let mut caps: Vec<(String, Vec<f32>)> = Vec::new();
+        for c in &self.capture {
+            let Some((name, file)) = c.split_once('=') else {
+                return Err(format!("--capture {c:?}: give NAME=X.npy").into());
+            };
+            let a = read_float(std::path::Path::new(file), &format!("capture {name}"))?;
+            caps.push((name.to_string(), a.iter().copied().collect()));
+        }
+        // The library's checks (naga, capture names), as a one-line error before any work.
+        let mut m = UserMod::wgsl(&src);
+        for (name, data) in &caps {
+            m = m.capture(name, data);
+        }
+        m.check()
+            .map_err(|e| format!("--mod {}: {e}", path.display()).replace('\n', " "))?;
+        Ok(Some((src, caps)))
     }
 
     /// The GPU call on the inputs.

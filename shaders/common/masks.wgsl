@@ -251,6 +251,12 @@ fn masked_logit(x: f32, keep: bool, b: u32, h: u32, i: u32, j: u32) -> f32 {
     if (HAS_ALIBI) {
         y += alibi_term(b, h, i, j);
     }
+    if (HAS_SCORE_MOD) {
+        y = u_score_mod(y, b, h, i, j);
+    }
+    if (HAS_MASK_MOD) {
+        k = k && u_mask_mod(b, h, i, j);
+    }
     // A NaN logit (or bias) stays NaN, tested by its bits (see is_nan_bits), so that its row
     // comes out NaN as in PyTorch.
     return select(START, y, k && (is_nan_bits(y) || !(y < MASKED)));

@@ -89,7 +89,9 @@ wgsl_struct! {
         doc_qb: u32,
         doc_kb: u32,
         doc_l: u32,
-        _pad0: u32,
+        /// Where the user functions' capture table starts among the auxiliary words (an
+        /// (offset, length) pair per capture, then their values).
+        cap_tab: u32,
         _pad1: u32,
         _pad2: u32,
     }
@@ -212,6 +214,7 @@ impl Masks {
             doc_qb: doc[2] as u32,
             doc_kb: doc[3] as u32,
             doc_l: p.seq_q as u32,
+            cap_tab: aux_tail(p) as u32,
             ..Default::default()
         }
     }
@@ -230,6 +233,17 @@ pub(crate) fn doc_offsets(p: &crate::problem::Problem) -> [usize; 4] {
     let qb = k + p.batch * p.seq_kv;
     let kb = qb + 2 * p.batch * p.seq_q.div_ceil(DOC_BLOCK);
     [q, k, qb, kb]
+}
+
+/// Where the auxiliary words' tail (the user functions' captures) starts: after the document
+/// ids (and their blocks), if any.
+pub(crate) fn aux_tail(p: &crate::problem::Problem) -> usize {
+    let [q, _, _, kb] = doc_offsets(p);
+    if p.doc_ids.is_some() {
+        kb + 2 * p.batch * p.seq_kv.div_ceil(DOC_BLOCK)
+    } else {
+        q
+    }
 }
 
 /// The (min, max) of each block of [`DOC_BLOCK`] ids of each of the `rows` rows of `n` ids.
@@ -278,6 +292,10 @@ pub(crate) struct Mods {
     pub sinks: bool,
     /// Document ids (the auxiliary words after the sink logits).
     pub docs: bool,
+    /// User functions: their registry key (0: none) and which of the two they define.
+    pub user: u64,
+    pub score_mod: bool,
+    pub mask_mod: bool,
 }
 
 impl Mods {
@@ -289,6 +307,9 @@ impl Mods {
             alibi: p.alibi.is_some(),
             sinks: p.sink_logits.is_some(),
             docs: p.doc_ids.is_some(),
+            user: p.user_fns.as_ref().map_or(0, |u| u.key),
+            score_mod: p.has_score_mod(),
+            mask_mod: p.user_fns.as_ref().is_some_and(|u| u.mask),
         }
     }
 }
@@ -301,14 +322,18 @@ pub(crate) fn mask_flags(has_mask: bool, has_bias: bool, mods: Mods, bias: crate
     format!(
         "const HAS_MASK: bool = {has_mask};\nconst HAS_BIAS: bool = {has_bias};\nconst HAS_WINDOW: bool = {};\n\
          const HAS_SOFTCAP: bool = {};\nconst HAS_ALIBI: bool = {};\nconst HAS_SINKS: bool = {};\n\
-         const HAS_DOCS: bool = {};\nconst MASKED_LOGIT: bool = {};\n{}",
+         const HAS_DOCS: bool = {};\nconst HAS_SCORE_MOD: bool = {};\nconst HAS_MASK_MOD: bool = {};\n\
+         const MASKED_LOGIT: bool = {};\n{}{}",
         mods.window,
         mods.softcap,
         mods.alibi,
         mods.sinks,
         mods.docs,
-        has_mask || has_bias || mods.softcap || mods.alibi || mods.docs,
-        access::bias(bias)
+        mods.score_mod,
+        mods.mask_mod,
+        has_mask || has_bias || mods.softcap || mods.alibi || mods.docs || mods.score_mod || mods.mask_mod,
+        access::bias(bias),
+        crate::user_mod::prelude(mods.user),
     )
 }
 
@@ -411,9 +436,11 @@ pub(crate) fn pipeline(
                 })
                 .collect();
             // The `unchecked` knob overrides (1: every kernel, 0: none), for measuring.
+            // User WGSL keeps the checks (its code indexes nothing of the crate's, but nothing
+            // proves it).
             let unchecked = match crate::tune::knob("unchecked") {
-                Some(u) => u == 1,
-                None => spec.trusted && !ctx.caps().cpu,
+                Some(u) => u == 1 && !prelude.contains(crate::user_mod::USER_MARK),
+                None => spec.trusted && !ctx.caps().cpu && !prelude.contains(crate::user_mod::USER_MARK),
             };
             let src = source(spec, prelude, storage);
             #[cfg(not(target_arch = "wasm32"))]

@@ -61,6 +61,17 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
     let (b, hq, l, e) = q.dim();
     let (_, hkv, s, _) = k.dim();
     let group = hq / hkv;
+    if let Some(m) = &opts.user_mod {
+        m.cpu_mask_fn()?;
+        if m.cpu_score_fn()?.is_some() {
+            return Err(crate::Error::InvalidModifier {
+                modifier: "score_mod",
+                reason: "gradients through a user score_mod are not implemented yet (a mask_mod \
+                     has none to give: it runs in the backward)"
+                    .into(),
+            });
+        }
+    }
     let mask = opts.mask_view()?;
     let bias = opts.bias_view()?;
     let mask = mask.as_ref().map(|m| broadcast4(m, [b, hq, l, s]));

@@ -82,6 +82,11 @@ pub(super) fn allowed(
             return false;
         }
     }
+    if let Some(f) = opts.user_mod.as_ref().and_then(|m| m.mask_closure()) {
+        if !f(idx) {
+            return false;
+        }
+    }
     if let Some((left, right)) = opts.window {
         let w = crate::Window {
             left,
@@ -152,6 +157,14 @@ pub fn masked_softmax(scores: &Array4<f64>, opts: &Options) -> Result<(Array4<f6
         }
     }
     let (mask_view, bias_view) = (opts.mask_view()?, opts.bias_view()?);
+    // User functions: their closures (an error when the source has one and no closure).
+    let user_score = match &opts.user_mod {
+        Some(m) => {
+            m.cpu_mask_fn()?;
+            m.cpu_score_fn()?
+        }
+        None => None,
+    };
     let mask = mask_view.as_ref().map(|m| broadcast4(m, [b, h, l, s]));
     let bias = bias_view.as_ref().map(|m| broadcast4(m, [b, h, l, s]));
     let mut weights = Array4::<f64>::zeros((b, h, l, s));
@@ -169,6 +182,9 @@ pub fn masked_softmax(scores: &Array4<f64>, opts: &Options) -> Result<(Array4<f6
                     ok[j] = allowed(opts, mask.as_ref(), [bi, hi, i, j], l, s);
                     logits[j] = modified(opts, row[j], [bi, hi, i, j], l, s)
                         + bias.as_ref().map_or(0.0, |x| x[[bi, hi, i, j]] as f64);
+                    if let Some(f) = user_score {
+                        logits[j] = f(logits[j], [bi, hi, i, j]);
+                    }
                     if ok[j] {
                         // NaN propagates: f64::max ignores NaN, so check explicitly.
                         if logits[j].is_nan() || max.is_nan() {

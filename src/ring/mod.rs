@@ -435,6 +435,11 @@ impl RingPlan {
         if p.window.is_some() {
             return refuse("a sliding window is not split over devices yet: run it on one device");
         }
+        if p.has_user_mod() {
+            return refuse(
+                "user score and mask functions are not split over devices yet: run them on one device",
+            );
+        }
         if p.doc_ids.is_some() {
             return refuse("document ids are not split over devices yet: run them on one device");
         }

@@ -108,7 +108,12 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
 /// bits (each when given), then the document ids: the queries' `[B, L]`, the keys' `[B, S]`
 /// and each block's (min, max) of each (`crate::kernels::doc_offsets`).
 pub(crate) fn aux_words(p: &Problem) -> Option<Vec<u32>> {
-    if p.kv_lens.is_none() && p.alibi.is_none() && p.sink_logits.is_none() && p.doc_ids.is_none() {
+    if p.kv_lens.is_none()
+        && p.alibi.is_none()
+        && p.sink_logits.is_none()
+        && p.doc_ids.is_none()
+        && p.user_fns.is_none()
+    {
         return None;
     }
     let mut w = p.kv_lens.clone().unwrap_or_else(|| vec![0; p.batch]);
@@ -125,6 +130,11 @@ pub(crate) fn aux_words(p: &Problem) -> Option<Vec<u32>> {
         ] {
             w.extend(ids.iter().map(|&x| x as u32));
         }
+    }
+    if let Some(u) = &p.user_fns {
+        debug_assert_eq!(w.len(), crate::kernels::aux_tail(p));
+        let base = w.len();
+        w.extend(u.aux_words(base));
     }
     Some(w)
 }

@@ -436,6 +436,7 @@ impl Sdpa<'_> {
                 q: vec![0; b * l],
                 k: vec![0; b * s],
             }),
+            user_mod: self.options.user_mod.clone(),
         };
         // Tensors read through views are prepared as views (the kernels differ).
         let shapes = [[b, hq, l, e], [b, hkv, s, e], [b, hkv, s, ev], base.out_shape()];

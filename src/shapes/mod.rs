@@ -43,6 +43,12 @@ pub struct Shape {
     pub alibi: bool,
     /// Sink logits (0 for every query head: as much weight as a logit of 0).
     pub sinks: bool,
+    /// Packed documents: this many of equal length in every batch (0: none), as document ids
+    /// (see [`crate::Problem::with_doc_ids`]), or as the same mask given densely (a boolean
+    /// `[1, 1, L, S]` mask, packed and uploaded by each call) with `docs_dense`.
+    pub docs: usize,
+    /// The documents as a dense boolean mask instead of document ids.
+    pub docs_dense: bool,
     /// Part of the default `bench` set (false for shapes too slow on software renderers).
     pub default: bool,
 }
@@ -71,8 +77,17 @@ const fn shape(
         softcap: None,
         alibi: false,
         sinks: false,
+        docs: 0,
+        docs_dense: false,
         default,
     }
+}
+
+/// `s` with `n` packed documents of equal length, as ids or (`dense`) as a boolean mask.
+const fn documents(mut s: Shape, n: usize, dense: bool) -> Shape {
+    s.docs = n;
+    s.docs_dense = dense;
+    s
 }
 
 /// `s` with a sliding window `(left, right)`.
@@ -243,6 +258,34 @@ pub const SHAPES: &[Shape] = &[
         None,
         false,
     )),
+    // Issue 27's packed sequences: 8 documents of 1024 tokens, causal within each, as document
+    // ids (key tiles of other documents skipped) and as the same dense boolean mask.
+    documents(
+        shape(
+            "docs8_h8_s8192",
+            (1, 8, 8),
+            (8192, 8192),
+            (64, 64),
+            Causal::BottomRight,
+            None,
+            false,
+        ),
+        8,
+        false,
+    ),
+    documents(
+        shape(
+            "docs8_dense_h8_s8192",
+            (1, 8, 8),
+            (8192, 8192),
+            (64, 64),
+            Causal::BottomRight,
+            None,
+            false,
+        ),
+        8,
+        true,
+    ),
 ];
 
 /// The shape called `name`.
@@ -321,7 +364,35 @@ impl Shape {
         if self.sinks {
             s.push_str(" sink_logits");
         }
+        if self.docs > 0 {
+            let how = if self.docs_dense { "dense mask" } else { "ids" };
+            s.push_str(&format!(" docs={} ({how})", self.docs));
+        }
         s
+    }
+
+    /// The query and key document ids of [`docs`](Self::docs) equal documents per batch
+    /// (`[B, L]` and `[B, S]`; empty without documents).
+    pub fn doc_ids(&self) -> (Vec<i32>, Vec<i32>) {
+        let ids = |n: usize| -> Vec<i32> {
+            (0..self.batch * n)
+                .map(|t| ((t % n) * self.docs / n) as i32)
+                .collect()
+        };
+        if self.docs == 0 {
+            return (Vec::new(), Vec::new());
+        }
+        (ids(self.seq_q), ids(self.seq_kv))
+    }
+
+    /// The documents as a dense `[1, 1, L, S]` boolean mask (batch 0's; empty without).
+    pub fn doc_mask(&self) -> Vec<bool> {
+        let (q, k) = self.doc_ids();
+        if q.is_empty() {
+            return Vec::new();
+        }
+        let (l, s) = (self.seq_q, self.seq_kv);
+        (0..l * s).map(|t| q[t / s] == k[t % s]).collect()
     }
 
     /// Validate the problem (as [`Problem`] does) and check that q, k and v each fit one
@@ -335,6 +406,10 @@ impl Shape {
             .and_then(|p| p.with_alibi(self.alibi.then(|| crate::alibi_slopes(self.q_heads)).as_deref()))
             .and_then(|p| p.with_sink_logits(self.sinks.then(|| vec![0.0; self.q_heads]).as_deref()))
             .map_err(|e| e.to_string())?;
+        if self.docs > 0 && !self.docs_dense {
+            let (q, k) = self.doc_ids();
+            p = p.with_doc_ids(Some((&q, &k))).map_err(|e| e.to_string())?;
+        }
         if let Some(lens) = self.kv_lens {
             p = p.with_kv_lens(lens).map_err(|e| e.to_string())?;
         }
@@ -384,6 +459,9 @@ pub struct GpuInputs {
     v: wgpu::Buffer,
     shape: Shape,
     storage: crate::Storage,
+    /// The shape's documents: ids, or the dense boolean mask.
+    doc_ids: (Vec<i32>, Vec<i32>),
+    doc_mask: Vec<bool>,
 }
 
 impl GpuInputs {
@@ -417,6 +495,16 @@ impl GpuInputs {
             v: buffer("v", &host.v)?,
             shape: shape.clone(),
             storage,
+            doc_ids: if shape.docs_dense {
+                Default::default()
+            } else {
+                shape.doc_ids()
+            },
+            doc_mask: if shape.docs_dense {
+                shape.doc_mask()
+            } else {
+                Vec::new()
+            },
         })
     }
 
@@ -457,6 +545,13 @@ impl GpuInputs {
         }
         if s.sinks {
             sdpa = sdpa.sink_logits(&vec![0.0; s.q_heads]);
+        }
+        if !self.doc_ids.0.is_empty() {
+            sdpa = sdpa.doc_ids(&self.doc_ids.0, &self.doc_ids.1);
+        }
+        if !self.doc_mask.is_empty() {
+            let shape = [1, 1, s.seq_q, s.seq_kv];
+            sdpa = sdpa.mask(crate::Mask::from_slice(&self.doc_mask, &shape));
         }
         sdpa
     }

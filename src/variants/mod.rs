@@ -346,6 +346,12 @@ fn check_options(kind: VariantKind, options: &Options, weights: bool) -> Result<
             "sink logits join the scaled dot-product softmax, which this variant replaces",
         ));
     }
+    if options.user_mod.is_some() {
+        return Err(refuse(
+            "user_mod",
+            "user score and mask functions act on the scaled dot-product attention only",
+        ));
+    }
     if options.doc_ids.is_some() {
         return Err(refuse(
             "doc_ids",

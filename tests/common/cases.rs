@@ -12,7 +12,7 @@ use wgpu_attention::reference;
 use wgpu_attention::reference::MhaInputs;
 use wgpu_attention::{
     Causal, DocIds, MhaConfig, MhaForward, MhaOutput, MhaWeights, MultiHeadAttention, NeedWeights, Options,
-    Output, Path, Sdpa, Storage, Tensor,
+    Output, Path, Sdpa, Storage, Tensor, UserMod,
 };
 
 /// Uniform values in [-1, 1).
@@ -46,6 +46,8 @@ pub struct Case {
     pub sink_logits: Option<Vec<f32>>,
     /// Document ids of packed sequences.
     pub doc_ids: Option<DocIds>,
+    /// User WGSL functions (with their closures for the reference).
+    pub user_mod: Option<UserMod<'static>>,
     /// f64, as PyTorch's goldens give it; the GPU uses its f32 rounding.
     pub scale: Option<f64>,
     /// The device format of q, k, v, the bias and the output; the f32 arrays hold values
@@ -71,6 +73,7 @@ impl Case {
             alibi: None,
             sink_logits: None,
             doc_ids: None,
+            user_mod: None,
             scale: None,
             storage: Storage::F32,
         }
@@ -210,6 +213,60 @@ impl Case {
         self
     }
 
+    /// A user `score_mod` adding a learned relative-position bias (T5-style buckets, a
+    /// captured `[Hq, 2R + 1]` table) to each logit, with its closure for the reference.
+    pub fn with_relbias_score_mod(mut self, seed: u64) -> Case {
+        const R: i64 = 6;
+        let (_, hq, _, _) = self.dims();
+        let mut r = rng(seed);
+        let table: Vec<f32> = (0..hq * (2 * R as usize + 1))
+            .map(|_| r.random_range(-1.5f32..1.5))
+            .collect();
+        let table: &'static [f32] = Box::leak(table.into_boxed_slice());
+        let src = format!(
+            "const R: i32 = {R};
+             // The bucket of key j for query i: their distance, clamped to [-R, R].
+             fn bucket(i: u32, j: u32) -> u32 {{
+                 return u32(clamp(i32(j) - i32(i), -R, R) + R);
+             }}
+             fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {{
+                 return s + rel(h * u32(2 * R + 1) + bucket(i, j));
+             }}"
+        );
+        self.user_mod = Some(
+            UserMod::wgsl(&src)
+                .capture("rel", table)
+                .cpu_score(move |s, [_, h, i, j]| {
+                    let bucket = (j as i64 - i as i64).clamp(-R, R) + R;
+                    s + f64::from(table[h * (2 * R as usize + 1) + bucket as usize])
+                }),
+        );
+        self
+    }
+
+    /// A user `mask_mod`: a prefix-LM mask (the first 5 keys seen by every query, causal
+    /// bottom-right beyond) and-ed with a dilation (every other key past the prefix, by
+    /// distance), and rows `i % 7 == 3` fully masked.
+    pub fn with_prefix_dilated_mask_mod(mut self) -> Case {
+        let (_, _, l, s) = self.dims();
+        let off = s as i64 - l as i64;
+        let src = format!(
+            "const OFF: i32 = {off};
+             fn prefix_lm(i: u32, j: u32) -> bool {{ return j < 5u || i32(j) <= i32(i) + OFF; }}
+             fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool {{
+                 let dilated = j < 5u || abs(i32(j) - i32(i) - OFF) % 2 == 0;
+                 return prefix_lm(i, j) && dilated && i % 7u != 3u;
+             }}"
+        );
+        self.user_mod = Some(UserMod::wgsl(&src).cpu_mask(move |[_, _, i, j]| {
+            let (i, j) = (i as i64, j as i64);
+            let prefix_lm = j < 5 || j <= i + off;
+            let dilated = j < 5 || (j - i - off).abs() % 2 == 0;
+            prefix_lm && dilated && i % 7 != 3
+        }));
+        self
+    }
+
     /// The case's options, shared by the GPU call and the reference.
     pub fn options(&self) -> Options<'_> {
         let mut o = Options {
@@ -222,6 +279,7 @@ impl Case {
             alibi: self.alibi.clone(),
             sink_logits: self.sink_logits.clone(),
             doc_ids: self.doc_ids.clone(),
+            user_mod: self.user_mod.clone(),
             ..Options::default()
         };
         o.mask = self.mask.as_ref().map(|m| m.into());
@@ -336,6 +394,7 @@ pub fn broadcast_cases() -> Vec<(String, Case)> {
             alibi: None,
             sink_logits: None,
             doc_ids: None,
+            user_mod: None,
             scale: None,
             storage: Storage::F32,
         };
@@ -423,6 +482,25 @@ pub fn modifier_kinds() -> Vec<MaskKind> {
                 .with_window(5, 3, 2)
                 .with_random_mask(14)
                 .with_random_bias(15)
+        }),
+    ]
+}
+
+/// User WGSL functions: a relative-position bias table captured by a `score_mod` (with
+/// causal, key lengths and sink logits), and a `mask_mod` (prefix-LM and dilated, some rows
+/// fully masked) with packed documents and a bias.
+pub fn user_kinds() -> Vec<MaskKind> {
+    vec![
+        ("relbias_score_mod_causal_lens_sinks", |c| {
+            c.with_relbias_score_mod(18)
+                .with_causal(Causal::BottomRight)
+                .with_kv_lens()
+                .with_sink_logits()
+        }),
+        ("prefix_dilated_mask_mod_docs_bias", |c| {
+            c.with_prefix_dilated_mask_mod()
+                .with_packed_docs(19)
+                .with_random_bias(20)
         }),
     ]
 }
@@ -529,6 +607,7 @@ pub fn golden_case(name: &str, file: &impl Fn(&str) -> Option<Vec<u8>>) -> (Case
         alibi: None,
         sink_logits: None,
         doc_ids: None,
+        user_mod: None,
         scale: meta["scale"].as_f64(),
         // Half goldens hold inputs already rounded to the format (by PyTorch's
         // `.half()` / `.bfloat16()`) and outputs computed in f64 from them.

@@ -362,6 +362,7 @@ async fn large_magnitude_logits_stay_finite() {
             alibi: None,
             sink_logits: None,
             doc_ids: None,
+            user_mod: None,
             scale: Some(1.0),
             storage: wgpu_attention::Storage::F32,
         };

@@ -144,6 +144,14 @@ impl<'a> Backward<'a> {
     /// Checks dO, and the saved output and logsumexp, against it (no GPU work).
     pub fn problem(&self) -> Result<Problem> {
         let p = self.sdpa.problem()?;
+        if p.has_score_mod() {
+            return Err(crate::Error::InvalidModifier {
+                modifier: "score_mod",
+                reason: "gradients through a user score_mod are not implemented yet (a mask_mod \
+                     has none to give: it runs in the backward)"
+                    .into(),
+            });
+        }
         let mut p = p.clone().with_storage(Formats {
             out: self.dout.storage(),
             ..p.storage

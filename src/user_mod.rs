@@ -1,0 +1,513 @@
+//! User WGSL score and mask functions (programmable attention, FlexAttention's `score_mod` and
+//! `mask_mod`), assembled into every attention kernel like the built-in masks.
+//!
+//! One WGSL source defines `fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32`
+//! and/or `fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool`, with any helper functions and
+//! constants of its own. Captured f32 tensors (any shape, row-major) are read in it as
+//! `NAME(idx: u32) -> f32`, `idx` the flat index (clamped into the tensor). The source is
+//! checked by naga on the host before any GPU work (a rejected source is
+//! [`Error::UserMod`](crate::Error::UserMod) quoting its line and naga's message), and every
+//! name it declares is renamed with a `u_` prefix when it is assembled, so that it cannot
+//! collide with the kernels' own. The captures travel in the kernels' auxiliary words (no
+//! extra storage binding: WebGPU's 8 per stage still hold). Pipelines are cached by the
+//! source and the capture names: a new sequence length or new capture values compile nothing.
+//!
+//! The CPU reference cannot run WGSL: it takes the same functions as Rust closures
+//! ([`UserMod::cpu_score`], [`UserMod::cpu_mask`]).
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use crate::error::{Error, Result};
+
+/// A score function for the CPU reference: the logit (after the softcap, bias and ALiBi) and
+/// `[b, h, i, j]`, giving the new logit.
+pub type CpuScore = dyn Fn(f64, [usize; 4]) -> f64 + Send + Sync;
+/// A mask function for the CPU reference: whether query `i` of batch `b`, head `h` may see key
+/// `j`, from `[b, h, i, j]`.
+pub type CpuMask = dyn Fn([usize; 4]) -> bool + Send + Sync;
+
+/// User WGSL `score_mod` and/or `mask_mod` with their captured tensors (see the module
+/// documentation and `docs/semantics.md`), given to [`Sdpa`](crate::Sdpa) (and the backward,
+/// the layer) by `.user_mod(m)`.
+///
+/// ```
+/// use wgpu_attention::UserMod;
+/// // A relative-position bias table of 2 heads x 17 buckets, and a prefix-LM mask.
+/// let table = vec![0.1f32; 2 * 17];
+/// let m = UserMod::wgsl(
+///     "const R: i32 = 8;
+///      fn bucket(i: u32, j: u32) -> u32 { return u32(clamp(i32(j) - i32(i), -R, R) + R); }
+///      fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
+///          return s + rel(h * 17u + bucket(i, j));
+///      }
+///      fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { return j <= i || j < 4u; }",
+/// )
+/// .capture("rel", &table)
+/// .cpu_score(|s, _| s + 0.1) // every entry of this table is 0.1
+/// .cpu_mask(|[_, _, i, j]| j <= i || j < 4);
+/// assert!(m.check().is_ok());
+/// ```
+#[derive(Clone)]
+pub struct UserMod<'a> {
+    source: Arc<str>,
+    captures: Vec<(String, &'a [f32])>,
+    cpu_score: Option<Arc<CpuScore>>,
+    cpu_mask: Option<Arc<CpuMask>>,
+}
+
+impl std::fmt::Debug for UserMod<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UserMod")
+            .field("source", &self.source)
+            .field(
+                "captures",
+                &self
+                    .captures
+                    .iter()
+                    .map(|(n, d)| (n, d.len()))
+                    .collect::<Vec<_>>(),
+            )
+            .field("cpu_score", &self.cpu_score.is_some())
+            .field("cpu_mask", &self.cpu_mask.is_some())
+            .finish()
+    }
+}
+
+impl<'a> UserMod<'a> {
+    /// The WGSL source defining `score_mod` and/or `mask_mod` (and helpers).
+    pub fn wgsl(source: &str) -> Self {
+        UserMod {
+            source: source.into(),
+            captures: Vec::new(),
+            cpu_score: None,
+            cpu_mask: None,
+        }
+    }
+
+    /// Capture an f32 tensor (any shape, row-major, flattened) as `name(idx: u32) -> f32` in
+    /// the source. An index past its end reads its last element.
+    pub fn capture(mut self, name: &str, data: &'a [f32]) -> Self {
+        self.captures.push((name.to_string(), data));
+        self
+    }
+
+    /// The score function as a Rust closure, for the CPU reference: the logit (after the
+    /// softcap, the bias and ALiBi) and `[b, h, i, j]`, giving the new logit.
+    pub fn cpu_score(mut self, f: impl Fn(f64, [usize; 4]) -> f64 + Send + Sync + 'static) -> Self {
+        self.cpu_score = Some(Arc::new(f));
+        self
+    }
+
+    /// The mask function as a Rust closure, for the CPU reference: whether `[b, h, i, j]`
+    /// may attend.
+    pub fn cpu_mask(mut self, f: impl Fn([usize; 4]) -> bool + Send + Sync + 'static) -> Self {
+        self.cpu_mask = Some(Arc::new(f));
+        self
+    }
+
+    /// Check the source and the captures (naga, on the host), as every entry point does
+    /// before any GPU work.
+    pub fn check(&self) -> Result<()> {
+        self.fns().map(|_| ())
+    }
+
+    /// The reference's score function: the closure, or an error when the source has a
+    /// `score_mod` and no closure was given.
+    pub(crate) fn cpu_score_fn(&self) -> Result<Option<&CpuScore>> {
+        let f = self.fns()?;
+        match (&self.cpu_score, f.score) {
+            (Some(c), true) => Ok(Some(c.as_ref())),
+            (None, false) => Ok(None),
+            (None, true) => Err(no_closure("score_mod", "cpu_score")),
+            (Some(_), false) => Err(Error::UserMod {
+                line: None,
+                message: "a cpu_score closure was given but the source has no score_mod".into(),
+            }),
+        }
+    }
+
+    /// The mask closure, unchecked (the reference checks once with
+    /// [`cpu_mask_fn`](Self::cpu_mask_fn), then reads it per element).
+    pub(crate) fn mask_closure(&self) -> Option<&CpuMask> {
+        self.cpu_mask.as_deref()
+    }
+
+    /// The reference's mask function (see [`cpu_score_fn`](Self::cpu_score_fn)).
+    pub(crate) fn cpu_mask_fn(&self) -> Result<Option<&CpuMask>> {
+        let f = self.fns()?;
+        match (&self.cpu_mask, f.mask) {
+            (Some(c), true) => Ok(Some(c.as_ref())),
+            (None, false) => Ok(None),
+            (None, true) => Err(no_closure("mask_mod", "cpu_mask")),
+            (Some(_), false) => Err(Error::UserMod {
+                line: None,
+                message: "a cpu_mask closure was given but the source has no mask_mod".into(),
+            }),
+        }
+    }
+
+    /// The checked functions, registered for the kernels (cached by source and capture names).
+    pub(crate) fn fns(&self) -> Result<Arc<UserFns>> {
+        let names: Vec<&str> = self.captures.iter().map(|(n, _)| n.as_str()).collect();
+        let key = key_of(&self.source, &names);
+        let checked = {
+            let reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+            reg.get(&key).cloned()
+        };
+        let code = match checked {
+            Some(c) => c,
+            None => {
+                let c = Arc::new(check_source(&self.source, &names)?);
+                registry()
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(key, c.clone());
+                c
+            }
+        };
+        Ok(Arc::new(UserFns {
+            key,
+            score: code.score,
+            mask: code.mask,
+            captures: self
+                .captures
+                .iter()
+                .map(|(n, d)| (n.clone(), Arc::from(*d)))
+                .collect(),
+        }))
+    }
+}
+
+fn no_closure(f: &str, closure: &str) -> Error {
+    Error::UserMod {
+        line: None,
+        message: format!(
+            "the CPU reference cannot run WGSL: give the source's {f} as a Rust closure with .{closure}(..)"
+        ),
+    }
+}
+
+/// The checked user functions of a problem: the registry key of their assembled code, which
+/// of the two the source defines, and the captures' values.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct UserFns {
+    pub(crate) key: u64,
+    pub(crate) score: bool,
+    pub(crate) mask: bool,
+    pub(crate) captures: Vec<(String, Arc<[f32]>)>,
+}
+
+impl UserFns {
+    /// The capture table (offset, length per capture, offsets from `base`) and the values, as
+    /// auxiliary words.
+    pub(crate) fn aux_words(&self, base: usize) -> Vec<u32> {
+        let mut off = base + 2 * self.captures.len();
+        let mut w = Vec::new();
+        for (_, d) in &self.captures {
+            w.extend([off as u32, d.len() as u32]);
+            off += d.len();
+        }
+        for (_, d) in &self.captures {
+            w.extend(d.iter().map(|x| x.to_bits()));
+        }
+        w
+    }
+}
+
+/// A checked source as the kernels include it.
+#[derive(Debug)]
+struct Checked {
+    score: bool,
+    mask: bool,
+    /// The renamed source with the capture readers and the stubs of what it does not define.
+    wgsl: String,
+}
+
+fn registry() -> &'static Mutex<HashMap<u64, Arc<Checked>>> {
+    static R: OnceLock<Mutex<HashMap<u64, Arc<Checked>>>> = OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+fn key_of(source: &str, names: &[&str]) -> u64 {
+    let mut h = DefaultHasher::new();
+    source.hash(&mut h);
+    names.hash(&mut h);
+    // 0 means no user functions.
+    h.finish().max(1)
+}
+
+/// The WGSL the kernels' prelude includes for registry key `key` (0: the stubs alone).
+pub(crate) fn prelude(key: u64) -> String {
+    if key != 0 {
+        if let Some(c) = registry().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return c.wgsl.clone();
+        }
+    }
+    format!("{SCORE_STUB}{MASK_STUB}")
+}
+
+/// Marks a prelude holding user code (its pipelines keep wgpu's bounds checks).
+pub(crate) const USER_MARK: &str = "// user WGSL (src/user_mod.rs)";
+
+const SCORE_STUB: &str = "fn u_score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return s; }\n";
+const MASK_STUB: &str = "fn u_mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { return true; }\n";
+
+/// Check `source` with captures `names` by naga, standalone (captures as stubs), and assemble
+/// it renamed.
+fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
+    let err = |line: Option<usize>, message: String| Error::UserMod { line, message };
+    for (i, n) in names.iter().enumerate() {
+        let ident = n
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            && !n.starts_with("__");
+        if !ident {
+            return Err(err(None, format!("capture name {n:?} is not a WGSL identifier")));
+        }
+        if names[..i].contains(n) {
+            return Err(err(None, format!("capture name {n:?} is given twice")));
+        }
+        if *n == "score_mod" || *n == "mask_mod" {
+            return Err(err(None, format!("capture name {n:?} is the function's own")));
+        }
+        if !tokens(source).any(|t| t == *n) {
+            return Err(err(
+                None,
+                format!("capture {n:?} is not used by the source (unknown capture name)"),
+            ));
+        }
+    }
+    let header: String = names
+        .iter()
+        .map(|n| format!("fn {n}(idx: u32) -> f32 {{ return f32(idx); }}\n"))
+        .collect();
+    let header_lines = names.len();
+    let full = format!("{header}{source}");
+    let user_line = |line: u32| (line as usize).checked_sub(header_lines).filter(|&l| l > 0);
+    let quote = |line: Option<usize>, msg: &str| {
+        let text = line
+            .and_then(|l| source.lines().nth(l - 1))
+            .map(|t| format!(": `{}`", t.trim()))
+            .unwrap_or_default();
+        err(line, format!("{msg}{text}"))
+    };
+    let module = naga::front::wgsl::parse_str(&full).map_err(|e| {
+        let line = e.location(&full).and_then(|l| user_line(l.line_number));
+        quote(line, e.message())
+    })?;
+    let mut validator = naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::empty(),
+    );
+    if let Err(e) = validator.validate(&module) {
+        let line = e.location(&full).and_then(|l| user_line(l.line_number));
+        let mut msg = e.as_inner().to_string();
+        let mut src: &dyn std::error::Error = e.as_inner();
+        while let Some(next) = src.source() {
+            msg.push_str(&format!(": {next}"));
+            src = next;
+        }
+        return Err(quote(line, &msg));
+    }
+    if !module.entry_points.is_empty() {
+        return Err(err(
+            None,
+            "the source declares an entry point: give functions only".into(),
+        ));
+    }
+    if module.global_variables.iter().next().is_some() {
+        return Err(err(
+            None,
+            "the source declares a module-scope variable: give functions and constants only".into(),
+        ));
+    }
+    let (f32t, u32t, boolt) = (
+        naga::TypeInner::Scalar(naga::Scalar::F32),
+        naga::TypeInner::Scalar(naga::Scalar::U32),
+        naga::TypeInner::Scalar(naga::Scalar::BOOL),
+    );
+    let signature = |name: &str, args: &[&naga::TypeInner], ret: &naga::TypeInner, text: &str| {
+        let Some((_, f)) = module
+            .functions
+            .iter()
+            .find(|(_, f)| f.name.as_deref() == Some(name))
+        else {
+            return Ok(false);
+        };
+        let ok = f.arguments.len() == args.len()
+            && f.arguments
+                .iter()
+                .zip(args)
+                .all(|(a, t)| module.types[a.ty].inner == **t)
+            && f.result
+                .as_ref()
+                .is_some_and(|r| module.types[r.ty].inner == *ret);
+        if ok {
+            Ok(true)
+        } else {
+            Err(err(None, format!("{name} must be `{text}`")))
+        }
+    };
+    let score = signature(
+        "score_mod",
+        &[&f32t, &u32t, &u32t, &u32t, &u32t],
+        &f32t,
+        "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32",
+    )?;
+    let mask = signature(
+        "mask_mod",
+        &[&u32t, &u32t, &u32t, &u32t],
+        &boolt,
+        "fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool",
+    )?;
+    if !score && !mask {
+        return Err(err(
+            None,
+            "the source defines neither score_mod nor mask_mod".into(),
+        ));
+    }
+    // Every name the source declares at module scope, and the captures, get the u_ prefix.
+    let mut declared: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    declared.extend(module.functions.iter().filter_map(|(_, f)| f.name.clone()));
+    declared.extend(module.constants.iter().filter_map(|(_, c)| c.name.clone()));
+    declared.extend(module.overrides.iter().filter_map(|(_, o)| o.name.clone()));
+    declared.extend(module.types.iter().filter_map(|(_, t)| t.name.clone()));
+    let renamed = rename(source, &declared);
+    let mut wgsl = format!("{USER_MARK}\n");
+    for (k, n) in names.iter().enumerate() {
+        wgsl.push_str(&format!(
+            "fn u_{n}(idx: u32) -> f32 {{\n    let t = p.m.cap_tab + {}u;\n    \
+             return bitcast<f32>(aux_word(aux_word(t) + min(idx, max(aux_word(t + 1u), 1u) - 1u)));\n}}\n",
+            2 * k
+        ));
+    }
+    wgsl.push_str(&renamed);
+    wgsl.push('\n');
+    if !score {
+        wgsl.push_str(SCORE_STUB);
+    }
+    if !mask {
+        wgsl.push_str(MASK_STUB);
+    }
+    Ok(Checked { score, mask, wgsl })
+}
+
+/// The identifier tokens of WGSL `src` (comments and numbers skipped), with their byte ranges.
+fn token_spans(src: &str) -> Vec<(usize, usize)> {
+    let b = src.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        let c = b[i];
+        if c == b'/' && b.get(i + 1) == Some(&b'/') {
+            while i < b.len() && b[i] != b'\n' {
+                i += 1;
+            }
+        } else if c == b'/' && b.get(i + 1) == Some(&b'*') {
+            let mut depth = 0;
+            while i < b.len() {
+                if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
+                    depth += 1;
+                    i += 2;
+                } else if b[i] == b'*' && b.get(i + 1) == Some(&b'/') {
+                    depth -= 1;
+                    i += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+        } else if c.is_ascii_digit() {
+            while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'_' || b[i] == b'.') {
+                i += 1;
+            }
+        } else if c.is_ascii_alphabetic() || c == b'_' {
+            let start = i;
+            while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'_') {
+                i += 1;
+            }
+            out.push((start, i));
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+fn tokens(src: &str) -> impl Iterator<Item = &str> {
+    token_spans(src).into_iter().map(move |(a, e)| &src[a..e])
+}
+
+/// `src` with every identifier in `names` prefixed by `u_` (member accesses after `.` kept).
+fn rename(src: &str, names: &[String]) -> String {
+    let mut out = String::with_capacity(src.len() + 64);
+    let mut last = 0;
+    for (a, e) in token_spans(src) {
+        let t = &src[a..e];
+        let member = src[..a].trim_end().ends_with('.');
+        if !member && names.iter().any(|n| n == t) {
+            out.push_str(&src[last..a]);
+            out.push_str("u_");
+            out.push_str(t);
+            last = e;
+        }
+    }
+    out.push_str(&src[last..]);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renaming_skips_comments_numbers_and_members() {
+        let src =
+            "const R = 1e5; // R here\nfn f(v: vec2<f32>) -> f32 { return v.x + R + x(1u); } /* x /* R */ */";
+        let got = rename(src, &["R".into(), "x".into(), "f".into()]);
+        assert_eq!(
+            got,
+            "const u_R = 1e5; // R here\nfn u_f(v: vec2<f32>) -> f32 { return v.x + u_R + u_x(1u); } /* x /* R */ */"
+        );
+    }
+
+    #[test]
+    fn errors_quote_the_line() {
+        let e = check_source(
+            "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {\n  return s + nope;\n}",
+            &[],
+        )
+        .unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, Error::UserMod { line: Some(2), .. }), "{msg}");
+        assert!(msg.contains("return s + nope;"), "{msg}");
+        let e = check_source(
+            "fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> f32 { return 1.0; }",
+            &[],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("mask_mod must be"), "{e}");
+        let e = check_source("fn helper() -> f32 { return 1.0; }", &[]).unwrap_err();
+        assert!(e.to_string().contains("neither"), "{e}");
+        let ok = "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return s + t(i); }";
+        assert!(check_source(ok, &["t"]).is_ok());
+        for (names, want) in [
+            (&["t", "t"][..], "twice"),
+            (&["t", "u"][..], "unknown"),
+            (&["1t"][..], "identifier"),
+        ] {
+            let e = check_source(ok, names).unwrap_err();
+            assert!(e.to_string().contains(want), "{names:?}: {e}");
+        }
+        // A helper named like a capture: naga's redefinition.
+        let dup = "fn t(i: u32) -> f32 { return 0.0; }\nfn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return s + t(i); }";
+        assert!(check_source(dup, &["t"]).is_err());
+    }
+}
