@@ -106,6 +106,10 @@ fn main(
                     continue;
                 }
             }
+            // Query tiles where the user's mask_mod allows none of these keys.
+            if (HAS_MASK_MOD && !mask_mod_any(b, h, i0, BQ, j_first, BKV, tid, WG)) {
+                continue;
+            }
             if (SG_Q) {
                 let i = i0 + tid;
                 let row = bh * p.l + min(i, p.l - 1u);

@@ -73,7 +73,9 @@ fn main(
         row_end[r] = select(0u, key_end(b, min(i, p.l - 1u)), valid);
     }
 
-    for (var j0 = next_key_tile(b, 0u, kv_begin, BK, kv_end, qd); j0 < kv_end; j0 = next_key_tile(b, j0 + BK, kv_begin, BK, kv_end, qd)) {
+    let i0 = qt * BQ;
+    for (var j0 = next_key_tile(b, h, 0u, kv_begin, BK, kv_end, qd, i0, BQ, tid, WG); j0 < kv_end;
+         j0 = next_key_tile(b, h, j0 + BK, kv_begin, BK, kv_end, qd, i0, BQ, tid, WG)) {
         stage_kv(kvh, j0, kv_end, tid);
         for (var jj = 0u; jj < BK; jj++) { // unroll if SG_KV
             let j = j0 + jj;

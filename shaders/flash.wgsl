@@ -110,7 +110,9 @@ fn main(
         row_end[r] = end;
     }
 
-    for (var j0 = next_key_tile(b, 0u, kv_begin, BK, kv_end, qd); j0 < kv_end; j0 = next_key_tile(b, j0 + BK, kv_begin, BK, kv_end, qd)) {
+    let i0 = qt * BQ;
+    for (var j0 = next_key_tile(b, h, 0u, kv_begin, BK, kv_end, qd, i0, BQ, tid, WG); j0 < kv_end;
+         j0 = next_key_tile(b, h, j0 + BK, kv_begin, BK, kv_end, qd, i0, BQ, tid, WG)) {
         stage_kv(kvh, j0, kv_end, tid);
 
         // The tile in NG steps of KG keys (keys past kv_end have logit START and a zero V

@@ -167,7 +167,7 @@ fn main(
     // are issued before this tile's arithmetic, and land in workgroup memory after it.
     var kp: array<vec4<f32>, NPK>;
     var vp: array<vec4<f32>, NPV>;
-    let j_first = next_key_tile(b, 0u, kv_begin, BN, kv_end, qd);
+    let j_first = next_key_tile(b, h, 0u, kv_begin, BN, kv_end, qd, i0, BM, tid, WG);
     var j_next = j_first;
     for (var j0 = j_first; j0 < kv_end; j0 = j_next) {
         if (j0 == j_first || !PREFETCH) {
@@ -186,7 +186,7 @@ fn main(
             }
         }
         workgroupBarrier();
-        j_next = next_key_tile(b, j0 + BN, kv_begin, BN, kv_end, qd);
+        j_next = next_key_tile(b, h, j0 + BN, kv_begin, BN, kv_end, qd, i0, BM, tid, WG);
         if (PREFETCH && j_next < kv_end) {
             fetch_kv(kvh, j_next, kv_end, tid, &kp, &vp);
         }

@@ -17,14 +17,17 @@ use crate::CliResult;
 pub(crate) struct BenchArgs {
     /// Shapes to time, comma separated, or `all` [default: all but c_h8_s4096_causal,
     /// long_h1_s32768_causal, causal_h8_s16384, window_h8_s16384, softcap_h8_s1024,
-    /// alibi_h8_s1024, sinks_h8_s1024, docs8_h8_s8192, docs8_dense_h8_s8192 and
-    /// mha_gqa_h32_kv8_d128_l128]. Attention: small_h4_s128,
+    /// alibi_h8_s1024, sinks_h8_s1024, docs8_h8_s8192, docs8_dense_h8_s8192,
+    /// window_mod_h8_s16384, relbias_mod_h8_s1024 and mha_gqa_h32_kv8_d128_l128]. Attention:
+    /// small_h4_s128,
     /// a_h8_s1024, b_h8_s1024_causal, c_h8_s4096_causal, d_decode_h32_s4096_e128,
     /// e_b4_h12_s256_padmask, long_h1_s32768_causal, gpt2_h12_t1024_causal, causal_h8_s16384,
     /// window_h8_s16384 (window (1023, 0)), softcap_h8_s1024 (a_h8_s1024 with softcap 50),
     /// alibi_h8_s1024 (a_h8_s1024 with ALiBi, the paper's slopes), sinks_h8_s1024 (with sink
     /// logits), docs8_h8_s8192 (8 packed documents of 1024 tokens, causal, as document ids),
-    /// docs8_dense_h8_s8192 (the same as a dense boolean mask). Multi-head
+    /// docs8_dense_h8_s8192 (the same as a dense boolean mask), window_mod_h8_s16384 (the
+    /// window of window_h8_s16384 as a user mask_mod), relbias_mod_h8_s1024 (a_h8_s1024 with a
+    /// captured relative-position bias in a user score_mod). Multi-head
     /// attention layers: mha_bert_base_l128, mha_bert_base_l512, mha_gqa_h32_kv8_d128_l128.
     #[arg(long, value_delimiter = ',', value_name = "NAME,..")]
     shapes: Vec<String>,

@@ -1323,3 +1323,106 @@ fn doc_ids_on_run_and_backward() {
         assert!(!o.exists());
     }
 }
+
+/// `--mod F.wgsl` with `--capture NAME=X.npy` on `run`: a relative-position bias table read
+/// by a `score_mod` and a `mask_mod`, on the GPU, against the same attention written with the
+/// built-in options (the table's values as a dense bias, the mask as a boolean mask); a source
+/// naga rejects, a capture the source does not use, `--cpu` with `--mod`: one line, exit 2,
+/// nothing written.
+#[test]
+fn user_mod_and_captures() {
+    let dir = out_dir("user-mod");
+    let p = |n: &str| dir.join(n);
+    let fill = |shape: [usize; 4], m: usize| {
+        Array4::from_shape_fn(shape, |(b, h, i, j)| {
+            ((b * 7 + h * 3 + i * m + j * 5) % 11) as f32 * 0.2 - 1.0
+        })
+    };
+    let (q, k, v) = (p("q.npy"), p("k.npy"), p("v.npy"));
+    let (l, sl) = (9, 13);
+    write_npy(&q, &fill([1, 2, l, 8], 7)).unwrap();
+    write_npy(&k, &fill([1, 2, sl, 8], 3)).unwrap();
+    write_npy(&v, &fill([1, 2, sl, 4], 2)).unwrap();
+    // rel[h, d + 4] for the distance d = j - i clamped to [-4, 4].
+    let table = ndarray::Array2::from_shape_fn((2, 9), |(h, d)| (h as f32 - 0.5) * 0.3 * d as f32 - 0.4);
+    write_npy(p("rel.npy"), &table).unwrap();
+    std::fs::write(
+        p("mod.wgsl"),
+        "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {\n\
+         \x20   let d = clamp(i32(j) - i32(i), -4, 4) + 4;\n\
+         \x20   return s + rel(h * 9u + u32(d));\n\
+         }\n\
+         fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { return (i + j) % 3u != 0u; }\n",
+    )
+    .unwrap();
+    let bias = ndarray::Array4::from_shape_fn((1, 2, l, sl), |(_, h, i, j)| {
+        table[[h, ((j as i64 - i as i64).clamp(-4, 4) + 4) as usize]]
+    });
+    let mask = ndarray::Array4::from_shape_fn((1, 1, l, sl), |(_, _, i, j)| (i + j) % 3 != 0);
+    write_npy(p("bias.npy"), &bias).unwrap();
+    write_npy(p("mask.npy"), &mask).unwrap();
+    let [modf, relf, biasf, maskf, badf] = ["mod.wgsl", "rel.npy", "bias.npy", "mask.npy", "bad.wgsl"].map(p);
+    let capture = format!("rel={}", s(&relf));
+    let out = p("out.npy");
+    let user = ["--mod", s(&modf), "--capture", capture.as_str()];
+    if common::ctx().is_some() {
+        let r = run_qkv(&q, &k, &v, &[&["--out", s(&out)][..], &user].concat());
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        let want = p("want.npy");
+        let r = run_qkv(
+            &q,
+            &k,
+            &v,
+            &[
+                "--cpu",
+                "--out",
+                s(&want),
+                "--bias",
+                s(&biasf),
+                "--mask",
+                s(&maskf),
+            ],
+        );
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        let (g, c): (ArrayD<f32>, ArrayD<f32>) = (read_npy(&out).unwrap(), read_npy(&want).unwrap());
+        common::assert_report(
+            compare(g.iter().copied(), c.iter().map(|&x| x as f64), common::TOL),
+            "--mod gpu vs the built-in options on the cpu",
+        );
+        std::fs::remove_file(&out).unwrap();
+    }
+    std::fs::write(
+        &badf,
+        "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {\n    return s + nope;\n}\n",
+    )
+    .unwrap();
+    let bad_capture = format!("other={}", s(&relf));
+    for (args, want) in [
+        (vec!["--mod", s(&badf)], "line 2"),
+        (
+            vec![
+                "--mod",
+                s(&modf),
+                "--capture",
+                capture.as_str(),
+                "--capture",
+                bad_capture.as_str(),
+            ],
+            "unknown",
+        ),
+        (
+            vec!["--mod", s(&modf), "--capture", capture.as_str(), "--cpu"],
+            "--cpu",
+        ),
+        (vec!["--mod", s(&modf), "--capture", "rel"], "NAME=X.npy"),
+    ] {
+        let r = run_qkv(&q, &k, &v, &[&["--out", s(&out)][..], &args].concat());
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains(want) && err.trim().lines().count() == 1,
+            "{args:?}: {err}"
+        );
+        assert!(!out.exists());
+    }
+}

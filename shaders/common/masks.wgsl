@@ -140,13 +140,54 @@ fn key_docs_meet(b: u32, j0: u32, n: u32, qd: vec2<i32>) -> bool {
     return kd.x <= qd.y && qd.x <= kd.y;
 }
 
-// next_tile, then past the key tiles (before `end`) holding none of the documents in `qd`
-// (the query tile's range, HAS_DOCS): a packed sequence's rows visit their documents' tiles.
-fn next_key_tile(b: u32, j: u32, begin: u32, tile: u32, end: u32, qd: vec2<i32>) -> u32 {
+// Whether the user's mask_mod (HAS_MASK_MOD) allows any pair of query rows [i0, i0 + ni) and
+// keys [j0, j0 + nj) of batch b, head h: the workgroup's `nt` invocations (this one `tid`)
+// evaluate it on every pair of the block, their verdicts met through workgroup memory. Called
+// by every invocation of the workgroup alike (it has barriers).
+var<workgroup> wg_mod_any: atomic<u32>;
+var<workgroup> wg_mod_flag: u32;
+fn mask_mod_any(b: u32, h: u32, i0: u32, ni: u32, j0: u32, nj: u32, tid: u32, nt: u32) -> bool {
+    if (tid == 0u) {
+        atomicStore(&wg_mod_any, 0u);
+    }
+    workgroupBarrier();
+    var any = false;
+    for (var t = tid; t < ni * nj; t += nt) {
+        let i = i0 + t / nj;
+        let j = j0 + t % nj;
+        any = any || (i < p.m.doc_l && j < p.s && u_mask_mod(b, h, i, j));
+    }
+    if (any) {
+        atomicOr(&wg_mod_any, 1u);
+    }
+    workgroupBarrier();
+    if (tid == 0u) {
+        wg_mod_flag = atomicLoad(&wg_mod_any);
+    }
+    return workgroupUniformLoad(&wg_mod_flag) != 0u;
+}
+
+// next_tile, then past the key tiles (before `end`) that can hold no allowed key of the query
+// rows [i0, i0 + ni): those holding none of the documents in `qd` (the rows' range, HAS_DOCS),
+// and those where the user's mask_mod allows no pair (HAS_MASK_MOD: the workgroup evaluates
+// it on the block; `tid`, `nt` as in mask_mod_any). A packed sequence's rows visit their
+// documents' tiles; a mask_mod's empty blocks are skipped like the built-in masks' (FlexAttention's
+// block sparsity, computed on the GPU by the kernel itself).
+fn next_key_tile(b: u32, h: u32, j: u32, begin: u32, tile: u32, end: u32, qd: vec2<i32>, i0: u32, ni: u32, tid: u32, nt: u32) -> u32 {
     var t = next_tile(j, begin, tile);
     if (HAS_DOCS) {
         while (t < end && !key_docs_meet(b, t, tile, qd)) {
             t = next_tile(t + tile, begin, tile);
+        }
+    }
+    if (HAS_MASK_MOD) {
+        while (t < end && !mask_mod_any(b, h, i0, ni, t, tile, tid, nt)) {
+            t = next_tile(t + tile, begin, tile);
+            if (HAS_DOCS) {
+                while (t < end && !key_docs_meet(b, t, tile, qd)) {
+                    t = next_tile(t + tile, begin, tile);
+                }
+            }
         }
     }
     return t;

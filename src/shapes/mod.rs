@@ -49,6 +49,8 @@ pub struct Shape {
     pub docs: usize,
     /// The documents as a dense boolean mask instead of document ids.
     pub docs_dense: bool,
+    /// A user WGSL function (see [`crate::UserMod`]): [`USER_RELBIAS`] or [`USER_WINDOW`].
+    pub user_mod: Option<&'static str>,
     /// Part of the default `bench` set (false for shapes too slow on software renderers).
     pub default: bool,
 }
@@ -79,8 +81,29 @@ const fn shape(
         sinks: false,
         docs: 0,
         docs_dense: false,
+        user_mod: None,
         default,
     }
+}
+
+/// A `score_mod` adding a learned relative-position bias (a captured `[Hq, 129]` table, the
+/// key's distance clamped to 64: T5's and AlphaFold's learned biases), for
+/// `relbias_mod_h8_s1024`.
+pub const USER_RELBIAS: &str = "const R: i32 = 64;
+fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
+    return s + rel(h * u32(2 * R + 1) + u32(clamp(i32(j) - i32(i), -R, R) + R));
+}";
+
+/// A sliding window of 1024 keys written as a `mask_mod` (with the shape's causal mask), for
+/// `window_mod_h8_s16384`.
+pub const USER_WINDOW: &str = "fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool {
+    return i32(i) - i32(j) <= 1023;
+}";
+
+/// `s` with user function `src`.
+const fn user(mut s: Shape, src: &'static str) -> Shape {
+    s.user_mod = Some(src);
+    s
 }
 
 /// `s` with `n` packed documents of equal length, as ids or (`dense`) as a boolean mask.
@@ -286,6 +309,32 @@ pub const SHAPES: &[Shape] = &[
         8,
         true,
     ),
+    // Issue 27's user functions: the window above as a mask_mod (against causal_h8_s16384),
+    // and a captured relative-position bias as a score_mod (against a_h8_s1024).
+    user(
+        shape(
+            "window_mod_h8_s16384",
+            (1, 8, 8),
+            (16384, 16384),
+            (64, 64),
+            Causal::BottomRight,
+            None,
+            false,
+        ),
+        USER_WINDOW,
+    ),
+    user(
+        shape(
+            "relbias_mod_h8_s1024",
+            (1, 8, 8),
+            (1024, 1024),
+            (64, 64),
+            Causal::None,
+            None,
+            false,
+        ),
+        USER_RELBIAS,
+    ),
 ];
 
 /// The shape called `name`.
@@ -367,6 +416,13 @@ impl Shape {
         if self.docs > 0 {
             let how = if self.docs_dense { "dense mask" } else { "ids" };
             s.push_str(&format!(" docs={} ({how})", self.docs));
+        }
+        if let Some(src) = self.user_mod {
+            s.push_str(if src.contains("score_mod") {
+                " score_mod"
+            } else {
+                " mask_mod"
+            });
         }
         s
     }
@@ -462,6 +518,8 @@ pub struct GpuInputs {
     /// The shape's documents: ids, or the dense boolean mask.
     doc_ids: (Vec<i32>, Vec<i32>),
     doc_mask: Vec<bool>,
+    /// The user function's captured table ([`USER_RELBIAS`]'s).
+    user_table: Vec<f32>,
 }
 
 impl GpuInputs {
@@ -504,6 +562,10 @@ impl GpuInputs {
                 shape.doc_mask()
             } else {
                 Vec::new()
+            },
+            user_table: {
+                let mut rng = SplitMix64(0x7e1b);
+                (0..shape.q_heads * 129).map(|_| rng.next_f32()).collect()
             },
         })
     }
@@ -552,6 +614,13 @@ impl GpuInputs {
         if !self.doc_mask.is_empty() {
             let shape = [1, 1, s.seq_q, s.seq_kv];
             sdpa = sdpa.mask(crate::Mask::from_slice(&self.doc_mask, &shape));
+        }
+        if let Some(src) = s.user_mod {
+            let mut m = crate::UserMod::wgsl(src);
+            if src.contains("rel(") {
+                m = m.capture("rel", &self.user_table);
+            }
+            sdpa = sdpa.user_mod(m);
         }
         sdpa
     }

@@ -277,6 +277,13 @@ async fn softcap_alibi_and_sinks_on_every_path() {
             check_all_paths(&case, &ctx, &format!("{shape:?} {name}")).await;
         }
     }
+    // User WGSL (naga on the host in wasm, Tint in the browser): the captured relative-position
+    // bias on the tiles shape, the mask_mod with packed documents on the decode shape.
+    let shapes = [(1, 2, 2, 70, 130, 33, 65), (2, 4, 2, 3, 700, 16, 24)];
+    for ((name, kind), shape) in user_kinds().into_iter().zip(shapes) {
+        let case = kind(Case::random(shape, 95));
+        check_all_paths(&case, &ctx, &format!("{shape:?} {name}")).await;
+    }
 }
 
 #[wasm_bindgen_test]
