@@ -54,7 +54,7 @@ fn main(
                         for (var c = 0u; c < p.ev; c++) {
                             dp += dout_get(dout_base(row) + c) * v_get(v_base(kvh * p.s + j) + c);
                         }
-                        total += dscore(pij, dp, dsum);
+                        total += dscore(pij, dp, dsum) * mod_grad(s, x, b, h, i, j);
                     }
                 }
             }

@@ -167,7 +167,7 @@ fn main(
                         dp += g * vr[r * EV4 + d4];
                         dv[r * EV4 + d4] += pij * g;
                     }
-                    let ds = dscore(pij, dp.x + dp.y + dp.z + dp.w, dsum) * softcap_grad(x0);
+                    let ds = dscore(pij, dp.x + dp.y + dp.z + dp.w, dsum) * logit_grad(x0, x, b, h, i, j);
                     for (var d4 = 0u; d4 < E4; d4++) { // unroll
                         dk[r * E4 + d4] += ds * q_at(ii, d4);
                     }

@@ -91,8 +91,8 @@ fn main(
                 }
                 var x = select(START, select(d.x + d.y + d.z + d.w, xs, SCALAR_LOGITS), j < row_end[r]);
                 let x0 = x;
+                let i = min(qt * BQ + r * WG + tid, p.l - 1u);
                 if (MASKED_LOGIT || HAS_WINDOW) {
-                    let i = min(qt * BQ + r * WG + tid, p.l - 1u);
                     x = masked_logit(x, in_range(x), b, h, i, j);
                 }
                 let pij = prob(x, lse[r]);
@@ -100,7 +100,7 @@ fn main(
                 for (var d4 = 0u; d4 < EV4; d4++) { // unroll
                     dp += dor[r * EV4 + d4] * value_at(jj, d4);
                 }
-                let ds = dscore(pij, dp.x + dp.y + dp.z + dp.w, dsum[r]) * softcap_grad(x0);
+                let ds = dscore(pij, dp.x + dp.y + dp.z + dp.w, dsum[r]) * logit_grad(x0, x, b, h, i, j);
                 for (var d4 = 0u; d4 < E4; d4++) { // unroll
                     acc[r * E4 + d4] += ds * key_at(jj, d4);
                 }

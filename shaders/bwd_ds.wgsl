@@ -37,8 +37,9 @@ fn main(
     let row = bh * p.l + i;
     let x = masked_logit(sc[t], j < key_end(b, i), b, h, i, j);
     let pij = prob(x, lse_of(row));
-    // dS of the logit; dQ and dK take it through the softcap (d(bias) is bwd_dbias.wgsl's).
-    let ds = dscore(pij, dp[t], dsum_of(row)) * softcap_grad(sc[t]);
+    // dS of the logit; dQ and dK take it through the softcap and a user score_mod (d(bias) is
+    // bwd_dbias.wgsl's).
+    let ds = dscore(pij, dp[t], dsum_of(row)) * logit_grad(sc[t], x, b, h, i, j);
     dp[t] = ds;
     let u = zl / p.gw;
     let hl = zl % p.gw;

@@ -12,8 +12,13 @@
 //! extra storage binding: WebGPU's 8 per stage still hold). Pipelines are cached by the
 //! source and the capture names: a new sequence length or new capture values compile nothing.
 //!
+//! The backward runs `mask_mod` as it is; through a `score_mod` it needs the derivative in `s`,
+//! given in the same source as `fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32`
+//! (WGSL has no automatic differentiation). The gradients of the captures are not computed yet.
+//!
 //! The CPU reference cannot run WGSL: it takes the same functions as Rust closures
-//! ([`UserMod::cpu_score`], [`UserMod::cpu_mask`]).
+//! ([`UserMod::cpu_score`], [`UserMod::cpu_mask`]); its backward differentiates the score
+//! closure numerically (a central difference in f64), which checks the WGSL derivative too.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -172,6 +177,7 @@ impl<'a> UserMod<'a> {
             key,
             score: code.score,
             mask: code.mask,
+            score_ds: code.score_ds,
             captures: self
                 .captures
                 .iter()
@@ -197,6 +203,8 @@ pub(crate) struct UserFns {
     pub(crate) key: u64,
     pub(crate) score: bool,
     pub(crate) mask: bool,
+    /// The source defines `score_mod_ds` (score_mod's derivative in `s`: the backward needs it).
+    pub(crate) score_ds: bool,
     pub(crate) captures: Vec<(String, Arc<[f32]>)>,
 }
 
@@ -222,6 +230,7 @@ impl UserFns {
 struct Checked {
     score: bool,
     mask: bool,
+    score_ds: bool,
     /// The renamed source with the capture readers and the stubs of what it does not define.
     wgsl: String,
 }
@@ -246,13 +255,15 @@ pub(crate) fn prelude(key: u64) -> String {
             return c.wgsl.clone();
         }
     }
-    format!("{SCORE_STUB}{MASK_STUB}")
+    format!("{SCORE_STUB}{SCORE_DS_STUB}{MASK_STUB}")
 }
 
 /// Marks a prelude holding user code (its pipelines keep wgpu's bounds checks).
 pub(crate) const USER_MARK: &str = "// user WGSL (src/user_mod.rs)";
 
 const SCORE_STUB: &str = "fn u_score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return s; }\n";
+const SCORE_DS_STUB: &str =
+    "fn u_score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return 1.0; }\n";
 const MASK_STUB: &str = "fn u_mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { return true; }\n";
 
 /// Check `source` with captures `names` by naga, standalone (captures as stubs), and assemble
@@ -359,6 +370,15 @@ fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
         &f32t,
         "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32",
     )?;
+    let score_ds = signature(
+        "score_mod_ds",
+        &[&f32t, &u32t, &u32t, &u32t, &u32t],
+        &f32t,
+        "fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32",
+    )?;
+    if score_ds && !score {
+        return Err(err(None, "score_mod_ds is given without score_mod".into()));
+    }
     let mask = signature(
         "mask_mod",
         &[&u32t, &u32t, &u32t, &u32t],
@@ -391,10 +411,18 @@ fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
     if !score {
         wgsl.push_str(SCORE_STUB);
     }
+    if !score_ds {
+        wgsl.push_str(SCORE_DS_STUB);
+    }
     if !mask {
         wgsl.push_str(MASK_STUB);
     }
-    Ok(Checked { score, mask, wgsl })
+    Ok(Checked {
+        score,
+        mask,
+        score_ds,
+        wgsl,
+    })
 }
 
 /// The identifier tokens of WGSL `src` (comments and numbers skipped), with their byte ranges.

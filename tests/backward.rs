@@ -87,25 +87,37 @@ fn modifiers_by_flash_rule() {
     }
 }
 
-/// A user `mask_mod` (prefix-LM and dilated, rows fully masked) with packed documents and a
-/// bias, on both paths; a `score_mod` is refused with a typed error (its gradient is not
-/// implemented), before any GPU work.
+/// User functions on both paths: a `score_mod` with its derivative `score_mod_ds` (a captured
+/// relative-position bias and a per-head scale, with causal, key lengths and sink logits; the
+/// reference differentiates its closure numerically) and a `mask_mod` (prefix-LM and dilated,
+/// rows fully masked) with packed documents and a bias; d(bias) through the score_mod's
+/// derivative. A `score_mod` without `score_mod_ds` is refused with a typed error before any
+/// GPU work.
 #[test]
-fn user_mask_mod_by_flash_rule() {
+fn user_functions_by_flash_rule() {
     let Some(ctx) = ctx() else { return };
-    let (_, mask_kind) = user_kinds()[1];
-    for (si, shape) in [(1, 2, 2, 70, 130, 33, 65), (2, 4, 2, 17, 23, 16, 8)]
-        .into_iter()
-        .enumerate()
-    {
-        let case = mask_kind(Case::random(shape, 720 + si as u64));
-        check(ctx, &case, PATHS[si % 2], &format!("{shape:?} mask_mod"));
-        check(ctx, &case, PATHS[(si + 1) % 2], &format!("{shape:?} mask_mod"));
+    for (ki, (name, kind)) in user_kinds().into_iter().enumerate() {
+        for (si, shape) in [(1, 2, 2, 70, 130, 33, 65), (2, 4, 2, 17, 23, 16, 8)]
+            .into_iter()
+            .enumerate()
+        {
+            let case = kind(Case::random(shape, 720 + si as u64));
+            check(ctx, &case, PATHS[(si + ki) % 2], &format!("{shape:?} {name}"));
+        }
     }
     let (_, score_kind) = user_kinds()[0];
-    let case = score_kind(Case::random((1, 2, 2, 9, 13, 8, 8), 730));
+    let case = score_kind(Case::random((1, 2, 2, 19, 27, 8, 8), 731)).with_random_bias(732);
+    for path in PATHS {
+        check(ctx, &case, path, "score_mod with a bias");
+    }
+    let table = [0.5f32; 2];
+    let m = wgpu_attention::UserMod::wgsl(
+        "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return s + t(h); }",
+    )
+    .capture("t", &table);
+    let case = Case::random((1, 2, 2, 9, 13, 8, 8), 730);
     let dout = Array4::<f32>::zeros((1, 2, 9, 8));
-    let r = case.sdpa().backward(&dout).run_blocking(ctx);
+    let r = case.sdpa().user_mod(m).backward(&dout).run_blocking(ctx);
     assert!(
         matches!(&r, Err(wgpu_attention::Error::InvalidModifier { modifier, .. }) if *modifier == "score_mod"),
         "{:?}",

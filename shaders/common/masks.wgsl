@@ -262,6 +262,35 @@ fn softcap_grad(x: f32) -> f32 {
     return 1.0 - t * t;
 }
 
+// The logit of scaled dot product `x` after the softcap, the bias and ALiBi: what a user
+// score_mod is given.
+fn pre_mod(x: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
+    var y = softcapped(x);
+    if (HAS_BIAS) {
+        y += bias_at(b, h, i, j);
+    }
+    if (HAS_ALIBI) {
+        y += alibi_term(b, h, i, j);
+    }
+    return y;
+}
+
+// d(final logit) / d(pre_mod logit): the user's score_mod_ds (HAS_SCORE_MOD; 1 otherwise),
+// for d(bias) and, times softcap_grad, dQ and dK. `x` is the masked logit: a masked entry
+// (START; its dS is 0) takes 1, so that the user's derivative is never asked about it.
+fn mod_grad(x0: f32, x: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
+    if (!HAS_SCORE_MOD) {
+        return 1.0;
+    }
+    return select(1.0, u_score_mod_ds(pre_mod(x0, b, h, i, j), b, h, i, j), in_range(x));
+}
+
+// d(final logit) / d(scaled dot product x0) (`x` the masked logit): the softcap's derivative
+// and the user score_mod's.
+fn logit_grad(x0: f32, x: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
+    return softcap_grad(x0) * mod_grad(x0, x, b, h, i, j);
+}
+
 // The ALiBi term of (b, h, i, j): -slope[h] |i + S - L - j| (S the batch's key length with key
 // lengths, like the window's diagonal).
 fn alibi_term(b: u32, h: u32, i: u32, j: u32) -> f32 {

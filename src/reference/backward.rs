@@ -61,17 +61,13 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
     let (b, hq, l, e) = q.dim();
     let (_, hkv, s, _) = k.dim();
     let group = hq / hkv;
-    if let Some(m) = &opts.user_mod {
-        m.cpu_mask_fn()?;
-        if m.cpu_score_fn()?.is_some() {
-            return Err(crate::Error::InvalidModifier {
-                modifier: "score_mod",
-                reason: "gradients through a user score_mod are not implemented yet (a mask_mod \
-                     has none to give: it runs in the backward)"
-                    .into(),
-            });
+    let user_score = match &opts.user_mod {
+        Some(m) => {
+            m.cpu_mask_fn()?;
+            m.cpu_score_fn()?
         }
-    }
+        None => None,
+    };
     let mask = opts.mask_view()?;
     let bias = opts.bias_view()?;
     let mask = mask.as_ref().map(|m| broadcast4(m, [b, hq, l, s]));
@@ -105,6 +101,10 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
                     } else {
                         raw
                     } + bias.as_ref().map_or(F::zero(), |x| cast(x[[bi, h, i, j]]));
+                    let x = match user_score {
+                        Some(f) => cast::<F, f64>(f(x.to_f64().unwrap_or(f64::NAN), [bi, h, i, j])),
+                        None => x,
+                    };
                     ok[j] = allowed(opts, mask.as_ref(), [bi, h, i, j], l, s) && x != F::neg_infinity();
                     logits[j] = x;
                     if ok[j] {
@@ -187,17 +187,43 @@ pub fn sdpa_backward_in<F: Float, T: Copy + Into<f64>, U: Copy + Into<f64>>(
     let out = Array4::from_shape_vec(shape4(ev), out).expect("out length");
     let dp = Array4::from_shape_vec(shape4(s), dp).expect("dp length");
     let dsum = Array3::from_shape_vec((b, hq, l), dsum).expect("D length");
-    let ds = softmax_backward(&p, &dp, &dsum);
+    let mut ds = softmax_backward(&p, &dp, &dsum);
+    let raw_at = |bi: usize, h: usize, i: usize, j: usize| {
+        let qrow = &qd[((bi * hq + h) * l + i) * e..][..e];
+        let krow = &kd[((bi * hkv + h / (hq / hkv)) * s + j) * e..][..e];
+        let raw = qrow.iter().zip(krow).fold(F::zero(), |a, (&q, &k)| a + q * k) * scale;
+        raw.to_f64().unwrap_or(f64::NAN)
+    };
+    // Through a user score_mod (dQ, dK and d(bias): it acts after the bias), by its closure's
+    // central difference in f64 at the logit it was given (masked entries have dS = 0).
+    if let Some(f) = opts
+        .user_mod
+        .as_ref()
+        .map(|m| m.cpu_score_fn())
+        .transpose()?
+        .flatten()
+    {
+        let bias4 = opts.bias_view()?;
+        let bias4 = bias4.as_ref().map(|m| broadcast4(m, [b, hq, l, s]));
+        for ((bi, h, i, j), x) in ds.indexed_iter_mut() {
+            if *x == F::zero() {
+                continue;
+            }
+            let idx = [bi, h, i, j];
+            let y = modified(opts, raw_at(bi, h, i, j), idx, l, s)
+                + bias4.as_ref().map_or(0.0, |m| f64::from(m[idx]));
+            let d = 1e-6 * y.abs().max(1.0);
+            let g = (f(y + d, idx) - f(y - d, idx)) / (2.0 * d);
+            *x = *x * cast(g);
+        }
+    }
     // Through the softcap (dQ and dK only: the bias is added after it).
     let ds_qk = match opts.softcap {
         None => None,
         Some(_) => {
             let mut d = ds.clone();
             for ((bi, h, i, j), x) in d.indexed_iter_mut() {
-                let qrow = &qd[((bi * hq + h) * l + i) * e..][..e];
-                let krow = &kd[((bi * hkv + h / (hq / hkv)) * s + j) * e..][..e];
-                let raw = qrow.iter().zip(krow).fold(F::zero(), |a, (&q, &k)| a + q * k) * scale;
-                *x = *x * cast(softcap_grad(opts, raw.to_f64().unwrap_or(f64::NAN)));
+                *x = *x * cast(softcap_grad(opts, raw_at(bi, h, i, j)));
             }
             Some(d)
         }
