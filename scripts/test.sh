@@ -112,12 +112,13 @@ if has vulkan; then
     # validation) on the attention and error suites, in minutes rather than inside Chromium.
     # Without the head dims up to 256 and the large problem, whose kernels (WebGPU's forms:
     # no subgroups) take minutes to compile on a machine whose Mesa shader cache is empty, and
-    # without the score modifiers (their code is masks.wgsl's, the same on every kernel); the
-    # browser suite runs them, with the goldens, under the same rules in Chromium.
+    # without the score modifiers and user functions (their code is masks.wgsl's, the same on
+    # every kernel); the browser suite runs them, with the goldens, under the same rules in
+    # Chromium.
     strict_webgpu() {
       WGPU_STRICT_WEBGPU_COMPLIANCE=1 suite --locked --test sdpa --test errors -- \
         --skip head_dims_up_to_256 --skip large_problem_on_the_unrolled_fused_kernel \
-        --skip modifiers_on_every_path
+        --skip modifiers_on_every_path --skip user_functions_on_every_path
     }
     stage "strict WebGPU (Vulkan)" strict_webgpu
     # Subgroup forms at the subgroup sizes of real GPUs: lavapipe emulates 4, 16, 32 and 64 lanes
