@@ -55,7 +55,10 @@ fn main(
     let kv_end = workgroupUniformLoad(&wg_end);
     let kv_begin = workgroupUniformLoad(&wg_begin);
     // The documents of this tile's rows (HAS_DOCS): key tiles holding none are skipped.
-    let qd = query_docs(b, qt * BQ, qt * BQ + BQ);
+    var qd = vec2<i32>(0);
+    if (HAS_DOCS) {
+        qd = query_docs(b, qt * BQ, qt * BQ + BQ);
+    }
 
     for (var r = 0u; r < RQ; r++) { // unroll
         let i = qt * BQ + r * WG + tid;

@@ -126,7 +126,10 @@ fn main(
     let kv_end = workgroupUniformLoad(&wg_end);
     let kv_begin = workgroupUniformLoad(&wg_begin);
     // The documents of this tile's rows (HAS_DOCS): key tiles holding none are skipped.
-    let qd = query_docs(b, i0, i0 + BM);
+    var qd = vec2<i32>(0);
+    if (HAS_DOCS) {
+        qd = query_docs(b, i0, i0 + BM);
+    }
 
     // The scaled Q tile (rows past L zero).
     for (var t = tid; t < BM * E4; t += WG) {

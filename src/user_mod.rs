@@ -156,6 +156,12 @@ impl<'a> UserMod<'a> {
 
     /// The checked functions, registered for the kernels (cached by source and capture names).
     pub(crate) fn fns(&self) -> Result<Arc<UserFns>> {
+        if let Some((n, _)) = self.captures.iter().find(|(_, d)| d.is_empty()) {
+            return Err(Error::UserMod {
+                line: None,
+                message: format!("capture {n:?} is empty: give at least one value"),
+            });
+        }
         let names: Vec<&str> = self.captures.iter().map(|(n, _)| n.as_str()).collect();
         let key = key_of(&self.source, &names);
         let checked = {
@@ -209,6 +215,19 @@ pub(crate) struct UserFns {
 }
 
 impl UserFns {
+    /// Whether the backward can run them: through a `score_mod` it needs `score_mod_ds`.
+    pub(crate) fn check_backward(&self) -> Result<()> {
+        if self.score && !self.score_ds {
+            return Err(Error::InvalidModifier {
+                modifier: "score_mod",
+                reason: "the backward through a user score_mod needs its derivative in s: define \
+                         fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 in the same source"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
     /// The capture table (offset, length per capture, offsets from `base`) and the values, as
     /// auxiliary words.
     pub(crate) fn aux_words(&self, base: usize) -> Vec<u32> {
@@ -292,6 +311,18 @@ fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
                 format!("capture {n:?} is not used by the source (unknown capture name)"),
             ));
         }
+    }
+    // What naga accepts in a module of its own but the kernels cannot take: barriers (the
+    // functions run in non-uniform control flow) and directives (they must open a module).
+    for t in tokens(source) {
+        let why = match t {
+            "workgroupBarrier" | "storageBarrier" | "textureBarrier" | "workgroupUniformLoad" => {
+                "a barrier (the functions run per logit, in non-uniform control flow)"
+            }
+            "enable" | "requires" | "diagnostic" => "a directive (the kernels declare their own)",
+            _ => continue,
+        };
+        return Err(err(None, format!("the source uses {t}: {why} is not allowed")));
     }
     let header: String = names
         .iter()
@@ -397,6 +428,9 @@ fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
     declared.extend(module.constants.iter().filter_map(|(_, c)| c.name.clone()));
     declared.extend(module.overrides.iter().filter_map(|(_, o)| o.name.clone()));
     declared.extend(module.types.iter().filter_map(|(_, t)| t.name.clone()));
+    // naga drops what it does not keep in its module (constants without a type, aliases):
+    // the declarations at module scope from the source's own tokens too.
+    declared.extend(module_scope_names(source));
     let renamed = rename(source, &declared);
     let mut wgsl = format!("{USER_MARK}\n");
     for (k, n) in names.iter().enumerate() {
@@ -473,14 +507,44 @@ fn tokens(src: &str) -> impl Iterator<Item = &str> {
     token_spans(src).into_iter().map(move |(a, e)| &src[a..e])
 }
 
-/// `src` with every identifier in `names` prefixed by `u_` (member accesses after `.` kept).
+/// `src` with every identifier in `names` prefixed by `u_`, except member accesses (after `.`)
+/// and struct members' declarations (so that `s.x` still names the field), and without
+/// comments (the kernels' assembly reads markers such as `// unroll` in them).
 fn rename(src: &str, names: &[String]) -> String {
+    let src = &strip_comments(src);
     let mut out = String::with_capacity(src.len() + 64);
     let mut last = 0;
+    // The brace depth, and the depth of the struct body being read (if any).
+    let (mut depth, mut struct_body) = (0usize, None::<usize>);
+    let mut pending_struct = false;
+    let mut pos = 0;
     for (a, e) in token_spans(src) {
+        for c in src[pos..a].chars() {
+            match c {
+                '{' => {
+                    depth += 1;
+                    if pending_struct {
+                        struct_body = Some(depth);
+                        pending_struct = false;
+                    }
+                }
+                '}' => {
+                    if struct_body == Some(depth) {
+                        struct_body = None;
+                    }
+                    depth = depth.saturating_sub(1);
+                }
+                _ => {}
+            }
+        }
+        pos = e;
         let t = &src[a..e];
+        if t == "struct" {
+            pending_struct = true;
+        }
         let member = src[..a].trim_end().ends_with('.');
-        if !member && names.iter().any(|n| n == t) {
+        let field = struct_body == Some(depth) && src[e..].trim_start().starts_with(':');
+        if !member && !field && names.iter().any(|n| n == t) {
             out.push_str(&src[last..a]);
             out.push_str("u_");
             out.push_str(t);
@@ -488,6 +552,83 @@ fn rename(src: &str, names: &[String]) -> String {
         }
     }
     out.push_str(&src[last..]);
+    out
+}
+
+/// `src` with its comments removed (line breaks kept, so that lines still count the same).
+fn strip_comments(src: &str) -> String {
+    let b = src.as_bytes();
+    let mut keep = vec![true; b.len()];
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'/' && b.get(i + 1) == Some(&b'/') {
+            while i < b.len() && b[i] != b'\n' {
+                keep[i] = false;
+                i += 1;
+            }
+        } else if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
+            let mut depth = 0;
+            while i < b.len() {
+                if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
+                    depth += 1;
+                    keep[i] = false;
+                    keep[i + 1] = false;
+                    i += 2;
+                } else if b[i] == b'*' && b.get(i + 1) == Some(&b'/') {
+                    depth -= 1;
+                    keep[i] = false;
+                    keep[i + 1] = false;
+                    i += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    keep[i] = b[i] == b'\n';
+                    i += 1;
+                }
+            }
+        } else {
+            i += 1;
+        }
+    }
+    let bytes: Vec<u8> = b.iter().zip(&keep).filter(|(_, &k)| k).map(|(&c, _)| c).collect();
+    String::from_utf8(bytes).unwrap_or_default()
+}
+
+/// The names `src` declares at module scope (`fn`, `const`, `override`, `struct`, `alias`,
+/// `var` at brace depth 0), from its tokens.
+fn module_scope_names(src: &str) -> Vec<String> {
+    let src = &strip_comments(src);
+    let mut out = Vec::new();
+    let mut depth = 0usize;
+    let mut pos = 0;
+    let mut want_name = false;
+    for (a, e) in token_spans(src) {
+        for c in src[pos..a].chars() {
+            match c {
+                '{' => depth += 1,
+                '}' => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+        }
+        pos = e;
+        let t = &src[a..e];
+        if want_name {
+            // `var<private> x`: the address space's tokens come first.
+            let space = matches!(
+                t,
+                "private" | "workgroup" | "storage" | "uniform" | "function" | "read" | "read_write"
+            );
+            if !space {
+                out.push(t.to_string());
+                want_name = false;
+            }
+            continue;
+        }
+        if depth == 0 && matches!(t, "fn" | "const" | "override" | "struct" | "alias" | "var") {
+            want_name = true;
+        }
+    }
     out
 }
 
@@ -502,8 +643,38 @@ mod tests {
         let got = rename(src, &["R".into(), "x".into(), "f".into()]);
         assert_eq!(
             got,
-            "const u_R = 1e5; // R here\nfn u_f(v: vec2<f32>) -> f32 { return v.x + u_R + u_x(1u); } /* x /* R */ */"
+            "const u_R = 1e5; \nfn u_f(v: vec2<f32>) -> f32 { return v.x + u_R + u_x(1u); } "
         );
+        // A struct member named like a constant keeps its name where declared and used.
+        let src = "const R = 2;\nstruct S { R: f32, y: f32 }\nfn f(s: S) -> f32 { return s.R * f32(R); }";
+        let got = rename(src, &module_scope_names(src));
+        assert_eq!(
+            got,
+            "const u_R = 2;\nstruct u_S { R: f32, y: f32 }\nfn u_f(s: u_S) -> f32 { return s.R * f32(u_R); }"
+        );
+        assert_eq!(
+            module_scope_names("alias T = f32; const W = 64; override O: u32; fn g() { let z = 1; }"),
+            ["T", "W", "O", "g"]
+        );
+    }
+
+    #[test]
+    fn untyped_constants_are_renamed_and_barriers_refused() {
+        // Untyped constants (naga drops them from its module) named like the kernels' own.
+        let src = "const WG = 2.0;\nconst START = 1.0;\n\
+                   fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return s * WG + START; }";
+        let c = check_source(src, &[]).unwrap();
+        assert!(
+            c.wgsl.contains("const u_WG = 2.0;") && c.wgsl.contains("s * u_WG + u_START"),
+            "{}",
+            c.wgsl
+        );
+        for bad in [
+            "fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { workgroupBarrier(); return true; }",
+            "diagnostic(off, derivative_uniformity);\nfn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { return true; }",
+        ] {
+            assert!(check_source(bad, &[]).is_err(), "{bad}");
+        }
     }
 
     #[test]

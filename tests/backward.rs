@@ -106,9 +106,11 @@ fn user_functions_by_flash_rule() {
         }
     }
     let (_, score_kind) = user_kinds()[0];
-    let case = score_kind(Case::random((1, 2, 2, 19, 27, 8, 8), 731)).with_random_bias(732);
+    let case = score_kind(Case::random((1, 2, 2, 19, 27, 8, 8), 731))
+        .with_random_bias(732)
+        .with_softcap(1.5);
     for path in PATHS {
-        check(ctx, &case, path, "score_mod with a bias");
+        check(ctx, &case, path, "score_mod with a bias and a softcap");
     }
     let table = [0.5f32; 2];
     let m = wgpu_attention::UserMod::wgsl(

@@ -155,7 +155,7 @@ fn mask_mod_any(b: u32, h: u32, i0: u32, ni: u32, j0: u32, nj: u32, tid: u32, nt
     for (var t = tid; t < ni * nj; t += nt) {
         let i = i0 + t / nj;
         let j = j0 + t % nj;
-        any = any || (i < p.m.doc_l && j < p.s && u_mask_mod(b, h, i, j));
+        any = any || (i < p.m.doc_l && j < p.s && u_mask_mod(b, h, min(i, p.m.doc_l - 1u), min(j, p.s - 1u)));
     }
     if (any) {
         atomicOr(&wg_mod_any, 1u);
@@ -277,12 +277,14 @@ fn pre_mod(x: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
 
 // d(final logit) / d(pre_mod logit): the user's score_mod_ds (HAS_SCORE_MOD; 1 otherwise),
 // for d(bias) and, times softcap_grad, dQ and dK. `x` is the masked logit: a masked entry
-// (START; its dS is 0) takes 1, so that the user's derivative is never asked about it.
+// (START; its dS is 0) takes 1, so that whatever the user's derivative gives there (it may be
+// evaluated: CPU adapters run both sides) is not used.
 fn mod_grad(x0: f32, x: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
     if (!HAS_SCORE_MOD) {
         return 1.0;
     }
-    return select(1.0, u_score_mod_ds(pre_mod(x0, b, h, i, j), b, h, i, j), in_range(x));
+    let jj = min(j, p.s - 1u);
+    return select(1.0, u_score_mod_ds(pre_mod(x0, b, h, i, jj), b, h, i, jj), in_range(x));
 }
 
 // d(final logit) / d(scaled dot product x0) (`x` the masked logit): the softcap's derivative
@@ -321,11 +323,12 @@ fn masked_logit(x: f32, keep: bool, b: u32, h: u32, i: u32, j: u32) -> f32 {
     if (HAS_ALIBI) {
         y += alibi_term(b, h, i, j);
     }
+    // The user's functions see keys in [0, S) (a tile's keys past S are masked by `keep`).
     if (HAS_SCORE_MOD) {
-        y = u_score_mod(y, b, h, i, j);
+        y = u_score_mod(y, b, h, i, min(j, p.s - 1u));
     }
     if (HAS_MASK_MOD) {
-        k = k && u_mask_mod(b, h, i, j);
+        k = k && u_mask_mod(b, h, i, min(j, p.s - 1u));
     }
     // A NaN logit (or bias) stays NaN, tested by its bits (see is_nan_bits), so that its row
     // comes out NaN as in PyTorch.

@@ -327,7 +327,9 @@ impl Config {
         let bytes = |bm: u32, bn: u32| {
             let (nx, evt) = (bn / tn, ev4.div_ceil(bn / tn));
             let red = if sg_rows(nx) { 0 } else { 4 * bm * nx };
-            16 * (bm * (e4 + 1) + bn * (e4 + 1) + bn * nx * evt + bm * (bn / 4 + 1)) + red + 16
+            // The small variables (the bounds, the mask_mod verdicts: WebGPU counts each one
+            // rounded up to 16 bytes) in the last 64.
+            16 * (bm * (e4 + 1) + bn * (e4 + 1) + bn * nx * evt + bm * (bn / 4 + 1)) + red + 64
         };
         let tiles = [
             (128, 32),

@@ -188,6 +188,9 @@ impl<'a> MhaBackward<'a> {
                     .into(),
             });
         }
+        if let Some(m) = &fwd.options.user_mod {
+            m.fns()?.check_backward()?;
+        }
         let pass = Pass::new(fwd, ctx, true)?;
         let dims = pass.dims;
         let Dims { b, l, s, h, g, d, e } = dims;

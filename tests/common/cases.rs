@@ -213,7 +213,7 @@ impl Case {
         self
     }
 
-    /// A user `score_mod` scaling each logit by `1 + h / 4` and adding a learned
+    /// A user `score_mod` capping each logit at 3 (`3 tanh(s / 3)`), scaling it by `1 + h / 4` and adding a learned
     /// relative-position bias (T5-style buckets, a captured `[Hq, 2R + 1]` table), with its
     /// derivative in `s` (`score_mod_ds`, for the backward) and its closure for the reference.
     pub fn with_relbias_score_mod(mut self, seed: u64) -> Case {
@@ -231,10 +231,11 @@ impl Case {
                  return u32(clamp(i32(j) - i32(i), -R, R) + R);
              }}
              fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {{
-                 return s * (1.0 + 0.25 * f32(h)) + rel(h * u32(2 * R + 1) + bucket(i, j));
+                 return 3.0 * tanh(s / 3.0) * (1.0 + 0.25 * f32(h)) + rel(h * u32(2 * R + 1) + bucket(i, j));
              }}
              fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {{
-                 return 1.0 + 0.25 * f32(h);
+                 let t = tanh(s / 3.0);
+                 return (1.0 - t * t) * (1.0 + 0.25 * f32(h));
              }}"
         );
         self.user_mod = Some(
@@ -242,7 +243,8 @@ impl Case {
                 .capture("rel", table)
                 .cpu_score(move |s, [_, h, i, j]| {
                     let bucket = (j as i64 - i as i64).clamp(-R, R) + R;
-                    s * (1.0 + 0.25 * h as f64) + f64::from(table[h * (2 * R as usize + 1) + bucket as usize])
+                    3.0 * (s / 3.0).tanh() * (1.0 + 0.25 * h as f64)
+                        + f64::from(table[h * (2 * R as usize + 1) + bucket as usize])
                 }),
         );
         self

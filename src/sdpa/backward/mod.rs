@@ -144,13 +144,8 @@ impl<'a> Backward<'a> {
     /// Checks dO, and the saved output and logsumexp, against it (no GPU work).
     pub fn problem(&self) -> Result<Problem> {
         let p = self.sdpa.problem()?;
-        if p.user_fns.as_ref().is_some_and(|u| u.score && !u.score_ds) {
-            return Err(crate::Error::InvalidModifier {
-                modifier: "score_mod",
-                reason: "the backward through a user score_mod needs its derivative in s: define \
-                         fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 in the same source"
-                    .into(),
-            });
+        if let Some(u) = &p.user_fns {
+            u.check_backward()?;
         }
         let mut p = p.clone().with_storage(Formats {
             out: self.dout.storage(),
