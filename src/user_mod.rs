@@ -123,15 +123,7 @@ impl<'a> UserMod<'a> {
     /// `score_mod` and no closure was given.
     pub(crate) fn cpu_score_fn(&self) -> Result<Option<&CpuScore>> {
         let f = self.fns()?;
-        match (&self.cpu_score, f.score) {
-            (Some(c), true) => Ok(Some(c.as_ref())),
-            (None, false) => Ok(None),
-            (None, true) => Err(no_closure("score_mod", "cpu_score")),
-            (Some(_), false) => Err(Error::UserMod {
-                line: None,
-                message: "a cpu_score closure was given but the source has no score_mod".into(),
-            }),
-        }
+        closure_for(self.cpu_score.as_deref(), f.score, "score_mod", "cpu_score")
     }
 
     /// The mask closure, unchecked (the reference checks once with
@@ -143,15 +135,7 @@ impl<'a> UserMod<'a> {
     /// The reference's mask function (see [`cpu_score_fn`](Self::cpu_score_fn)).
     pub(crate) fn cpu_mask_fn(&self) -> Result<Option<&CpuMask>> {
         let f = self.fns()?;
-        match (&self.cpu_mask, f.mask) {
-            (Some(c), true) => Ok(Some(c.as_ref())),
-            (None, false) => Ok(None),
-            (None, true) => Err(no_closure("mask_mod", "cpu_mask")),
-            (Some(_), false) => Err(Error::UserMod {
-                line: None,
-                message: "a cpu_mask closure was given but the source has no mask_mod".into(),
-            }),
-        }
+        closure_for(self.cpu_mask.as_deref(), f.mask, "mask_mod", "cpu_mask")
     }
 
     /// The checked functions, registered for the kernels (cached by source and capture names).
@@ -193,12 +177,27 @@ impl<'a> UserMod<'a> {
     }
 }
 
-fn no_closure(f: &str, closure: &str) -> Error {
-    Error::UserMod {
-        line: None,
-        message: format!(
-            "the CPU reference cannot run WGSL: give the source's {f} as a Rust closure with .{closure}(..)"
-        ),
+/// The reference's closure `closure` for function `f` of the source (`defined`: the source
+/// has it): an error when one is given without the other.
+fn closure_for<'s, T: ?Sized>(
+    given: Option<&'s T>,
+    defined: bool,
+    f: &str,
+    closure: &str,
+) -> Result<Option<&'s T>> {
+    match (given, defined) {
+        (Some(c), true) => Ok(Some(c)),
+        (None, false) => Ok(None),
+        (None, true) => Err(user_err(
+            None,
+            format!(
+                "the CPU reference cannot run WGSL: give the source's {f} as a Rust closure with .{closure}(..)"
+            ),
+        )),
+        (Some(_), false) => Err(user_err(
+            None,
+            format!("a {closure} closure was given but the source has no {f}"),
+        )),
     }
 }
 
@@ -288,7 +287,51 @@ const MASK_STUB: &str = "fn u_mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool {
 /// Check `source` with captures `names` by naga, standalone (captures as stubs), and assemble
 /// it renamed.
 fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
-    let err = |line: Option<usize>, message: String| Error::UserMod { line, message };
+    check_tokens(source, names)?;
+    let module = parse_checked(source, names)?;
+    let (score, score_ds, mask) = signatures(&module)?;
+    // Every name the source declares at module scope, and the captures, get the u_ prefix.
+    let mut declared: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    declared.extend(module.functions.iter().filter_map(|(_, f)| f.name.clone()));
+    declared.extend(module.constants.iter().filter_map(|(_, c)| c.name.clone()));
+    declared.extend(module.overrides.iter().filter_map(|(_, o)| o.name.clone()));
+    declared.extend(module.types.iter().filter_map(|(_, t)| t.name.clone()));
+    // naga drops what it does not keep in its module (constants without a type, aliases):
+    // the declarations at module scope from the source's own tokens too.
+    declared.extend(module_scope_names(source));
+    let renamed = rename(source, &declared);
+    let mut wgsl = format!("{USER_MARK}\n");
+    for (k, n) in names.iter().enumerate() {
+        wgsl.push_str(&format!(
+            "fn u_{n}(idx: u32) -> f32 {{\n    let t = p.m.cap_tab + {}u;\n    \
+             return bitcast<f32>(aux_word(aux_word(t) + min(idx, max(aux_word(t + 1u), 1u) - 1u)));\n}}\n",
+            2 * k
+        ));
+    }
+    wgsl.push_str(&renamed);
+    wgsl.push('\n');
+    for (given, stub) in [(score, SCORE_STUB), (score_ds, SCORE_DS_STUB), (mask, MASK_STUB)] {
+        if !given {
+            wgsl.push_str(stub);
+        }
+    }
+    Ok(Checked {
+        score,
+        mask,
+        score_ds,
+        wgsl,
+    })
+}
+
+fn user_err(line: Option<usize>, message: String) -> Error {
+    Error::UserMod { line, message }
+}
+
+/// The capture names (identifiers, distinct, not the functions', each named by the source),
+/// and what naga accepts in a module of its own but the kernels cannot take: barriers (the
+/// functions run in non-uniform control flow) and directives (they must open a module).
+fn check_tokens(source: &str, names: &[&str]) -> Result<()> {
+    let err = |m: String| user_err(None, m);
     for (i, n) in names.iter().enumerate() {
         let ident = n
             .chars()
@@ -297,23 +340,20 @@ fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
             && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
             && !n.starts_with("__");
         if !ident {
-            return Err(err(None, format!("capture name {n:?} is not a WGSL identifier")));
+            return Err(err(format!("capture name {n:?} is not a WGSL identifier")));
         }
         if names[..i].contains(n) {
-            return Err(err(None, format!("capture name {n:?} is given twice")));
+            return Err(err(format!("capture name {n:?} is given twice")));
         }
         if *n == "score_mod" || *n == "mask_mod" {
-            return Err(err(None, format!("capture name {n:?} is the function's own")));
+            return Err(err(format!("capture name {n:?} is the function's own")));
         }
         if !tokens(source).any(|t| t == *n) {
-            return Err(err(
-                None,
-                format!("capture {n:?} is not used by the source (unknown capture name)"),
-            ));
+            return Err(err(format!(
+                "capture {n:?} is not used by the source (unknown capture name)"
+            )));
         }
     }
-    // What naga accepts in a module of its own but the kernels cannot take: barriers (the
-    // functions run in non-uniform control flow) and directives (they must open a module).
     for t in tokens(source) {
         let why = match t {
             "workgroupBarrier" | "storageBarrier" | "textureBarrier" | "workgroupUniformLoad" => {
@@ -322,8 +362,14 @@ fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
             "enable" | "requires" | "diagnostic" => "a directive (the kernels declare their own)",
             _ => continue,
         };
-        return Err(err(None, format!("the source uses {t}: {why} is not allowed")));
+        return Err(err(format!("the source uses {t}: {why} is not allowed")));
     }
+    Ok(())
+}
+
+/// `source` parsed and validated by naga with the captures as stubs before it: naga's message
+/// with the user's line (quoted) on failure; functions and constants only.
+fn parse_checked(source: &str, names: &[&str]) -> Result<naga::Module> {
     let header: String = names
         .iter()
         .map(|n| format!("fn {n}(idx: u32) -> f32 {{ return f32(idx); }}\n"))
@@ -336,7 +382,7 @@ fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
             .and_then(|l| source.lines().nth(l - 1))
             .map(|t| format!(": `{}`", t.trim()))
             .unwrap_or_default();
-        err(line, format!("{msg}{text}"))
+        user_err(line, format!("{msg}{text}"))
     };
     let module = naga::front::wgsl::parse_str(&full).map_err(|e| {
         let line = e.location(&full).and_then(|l| user_line(l.line_number));
@@ -357,17 +403,23 @@ fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
         return Err(quote(line, &msg));
     }
     if !module.entry_points.is_empty() {
-        return Err(err(
+        return Err(user_err(
             None,
             "the source declares an entry point: give functions only".into(),
         ));
     }
     if module.global_variables.iter().next().is_some() {
-        return Err(err(
+        return Err(user_err(
             None,
             "the source declares a module-scope variable: give functions and constants only".into(),
         ));
     }
+    Ok(module)
+}
+
+/// Which of `score_mod`, `score_mod_ds` and `mask_mod` the module defines, each with its
+/// signature checked; at least one of the two functions.
+fn signatures(module: &naga::Module) -> Result<(bool, bool, bool)> {
     let (f32t, u32t, boolt) = (
         naga::TypeInner::Scalar(naga::Scalar::F32),
         naga::TypeInner::Scalar(naga::Scalar::U32),
@@ -392,23 +444,24 @@ fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
         if ok {
             Ok(true)
         } else {
-            Err(err(None, format!("{name} must be `{text}`")))
+            Err(user_err(None, format!("{name} must be `{text}`")))
         }
     };
+    let score_args = [&f32t, &u32t, &u32t, &u32t, &u32t];
     let score = signature(
         "score_mod",
-        &[&f32t, &u32t, &u32t, &u32t, &u32t],
+        &score_args,
         &f32t,
         "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32",
     )?;
     let score_ds = signature(
         "score_mod_ds",
-        &[&f32t, &u32t, &u32t, &u32t, &u32t],
+        &score_args,
         &f32t,
         "fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32",
     )?;
     if score_ds && !score {
-        return Err(err(None, "score_mod_ds is given without score_mod".into()));
+        return Err(user_err(None, "score_mod_ds is given without score_mod".into()));
     }
     let mask = signature(
         "mask_mod",
@@ -417,46 +470,12 @@ fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
         "fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool",
     )?;
     if !score && !mask {
-        return Err(err(
+        return Err(user_err(
             None,
             "the source defines neither score_mod nor mask_mod".into(),
         ));
     }
-    // Every name the source declares at module scope, and the captures, get the u_ prefix.
-    let mut declared: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-    declared.extend(module.functions.iter().filter_map(|(_, f)| f.name.clone()));
-    declared.extend(module.constants.iter().filter_map(|(_, c)| c.name.clone()));
-    declared.extend(module.overrides.iter().filter_map(|(_, o)| o.name.clone()));
-    declared.extend(module.types.iter().filter_map(|(_, t)| t.name.clone()));
-    // naga drops what it does not keep in its module (constants without a type, aliases):
-    // the declarations at module scope from the source's own tokens too.
-    declared.extend(module_scope_names(source));
-    let renamed = rename(source, &declared);
-    let mut wgsl = format!("{USER_MARK}\n");
-    for (k, n) in names.iter().enumerate() {
-        wgsl.push_str(&format!(
-            "fn u_{n}(idx: u32) -> f32 {{\n    let t = p.m.cap_tab + {}u;\n    \
-             return bitcast<f32>(aux_word(aux_word(t) + min(idx, max(aux_word(t + 1u), 1u) - 1u)));\n}}\n",
-            2 * k
-        ));
-    }
-    wgsl.push_str(&renamed);
-    wgsl.push('\n');
-    if !score {
-        wgsl.push_str(SCORE_STUB);
-    }
-    if !score_ds {
-        wgsl.push_str(SCORE_DS_STUB);
-    }
-    if !mask {
-        wgsl.push_str(MASK_STUB);
-    }
-    Ok(Checked {
-        score,
-        mask,
-        score_ds,
-        wgsl,
-    })
+    Ok((score, score_ds, mask))
 }
 
 /// The identifier tokens of WGSL `src` (comments and numbers skipped), with their byte ranges.

@@ -1308,22 +1308,28 @@ fn doc_ids_on_run_and_backward() {
             );
         }
     }
+    refuse_bad_doc_ids(&dir, [&q, &k, &v], [&qdp, &kdp]);
+}
+
+/// `run` with misshapen key or query ids, a float ids file, or one file only: one line, exit
+/// status 2, nothing written (`dir` holds `bad.npy` `[2, 8]` int32 and `float.npy` f32).
+fn refuse_bad_doc_ids(dir: &Path, [q, k, v]: [&Path; 3], [qdp, kdp]: [&Path; 2]) {
+    let p = |n: &str| dir.join(n);
     let o = p("bad-out.npy");
     let bad_ids = [
-        format!("{},{}", s(&qdp), s(&p("bad.npy"))),
-        format!("{},{}", s(&p("bad.npy")), s(&kdp)),
-        format!("{},{}", s(&qdp), s(&p("float.npy"))),
-        s(&qdp).to_string(),
+        format!("{},{}", s(qdp), s(&p("bad.npy"))),
+        format!("{},{}", s(&p("bad.npy")), s(kdp)),
+        format!("{},{}", s(qdp), s(&p("float.npy"))),
+        s(qdp).to_string(),
     ];
     for (bad, want) in bad_ids.iter().zip(["[B, S]", "[B, L]", "int32", "two files"]) {
-        let r = run_qkv(&q, &k, &v, &["--out", s(&o), "--doc-ids", bad]);
+        let r = run_qkv(q, k, v, &["--out", s(&o), "--doc-ids", bad]);
         let err = String::from_utf8_lossy(&r.stderr);
         assert_eq!(r.status.code(), Some(2), "{bad}: {err}");
         assert!(err.contains(want) && err.lines().count() == 1, "{bad}: {err}");
         assert!(!o.exists());
     }
 }
-
 /// `--mod F.wgsl` with `--capture NAME=X.npy` on `run`: a relative-position bias table read
 /// by a `score_mod` and a `mask_mod`, on the GPU, against the same attention written with the
 /// built-in options (the table's values as a dense bias, the mask as a boolean mask); a source

@@ -194,8 +194,7 @@ pub fn sdpa_backward_in<F: Float, T: Copy + Into<f64>, U: Copy + Into<f64>>(
         let raw = qrow.iter().zip(krow).fold(F::zero(), |a, (&q, &k)| a + q * k) * scale;
         raw.to_f64().unwrap_or(f64::NAN)
     };
-    // Through a user score_mod (dQ, dK and d(bias): it acts after the bias), by its closure's
-    // central difference in f64 at the logit it was given (masked entries have dS = 0).
+    // Through a user score_mod (dQ, dK and d(bias): it acts after the bias).
     if let Some(f) = opts
         .user_mod
         .as_ref()
@@ -203,19 +202,7 @@ pub fn sdpa_backward_in<F: Float, T: Copy + Into<f64>, U: Copy + Into<f64>>(
         .transpose()?
         .flatten()
     {
-        let bias4 = opts.bias_view()?;
-        let bias4 = bias4.as_ref().map(|m| broadcast4(m, [b, hq, l, s]));
-        for ((bi, h, i, j), x) in ds.indexed_iter_mut() {
-            if *x == F::zero() {
-                continue;
-            }
-            let idx = [bi, h, i, j];
-            let y = modified(opts, raw_at(bi, h, i, j), idx, l, s)
-                + bias4.as_ref().map_or(0.0, |m| f64::from(m[idx]));
-            let d = 1e-6 * y.abs().max(1.0);
-            let g = (f(y + d, idx) - f(y - d, idx)) / (2.0 * d);
-            *x = *x * cast(g);
-        }
+        through_score_mod(&mut ds, f, opts, &raw_at)?;
     }
     // Through the softcap (dQ and dK only: the bias is added after it).
     let ds_qk = match opts.softcap {
@@ -299,6 +286,32 @@ impl Dims {
 
 /// Stage 2: O = P V, dV = Pᵀ dO and dP = dO Vᵀ, for the probabilities `p`, dense V and dO
 /// (`ev` columns). Returns (O, dV, dP), dense.
+/// `ds` times the derivative of the user's score closure `f` at the logit it was given (after
+/// the softcap, the bias and ALiBi), by a central difference in f64; masked entries (dS = 0)
+/// are left alone. `raw_at(b, h, i, j)` is the scaled dot product.
+fn through_score_mod<F: Float>(
+    ds: &mut Array4<F>,
+    f: &crate::CpuScore,
+    opts: &Options,
+    raw_at: &dyn Fn(usize, usize, usize, usize) -> f64,
+) -> Result<()> {
+    let (b, hq, l, s) = ds.dim();
+    let bias4 = opts.bias_view()?;
+    let bias4 = bias4.as_ref().map(|m| broadcast4(m, [b, hq, l, s]));
+    for ((bi, h, i, j), x) in ds.indexed_iter_mut() {
+        if *x == F::zero() {
+            continue;
+        }
+        let idx = [bi, h, i, j];
+        let y = modified(opts, raw_at(bi, h, i, j), idx, l, s)
+            + bias4.as_ref().map_or(0.0, |m| f64::from(m[idx]));
+        let d = 1e-6 * y.abs().max(1.0);
+        let g = (f(y + d, idx) - f(y - d, idx)) / (2.0 * d);
+        *x = *x * cast(g);
+    }
+    Ok(())
+}
+
 fn values_stage<F: Float>(
     d: Dims,
     p: &Array4<F>,
