@@ -195,26 +195,15 @@ pub fn sdpa_backward_in<F: Float, T: Copy + Into<f64>, U: Copy + Into<f64>>(
         raw.to_f64().unwrap_or(f64::NAN)
     };
     // Through a user score_mod (dQ, dK and d(bias): it acts after the bias).
-    if let Some(f) = opts
-        .user_mod
-        .as_ref()
-        .map(|m| m.cpu_score_fn())
-        .transpose()?
-        .flatten()
-    {
-        through_score_mod(&mut ds, f, opts, &raw_at)?;
-    }
+    through_score_mod(&mut ds, opts, &raw_at)?;
     // Through the softcap (dQ and dK only: the bias is added after it).
-    let ds_qk = match opts.softcap {
-        None => None,
-        Some(_) => {
-            let mut d = ds.clone();
-            for ((bi, h, i, j), x) in d.indexed_iter_mut() {
-                *x = *x * cast(softcap_grad(opts, raw_at(bi, h, i, j)));
-            }
-            Some(d)
+    let ds_qk = opts.softcap.map(|_| {
+        let mut d = ds.clone();
+        for ((bi, h, i, j), x) in d.indexed_iter_mut() {
+            *x = *x * cast(softcap_grad(opts, raw_at(bi, h, i, j)));
         }
-    };
+        d
+    });
     // Stage 4: dQ = scale · dS K, dK = scale · dSᵀ Q.
     let (dq, dk) = qk_stage(
         dims,
@@ -286,15 +275,23 @@ impl Dims {
 
 /// Stage 2: O = P V, dV = Pᵀ dO and dP = dO Vᵀ, for the probabilities `p`, dense V and dO
 /// (`ev` columns). Returns (O, dV, dP), dense.
-/// `ds` times the derivative of the user's score closure `f` at the logit it was given (after
+/// `ds` times the derivative of the user's score closure (if any) at the logit it was given (after
 /// the softcap, the bias and ALiBi), by a central difference in f64; masked entries (dS = 0)
 /// are left alone. `raw_at(b, h, i, j)` is the scaled dot product.
 fn through_score_mod<F: Float>(
     ds: &mut Array4<F>,
-    f: &crate::CpuScore,
     opts: &Options,
     raw_at: &dyn Fn(usize, usize, usize, usize) -> f64,
 ) -> Result<()> {
+    let Some(f) = opts
+        .user_mod
+        .as_ref()
+        .map(|m| m.cpu_score_fn())
+        .transpose()?
+        .flatten()
+    else {
+        return Ok(());
+    };
     let (b, hq, l, s) = ds.dim();
     let bias4 = opts.bias_view()?;
     let bias4 = bias4.as_ref().map(|m| broadcast4(m, [b, hq, l, s]));
