@@ -82,7 +82,7 @@ pub use sdpa::{GpuOutput, Output, Path, Sdpa};
 pub use storage::{Element, Formats, Storage};
 pub use tensor::{Mask, Tensor};
 pub use timer::GpuTimed;
-pub use user_mod::{CpuMask, CpuScore, UserMod};
+pub use user_mod::{Captures, CpuMask, CpuScore, UserMod, MAX_DCAPTURE_CALLS};
 pub use variants::{GpuVariantOutput, Variant, VariantKind, VariantOutput, VariantParams};
 pub use view::TensorLayout;
 /// Re-exported so callers use the same wgpu version.

@@ -14,12 +14,21 @@
 //!
 //! The backward runs `mask_mod` as it is; through a `score_mod` it needs the derivative in `s`,
 //! given in the same source as `fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32`
-//! (WGSL has no automatic differentiation). The gradients of the captures are not computed yet.
+//! (WGSL has no automatic differentiation). The gradients of the captures come from
+//! `fn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32)`: given the
+//! gradient `g` of the loss in `score_mod`'s result, it adds `g` times the derivative of that
+//! result in each capture element it read, by calling `d_NAME(idx, x)` (at most
+//! [`MAX_DCAPTURE_CALLS`] calls, none in a loop: the backward sums them per tile, in a fixed
+//! order, then over the tiles: the same bits every run, no atomics). Without it the captures
+//! are constants.
 //!
 //! The CPU reference cannot run WGSL: it takes the same functions as Rust closures
-//! ([`UserMod::cpu_score`], [`UserMod::cpu_mask`]); its backward differentiates the score
-//! closure numerically (a central difference in f64), which checks the WGSL derivative too.
+//! ([`UserMod::cpu_score`], reading the captures through [`Captures`], and
+//! [`UserMod::cpu_mask`]); its backward differentiates the score closure numerically (a
+//! central difference in f64) in `s` and in every capture element it read, which checks the
+//! WGSL derivatives too.
 
+use std::cell::RefCell;
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -27,9 +36,95 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::{Error, Result};
 
-/// A score function for the CPU reference: the logit (after the softcap, bias and ALiBi) and
-/// `[b, h, i, j]`, giving the new logit.
-pub type CpuScore = dyn Fn(f64, [usize; 4]) -> f64 + Send + Sync;
+/// A score function for the CPU reference: the logit (after the softcap, bias and ALiBi),
+/// `[b, h, i, j]` and the captures, giving the new logit.
+pub type CpuScore = dyn Fn(f64, [usize; 4], &Captures<'_>) -> f64 + Send + Sync;
+
+/// The most `d_NAME` calls `score_mod_dcapture` may make (each at most once per logit: none in
+/// a loop).
+pub const MAX_DCAPTURE_CALLS: usize = 8;
+
+/// The captured tensors as a CPU score closure reads them: `c.get("rel", idx)` is WGSL's
+/// `rel(idx)` (an index past the end reads the last element; a name that was not captured
+/// reads NaN). The reference's backward reads through it which elements a logit depends on.
+pub struct Captures<'c> {
+    data: &'c [(String, &'c [f32])],
+    /// One element moved by a delta (capture, index, delta): the reference's derivatives.
+    bump: Option<(usize, usize, f64)>,
+    /// The elements read (capture, index), when recording.
+    reads: Option<RefCell<Vec<(usize, usize)>>>,
+}
+
+impl<'c> Captures<'c> {
+    pub(crate) fn new(data: &'c [(String, &'c [f32])]) -> Self {
+        Captures {
+            data,
+            bump: None,
+            reads: None,
+        }
+    }
+
+    /// Element `idx` of capture `name`, widened to f64 (clamped into the tensor, as in WGSL).
+    pub fn get(&self, name: &str, idx: usize) -> f64 {
+        let Some(k) = self.data.iter().position(|(n, _)| n == name) else {
+            return f64::NAN;
+        };
+        let d = self.data[k].1;
+        let at = idx.min(d.len().saturating_sub(1));
+        if let Some(r) = &self.reads {
+            r.borrow_mut().push((k, at));
+        }
+        let x = d.get(at).map_or(f64::NAN, |&x| f64::from(x));
+        match self.bump {
+            Some((bk, bi, dx)) if (bk, bi) == (k, at) => x + dx,
+            _ => x,
+        }
+    }
+
+    /// The captures' names and lengths, in the order given.
+    pub fn lens(&self) -> impl Iterator<Item = (&str, usize)> {
+        self.data.iter().map(|(n, d)| (n.as_str(), d.len()))
+    }
+
+    /// These captures recording which elements are read.
+    pub(crate) fn recording(&self) -> Self {
+        Captures {
+            data: self.data,
+            bump: None,
+            reads: Some(RefCell::new(Vec::new())),
+        }
+    }
+
+    /// The elements read so far (capture, index), each once, in first-read order.
+    pub(crate) fn read(&self) -> Vec<(usize, usize)> {
+        let mut out: Vec<(usize, usize)> = Vec::new();
+        for r in self
+            .reads
+            .as_ref()
+            .map(|r| r.borrow().clone())
+            .unwrap_or_default()
+        {
+            if !out.contains(&r) {
+                out.push(r);
+            }
+        }
+        out
+    }
+
+    /// These captures with element `at` of capture `k` moved by `dx`.
+    pub(crate) fn bumped(&self, (k, at): (usize, usize), dx: f64) -> Self {
+        Captures {
+            data: self.data,
+            bump: Some((k, at, dx)),
+            reads: None,
+        }
+    }
+
+    /// The value of element `at` of capture `k`.
+    pub(crate) fn value(&self, (k, at): (usize, usize)) -> f64 {
+        f64::from(self.data[k].1[at])
+    }
+}
 /// A mask function for the CPU reference: whether query `i` of batch `b`, head `h` may see key
 /// `j`, from `[b, h, i, j]`.
 pub type CpuMask = dyn Fn([usize; 4]) -> bool + Send + Sync;
@@ -51,7 +146,10 @@ pub type CpuMask = dyn Fn([usize; 4]) -> bool + Send + Sync;
 ///      fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { return j <= i || j < 4u; }",
 /// )
 /// .capture("rel", &table)
-/// .cpu_score(|s, _| s + 0.1) // every entry of this table is 0.1
+/// .cpu_score(|s, [_, h, i, j], c| {
+///     let bucket = (j as i64 - i as i64).clamp(-8, 8) + 8;
+///     s + c.get("rel", h * 17 + bucket as usize)
+/// })
 /// .cpu_mask(|[_, _, i, j]| j <= i || j < 4);
 /// assert!(m.check().is_ok());
 /// ```
@@ -100,8 +198,13 @@ impl<'a> UserMod<'a> {
     }
 
     /// The score function as a Rust closure, for the CPU reference: the logit (after the
-    /// softcap, the bias and ALiBi) and `[b, h, i, j]`, giving the new logit.
-    pub fn cpu_score(mut self, f: impl Fn(f64, [usize; 4]) -> f64 + Send + Sync + 'static) -> Self {
+    /// softcap, the bias and ALiBi), `[b, h, i, j]` and the captures (read them through
+    /// [`Captures::get`], so that the reference's backward sees what the logit depends on),
+    /// giving the new logit.
+    pub fn cpu_score(
+        mut self,
+        f: impl Fn(f64, [usize; 4], &Captures<'_>) -> f64 + Send + Sync + 'static,
+    ) -> Self {
         self.cpu_score = Some(Arc::new(f));
         self
     }
@@ -119,11 +222,22 @@ impl<'a> UserMod<'a> {
         self.fns().map(|_| ())
     }
 
+    /// Whether the backward returns the captures' gradients (the source defines
+    /// `score_mod_dcapture`); the source checked as by [`check`](Self::check).
+    pub fn gives_capture_gradients(&self) -> Result<bool> {
+        Ok(self.fns()?.dcapture)
+    }
+
     /// The reference's score function: the closure, or an error when the source has a
     /// `score_mod` and no closure was given.
     pub(crate) fn cpu_score_fn(&self) -> Result<Option<&CpuScore>> {
         let f = self.fns()?;
         closure_for(self.cpu_score.as_deref(), f.score, "score_mod", "cpu_score")
+    }
+
+    /// The captures as the reference's score closure reads them.
+    pub(crate) fn cpu_captures(&self) -> Captures<'_> {
+        Captures::new(&self.captures)
     }
 
     /// The mask closure, unchecked (the reference checks once with
@@ -168,6 +282,7 @@ impl<'a> UserMod<'a> {
             score: code.score,
             mask: code.mask,
             score_ds: code.score_ds,
+            dcapture: code.dcapture.is_some(),
             captures: self
                 .captures
                 .iter()
@@ -210,6 +325,8 @@ pub(crate) struct UserFns {
     pub(crate) mask: bool,
     /// The source defines `score_mod_ds` (score_mod's derivative in `s`: the backward needs it).
     pub(crate) score_ds: bool,
+    /// The source defines `score_mod_dcapture` (the backward gives the captures' gradients).
+    pub(crate) dcapture: bool,
     pub(crate) captures: Vec<(String, Arc<[f32]>)>,
 }
 
@@ -225,6 +342,11 @@ impl UserFns {
             });
         }
         Ok(())
+    }
+
+    /// The captures' elements, all of them (their gradients' length, packed in order).
+    pub(crate) fn capture_len(&self) -> usize {
+        self.captures.iter().map(|(_, d)| d.len()).sum()
     }
 
     /// The capture table (offset, length per capture, offsets from `base`) and the values, as
@@ -249,8 +371,12 @@ struct Checked {
     score: bool,
     mask: bool,
     score_ds: bool,
-    /// The renamed source with the capture readers and the stubs of what it does not define.
+    /// The renamed source with the capture readers and the stubs of what it does not define,
+    /// without `score_mod_dcapture`.
     wgsl: String,
+    /// `score_mod_dcapture` renamed, with the `d_NAME` accumulators (the capture-gradient
+    /// kernel's alone), when the source defines it.
+    dcapture: Option<String>,
 }
 
 fn registry() -> &'static Mutex<HashMap<u64, Arc<Checked>>> {
@@ -276,6 +402,17 @@ pub(crate) fn prelude(key: u64) -> String {
     format!("{SCORE_STUB}{SCORE_DS_STUB}{MASK_STUB}")
 }
 
+/// The capture-gradient kernel's part of registry key `key`: `u_score_mod_dcapture` and the
+/// `u_d_NAME(idx, x)` accumulators, which call the kernel's `dcap_record(at, x)` with `at` the
+/// element's index among every capture's (packed in order).
+pub(crate) fn dcapture_prelude(key: u64) -> Option<String> {
+    registry()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&key)
+        .and_then(|c| c.dcapture.clone())
+}
+
 /// Marks a prelude holding user code (its pipelines keep wgpu's bounds checks).
 pub(crate) const USER_MARK: &str = "// user WGSL (src/user_mod.rs)";
 
@@ -289,7 +426,13 @@ const MASK_STUB: &str = "fn u_mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool {
 fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
     check_tokens(source, names)?;
     let module = parse_checked(source, names)?;
-    let (score, score_ds, mask) = signatures(&module)?;
+    let Defined {
+        score,
+        score_ds,
+        mask,
+        dcapture,
+    } = signatures(&module)?;
+    dcapture_calls(&module, names)?;
     // Every name the source declares at module scope, and the captures, get the u_ prefix.
     let mut declared: Vec<String> = names.iter().map(|n| n.to_string()).collect();
     declared.extend(module.functions.iter().filter_map(|(_, f)| f.name.clone()));
@@ -299,7 +442,18 @@ fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
     // naga drops what it does not keep in its module (constants without a type, aliases):
     // the declarations at module scope from the source's own tokens too.
     declared.extend(module_scope_names(source));
-    let renamed = rename(source, &declared);
+    let (renamed, dcap_fn) = split_fn(&rename(source, &declared), "u_score_mod_dcapture");
+    let dcapture = dcapture.then(|| {
+        let mut w = format!("{USER_MARK}\n{}\n", dcap_fn.unwrap_or_default());
+        for (k, n) in names.iter().enumerate() {
+            w.push_str(&format!(
+                "fn u_d_{n}(idx: u32, x: f32) {{\n    let t = p.m.cap_tab + {}u;\n    \
+                 dcap_record(aux_word(t) - aux_word(p.m.cap_tab) + min(idx, max(aux_word(t + 1u), 1u) - 1u), x);\n}}\n",
+                2 * k
+            ));
+        }
+        w
+    });
     let mut wgsl = format!("{USER_MARK}\n");
     for (k, n) in names.iter().enumerate() {
         wgsl.push_str(&format!(
@@ -320,6 +474,7 @@ fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
         mask,
         score_ds,
         wgsl,
+        dcapture,
     })
 }
 
@@ -345,7 +500,7 @@ fn check_tokens(source: &str, names: &[&str]) -> Result<()> {
         if names[..i].contains(n) {
             return Err(err(format!("capture name {n:?} is given twice")));
         }
-        if *n == "score_mod" || *n == "mask_mod" {
+        if ["score_mod", "mask_mod", "score_mod_ds", "score_mod_dcapture"].contains(n) {
             return Err(err(format!("capture name {n:?} is the function's own")));
         }
         if !tokens(source).any(|t| t == *n) {
@@ -372,9 +527,9 @@ fn check_tokens(source: &str, names: &[&str]) -> Result<()> {
 fn parse_checked(source: &str, names: &[&str]) -> Result<naga::Module> {
     let header: String = names
         .iter()
-        .map(|n| format!("fn {n}(idx: u32) -> f32 {{ return f32(idx); }}\n"))
+        .map(|n| format!("fn {n}(idx: u32) -> f32 {{ return f32(idx); }}\nfn d_{n}(idx: u32, x: f32) {{}}\n"))
         .collect();
-    let header_lines = names.len();
+    let header_lines = 2 * names.len();
     let full = format!("{header}{source}");
     let user_line = |line: u32| (line as usize).checked_sub(header_lines).filter(|&l| l > 0);
     let quote = |line: Option<usize>, msg: &str| {
@@ -417,15 +572,23 @@ fn parse_checked(source: &str, names: &[&str]) -> Result<naga::Module> {
     Ok(module)
 }
 
-/// Which of `score_mod`, `score_mod_ds` and `mask_mod` the module defines, each with its
-/// signature checked; at least one of the two functions.
-fn signatures(module: &naga::Module) -> Result<(bool, bool, bool)> {
+/// Which of the user functions a source defines.
+struct Defined {
+    score: bool,
+    score_ds: bool,
+    mask: bool,
+    dcapture: bool,
+}
+
+/// Which of `score_mod`, `score_mod_ds`, `score_mod_dcapture` and `mask_mod` the module
+/// defines, each with its signature checked; at least one of `score_mod` and `mask_mod`.
+fn signatures(module: &naga::Module) -> Result<Defined> {
     let (f32t, u32t, boolt) = (
         naga::TypeInner::Scalar(naga::Scalar::F32),
         naga::TypeInner::Scalar(naga::Scalar::U32),
         naga::TypeInner::Scalar(naga::Scalar::BOOL),
     );
-    let signature = |name: &str, args: &[&naga::TypeInner], ret: &naga::TypeInner, text: &str| {
+    let signature = |name: &str, args: &[&naga::TypeInner], ret: Option<&naga::TypeInner>, text: &str| {
         let Some((_, f)) = module
             .functions
             .iter()
@@ -438,9 +601,7 @@ fn signatures(module: &naga::Module) -> Result<(bool, bool, bool)> {
                 .iter()
                 .zip(args)
                 .all(|(a, t)| module.types[a.ty].inner == **t)
-            && f.result
-                .as_ref()
-                .is_some_and(|r| module.types[r.ty].inner == *ret);
+            && f.result.as_ref().map(|r| &module.types[r.ty].inner) == ret;
         if ok {
             Ok(true)
         } else {
@@ -451,22 +612,30 @@ fn signatures(module: &naga::Module) -> Result<(bool, bool, bool)> {
     let score = signature(
         "score_mod",
         &score_args,
-        &f32t,
+        Some(&f32t),
         "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32",
     )?;
     let score_ds = signature(
         "score_mod_ds",
         &score_args,
-        &f32t,
+        Some(&f32t),
         "fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32",
     )?;
-    if score_ds && !score {
-        return Err(user_err(None, "score_mod_ds is given without score_mod".into()));
+    let dcapture = signature(
+        "score_mod_dcapture",
+        &[&f32t, &u32t, &u32t, &u32t, &u32t, &f32t],
+        None,
+        "fn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32)",
+    )?;
+    for (given, what) in [(score_ds, "score_mod_ds"), (dcapture, "score_mod_dcapture")] {
+        if given && !score {
+            return Err(user_err(None, format!("{what} is given without score_mod")));
+        }
     }
     let mask = signature(
         "mask_mod",
         &[&u32t, &u32t, &u32t, &u32t],
-        &boolt,
+        Some(&boolt),
         "fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool",
     )?;
     if !score && !mask {
@@ -475,7 +644,130 @@ fn signatures(module: &naga::Module) -> Result<(bool, bool, bool)> {
             "the source defines neither score_mod nor mask_mod".into(),
         ));
     }
-    Ok((score, score_ds, mask))
+    Ok(Defined {
+        score,
+        score_ds,
+        mask,
+        dcapture,
+    })
+}
+
+/// The `d_NAME` accumulators are called by `score_mod_dcapture` alone, outside loops (so each
+/// call runs at most once per logit: WGSL has no recursion), at most [`MAX_DCAPTURE_CALLS`]
+/// times.
+fn dcapture_calls(module: &naga::Module, names: &[&str]) -> Result<()> {
+    let stubs: Vec<String> = names.iter().map(|n| format!("d_{n}")).collect();
+    let is_stub = |h: naga::Handle<naga::Function>| {
+        module.functions[h]
+            .name
+            .as_ref()
+            .is_some_and(|n| stubs.contains(n))
+    };
+    let is_dcapture =
+        |h: naga::Handle<naga::Function>| module.functions[h].name.as_deref() == Some("score_mod_dcapture");
+    for (_, f) in module.functions.iter() {
+        let name = f.name.as_deref().unwrap_or("");
+        let mut calls = Vec::new();
+        block_calls(&f.body, false, &is_dcapture, &mut calls);
+        if !calls.is_empty() {
+            return Err(user_err(
+                None,
+                format!("{name} calls score_mod_dcapture: the backward alone calls it"),
+            ));
+        }
+        if stubs.iter().any(|s| s == name) {
+            continue;
+        }
+        let mut calls = Vec::new();
+        block_calls(&f.body, false, &is_stub, &mut calls);
+        if calls.is_empty() {
+            continue;
+        }
+        if name != "score_mod_dcapture" {
+            return Err(user_err(
+                None,
+                format!("{name} calls a d_NAME accumulator: only score_mod_dcapture may"),
+            ));
+        }
+        if calls.iter().any(|&in_loop| in_loop) {
+            return Err(user_err(
+                None,
+                "score_mod_dcapture calls a d_NAME accumulator in a loop: call it at most once per element it adds to"
+                    .into(),
+            ));
+        }
+        if calls.len() > MAX_DCAPTURE_CALLS {
+            return Err(user_err(
+                None,
+                format!(
+                    "score_mod_dcapture calls the d_NAME accumulators {} times: at most {MAX_DCAPTURE_CALLS}",
+                    calls.len()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The calls in `block` to functions `is_stub` accepts, each as whether it is in a loop.
+fn block_calls(
+    block: &naga::Block,
+    in_loop: bool,
+    is_stub: &dyn Fn(naga::Handle<naga::Function>) -> bool,
+    out: &mut Vec<bool>,
+) {
+    use naga::Statement as S;
+    for st in block.iter() {
+        match st {
+            S::Block(b) => block_calls(b, in_loop, is_stub, out),
+            S::If { accept, reject, .. } => {
+                block_calls(accept, in_loop, is_stub, out);
+                block_calls(reject, in_loop, is_stub, out);
+            }
+            S::Switch { cases, .. } => {
+                for c in cases {
+                    block_calls(&c.body, in_loop, is_stub, out);
+                }
+            }
+            S::Loop { body, continuing, .. } => {
+                block_calls(body, true, is_stub, out);
+                block_calls(continuing, true, is_stub, out);
+            }
+            S::Call { function, .. } if is_stub(*function) => out.push(in_loop),
+            _ => {}
+        }
+    }
+}
+
+/// `src` without function `name` (its lines kept, blank), and that function's text.
+fn split_fn(src: &str, name: &str) -> (String, Option<String>) {
+    let spans = token_spans(src);
+    let Some(w) = spans
+        .windows(2)
+        .find(|w| &src[w[0].0..w[0].1] == "fn" && &src[w[1].0..w[1].1] == name)
+    else {
+        return (src.to_string(), None);
+    };
+    let start = w[0].0;
+    let mut depth = 0usize;
+    let mut end = src.len();
+    let open = src[start..].find('{').map_or(src.len(), |o| start + o);
+    for (i, c) in src[open..].char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    end = open + i + 1;
+                    break;
+                }
+            }
+            _ => {}
+        }
+    }
+    let text = src[start..end].to_string();
+    let blank: String = text.chars().filter(|&c| c == '\n').collect();
+    (format!("{}{blank}{}", &src[..start], &src[end..]), Some(text))
 }
 
 /// The identifier tokens of WGSL `src` (comments and numbers skipped), with their byte ranges.

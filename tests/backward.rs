@@ -87,9 +87,10 @@ fn modifiers_by_flash_rule() {
     }
 }
 
-/// User functions on both paths: a `score_mod` with its derivative `score_mod_ds` (a captured
-/// relative-position bias and a per-head scale, with causal, key lengths and sink logits; the
-/// reference differentiates its closure numerically) and a `mask_mod` (prefix-LM and dilated,
+/// User functions on both paths: a `score_mod` with its derivatives `score_mod_ds` and
+/// `score_mod_dcapture` (a captured relative-position bias and a captured per-head scale,
+/// with causal, key lengths and sink logits: the captures' gradients too, in f32 and bf16;
+/// the reference differentiates its closure numerically, in s and in the captures) and a `mask_mod` (prefix-LM and dilated,
 /// rows fully masked) with packed documents and a bias; d(bias) through the score_mod's
 /// derivative. A `score_mod` without `score_mod_ds` is refused with a typed error before any
 /// GPU work.
@@ -112,6 +113,25 @@ fn user_functions_by_flash_rule() {
     for path in PATHS {
         check(ctx, &case, path, "score_mod with a bias and a softcap");
     }
+    // The captures' gradients from half inputs (the capture kernel reads them in bf16).
+    let case = score_kind(Case::random((1, 3, 1, 21, 40, 12, 7), 733)).with_storage(Storage::Bf16);
+    check(ctx, &case, Path::Fused, "score_mod in bf16");
+    // The same bits every run (no atomics: per-workgroup partials summed in order).
+    let case = score_kind(Case::random((1, 2, 2, 70, 130, 33, 65), 734));
+    let dout = dout_for(&case, 5);
+    let bits = || {
+        let g = case.sdpa().backward(&dout).run_blocking(ctx).unwrap();
+        let d = g.dcaptures.expect("the captures' gradients");
+        d.iter()
+            .flat_map(|a| a.iter().map(|x| x.to_bits()))
+            .collect::<Vec<u32>>()
+    };
+    let first = bits();
+    assert!(
+        first.iter().any(|&b| b != 0),
+        "the captures' gradients are all zero"
+    );
+    assert_eq!(first, bits(), "the captures' gradients differ between runs");
     let table = [0.5f32; 2];
     let m = wgpu_attention::UserMod::wgsl(
         "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return s + t(h); }",

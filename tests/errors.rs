@@ -459,7 +459,7 @@ fn user_functions_are_checked() {
         "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {\n    return s + t(h) + true;\n}",
     ));
     assert!(matches!(e, Error::UserMod { .. }), "{e}");
-    for (src, names, want) in [
+    let cases: [(&str, &[&str], &str); 13] = [
         ("fn score_mod(s: f32, b: u32, h: u32) -> f32 { return s + t(h); }", &["t"][..], "score_mod must be"),
         ("fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> u32 { return u32(t(h)); }", &["t"], "mask_mod must be"),
         ("fn helper(x: u32) -> f32 { return t(x); }", &["t"], "neither"),
@@ -471,10 +471,56 @@ fn user_functions_are_checked() {
             &["t"],
             "entry point",
         ),
-    ] {
+        // The capture gradients' function: its signature, its accumulators' callers, loops
+        // and call count.
+        (
+            "fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { return t(h) > 0.0; }\n\
+             fn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) { d_t(h, g); }",
+            &["t"],
+            "without score_mod",
+        ),
+        (
+            &format!("{good}\nfn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32) {{ d_t(h, 1.0); }}"),
+            &["t"],
+            "score_mod_dcapture must be",
+        ),
+        (
+            &format!("{good}\nfn helper(h: u32) {{ d_t(h, 1.0); }}"),
+            &["t"],
+            "only score_mod_dcapture may",
+        ),
+        (
+            &format!(
+                "{good}\nfn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) {{\n\
+                 for (var x = 0u; x < 2u; x++) {{ d_t(x, g); }}\n}}"
+            ),
+            &["t"],
+            "in a loop",
+        ),
+        (
+            &format!(
+                "{good}\nfn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) {{\n{}}}",
+                "d_t(h, g); ".repeat(9)
+            ),
+            &["t"],
+            "at most 8",
+        ),
+        (
+            &format!(
+                "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {{ score_mod_dcapture(s, b, h, i, j, 1.0); return s + t(h); }}\n\
+                 fn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) {{ d_t(h, g); }}"
+            ),
+            &["t"],
+            "the backward alone",
+        ),
+    ];
+    for (src, names, want) in cases {
         let m = names.iter().fold(UserMod::wgsl(src), |m, n| m.capture(n, &table));
         let e = err(m);
-        assert!(matches!(e, Error::UserMod { .. }) && e.to_string().contains(want), "{src}: {e}");
+        assert!(
+            matches!(e, Error::UserMod { .. }) && e.to_string().contains(want),
+            "{src}: {e}"
+        );
     }
     // A helper whose name is the kernels' own is renamed, not a collision.
     let own = "fn masked_logit(x: f32) -> f32 { return x * 2.0; }\nconst START: f32 = 1.0;\n\

@@ -35,6 +35,79 @@ pub(crate) struct BackwardArgs {
     /// Where to write dL/d(sink logits), f32 .npy [Hq] (needs --sink-logits).
     #[arg(long, value_name = "DSINK.npy", requires = "sink_logits")]
     dsink_out: Option<PathBuf>,
+    /// Where to write dL/d(capture NAME), f32 .npy in the capture's shape (repeatable; needs
+    /// --mod with a score_mod_dcapture and --capture NAME=...).
+    #[arg(long, value_name = "NAME=FILE.npy", requires = "user_mod")]
+    dcapture_out: Vec<String>,
+}
+
+/// `--dcapture-out NAME=FILE.npy`: each name one of the --capture names (once), each path
+/// writable; checked before any work.
+fn dcapture_outs(a: &BackwardArgs) -> CliResult<Vec<(String, PathBuf)>> {
+    let mut out: Vec<(String, PathBuf)> = Vec::new();
+    for d in &a.dcapture_out {
+        let Some((name, file)) = d.split_once('=') else {
+            return Err(format!("--dcapture-out {d:?}: give NAME=FILE.npy").into());
+        };
+        if out.iter().any(|(n, _)| n == name) {
+            return Err(format!("--dcapture-out: {name:?} is given twice").into());
+        }
+        out.push((name.to_string(), PathBuf::from(file)));
+    }
+    crate::npy::check_writable(out.iter().map(|(_, p)| ("--dcapture-out", Some(p.as_path()))))?;
+    Ok(out)
+}
+
+/// Each `--dcapture-out` name is a `--capture` name, and the source gives the captures'
+/// gradients (defines `score_mod_dcapture`).
+fn check_dcapture_names(
+    outs: &[(String, PathBuf)],
+    input: &InputArgs,
+    x: &crate::input::Inputs,
+) -> CliResult<()> {
+    let Some((name, _)) = outs.first() else {
+        return Ok(());
+    };
+    let caps = x.user_mod.as_ref().map(|(_, c)| c.as_slice()).unwrap_or_default();
+    if let Some((n, _)) = outs.iter().find(|(n, _)| !caps.iter().any(|(c, _, _)| c == n)) {
+        return Err(format!("--dcapture-out {n}: no --capture {n}=... was given").into());
+    }
+    let gives = input
+        .options(x)
+        .user_mod
+        .map(|m| m.gives_capture_gradients())
+        .transpose()?
+        .unwrap_or(false);
+    if !gives {
+        return Err(format!(
+            "--dcapture-out {name}: the --mod source defines no \
+             fn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32)"
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// The captures' gradients to write: for each `--dcapture-out`, its file and the capture's
+/// gradient in the capture's shape (names checked by [`check_dcapture_names`]).
+fn dcapture_arrays(
+    outs: &[(String, PathBuf)],
+    x: &crate::input::Inputs,
+    dcaps: Option<&[ndarray::Array1<f32>]>,
+) -> CliResult<Vec<(PathBuf, ndarray::ArrayD<f32>)>> {
+    let caps = x.user_mod.as_ref().map(|(_, c)| c.as_slice()).unwrap_or_default();
+    let mut w = Vec::new();
+    for (name, file) in outs {
+        let k = caps
+            .iter()
+            .position(|(n, _, _)| n == name)
+            .ok_or("unknown capture")?;
+        let d = dcaps.and_then(|d| d.get(k)).ok_or("no captures' gradients")?;
+        let a = ndarray::ArrayD::from_shape_vec(caps[k].2.clone(), d.to_vec())
+            .map_err(|e| format!("--dcapture-out {name}: {e}"))?;
+        w.push((file.clone(), a));
+    }
+    Ok(w)
 }
 
 /// `backward`: gradients of sum(dO ∘ O) with respect to q, k, v (and the bias).
@@ -46,10 +119,12 @@ pub(crate) fn backward(a: &BackwardArgs) -> CliResult<ExitCode> {
         ("--dbias-out", a.dbias_out.as_deref()),
         ("--dsink-out", a.dsink_out.as_deref()),
     ])?;
+    let dcap_outs = dcapture_outs(a)?;
     let x = a.input.load()?;
+    check_dcapture_names(&dcap_outs, &a.input, &x)?;
     let st = a.input.storage;
     let dout = read_qkv(&a.dout, "dout", "[B, Hq, L, Ev]")?.mapv(|v| st.round(v));
-    let (dq, dk, dv, dbias, dsink, how) = if a.input.cpu {
+    let (dq, dk, dv, dbias, dsink, dcaps, how) = if a.input.cpu {
         let started = Instant::now();
         let g = reference::sdpa_backward(
             x.q.view(),
@@ -69,6 +144,7 @@ pub(crate) fn backward(a: &BackwardArgs) -> CliResult<ExitCode> {
             g.dv.mapv(f).into_dyn(),
             g.dbias.map(|d| d.mapv(f)),
             g.dsink.map(|d| d.mapv(|x| x as f32).into_dyn()),
+            None,
             how,
         )
     } else {
@@ -104,9 +180,11 @@ pub(crate) fn backward(a: &BackwardArgs) -> CliResult<ExitCode> {
             g.dv.into_dyn(),
             g.dbias,
             g.dsink.map(|d| d.into_dyn()),
+            g.dcaptures,
             how,
         )
     };
+    let dcap_arrays = dcapture_arrays(&dcap_outs, &x, dcaps.as_deref())?;
     println!("{how}");
     write_array(&a.dq_out, "dq", &dq)?;
     write_array(&a.dk_out, "dk", &dk)?;
@@ -116,6 +194,9 @@ pub(crate) fn backward(a: &BackwardArgs) -> CliResult<ExitCode> {
     }
     if let Some(p) = &a.dsink_out {
         write_array(p, "dsink", &dsink.ok_or("no sink logits were given")?)?;
+    }
+    for (p, d) in &dcap_arrays {
+        write_array(p, "dcapture", d)?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -101,8 +101,8 @@ pub(crate) struct InputArgs {
     pub(crate) layout: wgpu_attention::Layout,
 }
 
-/// A `--mod` source and its captures (name, values).
-pub(crate) type UserSource = (String, Vec<(String, Vec<f32>)>);
+/// A `--mod` source and its captures (name, values, shape).
+pub(crate) type UserSource = (String, Vec<(String, Vec<f32>, Vec<usize>)>);
 
 /// The inputs as the device holds them (rounded to the storage format).
 pub(crate) struct Inputs {
@@ -185,7 +185,7 @@ impl InputArgs {
             doc_ids: x.doc_ids.clone(),
             user_mod: x.user_mod.as_ref().map(|(src, caps)| {
                 caps.iter()
-                    .fold(UserMod::wgsl(src), |m, (name, data)| m.capture(name, data))
+                    .fold(UserMod::wgsl(src), |m, (name, data, _)| m.capture(name, data))
             }),
         }
     }
@@ -205,17 +205,17 @@ impl InputArgs {
         }
         let src = std::fs::read_to_string(path)
             .map_err(|e| format!("--mod: cannot read {}: {e}", path.display()))?;
-        let mut caps: Vec<(String, Vec<f32>)> = Vec::new();
+        let mut caps: Vec<(String, Vec<f32>, Vec<usize>)> = Vec::new();
         for c in &self.capture {
             let Some((name, file)) = c.split_once('=') else {
                 return Err(format!("--capture {c:?}: give NAME=X.npy").into());
             };
             let a = read_float(std::path::Path::new(file), &format!("capture {name}"))?;
-            caps.push((name.to_string(), a.iter().copied().collect()));
+            caps.push((name.to_string(), a.iter().copied().collect(), a.shape().to_vec()));
         }
         // The library's checks (naga, capture names), as a one-line error before any work.
         let mut m = UserMod::wgsl(&src);
-        for (name, data) in &caps {
+        for (name, data, _) in &caps {
             m = m.capture(name, data);
         }
         m.check()

@@ -1358,6 +1358,10 @@ fn user_mod_and_captures() {
          \x20   let d = clamp(i32(j) - i32(i), -4, 4) + 4;\n\
          \x20   return s + rel(h * 9u + u32(d));\n\
          }\n\
+         fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return 1.0; }\n\
+         fn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) {\n\
+         \x20   d_rel(h * 9u + u32(clamp(i32(j) - i32(i), -4, 4) + 4), g);\n\
+         }\n\
          fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { return (i + j) % 3u != 0u; }\n",
     )
     .unwrap();
@@ -1396,6 +1400,81 @@ fn user_mod_and_captures() {
             "--mod gpu vs the built-in options on the cpu",
         );
         std::fs::remove_file(&out).unwrap();
+        // The backward: d(rel) in rel's shape [2, 9], against the CPU's d(bias) of the same
+        // bias summed per bucket.
+        let dout = p("dout.npy");
+        write_npy(&dout, &fill([1, 2, l, 4], 5)).unwrap();
+        let outs = ["dq", "dk", "dv"].map(|n| p(&format!("{n}.npy")));
+        let (drel, dbias) = (p("drel.npy"), p("dbias.npy"));
+        let dcap = format!("rel={}", s(&drel));
+        let r = backward_cli(
+            &[&q, &k, &v, &dout],
+            &outs,
+            &[&user[..], &["--dcapture-out", dcap.as_str()]].concat(),
+        );
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        let r = backward_cli(
+            &[&q, &k, &v, &dout],
+            &outs,
+            &[
+                "--cpu",
+                "--bias",
+                s(&biasf),
+                "--mask",
+                s(&maskf),
+                "--dbias-out",
+                s(&dbias),
+            ],
+        );
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        let (got, db): (ArrayD<f32>, ArrayD<f32>) = (read_npy(&drel).unwrap(), read_npy(&dbias).unwrap());
+        assert_eq!(got.shape(), &[2, 9]);
+        let mut want = ndarray::Array2::<f64>::zeros((2, 9));
+        for ((_, h, i, j), &x) in db.into_dimensionality::<ndarray::Ix4>().unwrap().indexed_iter() {
+            want[[h, ((j as i64 - i as i64).clamp(-4, 4) + 4) as usize]] += f64::from(x);
+        }
+        assert!(want.iter().any(|&x| x.abs() > 1e-3));
+        common::assert_report(
+            compare(got.iter().copied(), want.iter().copied(), common::TOL),
+            "--dcapture-out gpu vs d(bias) per bucket on the cpu",
+        );
+        // A name that is not a capture, or a source without score_mod_dcapture: exit 2, nothing
+        // written.
+        std::fs::remove_file(&drel).unwrap();
+        std::fs::write(
+            p("plain.wgsl"),
+            "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return s + rel(h); }\n\
+             fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return 1.0; }\n",
+        )
+        .unwrap();
+        let plain = p("plain.wgsl");
+        let other = format!("other={}", s(&drel));
+        for (args, want) in [
+            (vec!["--dcapture-out", other.as_str()], "no --capture other"),
+            (vec!["--dcapture-out", "rel"], "NAME=FILE.npy"),
+            (
+                vec![
+                    "--mod",
+                    s(&plain),
+                    "--capture",
+                    capture.as_str(),
+                    "--dcapture-out",
+                    dcap.as_str(),
+                ],
+                "score_mod_dcapture",
+            ),
+        ] {
+            let outs = ["dq", "dk", "dv"].map(|n| p(&format!("bad-{n}.npy")));
+            let extra: &[&str] = if args[0] == "--mod" { &[] } else { &user };
+            let r = backward_cli(&[&q, &k, &v, &dout], &outs, &[extra, &args[..]].concat());
+            let err = String::from_utf8_lossy(&r.stderr);
+            assert_eq!(r.status.code(), Some(2), "{args:?}: {err}");
+            assert!(
+                err.contains(want) && err.trim().lines().count() == 1,
+                "{args:?}: {err}"
+            );
+            assert!(!drel.exists() && !outs[0].exists(), "{args:?}");
+        }
     }
     std::fs::write(
         &badf,

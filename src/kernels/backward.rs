@@ -72,6 +72,29 @@ pub(crate) const DBIAS: KernelSpec = KernelSpec {
     trusted: false,
 };
 
+/// The captures' gradients, per workgroup slice (`shaders/bwd_dcap.wgsl`).
+pub(crate) const DCAP: KernelSpec = KernelSpec {
+    name: "bwd_dcap",
+    source: include_str!("../../shaders/bwd_dcap.wgsl"),
+    common: &[common::SOFTMAX, common::MASKS, BACKWARD],
+    bindings: GRAD_BINDINGS,
+    params: params_of::<Params>,
+    trusted: false,
+};
+
+/// The captures' gradients, the slices summed in order (`shaders/bwd_dcap_sum.wgsl`).
+pub(crate) const DCAP_SUM: KernelSpec = KernelSpec {
+    name: "bwd_dcap_sum",
+    source: include_str!("../../shaders/bwd_dcap_sum.wgsl"),
+    common: &[],
+    bindings: &[Binding::Read, Binding::ReadWrite, Binding::Params],
+    params: params_of::<Params>,
+    trusted: false,
+};
+
+// bwd_dcap.wgsl's record arrays hold 64 invocations' calls.
+const _: () = assert!(crate::user_mod::MAX_DCAPTURE_CALLS * 64 == 512);
+
 /// d(sink logits): one workgroup per query head (`shaders/bwd_dsink.wgsl`).
 pub(crate) const DSINK: KernelSpec = KernelSpec {
     name: "bwd_dsink",
@@ -102,7 +125,7 @@ pub(crate) const DS: KernelSpec = KernelSpec {
 
 /// Every backward kernel, for the binding-limit and assembly tests.
 #[cfg(test)]
-pub(crate) const ALL: [&KernelSpec; 5] = [&PREP, &DQ, &DKV, &DBIAS, &DS];
+pub(crate) const ALL: [&KernelSpec; 8] = [&PREP, &DQ, &DKV, &DBIAS, &DS, &DSINK, &DCAP, &DCAP_SUM];
 
 wgsl_struct! {
     /// The backward kernels' params (`p` in `bwd_*.wgsl`); each kernel reads the fields it needs.
@@ -137,7 +160,8 @@ wgsl_struct! {
         i0: u32,
         lc: u32,
         gw: u32,
-        _pad0: u32,
+        /// The captures' elements, all of them (dcap).
+        cap_len: u32,
         _pad1: u32,
         _pad2: u32,
     }
@@ -167,6 +191,7 @@ impl Params {
             db_l: db_l as u32,
             db_s: db_s as u32,
             gw: 1,
+            cap_len: p.user_fns.as_ref().map_or(0, |u| u.capture_len()) as u32,
             dv_off: dv_off as u32,
             ..Default::default()
         }
@@ -432,6 +457,22 @@ pub(crate) fn dbias_prelude(p: &Problem) -> String {
     };
     grad_io(f, (p.mask.is_some(), true, super::Mods::of(p)), false, &p.views)
         + &array("dbias", 7, f.bias, false, access)
+}
+
+/// The capture-gradient kernel's prelude: scalar q, k, v, dout, the calls' bound and the
+/// user's `score_mod_dcapture` with its accumulators (None: the source has none).
+pub(crate) fn dcap_prelude(p: &Problem) -> Option<String> {
+    let user = p.user_fns.as_ref()?;
+    let dcap = crate::user_mod::dcapture_prelude(user.key)?;
+    Some(
+        grad_io(
+            &p.storage,
+            (p.mask.is_some(), p.bias.is_some(), super::Mods::of(p)),
+            false,
+            &p.views,
+        ) + &format!("const CALLS: u32 = {}u;\n", crate::user_mod::MAX_DCAPTURE_CALLS)
+            + &dcap,
+    )
 }
 
 /// The prep kernel's prelude: o and dout (bindings 0, 1) in their formats, with `o_base` and

@@ -34,6 +34,10 @@ pub struct Gradients<F> {
     pub dbias: Option<ArrayD<F>>,
     /// d(sink logits) `[Hq]`: `-sum_rows exp(sink[h] - lse) D`; when sink logits are given.
     pub dsink: Option<ndarray::Array1<F>>,
+    /// The captures' gradients, flat, in the order they were given: the sum over the logits of
+    /// dS times the score closure's derivative in each element it read (a central difference
+    /// in f64); when a user score_mod is given.
+    pub dcaptures: Option<Vec<ndarray::Array1<F>>>,
     /// The forward output `[B, Hq, L, Ev]` computed on the way.
     pub out: Array4<F>,
     /// The forward logsumexp `[B, Hq, L]` (`-inf` on fully masked rows).
@@ -61,6 +65,10 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
     let (b, hq, l, e) = q.dim();
     let (_, hkv, s, _) = k.dim();
     let group = hq / hkv;
+    let caps = opts
+        .user_mod
+        .as_ref()
+        .map_or(crate::user_mod::Captures::new(&[]), |m| m.cpu_captures());
     let user_score = match &opts.user_mod {
         Some(m) => {
             m.cpu_mask_fn()?;
@@ -102,7 +110,7 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
                         raw
                     } + bias.as_ref().map_or(F::zero(), |x| cast(x[[bi, h, i, j]]));
                     let x = match user_score {
-                        Some(f) => cast::<F, f64>(f(x.to_f64().unwrap_or(f64::NAN), [bi, h, i, j])),
+                        Some(f) => cast::<F, f64>(f(x.to_f64().unwrap_or(f64::NAN), [bi, h, i, j], &caps)),
                         None => x,
                     };
                     ok[j] = allowed(opts, mask.as_ref(), [bi, h, i, j], l, s) && x != F::neg_infinity();
@@ -195,7 +203,7 @@ pub fn sdpa_backward_in<F: Float, T: Copy + Into<f64>, U: Copy + Into<f64>>(
         raw.to_f64().unwrap_or(f64::NAN)
     };
     // Through a user score_mod (dQ, dK and d(bias): it acts after the bias).
-    through_score_mod(&mut ds, opts, &raw_at)?;
+    let dcaptures = through_score_mod(&mut ds, opts, &raw_at)?;
     // Through the softcap (dQ and dK only: the bias is added after it).
     let ds_qk = opts.softcap.map(|_| {
         let mut d = ds.clone();
@@ -245,6 +253,7 @@ pub fn sdpa_backward_in<F: Float, T: Copy + Into<f64>, U: Copy + Into<f64>>(
         dv,
         dbias,
         dsink,
+        dcaptures,
         out,
         lse,
     })
@@ -277,21 +286,25 @@ impl Dims {
 /// (`ev` columns). Returns (O, dV, dP), dense.
 /// `ds` times the derivative of the user's score closure (if any) at the logit it was given (after
 /// the softcap, the bias and ALiBi), by a central difference in f64; masked entries (dS = 0)
-/// are left alone. `raw_at(b, h, i, j)` is the scaled dot product.
+/// are left alone. `raw_at(b, h, i, j)` is the scaled dot product. Returns the captures'
+/// gradients: per logit, dS times the closure's derivative in each capture element it read
+/// (a central difference in f64), summed in `F` in the logits' order.
 fn through_score_mod<F: Float>(
     ds: &mut Array4<F>,
     opts: &Options,
     raw_at: &dyn Fn(usize, usize, usize, usize) -> f64,
-) -> Result<()> {
-    let Some(f) = opts
+) -> Result<Option<Vec<ndarray::Array1<F>>>> {
+    let Some((m, f)) = opts
         .user_mod
         .as_ref()
-        .map(|m| m.cpu_score_fn())
+        .map(|m| m.cpu_score_fn().map(|f| f.map(|f| (m, f))))
         .transpose()?
         .flatten()
     else {
-        return Ok(());
+        return Ok(None);
     };
+    let caps = m.cpu_captures();
+    let mut dcap: Vec<Vec<F>> = caps.lens().map(|(_, n)| vec![F::zero(); n]).collect();
     let (b, hq, l, s) = ds.dim();
     let bias4 = opts.bias_view()?;
     let bias4 = bias4.as_ref().map(|m| broadcast4(m, [b, hq, l, s]));
@@ -302,11 +315,18 @@ fn through_score_mod<F: Float>(
         let idx = [bi, h, i, j];
         let y = modified(opts, raw_at(bi, h, i, j), idx, l, s)
             + bias4.as_ref().map_or(0.0, |m| f64::from(m[idx]));
+        let rec = caps.recording();
+        f(y, idx, &rec);
+        for at in rec.read() {
+            let d = 1e-6 * caps.value(at).abs().max(1.0);
+            let dy = (f(y, idx, &caps.bumped(at, d)) - f(y, idx, &caps.bumped(at, -d))) / (2.0 * d);
+            dcap[at.0][at.1] = dcap[at.0][at.1] + *x * cast(dy);
+        }
         let d = 1e-6 * y.abs().max(1.0);
-        let g = (f(y + d, idx) - f(y - d, idx)) / (2.0 * d);
+        let g = (f(y + d, idx, &caps) - f(y - d, idx, &caps)) / (2.0 * d);
         *x = *x * cast(g);
     }
-    Ok(())
+    Ok(Some(dcap.into_iter().map(ndarray::Array1::from).collect()))
 }
 
 fn values_stage<F: Float>(

@@ -158,6 +158,10 @@ pub fn masked_softmax(scores: &Array4<f64>, opts: &Options) -> Result<(Array4<f6
     }
     let (mask_view, bias_view) = (opts.mask_view()?, opts.bias_view()?);
     // User functions: their closures (an error when the source has one and no closure).
+    let caps = opts
+        .user_mod
+        .as_ref()
+        .map_or(crate::user_mod::Captures::new(&[]), |m| m.cpu_captures());
     let user_score = match &opts.user_mod {
         Some(m) => {
             m.cpu_mask_fn()?;
@@ -183,7 +187,7 @@ pub fn masked_softmax(scores: &Array4<f64>, opts: &Options) -> Result<(Array4<f6
                     logits[j] = modified(opts, row[j], [bi, hi, i, j], l, s)
                         + bias.as_ref().map_or(0.0, |x| x[[bi, hi, i, j]] as f64);
                     if let Some(f) = user_score {
-                        logits[j] = f(logits[j], [bi, hi, i, j]);
+                        logits[j] = f(logits[j], [bi, hi, i, j], &caps);
                     }
                     if ok[j] {
                         // NaN propagates: f64::max ignores NaN, so check explicitly.

@@ -814,6 +814,7 @@ impl RingPlan {
             dv: dv.mapv(|x| p.storage.v.round(x)),
             dbias: dbias.map(|d| d.mapv(|x| p.storage.bias.round(x))),
             dsink: None,
+            dcaptures: None,
             output: None,
             lse: None,
         }

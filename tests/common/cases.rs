@@ -213,9 +213,10 @@ impl Case {
         self
     }
 
-    /// A user `score_mod` capping each logit at 3 (`3 tanh(s / 3)`), scaling it by `1 + h / 4` and adding a learned
-    /// relative-position bias (T5-style buckets, a captured `[Hq, 2R + 1]` table), with its
-    /// derivative in `s` (`score_mod_ds`, for the backward) and its closure for the reference.
+    /// A user `score_mod` capping each logit at 3 (`3 tanh(s / 3)`), scaling it by a captured
+    /// per-head factor and adding a learned relative-position bias (T5-style buckets, a
+    /// captured `[Hq, 2R + 1]` table), with its derivatives in `s` (`score_mod_ds`) and in the
+    /// captures (`score_mod_dcapture`, for the backward) and its closure for the reference.
     pub fn with_relbias_score_mod(mut self, seed: u64) -> Case {
         const R: i64 = 6;
         let (_, hq, _, _) = self.dims();
@@ -224,6 +225,8 @@ impl Case {
             .map(|_| r.random_range(-1.5f32..1.5))
             .collect();
         let table: &'static [f32] = Box::leak(table.into_boxed_slice());
+        let scales: Vec<f32> = (0..hq).map(|h| 1.0 + 0.25 * h as f32).collect();
+        let scales: &'static [f32] = Box::leak(scales.into_boxed_slice());
         let src = format!(
             "const R: i32 = {R};
              // The bucket of key j for query i: their distance, clamped to [-R, R].
@@ -231,20 +234,27 @@ impl Case {
                  return u32(clamp(i32(j) - i32(i), -R, R) + R);
              }}
              fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {{
-                 return 3.0 * tanh(s / 3.0) * (1.0 + 0.25 * f32(h)) + rel(h * u32(2 * R + 1) + bucket(i, j));
+                 return 3.0 * tanh(s / 3.0) * head_scale(h) + rel(h * u32(2 * R + 1) + bucket(i, j));
              }}
              fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {{
                  let t = tanh(s / 3.0);
-                 return (1.0 - t * t) * (1.0 + 0.25 * f32(h));
+                 return (1.0 - t * t) * head_scale(h);
+             }}
+             fn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) {{
+                 d_rel(h * u32(2 * R + 1) + bucket(i, j), g);
+                 if (g != 0.0) {{
+                     d_head_scale(h, g * 3.0 * tanh(s / 3.0));
+                 }}
              }}"
         );
         self.user_mod = Some(
             UserMod::wgsl(&src)
                 .capture("rel", table)
-                .cpu_score(move |s, [_, h, i, j]| {
+                .capture("head_scale", scales)
+                .cpu_score(move |s, [_, h, i, j], c| {
                     let bucket = (j as i64 - i as i64).clamp(-R, R) + R;
-                    3.0 * (s / 3.0).tanh() * (1.0 + 0.25 * h as f64)
-                        + f64::from(table[h * (2 * R as usize + 1) + bucket as usize])
+                    3.0 * (s / 3.0).tanh() * c.get("head_scale", h)
+                        + c.get("rel", h * (2 * R as usize + 1) + bucket as usize)
                 }),
         );
         self

@@ -213,6 +213,22 @@ pub fn assert_grads(case: &Case, g: &Grads, dout: &Array4<f32>, label: &str) {
         (None, None, None) => {}
         _ => panic!("{label}: dsink presence differs"),
     }
+    match (&g.dcaptures, &r64.dcaptures, &r32.dcaptures) {
+        (Some(got), Some(want), Some(plain)) => {
+            assert_eq!(got.len(), want.len(), "{label}: captures");
+            for (k, ((got, want), plain)) in got.iter().zip(want).zip(plain).enumerate() {
+                rule(
+                    &format!("dcapture {k}"),
+                    got.as_slice().unwrap(),
+                    want.as_slice().unwrap(),
+                    plain.as_slice().unwrap(),
+                );
+            }
+        }
+        // The reference differentiates every score closure; the GPU needs score_mod_dcapture.
+        (None, _, _) if !has_dcapture(case) => {}
+        _ => panic!("{label}: dcaptures presence differs"),
+    }
     // The forward it ran on the way.
     let out = g.output.as_ref().expect("the forward's output");
     let report = compare(
@@ -221,6 +237,13 @@ pub fn assert_grads(case: &Case, g: &Grads, dout: &Array4<f32>, label: &str) {
         twice_storage_tolerance(case.storage),
     );
     assert!(report.passed(), "{label}: forward output: {report}");
+}
+
+/// Whether the case's user source defines `score_mod_dcapture`.
+fn has_dcapture(case: &Case) -> bool {
+    case.user_mod
+        .as_ref()
+        .is_some_and(|m| format!("{m:?}").contains("score_mod_dcapture"))
 }
 
 /// `n` devices of the default adapter for the ring tests (as [`ctx`]: `None` without an

@@ -284,6 +284,55 @@ async fn softcap_alibi_and_sinks_on_every_path() {
     }
 }
 
+/// The backward through user functions in the browser: the score_mod with its derivatives in
+/// s and in the captures (the capture-gradient kernel on Tint), by FlashAttention's rule.
+#[wasm_bindgen_test]
+async fn backward_through_user_functions_with_capture_gradients() {
+    let ctx = ctx().await;
+    let (name, kind) = user_kinds()[0];
+    let case = kind(Case::random((1, 2, 2, 19, 27, 8, 8), 96));
+    let dout = Array4::from_shape_fn((1, 2, 19, 8), |(b, h, i, j)| {
+        ((b + 3 * h + 5 * i + 7 * j) % 13) as f32 / 6.0 - 1.0
+    });
+    let g = case
+        .sdpa()
+        .backward(&dout)
+        .run(&ctx)
+        .await
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let opts = case.options();
+    let (q, k, v) = (case.q.view(), case.k.view(), case.v.view());
+    let r64 = reference::sdpa_backward(q, k, v, dout.view(), &opts).unwrap();
+    let r32 = reference::sdpa_backward_f32(q, k, v, dout.view(), &opts).unwrap();
+    let (got, want, plain) = (
+        g.dcaptures.expect("the captures' gradients"),
+        r64.dcaptures.unwrap(),
+        r32.dcaptures.unwrap(),
+    );
+    let mut all = vec![
+        (
+            "dq",
+            g.dq.iter().copied().collect::<Vec<f32>>(),
+            r64.dq.iter().copied().collect::<Vec<f64>>(),
+            r32.dq.iter().copied().collect::<Vec<f32>>(),
+        ),
+        (
+            "dk",
+            g.dk.iter().copied().collect(),
+            r64.dk.iter().copied().collect(),
+            r32.dk.iter().copied().collect(),
+        ),
+    ];
+    for (k, ((a, b), c)) in got.iter().zip(&want).zip(&plain).enumerate() {
+        let n = if k == 0 { "d(rel)" } else { "d(head_scale)" };
+        all.push((n, a.to_vec(), b.to_vec(), c.to_vec()));
+    }
+    for (n, a, b, c) in all {
+        let report = wgpu_attention::check::flash_rule(a, b, c);
+        assert!(report.passed(), "{name} {n}: {report}");
+    }
+}
+
 #[wasm_bindgen_test]
 async fn head_dims_up_to_256_on_every_path() {
     let ctx = ctx().await;

@@ -69,6 +69,9 @@ pub struct Grads {
     pub dbias: Option<ArrayD<f32>>,
     /// d(sink logits) `[Hq]`, when sink logits are given.
     pub dsink: Option<ndarray::Array1<f32>>,
+    /// The gradients of the user functions' captures, flat, in the order they were captured,
+    /// when the source defines `score_mod_dcapture` (see [`UserMod`](crate::UserMod)).
+    pub dcaptures: Option<Vec<ndarray::Array1<f32>>>,
     /// The forward output `[B, Hq, L, Ev]`, when the backward ran the forward itself.
     pub output: Option<Array4<f32>>,
     /// The forward logsumexp `[B, Hq, L]`, when the backward ran the forward itself.
@@ -89,6 +92,9 @@ pub struct GpuGrads {
     pub dbias: Option<wgpu::Buffer>,
     /// d(sink logits) `[Hq]` in f32, when sink logits are given.
     pub dsink: Option<wgpu::Buffer>,
+    /// The captures' gradients in f32, packed in the order they were captured, when the
+    /// source defines `score_mod_dcapture`.
+    pub dcaptures: Option<wgpu::Buffer>,
     /// The forward's results, when the backward ran the forward itself.
     pub forward: Option<GpuOutput>,
     /// The validated problem.
@@ -207,6 +213,19 @@ impl<'a> Backward<'a> {
             )),
             None => None,
         };
+        let dcaptures = match (&g.dcaptures, &p.user_fns) {
+            (Some(buf), Some(u)) => {
+                let all = ctx.read_as_f32(buf, 0, u.capture_len(), Storage::F32).await?;
+                let mut at = 0;
+                let mut out = Vec::new();
+                for (_, d) in &u.captures {
+                    out.push(ndarray::Array1::from(all[at..at + d.len()].to_vec()));
+                    at += d.len();
+                }
+                Some(out)
+            }
+            _ => None,
+        };
         let (output, lse) = match &g.forward {
             Some(fw) => {
                 let fp = &fw.problem;
@@ -226,6 +245,7 @@ impl<'a> Backward<'a> {
             dv,
             dbias,
             dsink,
+            dcaptures,
             output,
             lse,
         })

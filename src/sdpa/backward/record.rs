@@ -100,21 +100,14 @@ pub(super) fn record(
     let (kv, dv_at) = (sizes.kv_rows, f32_bytes(sizes.dv_off));
     let dk = convert(ctx, encoder, ("dk", &dkv, 0), kv * p.head_dim, p.storage.k)?;
     let dv = convert(ctx, encoder, ("dv", &dkv, dv_at), kv * p.head_dim_v, p.storage.v)?;
-    let dbias = p
-        .bias
-        .map(|bc| record_dbias(ctx, encoder, &p, bc.len(), (&io, &params)))
-        .transpose()?;
-    let dsink = p
-        .sink_logits
-        .as_ref()
-        .map(|sk| record_dsink(ctx, encoder, sk.len(), &stats, &params))
-        .transpose()?;
+    let [dbias, dsink, dcaptures] = record_extras(ctx, encoder, &p, (&io, &params))?;
     Ok(GpuGrads {
         dq,
         dk,
         dv,
         dbias,
         dsink,
+        dcaptures,
         forward,
         problem: p,
     })
@@ -223,6 +216,11 @@ impl Sizes {
         if let Some(words) = mask_words {
             fit("packed mask", f32_bytes(words))?;
         }
+        let dcap = dcap_workgroups(p, max);
+        if dcap > 0 {
+            let n = p.user_fns.as_ref().map_or(0, |u| u.capture_len());
+            fit("capture gradient partials", f32_bytes(dcap * n))?;
+        }
         if let Plan::Unfused(c) = plan {
             fit("scores chunk", f32_bytes(c.heads * c.rows * p.seq_kv))?;
         }
@@ -231,10 +229,15 @@ impl Sizes {
             Plan::Fused(cfg) => fused_grids(p, cfg),
             Plan::Unfused(_) => [(0, 0); 2],
         };
-        [self.rows.div_ceil(64), p.bias.map_or(0, |b| b.len()).div_ceil(64)]
-            .into_iter()
-            .chain(grids.map(|(_, total)| total))
-            .try_for_each(|n| check_workgroups(ctx, n))
+        let caps = p.user_fns.as_ref().map_or(0, |u| u.capture_len());
+        [
+            self.rows.div_ceil(64),
+            p.bias.map_or(0, |b| b.len()).div_ceil(64),
+            caps.div_ceil(64),
+        ]
+        .into_iter()
+        .chain(grids.map(|(_, total)| total))
+        .try_for_each(|n| check_workgroups(ctx, n))
     }
 }
 
@@ -264,6 +267,25 @@ pub(super) fn record_stats(
         sizes.rows.div_ceil(64) as u32,
     )?;
     Ok(stats)
+}
+
+/// Record d(bias), d(sink logits) and the captures' gradients, where the problem has them.
+fn record_extras(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    p: &Problem,
+    (io, params): (&Io<'_>, &kb::Params),
+) -> Result<[Option<wgpu::Buffer>; 3]> {
+    let dbias = p
+        .bias
+        .map(|bc| record_dbias(ctx, encoder, p, bc.len(), (io, params)))
+        .transpose()?;
+    let dsink = p
+        .sink_logits
+        .as_ref()
+        .map(|sk| record_dsink(ctx, encoder, sk.len(), io.stats.buffer, params))
+        .transpose()?;
+    Ok([dbias, dsink, record_dcap(ctx, encoder, p, (io, params))?])
 }
 
 /// Record d(bias) (`n` elements of the bias's broadcast shape, in its format) by `bwd_dbias`.
@@ -306,6 +328,61 @@ pub(super) fn record_dsink(
         heads as u32,
     )?;
     Ok(buf)
+}
+
+/// The most bytes of per-workgroup partial sums the capture gradients take.
+const DCAP_PARTIALS: u64 = 64 << 20;
+
+/// The capture-gradient kernel's workgroups for `p` (each owns a slice of partial sums of
+/// every capture element): one per chunk of 64 keys of a score row, at most 1024 and as many
+/// slices as fit [`DCAP_PARTIALS`] and the binding limit `max_binding`; 0 without a
+/// `score_mod_dcapture`.
+pub(super) fn dcap_workgroups(p: &Problem, max_binding: u64) -> usize {
+    let Some(u) = p.user_fns.as_ref().filter(|u| u.dcapture) else {
+        return 0;
+    };
+    let chunks = p.batch_heads() * p.seq_q * p.seq_kv.div_ceil(64);
+    let fit = DCAP_PARTIALS.min(max_binding) / f32_bytes(u.capture_len()).max(4);
+    chunks.min(1024).min(fit as usize).max(1)
+}
+
+/// Record the captures' gradients (f32, packed in the captures' order) by `bwd_dcap` and
+/// `bwd_dcap_sum`, when the source defines `score_mod_dcapture`.
+pub(super) fn record_dcap(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    p: &Problem,
+    (io, params): (&Io<'_>, &kb::Params),
+) -> Result<Option<wgpu::Buffer>> {
+    let Some(prelude) = kb::dcap_prelude(p) else {
+        return Ok(None);
+    };
+    let w = dcap_workgroups(p, ctx.max_binding());
+    let n = p.user_fns.as_ref().map_or(0, |u| u.capture_len());
+    let partials = output(ctx, "capture gradient partials", f32_bytes(w * n));
+    kb::record(
+        ctx,
+        encoder,
+        &kb::DCAP,
+        &prelude,
+        &io.with_out(partials.as_entire_buffer_binding()),
+        &params.over(w),
+        w as u32,
+    )?;
+    let buf = output(ctx, "dcaptures", f32_bytes(n));
+    kb::record(
+        ctx,
+        encoder,
+        &kb::DCAP_SUM,
+        "",
+        &[
+            partials.as_entire_buffer_binding(),
+            buf.as_entire_buffer_binding(),
+        ],
+        &params.over(w),
+        n.div_ceil(64) as u32,
+    )?;
+    Ok(Some(buf))
 }
 
 /// What the gradient kernels bind: mask, bias, q, k, v, dout, stats.
