@@ -349,6 +349,17 @@ impl UserFns {
         self.captures.iter().map(|(_, d)| d.len()).sum()
     }
 
+    /// The packed capture gradients `all` split per capture, in capture order.
+    pub(crate) fn split(&self, all: &[f32]) -> Vec<ndarray::Array1<f32>> {
+        let mut at = 0;
+        let mut out = Vec::new();
+        for (_, d) in &self.captures {
+            out.push(ndarray::Array1::from(all[at..at + d.len()].to_vec()));
+            at += d.len();
+        }
+        out
+    }
+
     /// The capture table (offset, length per capture, offsets from `base`) and the values, as
     /// auxiliary words.
     pub(crate) fn aux_words(&self, base: usize) -> Vec<u32> {

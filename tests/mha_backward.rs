@@ -41,6 +41,11 @@ fn named<F: Copy + Into<f64>>(g: &MhaGrads<F>) -> Vec<(&'static str, Option<Vec<
         ("b_k", g.b_k.as_ref().map(flat)),
         ("b_v", g.b_v.as_ref().map(flat)),
         ("b_o", g.b_o.as_ref().map(flat)),
+        ("dsink", g.dsink.as_ref().map(flat)),
+        (
+            "dcaptures",
+            g.dcaptures.as_ref().map(|d| d.iter().flat_map(flat).collect()),
+        ),
     ]
 }
 
@@ -95,6 +100,49 @@ fn check_case(ctx: &Context, case: &MhaCase, path: Path) {
     let want = reference::mha_backward(&case.w, &inputs, &opts, dout.view()).unwrap();
     let plain = reference::mha_backward_f32(&case.w, &inputs, &opts, dout.view()).unwrap();
     assert_grads(&got, &want, &plain, case.storage, &label);
+}
+
+/// Sink logits and a user score_mod with a captured relative-position bias through the layer's
+/// backward: d(sink logits) and d(rel) with every other gradient, by FlashAttention's rule.
+#[test]
+fn sink_logits_and_capture_gradients() {
+    let Some(ctx) = ctx() else { return };
+    let case = MhaCase::random(
+        grid(MhaConfig::new(48, 6).kv_heads(2), (2, 13, 13), false),
+        910,
+        Storage::F32,
+    );
+    let sinks: Vec<f32> = (0..6).map(|h| 0.3 * h as f32 - 0.5).collect();
+    let table: Vec<f32> = (0..6 * 9).map(|t| ((t * 7) % 11) as f32 * 0.1 - 0.5).collect();
+    let bucket = "clamp(i32(j) - i32(i), -4, 4) + 4";
+    let src = format!(
+        "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {{ return s + rel(h * 9u + u32({bucket})); }}\n\
+         fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {{ return 1.0; }}\n\
+         fn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) {{ d_rel(h * 9u + u32({bucket}), g); }}"
+    );
+    let m = wgpu_attention::UserMod::wgsl(&src)
+        .capture("rel", &table)
+        .cpu_score(|s, [_, h, i, j], c| {
+            s + c.get("rel", h * 9 + ((j as i64 - i as i64).clamp(-4, 4) + 4) as usize)
+        });
+    let opts = wgpu_attention::Options {
+        sink_logits: Some(sinks.clone()),
+        user_mod: Some(m.clone()),
+        ..case.options()
+    };
+    let dout = dout_for(&case, 78);
+    let layer = MultiHeadAttention::new(ctx, &case.w).unwrap();
+    let got = case
+        .forward(&layer)
+        .sink_logits(&sinks)
+        .user_mod(m)
+        .backward(&dout)
+        .run_blocking(ctx)
+        .unwrap();
+    assert!(got.dsink.is_some() && got.dcaptures.is_some());
+    let want = reference::mha_backward(&case.w, &case.inputs(), &opts, dout.view()).unwrap();
+    let plain = reference::mha_backward_f32(&case.w, &case.inputs(), &opts, dout.view()).unwrap();
+    assert_grads(&got, &want, &plain, Storage::F32, "sinks and captures");
 }
 
 fn grid(config: MhaConfig, (b, l, s): (usize, usize, usize), cross: bool) -> MhaGrid {

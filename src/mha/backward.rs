@@ -164,6 +164,11 @@ pub struct MhaGpuGrads {
     /// in the layer's format (not yet summed over a broadcast batch, which
     /// [`MhaBackward::run`] does on the host).
     pub heads: [Option<wgpu::Buffer>; 3],
+    /// d(sink logits) `[H]` in f32, when the attention has sink logits.
+    pub dsink: Option<wgpu::Buffer>,
+    /// The captures' gradients in f32, packed in capture order, when the user source defines
+    /// `score_mod_dcapture`.
+    pub dcaptures: Option<wgpu::Buffer>,
 }
 
 impl<'a> MhaBackward<'a> {
@@ -180,14 +185,6 @@ impl<'a> MhaBackward<'a> {
     /// errors go to your error scope. The gradients stay on the GPU ([`MhaGpuGrads`]).
     pub fn record(&self, ctx: &Context, enc: &mut wgpu::CommandEncoder) -> Result<MhaGpuGrads> {
         let fwd = &self.fwd;
-        if fwd.options.sink_logits.is_some() {
-            return Err(crate::Error::InvalidModifier {
-                modifier: "sink_logits",
-                reason: "the layer's backward does not return d(sink logits) yet: use Sdpa::backward \
-                         on the heads for them"
-                    .into(),
-            });
-        }
         if let Some(m) = &fwd.options.user_mod {
             m.fns()?.check_backward()?;
         }
@@ -356,6 +353,8 @@ impl<'a> MhaBackward<'a> {
                 fwd.has_key_heads().then(|| attn.dk.clone()),
                 fwd.has_value_heads().then(|| attn.dv.clone()),
             ],
+            dsink: attn.dsink.clone(),
+            dcaptures: attn.dcaptures.clone(),
         };
         for buf in [Some(&bufs.query), bufs.key.as_ref(), bufs.value.as_ref()]
             .into_iter()
@@ -454,6 +453,7 @@ impl<'a> MhaBackward<'a> {
             });
         }
         let [dq, dk, dv]: [Option<Vec<f32>>; 3] = heads.try_into().expect("three head gradients");
+        let (dsink, dcaptures) = self.attention_extras(ctx, &bufs, h).await?;
         Ok(MhaGrads {
             output,
             query,
@@ -470,7 +470,30 @@ impl<'a> MhaBackward<'a> {
             b_k,
             b_v,
             b_o,
+            dsink,
+            dcaptures,
         })
+    }
+
+    /// d(sink logits) (`h` heads) and the captures' gradients, read back where recorded.
+    async fn attention_extras(
+        &self,
+        ctx: &Context,
+        bufs: &MhaGpuGrads,
+        h: usize,
+    ) -> Result<(Option<Array1<f32>>, Option<Vec<Array1<f32>>>)> {
+        let dsink = match &bufs.dsink {
+            Some(buf) => Some(Array1::from_vec(ctx.read_f32(buf, 0, f32_bytes(h)).await?)),
+            None => None,
+        };
+        let dcaptures = match (&bufs.dcaptures, &self.fwd.options.user_mod) {
+            (Some(buf), Some(m)) => {
+                let u = m.fns()?;
+                Some(u.split(&ctx.read_f32(buf, 0, f32_bytes(u.capture_len())).await?))
+            }
+            _ => None,
+        };
+        Ok((dsink, dcaptures))
     }
 
     /// Blocking version of [`run`](MhaBackward::run).

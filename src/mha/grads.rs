@@ -48,6 +48,12 @@ pub struct MhaGrads<F> {
     pub b_v: Option<Array1<F>>,
     /// `[d_model]`, when the layer has an output bias.
     pub b_o: Option<Array1<F>>,
+    /// d(sink logits) `[H]`, when the attention has sink logits (not a layer parameter: not
+    /// in [`state_dict`](Self::state_dict)).
+    pub dsink: Option<Array1<F>>,
+    /// The gradients of the user functions' captures, flat, in capture order, when the source
+    /// defines `score_mod_dcapture` (see [`Grads::dcaptures`](crate::Grads::dcaptures)).
+    pub dcaptures: Option<Vec<Array1<F>>>,
 }
 
 impl<F: Copy> MhaGrads<F> {
@@ -70,6 +76,11 @@ impl<F: Copy> MhaGrads<F> {
             b_k: self.b_k.as_ref().map(|a| a.mapv(f)),
             b_v: self.b_v.as_ref().map(|a| a.mapv(f)),
             b_o: self.b_o.as_ref().map(|a| a.mapv(f)),
+            dsink: self.dsink.as_ref().map(|a| a.mapv(f)),
+            dcaptures: self
+                .dcaptures
+                .as_ref()
+                .map(|d| d.iter().map(|a| a.mapv(f)).collect()),
         }
     }
 

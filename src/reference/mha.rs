@@ -270,6 +270,8 @@ pub fn mha_backward_in<F: Float + Into<f64>, U: Copy + Into<f64>>(
         b_k: bias(b_k, w.b_k.is_some()),
         b_v: bias(b_v, w.b_v.is_some()),
         b_o: bias(b_o, w.b_o.is_some()),
+        dsink: gr.dsink,
+        dcaptures: gr.dcaptures,
     })
 }
 

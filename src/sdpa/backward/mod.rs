@@ -216,13 +216,7 @@ impl<'a> Backward<'a> {
         let dcaptures = match (&g.dcaptures, &p.user_fns) {
             (Some(buf), Some(u)) => {
                 let all = ctx.read_as_f32(buf, 0, u.capture_len(), Storage::F32).await?;
-                let mut at = 0;
-                let mut out = Vec::new();
-                for (_, d) in &u.captures {
-                    out.push(ndarray::Array1::from(all[at..at + d.len()].to_vec()));
-                    at += d.len();
-                }
-                Some(out)
+                Some(u.split(&all))
             }
             _ => None,
         };
