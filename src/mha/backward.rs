@@ -424,10 +424,7 @@ impl<'a> MhaBackward<'a> {
         let w_o = arr2(read(&bufs.w[3], e * e).await?, e, e);
         let mut bias = Vec::new();
         for (buf, n) in bufs.b.iter().zip([e, kv, kv, e]) {
-            bias.push(match buf {
-                Some(buf) => Some(Array1::from_vec(read(buf, n).await?)),
-                None => None,
-            });
+            bias.push(read_opt(ctx, buf.as_ref(), n).await?.map(Array1::from_vec));
         }
         let [b_q, b_k, b_v, b_o]: [Option<Array1<f32>>; 4] = bias.try_into().expect("four biases");
         // Given heads: their gradient, summed over a broadcast batch (on the host).
@@ -482,10 +479,7 @@ impl<'a> MhaBackward<'a> {
         bufs: &MhaGpuGrads,
         h: usize,
     ) -> Result<(Option<Array1<f32>>, Option<Vec<Array1<f32>>>)> {
-        let dsink = match &bufs.dsink {
-            Some(buf) => Some(Array1::from_vec(ctx.read_f32(buf, 0, f32_bytes(h)).await?)),
-            None => None,
-        };
+        let dsink = read_opt(ctx, bufs.dsink.as_ref(), h).await?.map(Array1::from_vec);
         let dcaptures = match (&bufs.dcaptures, &self.fwd.options.user_mod) {
             (Some(buf), Some(m)) => {
                 let u = m.fns()?;
@@ -742,5 +736,13 @@ impl Linear<'_> {
             .record(self.ctx, enc)?;
         }
         Ok(())
+    }
+}
+
+/// `n` f32 values of `buf`, when given.
+async fn read_opt(ctx: &Context, buf: Option<&wgpu::Buffer>, n: usize) -> Result<Option<Vec<f32>>> {
+    match buf {
+        Some(buf) => Ok(Some(ctx.read_f32(buf, 0, f32_bytes(n)).await?)),
+        None => Ok(None),
     }
 }
