@@ -117,6 +117,7 @@ fn main(
     for (var j0 = next_key_tile(b, h, 0u, kv_begin, BK, kv_end, qd, i0, BQ, tid, WG); j0 < kv_end;
          j0 = next_key_tile(b, h, j0 + BK, kv_begin, BK, kv_end, qd, i0, BQ, tid, WG)) {
         stage_kv(kvh, j0, kv_end, tid);
+        set_mod_full(b, h, i0, BQ, j0, BK);
 
         // The tile in NG steps of KG keys (keys past kv_end have logit START and a zero V
         // row). Logits of every (row, key) of the step; each K element is read once for RQ rows.

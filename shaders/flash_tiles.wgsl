@@ -173,6 +173,7 @@ fn main(
     let j_first = next_key_tile(b, h, 0u, kv_begin, BN, kv_end, qd, i0, BM, tid, WG);
     var j_next = j_first;
     for (var j0 = j_first; j0 < kv_end; j0 = j_next) {
+        set_mod_full(b, h, i0, BM, j0, BN);
         if (j0 == j_first || !PREFETCH) {
             fetch_kv(kvh, j0, kv_end, tid, &kp, &vp);
         }

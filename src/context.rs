@@ -56,7 +56,13 @@ struct Inner {
     /// A small storage buffer bound where a kernel's optional input is absent (read-only:
     /// one for every call).
     dummy: std::sync::OnceLock<wgpu::Buffer>,
+    /// mask_mod block maps by source, captures and shape (`kernels::mod_map`), at most
+    /// [`MOD_MAPS`] of them.
+    mod_maps: Mutex<Vec<(u64, wgpu::Buffer)>>,
 }
+
+/// The most mask_mod block maps a context keeps (the oldest go first).
+const MOD_MAPS: usize = 16;
 
 // The thread-safety contract above, checked at compile time.
 #[cfg(not(target_arch = "wasm32"))]
@@ -248,6 +254,7 @@ impl Context {
                 #[cfg(not(target_arch = "wasm32"))]
                 subgroup: std::sync::OnceLock::new(),
                 dummy: std::sync::OnceLock::new(),
+                mod_maps: Mutex::new(Vec::new()),
             }),
             forms,
         }
@@ -367,6 +374,22 @@ impl Context {
             s += &format!(", driver {driver}");
         }
         s + ")"
+    }
+
+    /// The cached mask_mod block map under `key` (`kernels::mod_map`).
+    pub(crate) fn mod_map(&self, key: u64) -> Option<wgpu::Buffer> {
+        let maps = self.inner.mod_maps.lock().unwrap_or_else(|e| e.into_inner());
+        maps.iter().find(|(k, _)| *k == key).map(|(_, b)| b.clone())
+    }
+
+    /// Keep a mask_mod block map under `key`, dropping the oldest beyond [`MOD_MAPS`].
+    pub(crate) fn keep_mod_map(&self, key: u64, map: wgpu::Buffer) {
+        let mut maps = self.inner.mod_maps.lock().unwrap_or_else(|e| e.into_inner());
+        maps.retain(|(k, _)| *k != key);
+        maps.push((key, map));
+        if maps.len() > MOD_MAPS {
+            maps.remove(0);
+        }
     }
 
     /// Largest size of one storage binding, in bytes.

@@ -57,6 +57,53 @@ fn user_functions_on_every_path() {
     }
 }
 
+/// The fused forward's mask_mod block map (built once per source, captures and shape, then
+/// cached): a band `mask_mod` whose width per head is a captured tensor (bounds off the map's
+/// 16-blocks and the kernels' tiles; empty, full and partial blocks; rows fully masked), L != S,
+/// in the default fused form and the GPU forms (larger key tiles than one block); each call
+/// twice (the second reads the cached map), then new widths (a new map).
+#[test]
+fn mask_mod_block_map_by_form() {
+    let Some(ctx) = ctx() else { return };
+    let src = "fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool {
+                   let d = i32(j) - i32(i) - 150;
+                   return d <= 3 && f32(d) >= -width(h) && i % 50u != 7u;
+               }";
+    let mut forms = vec![("default", ctx.clone())];
+    for f in [
+        wgpu_attention::FusedForm::Gpu,
+        wgpu_attention::FusedForm::GpuTiles,
+    ] {
+        if ctx.caps().fused_forms().contains(&f) {
+            forms.push((
+                if f == wgpu_attention::FusedForm::Gpu {
+                    "gpu"
+                } else {
+                    "gpu-tiles"
+                },
+                ctx.with_forms(f),
+            ));
+        }
+    }
+    for widths in [[37.0f32, 90.0], [61.0, 20.0]] {
+        let mut case = Case::random((1, 2, 2, 150, 300, 16, 16), 640);
+        let w: &'static [f32] = Box::leak(Box::new(widths));
+        case.user_mod = Some(wgpu_attention::UserMod::wgsl(src).capture("width", w).cpu_mask(
+            move |[_, h, i, j]| {
+                let d = j as i64 - i as i64 - 150;
+                d <= 3 && d as f32 >= -w[h] && i % 50 != 7
+            },
+        ));
+        let want = case.reference();
+        for (name, fctx) in &forms {
+            for run in 0..2 {
+                let label = format!("widths {widths:?} form {name} run {run}");
+                case.check_against(&want, fctx, Path::Fused, TOL, &label);
+            }
+        }
+    }
+}
+
 /// Head dims at the fused kernel's limit of 256, on every path (the fused kernel must serve
 /// them, not fall back), with every mask kind combined: vec4 I/O at the limit, scalar I/O just
 /// under it, and each limit beside the smallest dim (each pair compiles every kernel again).

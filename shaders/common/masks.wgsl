@@ -167,12 +167,74 @@ fn mask_mod_any(b: u32, h: u32, i0: u32, ni: u32, j0: u32, nj: u32, tid: u32, nt
     return workgroupUniformLoad(&wg_mod_flag) != 0u;
 }
 
+// The mask_mod block map (p.m.mod_map != 0: built by shaders/mod_map.wgsl, cached by the
+// host per source, captures and shape, in binding 0 from word p.m.mod_map - 1): 2 bits per
+// block of MAP_BLOCK queries x MAP_BLOCK keys of each (batch, query head), bit 0 set when
+// mask_mod allows some pair of the block, bit 1 when it allows every pair (past L or S counts
+// as allowed). The verdict on rows [i0, i0 + ni) x keys [j0, j0 + nj) (both non-empty, i0 < L,
+// j0 < S): bit 0 when some block they touch has an allowed pair, bit 1 when all have only
+// allowed pairs. Reads at uniform addresses, no barriers.
+const MAP_BLOCK: u32 = 16u;
+fn mod_map_block(b: u32, h: u32, i0: u32, ni: u32, j0: u32, nj: u32) -> u32 {
+    let lb = (p.m.doc_l + MAP_BLOCK - 1u) / MAP_BLOCK;
+    let sb = (p.s + MAP_BLOCK - 1u) / MAP_BLOCK;
+    let qb1 = (min(i0 + ni, p.m.doc_l) - 1u) / MAP_BLOCK;
+    let kb1 = (min(j0 + nj, p.s) - 1u) / MAP_BLOCK;
+    var v = 2u;
+    for (var qb = i0 / MAP_BLOCK; qb <= qb1; qb++) {
+        for (var kb = j0 / MAP_BLOCK; kb <= kb1; kb++) {
+            let e = ((b * p.m.map_heads + h) * lb + qb) * sb + kb;
+            let m = (mask[p.m.mod_map - 1u + e / 16u] >> (2u * (e % 16u))) & 3u;
+            v = (v | (m & 1u)) & (m | 1u);
+        }
+    }
+    return v;
+}
+
+// The first key of the first map block at or after key j's where mask_mod allows some pair of
+// rows [i0, i0 + ni) (i0 < L; p.s when none): the map read a word (16 blocks) at a time, so
+// that a row's empty blocks are passed 256 keys per step.
+fn mod_map_next(b: u32, h: u32, i0: u32, ni: u32, j: u32) -> u32 {
+    let lb = (p.m.doc_l + MAP_BLOCK - 1u) / MAP_BLOCK;
+    let sb = (p.s + MAP_BLOCK - 1u) / MAP_BLOCK;
+    let qb1 = (min(i0 + ni, p.m.doc_l) - 1u) / MAP_BLOCK;
+    var kb = j / MAP_BLOCK;
+    while (kb < sb) {
+        // Bit 2x of `hits`: block kb + x allows a pair of some row block, for the n blocks
+        // every row block's word still holds.
+        var hits = 0u;
+        var n = sb - kb;
+        for (var qb = i0 / MAP_BLOCK; qb <= qb1; qb++) {
+            let e = ((b * p.m.map_heads + h) * lb + qb) * sb + kb;
+            hits |= mask[p.m.mod_map - 1u + e / 16u] >> (2u * (e % 16u));
+            n = min(n, 16u - e % 16u);
+        }
+        hits &= select(0x55555555u, (1u << (2u * n)) - 1u, n < 16u) & 0x55555555u;
+        if (hits != 0u) {
+            return (kb + countTrailingZeros(hits) / 2u) * MAP_BLOCK;
+        }
+        kb += n;
+    }
+    return p.s;
+}
+
+// Whether mask_mod allows every pair of the tile a kernel is about to process (rows [i0,
+// i0 + ni), keys [j0, j0 + nj)): then masked_logit skips it (FlexAttention's full blocks).
+// Only with the block map; the fused kernels set it per tile.
+var<private> mod_full: bool = false;
+fn set_mod_full(b: u32, h: u32, i0: u32, ni: u32, j0: u32, nj: u32) {
+    if (HAS_MASK_MOD && p.m.mod_map != 0u) {
+        mod_full = i0 < p.m.doc_l && j0 < p.s && mod_map_block(b, h, i0, ni, j0, nj) >= 2u;
+    }
+}
+
 // next_tile, then past the key tiles (before `end`) that can hold no allowed key of the query
 // rows [i0, i0 + ni): those holding none of the documents in `qd` (the rows' range, HAS_DOCS),
-// and those where the user's mask_mod allows no pair (HAS_MASK_MOD: the workgroup evaluates
-// it on the block; `tid`, `nt` as in mask_mod_any). A packed sequence's rows visit their
-// documents' tiles; a mask_mod's empty blocks are skipped like the built-in masks' (FlexAttention's
-// block sparsity, computed on the GPU by the kernel itself).
+// and those where the user's mask_mod allows no pair (HAS_MASK_MOD: by the block map when the
+// host bound one, else the workgroup evaluates it on the block; `tid`, `nt` as in
+// mask_mod_any). A packed sequence's rows visit their documents' tiles; a mask_mod's empty
+// blocks are skipped like the built-in masks' (FlexAttention's block sparsity, computed on the
+// GPU).
 fn next_key_tile(b: u32, h: u32, j: u32, begin: u32, tile: u32, end: u32, qd: vec2<i32>, i0: u32, ni: u32, tid: u32, nt: u32) -> u32 {
     var t = next_tile(j, begin, tile);
     if (HAS_DOCS) {
@@ -180,7 +242,22 @@ fn next_key_tile(b: u32, h: u32, j: u32, begin: u32, tile: u32, end: u32, qd: ve
             t = next_tile(t + tile, begin, tile);
         }
     }
-    if (HAS_MASK_MOD) {
+    if (HAS_MASK_MOD && p.m.mod_map != 0u) {
+        // To the tile of the next block with an allowed pair (tiles start at multiples of
+        // `tile`), then past the documents' empty tiles, until both agree.
+        while (t < end && i0 < p.m.doc_l) {
+            let n = mod_map_next(b, h, i0, ni, t);
+            if (n / tile * tile <= t) {
+                break;
+            }
+            t = next_tile(n / tile * tile, begin, tile);
+            if (HAS_DOCS) {
+                while (t < end && !key_docs_meet(b, t, tile, qd)) {
+                    t = next_tile(t + tile, begin, tile);
+                }
+            }
+        }
+    } else if (HAS_MASK_MOD) {
         while (t < end && !mask_mod_any(b, h, i0, ni, t, tile, tid, nt)) {
             t = next_tile(t + tile, begin, tile);
             if (HAS_DOCS) {
@@ -327,7 +404,7 @@ fn masked_logit(x: f32, keep: bool, b: u32, h: u32, i: u32, j: u32) -> f32 {
     if (HAS_SCORE_MOD) {
         y = u_score_mod(y, b, h, i, min(j, p.s - 1u));
     }
-    if (HAS_MASK_MOD) {
+    if (HAS_MASK_MOD && !mod_full) {
         k = k && u_mask_mod(b, h, i, min(j, p.s - 1u));
     }
     // A NaN logit (or bias) stays NaN, tested by its bits (see is_nan_bits), so that its row

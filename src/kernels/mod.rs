@@ -14,6 +14,7 @@ pub(crate) mod decode;
 pub(crate) mod flash;
 pub(crate) mod matmul;
 pub(crate) mod merge;
+pub(crate) mod mod_map;
 pub(crate) mod permute;
 pub(crate) mod pinv;
 pub(crate) mod score;
@@ -92,8 +93,10 @@ wgsl_struct! {
         /// Where the user functions' capture table starts among the auxiliary words (an
         /// (offset, length) pair per capture, then their values).
         cap_tab: u32,
-        _pad1: u32,
-        _pad2: u32,
+        /// The mask_mod block map (`shaders/mod_map.wgsl`): 1 + its first word in binding 0
+        /// (0: none: the kernels classify blocks themselves), and the query heads it counts.
+        mod_map: u32,
+        map_heads: u32,
     }
 }
 
@@ -169,6 +172,16 @@ impl RowView {
 }
 
 impl Masks {
+    /// These masks reading the mask_mod block map from word `word` of binding 0, counting
+    /// `heads` query heads.
+    pub(crate) fn with_mod_map(self, word: usize, heads: usize) -> Self {
+        Masks {
+            mod_map: word as u32 + 1,
+            map_heads: heads as u32,
+            ..self
+        }
+    }
+
     /// From the problem and the word strides of its packed mask (if any).
     pub(crate) fn new(p: &crate::problem::Problem, mask_strides: Option<[u32; 3]>) -> Self {
         // A bias view's strides (0 on broadcast dimensions) and offset, else its dense ones.

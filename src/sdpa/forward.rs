@@ -52,6 +52,18 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
     if let Some((words, _)) = &packed_mask {
         fits("packed mask", f32_bytes(words.len()), max_binding, binding_limit)?;
     }
+    // The fused kernels read a mask_mod's block map (cached), after the packed mask if any.
+    let mod_map = matches!(plan.kernel, Kernel::Fused(_)) && p.user_fns.as_ref().is_some_and(|u| u.mask);
+    if mod_map {
+        let mask_bytes = packed_mask.as_ref().map_or(0, |(w, _)| f32_bytes(w.len()));
+        let map_bytes = crate::kernels::mod_map::bytes(&p);
+        fits(
+            "mask_mod block map",
+            mask_bytes.next_multiple_of(16) + map_bytes,
+            max_binding,
+            binding_limit,
+        )?;
+    }
 
     // Buffers.
     let q = q.upload(ctx, "q");
@@ -59,10 +71,14 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
     let v = v.upload(ctx, "v");
     let bias = bias.map(|b| b.upload(ctx, "bias"));
     let dummy = dummy(ctx);
-    let mask_buf = packed_mask
-        .as_ref()
-        .map(|(w, _)| storage_init(ctx, "mask", bytemuck::cast_slice(w)));
     let lens_buf = aux_words(&p).map(|w| storage_init(ctx, "kv_lens", bytemuck::cast_slice(&w)));
+    let (mask_buf, map_at) = mask_binding(
+        ctx,
+        encoder,
+        &p,
+        packed_mask.as_ref(),
+        mod_map.then_some(lens_buf.as_ref()),
+    )?;
     let out_up = out_op.as_ref().map(|o| o.upload(ctx, "output"));
     let (out_buf, out_off) = match sdpa.out_buffer() {
         Some((b, off)) => (b.clone(), off),
@@ -78,8 +94,8 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         bias: bias.as_ref().map(|b| b.binding()),
         mask: mask_buf
             .as_ref()
-            .zip(packed_mask.as_ref())
-            .map(|(b, (_, st))| (b, *st)),
+            .map(|b| (b, packed_mask.as_ref().map_or([0; 3], |(_, st)| *st))),
+        map_at,
         lens: lens_buf.as_ref(),
         out: out_up
             .as_ref()
@@ -101,6 +117,33 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         weights: weights_buf,
         problem: p,
     })
+}
+
+/// Binding 0 of the attention kernels: the packed boolean mask (if any) and, where `map` is
+/// given (the fused path with a mask_mod; the auxiliary words in it), the mask_mod block map
+/// after it (cached: built on the first call), with the word where the map starts.
+fn mask_binding(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    p: &Problem,
+    packed: Option<&(Vec<u32>, [u32; 3])>,
+    map: Option<Option<&wgpu::Buffer>>,
+) -> Result<(Option<wgpu::Buffer>, Option<usize>)> {
+    let Some(aux) = map else {
+        let mask = packed.map(|(w, _)| storage_init(ctx, "mask", bytemuck::cast_slice(w)));
+        return Ok((mask, None));
+    };
+    let map = crate::kernels::mod_map::get(ctx, p, aux)?;
+    let Some((words, _)) = packed else {
+        return Ok((Some(map), Some(0)));
+    };
+    // The mask's words, then the map, in one buffer (16-byte aligned for the copy).
+    let at = words.len().next_multiple_of(4);
+    let mut both = words.clone();
+    both.resize(at + (map.size() / 4) as usize, 0);
+    let buf = storage_init(ctx, "mask and mask_mod block map", bytemuck::cast_slice(&both));
+    encoder.copy_buffer_to_buffer(&map, 0, &buf, f32_bytes(at), map.size());
+    Ok((Some(buf), Some(at)))
 }
 
 /// The auxiliary words of binding 2 (`aux_word` in the kernels), when the problem has any: the
@@ -178,6 +221,8 @@ struct Io<'b> {
     dummy: &'b wgpu::Buffer,
     /// The score hook, with what it binds.
     score: ScoreInput<'b>,
+    /// Where the mask_mod block map starts in binding 0 (words), when the kernels read one.
+    map_at: Option<usize>,
 }
 
 impl<'b> Io<'b> {
@@ -215,7 +260,11 @@ impl<'b> Io<'b> {
 
     /// The kernels' masks for `p`.
     fn masks(&self, p: &Problem) -> Masks {
-        Masks::new(p, self.mask.map(|(_, st)| st))
+        let m = Masks::new(p, self.mask.map(|(_, st)| st));
+        match self.map_at {
+            Some(word) => m.with_mod_map(word, p.q_heads),
+            None => m,
+        }
     }
 }
 
