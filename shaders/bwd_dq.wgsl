@@ -80,6 +80,7 @@ fn main(
     for (var j0 = next_key_tile(b, h, 0u, kv_begin, BK, kv_end, qd, i0, BQ, tid, WG); j0 < kv_end;
          j0 = next_key_tile(b, h, j0 + BK, kv_begin, BK, kv_end, qd, i0, BQ, tid, WG)) {
         stage_kv(kvh, j0, kv_end, tid);
+        set_mod_full(b, h, i0, BQ, j0, BK);
         for (var jj = 0u; jj < BK; jj++) { // unroll if SG_KV
             let j = j0 + jj;
             for (var r = 0u; r < RQ; r++) { // unroll

@@ -113,6 +113,9 @@ fn user_functions_by_flash_rule() {
     for path in PATHS {
         check(ctx, &case, path, "score_mod with a bias and a softcap");
     }
+    // A band mask_mod on the fused path: the dQ kernel reads the forward's block map.
+    let case = Case::random((1, 2, 2, 150, 300, 16, 16), 735).with_band_mask_mod([37.0, 90.0]);
+    check(ctx, &case, Path::Fused, "band mask_mod");
     // The captures' gradients from half inputs (the capture kernel reads them in bf16).
     let case = score_kind(Case::random((1, 3, 1, 21, 40, 12, 7), 733)).with_storage(Storage::Bf16);
     check(ctx, &case, Path::Fused, "score_mod in bf16");

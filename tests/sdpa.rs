@@ -65,35 +65,17 @@ fn user_functions_on_every_path() {
 #[test]
 fn mask_mod_block_map_by_form() {
     let Some(ctx) = ctx() else { return };
-    let src = "fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool {
-                   let d = i32(j) - i32(i) - 150;
-                   return d <= 3 && f32(d) >= -width(h) && i % 50u != 7u;
-               }";
-    let mut forms = vec![("default", ctx.clone())];
+    let mut forms = vec![("default".to_string(), ctx.clone())];
     for f in [
         wgpu_attention::FusedForm::Gpu,
         wgpu_attention::FusedForm::GpuTiles,
     ] {
         if ctx.caps().fused_forms().contains(&f) {
-            forms.push((
-                if f == wgpu_attention::FusedForm::Gpu {
-                    "gpu"
-                } else {
-                    "gpu-tiles"
-                },
-                ctx.with_forms(f),
-            ));
+            forms.push((format!("{f:?}"), ctx.with_forms(f)));
         }
     }
     for widths in [[37.0f32, 90.0], [61.0, 20.0]] {
-        let mut case = Case::random((1, 2, 2, 150, 300, 16, 16), 640);
-        let w: &'static [f32] = Box::leak(Box::new(widths));
-        case.user_mod = Some(wgpu_attention::UserMod::wgsl(src).capture("width", w).cpu_mask(
-            move |[_, h, i, j]| {
-                let d = j as i64 - i as i64 - 150;
-                d <= 3 && d as f32 >= -w[h] && i % 50 != 7
-            },
-        ));
+        let case = Case::random((1, 2, 2, 150, 300, 16, 16), 640).with_band_mask_mod(widths);
         let want = case.reference();
         for (name, fctx) in &forms {
             for run in 0..2 {

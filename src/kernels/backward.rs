@@ -197,6 +197,14 @@ impl Params {
         }
     }
 
+    /// These params reading the mask_mod block map from word `word` of binding 0.
+    pub(crate) fn with_mod_map(self, word: usize, heads: usize) -> Params {
+        Params {
+            m: self.m.with_mod_map(word, heads),
+            ..self
+        }
+    }
+
     /// These params over `total` invocations (one per row or element).
     pub(crate) fn over(self, total: usize) -> Params {
         Params {

@@ -71,13 +71,15 @@ fn key_of(p: &Problem) -> u64 {
 }
 
 /// The block map of `p`'s mask_mod (the problem must have one): the cached one, or one built
-/// now by its own submission (ordered before the caller's) from the auxiliary words `aux`
-/// (binding 2 of the forward kernels: the captures).
-pub(crate) fn get(ctx: &Context, p: &Problem, aux: Option<&wgpu::Buffer>) -> Result<wgpu::Buffer> {
+/// now by its own submission (ordered before the caller's), reading the captures from the
+/// problem's auxiliary words.
+pub(crate) fn get(ctx: &Context, p: &Problem) -> Result<wgpu::Buffer> {
     let key = key_of(p);
     if let Some(b) = ctx.mod_map(key) {
         return Ok(b);
     }
+    let aux = crate::sdpa::forward::aux_words(p)
+        .map(|w| crate::buffers::storage_init(ctx, "mask_mod block map captures", bytemuck::cast_slice(&w)));
     let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
     let map = create(ctx, "mask_mod block map", bytes(p), usage);
     let words = entries(p).div_ceil(16);
@@ -110,7 +112,7 @@ pub(crate) fn get(ctx: &Context, p: &Problem, aux: Option<&wgpu::Buffer>) -> Res
         &[
             dummy.as_entire_buffer_binding(),
             dummy.as_entire_buffer_binding(),
-            aux.unwrap_or(&dummy).as_entire_buffer_binding(),
+            aux.as_ref().unwrap_or(&dummy).as_entire_buffer_binding(),
             map.as_entire_buffer_binding(),
         ],
         bytemuck::bytes_of(&params),

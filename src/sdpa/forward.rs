@@ -72,13 +72,7 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
     let bias = bias.map(|b| b.upload(ctx, "bias"));
     let dummy = dummy(ctx);
     let lens_buf = aux_words(&p).map(|w| storage_init(ctx, "kv_lens", bytemuck::cast_slice(&w)));
-    let (mask_buf, map_at) = mask_binding(
-        ctx,
-        encoder,
-        &p,
-        packed_mask.as_ref(),
-        mod_map.then_some(lens_buf.as_ref()),
-    )?;
+    let (mask_buf, map_at) = mask_binding(ctx, encoder, &p, packed_mask.as_ref(), mod_map)?;
     let out_up = out_op.as_ref().map(|o| o.upload(ctx, "output"));
     let (out_buf, out_off) = match sdpa.out_buffer() {
         Some((b, off)) => (b.clone(), off),
@@ -119,21 +113,32 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
     })
 }
 
-/// Binding 0 of the attention kernels: the packed boolean mask (if any) and, where `map` is
-/// given (the fused path with a mask_mod; the auxiliary words in it), the mask_mod block map
-/// after it (cached: built on the first call), with the word where the map starts.
-fn mask_binding(
+/// Check that `mask_words` of packed mask and the mask_mod block map of `p` fit one binding.
+pub(crate) fn fit_mod_map(ctx: &Context, p: &Problem, mask_words: usize) -> Result<()> {
+    let bytes = f32_bytes(mask_words.next_multiple_of(4)) + crate::kernels::mod_map::bytes(p);
+    fits(
+        "mask and mask_mod block map",
+        bytes,
+        ctx.max_binding(),
+        "max_storage_buffer_binding_size",
+    )
+}
+
+/// Binding 0 of the attention kernels (forward and backward): the packed boolean mask (if any)
+/// and, with `map` (the fused path with a mask_mod), the mask_mod block map after it (cached:
+/// built on the first call), with the word where the map starts.
+pub(crate) fn mask_binding(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
     p: &Problem,
     packed: Option<&(Vec<u32>, [u32; 3])>,
-    map: Option<Option<&wgpu::Buffer>>,
+    map: bool,
 ) -> Result<(Option<wgpu::Buffer>, Option<usize>)> {
-    let Some(aux) = map else {
+    if !map {
         let mask = packed.map(|(w, _)| storage_init(ctx, "mask", bytemuck::cast_slice(w)));
         return Ok((mask, None));
-    };
-    let map = crate::kernels::mod_map::get(ctx, p, aux)?;
+    }
+    let map = crate::kernels::mod_map::get(ctx, p)?;
     let Some((words, _)) = packed else {
         return Ok((Some(map), Some(0)));
     };

@@ -260,6 +260,35 @@ impl Case {
         self
     }
 
+    /// A user `mask_mod`: a band of keys `i + S - L - width[h] <= j <= i + S - L + 3` (the width
+    /// per head a captured tensor, so that the bounds fall off the block map's 16-blocks and the
+    /// kernels' tiles: empty, full and partial blocks), rows `i % 50 == 7` fully masked.
+    pub fn with_band_mask_mod(mut self, widths: [f32; 2]) -> Case {
+        let (_, hq, l, s) = self.dims();
+        let off = s as i64 - l as i64;
+        let w: &'static [f32] = Box::leak(
+            (0..hq)
+                .map(|h| widths[h % 2])
+                .collect::<Vec<_>>()
+                .into_boxed_slice(),
+        );
+        let src = format!(
+            "fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool {{
+                 let d = i32(j) - i32(i) - {off};
+                 return d <= 3 && f32(d) >= -width(h) && i % 50u != 7u;
+             }}"
+        );
+        self.user_mod = Some(
+            UserMod::wgsl(&src)
+                .capture("width", w)
+                .cpu_mask(move |[_, h, i, j]| {
+                    let d = j as i64 - i as i64 - off;
+                    d <= 3 && d as f32 >= -w[h] && i % 50 != 7
+                }),
+        );
+        self
+    }
+
     /// A user `mask_mod`: a prefix-LM mask (the first 5 keys seen by every query, causal
     /// bottom-right beyond) and-ed with a dilation (every other key past the prefix, by
     /// distance), and rows `i % 7 == 3` fully masked.

@@ -54,10 +54,14 @@ pub(super) fn record(
         (None, None) => unreachable!("the forward runs when nothing is saved"),
     };
     let dummy = dummy(ctx);
-    let mask_buf = packed_mask
-        .as_ref()
-        .map(|(w, _)| crate::buffers::storage_init(ctx, "mask", bytemuck::cast_slice(w)));
+    // The dQ kernel reads a mask_mod's block map as the fused forward does.
+    let map = matches!(plan, Plan::Fused(_)) && p.user_fns.as_ref().is_some_and(|u| u.mask);
+    let (mask_buf, map_at) = crate::sdpa::forward::mask_binding(ctx, encoder, &p, packed_mask.as_ref(), map)?;
     let params = kb::Params::new(&p, packed_mask.as_ref().map(|(_, st)| *st), sizes.dv_off);
+    let params = match map_at {
+        Some(at) => params.with_mod_map(at, p.q_heads),
+        None => params,
+    };
 
     let stats = record_stats(
         ctx,
@@ -215,6 +219,9 @@ impl Sizes {
         fit("dk and dv (f32)", self.dkv_bytes)?;
         if let Some(words) = mask_words {
             fit("packed mask", f32_bytes(words))?;
+        }
+        if matches!(plan, Plan::Fused(_)) && p.user_fns.as_ref().is_some_and(|u| u.mask) {
+            crate::sdpa::forward::fit_mod_map(ctx, p, mask_words.unwrap_or(0))?;
         }
         let dcap = dcap_workgroups(p, max);
         if dcap > 0 {
