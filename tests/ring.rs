@@ -200,6 +200,37 @@ fn backward_matches_reference() {
     assert_grads(&case, &g, &dout, "ring backward saved, unfused, bias [4, 1, 29]");
 }
 
+/// What splits with the keys: a softcap (per logit) and document ids (unordered, rows of a
+/// document no key has fully masked), forward on 1 to 3 devices in both layouts and the
+/// backward by FlashAttention's rule; ALiBi and sink logits are refused with typed errors.
+#[test]
+fn softcap_and_documents_split_over_the_ring() {
+    let Some(devices) = devices(3) else { return };
+    let case = Case::random(SHAPE, 21)
+        .with_causal(Causal::TopLeft)
+        .with_softcap(1.5)
+        .with_random_docs(22);
+    for n in 1..=3 {
+        for layout in [Layout::Zigzag, Layout::Contiguous] {
+            let label = format!("softcap docs {layout:?} N={n}");
+            check_forward(&devices[..n], &case, layout, Path::Auto, &label);
+        }
+    }
+    let (b, h, l, _) = case.dims();
+    let dout = rand_array(&mut rng(23), (b, h, l, case.v.dim().3));
+    let g = Ring::new(&devices)
+        .backward_blocking(&case.sdpa().backward(&dout))
+        .unwrap();
+    assert_grads(&case, &g.grads, &dout, "ring backward softcap docs N=3");
+    for refused in [
+        Case::random(SHAPE, 24).with_alibi(),
+        Case::random(SHAPE, 24).with_sink_logits(),
+    ] {
+        let e = Ring::new(&devices).run_blocking(&refused.sdpa()).unwrap_err();
+        assert!(matches!(e, Error::Ring { .. }), "{e}");
+    }
+}
+
 /// Typed errors before any GPU work: more devices than positions, GPU buffers, an output
 /// buffer, no devices, the weights from a backward.
 #[test]

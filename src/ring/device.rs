@@ -87,6 +87,8 @@ struct Pair {
     mask: Option<(Vec<bool>, [usize; 4])>,
     bias: Option<(Vec<f32>, [usize; 4])>,
     lens: Option<Vec<usize>>,
+    /// The document ids of the pair's queries and keys.
+    docs: Option<crate::problem::DocIds>,
     causal: Causal,
     shapes: [[usize; 4]; 3],
     k_off: u64,
@@ -127,6 +129,18 @@ impl Pair {
                     .map(|&x| (x as usize).saturating_sub(k.start).min(k.len()))
                     .collect()
             }),
+            docs: p.doc_ids.as_ref().map(|d| {
+                let rows = plan.q_range(own[i]);
+                let (l, s) = (p.seq_q, p.seq_kv);
+                crate::problem::DocIds {
+                    q: (0..p.batch)
+                        .flat_map(|b| d.q[b * l..][rows.clone()].to_vec())
+                        .collect(),
+                    k: (0..p.batch)
+                        .flat_map(|b| d.k[b * s..][k.clone()].to_vec())
+                        .collect(),
+                }
+            }),
             causal,
             shapes: [
                 [p.batch, p.q_heads, lq, p.head_dim],
@@ -156,6 +170,8 @@ impl Pair {
                 .as_ref()
                 .map(|(d, s)| Tensor::from_slice(d, s).with_storage(f.bias)),
             kv_lens: self.lens.clone(),
+            softcap: plan.p.softcap,
+            doc_ids: self.docs.clone(),
             ..Options::default()
         })
         .path(plan.path);

@@ -440,13 +440,11 @@ impl RingPlan {
                 "user score and mask functions are not split over devices yet: run them on one device",
             );
         }
-        if p.doc_ids.is_some() {
-            return refuse("document ids are not split over devices yet: run them on one device");
-        }
-        if p.softcap.is_some() || p.alibi.is_some() || p.sink_logits.is_some() {
-            return refuse(
-                "a softcap, ALiBi or sink logits are not split over devices yet: run them on one device",
-            );
+        // A softcap acts per logit and document ids travel with their positions: both split
+        // with the keys. ALiBi (its distances) and sink logits (one per row, not per key
+        // chunk) do not yet.
+        if p.alibi.is_some() || p.sink_logits.is_some() {
+            return refuse("ALiBi or sink logits are not split over devices yet: run them on one device");
         }
         if n > p.seq_q || n > p.seq_kv {
             return refuse(&format!(

@@ -341,8 +341,11 @@ impl<'a> Sdpa<'a> {
     }
 
     /// Upload host inputs (with `queue.write_buffer`, ordered before the encoder's commands once
-    /// it is submitted) and record every dispatch into `encoder`. Nothing is submitted; the
-    /// results are in the returned buffers after the caller submits the encoder.
+    /// it is submitted) and record every dispatch into `encoder`. Nothing of the call is
+    /// submitted (the one exception: the first fused call with a user `mask_mod` on a new
+    /// source, captures or shape submits the pass that builds its block map, which the context
+    /// then caches; it is ordered before your encoder); the results are in the returned
+    /// buffers after the caller submits the encoder.
     pub fn record(&self, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<GpuOutput> {
         forward::record(self, ctx, encoder)
     }

@@ -252,7 +252,8 @@ impl<'a> Backward<'a> {
     }
 
     /// Upload host inputs and record the forward (unless [`saved`](Backward::saved)) and the
-    /// backward into `encoder`. Nothing is submitted.
+    /// backward into `encoder`. Nothing is submitted (but a `mask_mod`'s block map, as
+    /// [`Sdpa::record`] says).
     pub fn record(&self, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<GpuGrads> {
         record::record(self, ctx, encoder)
     }
