@@ -350,8 +350,8 @@ fn window_options_are_validated() {
 }
 
 /// A softcap that is not finite and > 0, an ALiBi slope count that is not Hq or a slope that
-/// is not finite: typed errors before any GPU work, forward and backward; the ring and the
-/// approximate variants refuse both.
+/// is not finite: typed errors before any GPU work, forward and backward; the approximate
+/// variants refuse both, the ring ALiBi and sink logits.
 #[test]
 fn softcap_and_alibi_are_validated() {
     let (q, k, v) = (
@@ -419,12 +419,12 @@ fn softcap_and_alibi_are_validated() {
         .backward(&dout)
         .run_blocking(ctx);
     assert!(matches!(r, Err(Error::InvalidModifier { .. })), "{:?}", r.err());
+    // The ring splits a softcap and document ids with the keys (tests/ring.rs); it refuses
+    // ALiBi and sink logits.
     let ring = wgpu_attention::Ring::new(std::slice::from_ref(ctx));
     for sdpa in [
-        Sdpa::new(&q, &k, &v).softcap(30.0),
         Sdpa::new(&q, &k, &v).alibi(&[0.5; 4]),
         Sdpa::new(&q, &k, &v).sink_logits(&[0.5; 4]),
-        Sdpa::new(&q, &k, &v).doc_ids(&[0; 10], &[0; 14]),
     ] {
         let r = ring.run_blocking(&sdpa);
         assert!(matches!(r, Err(Error::Ring { .. })), "{:?}", r.err());
