@@ -118,7 +118,7 @@ if has vulkan; then
     strict_webgpu() {
       WGPU_STRICT_WEBGPU_COMPLIANCE=1 suite --locked --test sdpa --test errors -- \
         --skip head_dims_up_to_256 --skip large_problem_on_the_unrolled_fused_kernel \
-        --skip modifiers_on_every_path --skip user_functions_on_every_path
+        --skip modifiers_on_every_path --skip user_functions_on_every_path --skip mask_mod_block_map
     }
     stage "strict WebGPU (Vulkan)" strict_webgpu
     # Subgroup forms at the subgroup sizes of real GPUs: lavapipe emulates 4, 16, 32 and 64 lanes
