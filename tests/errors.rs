@@ -506,10 +506,8 @@ fn user_functions_are_checked() {
             "at most 8",
         ),
         (
-            &format!(
-                "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {{ score_mod_dcapture(s, b, h, i, j, 1.0); return s + t(h); }}\n\
-                 fn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) {{ d_t(h, g); }}"
-            ),
+            "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { score_mod_dcapture(s, b, h, i, j, 1.0); return s + t(h); }\n\
+             fn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) { d_t(h, g); }",
             &["t"],
             "the backward alone",
         ),

@@ -55,14 +55,7 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
     // The fused kernels read a mask_mod's block map (cached), after the packed mask if any.
     let mod_map = matches!(plan.kernel, Kernel::Fused(_)) && p.user_fns.as_ref().is_some_and(|u| u.mask);
     if mod_map {
-        let mask_bytes = packed_mask.as_ref().map_or(0, |(w, _)| f32_bytes(w.len()));
-        let map_bytes = crate::kernels::mod_map::bytes(&p);
-        fits(
-            "mask_mod block map",
-            mask_bytes.next_multiple_of(16) + map_bytes,
-            max_binding,
-            binding_limit,
-        )?;
+        fit_mod_map(ctx, &p, packed_mask.as_ref().map_or(0, |(w, _)| w.len()))?;
     }
 
     // Buffers.
