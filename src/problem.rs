@@ -454,6 +454,16 @@ impl Problem {
         self.user_fns.as_ref().is_some_and(|u| u.score)
     }
 
+    /// Whether the problem has a user `mask_mod`.
+    pub(crate) fn has_mask_mod(&self) -> bool {
+        self.user_fns.as_ref().is_some_and(|u| u.mask)
+    }
+
+    /// The user functions' capture elements, all of them (0 without captures).
+    pub(crate) fn capture_len(&self) -> usize {
+        self.user_fns.as_ref().map_or(0, |u| u.capture_len())
+    }
+
     /// Whether the problem has user WGSL functions.
     pub fn has_user_mod(&self) -> bool {
         self.user_fns.is_some()

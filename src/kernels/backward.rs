@@ -191,7 +191,7 @@ impl Params {
             db_l: db_l as u32,
             db_s: db_s as u32,
             gw: 1,
-            cap_len: p.user_fns.as_ref().map_or(0, |u| u.capture_len()) as u32,
+            cap_len: p.capture_len() as u32,
             dv_off: dv_off as u32,
             ..Default::default()
         }

@@ -322,7 +322,7 @@ impl Mods {
             docs: p.doc_ids.is_some(),
             user: p.user_fns.as_ref().map_or(0, |u| u.key),
             score_mod: p.has_score_mod(),
-            mask_mod: p.user_fns.as_ref().is_some_and(|u| u.mask),
+            mask_mod: p.has_mask_mod(),
         }
     }
 }

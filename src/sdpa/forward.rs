@@ -53,7 +53,7 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         fits("packed mask", f32_bytes(words.len()), max_binding, binding_limit)?;
     }
     // The fused kernels read a mask_mod's block map (cached), after the packed mask if any.
-    let mod_map = matches!(plan.kernel, Kernel::Fused(_)) && p.user_fns.as_ref().is_some_and(|u| u.mask);
+    let mod_map = matches!(plan.kernel, Kernel::Fused(_)) && p.has_mask_mod();
     if mod_map {
         fit_mod_map(ctx, &p, packed_mask.as_ref().map_or(0, |(w, _)| w.len()))?;
     }

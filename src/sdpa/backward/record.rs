@@ -55,7 +55,7 @@ pub(super) fn record(
     };
     let dummy = dummy(ctx);
     // The dQ kernel reads a mask_mod's block map as the fused forward does.
-    let map = matches!(plan, Plan::Fused(_)) && p.user_fns.as_ref().is_some_and(|u| u.mask);
+    let map = matches!(plan, Plan::Fused(_)) && p.has_mask_mod();
     let (mask_buf, map_at) = crate::sdpa::forward::mask_binding(ctx, encoder, &p, packed_mask.as_ref(), map)?;
     let params = kb::Params::new(&p, packed_mask.as_ref().map(|(_, st)| *st), sizes.dv_off);
     let params = match map_at {
@@ -220,12 +220,12 @@ impl Sizes {
         if let Some(words) = mask_words {
             fit("packed mask", f32_bytes(words))?;
         }
-        if matches!(plan, Plan::Fused(_)) && p.user_fns.as_ref().is_some_and(|u| u.mask) {
+        if matches!(plan, Plan::Fused(_)) && p.has_mask_mod() {
             crate::sdpa::forward::fit_mod_map(ctx, p, mask_words.unwrap_or(0))?;
         }
         let dcap = dcap_workgroups(p, max);
         if dcap > 0 {
-            let n = p.user_fns.as_ref().map_or(0, |u| u.capture_len());
+            let n = p.capture_len();
             fit("capture gradient partials", f32_bytes(dcap * n))?;
         }
         if let Plan::Unfused(c) = plan {
@@ -236,7 +236,7 @@ impl Sizes {
             Plan::Fused(cfg) => fused_grids(p, cfg),
             Plan::Unfused(_) => [(0, 0); 2],
         };
-        let caps = p.user_fns.as_ref().map_or(0, |u| u.capture_len());
+        let caps = p.capture_len();
         [
             self.rows.div_ceil(64),
             p.bias.map_or(0, |b| b.len()).div_ceil(64),
@@ -365,7 +365,7 @@ pub(super) fn record_dcap(
         return Ok(None);
     };
     let w = dcap_workgroups(p, ctx.max_binding());
-    let n = p.user_fns.as_ref().map_or(0, |u| u.capture_len());
+    let n = p.capture_len();
     let partials = output(ctx, "capture gradient partials", f32_bytes(w * n));
     kb::record(
         ctx,
