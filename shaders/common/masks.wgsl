@@ -175,15 +175,20 @@ fn mask_mod_any(b: u32, h: u32, i0: u32, ni: u32, j0: u32, nj: u32, tid: u32, nt
 // j0 < S): bit 0 when some block they touch has an allowed pair, bit 1 when all have only
 // allowed pairs. Reads at uniform addresses, no barriers.
 const MAP_BLOCK: u32 = 16u;
-fn mod_map_block(b: u32, h: u32, i0: u32, ni: u32, j0: u32, nj: u32) -> u32 {
+// The flat index of block (qb, kb) of batch b, query head h in the map (the keys' blocks
+// fastest, as mod_map.wgsl writes them); 16 per word.
+fn mod_map_entry(b: u32, h: u32, qb: u32, kb: u32) -> u32 {
     let lb = (p.m.doc_l + MAP_BLOCK - 1u) / MAP_BLOCK;
     let sb = (p.s + MAP_BLOCK - 1u) / MAP_BLOCK;
+    return ((b * p.m.map_heads + h) * lb + qb) * sb + kb;
+}
+fn mod_map_block(b: u32, h: u32, i0: u32, ni: u32, j0: u32, nj: u32) -> u32 {
     let qb1 = (min(i0 + ni, p.m.doc_l) - 1u) / MAP_BLOCK;
     let kb1 = (min(j0 + nj, p.s) - 1u) / MAP_BLOCK;
     var v = 2u;
     for (var qb = i0 / MAP_BLOCK; qb <= qb1; qb++) {
         for (var kb = j0 / MAP_BLOCK; kb <= kb1; kb++) {
-            let e = ((b * p.m.map_heads + h) * lb + qb) * sb + kb;
+            let e = mod_map_entry(b, h, qb, kb);
             let m = (mask[p.m.mod_map - 1u + e / 16u] >> (2u * (e % 16u))) & 3u;
             v = (v | (m & 1u)) & (m | 1u);
         }
@@ -195,7 +200,6 @@ fn mod_map_block(b: u32, h: u32, i0: u32, ni: u32, j0: u32, nj: u32) -> u32 {
 // rows [i0, i0 + ni) (i0 < L; p.s when none): the map read a word (16 blocks) at a time, so
 // that a row's empty blocks are passed 256 keys per step.
 fn mod_map_next(b: u32, h: u32, i0: u32, ni: u32, j: u32) -> u32 {
-    let lb = (p.m.doc_l + MAP_BLOCK - 1u) / MAP_BLOCK;
     let sb = (p.s + MAP_BLOCK - 1u) / MAP_BLOCK;
     let qb1 = (min(i0 + ni, p.m.doc_l) - 1u) / MAP_BLOCK;
     var kb = j / MAP_BLOCK;
@@ -205,7 +209,7 @@ fn mod_map_next(b: u32, h: u32, i0: u32, ni: u32, j: u32) -> u32 {
         var hits = 0u;
         var n = sb - kb;
         for (var qb = i0 / MAP_BLOCK; qb <= qb1; qb++) {
-            let e = ((b * p.m.map_heads + h) * lb + qb) * sb + kb;
+            let e = mod_map_entry(b, h, qb, kb);
             hits |= mask[p.m.mod_map - 1u + e / 16u] >> (2u * (e % 16u));
             n = min(n, 16u - e % 16u);
         }
