@@ -24,6 +24,9 @@
 //! - `unchecked` (0 or 1): 1 creates every kernel's shader module with wgpu's runtime checks
 //!   off (`create_shader_module_trusted`: no injected bounds checks, no loop bounding), 0 none;
 //!   unset, the kernels marked trusted run without them on GPUs (the fused forward).
+//! - `softcap_form` (0, 1 or 2): how the kernels take the softcap's tanh: 0 (the default) a
+//!   Taylor polynomial below 1/4 and `1 - 2 / (e^2x + 1)` above, 1 `(1 - e^-2x) / (1 + e^-2x)`
+//!   alone (6% faster on an H200, absolute error ~1e-7 near 0), 2 WGSL's built-in `tanh`;
 //!
 //! A developer's aid for measuring a new GPU (`scripts/gpu_report.sh` sweeps them); the plan's
 //! defaults are what it measured. Unknown keys and bad values are reported once on stderr and
@@ -68,6 +71,7 @@ const KEYS: &[&str] = &[
     "wg_memory",
     "matmul_tiles",
     "unchecked",
+    "softcap_form",
 ];
 
 #[cfg_attr(target_arch = "wasm32", allow(dead_code))]

@@ -424,8 +424,37 @@ pub(crate) fn dcapture_prelude(key: u64) -> Option<String> {
         .and_then(|c| c.dcapture.clone())
 }
 
-/// Marks a prelude holding user code (its pipelines keep wgpu's bounds checks).
+/// Marks a prelude holding user code that keeps wgpu's runtime checks (it has a loop or a
+/// dynamic index).
 pub(crate) const USER_MARK: &str = "// user WGSL (src/user_mod.rs)";
+
+/// Marks a prelude holding user code without loops or dynamic indexing ([`proved_safe`]).
+const USER_PROVED_MARK: &str = "// user WGSL, no loops or dynamic indexing (src/user_mod.rs)";
+
+/// Whether the user's module has no loop and no dynamically indexed access (`a[i]` with `i`
+/// not a constant) in any function: then it cannot spin or index out of bounds, and its
+/// pipelines need none of wgpu's runtime checks. The user's functions name nothing of the
+/// kernel's (they are checked standalone, with no module-scope variables), and the capture
+/// readers clamp their indices.
+fn proved_safe(module: &naga::Module) -> bool {
+    fn has_loop(block: &naga::Block) -> bool {
+        use naga::Statement as S;
+        block.iter().any(|st| match st {
+            S::Loop { .. } => true,
+            S::Block(b) => has_loop(b),
+            S::If { accept, reject, .. } => has_loop(accept) || has_loop(reject),
+            S::Switch { cases, .. } => cases.iter().any(|c| has_loop(&c.body)),
+            _ => false,
+        })
+    }
+    module.functions.iter().all(|(_, f)| {
+        !has_loop(&f.body)
+            && !f
+                .expressions
+                .iter()
+                .any(|(_, e)| matches!(e, naga::Expression::Access { .. }))
+    })
+}
 
 const SCORE_STUB: &str = "fn u_score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return s; }\n";
 const SCORE_DS_STUB: &str =
@@ -465,7 +494,15 @@ fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
         }
         w
     });
-    let mut wgsl = format!("{USER_MARK}\n");
+    // Without loops and dynamic indexing the user's code cannot index out of bounds or spin
+    // (it names nothing of the crate's, and the capture readers clamp): its pipelines may run
+    // without wgpu's runtime checks like the crate's own.
+    let mark = if proved_safe(&module) {
+        USER_PROVED_MARK
+    } else {
+        USER_MARK
+    };
+    let mut wgsl = format!("{mark}\n");
     for (k, n) in names.iter().enumerate() {
         wgsl.push_str(&format!(
             "fn u_{n}(idx: u32) -> f32 {{\n    let t = p.m.cap_tab + {}u;\n    \
@@ -997,6 +1034,37 @@ mod tests {
         ] {
             assert!(check_source(bad, &[]).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn only_code_without_loops_or_dynamic_indexing_runs_unchecked() {
+        let head = "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {";
+        let proved = |body: &str, names: &[&str]| {
+            let c = check_source(&format!("{head}\n{body}\n}}"), names).unwrap();
+            assert!(
+                c.wgsl.contains(USER_MARK) != c.wgsl.contains(USER_PROVED_MARK),
+                "{}",
+                c.wgsl
+            );
+            c.wgsl.contains(USER_PROVED_MARK)
+        };
+        // Capture reads, constant indices, branches: proved.
+        assert!(proved("return s + rel(h * 3u + min(j - i, 2u));", &["rel"]));
+        assert!(proved(
+            "let v = vec2<f32>(s, 1.0); if (i > j) { return v.x; } return v[1];",
+            &[]
+        ));
+        // A loop, a dynamic index into a local array or vector: the checks stay.
+        assert!(!proved(
+            "var t = s; for (var k = 0u; k < i; k++) { t += 1.0; } return t;",
+            &[]
+        ));
+        assert!(!proved(
+            "var a = array<f32, 4>(1.0, 2.0, 3.0, 4.0); return s + a[j];",
+            &[]
+        ));
+        assert!(!proved("let v = vec4<f32>(s); return v[i];", &[]));
+        assert!(!proved("loop { if (i > 0u) { break; } } return s;", &[]));
     }
 
     #[test]

@@ -160,7 +160,7 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
                             &mut gpu_times,
                             || pb.inc(1),
                         )?;
-                        Ok((p.flops(), t.first, t.median, t.min, Some(mem)))
+                        Ok((shape.counted_flops(&p), t.first, t.median, t.min, Some(mem)))
                     })
                 }
                 BenchPath::Backward(path) => (|| {
@@ -168,7 +168,7 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
                         saved = Some(gpu.saved_forward(&ctx, a.seed)?);
                     }
                     let bwd = saved.as_ref().expect("made above").backward(&gpu).path(path);
-                    let flops = 2.5 * bwd.problem()?.flops();
+                    let flops = 2.5 * shape.counted_flops(&bwd.problem()?);
                     let t = time_call(
                         &ctx,
                         gpu_time,

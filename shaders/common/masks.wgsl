@@ -315,7 +315,17 @@ fn in_range(x: f32) -> bool {
 // odd Taylor polynomial to x^9 (the next term is below 1e-8 of x), else 1 - 2 / (e^(2|x|) + 1)
 // with the sign (no cancellation there: |tanh| > 0.24), saturated at |x| = 9 (1 in f32).
 fn tanh_sat(x: f32) -> f32 {
+    // SOFTCAP_FORM 2 (a measuring knob): the built-in.
+    if (SOFTCAP_FORM == 2u) {
+        return tanh(x);
+    }
     let a = min(abs(x), 9.0);
+    // SOFTCAP_FORM 1 (a measuring knob, src/tune.rs): one branch, absolute error ~1e-7 near 0.
+    if (SOFTCAP_FORM == 1u) {
+        let t = exp(-2.0 * a);
+        let r = (1.0 - t) / (1.0 + t);
+        return select(r, -r, x < 0.0);
+    }
     // Both sides are evaluated: the polynomial's on a clamped argument (no infinities, which
     // WGSL lets a compiler assume away).
     let xs = clamp(x, -0.25, 0.25);

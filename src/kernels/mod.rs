@@ -336,7 +336,7 @@ pub(crate) fn mask_flags(has_mask: bool, has_bias: bool, mods: Mods, bias: crate
         "const HAS_MASK: bool = {has_mask};\nconst HAS_BIAS: bool = {has_bias};\nconst HAS_WINDOW: bool = {};\n\
          const HAS_SOFTCAP: bool = {};\nconst HAS_ALIBI: bool = {};\nconst HAS_SINKS: bool = {};\n\
          const HAS_DOCS: bool = {};\nconst HAS_SCORE_MOD: bool = {};\nconst HAS_MASK_MOD: bool = {};\n\
-         const MASKED_LOGIT: bool = {};\n{}{}",
+         const MASKED_LOGIT: bool = {};\nconst SOFTCAP_FORM: u32 = {}u;\n{}{}",
         mods.window,
         mods.softcap,
         mods.alibi,
@@ -345,6 +345,7 @@ pub(crate) fn mask_flags(has_mask: bool, has_bias: bool, mods: Mods, bias: crate
         mods.score_mod,
         mods.mask_mod,
         has_mask || has_bias || mods.softcap || mods.alibi || mods.docs || mods.score_mod || mods.mask_mod,
+        crate::tune::knob("softcap_form").unwrap_or(0).min(2),
         access::bias(bias),
         crate::user_mod::prelude(mods.user),
     )
@@ -449,8 +450,8 @@ pub(crate) fn pipeline(
                 })
                 .collect();
             // The `unchecked` knob overrides (1: every kernel, 0: none), for measuring.
-            // User WGSL keeps the checks (its code indexes nothing of the crate's, but nothing
-            // proves it).
+            // User WGSL keeps the checks unless it has no loops and no dynamic indexing
+            // (`user_mod::proved_safe`; its prelude is then not marked USER_MARK).
             let unchecked = match crate::tune::knob("unchecked") {
                 Some(u) => u == 1 && !prelude.contains(crate::user_mod::USER_MARK),
                 None => spec.trusted && !ctx.caps().cpu && !prelude.contains(crate::user_mod::USER_MARK),

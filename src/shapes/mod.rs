@@ -89,9 +89,20 @@ const fn shape(
 /// A `score_mod` adding a learned relative-position bias (a captured `[Hq, 129]` table, the
 /// key's distance clamped to 64: T5's and AlphaFold's learned biases), for
 /// `relbias_mod_h8_s1024`.
+/// Its derivatives are given too (the bias adds: `ds` is 1, and each logit's gradient goes to
+/// the table entry it read), so the backward runs on it.
 pub const USER_RELBIAS: &str = "const R: i32 = 64;
+fn bucket(h: u32, i: u32, j: u32) -> u32 {
+    return h * u32(2 * R + 1) + u32(clamp(i32(j) - i32(i), -R, R) + R);
+}
 fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
-    return s + rel(h * u32(2 * R + 1) + u32(clamp(i32(j) - i32(i), -R, R) + R));
+    return s + rel(bucket(h, i, j));
+}
+fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
+    return 1.0;
+}
+fn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) {
+    d_rel(bucket(h, i, j), g);
 }";
 
 /// A sliding window of 1024 keys written as a `mask_mod` (with the shape's causal mask), for
@@ -348,6 +359,18 @@ pub fn names() -> String {
 }
 
 impl Shape {
+    /// The FLOPs that `bench` counts for problem `p` of this shape: `p`'s, except that a
+    /// user `mask_mod` ([`USER_WINDOW`]) counts the work of the window it writes (the same as
+    /// `window_h8_s16384`), which the problem cannot know.
+    pub fn counted_flops(&self, p: &Problem) -> f64 {
+        if self.user_mod == Some(USER_WINDOW) {
+            if let Ok(w) = p.clone().with_window(Some((1023, 0)), 0) {
+                return w.flops();
+            }
+        }
+        p.flops()
+    }
+
     /// A custom shape (for `demo`).
     #[allow(clippy::too_many_arguments)]
     pub fn custom(
@@ -696,5 +719,29 @@ impl SplitMix64 {
     pub fn next_f32(&mut self) -> f32 {
         let unit = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
         unit * 2.0 - 1.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_window_mod_shape_counts_the_windows_work() {
+        let problem = |name: &str| {
+            let s = find(name).unwrap();
+            let p = Problem::new(&s.q_shape(), &s.k_shape(), &s.v_shape())
+                .unwrap()
+                .with_causal(s.causal)
+                .with_window(s.window, 0)
+                .unwrap();
+            (s, p)
+        };
+        let (w, wp) = problem("window_h8_s16384");
+        let (m, mp) = problem("window_mod_h8_s16384");
+        let (c, cp) = problem("causal_h8_s16384");
+        assert_eq!(m.counted_flops(&mp), w.counted_flops(&wp));
+        assert_eq!(c.counted_flops(&cp), cp.flops());
+        assert!(m.counted_flops(&mp) * 7.0 < c.counted_flops(&cp));
     }
 }
