@@ -19,9 +19,7 @@
 //                      declares the tile with stage_kv / release_kv / key_at / value_at
 //                      accordingly (flash_kv_*.wgsl, shared with bwd_dq.wgsl).
 //   const HAS_MASK: bool, HAS_BIAS: bool -- a boolean mask / an additive bias is bound
-//   fn score4(q, k, d4) -- the terms of vec4 block d4 of the score: q * k (scaled dot product),
-//                      or u[d4] * tanh(q + k) (Bahdanau's additive score, with u at binding 8
-//                      before the params; q and k are then the projections)
+//   fn score4(q, k, d4) -- the terms of vec4 block d4 of the score: q * k (src/kernels/flash.rs)
 //   const UNROLL: bool -- unroll the loops marked `// unroll` (src/kernels/unroll.rs), so that
 //                      every index into a private array is a constant
 //   const RQ: u32   -- query rows per invocation (rows tid, tid + WG, ...): each K/V element

@@ -2,9 +2,6 @@
 //
 //   C[z][m][n] = alpha * sum_k A[z][m][k] * B'[z][k][n]  (+ bias[n])
 //
-// or, when ADDITIVE, Bahdanau's additive score alpha * sum_k u[k] tanh(A[z][m][k] + B'[z][k][n])
-// with u bound as the bias (term4 / term_dot4 in common/matmul.wgsl)
-//
 // where B' = B^T when TRANS_B (scores: S = scale * Q K^T; projections: X W^T) and B' = B
 // otherwise (value weighting: O = P V). One workgroup computes a 64 x 64 tile of C; each of
 // its 16 x 16 invocations a 4 x 4 block held in registers. K advances in steps of 16 through
@@ -25,7 +22,6 @@
 override TRANS_B: bool = true;
 override HAS_BIAS: bool = false;
 override ACCUM: bool = false;
-override ADDITIVE: bool = false;
 
 const BM: u32 = 64u;
 const BN: u32 = 64u;

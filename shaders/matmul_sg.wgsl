@@ -19,7 +19,6 @@
 override TRANS_B: bool = true;
 override HAS_BIAS: bool = false;
 override ACCUM: bool = false;
-override ADDITIVE: bool = false;
 
 @compute @workgroup_size(8, 1, 1)
 fn main(

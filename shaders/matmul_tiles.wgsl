@@ -20,7 +20,6 @@
 override TRANS_B: bool = true;
 override HAS_BIAS: bool = false;
 override ACCUM: bool = false;
-override ADDITIVE: bool = false;
 
 const BM: u32 = 128u;
 const BN: u32 = 128u;

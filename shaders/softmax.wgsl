@@ -4,7 +4,8 @@
 // query row i0 + r). For each row it applies the masks (common/masks.wgsl: causal limit and
 // key length, boolean mask, bias), then writes
 //   p_j = exp(x_j - max) / sum_j' exp(x_j' - max)
-// over the allowed keys and 0 elsewhere, plus the row's logsumexp `max + log(sum)`.
+// over the allowed keys and 0 elsewhere, plus the row's logsumexp `max + log(sum)`. The first
+// pass stores each masked logit in place; the second reads it back.
 // A row with no allowed key (or only -inf logits) gives all zeros and logsumexp = -inf.
 // NaN logits propagate (they fail every comparison and poison the sum), as in PyTorch.
 // Each invocation keeps an online-softmax state (common/softmax.wgsl) over its strided keys;
@@ -46,6 +47,9 @@ fn main(
     var s = 0.0;
     for (var j = tid; j < jend; j += WG) {
         let x = masked_logit(scores[row_base + j], true, b, h, i, j);
+        // Kept for the second pass (the same invocation's keys), so that the masks and a user
+        // score_mod run once per logit.
+        scores[row_base + j] = x;
         let m_new = max(m, x);
         s = s * rescale(m, m_new) + weight(x, m_new);
         m = m_new;
@@ -63,7 +67,7 @@ fn main(
         var w = 0.0;
         if (j < jend) {
             // A masked key weighs 0 even in a NaN row (0 * NaN would be NaN).
-            let x = masked_logit(scores[row_base + j], true, b, h, i, j);
+            let x = scores[row_base + j];
             w = select(weight(x, row_max) * inv, 0.0, x < MASKED);
         }
         scores[row_base + j] = w;

@@ -28,6 +28,7 @@
 //! central difference in f64) in `s` and in every capture element it read, which checks the
 //! WGSL derivatives too.
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -48,7 +49,7 @@ pub const MAX_DCAPTURE_CALLS: usize = 8;
 /// `rel(idx)` (an index past the end reads the last element; a name that was not captured
 /// reads NaN). The reference's backward reads through it which elements a logit depends on.
 pub struct Captures<'c> {
-    data: &'c [(String, &'c [f32])],
+    data: &'c [(String, Cow<'c, [f32]>)],
     /// One element moved by a delta (capture, index, delta): the reference's derivatives.
     bump: Option<(usize, usize, f64)>,
     /// The elements read (capture, index), when recording.
@@ -56,7 +57,7 @@ pub struct Captures<'c> {
 }
 
 impl<'c> Captures<'c> {
-    pub(crate) fn new(data: &'c [(String, &'c [f32])]) -> Self {
+    pub(crate) fn new(data: &'c [(String, Cow<'c, [f32]>)]) -> Self {
         Captures {
             data,
             bump: None,
@@ -69,7 +70,7 @@ impl<'c> Captures<'c> {
         let Some(k) = self.data.iter().position(|(n, _)| n == name) else {
             return f64::NAN;
         };
-        let d = self.data[k].1;
+        let d = &self.data[k].1;
         let at = idx.min(d.len().saturating_sub(1));
         if let Some(r) = &self.reads {
             r.borrow_mut().push((k, at));
@@ -156,9 +157,12 @@ pub type CpuMask = dyn Fn([usize; 4]) -> bool + Send + Sync;
 #[derive(Clone)]
 pub struct UserMod<'a> {
     source: Arc<str>,
-    captures: Vec<(String, &'a [f32])>,
+    captures: Vec<(String, Cow<'a, [f32]>)>,
     cpu_score: Option<Arc<CpuScore>>,
     cpu_mask: Option<Arc<CpuMask>>,
+    /// The crate's own source, known to terminate and to index only through the clamping
+    /// capture readers: its pipelines run without wgpu's runtime checks even with loops.
+    vouched: bool,
 }
 
 impl std::fmt::Debug for UserMod<'_> {
@@ -187,13 +191,26 @@ impl<'a> UserMod<'a> {
             captures: Vec::new(),
             cpu_score: None,
             cpu_mask: None,
+            vouched: false,
         }
+    }
+
+    /// This source vouched for by the crate (see `vouched`): its own functions alone.
+    pub(crate) fn vouched(mut self) -> Self {
+        self.vouched = true;
+        self
     }
 
     /// Capture an f32 tensor (any shape, row-major, flattened) as `name(idx: u32) -> f32` in
     /// the source. An index past its end reads its last element.
     pub fn capture(mut self, name: &str, data: &'a [f32]) -> Self {
-        self.captures.push((name.to_string(), data));
+        self.captures.push((name.to_string(), Cow::Borrowed(data)));
+        self
+    }
+
+    /// [`capture`](Self::capture) of owned values (the attention variants' additive score).
+    pub(crate) fn capture_owned(mut self, name: &str, data: Vec<f32>) -> Self {
+        self.captures.push((name.to_string(), Cow::Owned(data)));
         self
     }
 
@@ -261,7 +278,7 @@ impl<'a> UserMod<'a> {
             });
         }
         let names: Vec<&str> = self.captures.iter().map(|(n, _)| n.as_str()).collect();
-        let key = key_of(&self.source, &names);
+        let key = key_of(&self.source, &names, self.vouched);
         let checked = {
             let reg = registry().lock().unwrap_or_else(|e| e.into_inner());
             reg.get(&key).cloned()
@@ -269,7 +286,7 @@ impl<'a> UserMod<'a> {
         let code = match checked {
             Some(c) => c,
             None => {
-                let c = Arc::new(check_source(&self.source, &names)?);
+                let c = Arc::new(check_source(&self.source, &names, self.vouched)?);
                 registry()
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
@@ -286,7 +303,7 @@ impl<'a> UserMod<'a> {
             captures: self
                 .captures
                 .iter()
-                .map(|(n, d)| (n.clone(), Arc::from(*d)))
+                .map(|(n, d)| (n.clone(), Arc::from(&d[..])))
                 .collect(),
         }))
     }
@@ -344,6 +361,13 @@ impl UserFns {
         Ok(())
     }
 
+    /// Where capture `k`'s values lie among the auxiliary words whose capture table starts at
+    /// word `base` (as [`aux_words`](Self::aux_words) lays them out): (first word, length).
+    pub(crate) fn capture_span(&self, k: usize, base: usize) -> (usize, usize) {
+        let before: usize = self.captures[..k].iter().map(|(_, d)| d.len()).sum();
+        (base + 2 * self.captures.len() + before, self.captures[k].1.len())
+    }
+
     /// The captures' elements, all of them (their gradients' length, packed in order).
     pub(crate) fn capture_len(&self) -> usize {
         self.captures.iter().map(|(_, d)| d.len()).sum()
@@ -395,10 +419,11 @@ fn registry() -> &'static Mutex<HashMap<u64, Arc<Checked>>> {
     R.get_or_init(Default::default)
 }
 
-fn key_of(source: &str, names: &[&str]) -> u64 {
+fn key_of(source: &str, names: &[&str], vouched: bool) -> u64 {
     let mut h = DefaultHasher::new();
     source.hash(&mut h);
     names.hash(&mut h);
+    vouched.hash(&mut h);
     // 0 means no user functions.
     h.finish().max(1)
 }
@@ -463,7 +488,7 @@ const MASK_STUB: &str = "fn u_mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool {
 
 /// Check `source` with captures `names` by naga, standalone (captures as stubs), and assemble
 /// it renamed.
-fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
+fn check_source(source: &str, names: &[&str], vouched: bool) -> Result<Checked> {
     check_tokens(source, names)?;
     let module = parse_checked(source, names)?;
     let Defined {
@@ -497,7 +522,7 @@ fn check_source(source: &str, names: &[&str]) -> Result<Checked> {
     // Without loops and dynamic indexing the user's code cannot index out of bounds or spin
     // (it names nothing of the crate's, and the capture readers clamp): its pipelines may run
     // without wgpu's runtime checks like the crate's own.
-    let mark = if proved_safe(&module) {
+    let mark = if vouched || proved_safe(&module) {
         USER_PROVED_MARK
     } else {
         USER_MARK
@@ -1022,7 +1047,7 @@ mod tests {
         // Untyped constants (naga drops them from its module) named like the kernels' own.
         let src = "const WG = 2.0;\nconst START = 1.0;\n\
                    fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return s * WG + START; }";
-        let c = check_source(src, &[]).unwrap();
+        let c = check_source(src, &[], false).unwrap();
         assert!(
             c.wgsl.contains("const u_WG = 2.0;") && c.wgsl.contains("s * u_WG + u_START"),
             "{}",
@@ -1032,7 +1057,7 @@ mod tests {
             "fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { workgroupBarrier(); return true; }",
             "diagnostic(off, derivative_uniformity);\nfn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { return true; }",
         ] {
-            assert!(check_source(bad, &[]).is_err(), "{bad}");
+            assert!(check_source(bad, &[], false).is_err(), "{bad}");
         }
     }
 
@@ -1040,7 +1065,7 @@ mod tests {
     fn only_code_without_loops_or_dynamic_indexing_runs_unchecked() {
         let head = "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {";
         let proved = |body: &str, names: &[&str]| {
-            let c = check_source(&format!("{head}\n{body}\n}}"), names).unwrap();
+            let c = check_source(&format!("{head}\n{body}\n}}"), names, false).unwrap();
             assert!(
                 c.wgsl.contains(USER_MARK) != c.wgsl.contains(USER_PROVED_MARK),
                 "{}",
@@ -1065,6 +1090,12 @@ mod tests {
         ));
         assert!(!proved("let v = vec4<f32>(s); return v[i];", &[]));
         assert!(!proved("loop { if (i > 0u) { break; } } return s;", &[]));
+        // The crate's own source with a loop, vouched for.
+        let looped = format!("{head}\nvar t = s; for (var k = 0u; k < i; k++) {{ t += 1.0; }} return t;\n}}");
+        assert!(check_source(&looped, &[], true)
+            .unwrap()
+            .wgsl
+            .contains(USER_PROVED_MARK));
     }
 
     #[test]
@@ -1072,6 +1103,7 @@ mod tests {
         let e = check_source(
             "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {\n  return s + nope;\n}",
             &[],
+            false,
         )
         .unwrap_err();
         let msg = e.to_string();
@@ -1080,23 +1112,24 @@ mod tests {
         let e = check_source(
             "fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> f32 { return 1.0; }",
             &[],
+            false,
         )
         .unwrap_err();
         assert!(e.to_string().contains("mask_mod must be"), "{e}");
-        let e = check_source("fn helper() -> f32 { return 1.0; }", &[]).unwrap_err();
+        let e = check_source("fn helper() -> f32 { return 1.0; }", &[], false).unwrap_err();
         assert!(e.to_string().contains("neither"), "{e}");
         let ok = "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return s + t(i); }";
-        assert!(check_source(ok, &["t"]).is_ok());
+        assert!(check_source(ok, &["t"], false).is_ok());
         for (names, want) in [
             (&["t", "t"][..], "twice"),
             (&["t", "u"][..], "unknown"),
             (&["1t"][..], "identifier"),
         ] {
-            let e = check_source(ok, names).unwrap_err();
+            let e = check_source(ok, names, false).unwrap_err();
             assert!(e.to_string().contains(want), "{names:?}: {e}");
         }
         // A helper named like a capture: naga's redefinition.
         let dup = "fn t(i: u32) -> f32 { return 0.0; }\nfn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return s + t(i); }";
-        assert!(check_source(dup, &["t"]).is_err());
+        assert!(check_source(dup, &["t"], false).is_err());
     }
 }

@@ -1,7 +1,7 @@
 //! The attention variants (general, additive, lowrank-v, Nyström, Linformer) on the GPU
 //! against the f64 reference (`reference::variant`) and PyTorch's float64 goldens
 //! (`tests/fixtures/variants/`): grids with tails, L ≠ S, E ≠ Ev, grouped heads, every mask
-//! kind where the variant takes masks, both attention paths of the additive score, half
+//! kind where the variant takes masks, every attention path of the additive score, half
 //! storage, the caller's buffers, and the typed errors.
 
 mod common;
@@ -110,7 +110,7 @@ fn check(
 
 /// General, additive and lowrank-v take every mask kind: each one alone and combined (fully
 /// masked rows included), with tails (L = 19, S = 23), grouped heads, E ≠ Ev; the additive
-/// score on both of its paths; weights from the unfused path.
+/// score on every path; weights from the unfused path.
 #[test]
 fn masked_variants_match_reference_under_every_mask() {
     let Some(ctx) = ctx() else { return };
@@ -119,8 +119,9 @@ fn masked_variants_match_reference_under_every_mask() {
         let params = params(kind, 12, 23, 10, 5);
         for (name, make) in mask_kinds() {
             let case = make(Case::random(shape, 3));
+            // The additive score is a user score_mod: every path runs it.
             let paths: &[Path] = if kind == VariantKind::Additive {
-                &[Path::Fused, Path::Unfused]
+                &[Path::Fused, Path::Unfused, Path::Decode]
             } else {
                 &[Path::Auto]
             };
@@ -554,6 +555,7 @@ fn typed_errors() {
     assert!(matches!(
         Variant::new(&q, &k, &v, &add)
             .path(Path::Decode)
+            .return_weights()
             .run_blocking(ctx),
         Err(Error::Unsupported { path: "decode", .. })
     ));

@@ -1,30 +1,15 @@
 // What both matmul forms (matmul.wgsl, matmul_sg.wgsl) share: the operand slices of batch
 // index z and the epilogue. Needs the kernel's `Params` (p), its `override HAS_BIAS`, and the
 // host-generated bias_get / store_c4 (src/kernels/matmul.rs), and `override ACCUM` (add the
-// product to C as it was: the backward's dK and dV sums over chunks and heads; f32 C only),
-// and `override ADDITIVE`: each term of the sum is Bahdanau's u[k] tanh(a + b) instead of
-// a * b, u bound as the bias (then HAS_BIAS is off) and zero-padded past K to whole tiles.
+// product to C as it was: the backward's dK and dV sums over chunks and heads; f32 C only).
 
-// tanh with its argument clamped to +-15, where tanh is 1 to within f32 rounding: drivers may
-// compute tanh(x) as (e^2x - 1) / (e^2x + 1), which overflows to NaN for large |x|.
-fn tanh_sat4(x: vec4<f32>) -> vec4<f32> {
-    return tanh(clamp(x, vec4<f32>(-15.0), vec4<f32>(15.0)));
-}
-
-// The terms a * b[c] of one k (4 columns b), or u[k] tanh(a + b[c]).
+// The terms a * b[c] of one k (4 columns b).
 fn term4(a: f32, b: vec4<f32>, k: u32) -> vec4<f32> {
-    if (ADDITIVE) {
-        return bias_get(k) * tanh_sat4(vec4<f32>(a) + b);
-    }
     return a * b;
 }
 
-// The sum over 4 consecutive k (from k) of a[c] * b[c], or of u[k + c] tanh(a[c] + b[c]).
+// The sum over 4 consecutive k (from k) of a[c] * b[c].
 fn term_dot4(a: vec4<f32>, b: vec4<f32>, k: u32) -> f32 {
-    if (ADDITIVE) {
-        let u = vec4<f32>(bias_get(k), bias_get(k + 1u), bias_get(k + 2u), bias_get(k + 3u));
-        return dot(u, tanh_sat4(a + b));
-    }
     return dot(a, b);
 }
 

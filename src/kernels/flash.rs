@@ -5,7 +5,6 @@
 //! GQA by indexing the shared K/V head. Memory is linear in L and S: the score matrix is never
 //! written. [`Config`] picks the form and tile sizes for the device.
 
-use super::score::Score;
 use super::{common, dispatch, grid_1d, params_of, KernelSpec, Masks, TensorViews};
 use crate::context::Context;
 use crate::error::Result;
@@ -35,6 +34,14 @@ pub(crate) const TILES_SPEC: KernelSpec = KernelSpec {
 /// shared by subgroup shuffles. Shared with the backward's dQ kernel.
 pub(crate) const KV_SHARED: &str = include_str!("../../shaders/flash_kv_shared.wgsl");
 pub(crate) const KV_SUBGROUP: &str = include_str!("../../shaders/flash_kv_subgroup.wgsl");
+
+/// The logit's terms as the fused kernels sum them: `score4(q, k, d4)`, the four products of
+/// vec4 block `d4`, and `score_fma(acc, q, k, d4)`, the logit so far plus those terms (the
+/// register-tiled form's scalar logits). Scores other than the dot product are user
+/// `score_mod`s applied to the logit (`shaders/common/masks.wgsl`).
+const SCORE: &str = "fn score4(q: vec4<f32>, k: vec4<f32>, d4: u32) -> vec4<f32> {\n    return q * k;\n}\n\
+fn score_fma(acc: f32, q: vec4<f32>, k: vec4<f32>, d4: u32) -> f32 {\n    \
+return dot_fma(acc, q, k);\n}\n";
 
 /// Workgroup memory the kernel may use: WebGPU's default 16 KiB, or less if the device has less.
 const WG_MEMORY: u32 = 16 * 1024;
@@ -133,8 +140,6 @@ pub(crate) struct Config {
     pub bm: u32,
     /// The register-tiled GPU form reduces each row's max and sum by subgroup shuffles.
     pub sg_rows: bool,
-    /// How q and k make a logit (the score hook, `score.rs`).
-    pub score: Score,
 }
 
 /// On CPU adapters without a fixed subgroup size, problems below this many FLOPs use the
@@ -304,7 +309,6 @@ impl Config {
             has_bias: p.bias.is_some(),
             mods: super::Mods::of(p),
             pinned: pinned.is_some(),
-            score: Score::Dot,
             bm: 0,
             sg_rows: false,
         })
@@ -383,7 +387,6 @@ impl Config {
             has_bias: p.bias.is_some(),
             mods: super::Mods::of(p),
             pinned,
-            score: Score::Dot,
             bm,
             sg_rows: sg_rows(bn / tn),
         })
@@ -424,9 +427,13 @@ impl Config {
         self.wg * self.rq
     }
 
-    /// The kernel spec of this configuration: its form's, with the score hook's bindings.
+    /// The kernel spec of this configuration: its form's.
     pub(crate) fn spec(&self) -> &'static KernelSpec {
-        self.score.fused_spec(self.form == FusedForm::GpuTiles)
+        if self.form == FusedForm::GpuTiles {
+            &TILES_SPEC
+        } else {
+            &SPEC
+        }
     }
 
     pub(crate) fn prelude(&self) -> String {
@@ -438,7 +445,7 @@ impl Config {
             false,
             &self.views,
         );
-        let score = self.score.fused_wgsl();
+        let score = SCORE;
         if self.form == FusedForm::GpuTiles {
             let (tm, tn) = (self.rq, self.kg);
             let nx = self.bk / tn;
@@ -502,8 +509,7 @@ fn staged_rows(sg_kv: bool, bk: u32) -> u32 {
     }
 }
 
-/// Record the fused kernel. `buffers`: mask, bias, kv_lens, q, k, v, out, lse, then the score
-/// hook's (u for the additive score).
+/// Record the fused kernel. `buffers`: mask, bias, kv_lens, q, k, v, out, lse.
 pub(crate) fn record(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,

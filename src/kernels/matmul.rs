@@ -3,7 +3,6 @@
 //! crate's plain matmul. 64×64 output tile per workgroup, 4×4 per invocation, K in steps of 16.
 
 use super::access::{array, Access};
-use super::score::Score;
 use super::{dispatch, params_of, Binding, KernelSpec};
 use crate::context::Context;
 use crate::error::Result;
@@ -320,9 +319,6 @@ pub(crate) struct Matmul<'a> {
     pub formats: [Storage; 4],
     /// Add the product to C (f32 C only).
     pub accumulate: bool,
-    /// The score hook's terms (`score.rs`): the dot product's `A[m][k] B'[k][n]`, or the
-    /// additive score's `u[k] tanh(A[m][k] + B'[k][n])` with u (f32) bound in the bias slot.
-    pub score: Score,
 }
 
 impl Matmul<'_> {
@@ -356,14 +352,9 @@ impl Matmul<'_> {
         let bias = self.bias.clone().unwrap_or(dummy.as_entire_buffer_binding());
         let constants = [
             ("TRANS_B", self.trans_b as u32 as f64),
-            (
-                "HAS_BIAS",
-                (self.bias.is_some() && !self.score.matmul_additive()) as u32 as f64,
-            ),
+            ("HAS_BIAS", self.bias.is_some() as u32 as f64),
             ("ACCUM", self.accumulate as u32 as f64),
-            ("ADDITIVE", self.score.matmul_additive() as u32 as f64),
         ];
-        debug_assert!(!self.score.matmul_additive() || self.bias.is_some());
         debug_assert!(!self.accumulate || self.formats[3] == Storage::F32);
         let c_words = p.n.is_multiple_of(2)
             && p.c_row.is_multiple_of(2)

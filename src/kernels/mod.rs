@@ -17,7 +17,6 @@ pub(crate) mod merge;
 pub(crate) mod mod_map;
 pub(crate) mod permute;
 pub(crate) mod pinv;
-pub(crate) mod score;
 pub(crate) mod softmax;
 #[cfg(test)]
 pub(crate) mod stage_tests;
@@ -358,8 +357,6 @@ pub(crate) enum Binding {
     Read,
     /// `var<storage, read_write>`.
     ReadWrite,
-    /// `var<uniform>`: a small constant array (the additive score's u).
-    Uniform,
     /// `p: Params` (always last): a uniform buffer, or a read-only storage buffer where
     /// [`Context::params_in_storage`] says so. Declared by the host, not in the WGSL file.
     Params,
@@ -446,7 +443,7 @@ pub(crate) fn pipeline(
                     Binding::Read => wgpu::BufferBindingType::Storage { read_only: true },
                     Binding::ReadWrite => wgpu::BufferBindingType::Storage { read_only: false },
                     Binding::Params if storage => wgpu::BufferBindingType::Storage { read_only: true },
-                    Binding::Params | Binding::Uniform => wgpu::BufferBindingType::Uniform,
+                    Binding::Params => wgpu::BufferBindingType::Uniform,
                 })
                 .collect();
             // The `unchecked` knob overrides (1: every kernel, 0: none), for measuring.
@@ -607,8 +604,6 @@ mod tests {
         assert_eq!(webgpu, 8);
         for spec in [
             &flash::SPEC,
-            &score::ADDITIVE_SPEC,
-            &score::TILES_ADDITIVE_SPEC,
             &flash::TILES_SPEC,
             &pinv::INIT,
             &pinv::EYE_MINUS,
@@ -627,7 +622,7 @@ mod tests {
             let storage = spec
                 .bindings
                 .iter()
-                .filter(|b| !matches!(b, Binding::Params | Binding::Uniform))
+                .filter(|b| !matches!(b, Binding::Params))
                 .count();
             assert!(storage <= webgpu, "{}: {storage} storage buffers", spec.name);
             assert!(

@@ -91,7 +91,6 @@ fn run_matmul(
         trans_b,
         formats: [crate::Storage::F32; 4],
         accumulate: false,
-        score: super::score::Score::Dot,
     }
     .record(ctx, &mut enc, &dummy)
     .unwrap();
@@ -358,7 +357,6 @@ fn matmul_forms_and_formats_match_f64_product() {
                             trans_b,
                             formats: fs,
                             accumulate: false,
-                            score: super::score::Score::Dot,
                         }
                         .record_form(&ctx, &mut enc, &dummy, form)
                         .unwrap();

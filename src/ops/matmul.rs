@@ -1,6 +1,6 @@
 //! The batched product `C[g] = alpha · A[g] op(B[g])` (`op`: the identity or the transpose)
-//! over slices `g` of heads, with the keys' grouped-query mapping, a bias or accumulating
-//! epilogue, and the score hook's terms (Bahdanau's additive score): the one way above the kernels to run
+//! over slices `g` of heads, with the keys' grouped-query mapping, and a bias or accumulating
+//! epilogue: the one way above the kernels to run
 //! `shaders/matmul.wgsl` ([`crate::kernels::matmul`], which picks the form for the device).
 //! Below it, the crate's public matmul ([`matmul`], [`record_matmul`]): the same kernel the
 //! unfused attention path uses for `Q Kᵀ` and `P V`; benchmarks compare attention throughput
@@ -13,7 +13,6 @@ use crate::buffers::{binding, f32_bytes, fits, Operand};
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::matmul as kernel;
-use crate::kernels::score::{Score, ScoreInput};
 use crate::storage::Storage;
 use crate::tensor::{Tensor, TensorData};
 
@@ -32,8 +31,6 @@ pub(crate) struct Matmul<'a> {
     heads: usize,
     group: usize,
     bias: Option<(wgpu::BufferBinding<'a>, Storage)>,
-    /// The score hook's terms and what it binds (in the bias slot).
-    score: (Score, Option<wgpu::BufferBinding<'a>>),
     accumulate: bool,
 }
 
@@ -50,7 +47,6 @@ impl<'a> Matmul<'a> {
             heads: 1,
             group: 1,
             bias: None,
-            score: (Score::Dot, None),
             accumulate: false,
         }
     }
@@ -84,16 +80,6 @@ impl<'a> Matmul<'a> {
             bias: Some((bias, storage)),
             ..self
         }
-    }
-
-    /// The score hook's terms (`kernels/score.rs`) in place of `A[m][k] B[n][k]`: for the
-    /// additive score `u[k] tanh(A[m][k] + B[n][k])` (f32 u, zero-padded to a multiple of 64
-    /// elements).
-    pub(crate) fn score(self, input: ScoreInput<'a>) -> Result<Self> {
-        Ok(Matmul {
-            score: (input.score(), input.binding()?),
-            ..self
-        })
     }
 
     /// Whether to add the product to C as it is (f32 C).
@@ -178,13 +164,9 @@ impl<'a> Matmul<'a> {
     /// Record the product into `encoder`, in the form the device runs.
     pub(crate) fn record(&self, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<()> {
         let params = self.params(ctx)?;
-        let (bias, bias_storage) = match (&self.score.1, &self.bias) {
-            (Some(_), Some(_)) => {
-                return Err(Error::Internal("matmul: a bias and an additive score".into()));
-            }
-            (Some(u), None) => (Some(u.clone()), Storage::F32),
-            (None, Some((b, f))) => (Some(b.clone()), *f),
-            (None, None) => (None, Storage::F32),
+        let (bias, bias_storage) = match &self.bias {
+            Some((b, f)) => (Some(b.clone()), *f),
+            None => (None, Storage::F32),
         };
         kernel::Matmul {
             a: self.a.binding.clone(),
@@ -196,7 +178,6 @@ impl<'a> Matmul<'a> {
             trans_b: self.trans_b,
             formats: [self.a.storage, self.b.storage, bias_storage, self.c.storage],
             accumulate: self.accumulate,
-            score: self.score.0,
         }
         .record(ctx, encoder, ctx.dummy())
     }

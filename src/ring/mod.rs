@@ -679,7 +679,6 @@ impl RingPlan {
                     path: if self.backward { Path::Auto } else { self.path },
                     weights: self.weights,
                     max_scores_bytes: self.max_scores_bytes,
-                    score: crate::kernels::score::Score::Dot,
                 };
                 let plan = crate::sdpa::plan::Plan::new(&fw, &request, &caps)?;
                 let io = fw.storage.q.bytes(fw.q_shape().iter().product())

@@ -4,7 +4,6 @@
 use crate::buffers::{binding, dummy, f32_bytes, fits, output, scratch, storage_init, Operand};
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::kernels::score::ScoreInput;
 use crate::kernels::{decode, flash, softmax, Masks, TensorViews};
 use crate::ops::matmul::Matmul;
 use crate::ops::{merge, Mats};
@@ -65,6 +64,7 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
     let bias = bias.map(|b| b.upload(ctx, "bias"));
     let dummy = dummy(ctx);
     let lens_buf = aux_words(&p).map(|w| storage_init(ctx, "kv_lens", bytemuck::cast_slice(&w)));
+    copy_capture_buffers(encoder, &p, &sdpa.capture_buffers, lens_buf.as_ref())?;
     let (mask_buf, map_at) = mask_binding(ctx, encoder, &p, packed_mask.as_ref(), mod_map)?;
     let out_up = out_op.as_ref().map(|o| o.upload(ctx, "output"));
     let (out_buf, out_off) = match sdpa.out_buffer() {
@@ -90,7 +90,6 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         lse: &lse_buf,
         weights: weights_buf.as_ref(),
         dummy: &dummy,
-        score: sdpa.score,
     };
     match &plan.kernel {
         Kernel::Unfused(chunks) => record_unfused(ctx, encoder, &p, chunks, &io)?,
@@ -104,6 +103,35 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         weights: weights_buf,
         problem: p,
     })
+}
+
+/// Copy the captures whose values GPU buffers hold ([`Sdpa::capture_buffers`]) into their
+/// places in the auxiliary buffer `aux` (where [`aux_words`] put stand-ins).
+fn copy_capture_buffers(
+    encoder: &mut wgpu::CommandEncoder,
+    p: &Problem,
+    buffers: &[(usize, &wgpu::Buffer)],
+    aux: Option<&wgpu::Buffer>,
+) -> Result<()> {
+    if buffers.is_empty() {
+        return Ok(());
+    }
+    let (Some(u), Some(aux)) = (&p.user_fns, aux) else {
+        return Err(Error::Internal("capture buffers without user functions".into()));
+    };
+    for &(k, src) in buffers {
+        if k >= u.captures.len() {
+            return Err(Error::Internal(format!("capture buffer for capture {k}")));
+        }
+        let (at, len) = u.capture_span(k, crate::kernels::aux_tail(p));
+        if src.size() < f32_bytes(len) {
+            return Err(Error::Internal(format!(
+                "capture buffer {k} is smaller than its capture"
+            )));
+        }
+        encoder.copy_buffer_to_buffer(src, 0, aux, f32_bytes(at), f32_bytes(len));
+    }
+    Ok(())
 }
 
 /// Check that `mask_words` of packed mask and the mask_mod block map of `p` fit one binding.
@@ -217,8 +245,6 @@ struct Io<'b> {
     lse: &'b wgpu::Buffer,
     weights: Option<&'b wgpu::Buffer>,
     dummy: &'b wgpu::Buffer,
-    /// The score hook, with what it binds.
-    score: ScoreInput<'b>,
     /// Where the mask_mod block map starts in binding 0 (words), when the kernels read one.
     map_at: Option<usize>,
 }
@@ -287,7 +313,7 @@ fn record_unfused(
             let lc = chunks.rows.min(p.seq_q - i0);
             let chunk_bytes = f32_bytes(nz * lc * p.seq_kv);
             let sc = binding(&scores, 0, chunk_bytes);
-            // 1. scores = scale * Q K^T (or the additive score): rows i0.. of each head's Q,
+            // 1. scores = scale * Q K^T: rows i0.. of each head's Q,
             // that head's K (GQA)
             let qk = Matmul::new(
                 Mats::view(io.q.clone(), p.storage.q, qv, i0, [lc, p.head_dim]).starting_at(z0),
@@ -298,7 +324,7 @@ fn record_unfused(
             .alpha(p.scale)
             .slices(nz)
             .heads(p.q_heads, p.group());
-            qk.score(io.score)?.record(ctx, encoder)?;
+            qk.record(ctx, encoder)?;
             // 2. masked softmax in place, logsumexp out
             let [mask, bias, lens] = io.mask_bindings();
             let chunk = softmax::Chunk {
@@ -348,10 +374,7 @@ fn record_fused(
             hint: " (squared)",
         });
     }
-    let mut buffers = io
-        .attention(io.out.clone(), io.lse.as_entire_buffer_binding())
-        .to_vec();
-    buffers.extend(io.score.binding()?);
+    let buffers = io.attention(io.out.clone(), io.lse.as_entire_buffer_binding());
     flash::record(
         ctx,
         encoder,

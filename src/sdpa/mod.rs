@@ -12,7 +12,6 @@ use ndarray::{Array3, Array4};
 use crate::buffers::{binding, f32_bytes, shape_bytes};
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::kernels::score::ScoreInput;
 use crate::options::Options;
 use crate::problem::Problem;
 use crate::storage::{Formats, Storage};
@@ -137,10 +136,11 @@ pub struct Sdpa<'a> {
     /// The caller's output tensor (a GPU buffer), if any.
     pub(crate) out: Option<Tensor<'a>>,
     pub(crate) out_storage: Option<Storage>,
-    /// How q and k make a logit, with what its hook binds (`kernels/score.rs`): the dot
-    /// product, or the attention variants' additive score (q and k the projections, q with b
-    /// added, the scale 1 and folded into u).
-    pub(crate) score: ScoreInput<'a>,
+    /// User captures whose values a GPU buffer holds (capture index, f32 buffer with
+    /// `COPY_SRC` of at least the capture's length): copied into the capture table when the
+    /// call is recorded, after the stand-in values the user function was given (the attention
+    /// variants' additive score reads its projections so).
+    pub(crate) capture_buffers: Vec<(usize, &'a wgpu::Buffer)>,
 }
 
 impl<'a> Sdpa<'a> {
@@ -157,7 +157,7 @@ impl<'a> Sdpa<'a> {
             max_scores_bytes: None,
             out: None,
             out_storage: None,
-            score: ScoreInput::Dot,
+            capture_buffers: Vec::new(),
         }
     }
 
@@ -296,7 +296,6 @@ impl<'a> Sdpa<'a> {
             path: self.path,
             weights: self.weights,
             max_scores_bytes: self.max_scores_bytes,
-            score: self.score.score(),
         }
     }
 

@@ -5,7 +5,6 @@
 use crate::buffers::{f32_bytes, F32};
 use crate::error::{Error, Result};
 use crate::forms::{BackwardForm, Caps, DecodeForm, Forms, FusedForm, MatmulForm};
-use crate::kernels::score::Score;
 use crate::kernels::{decode, flash, matmul};
 use crate::problem::Problem;
 
@@ -66,8 +65,6 @@ pub(crate) struct Request {
     pub path: Path,
     pub weights: bool,
     pub max_scores_bytes: Option<u64>,
-    /// How q and k make a logit (the score hook): the plan asks it where it runs.
-    pub score: Score,
 }
 
 /// The plan of one call: which path runs, in which form of its kernel ([`Form`]), with which
@@ -93,24 +90,15 @@ impl Plan {
     /// The plan for `p` and `req` on a device with `caps`, or why the requested path (or a
     /// pinned form) cannot run it.
     pub(crate) fn new(p: &Problem, req: &Request, caps: &Caps) -> Result<Plan> {
-        let fused = flash::Config::new(p, caps).map(|c| flash::Config {
-            score: req.score,
-            ..c
-        });
+        let fused = flash::Config::new(p, caps);
         // A pinned fused form that cannot run a problem the default form could: where the
         // fused path is chosen, an error, not a silent fallback to the unfused path.
         let pinned_refused = fused.is_err()
             && caps.forms.fused.is_some()
             && flash::Config::new(p, &caps.with_forms(Forms::default())).is_ok();
-        if let (Path::Decode, Err(reason)) = (req.path, req.score.decode()) {
-            return Err(Error::Unsupported {
-                path: "decode",
-                reason: reason.into(),
-            });
-        }
         let decode_shape = p.seq_q <= decode::MAX_ROWS && p.seq_kv >= decode::MIN_KEYS;
         let path = match req.path {
-            Path::Auto if !req.weights && decode_shape && req.score.decode().is_ok() => Path::Decode,
+            Path::Auto if !req.weights && decode_shape => Path::Decode,
             Path::Auto if !req.weights && (fused.is_ok() || pinned_refused) => Path::Fused,
             Path::Auto => Path::Unfused,
             Path::Fused | Path::Decode if req.weights => {
@@ -256,7 +244,6 @@ mod tests {
             path,
             weights: false,
             max_scores_bytes: None,
-            score: Score::Dot,
         }
     }
 
@@ -449,7 +436,6 @@ mod tests {
         let plan = |budget| {
             let r = Request {
                 max_scores_bytes: Some(budget),
-                score: Score::Dot,
                 ..req(Path::Unfused)
             };
             Plan::new(&p, &r, &c).unwrap().tiles()
@@ -461,7 +447,6 @@ mod tests {
                 &p,
                 &Request {
                     max_scores_bytes: Some(100),
-                    score: Score::Dot,
                     ..req(Path::Unfused)
                 },
                 &c

@@ -5,7 +5,7 @@
 //! | kind | score / output | GPU stages (`record.rs`) | masks |
 //! |---|---|---|---|
 //! | [`VariantKind::General`] | `scale · qᵢᵀ W kⱼ` | matmul `Q W`, then SDPA | all |
-//! | [`VariantKind::Additive`] | `scale · Σₐ uₐ tanh((W_q qᵢ)ₐ + (W_k kⱼ)ₐ + bₐ)` | two projections, then the fused kernel (or the unfused path) with the additive score | all |
+//! | [`VariantKind::Additive`] | `scale · Σₐ uₐ tanh((W_q qᵢ)ₐ + (W_k kⱼ)ₐ + bₐ)` | two projections, then the attention with the score as a user `score_mod` reading them (every path) | all |
 //! | [`VariantKind::LowRankV`] | `(softmax(scale · Q Kᵀ) U) A` | SDPA with U as values, matmul by A | all |
 //! | [`VariantKind::Nystrom`] | `F · Z · (B' V)`, `Z ≈ pinv(A)` | landmark means, three softmaxes, the pseudo-inverse iteration | none |
 //! | [`VariantKind::Linformer`] | `softmax(scale · Q (E_p K)ᵀ) (F_p V)` | two sequence projections, then SDPA | none |
@@ -506,9 +506,8 @@ impl<'a> Variant<'a> {
 
     option_setters!();
 
-    /// The path of the attention stage (default [`Path::Auto`]): for the additive score
-    /// [`Path::Fused`] (the default) or [`Path::Unfused`]; for the others it is passed to
-    /// their SDPA stage.
+    /// The path of the attention stage (default [`Path::Auto`]), passed to the variant's SDPA
+    /// stage.
     pub fn path(mut self, path: Path) -> Self {
         self.path = path;
         self

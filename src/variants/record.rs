@@ -8,7 +8,6 @@ use super::{Dims, GpuVariantOutput, Variant, VariantParams};
 use crate::buffers::{binding, f32_bytes, fits, output, storage_init, Operand};
 use crate::context::Context;
 use crate::error::Result;
-use crate::kernels::score::{Score, ScoreInput, ADDITIVE_U_BYTES};
 use crate::ops::matmul::{self, Matmul};
 use crate::ops::{linear, pinv, Mats};
 use crate::options::Options;
@@ -25,8 +24,6 @@ struct Stage<'a> {
     path: Path,
     weights: bool,
     out: Storage,
-    /// The score hook (the additive variant's caller binds u before recording).
-    score: Score,
 }
 
 impl Stage<'_> {
@@ -43,31 +40,53 @@ impl Stage<'_> {
         if self.weights {
             s = s.return_weights();
         }
-        if self.score == Score::Additive {
-            s.score = ScoreInput::Additive(None);
-        }
         s
     }
+}
+
+/// Bahdanau's additive score as a user `score_mod` over `d`: the logit
+/// `s + Σₐ uₐ tanh(qa[b, h, i, a] + ka[b, h / group, j, a])` with `s` the bias (q k is 0),
+/// the scale folded into u, the projections `qa` and `ka` captures (stand-ins that the
+/// recorder fills from the projections' buffers), the shape a capture too, so that one
+/// source serves every shape. Its loop ends (a is the capture's value) and it reads only
+/// through the clamping capture readers: vouched for, its pipelines run without wgpu's runtime
+/// checks on GPUs.
+fn additive_score(d: &Dims, u: &ndarray::Array1<f32>) -> crate::UserMod<'static> {
+    const SOURCE: &str = "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
+    let hq = u32(dims(0u));
+    let l = u32(dims(1u));
+    let n = u32(dims(2u));
+    let hkv = u32(dims(3u));
+    let a = u32(dims(4u));
+    let qb = ((b * hq + h) * l + i) * a;
+    let kb = ((b * hkv + h / (hq / hkv)) * n + j) * a;
+    var t = 0.0;
+    for (var x = 0u; x < a; x++) {
+        // tanh clamped where it is 1 in f32 (drivers may compute it by overflowing exponentials).
+        t += u(x) * tanh(clamp(qa(qb + x) + ka(kb + x), -15.0, 15.0));
+    }
+    return s + t;
+}";
+    let dims = [d.hq, d.l, d.s, d.hkv, d.inner].map(|x| x as f32).to_vec();
+    crate::UserMod::wgsl(SOURCE)
+        .capture_owned("qa", vec![0.0; d.batch * d.hq * d.l * d.inner])
+        .capture_owned("ka", vec![0.0; d.batch * d.hkv * d.s * d.inner])
+        .capture_owned("u", u.iter().map(|x| x * d.scale as f32).collect())
+        .capture_owned("dims", dims)
+        .vouched()
 }
 
 fn params_bytes(params: &VariantParams) -> u64 {
     let n = |a: &Array2<f32>| f32_bytes(a.len());
     match params {
         VariantParams::General { w } => n(w),
-        VariantParams::Additive { w_q, w_k, b, .. } => {
-            // u, and b when given, are uploaded padded.
-            n(w_q) + n(w_k) + (1 + b.is_some() as u64) * f32_bytes(padded_u_len(w_q.nrows()))
+        VariantParams::Additive { w_q, w_k, u, b } => {
+            n(w_q) + n(w_k) + f32_bytes(u.len() + b.as_ref().map_or(0, |b| b.len()))
         }
         VariantParams::LowRankV { a } => n(a),
         VariantParams::Nystrom { .. } => 0,
         VariantParams::Linformer { e, f } => n(e) + n(f),
     }
-}
-
-/// u (and b) as uploaded: zero-padded to a multiple of 64 and at least the fused kernel's
-/// uniform array ([`ADDITIVE_U_BYTES`]).
-fn padded_u_len(a: usize) -> usize {
-    a.next_multiple_of(64).max((ADDITIVE_U_BYTES / 4) as usize)
 }
 
 /// Every check of `var` on `ctx`, then the stage plans (shared by [`record`] and
@@ -114,27 +133,23 @@ fn check<'a>(var: &Variant<'a>, ctx: &Context) -> Result<Checked<'a>> {
         path: var.path,
         weights: var.weights,
         out,
-        score: Score::Dot,
     };
     let main = match var.params {
         VariantParams::General { .. } => Stage {
             q: (q_shape, f32s),
             ..base
         },
-        VariantParams::Additive { .. } => {
-            let a = d.inner;
-            Stage {
-                q: ([b, hq, l, a], f32s),
-                k: ([b, hkv, s, a], f32s),
-                // The scale is folded into u.
-                options: Options {
-                    scale: Some(1.0),
-                    ..options.clone()
-                },
-                score: Score::Additive,
-                ..base
-            }
-        }
+        VariantParams::Additive { u, .. } => Stage {
+            // The logit is the user score function's alone (q k = 0 with one zero column).
+            q: ([b, hq, l, 1], f32s),
+            k: ([b, hkv, s, 1], f32s),
+            options: Options {
+                scale: Some(1.0),
+                user_mod: Some(additive_score(&d, u)),
+                ..options.clone()
+            },
+            ..base
+        },
         VariantParams::LowRankV { .. } => Stage { out: f32s, ..base },
         VariantParams::Linformer { .. } => {
             let kp = d.inner;
@@ -236,7 +251,6 @@ fn nystrom_stages<'a>(d: &Dims, fmt: [Storage; 3], options: &Options<'a>) -> [St
             path: Path::Unfused,
             weights: true,
             out: f32s,
-            score: Score::Dot,
         },
         Stage {
             q: ([b, hq, m, e], f32s),
@@ -246,7 +260,6 @@ fn nystrom_stages<'a>(d: &Dims, fmt: [Storage; 3], options: &Options<'a>) -> [St
             path: Path::Auto,
             weights: false,
             out: f32s,
-            score: Score::Dot,
         },
     ]
 }
@@ -301,7 +314,7 @@ pub(super) fn record(
     };
     match var.params {
         VariantParams::General { w } => r.general(encoder, w),
-        VariantParams::Additive { w_q, w_k, u, b } => r.additive(encoder, [w_q, w_k], (u, b.as_ref())),
+        VariantParams::Additive { w_q, w_k, b, .. } => r.additive(encoder, [w_q, w_k], b.as_ref()),
         VariantParams::LowRankV { a } => r.low_rank_v(encoder, a),
         VariantParams::Linformer { e, f } => r.linformer(encoder, [e, f]),
         VariantParams::Nystrom { .. } => r.nystrom(encoder),
@@ -365,12 +378,13 @@ impl Rec<'_, '_> {
     }
 
     /// Bahdanau's `softmax(s uᵀ tanh(W_q q + b + W_k k)) V`: the projections by the linear
-    /// op, the score by the fused kernel's additive form.
+    /// op, the score by a user `score_mod` ([`additive_score`]) reading them as captures that
+    /// the projections' buffers fill on the GPU.
     fn additive(
         &self,
         encoder: &mut wgpu::CommandEncoder,
         [w_q, w_k]: [&Array2<f32>; 2],
-        (u, bias): (&ndarray::Array1<f32>, Option<&ndarray::Array1<f32>>),
+        bias: Option<&ndarray::Array1<f32>>,
     ) -> Result<GpuVariantOutput> {
         let (ctx, d, f32s) = (self.ctx, self.c.dims, Storage::F32);
         let Dims {
@@ -385,21 +399,7 @@ impl Rec<'_, '_> {
         } = d;
         let (q_up, k_up) = (self.q.upload(ctx, "q"), self.k.upload(ctx, "k"));
         let (wq_buf, wk_buf) = (self.matrix("w_q", w_q), self.matrix("w_k", w_k));
-        let padded = |x: &ndarray::Array1<f32>, factor: f32| {
-            let mut p = vec![0f32; padded_u_len(a)];
-            for (dst, src) in p.iter_mut().zip(x) {
-                *dst = src * factor;
-            }
-            p
-        };
-        // The scale is folded into u; u is bound as a uniform (fused) or storage (unfused).
-        let u_buf = crate::buffers::init(
-            ctx,
-            "u",
-            bytemuck::cast_slice(&padded(u, d.scale as f32)),
-            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::UNIFORM,
-        );
-        let b_buf = bias.map(|x| storage_init(ctx, "b", bytemuck::cast_slice(&padded(x, 1.0))));
+        let b_buf = bias.map(|x| storage_init(ctx, "b", bytemuck::cast_slice(&x.to_vec())));
         let qa = self.scratch("W_q q + b", b * hq * l * a);
         let ka = self.scratch("W_k k", b * hkv * s * a);
         let weights = |w, b| linear::Weights { w, b, storage: f32s };
@@ -419,13 +419,15 @@ impl Rec<'_, '_> {
             binding(&ka, 0, f32_bytes(b * hkv * s * a)),
             [b * hkv * s, a, e],
         )?;
+        // q k = 0: one zero column each; the score function gives the whole logit.
+        let (zq, zk) = (vec![0f32; b * hq * l], vec![0f32; b * hkv * s]);
         let tensors = [
-            Tensor::from_buffer(&qa, f32s, &[b, hq, l, a]),
-            Tensor::from_buffer(&ka, f32s, &[b, hkv, s, a]),
+            Tensor::from_slice(&zq, &[b, hq, l, 1]),
+            Tensor::from_slice(&zk, &[b, hkv, s, 1]),
             self.var.v.clone(),
         ];
         let mut sdpa = self.c.main.sdpa(Some(tensors));
-        sdpa.score = ScoreInput::Additive(Some(&u_buf));
+        sdpa.capture_buffers = vec![(0, &qa), (1, &ka)];
         let gpu = sdpa.record(ctx, encoder)?;
         Ok(self.finish(gpu))
     }
