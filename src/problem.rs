@@ -214,6 +214,9 @@ pub struct Problem {
     pub doc_ids: Option<DocIds>,
     /// User WGSL functions (checked), if any.
     pub(crate) user_fns: Option<std::sync::Arc<crate::user_mod::UserFns>>,
+    /// Added to the diagonal `S - L` that the window and ALiBi measure from: a ring pair's
+    /// shift, so that its local positions measure the global problem's distances (0 else).
+    pub(crate) diag_shift: i64,
     /// The storage formats of q, k, v, the bias and the output (all f32 by default).
     pub storage: crate::storage::Formats,
     /// Where q, k, v, the output (and the backward's dout) lie in their buffers, for those
@@ -282,6 +285,7 @@ impl Problem {
             sink_logits: None,
             doc_ids: None,
             user_fns: None,
+            diag_shift: 0,
             storage: Default::default(),
             views: Default::default(),
         })

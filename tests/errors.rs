@@ -344,14 +344,20 @@ fn window_options_are_validated() {
         .backward(&dout)
         .run_blocking(ctx);
     assert!(matches!(r, Err(Error::InvalidModifier { .. })), "{:?}", r.err());
+    // The ring splits a window over the keys (tests/ring.rs), not with key lengths.
     let ring = wgpu_attention::Ring::new(std::slice::from_ref(ctx));
-    let r = ring.run_blocking(&Sdpa::new(&q, &k, &v).window(4, 0));
-    assert!(matches!(r, Err(Error::Ring { .. })), "{:?}", r.err());
+    let r = ring.run_blocking(&Sdpa::new(&q, &k, &v).window(4, 0).kv_lens(&[7, 5]));
+    assert!(
+        matches!(&r, Err(e @ Error::Ring { .. }) if e.to_string().contains("key lengths")),
+        "{:?}",
+        r.err()
+    );
 }
 
 /// A softcap that is not finite and > 0, an ALiBi slope count that is not Hq or a slope that
 /// is not finite: typed errors before any GPU work, forward and backward; the approximate
-/// variants refuse both, the ring ALiBi and sink logits.
+/// variants refuse both; the ring ALiBi with key lengths, and sink logits in its backward or
+/// where the causal mask hides the first keys from some queries.
 #[test]
 fn softcap_and_alibi_are_validated() {
     let (q, k, v) = (
@@ -419,16 +425,36 @@ fn softcap_and_alibi_are_validated() {
         .backward(&dout)
         .run_blocking(ctx);
     assert!(matches!(r, Err(Error::InvalidModifier { .. })), "{:?}", r.err());
-    // The ring splits a softcap and document ids with the keys (tests/ring.rs); it refuses
-    // ALiBi and sink logits.
+    // The ring splits a softcap, document ids, ALiBi and sink logits with the keys
+    // (tests/ring.rs), with these exceptions.
     let ring = wgpu_attention::Ring::new(std::slice::from_ref(ctx));
-    for sdpa in [
-        Sdpa::new(&q, &k, &v).alibi(&[0.5; 4]),
-        Sdpa::new(&q, &k, &v).sink_logits(&[0.5; 4]),
+    let q_long = Array4::<f32>::zeros((2, 4, 14, 8));
+    for (sdpa, why) in [
+        (
+            Sdpa::new(&q, &k, &v).alibi(&[0.5; 4]).kv_lens(&[7, 5]),
+            "key lengths",
+        ),
+        (
+            Sdpa::new(&q_long, &k, &v)
+                .sink_logits(&[0.5; 4])
+                .causal(wgpu_attention::Causal::BottomRight),
+            "first keys",
+        ),
     ] {
         let r = ring.run_blocking(&sdpa);
-        assert!(matches!(r, Err(Error::Ring { .. })), "{:?}", r.err());
+        assert!(
+            matches!(&r, Err(e @ Error::Ring { .. }) if e.to_string().contains(why)),
+            "{why}: {:?}",
+            r.err()
+        );
     }
+    let dout = Array4::<f32>::zeros((2, 4, 5, 3));
+    let r = ring.backward_blocking(&Sdpa::new(&q, &k, &v).sink_logits(&[0.5; 4]).backward(&dout));
+    assert!(
+        matches!(&r, Err(e @ Error::Ring { .. }) if e.to_string().contains("backward")),
+        "{:?}",
+        r.err()
+    );
 }
 
 /// User WGSL functions: naga's rejection quoting the line, a wrong signature, no function,

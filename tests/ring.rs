@@ -202,7 +202,7 @@ fn backward_matches_reference() {
 
 /// What splits with the keys: a softcap (per logit) and document ids (unordered, rows of a
 /// document no key has fully masked), forward on 1 to 3 devices in both layouts and the
-/// backward by FlashAttention's rule; ALiBi and sink logits are refused with typed errors.
+/// backward by FlashAttention's rule.
 #[test]
 fn softcap_and_documents_split_over_the_ring() {
     let Some(devices) = devices(3) else { return };
@@ -222,13 +222,47 @@ fn softcap_and_documents_split_over_the_ring() {
         .backward_blocking(&case.sdpa().backward(&dout))
         .unwrap();
     assert_grads(&case, &g.grads, &dout, "ring backward softcap docs N=3");
-    for refused in [
-        Case::random(SHAPE, 24).with_alibi(),
-        Case::random(SHAPE, 24).with_sink_logits(),
-    ] {
-        let e = Ring::new(&devices).run_blocking(&refused.sdpa()).unwrap_err();
-        assert!(matches!(e, Error::Ring { .. }), "{e}");
+}
+
+/// A sliding window with sink tokens, ALiBi and sink logits split over the ring: each pair
+/// measures the window's and ALiBi's distances from the global diagonal (its shift), the sink
+/// tokens are the sequence's first keys, and the sink logit joins each row once (in its pair
+/// with the first key chunk); causal both ways (bottom-right with L > S: rows that see no
+/// key), L != S, 1 to 3 devices, both layouts, both paths; the backward of the window and
+/// ALiBi by FlashAttention's rule.
+#[test]
+fn windows_alibi_and_sink_logits_split_over_the_ring() {
+    let Some(devices) = devices(3) else { return };
+    let cases = [
+        Case::random(SHAPE, 31).with_window(5, 3, 2).with_alibi(),
+        // Bottom-right with L > S: the first rows see no key.
+        Case::random(SHAPE, 32)
+            .with_causal(Causal::BottomRight)
+            .with_window(6, 0, 3)
+            .with_alibi(),
+        Case::random(SHAPE, 33)
+            .with_causal(Causal::TopLeft)
+            .with_window(4, 2, 1)
+            .with_alibi()
+            .with_sink_logits(),
+    ];
+    for (c, case) in cases.iter().enumerate() {
+        for n in 1..=3 {
+            for layout in [Layout::Zigzag, Layout::Contiguous] {
+                for path in [Path::Auto, Path::Unfused] {
+                    let label = format!("case {c} {layout:?} N={n} {path:?}");
+                    check_forward(&devices[..n], case, layout, path, &label);
+                }
+            }
+        }
     }
+    let case = &cases[0];
+    let (b, h, l, _) = case.dims();
+    let dout = rand_array(&mut rng(34), (b, h, l, case.v.dim().3));
+    let g = Ring::new(&devices)
+        .backward_blocking(&case.sdpa().backward(&dout))
+        .unwrap();
+    assert_grads(case, &g.grads, &dout, "ring backward window alibi N=3");
 }
 
 /// Typed errors before any GPU work: more devices than positions, GPU buffers, an output

@@ -215,7 +215,8 @@ impl Masks {
             bias_off: bias_off as u32,
             win_left: window.map_or(-1, |w| side(w.left)),
             win_right: window.map_or(-1, |w| side(w.right)),
-            win_off: (if p.kv_lens.is_some() { 0 } else { p.seq_kv as i64 } - p.seq_q as i64) as i32,
+            win_off: (if p.kv_lens.is_some() { 0 } else { p.seq_kv as i64 } - p.seq_q as i64 + p.diag_shift)
+                .clamp(i32::MIN as i64, i32::MAX as i64) as i32,
             win_sinks: window.map_or(0, |w| w.sink_tokens.min(u32::MAX as usize) as u32),
             softcap: p.softcap.unwrap_or(0.0),
             softcap_inv: p.softcap.map_or(0.0, |c| 1.0 / c),

@@ -23,7 +23,7 @@ use crate::ops::Mats;
 use crate::storage::Storage;
 use crate::tensor::Tensor;
 
-use super::forward::{split_heads, Dims, Pass};
+use super::forward::{split_heads, Dims, Inputs, Pass};
 use super::{MhaForward, MhaGrads};
 
 /// Builder of the backward pass of one [`MhaForward`]: the gradients of `sum(dY ∘ Y)` with
@@ -190,8 +190,8 @@ impl<'a> MhaBackward<'a> {
         }
         let pass = Pass::new(fwd, ctx, true)?;
         let dims = pass.dims;
-        let Dims { b, l, s, h, g, d, e } = dims;
-        let (c, st, m) = (fwd.layer().config, fwd.layer().storage, fwd.layer());
+        let Dims { b, l, s, h, d, e, .. } = dims;
+        let (st, m) = (fwd.layer().storage, fwd.layer());
         let (query_shape, key_shape, value_shape) = self.input_shapes(&pass);
         let dout = self.check(ctx, &pass)?;
         let into = &self.into;
@@ -256,7 +256,21 @@ impl<'a> MhaBackward<'a> {
             (&bufs.w[3], bufs.b[3].as_ref(), None),
         )?;
 
-        // Input projections, from their head gradients (layer format).
+        self.record_input_grads(enc, (&lin, &pass, &inputs), &attn, &bufs)?;
+        Ok(bufs)
+    }
+
+    /// The input projections' gradients from the attention's head gradients (layer format),
+    /// into `bufs`; none for inputs given as heads.
+    fn record_input_grads(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        (lin, pass, inputs): (&Linear<'_>, &Pass<'_, '_>, &Inputs<'_>),
+        attn: &crate::GpuGrads,
+        bufs: &MhaGpuGrads,
+    ) -> Result<()> {
+        let (fwd, m, c) = (&self.fwd, self.fwd.layer(), self.fwd.layer().config);
+        let Dims { b, l, s, h, g, d, e } = pass.dims;
         let x_q = (inputs.query.binding(), pass.query.storage);
         let [qd, kd, vd] = [(h, l), (g, s), (g, s)].map(|(n, t)| [b, n, t, d]);
         let dx_k = bufs.key.as_ref().unwrap_or(&bufs.query);
@@ -269,7 +283,7 @@ impl<'a> MhaBackward<'a> {
             lin.record_heads(
                 enc,
                 (&attn.dk, kd),
-                pass.key_input(&inputs),
+                pass.key_input(inputs),
                 (&m.w_k, c.kdim),
                 input(1, dx_k),
             )?;
@@ -278,12 +292,12 @@ impl<'a> MhaBackward<'a> {
             lin.record_heads(
                 enc,
                 (&attn.dv, vd),
-                pass.value_input(&inputs),
+                pass.value_input(inputs),
                 (&m.w_v, c.vdim),
                 input(2, dx_v),
             )?;
         }
-        Ok(bufs)
+        Ok(())
     }
 
     /// The query input's shape, and the key and value inputs' (in cross-attention; the key

@@ -90,6 +90,9 @@ struct Pair {
     /// The document ids of the pair's queries and keys.
     docs: Option<crate::problem::DocIds>,
     causal: Causal,
+    /// The pair's diagonal shift ([`RingPlan::pair_shift`]) and its key chunk's start.
+    shift: i64,
+    k_start: usize,
     shapes: [[usize; 4]; 3],
     k_off: u64,
     v_off: u64,
@@ -142,6 +145,8 @@ impl Pair {
                 }
             }),
             causal,
+            shift: plan.pair_shift(own[i], kc),
+            k_start: k.start,
             shapes: [
                 [p.batch, p.q_heads, lq, p.head_dim],
                 [p.batch, p.kv_heads, k.len(), p.head_dim],
@@ -172,9 +177,19 @@ impl Pair {
             kv_lens: self.lens.clone(),
             softcap: plan.p.softcap,
             doc_ids: self.docs.clone(),
+            // The window's sink tokens are the first keys of the whole sequence; the sink
+            // logit joins each row once, in its pair with the first key chunk.
+            window: plan.p.window.map(|w| (w.left, w.right)),
+            sink_tokens: plan
+                .p
+                .window
+                .map_or(0, |w| w.sink_tokens.saturating_sub(self.k_start)),
+            alibi: plan.p.alibi.clone(),
+            sink_logits: plan.p.sink_logits.clone().filter(|_| self.k_start == 0),
             ..Options::default()
         })
         .path(plan.path);
+        s.diag_shift = self.shift;
         if let Some(bytes) = plan.max_scores_bytes {
             s = s.max_scores_bytes(bytes);
         }

@@ -432,19 +432,19 @@ impl RingPlan {
         if n == 0 {
             return refuse("a ring needs at least one device");
         }
-        if p.window.is_some() {
-            return refuse("a sliding window is not split over devices yet: run it on one device");
-        }
         if p.has_user_mod() {
             return refuse(
                 "user score and mask functions are not split over devices yet: run them on one device",
             );
         }
         // A softcap acts per logit and document ids travel with their positions: both split
-        // with the keys. ALiBi (its distances) and sink logits (one per row, not per key
-        // chunk) do not yet.
-        if p.alibi.is_some() || p.sink_logits.is_some() {
-            return refuse("ALiBi or sink logits are not split over devices yet: run them on one device");
+        // with the keys. A window and ALiBi measure distances from the diagonal, which each
+        // pair shifts to the global one (`pair_shift`); under key lengths the diagonal is each
+        // batch's, which a key chunk cuts differently per batch.
+        if (p.window.is_some() || p.alibi.is_some()) && p.kv_lens.is_some() {
+            return refuse(
+                "a sliding window or ALiBi with key lengths (each batch's diagonal at its own length) is not split over devices yet: run it on one device",
+            );
         }
         if n > p.seq_q || n > p.seq_kv {
             return refuse(&format!(
@@ -459,7 +459,7 @@ impl RingPlan {
         }
         let p = one_diagonal(p, n)?;
         let bounds = |len: usize| (0..=2 * n).map(|c| c * len / (2 * n)).collect::<Vec<_>>();
-        Ok(RingPlan {
+        let plan = RingPlan {
             n,
             layout,
             out_storage: p.storage.out,
@@ -473,7 +473,15 @@ impl RingPlan {
             bias_shape: sdpa.options.bias.as_ref().map(|b| b.shape.clone()),
             backward: false,
             p,
-        })
+        };
+        // The sink logit joins each row's softmax once: in the pair of its query chunk with
+        // the first key chunk, which every query chunk must then compute.
+        if plan.p.sink_logits.is_some() && (0..2 * n).any(|qc| plan.pair_causal(qc, 0).is_none()) {
+            return refuse(
+                "sink logits where the causal mask hides the first keys from some queries are not split over devices yet: run them on one device",
+            );
+        }
+        Ok(plan)
     }
 
     /// The plan of the backward of `b`: dO's format and the backward's path.
@@ -481,6 +489,12 @@ impl RingPlan {
         self.p = one_diagonal(b.problem()?, self.n)?;
         self.path = b.path;
         self.backward = true;
+        if self.p.sink_logits.is_some() {
+            return Err(Error::Ring {
+                devices: self.n,
+                reason: "sink logits in the backward (their gradient) are not split over devices yet: run it on one device".into(),
+            });
+        }
         if self.weights {
             return Err(Error::Ring {
                 devices: self.n,
@@ -630,7 +644,25 @@ impl RingPlan {
             .kv_lens
             .map(|lens| lens.iter().map(|&l| pair_len(l as usize, &k) as u32).collect());
         p.storage.out = out;
+        p.diag_shift = self.pair_shift(qc, kc);
+        p.window = p.window.map(|w| crate::problem::Window {
+            sink_tokens: w.sink_tokens.saturating_sub(k.start),
+            ..w
+        });
+        if kc != 0 {
+            p.sink_logits = None;
+        }
         p
+    }
+
+    /// The shift that moves the pair's diagonal `S_p - L_p` (its chunks' lengths) onto the
+    /// global problem's `S - L` at the chunks' starts, for the window and ALiBi (without key
+    /// lengths: the plan refuses them there).
+    pub(crate) fn pair_shift(&self, qc: usize, kc: usize) -> i64 {
+        let (q, k) = (self.q_range(qc), self.kv_range(kc));
+        let global = self.p.seq_kv as i64 - self.p.seq_q as i64;
+        let local = k.len() as i64 - q.len() as i64;
+        q.start as i64 - k.start as i64 + global - local
     }
 
     /// Every pair `rank` computes: (index of its query chunk, key chunk, causal), for each

@@ -141,6 +141,8 @@ pub struct Sdpa<'a> {
     /// call is recorded, after the stand-in values the user function was given (the attention
     /// variants' additive score reads its projections so).
     pub(crate) capture_buffers: Vec<(usize, &'a wgpu::Buffer)>,
+    /// [`Problem`]'s `diag_shift` (a ring pair's; 0 else).
+    pub(crate) diag_shift: i64,
 }
 
 impl<'a> Sdpa<'a> {
@@ -158,6 +160,7 @@ impl<'a> Sdpa<'a> {
             out: None,
             out_storage: None,
             capture_buffers: Vec::new(),
+            diag_shift: 0,
         }
     }
 
@@ -256,6 +259,7 @@ impl<'a> Sdpa<'a> {
             bias: self.options.bias.as_ref().map_or(Storage::F32, |b| b.storage()),
             out,
         });
+        p.diag_shift = self.diag_shift;
         p.views = crate::view::Views {
             q: crate::view::of_tensor("q", &self.q)?,
             k: crate::view::of_tensor("k", &self.k)?,
