@@ -77,7 +77,7 @@ fn main(
                     dp += dout_get(dout_base(row) + d) * v_get(v_base(kvh * p.s + j) + d);
                 }
                 let g = dscore(pij, dp, dsum_of(row));
-                u_score_mod_dcapture(pre_mod(s, b, h, i, j), b, h, i, j, g);
+                u_score_mod_dcapture(pre_mod(s, b, h, i, j), b, h, i + p.m.pos_q, j + p.m.pos_k, g);
             }
         }
         rec_n[tid] = my_n;

@@ -41,7 +41,7 @@ fn main(
         var all = true;
         for (var i = qb * MAP_BLOCK; i < min(qb * MAP_BLOCK + MAP_BLOCK, p.l); i++) {
             for (var j = kb * MAP_BLOCK; j < min(kb * MAP_BLOCK + MAP_BLOCK, p.s); j++) {
-                let ok = u_mask_mod(b, h, i, j);
+                let ok = u_mask_mod(b, h, i + p.m.pos_q, j + p.m.pos_k);
                 any = any || ok;
                 all = all && ok;
             }

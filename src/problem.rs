@@ -217,6 +217,9 @@ pub struct Problem {
     /// Added to the diagonal `S - L` that the window and ALiBi measure from: a ring pair's
     /// shift, so that its local positions measure the global problem's distances (0 else).
     pub(crate) diag_shift: i64,
+    /// Added to the query and key positions the user functions see: a ring pair's chunk
+    /// starts ([0, 0] else).
+    pub(crate) pos_offset: [usize; 2],
     /// The storage formats of q, k, v, the bias and the output (all f32 by default).
     pub storage: crate::storage::Formats,
     /// Where q, k, v, the output (and the backward's dout) lie in their buffers, for those
@@ -286,6 +289,7 @@ impl Problem {
             doc_ids: None,
             user_fns: None,
             diag_shift: 0,
+            pos_offset: [0, 0],
             storage: Default::default(),
             views: Default::default(),
         })

@@ -208,6 +208,22 @@ impl<'a> UserMod<'a> {
         self
     }
 
+    /// This source with its captures copied: a `UserMod` that outlives the caller's slices (the
+    /// ring's plan keeps one for its pairs).
+    pub(crate) fn to_owned_mod(&self) -> UserMod<'static> {
+        UserMod {
+            source: self.source.clone(),
+            captures: self
+                .captures
+                .iter()
+                .map(|(n, d)| (n.clone(), Cow::Owned(d.to_vec())))
+                .collect(),
+            cpu_score: self.cpu_score.clone(),
+            cpu_mask: self.cpu_mask.clone(),
+            vouched: self.vouched,
+        }
+    }
+
     /// [`capture`](Self::capture) of owned values (the attention variants' additive score).
     pub(crate) fn capture_owned(mut self, name: &str, data: Vec<f32>) -> Self {
         self.captures.push((name.to_string(), Cow::Owned(data)));

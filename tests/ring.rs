@@ -228,8 +228,8 @@ fn softcap_and_documents_split_over_the_ring() {
 /// measures the window's and ALiBi's distances from the global diagonal (its shift), the sink
 /// tokens are the sequence's first keys, and the sink logit joins each row once (in its pair
 /// with the first key chunk); causal both ways (bottom-right with L > S: rows that see no
-/// key), L != S, 1 to 3 devices, both layouts, both paths; the backward of the window and
-/// ALiBi by FlashAttention's rule.
+/// key), L != S, 1 to 3 devices, both layouts, both paths; the backward (d(sink logits)
+/// included) by FlashAttention's rule.
 #[test]
 fn windows_alibi_and_sink_logits_split_over_the_ring() {
     let Some(devices) = devices(3) else { return };
@@ -256,13 +256,15 @@ fn windows_alibi_and_sink_logits_split_over_the_ring() {
             }
         }
     }
-    let case = &cases[0];
-    let (b, h, l, _) = case.dims();
-    let dout = rand_array(&mut rng(34), (b, h, l, case.v.dim().3));
-    let g = Ring::new(&devices)
-        .backward_blocking(&case.sdpa().backward(&dout))
-        .unwrap();
-    assert_grads(case, &g.grads, &dout, "ring backward window alibi N=3");
+    // d(sink logits): each device sums its pairs' shares, the host the devices'.
+    for (c, case) in [(0, &cases[0]), (2, &cases[2])] {
+        let (b, h, l, _) = case.dims();
+        let dout = rand_array(&mut rng(34), (b, h, l, case.v.dim().3));
+        let g = Ring::new(&devices)
+            .backward_blocking(&case.sdpa().backward(&dout))
+            .unwrap();
+        assert_grads(case, &g.grads, &dout, &format!("ring backward case {c} N=3"));
+    }
 }
 
 /// Typed errors before any GPU work: more devices than positions, GPU buffers, an output
@@ -314,4 +316,57 @@ fn refusals_are_typed() {
         Ring::new(&devices).run_blocking(&bad),
         Err(Error::ShapeMismatch { .. })
     ));
+}
+
+/// User functions split over the ring: each pair's see their global positions (a relative
+/// bias `score_mod` with captures, a band `mask_mod` read through its block map, a prefix-LM
+/// dilated `mask_mod`), causal or not, 1 to 3 devices, both layouts, both paths; the backward
+/// through a `mask_mod`, through a `score_mod` of the positions and through the relative bias
+/// with its captures' gradients (summed over pairs and devices) by FlashAttention's rule.
+#[test]
+fn user_functions_split_over_the_ring() {
+    let Some(devices) = devices(3) else { return };
+    let cases = [
+        Case::random(SHAPE, 41).with_relbias_score_mod(42),
+        Case::random(SHAPE, 43)
+            .with_causal(Causal::TopLeft)
+            .with_band_mask_mod([9.0, 4.0]),
+        Case::random(SHAPE, 44).with_prefix_dilated_mask_mod(),
+    ];
+    for (c, case) in cases.iter().enumerate() {
+        for n in 1..=3 {
+            for layout in [Layout::Zigzag, Layout::Contiguous] {
+                for path in [Path::Auto, Path::Unfused] {
+                    let label = format!("user case {c} {layout:?} N={n} {path:?}");
+                    check_forward(&devices[..n], case, layout, path, &label);
+                }
+            }
+        }
+    }
+    // A score_mod of the positions with its derivative in s (no capture gradients).
+    let table: &'static [f32] = Box::leak(
+        (0..64)
+            .map(|x| (x as f32 * 0.37).sin())
+            .collect::<Vec<_>>()
+            .into_boxed_slice(),
+    );
+    let mut by_position = Case::random(SHAPE, 45).with_causal(Causal::BottomRight);
+    by_position.user_mod = Some(
+        wgpu_attention::UserMod::wgsl(
+            "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
+                 return s + rel((j * 7u + h) % 64u) - 0.02 * f32(i);
+             }
+             fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return 1.0; }",
+        )
+        .capture("rel", table)
+        .cpu_score(|s, [_, h, i, j], c| s + c.get("rel", (j * 7 + h) % 64) - 0.02 * i as f64),
+    );
+    for case in [&cases[0], &cases[1], &by_position] {
+        let (b, h, l, _) = case.dims();
+        let dout = rand_array(&mut rng(46), (b, h, l, case.v.dim().3));
+        let g = Ring::new(&devices)
+            .backward_blocking(&case.sdpa().backward(&dout))
+            .unwrap();
+        assert_grads(case, &g.grads, &dout, "ring backward user functions N=3");
+    }
 }

@@ -155,7 +155,7 @@ fn mask_mod_any(b: u32, h: u32, i0: u32, ni: u32, j0: u32, nj: u32, tid: u32, nt
     for (var t = tid; t < ni * nj; t += nt) {
         let i = i0 + t / nj;
         let j = j0 + t % nj;
-        any = any || (i < p.m.doc_l && j < p.s && u_mask_mod(b, h, min(i, p.m.doc_l - 1u), min(j, p.s - 1u)));
+        any = any || (i < p.m.doc_l && j < p.s && u_mask_mod(b, h, min(i, p.m.doc_l - 1u) + p.m.pos_q, min(j, p.s - 1u) + p.m.pos_k));
     }
     if (any) {
         atomicOr(&wg_mod_any, 1u);
@@ -375,7 +375,7 @@ fn mod_grad(x0: f32, x: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
         return 1.0;
     }
     let jj = min(j, p.s - 1u);
-    return select(1.0, u_score_mod_ds(pre_mod(x0, b, h, i, jj), b, h, i, jj), in_range(x));
+    return select(1.0, u_score_mod_ds(pre_mod(x0, b, h, i, jj), b, h, i + p.m.pos_q, jj + p.m.pos_k), in_range(x));
 }
 
 // d(final logit) / d(scaled dot product x0) (`x` the masked logit): the softcap's derivative
@@ -414,12 +414,13 @@ fn masked_logit(x: f32, keep: bool, b: u32, h: u32, i: u32, j: u32) -> f32 {
     if (HAS_ALIBI) {
         y += alibi_term(b, h, i, j);
     }
-    // The user's functions see keys in [0, S) (a tile's keys past S are masked by `keep`).
+    // The user's functions see keys in [0, S) (a tile's keys past S are masked by `keep`), at
+    // their global positions (p.m.pos_q and pos_k: a ring pair's chunk starts, 0 else).
     if (HAS_SCORE_MOD) {
-        y = u_score_mod(y, b, h, i, min(j, p.s - 1u));
+        y = u_score_mod(y, b, h, i + p.m.pos_q, min(j, p.s - 1u) + p.m.pos_k);
     }
     if (HAS_MASK_MOD && !mod_full) {
-        k = k && u_mask_mod(b, h, i, min(j, p.s - 1u));
+        k = k && u_mask_mod(b, h, i + p.m.pos_q, min(j, p.s - 1u) + p.m.pos_k);
     }
     // A NaN logit (or bias) stays NaN, tested by its bits (see is_nan_bits), so that its row
     // comes out NaN as in PyTorch.

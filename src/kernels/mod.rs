@@ -96,6 +96,10 @@ wgsl_struct! {
         /// (0: none: the kernels classify blocks themselves), and the query heads it counts.
         mod_map: u32,
         map_heads: u32,
+        /// Added to the query and key positions the user functions see: a ring pair's chunk
+        /// starts, so that they see the global positions (0 else).
+        pos_q: u32,
+        pos_k: u32,
     }
 }
 
@@ -228,6 +232,8 @@ impl Masks {
             doc_kb: doc[3] as u32,
             doc_l: p.seq_q as u32,
             cap_tab: aux_tail(p) as u32,
+            pos_q: p.pos_offset[0] as u32,
+            pos_k: p.pos_offset[1] as u32,
             ..Default::default()
         }
     }

@@ -57,7 +57,8 @@ pub(crate) fn bytes(p: &Problem) -> u64 {
     (entries(p).div_ceil(16) as u64 * 4).next_multiple_of(16)
 }
 
-/// The cache key: the source (with the capture names), the captures' values and the shape.
+/// The cache key: the source (with the capture names), the captures' values, the shape and
+/// the positions' offset (a ring pair's).
 fn key_of(p: &Problem) -> u64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     if let Some(u) = &p.user_fns {
@@ -66,7 +67,7 @@ fn key_of(p: &Problem) -> u64 {
             d.iter().for_each(|x| x.to_bits().hash(&mut h));
         }
     }
-    (p.batch, p.q_heads, p.seq_q, p.seq_kv).hash(&mut h);
+    (p.batch, p.q_heads, p.seq_q, p.seq_kv, p.pos_offset).hash(&mut h);
     h.finish()
 }
 

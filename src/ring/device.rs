@@ -34,12 +34,15 @@ pub(crate) struct DeviceOutput {
 }
 
 /// One device's backward results: dQ of its query chunks, dK and dV of its key chunks (f32,
-/// complete), and its share of d(bias) in the bias's broadcast shape.
+/// complete), and its shares of d(bias) in the bias's broadcast shape, of d(sink logits) and
+/// of the captures' gradients (packed).
 pub(crate) struct DeviceGrads {
     pub dq: Vec<Vec<f32>>,
     pub dk: Vec<Vec<f32>>,
     pub dv: Vec<Vec<f32>>,
     pub dbias: Option<Vec<f32>>,
+    pub dsink: Option<Vec<f32>>,
+    pub dcaptures: Option<Vec<f32>>,
 }
 
 /// The buffers of one device's key/value blocks: the one computed on and the one arriving.
@@ -92,6 +95,7 @@ struct Pair {
     causal: Causal,
     /// The pair's diagonal shift ([`RingPlan::pair_shift`]) and its key chunk's start.
     shift: i64,
+    q_start: usize,
     k_start: usize,
     shapes: [[usize; 4]; 3],
     k_off: u64,
@@ -146,6 +150,7 @@ impl Pair {
             }),
             causal,
             shift: plan.pair_shift(own[i], kc),
+            q_start: plan.q_range(own[i]).start,
             k_start: k.start,
             shapes: [
                 [p.batch, p.q_heads, lq, p.head_dim],
@@ -186,10 +191,11 @@ impl Pair {
                 .map_or(0, |w| w.sink_tokens.saturating_sub(self.k_start)),
             alibi: plan.p.alibi.clone(),
             sink_logits: plan.p.sink_logits.clone().filter(|_| self.k_start == 0),
-            ..Options::default()
+            user_mod: plan.user_mod.clone(),
         })
         .path(plan.path);
         s.diag_shift = self.shift;
+        s.pos_offset = [self.q_start, self.k_start];
         if let Some(bytes) = plan.max_scores_bytes {
             s = s.max_scores_bytes(bytes);
         }
@@ -461,6 +467,7 @@ pub(crate) fn backward(
         .map(|&c| vec![0.0; p.batch_heads() * plan.q_range(c).len() * e])
         .collect();
     let mut dbias = p.bias.map(|bc| vec![0.0f32; bc.len()]);
+    let [mut dsink, mut dcaptures] = plan.extra_grad_lens().map(|n| n.map(|n| vec![0.0f32; n]));
     let mut blocks = Blocks::new(ctx, plan, shard.block.clone());
     // The dK/dV sums of the block being computed on (zero at the first step: it starts here).
     let mut sums: Vec<f32> = vec![0.0; plan.grads_len(rank)];
@@ -500,6 +507,8 @@ pub(crate) fn backward(
                     dq: &mut dq[i],
                     sums: &mut sums,
                     dbias: dbias.as_mut(),
+                    dsink: dsink.as_mut(),
+                    dcaptures: dcaptures.as_mut(),
                 };
                 add_pair(
                     ctx,
@@ -528,7 +537,14 @@ pub(crate) fn backward(
     let dk = layout.iter().map(|x| sums[x.dk..x.dv].to_vec()).collect();
     let dv = layout.iter().map(|x| sums[x.dv..x.end].to_vec()).collect();
     Ok((
-        DeviceGrads { dq, dk, dv, dbias },
+        DeviceGrads {
+            dq,
+            dk,
+            dv,
+            dbias,
+            dsink,
+            dcaptures,
+        },
         clock.report(plan, rank, peak, started),
     ))
 }
@@ -596,11 +612,14 @@ struct PairWeights {
     lse: Vec<f32>,
 }
 
-/// Where a pair's gradients are summed: its query chunk's dQ, the block's dK/dV sums, d(bias).
+/// Where a pair's gradients are summed: its query chunk's dQ, the block's dK/dV sums, d(bias),
+/// d(sink logits) (from the pairs with the first key chunk) and the captures' gradients.
 struct GradSums<'s> {
     dq: &'s mut [f32],
     sums: &'s mut [f32],
     dbias: Option<&'s mut Vec<f32>>,
+    dsink: Option<&'s mut Vec<f32>>,
+    dcaptures: Option<&'s mut Vec<f32>>,
 }
 
 /// Read a pair's gradients `g` back and add them: dQ, dK at `k_at` and dV at `v_at` of the
@@ -630,6 +649,13 @@ fn add_pair(
     if let (Some(db), Some(buf), Some(bc)) = (acc.dbias, g.dbias.as_ref(), gp.bias) {
         let part = block_on(ctx.read_as_f32(buf, 0, bc.len(), f.bias))?;
         add_bias(db, plan.p.bias.expect("bias").shape, &part, bc.shape, q0, k0);
+    }
+    // f32 sums of the pairs' shares, in the pairs' order.
+    for (acc, buf) in [(acc.dsink, &g.dsink), (acc.dcaptures, &g.dcaptures)] {
+        if let (Some(acc), Some(buf)) = (acc, buf) {
+            let n = acc.len();
+            add(acc, block_on(ctx.read_as_f32(buf, 0, n, crate::Storage::F32))?);
+        }
     }
     Ok(())
 }
@@ -700,7 +726,7 @@ impl DeviceGrads {
     /// Every value in one vector.
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn flatten(&self) -> Vec<f32> {
-        let b = self.dbias.iter();
+        let b = self.dbias.iter().chain(&self.dsink).chain(&self.dcaptures);
         self.dq
             .iter()
             .chain(&self.dk)
@@ -727,6 +753,8 @@ impl DeviceGrads {
             dk: kv_rows.iter().map(|&r| take(r * p.head_dim)).collect(),
             dv: kv_rows.iter().map(|&r| take(r * p.head_dim_v)).collect(),
             dbias: p.bias.map(|b| take(b.len())),
+            dsink: plan.extra_grad_lens()[0].map(&mut take),
+            dcaptures: plan.extra_grad_lens()[1].map(&mut take),
         }
     }
 
@@ -736,6 +764,7 @@ impl DeviceGrads {
         let p = &plan.p;
         let q: usize = plan.q_rows(rank).iter().sum();
         let kv: usize = plan.kv_rows(rank).iter().sum();
-        q * p.head_dim + kv * (p.head_dim + p.head_dim_v) + p.bias.map_or(0, |b| b.len())
+        let [sinks, caps] = plan.extra_grad_lens().map(|n| n.unwrap_or(0));
+        q * p.head_dim + kv * (p.head_dim + p.head_dim_v) + p.bias.map_or(0, |b| b.len()) + sinks + caps
     }
 }

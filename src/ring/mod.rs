@@ -396,6 +396,8 @@ pub struct RingPlan {
     /// The global problem, its storage formats included (`out`: the output's format; for a
     /// backward, dO's).
     pub(crate) p: Problem,
+    /// The user functions with their captures (copied), for the pairs' calls.
+    pub(crate) user_mod: Option<crate::UserMod<'static>>,
     pub(crate) scale: Option<f64>,
     pub(crate) path: Path,
     pub(crate) lse: bool,
@@ -432,13 +434,9 @@ impl RingPlan {
         if n == 0 {
             return refuse("a ring needs at least one device");
         }
-        if p.has_user_mod() {
-            return refuse(
-                "user score and mask functions are not split over devices yet: run them on one device",
-            );
-        }
         // A softcap acts per logit and document ids travel with their positions: both split
-        // with the keys. A window and ALiBi measure distances from the diagonal, which each
+        // with the keys, as do user functions (each pair's sees its global positions,
+        // `pos_offset`). A window and ALiBi measure distances from the diagonal, which each
         // pair shifts to the global one (`pair_shift`); under key lengths the diagonal is each
         // batch's, which a key chunk cuts differently per batch.
         if (p.window.is_some() || p.alibi.is_some()) && p.kv_lens.is_some() {
@@ -472,6 +470,7 @@ impl RingPlan {
             kv_bounds: bounds(p.seq_kv),
             bias_shape: sdpa.options.bias.as_ref().map(|b| b.shape.clone()),
             backward: false,
+            user_mod: sdpa.options.user_mod.as_ref().map(|m| m.to_owned_mod()),
             p,
         };
         // The sink logit joins each row's softmax once: in the pair of its query chunk with
@@ -489,12 +488,6 @@ impl RingPlan {
         self.p = one_diagonal(b.problem()?, self.n)?;
         self.path = b.path;
         self.backward = true;
-        if self.p.sink_logits.is_some() {
-            return Err(Error::Ring {
-                devices: self.n,
-                reason: "sink logits in the backward (their gradient) are not split over devices yet: run it on one device".into(),
-            });
-        }
         if self.weights {
             return Err(Error::Ring {
                 devices: self.n,
@@ -645,6 +638,7 @@ impl RingPlan {
             .map(|lens| lens.iter().map(|&l| pair_len(l as usize, &k) as u32).collect());
         p.storage.out = out;
         p.diag_shift = self.pair_shift(qc, kc);
+        p.pos_offset = [q.start, k.start];
         p.window = p.window.map(|w| crate::problem::Window {
             sink_tokens: w.sink_tokens.saturating_sub(k.start),
             ..w
@@ -653,6 +647,16 @@ impl RingPlan {
             p.sink_logits = None;
         }
         p
+    }
+
+    /// The lengths of the backward's d(sink logits) (`Hq`) and packed capture gradients, when
+    /// the problem has them: each device sums its pairs' shares, the host the devices'.
+    pub(crate) fn extra_grad_lens(&self) -> [Option<usize>; 2] {
+        let caps = self.p.user_fns.as_ref().filter(|u| u.dcapture);
+        [
+            self.p.sink_logits.as_ref().map(Vec::len),
+            caps.map(|u| u.capture_len()),
+        ]
     }
 
     /// The shift that moves the pair's diagonal `S_p - L_p` (its chunks' lengths) onto the
@@ -814,6 +818,7 @@ impl RingPlan {
         let mut dk = Array4::<f32>::zeros((b, hkv, s, e));
         let mut dv = Array4::<f32>::zeros((b, hkv, s, ev));
         let mut dbias = p.bias.map(|bc| ArrayD::<f32>::zeros(IxDyn(&bc.shape)));
+        let [mut dsink, mut dcaps] = self.extra_grad_lens().map(|n| n.map(|n| vec![0.0f32; n]));
         for (rank, part) in parts.iter().enumerate() {
             for (i, r) in self.query_rows(rank).into_iter().enumerate() {
                 dq.slice_mut(ndarray::s![.., .., r.clone(), ..]).assign(
@@ -831,6 +836,11 @@ impl RingPlan {
             if let (Some(d), Some(pd)) = (dbias.as_mut(), part.dbias.as_ref()) {
                 d.iter_mut().zip(pd).for_each(|(a, x)| *a += x);
             }
+            for (acc, pd) in [(&mut dsink, &part.dsink), (&mut dcaps, &part.dcaptures)] {
+                if let (Some(a), Some(pd)) = (acc.as_mut(), pd) {
+                    a.iter_mut().zip(pd).for_each(|(a, x)| *a += x);
+                }
+            }
         }
         // The bias's own shape (rank 1 to 4), not its 4-D broadcast.
         let dbias = dbias.map(|d| {
@@ -842,8 +852,8 @@ impl RingPlan {
             dk: dk.mapv(|x| p.storage.k.round(x)),
             dv: dv.mapv(|x| p.storage.v.round(x)),
             dbias: dbias.map(|d| d.mapv(|x| p.storage.bias.round(x))),
-            dsink: None,
-            dcaptures: None,
+            dsink: dsink.map(ndarray::Array1::from),
+            dcaptures: dcaps.and_then(|d| p.user_fns.as_ref().map(|u| u.split(&d))),
             output: None,
             lse: None,
         }

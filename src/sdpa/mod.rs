@@ -143,6 +143,8 @@ pub struct Sdpa<'a> {
     pub(crate) capture_buffers: Vec<(usize, &'a wgpu::Buffer)>,
     /// [`Problem`]'s `diag_shift` (a ring pair's; 0 else).
     pub(crate) diag_shift: i64,
+    /// [`Problem`]'s `pos_offset` (a ring pair's chunk starts; [0, 0] else).
+    pub(crate) pos_offset: [usize; 2],
 }
 
 impl<'a> Sdpa<'a> {
@@ -161,6 +163,7 @@ impl<'a> Sdpa<'a> {
             out_storage: None,
             capture_buffers: Vec::new(),
             diag_shift: 0,
+            pos_offset: [0, 0],
         }
     }
 
@@ -260,6 +263,7 @@ impl<'a> Sdpa<'a> {
             out,
         });
         p.diag_shift = self.diag_shift;
+        p.pos_offset = self.pos_offset;
         p.views = crate::view::Views {
             q: crate::view::of_tensor("q", &self.q)?,
             k: crate::view::of_tensor("k", &self.k)?,
