@@ -100,6 +100,9 @@ wgsl_struct! {
         /// starts, so that they see the global positions (0 else).
         pos_q: u32,
         pos_k: u32,
+        /// To a multiple of 16 bytes (WGSL's uniform layout of a nested struct).
+        _pad0: u32,
+        _pad1: u32,
     }
 }
 
