@@ -210,6 +210,7 @@ impl<'a> UserMod<'a> {
 
     /// This source with its captures copied: a `UserMod` that outlives the caller's slices (the
     /// ring's plan keeps one for its pairs).
+    #[cfg_attr(target_arch = "wasm32", allow(dead_code))]
     pub(crate) fn to_owned_mod(&self) -> UserMod<'static> {
         UserMod {
             source: self.source.clone(),
