@@ -61,6 +61,30 @@ fn check_forward(devices: &[Context], case: &Case, layout: Layout, path: Path, l
     assert_eq!(got.report.devices.len(), devices.len(), "{label}");
 }
 
+/// [`check_forward`] on the first 1, 2 and 3 of `devices`, in both layouts, on the automatic
+/// and the unfused path.
+fn check_forward_on_1_to_3(devices: &[Context], case: &Case, label: &str) {
+    for n in 1..=3 {
+        for layout in [Layout::Zigzag, Layout::Contiguous] {
+            for path in [Path::Auto, Path::Unfused] {
+                let label = format!("{label} {layout:?} N={n} {path:?}");
+                check_forward(&devices[..n], case, layout, path, &label);
+            }
+        }
+    }
+}
+
+/// The ring backward of `case` on every one of `devices` (a random dO from `seed`) against the
+/// reference by FlashAttention's rule.
+fn check_backward(devices: &[Context], case: &Case, seed: u64, label: &str) {
+    let (b, h, l, _) = case.dims();
+    let dout = rand_array(&mut rng(seed), (b, h, l, case.v.dim().3));
+    let g = Ring::new(devices)
+        .backward_blocking(&case.sdpa().backward(&dout))
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+    assert_grads(case, &g.grads, &dout, label);
+}
+
 /// Every mask kind on 1 to 4 devices, zigzag, the automatic path.
 #[test]
 fn forward_matches_reference_for_every_mask_kind() {
@@ -216,12 +240,7 @@ fn softcap_and_documents_split_over_the_ring() {
             check_forward(&devices[..n], &case, layout, Path::Auto, &label);
         }
     }
-    let (b, h, l, _) = case.dims();
-    let dout = rand_array(&mut rng(23), (b, h, l, case.v.dim().3));
-    let g = Ring::new(&devices)
-        .backward_blocking(&case.sdpa().backward(&dout))
-        .unwrap();
-    assert_grads(&case, &g.grads, &dout, "ring backward softcap docs N=3");
+    check_backward(&devices, &case, 23, "ring backward softcap docs N=3");
 }
 
 /// A sliding window with sink tokens, ALiBi and sink logits split over the ring: each pair
@@ -247,23 +266,11 @@ fn windows_alibi_and_sink_logits_split_over_the_ring() {
             .with_sink_logits(),
     ];
     for (c, case) in cases.iter().enumerate() {
-        for n in 1..=3 {
-            for layout in [Layout::Zigzag, Layout::Contiguous] {
-                for path in [Path::Auto, Path::Unfused] {
-                    let label = format!("case {c} {layout:?} N={n} {path:?}");
-                    check_forward(&devices[..n], case, layout, path, &label);
-                }
-            }
-        }
+        check_forward_on_1_to_3(&devices, case, &format!("case {c}"));
     }
     // d(sink logits): each device sums its pairs' shares, the host the devices'.
     for (c, case) in [(0, &cases[0]), (2, &cases[2])] {
-        let (b, h, l, _) = case.dims();
-        let dout = rand_array(&mut rng(34), (b, h, l, case.v.dim().3));
-        let g = Ring::new(&devices)
-            .backward_blocking(&case.sdpa().backward(&dout))
-            .unwrap();
-        assert_grads(case, &g.grads, &dout, &format!("ring backward case {c} N=3"));
+        check_backward(&devices, case, 34, &format!("ring backward case {c} N=3"));
     }
 }
 
@@ -334,14 +341,7 @@ fn user_functions_split_over_the_ring() {
         Case::random(SHAPE, 44).with_prefix_dilated_mask_mod(),
     ];
     for (c, case) in cases.iter().enumerate() {
-        for n in 1..=3 {
-            for layout in [Layout::Zigzag, Layout::Contiguous] {
-                for path in [Path::Auto, Path::Unfused] {
-                    let label = format!("user case {c} {layout:?} N={n} {path:?}");
-                    check_forward(&devices[..n], case, layout, path, &label);
-                }
-            }
-        }
+        check_forward_on_1_to_3(&devices, case, &format!("user case {c}"));
     }
     // A score_mod of the positions with its derivative in s (no capture gradients).
     let table: &'static [f32] = Box::leak(
@@ -362,11 +362,6 @@ fn user_functions_split_over_the_ring() {
         .cpu_score(|s, [_, h, i, j], c| s + c.get("rel", (j * 7 + h) % 64) - 0.02 * i as f64),
     );
     for case in [&cases[0], &cases[1], &by_position] {
-        let (b, h, l, _) = case.dims();
-        let dout = rand_array(&mut rng(46), (b, h, l, case.v.dim().3));
-        let g = Ring::new(&devices)
-            .backward_blocking(&case.sdpa().backward(&dout))
-            .unwrap();
-        assert_grads(case, &g.grads, &dout, "ring backward user functions N=3");
+        check_backward(&devices, case, 46, "ring backward user functions N=3");
     }
 }

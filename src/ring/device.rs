@@ -93,10 +93,8 @@ struct Pair {
     /// The document ids of the pair's queries and keys.
     docs: Option<crate::problem::DocIds>,
     causal: Causal,
-    /// The pair's diagonal shift ([`RingPlan::pair_shift`]) and its key chunk's start.
-    shift: i64,
-    q_start: usize,
-    k_start: usize,
+    /// The pair's query chunk and key chunk.
+    chunks: (usize, usize),
     shapes: [[usize; 4]; 3],
     k_off: u64,
     v_off: u64,
@@ -149,9 +147,7 @@ impl Pair {
                 }
             }),
             causal,
-            shift: plan.pair_shift(own[i], kc),
-            q_start: plan.q_range(own[i]).start,
-            k_start: k.start,
+            chunks: (own[i], kc),
             shapes: [
                 [p.batch, p.q_heads, lq, p.head_dim],
                 [p.batch, p.kv_heads, k.len(), p.head_dim],
@@ -166,6 +162,8 @@ impl Pair {
     fn sdpa<'a>(&'a self, plan: &RingPlan, q: &'a wgpu::Buffer, block: &'a wgpu::Buffer) -> Sdpa<'a> {
         let f = plan.p.storage;
         let [qs, ks, vs] = &self.shapes;
+        let (qc, kc) = self.chunks;
+        let window = plan.pair_window(kc);
         let mut s = Sdpa::new(
             Tensor::from_buffer(q, f.q, qs),
             Tensor::from_buffer(block, f.k, ks).at_offset(self.k_off),
@@ -182,20 +180,17 @@ impl Pair {
             kv_lens: self.lens.clone(),
             softcap: plan.p.softcap,
             doc_ids: self.docs.clone(),
-            // The window's sink tokens are the first keys of the whole sequence; the sink
-            // logit joins each row once, in its pair with the first key chunk.
-            window: plan.p.window.map(|w| (w.left, w.right)),
-            sink_tokens: plan
-                .p
-                .window
-                .map_or(0, |w| w.sink_tokens.saturating_sub(self.k_start)),
+            // The window's and the sink logits' pair rules: RingPlan::pair_window and
+            // pair_sink_logits (as the plans' pair_problem).
+            window: window.map(|w| (w.left, w.right)),
+            sink_tokens: window.map_or(0, |w| w.sink_tokens),
             alibi: plan.p.alibi.clone(),
-            sink_logits: plan.p.sink_logits.clone().filter(|_| self.k_start == 0),
+            sink_logits: plan.pair_sink_logits(kc),
             user_mod: plan.user_mod.clone(),
         })
         .path(plan.path);
-        s.diag_shift = self.shift;
-        s.pos_offset = [self.q_start, self.k_start];
+        s.diag_shift = plan.pair_shift(qc, kc);
+        s.pos_offset = plan.pair_positions(qc, kc);
         if let Some(bytes) = plan.max_scores_bytes {
             s = s.max_scores_bytes(bytes);
         }

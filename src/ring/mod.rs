@@ -638,15 +638,32 @@ impl RingPlan {
             .map(|lens| lens.iter().map(|&l| pair_len(l as usize, &k) as u32).collect());
         p.storage.out = out;
         p.diag_shift = self.pair_shift(qc, kc);
-        p.pos_offset = [q.start, k.start];
-        p.window = p.window.map(|w| crate::problem::Window {
-            sink_tokens: w.sink_tokens.saturating_sub(k.start),
-            ..w
-        });
-        if kc != 0 {
-            p.sink_logits = None;
-        }
+        p.pos_offset = self.pair_positions(qc, kc);
+        p.window = self.pair_window(kc);
+        p.sink_logits = self.pair_sink_logits(kc);
         p
+    }
+
+    /// Where the pair's queries and keys start in the sequence: added to the positions its
+    /// user functions see.
+    pub(crate) fn pair_positions(&self, qc: usize, kc: usize) -> [usize; 2] {
+        [self.q_range(qc).start, self.kv_range(kc).start]
+    }
+
+    /// The window of a pair with key chunk `kc`: the same sides; its sink tokens are the
+    /// sequence's first keys, `n - k0` of the chunk's.
+    pub(crate) fn pair_window(&self, kc: usize) -> Option<crate::problem::Window> {
+        let k0 = self.kv_range(kc).start;
+        self.p.window.map(|w| crate::problem::Window {
+            sink_tokens: w.sink_tokens.saturating_sub(k0),
+            ..w
+        })
+    }
+
+    /// The sink logits of a pair with key chunk `kc`: each row's joins its softmax once, in
+    /// its pair with the first key chunk.
+    pub(crate) fn pair_sink_logits(&self, kc: usize) -> Option<Vec<f32>> {
+        self.p.sink_logits.clone().filter(|_| kc == 0)
     }
 
     /// The lengths of the backward's d(sink logits) (`Hq`) and packed capture gradients, when
