@@ -171,6 +171,13 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// A paged KV cache call ([`Sdpa::paged`](crate::Sdpa::paged)) whose block table, sequence
+    /// lengths or caches do not fit together.
+    #[error("paged KV cache: {reason}")]
+    Paged {
+        /// What is wrong.
+        reason: String,
+    },
     /// The scale is NaN or infinite (or too large for the kernels' f32).
     #[error("scale must be finite in f32, got {scale}")]
     InvalidScale {

@@ -225,6 +225,26 @@ pub struct Problem {
     /// Where q, k, v, the output (and the backward's dout) lie in their buffers, for those
     /// that are not dense (see [`TensorLayout`](crate::TensorLayout)).
     pub(crate) views: crate::view::Views,
+    /// K and V read from paged caches through a block table ([`Sdpa::paged`](crate::Sdpa::paged)),
+    /// if so: the problem's k and v shapes are then the logical `[B, Hkv, S, E]`, S the
+    /// longest sequence.
+    pub(crate) paged: Option<Paged>,
+}
+
+/// The block table of a paged K/V read: key `t` of sequence `b` is token slot `t % block_size`
+/// of cache block `table[b * max_blocks + t / block_size]`. Entries past a sequence's last
+/// block are 0 here (the caller's may be anything): the kernels read (and mask) keys past a
+/// sequence's length in bounds.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct Paged {
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Blocks in each cache.
+    pub num_blocks: usize,
+    /// Table entries per sequence.
+    pub max_blocks: usize,
+    /// `[B, max_blocks]`, every entry below `num_blocks`.
+    pub table: Vec<u32>,
 }
 
 fn dims4(tensor: &'static str, shape: &[usize]) -> Result<[usize; 4]> {
@@ -292,6 +312,7 @@ impl Problem {
             pos_offset: [0, 0],
             storage: Default::default(),
             views: Default::default(),
+            paged: None,
         })
     }
 

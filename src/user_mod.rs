@@ -390,6 +390,11 @@ impl UserFns {
         self.captures.iter().map(|(_, d)| d.len()).sum()
     }
 
+    /// The auxiliary words [`aux_words`](Self::aux_words) gives: the table and the values.
+    pub(crate) fn aux_len(&self) -> usize {
+        2 * self.captures.len() + self.capture_len()
+    }
+
     /// The packed capture gradients `all` split per capture, in capture order.
     pub(crate) fn split(&self, all: &[f32]) -> Vec<ndarray::Array1<f32>> {
         let mut at = 0;

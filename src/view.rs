@@ -132,6 +132,9 @@ pub(crate) struct Views {
     /// dimensions 0): read through `p.m` by the masks code, with no effect on the kernels'
     /// specialisation.
     pub bias: Option<View>,
+    /// k and v are paged caches read through a block table ([`crate::problem::Paged`]; their
+    /// views hold the caches' element offsets and the head and token strides).
+    pub paged: bool,
 }
 
 impl Views {

@@ -228,7 +228,11 @@ pub(crate) fn attention_io(
         ("k", Dim::E, views.k),
         ("v", Dim::EV, views.v),
     ] {
-        s += &row_base(x, dim, vec4, view.map(|_| x), "");
+        if views.paged && x != "q" {
+            s += &paged_row_base(x, x);
+        } else {
+            s += &row_base(x, dim, vec4, view.map(|_| x), "");
+        }
         s += &row_loader(x, dim, vec4);
     }
     s += &row_base("out", Dim::EV, vec4, views.out.map(|_| "o"), "");
@@ -261,6 +265,18 @@ pub(crate) fn row_base(name: &str, dim: Dim, vec4: bool, view: Option<&str>, at:
              return v.off + (bh / v.heads) * v.b + (bh % v.heads) * v.h + (row - bh * v.n) * v.s;\n}}\n"
         ),
     }
+}
+
+/// `fn NAME_base(row: u32) -> u32` of a paged cache `[NB, BS, Hkv, E]` through the view
+/// `p.x.SLOT` ([`super::RowView`]'s paged fields): the row index `(b·heads + h)·n + t` is
+/// split, and key `t` of sequence `b` found in its block through the block table in the
+/// auxiliary words (`aux_word`; every entry a block of the cache, checked by the host).
+pub(crate) fn paged_row_base(name: &str, slot: &str) -> String {
+    format!(
+        "fn {name}_base(row: u32) -> u32 {{\n    let v = p.x.{slot};\n    let bh = row / v.n;\n    \
+         let t = row - bh * v.n;\n    let blk = aux_word(v.tab + (bh / v.heads) * v.b + t / v.bs);\n    \
+         return v.off + (blk * v.bs + t % v.bs) * v.s + (bh % v.heads) * v.h;\n}}\n"
+    )
 }
 
 /// A head dim: its vec4 count (a prelude constant) and its size (a params field).

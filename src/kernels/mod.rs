@@ -109,7 +109,9 @@ wgsl_struct! {
 wgsl_struct! {
     /// One tensor's view as the kernels read it (`p.x.q`, ...; see [`crate::view`]): the
     /// element offset, the strides of B, H and S, and the rows per head `n` and the heads that
-    /// split a kernel's row index `(b·heads + h)·n + s`.
+    /// split a kernel's row index `(b·heads + h)·n + s`. A paged cache's (`bs` > 0: tokens per
+    /// block; [`crate::problem::Paged`]): `b` is the block table's entries per sequence, `tab`
+    /// the auxiliary word where the table starts, `s` the stride of a token slot.
     pub(crate) struct RowView {
         off: u32,
         b: u32,
@@ -117,8 +119,8 @@ wgsl_struct! {
         s: u32,
         n: u32,
         heads: u32,
-        _pad0: u32,
-        _pad1: u32,
+        bs: u32,
+        tab: u32,
     }
 }
 
@@ -144,10 +146,23 @@ impl TensorViews {
         let (l, s) = (p.seq_q, p.seq_kv);
         let (hq, hkv) = (p.q_heads, p.kv_heads);
         let x = &p.views;
+        // A paged cache `[NB, BS, Hkv, E]`: token slots Hkv·E apart, heads E apart.
+        let paged = |v: Option<crate::view::View>, e: usize| {
+            p.paged.as_ref().map(|pg| RowView {
+                off: v.map_or(0, |v| v.offset) as u32,
+                b: pg.max_blocks as u32,
+                h: e as u32,
+                s: (hkv * e) as u32,
+                n: s as u32,
+                heads: hkv as u32,
+                bs: pg.block_size as u32,
+                tab: page_table_at(p) as u32,
+            })
+        };
         TensorViews {
             q: row(x.q, l, hq),
-            k: row(x.k, s, hkv),
-            v: row(x.v, s, hkv),
+            k: paged(x.k, p.head_dim).unwrap_or_else(|| row(x.k, s, hkv)),
+            v: paged(x.v, p.head_dim_v).unwrap_or_else(|| row(x.v, s, hkv)),
             o: row(x.out, l, hq),
             g: row(x.dout, l, hq),
         }
@@ -266,6 +281,12 @@ pub(crate) fn aux_tail(p: &crate::problem::Problem) -> usize {
     } else {
         q
     }
+}
+
+/// Where a paged call's block table starts among the auxiliary words: after the user
+/// functions' captures, if any.
+pub(crate) fn page_table_at(p: &crate::problem::Problem) -> usize {
+    aux_tail(p) + p.user_fns.as_ref().map_or(0, |u| u.aux_len())
 }
 
 /// The (min, max) of each block of [`DOC_BLOCK`] ids of each of the `rows` rows of `n` ids.
@@ -658,6 +679,7 @@ mod tests {
             out: v(5),
             dout: v(7),
             bias: v(9),
+            paged: false,
         }
     }
 
@@ -748,6 +770,8 @@ mod tests {
                         .with_alibi(Some(&[0.5, 0.25, 0.125, 0.0625]))
                         .unwrap();
                     p.views = test_views();
+                    // Paged caches (the block table's reads) in half of the cases.
+                    p.views.paged = fi % 2 == 1;
                 }
                 for caps in caps_list {
                     for form in caps.fused_forms() {

@@ -4,10 +4,11 @@
 //! against its own stage: [`scores`] (`scale · Q Kᵀ`), [`masked_softmax`] (masks, bias, causal,
 //! key lengths; fully masked rows give zeros), [`weighted_sum`] (`P V`). [`sdpa()`] chains them.
 //! Users may call it to verify their own GPU results. One file per family: `sdpa.rs` (the
-//! stages and their chain), `backward.rs` (its gradients, [`sdpa_backward`]), `mha.rs` (the layer), `variants.rs` (the attention variants, [`variant`]).
+//! stages and their chain), `backward.rs` (its gradients, [`sdpa_backward`]), `mha.rs` (the layer), `paged.rs` (paged KV caches, [`sdpa_paged`]), `variants.rs` (the attention variants, [`variant`]).
 
 mod backward;
 mod mha;
+mod paged;
 mod sdpa;
 mod variants;
 
@@ -16,6 +17,7 @@ pub use backward::{
 };
 
 pub use mha::{mha, mha_backward, mha_backward_f32, mha_backward_in, MhaInputs, MhaOutput};
+pub use paged::{gather_paged, sdpa_paged};
 pub use sdpa::{masked_softmax, mean_over_heads, scores, sdpa, weighted_sum, Output};
 pub use variants::{
     additive_scores, general_scores, landmarks, nystrom_pinv, seq_project, variant, VariantOutput,

@@ -175,13 +175,15 @@ pub(crate) fn mask_binding(
 /// The auxiliary words of binding 2 (`aux_word` in the kernels), when the problem has any: the
 /// B key lengths (0 without them), then the Hq ALiBi slopes and the Hq sink logits as f32
 /// bits (each when given), then the document ids: the queries' `[B, L]`, the keys' `[B, S]`
-/// and each block's (min, max) of each (`crate::kernels::doc_offsets`).
+/// and each block's (min, max) of each (`crate::kernels::doc_offsets`), the user functions'
+/// captures, and a paged call's block table (`crate::kernels::page_table_at`).
 pub(crate) fn aux_words(p: &Problem) -> Option<Vec<u32>> {
     if p.kv_lens.is_none()
         && p.alibi.is_none()
         && p.sink_logits.is_none()
         && p.doc_ids.is_none()
         && p.user_fns.is_none()
+        && p.paged.is_none()
     {
         return None;
     }
@@ -204,6 +206,10 @@ pub(crate) fn aux_words(p: &Problem) -> Option<Vec<u32>> {
         debug_assert_eq!(w.len(), crate::kernels::aux_tail(p));
         let base = w.len();
         w.extend(u.aux_words(base));
+    }
+    if let Some(pg) = &p.paged {
+        debug_assert_eq!(w.len(), crate::kernels::page_table_at(p));
+        w.extend(&pg.table);
     }
     Some(w)
 }

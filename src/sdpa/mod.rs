@@ -145,6 +145,15 @@ pub struct Sdpa<'a> {
     pub(crate) diag_shift: i64,
     /// [`Problem`]'s `pos_offset` (a ring pair's chunk starts; [0, 0] else).
     pub(crate) pos_offset: [usize; 2],
+    /// k and v are paged caches read through this block table ([`Sdpa::paged`]).
+    pub(crate) paged: Option<PagedSpec<'a>>,
+}
+
+/// [`Sdpa::paged`]'s block table (`[B, max_blocks]`, row-major) and key count per sequence.
+#[derive(Debug, Clone)]
+pub(crate) struct PagedSpec<'a> {
+    pub(crate) table: std::borrow::Cow<'a, [i32]>,
+    pub(crate) seq_lens: Vec<usize>,
 }
 
 impl<'a> Sdpa<'a> {
@@ -164,10 +173,53 @@ impl<'a> Sdpa<'a> {
             capture_buffers: Vec::new(),
             diag_shift: 0,
             pos_offset: [0, 0],
+            paged: None,
         }
     }
 
     option_setters!();
+
+    /// Read k and v as paged KV caches (vLLM's layout): k is `[num_blocks, block_size, Hkv,
+    /// E]` and v `[num_blocks, block_size, Hkv, Ev]` (dense, any of the storage formats), and
+    /// key `t` of sequence `b` is token slot `t % block_size` of block
+    /// `block_table[b * max_blocks + t / block_size]`. `block_table` is `[B, max_blocks]`
+    /// row-major (B = q's batch, one sequence per batch entry); `seq_lens[b]` is sequence
+    /// `b`'s key count, its new queries' own keys included. Entries past a sequence's last
+    /// block are never read and may be anything (-1, say).
+    ///
+    /// q is `[B, Hq, n, E]`: the `n` newest positions of each sequence, so query `i` of
+    /// sequence `b` has position `seq_lens[b] - n + i` ([`Causal::BottomRight`](crate::Causal::BottomRight) is causal by
+    /// position, and the window and ALiBi measure from it). Decode is `n = 1`; a prefill
+    /// chunk of the same length for every sequence is larger `n`. Runs on the fused and decode
+    /// paths (never [`Path::Unfused`], nor the attention weights); every modifier applies.
+    ///
+    /// Checked before any GPU work, as [`Error::Paged`]: a table whose length is not a
+    /// multiple of B, a sequence longer than its table, fewer keys than queries, a used entry
+    /// outside the caches, caches of different block counts or sizes, caches given a layout
+    /// or strides, and [`kv_lens`](Sdpa::kv_lens) or [`Causal::TopLeft`](crate::Causal::TopLeft) with it.
+    ///
+    /// ```
+    /// use ndarray::Array4;
+    /// use wgpu_attention::{Causal, Sdpa};
+    /// // Two sequences of 5 and 2 keys in caches of 4 blocks of 2 tokens (1 K/V head, head
+    /// // dim 8); one new query each, 2 query heads.
+    /// let k = Array4::<f32>::from_elem((4, 2, 1, 8), 0.5);
+    /// let v = Array4::<f32>::from_elem((4, 2, 1, 8), 1.0);
+    /// let q = Array4::<f32>::from_elem((2, 2, 1, 8), 0.1);
+    /// let table = [3, 0, 2, /* sequence 1: */ 1, -1, -1];
+    /// let call = Sdpa::new(&q, &k, &v)
+    ///     .paged(&table, &[5, 2])
+    ///     .causal(Causal::BottomRight);
+    /// assert_eq!(call.problem()?.seq_kv, 5);
+    /// # Ok::<(), wgpu_attention::Error>(())
+    /// ```
+    pub fn paged(mut self, block_table: &'a [i32], seq_lens: &[usize]) -> Self {
+        self.paged = Some(PagedSpec {
+            table: block_table.into(),
+            seq_lens: seq_lens.to_vec(),
+        });
+        self
+    }
 
     /// Force a path (default [`Path::Auto`]).
     pub fn path(mut self, path: Path) -> Self {
@@ -225,9 +277,19 @@ impl<'a> Sdpa<'a> {
     /// Validate shapes and options into a [`Problem`] (no GPU work).
     pub fn problem(&self) -> Result<Problem> {
         let q = self.q.storage();
-        let p = self
-            .options
-            .problem(&self.q.shape, &self.k.shape, &self.v.shape)?;
+        let (p, paged) = match &self.paged {
+            None => (
+                self.options
+                    .problem(&self.q.shape, &self.k.shape, &self.v.shape)?,
+                None,
+            ),
+            Some(spec) => {
+                let (k, v, lens, paged) = paged_problem(self, spec)?;
+                let mut options = self.options.clone();
+                options.kv_lens = Some(lens);
+                (options.problem(&self.q.shape, &k, &v)?, Some(paged))
+            }
+        };
         let mut out = self.out_storage.unwrap_or(q);
         if let Some(t) = &self.out {
             if !matches!(t.data, crate::tensor::TensorData::Gpu { .. }) {
@@ -282,7 +344,27 @@ impl<'a> Sdpa<'a> {
                 .map(crate::view::of_bias)
                 .transpose()?
                 .flatten(),
+            paged: paged.is_some(),
         };
+        if paged.is_some() {
+            // The caches' element offsets (a binding starts at a 256-byte boundary) and their
+            // head and token strides, for the kernels' alignment checks; TensorViews reads the
+            // rest from `p.paged`.
+            let (e, ev, hkv) = (p.head_dim, p.head_dim_v, p.kv_heads);
+            let off = |t: &Tensor| match &t.data {
+                crate::tensor::TensorData::Gpu { offset, storage, .. } => {
+                    ((offset % crate::view::BIND_ALIGN) / storage.element_bytes()) as usize
+                }
+                crate::tensor::TensorData::Host(_) => 0,
+            };
+            let view = |offset, e: usize| crate::view::View {
+                offset,
+                strides: [0, e, hkv * e, 1],
+            };
+            p.views.k = Some(view(off(&self.k), e));
+            p.views.v = Some(view(off(&self.v), ev));
+        }
+        p.paged = paged;
         Ok(p)
     }
 
@@ -369,6 +451,12 @@ impl Sdpa<'_> {
     /// in the background, are waited for.
     pub async fn prepare(&self, ctx: &Context, seq_kv: std::ops::RangeInclusive<usize>) -> Result<usize> {
         let base = self.problem()?;
+        if base.paged.is_some() {
+            return Err(Error::Paged {
+                reason: "prepare takes contiguous calls: a paged call compiles its kernels on its first run"
+                    .into(),
+            });
+        }
         let caps = ctx.caps();
         let req = self.request();
         // The smallest S of each distinct form (tiles that are run-time parameters excluded).
@@ -540,6 +628,105 @@ pub(crate) async fn read_output(ctx: &Context, gpu: &GpuOutput) -> Result<Array4
 /// For [`Sdpa::prepare`]: when `t` is read through a view, zeroed scratch holding a tensor of
 /// `shape` in format `st` read the same way (the same offset within 256 bytes, the same layout,
 /// its capacity at least `shape`'s S): its buffer, that offset and the view request.
+/// [`Sdpa::paged`]'s checks: the logical k and v shapes `[B, Hkv, S, E]` (S the longest
+/// sequence), the key lengths, and the block table with its unused entries zeroed.
+#[allow(clippy::type_complexity)]
+fn paged_problem(
+    call: &Sdpa,
+    spec: &PagedSpec,
+) -> Result<([usize; 4], [usize; 4], Vec<usize>, crate::problem::Paged)> {
+    let bad = |reason: String| Err(Error::Paged { reason });
+    let rank4 = |tensor: &'static str, shape: &[usize]| -> Result<[usize; 4]> {
+        let s: [usize; 4] = shape.try_into().map_err(|_| Error::WrongRank {
+            tensor,
+            expected: 4,
+            actual: shape.len(),
+            shape: shape.to_vec(),
+        })?;
+        if s.contains(&0) {
+            return Err(Error::ZeroSized {
+                tensor,
+                shape: shape.to_vec(),
+            });
+        }
+        Ok(s)
+    };
+    let [b, _, n, _] = rank4("q", &call.q.shape)?;
+    let [nb, bs, hkv, e] = rank4("k", &call.k.shape)?;
+    let [vnb, vbs, vh, ev] = rank4("v", &call.v.shape)?;
+    if (vnb, vbs, vh) != (nb, bs, hkv) {
+        return bad(format!(
+            "the v cache {:?} must have the k cache's blocks, block size and heads ({nb}, {bs}, {hkv}, Ev)",
+            call.v.shape
+        ));
+    }
+    for (name, t) in [("k", &call.k), ("v", &call.v)] {
+        if t.view.is_set() {
+            return bad(format!(
+                "the {name} cache is read as dense [num_blocks, block_size, Hkv, E]: no layout, capacity or strides"
+            ));
+        }
+    }
+    if call.options.kv_lens.is_some() {
+        return bad("seq_lens are the key lengths: do not also give kv_lens".into());
+    }
+    if call.options.causal == crate::Causal::TopLeft {
+        return bad(
+            "queries are each sequence's newest positions: causal is Causal::BottomRight (by position)"
+                .into(),
+        );
+    }
+    let lens = &spec.seq_lens;
+    if lens.len() != b {
+        return bad(format!(
+            "seq_lens has {} lengths for q's batch of {b} sequences",
+            lens.len()
+        ));
+    }
+    let table = &spec.table;
+    if table.is_empty() || !table.len().is_multiple_of(b) {
+        return bad(format!(
+            "the block table has {} entries, not a positive multiple of the {b} sequences ([B, max_blocks])",
+            table.len()
+        ));
+    }
+    let max_blocks = table.len() / b;
+    let mut clean = vec![0u32; table.len()];
+    for (s, &len) in lens.iter().enumerate() {
+        if len > max_blocks * bs {
+            return bad(format!(
+                "sequence {s} has {len} keys, more than its table's {max_blocks} blocks of {bs} hold"
+            ));
+        }
+        if len < n {
+            return bad(format!(
+                "sequence {s} has {len} keys, fewer than its {n} new queries (their own keys count)"
+            ));
+        }
+        for t in 0..len.div_ceil(bs) {
+            let entry = table[s * max_blocks + t];
+            if entry < 0 || entry as usize >= nb {
+                return bad(format!(
+                    "block_table[{s}, {t}] = {entry} is not a block of the caches (0..{nb})"
+                ));
+            }
+            clean[s * max_blocks + t] = entry as u32;
+        }
+    }
+    let s = lens.iter().copied().max().unwrap_or(1).max(1);
+    Ok((
+        [b, hkv, s, e],
+        [b, hkv, s, ev],
+        lens.clone(),
+        crate::problem::Paged {
+            block_size: bs,
+            num_blocks: nb,
+            max_blocks,
+            table: clean,
+        },
+    ))
+}
+
 fn scratch_view(
     ctx: &Context,
     t: &Tensor,

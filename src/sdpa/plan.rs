@@ -97,8 +97,16 @@ impl Plan {
             && caps.forms.fused.is_some()
             && flash::Config::new(p, &caps.with_forms(Forms::default())).is_ok();
         let decode_shape = p.seq_q <= decode::MAX_ROWS && p.seq_kv >= decode::MIN_KEYS;
+        if p.paged.is_some() && (req.weights || req.path == Path::Unfused) {
+            return Err(Error::Unsupported {
+                path: req.path.name(),
+                reason: "paged K/V caches are read by the fused and decode kernels, which never materialise the attention weights".into(),
+            });
+        }
         let path = match req.path {
             Path::Auto if !req.weights && decode_shape => Path::Decode,
+            // Paged caches have no unfused path: the fused kernel's reason is the error.
+            Path::Auto if p.paged.is_some() => Path::Fused,
             Path::Auto if !req.weights && (fused.is_ok() || pinned_refused) => Path::Fused,
             Path::Auto => Path::Unfused,
             Path::Fused | Path::Decode if req.weights => {

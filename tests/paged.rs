@@ -1,0 +1,340 @@
+//! Paged KV caches (`Sdpa::paged`): attention read through a block table against the f64
+//! reference on the contiguous keys, over block sizes (1, 3, 16, 64 and exact multiples),
+//! decode and same-length prefill chunks, GQA, every modifier and the masks (fully masked rows
+//! included), the three storage formats, and each path that reads pages (fused, decode).
+//! Unwritten cache slots hold NaN, so a read past a sequence or through an unused table entry
+//! shows.
+
+mod common;
+
+use common::*;
+use ndarray::Array4;
+use rand::seq::SliceRandom;
+use wgpu_attention::check::{compare, Tolerance};
+use wgpu_attention::{reference, Causal, Context, Error, Path, Sdpa, Storage, Tensor};
+
+/// A case's contiguous K and V scattered into caches of `block_size` token blocks in shuffled
+/// order (two spare blocks; every unwritten slot NaN), with the table (`-1` past each
+/// sequence's blocks, one spare column).
+struct Paged {
+    k: Array4<f32>,
+    v: Array4<f32>,
+    table: Vec<i32>,
+    lens: Vec<usize>,
+}
+
+fn page(case: &Case, lens: &[usize], block_size: usize, seed: u64) -> Paged {
+    let (b, hkv, s, e) = case.k.dim();
+    let ev = case.v.dim().3;
+    let per_seq: Vec<usize> = lens.iter().map(|l| l.div_ceil(block_size)).collect();
+    let nb = per_seq.iter().sum::<usize>() + 2;
+    let max_blocks = s.div_ceil(block_size) + 1;
+    let mut order: Vec<usize> = (0..nb).collect();
+    order.shuffle(&mut rng(seed));
+    let mut k = Array4::from_elem((nb, block_size, hkv, e), f32::NAN);
+    let mut v = Array4::from_elem((nb, block_size, hkv, ev), f32::NAN);
+    let mut table = vec![-1i32; b * max_blocks];
+    let mut next = order.into_iter();
+    for seq in 0..b {
+        for blk in 0..per_seq[seq] {
+            let phys = next.next().unwrap();
+            table[seq * max_blocks + blk] = phys as i32;
+            for slot in 0..block_size {
+                let t = blk * block_size + slot;
+                if t >= lens[seq] {
+                    break;
+                }
+                for h in 0..hkv {
+                    for d in 0..e {
+                        k[[phys, slot, h, d]] = case.k[[seq, h, t, d]];
+                    }
+                    for d in 0..ev {
+                        v[[phys, slot, h, d]] = case.v[[seq, h, t, d]];
+                    }
+                }
+            }
+        }
+    }
+    Paged {
+        k,
+        v,
+        table,
+        lens: lens.to_vec(),
+    }
+}
+
+/// The case's lengths as sequence lengths: `S, S - 3, n, ...` cycling (each at least n).
+fn seq_lens(case: &Case) -> Vec<usize> {
+    let (b, _, n, s) = case.dims();
+    (0..b)
+        .map(|i| [s, s.saturating_sub(3).max(n), n][i % 3])
+        .collect()
+}
+
+/// Run `case` (its kv_lens the sequence lengths) paged with `block_size` on `path` and compare
+/// the output and logsumexp with the reference on its contiguous keys.
+fn check_paged(ctx: &Context, case: &Case, block_size: usize, path: Path, tol: Tolerance, label: &str) {
+    let lens = case
+        .kv_lens
+        .clone()
+        .expect("the case's kv_lens are its sequence lengths");
+    let want = case.reference();
+    let pg = page(case, &lens, block_size, block_size as u64 + 7);
+    let mut options = case.options();
+    options.kv_lens = None;
+    fn t(a: &Array4<f32>, s: Storage) -> Tensor<'_> {
+        Tensor::from(a).with_storage(s)
+    }
+    let st = case.storage;
+    let got = Sdpa::new(t(&case.q, st), t(&pg.k, st), t(&pg.v, st))
+        .options(options)
+        .paged(&pg.table, &pg.lens)
+        .path(path)
+        .return_lse()
+        .run_blocking(ctx)
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+    let label = format!("{label} block {block_size} [{path:?}]");
+    case.assert_output(&got, &want, path, tol, &label);
+}
+
+#[test]
+fn decode_and_prefill_through_block_tables() {
+    let Some(ctx) = ctx() else { return };
+    // (B, Hq, Hkv, n, S, E, Ev): decode with GQA, a prefill chunk, head dims not multiples of 4.
+    let shapes = [
+        (3, 4, 2, 1, 77, 32, 32),
+        (3, 2, 1, 5, 48, 16, 24),
+        (2, 3, 3, 1, 33, 6, 10),
+    ];
+    for (si, &shape) in shapes.iter().enumerate() {
+        for causal in [Causal::None, Causal::BottomRight] {
+            let mut case = Case::random(shape, 40 + si as u64).with_causal(causal);
+            case.kv_lens = Some(seq_lens(&case));
+            for block_size in [1, 3, 16, 64] {
+                for path in [Path::Auto, Path::Fused, Path::Decode] {
+                    check_paged(
+                        ctx,
+                        &case,
+                        block_size,
+                        path,
+                        TOL,
+                        &format!("{shape:?} {causal:?}"),
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn sequences_of_exact_block_multiples() {
+    let Some(ctx) = ctx() else { return };
+    let mut case = Case::random((2, 2, 2, 4, 64, 16, 16), 51).with_causal(Causal::BottomRight);
+    case.kv_lens = Some(vec![64, 32]);
+    for block_size in [16, 32, 64] {
+        for path in [Path::Fused, Path::Decode] {
+            check_paged(ctx, &case, block_size, path, TOL, "exact multiples");
+        }
+    }
+}
+
+#[test]
+fn every_modifier_and_mask_through_block_tables() {
+    let Some(ctx) = ctx() else { return };
+    for (name, kind) in mask_kinds()
+        .into_iter()
+        .chain(window_kinds())
+        .chain(modifier_kinds())
+    {
+        let mut case = kind(Case::random((3, 2, 1, 3, 41, 16, 16), 60));
+        if case.causal == Causal::TopLeft {
+            case.causal = Causal::BottomRight;
+        }
+        case.kv_lens = Some(seq_lens(&case));
+        for path in [Path::Fused, Path::Decode] {
+            check_paged(ctx, &case, 16, path, TOL, name);
+        }
+    }
+}
+
+#[test]
+fn user_functions_through_block_tables() {
+    let Some(ctx) = ctx() else { return };
+    for (name, kind) in user_kinds() {
+        let mut case = kind(Case::random((3, 2, 1, 2, 40, 16, 16), 61));
+        case.kv_lens = Some(seq_lens(&case));
+        for path in [Path::Fused, Path::Decode] {
+            check_paged(ctx, &case, 16, path, TOL, name);
+        }
+    }
+}
+
+#[test]
+fn half_caches() {
+    let Some(ctx) = ctx() else { return };
+    for st in [Storage::F16, Storage::Bf16] {
+        for (shape, path) in [
+            ((3, 4, 2, 1, 70, 64, 64), Path::Decode),
+            ((3, 4, 2, 1, 70, 64, 64), Path::Fused),
+            ((2, 2, 1, 6, 45, 32, 16), Path::Fused),
+        ] {
+            let mut case = Case::random(shape, 70)
+                .with_causal(Causal::BottomRight)
+                .with_storage(st);
+            case.kv_lens = Some(seq_lens(&case));
+            check_paged(
+                ctx,
+                &case,
+                16,
+                path,
+                Tolerance::for_storage(st),
+                &format!("{st:?}"),
+            );
+        }
+    }
+}
+
+/// The host reference's own paging agrees with the contiguous reference (gather_paged reads
+/// what page() wrote).
+#[test]
+fn reference_gathers_what_was_paged() {
+    let mut case = Case::random((3, 2, 1, 2, 30, 8, 8), 80).with_causal(Causal::BottomRight);
+    let lens = seq_lens(&case);
+    case.kv_lens = Some(lens.clone());
+    let pg = page(&case, &lens, 4, 3);
+    let mut options = case.options();
+    options.kv_lens = None;
+    let got = reference::sdpa_paged(
+        case.q.view(),
+        pg.k.view(),
+        pg.v.view(),
+        &pg.table,
+        &lens,
+        &options,
+    )
+    .unwrap();
+    let want = case.reference();
+    assert_report(
+        compare(
+            got.out.iter().copied(),
+            want.out.iter().copied(),
+            Tolerance { atol: 0.0, rtol: 0.0 },
+        ),
+        "sdpa_paged",
+    );
+}
+
+#[test]
+fn bad_tables_are_typed_errors_before_gpu_work() {
+    let case = Case::random((2, 2, 1, 2, 20, 8, 8), 90);
+    let pg = page(&case, &[20, 10], 4, 5);
+    fn t(a: &Array4<f32>) -> Tensor<'_> {
+        Tensor::from(a)
+    }
+    let call = |table: &[i32], lens: &[usize]| -> Result<_, Error> {
+        let table = table.to_vec();
+        let lens = lens.to_vec();
+        let k = t(&pg.k);
+        let v = t(&pg.v);
+        let q = t(&case.q);
+        Sdpa::new(q, k, v).paged(&table, &lens).problem().map(|_| ())
+    };
+    let paged_err = |r: Result<(), Error>, what: &str| match r {
+        Err(Error::Paged { reason }) => assert!(reason.contains(what), "{reason:?} should say {what:?}"),
+        other => panic!("expected Error::Paged saying {what:?}, got {other:?}"),
+    };
+    assert!(call(&pg.table, &pg.lens).is_ok());
+    // An entry out of range, a negative used entry, a sequence longer than its table, fewer
+    // keys than queries, a table that is not [B, max_blocks], lengths not one per sequence.
+    let mut t1 = pg.table.clone();
+    t1[1] = 1000;
+    paged_err(call(&t1, &pg.lens), "block_table[0, 1] = 1000");
+    let mut t2 = pg.table.clone();
+    t2[0] = -1;
+    paged_err(call(&t2, &pg.lens), "block_table[0, 0] = -1");
+    paged_err(call(&pg.table, &[20, 40]), "more than its table");
+    paged_err(call(&pg.table, &[20, 1]), "fewer than its 2 new queries");
+    paged_err(call(&pg.table[1..], &pg.lens), "not a positive multiple");
+    paged_err(call(&pg.table, &[20]), "seq_lens has 1 lengths");
+    // Key lengths or top-left causal beside the table; the unfused path and the weights.
+    let (k, v) = (t(&pg.k), t(&pg.v));
+    let lens_too = Sdpa::new(t(&case.q), k.clone(), v.clone())
+        .paged(&pg.table, &pg.lens)
+        .kv_lens(&[20, 10])
+        .problem();
+    assert!(matches!(lens_too, Err(Error::Paged { .. })), "{lens_too:?}");
+    let top_left = Sdpa::new(t(&case.q), k.clone(), v.clone())
+        .paged(&pg.table, &pg.lens)
+        .causal(Causal::TopLeft)
+        .problem();
+    assert!(matches!(top_left, Err(Error::Paged { .. })), "{top_left:?}");
+    // Caches that disagree.
+    let v_short = Array4::<f32>::zeros((pg.v.dim().0 - 1, 4, 1, 8));
+    let r = Sdpa::new(t(&case.q), k.clone(), t(&v_short))
+        .paged(&pg.table, &pg.lens)
+        .problem();
+    assert!(matches!(r, Err(Error::Paged { .. })), "{r:?}");
+    let Some(ctx) = ctx() else { return };
+    for (path, weights) in [(Path::Unfused, false), (Path::Auto, true)] {
+        let mut c = Sdpa::new(t(&case.q), k.clone(), v.clone())
+            .paged(&pg.table, &pg.lens)
+            .path(path);
+        if weights {
+            c = c.return_weights();
+        }
+        let r = c.run_blocking(ctx);
+        assert!(matches!(r, Err(Error::Unsupported { .. })), "{r:?}");
+    }
+}
+
+/// The caches in the caller's GPU buffers, each at an offset that is not a multiple of 256
+/// bytes (the kernels' element offset), f16 and f32.
+#[test]
+fn caches_in_the_callers_buffers_at_offsets() {
+    use wgpu_attention::wgpu::{self, util::DeviceExt};
+    let Some(ctx) = ctx() else { return };
+    for (st, pad) in [(Storage::F32, 12usize), (Storage::F16, 6)] {
+        let mut case = Case::random((3, 4, 2, 1, 50, 16, 16), 95)
+            .with_causal(Causal::BottomRight)
+            .with_storage(st);
+        case.kv_lens = Some(seq_lens(&case));
+        let want = case.reference();
+        let pg = page(&case, case.kv_lens.as_ref().unwrap(), 16, 9);
+        let buffer = |a: &Array4<f32>| {
+            let mut host = vec![0.0f32; pad];
+            host.extend(a.iter());
+            let mut bytes = st.encode(&host);
+            bytes.resize(bytes.len().next_multiple_of(4), 0);
+            ctx.device()
+                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some("paged cache"),
+                    contents: &bytes,
+                    usage: wgpu::BufferUsages::STORAGE,
+                })
+        };
+        let (kb, vb) = (buffer(&pg.k), buffer(&pg.v));
+        let at = pad as u64 * st.element_bytes();
+        let mut options = case.options();
+        options.kv_lens = None;
+        for path in [Path::Fused, Path::Decode] {
+            let got = Sdpa::new(
+                Tensor::from(&case.q).with_storage(st),
+                Tensor::from_buffer(&kb, st, pg.k.shape()).at_offset(at),
+                Tensor::from_buffer(&vb, st, pg.v.shape()).at_offset(at),
+            )
+            .options(options.clone())
+            .paged(&pg.table, &pg.lens)
+            .path(path)
+            .return_lse()
+            .run_blocking(ctx)
+            .unwrap_or_else(|e| panic!("{st:?} {path:?}: {e}"));
+            case.assert_output(
+                &got,
+                &want,
+                path,
+                Tolerance::for_storage(st),
+                &format!("buffers {st:?} {path:?}"),
+            );
+        }
+    }
+}
