@@ -43,6 +43,7 @@ pub mod problem;
 pub mod reference;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod ring;
+mod rope;
 mod sdpa;
 #[cfg(feature = "shapes")]
 pub mod shapes;
@@ -71,8 +72,9 @@ pub use ops::matmul::matmul_blocking;
 pub use ops::matmul::{matmul, record_matmul};
 pub use options::Options;
 pub use problem::{alibi_slopes, Causal, DocIds, Problem, Window};
-#[cfg(not(target_arch = "wasm32"))]
 pub use ring::{DeviceReport, Layout, Ring, RingGrads, RingOutput, RingPlan, RingReport};
+#[cfg(not(target_arch = "wasm32"))]
+pub use rope::{Rope, RopeStyle};
 pub use sdpa::backward::{Backward, GpuGrads, Grads};
 pub use sdpa::merge::merge;
 #[cfg(not(target_arch = "wasm32"))]

@@ -229,6 +229,9 @@ pub struct Problem {
     /// if so: the problem's k and v shapes are then the logical `[B, Hkv, S, E]`, S the
     /// longest sequence.
     pub(crate) paged: Option<Paged>,
+    /// RoPE applied to q as the kernels read it ([`Sdpa::rope`](crate::Sdpa::rope)), if any,
+    /// with its rotated dims.
+    pub(crate) rope: Option<(crate::Rope, usize)>,
 }
 
 /// The block table of a paged K/V read: key `t` of sequence `b` is token slot `t % block_size`
@@ -313,6 +316,7 @@ impl Problem {
             storage: Default::default(),
             views: Default::default(),
             paged: None,
+            rope: None,
         })
     }
 

@@ -135,6 +135,9 @@ pub(crate) struct Views {
     /// k and v are paged caches read through a block table ([`crate::problem::Paged`]; their
     /// views hold the caches' element offsets and the head and token strides).
     pub paged: bool,
+    /// q is rotated as it is read (RoPE): the rotated dims and whether the pairs are
+    /// half-split (else interleaved); the angles are auxiliary words from `p.m.rope_off`.
+    pub q_rope: Option<(usize, bool)>,
 }
 
 impl Views {

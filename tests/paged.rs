@@ -338,3 +338,123 @@ fn caches_in_the_callers_buffers_at_offsets() {
         }
     }
 }
+
+/// Rotate `[B, H, N, E]` rows in place on the host, row (b, i) at `pos(b, i)`.
+fn rotate(x: &mut Array4<f32>, rope: &wgpu_attention::Rope, pos: impl Fn(usize, usize) -> usize) {
+    let (b, _, n, _) = x.dim();
+    for bi in 0..b {
+        // [H, N, E] -> [N, H, E]
+        let mut rows = x
+            .slice(ndarray::s![bi, .., .., ..])
+            .permuted_axes([1, 0, 2])
+            .to_owned();
+        let p: Vec<usize> = (0..n).map(|i| pos(bi, i)).collect();
+        rope.apply(rows.view_mut(), &p).unwrap();
+        x.slice_mut(ndarray::s![bi, .., .., ..])
+            .assign(&rows.permuted_axes([1, 0, 2]));
+    }
+}
+
+/// RoPE on q inside the attention kernels (`Sdpa::rope`): q un-rotated, the keys rotated at
+/// their positions, against the reference on rotated q and k. Paged (positions seq_len - n +
+/// i) and contiguous (S - L + i, and with key lengths kv_len - L + i), both styles, partial
+/// rotary dims, theta 1e4 and 5e5, both paths.
+#[test]
+fn rope_on_q_inside_the_kernels() {
+    use wgpu_attention::{Rope, RopeStyle};
+    let Some(ctx) = ctx() else { return };
+    let ropes = [
+        Rope {
+            style: RopeStyle::HalfSplit,
+            theta: 1e4,
+            dim: None,
+        },
+        Rope {
+            style: RopeStyle::Interleaved,
+            theta: 5e5,
+            dim: Some(12),
+        },
+        Rope {
+            style: RopeStyle::HalfSplit,
+            theta: 5e5,
+            dim: Some(6),
+        },
+    ];
+    for (ri, rope) in ropes.iter().enumerate() {
+        for (shape, paged) in [
+            ((3, 4, 2, 3, 40, 16, 16), true),
+            ((2, 2, 1, 1, 70, 20, 8), true),
+            ((2, 2, 2, 5, 23, 16, 16), false),
+        ] {
+            let mut case = Case::random(shape, 100 + ri as u64).with_causal(Causal::BottomRight);
+            case.kv_lens = Some(seq_lens(&case));
+            if !paged && ri == 1 {
+                case.kv_lens = None; // positions S - L + i
+            }
+            let (_, _, n, s) = case.dims();
+            let lens = case.kv_lens.clone().unwrap_or(vec![s; shape.0]);
+            // Keys rotated at their positions; the reference also sees q rotated.
+            rotate(&mut case.k, rope, |_, j| j);
+            let raw_q = case.q.clone();
+            rotate(&mut case.q, rope, |b, i| lens[b] - n + i);
+            let want = case.reference();
+            let mut options = case.options();
+            let pg = page(&case, &lens, 16, 5);
+            for path in [Path::Fused, Path::Decode] {
+                let call = if paged {
+                    options.kv_lens = None;
+                    Sdpa::new(Tensor::from(&raw_q), Tensor::from(&pg.k), Tensor::from(&pg.v))
+                        .options(options.clone())
+                        .paged(&pg.table, &pg.lens)
+                } else {
+                    Sdpa::new(Tensor::from(&raw_q), Tensor::from(&case.k), Tensor::from(&case.v))
+                        .options(options.clone())
+                };
+                let got = call
+                    .rope(*rope)
+                    .path(path)
+                    .return_lse()
+                    .run_blocking(ctx)
+                    .unwrap_or_else(|e| panic!("{rope:?} {shape:?}: {e}"));
+                case.assert_output(
+                    &got,
+                    &want,
+                    path,
+                    TOL,
+                    &format!("rope {rope:?} {shape:?} paged {paged} [{path:?}]"),
+                );
+            }
+        }
+    }
+    // Refused where q is not read by the attention kernels.
+    let case = Case::random((1, 1, 1, 2, 8, 8, 8), 1);
+    for r in [
+        case.sdpa()
+            .rope(Rope::default())
+            .path(Path::Unfused)
+            .run_blocking(ctx)
+            .map(|_| ()),
+        case.sdpa()
+            .rope(Rope::default())
+            .return_weights()
+            .run_blocking(ctx)
+            .map(|_| ()),
+    ] {
+        assert!(matches!(r, Err(Error::Unsupported { .. })), "{r:?}");
+    }
+    let dout = Array4::<f32>::zeros((1, 1, 2, 8));
+    let r = case
+        .sdpa()
+        .rope(Rope::default())
+        .backward(&dout)
+        .run_blocking(ctx);
+    assert!(matches!(r, Err(Error::Unsupported { .. })), "{r:?}");
+    let r = case
+        .sdpa()
+        .rope(Rope {
+            dim: Some(9),
+            ..Rope::default()
+        })
+        .problem();
+    assert!(matches!(r, Err(Error::InvalidModifier { .. })), "{r:?}");
+}

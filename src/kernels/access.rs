@@ -233,7 +233,13 @@ pub(crate) fn attention_io(
         } else {
             s += &row_base(x, dim, vec4, view.map(|_| x), "");
         }
-        s += &row_loader(x, dim, vec4);
+        match views.q_rope {
+            Some((d, half)) if x == "q" => {
+                s += &row_loader("q_raw", dim, vec4).replace("q_raw_", "q_");
+                s += &rope_loader(d, half);
+            }
+            _ => s += &row_loader(x, dim, vec4),
+        }
     }
     s += &row_base("out", Dim::EV, vec4, views.out.map(|_| "o"), "");
     s += &row_storer(
@@ -276,6 +282,47 @@ pub(crate) fn paged_row_base(name: &str, slot: &str) -> String {
         "fn {name}_base(row: u32) -> u32 {{\n    let v = p.x.{slot};\n    let bh = row / v.n;\n    \
          let t = row - bh * v.n;\n    let blk = aux_word(v.tab + (bh / v.heads) * v.b + t / v.bs);\n    \
          return v.off + (blk * v.bs + t % v.bs) * v.s + (bh % v.heads) * v.h;\n}}\n"
+    )
+}
+
+/// `load_q(row, c4)` rotated by RoPE (`crate::Rope`) over the first `d` elements (pairs
+/// `(k, k + d/2)` when `half`, else `(2k, 2k + 1)`), from `load_q_raw` and the element
+/// reads of the partners; the (cos, sin) of row `(b, i)`'s pair `k` are auxiliary words at
+/// `p.m.rope_off + 2 ((b L + i) d/2 + k)`. Rows are `(b·heads + h)·L + i` (`p.l`, `p.heads`).
+pub(crate) fn rope_loader(d: usize, half: bool) -> String {
+    let hd = d / 2;
+    let (k, partner, first) = if half {
+        (
+            "select(e - HD, e, e < HD)",
+            "select(e - HD, e + HD, e < HD)",
+            "e < HD",
+        )
+    } else {
+        ("e / 2u", "e ^ 1u", "(e & 1u) == 0u")
+    };
+    format!(
+        "const ROPE_D: u32 = {d}u;
+const HD: u32 = {hd}u;
+         fn load_q(row: u32, c4: u32) -> vec4<f32> {{
+    var x = load_q_raw(row, c4);
+             if (c4 * 4u >= ROPE_D) {{ return x; }}
+    let bh = row / p.l;
+             let a0 = p.m.rope_off + 2u * (((bh / p.heads) * p.l + row - bh * p.l) * HD);
+             let base = q_base(row);
+    let y = x;
+             for (var c = 0u; c < 4u; c++) {{ // unroll
+        let e = c4 * 4u + c;
+                 if (e < ROPE_D) {{
+            let k = {k};
+                     let cs = bitcast<f32>(aux_word(a0 + 2u * k));
+                     let sn = bitcast<f32>(aux_word(a0 + 2u * k + 1u));
+                     let other = q_get(base + {partner});
+                     x[c] = select(y[c] * cs + other * sn, y[c] * cs - other * sn, {first});
+        }}
+    }}
+             return x;
+}}
+"
     )
 }
 

@@ -17,6 +17,7 @@ pub(crate) mod merge;
 pub(crate) mod mod_map;
 pub(crate) mod permute;
 pub(crate) mod pinv;
+pub(crate) mod rope;
 pub(crate) mod softmax;
 #[cfg(test)]
 pub(crate) mod stage_tests;
@@ -100,8 +101,10 @@ wgsl_struct! {
         /// starts, so that they see the global positions (0 else).
         pos_q: u32,
         pos_k: u32,
+        /// Where q's RoPE angles start among the auxiliary words ((cos, sin) per pair of each
+        /// row (b, i) of q, `[B, L, D/2, 2]`), read where the views rotate q.
+        rope_off: u32,
         /// To a multiple of 16 bytes (WGSL's uniform layout of a nested struct).
-        _pad0: u32,
         _pad1: u32,
     }
 }
@@ -252,6 +255,7 @@ impl Masks {
             cap_tab: aux_tail(p) as u32,
             pos_q: p.pos_offset[0] as u32,
             pos_k: p.pos_offset[1] as u32,
+            rope_off: rope_at(p) as u32,
             ..Default::default()
         }
     }
@@ -287,6 +291,24 @@ pub(crate) fn aux_tail(p: &crate::problem::Problem) -> usize {
 /// functions' captures, if any.
 pub(crate) fn page_table_at(p: &crate::problem::Problem) -> usize {
     aux_tail(p) + p.user_fns.as_ref().map_or(0, |u| u.aux_len())
+}
+
+/// Where q's RoPE angles start among the auxiliary words: after a paged call's block table.
+pub(crate) fn rope_at(p: &crate::problem::Problem) -> usize {
+    page_table_at(p) + p.paged.as_ref().map_or(0, |pg| pg.table.len())
+}
+
+/// The positions of q's rows `(b, i)`, batch-major, for RoPE: each batch's keys end at its
+/// newest query (bottom-right): `kv_len(b) - L + i` with key lengths (a paged call's sequence
+/// lengths), `S - L + i` else (0 where that is negative).
+pub(crate) fn q_positions(p: &crate::problem::Problem) -> Vec<usize> {
+    let (l, s) = (p.seq_q, p.seq_kv);
+    (0..p.batch)
+        .flat_map(|b| {
+            let end = p.kv_lens.as_ref().map_or(s, |k| k[b] as usize);
+            (0..l).map(move |i| (end + i).saturating_sub(l))
+        })
+        .collect()
 }
 
 /// The (min, max) of each block of [`DOC_BLOCK`] ids of each of the `rows` rows of `n` ids.
@@ -680,6 +702,7 @@ mod tests {
             dout: v(7),
             bias: v(9),
             paged: false,
+            q_rope: None,
         }
     }
 
@@ -772,6 +795,8 @@ mod tests {
                     p.views = test_views();
                     // Paged caches (the block table's reads) in half of the cases.
                     p.views.paged = fi % 2 == 1;
+                    // q rotated as it is read: half-split, interleaved, none.
+                    p.views.q_rope = [Some((e - e % 2, true)), Some((4, false)), None, None][fi];
                 }
                 for caps in caps_list {
                     for form in caps.fused_forms() {

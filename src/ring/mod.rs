@@ -434,6 +434,11 @@ impl RingPlan {
         if n == 0 {
             return refuse("a ring needs at least one device");
         }
+        if p.paged.is_some() || p.rope.is_some() {
+            return refuse(
+                "the ring splits contiguous keys: paged K/V caches and RoPE on q are for Sdpa alone",
+            );
+        }
         // A softcap acts per logit and document ids travel with their positions: both split
         // with the keys, as do user functions (each pair's sees its global positions,
         // `pos_offset`). A window and ALiBi measure distances from the diagonal, which each

@@ -176,7 +176,8 @@ pub(crate) fn mask_binding(
 /// B key lengths (0 without them), then the Hq ALiBi slopes and the Hq sink logits as f32
 /// bits (each when given), then the document ids: the queries' `[B, L]`, the keys' `[B, S]`
 /// and each block's (min, max) of each (`crate::kernels::doc_offsets`), the user functions'
-/// captures, and a paged call's block table (`crate::kernels::page_table_at`).
+/// captures, a paged call's block table (`crate::kernels::page_table_at`) and q's RoPE
+/// angles (`crate::kernels::rope_at`).
 pub(crate) fn aux_words(p: &Problem) -> Option<Vec<u32>> {
     if p.kv_lens.is_none()
         && p.alibi.is_none()
@@ -184,6 +185,7 @@ pub(crate) fn aux_words(p: &Problem) -> Option<Vec<u32>> {
         && p.doc_ids.is_none()
         && p.user_fns.is_none()
         && p.paged.is_none()
+        && p.rope.is_none()
     {
         return None;
     }
@@ -210,6 +212,10 @@ pub(crate) fn aux_words(p: &Problem) -> Option<Vec<u32>> {
     if let Some(pg) = &p.paged {
         debug_assert_eq!(w.len(), crate::kernels::page_table_at(p));
         w.extend(&pg.table);
+    }
+    if let Some((rope, d)) = &p.rope {
+        debug_assert_eq!(w.len(), crate::kernels::rope_at(p));
+        w.extend(rope.angle_words(*d, crate::kernels::q_positions(p)));
     }
     Some(w)
 }

@@ -147,6 +147,8 @@ pub struct Sdpa<'a> {
     pub(crate) pos_offset: [usize; 2],
     /// k and v are paged caches read through this block table ([`Sdpa::paged`]).
     pub(crate) paged: Option<PagedSpec<'a>>,
+    /// RoPE applied to q as the kernels read it ([`Sdpa::rope`]).
+    pub(crate) rope: Option<crate::Rope>,
 }
 
 /// [`Sdpa::paged`]'s block table (`[B, max_blocks]`, row-major) and key count per sequence.
@@ -174,6 +176,7 @@ impl<'a> Sdpa<'a> {
             diag_shift: 0,
             pos_offset: [0, 0],
             paged: None,
+            rope: None,
         }
     }
 
@@ -218,6 +221,18 @@ impl<'a> Sdpa<'a> {
             table: block_table.into(),
             seq_lens: seq_lens.to_vec(),
         });
+        self
+    }
+
+    /// Rotate q by `rope` (RoPE) as the attention kernels read it: q holds un-rotated
+    /// vectors, and the keys are expected rotated already (a `KvCache`
+    /// rotates K as it appends; [`Rope::record`](crate::Rope::record) rotates a buffer). Query
+    /// `i` of batch `b` is at position `kv_lens[b] - L + i` (a paged call's sequence lengths;
+    /// `S - L + i` without key lengths): each batch's newest query is its last key's position.
+    /// The angles are computed on the host in f64. Fused and decode paths only ([`Path::Unfused`]
+    /// and the attention weights are refused), and not the backward.
+    pub fn rope(mut self, rope: crate::Rope) -> Self {
+        self.rope = Some(rope);
         self
     }
 
@@ -345,6 +360,7 @@ impl<'a> Sdpa<'a> {
                 .transpose()?
                 .flatten(),
             paged: paged.is_some(),
+            q_rope: None,
         };
         if paged.is_some() {
             // The caches' element offsets (a binding starts at a 256-byte boundary) and their
@@ -365,6 +381,11 @@ impl<'a> Sdpa<'a> {
             p.views.v = Some(view(off(&self.v), ev));
         }
         p.paged = paged;
+        if let Some(rope) = self.rope {
+            let d = rope.rotated_dims(p.head_dim)?;
+            p.rope = Some((rope, d));
+            p.views.q_rope = Some((d, rope.style == crate::RopeStyle::HalfSplit));
+        }
         Ok(p)
     }
 
@@ -451,7 +472,7 @@ impl Sdpa<'_> {
     /// in the background, are waited for.
     pub async fn prepare(&self, ctx: &Context, seq_kv: std::ops::RangeInclusive<usize>) -> Result<usize> {
         let base = self.problem()?;
-        if base.paged.is_some() {
+        if base.paged.is_some() || base.rope.is_some() {
             return Err(Error::Paged {
                 reason: "prepare takes contiguous calls: a paged call compiles its kernels on its first run"
                     .into(),

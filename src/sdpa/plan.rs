@@ -97,16 +97,18 @@ impl Plan {
             && caps.forms.fused.is_some()
             && flash::Config::new(p, &caps.with_forms(Forms::default())).is_ok();
         let decode_shape = p.seq_q <= decode::MAX_ROWS && p.seq_kv >= decode::MIN_KEYS;
-        if p.paged.is_some() && (req.weights || req.path == Path::Unfused) {
+        // Paged caches and RoPE on q are read by the fused and decode kernels only.
+        let kernels_only = p.paged.is_some() || p.rope.is_some();
+        if kernels_only && (req.weights || req.path == Path::Unfused) {
             return Err(Error::Unsupported {
                 path: req.path.name(),
-                reason: "paged K/V caches are read by the fused and decode kernels, which never materialise the attention weights".into(),
+                reason: "paged K/V caches and RoPE on q are read by the fused and decode kernels, which never materialise the attention weights".into(),
             });
         }
         let path = match req.path {
             Path::Auto if !req.weights && decode_shape => Path::Decode,
-            // Paged caches have no unfused path: the fused kernel's reason is the error.
-            Path::Auto if p.paged.is_some() => Path::Fused,
+            // No unfused path for these: the fused kernel's reason is the error.
+            Path::Auto if kernels_only => Path::Fused,
             Path::Auto if !req.weights && (fused.is_ok() || pinned_refused) => Path::Fused,
             Path::Auto => Path::Unfused,
             Path::Fused | Path::Decode if req.weights => {

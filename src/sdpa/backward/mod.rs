@@ -153,6 +153,12 @@ impl<'a> Backward<'a> {
         if let Some(u) = &p.user_fns {
             u.check_backward()?;
         }
+        if p.paged.is_some() || p.rope.is_some() {
+            return Err(Error::Unsupported {
+                path: "backward",
+                reason: "paged K/V caches and RoPE on q are forward-only (inference); give the backward contiguous, rotated q and k".into(),
+            });
+        }
         let mut p = p.clone().with_storage(Formats {
             out: self.dout.storage(),
             ..p.storage

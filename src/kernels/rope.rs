@@ -1,0 +1,117 @@
+//! `shaders/rope.wgsl`: rotary position embedding of token rows `[T, H, E]`, in place or
+//! into a paged cache's slots (the cache's append, which also copies V with no rotation).
+
+use super::access::{array, Access};
+use super::{dispatch, grid_1d, params_of, Binding, KernelSpec};
+use crate::context::Context;
+use crate::error::Result;
+use crate::storage::Storage;
+
+pub(crate) const SPEC: KernelSpec = KernelSpec {
+    name: "rope",
+    source: include_str!("../../shaders/rope.wgsl"),
+    common: &[],
+    bindings: &[Binding::Read, Binding::ReadWrite, Binding::Read, Binding::Params],
+    params: params_of::<Params>,
+    trusted: false,
+};
+
+/// Invocations per workgroup (`WG` in the shader).
+const WG: u32 = 64;
+
+wgsl_struct! {
+    /// The rope kernel's params (`p` in `rope.wgsl`).
+    pub(crate) struct Params {
+        /// Token rows times heads.
+        rows: u32,
+        heads: u32,
+        /// Elements per row, and the rotated ones (even, at most e).
+        e: u32,
+        d: u32,
+        /// 1: half-split pairs (k, k + d/2); 0: interleaved (2k, 2k + 1).
+        half: u32,
+        /// Copy the elements past d (not in place).
+        copy_rest: u32,
+        /// Destination rows from the slot words (an append), else row t.
+        has_slots: u32,
+        /// Where the (cos, sin) words and the slot words start in aux.
+        ang_off: u32,
+        slot_off: u32,
+        _pad0: u32,
+        _pad1: u32,
+        _pad2: u32,
+    }
+}
+
+/// One rotation (or copy) of `rows` token rows: what [`record`] dispatches.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rotation {
+    /// Tokens T and heads H of the source `[T, H, E]`.
+    pub tokens: usize,
+    pub heads: usize,
+    pub e: usize,
+    /// Rotated elements (0: a plain copy) and the style.
+    pub d: usize,
+    pub half: bool,
+    /// Angle words' offset in aux; slot words' offset (an append), if any.
+    pub ang_off: usize,
+    pub slot_off: Option<usize>,
+}
+
+/// Record the rotation: `src` into `dst` (in place when `src` is `None`: `dst` read and
+/// written). The caller has checked every index against the bindings.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn record(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    src: Option<(wgpu::BufferBinding<'_>, Storage)>,
+    dst: (wgpu::BufferBinding<'_>, Storage),
+    aux: wgpu::BufferBinding<'_>,
+    dummy: wgpu::BufferBinding<'_>,
+    r: Rotation,
+) -> Result<()> {
+    let rows = (r.tokens * r.heads) as u32;
+    let params = Params {
+        rows,
+        heads: r.heads as u32,
+        e: r.e as u32,
+        d: r.d as u32,
+        half: r.half as u32,
+        copy_rest: src.is_some() as u32,
+        has_slots: r.slot_off.is_some() as u32,
+        ang_off: r.ang_off as u32,
+        slot_off: r.slot_off.unwrap_or(0) as u32,
+        ..Default::default()
+    };
+    let dst_access = if dst.1.is_half() {
+        Access::Atomic
+    } else {
+        Access::Write
+    };
+    let mut prelude = array("dst", 1, dst.1, false, dst_access);
+    let src_binding = match &src {
+        Some((b, s)) => {
+            prelude += &array("src", 0, *s, false, Access::Read);
+            prelude += "fn load(i: u32) -> f32 { return src_get(i); }\n";
+            b.clone()
+        }
+        None => {
+            prelude += "fn load(i: u32) -> f32 { return dst_get(i); }\n";
+            dummy
+        }
+    };
+    let grid = grid_1d(
+        rows.div_ceil(WG),
+        ctx.limits().max_compute_workgroups_per_dimension,
+    );
+    dispatch(
+        ctx,
+        encoder,
+        &SPEC,
+        &prelude,
+        &[],
+        &[src_binding, dst.0, aux],
+        bytemuck::bytes_of(&params),
+        grid,
+    )
+}

@@ -1,0 +1,238 @@
+//! Rotary position embedding (RoPE): the angles (computed on the host in f64), the CPU
+//! reference, and the GPU op that rotates token rows `[T, H, E]` in place. The paged KV cache
+//! (`KvCache`) applies it to K as it writes, and [`Sdpa::rope`](crate::Sdpa::rope)
+//! to q inside the attention kernels.
+
+use ndarray::ArrayViewMut3;
+
+use crate::buffers::{dummy, storage_init, Operand};
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// Which elements RoPE pairs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum RopeStyle {
+    /// Pairs `(k, k + D/2)`: GPT-NeoX, Llama and Hugging Face's `rotate_half`.
+    #[default]
+    HalfSplit,
+    /// Pairs `(2k, 2k + 1)`: GPT-J.
+    Interleaved,
+}
+
+/// Rotary position embedding: the first `dim` elements of each head's vector (all when
+/// `None`) rotated in pairs by angles `position · theta^(-2k/dim)`, `k < dim/2`; a pair
+/// `(x0, x1)` becomes `(x0 cos - x1 sin, x1 cos + x0 sin)` (Hugging Face's
+/// `q * cos + rotate_half(q) * sin`). The angles are computed on the host in f64 and rounded
+/// to f32 once, so positions far past 2^16 (131072 and beyond) keep f32 accuracy: WGSL's `cos`
+/// and `sin` promise nothing outside `[-pi, pi]`.
+///
+/// ```
+/// use wgpu_attention::{Rope, RopeStyle};
+/// let rope = Rope { style: RopeStyle::HalfSplit, theta: 10000.0, dim: None };
+/// let mut x = ndarray::Array3::<f32>::ones((1, 1, 4)); // [T, H, E]
+/// rope.apply(x.view_mut(), &[0])?; // position 0: no rotation
+/// assert_eq!(x.as_slice().unwrap(), &[1.0; 4]);
+/// # Ok::<(), wgpu_attention::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rope {
+    /// Which elements are paired.
+    pub style: RopeStyle,
+    /// The base (10000 in most models; 500000 in Llama 3).
+    pub theta: f64,
+    /// The rotated leading elements of each head (even, at most the head dim); `None`: all.
+    pub dim: Option<usize>,
+}
+
+impl Default for Rope {
+    fn default() -> Self {
+        Rope {
+            style: RopeStyle::HalfSplit,
+            theta: 10000.0,
+            dim: None,
+        }
+    }
+}
+
+impl Rope {
+    /// The rotated dims for head dim `e`, checked: even, positive, at most `e`, and a finite
+    /// theta above 0.
+    pub fn rotated_dims(&self, e: usize) -> Result<usize> {
+        let d = self.dim.unwrap_or(e);
+        let bad = |reason: String| {
+            Err(Error::InvalidModifier {
+                modifier: "rope",
+                reason,
+            })
+        };
+        if d == 0 || !d.is_multiple_of(2) || d > e {
+            return bad(format!(
+                "the rotary dimension {d} must be even, positive and at most the head dim {e}"
+            ));
+        }
+        if !(self.theta.is_finite() && self.theta > 0.0) {
+            return bad(format!("theta must be finite and positive, got {}", self.theta));
+        }
+        Ok(d)
+    }
+
+    /// The (cos, sin) of each position's `d/2` angles as f32 bits, position-major: the words
+    /// the kernels read.
+    pub(crate) fn angle_words(&self, d: usize, positions: impl IntoIterator<Item = usize>) -> Vec<u32> {
+        let hd = d / 2;
+        let inv: Vec<f64> = (0..hd)
+            .map(|k| self.theta.powf(-2.0 * k as f64 / d as f64))
+            .collect();
+        let mut w = Vec::new();
+        for pos in positions {
+            for f in &inv {
+                let a = pos as f64 * f;
+                w.push((a.cos() as f32).to_bits());
+                w.push((a.sin() as f32).to_bits());
+            }
+        }
+        w
+    }
+
+    /// The pair of element `k` (`k < d/2`).
+    fn pair(&self, d: usize, k: usize) -> (usize, usize) {
+        match self.style {
+            RopeStyle::HalfSplit => (k, k + d / 2),
+            RopeStyle::Interleaved => (2 * k, 2 * k + 1),
+        }
+    }
+
+    /// The CPU reference in f64: rotate `x` `[T, H, E]` in place, token `t` at `positions[t]`.
+    pub fn apply(&self, mut x: ArrayViewMut3<f32>, positions: &[usize]) -> Result<()> {
+        let (t, h, e) = x.dim();
+        let d = self.rotated_dims(e)?;
+        check_positions(positions, t)?;
+        for (ti, &pos) in positions.iter().enumerate() {
+            for k in 0..d / 2 {
+                let a = pos as f64 * self.theta.powf(-2.0 * k as f64 / d as f64);
+                let (c, s) = (a.cos(), a.sin());
+                let (i0, i1) = self.pair(d, k);
+                for hi in 0..h {
+                    let (x0, x1) = (x[[ti, hi, i0]] as f64, x[[ti, hi, i1]] as f64);
+                    x[[ti, hi, i0]] = (x0 * c - x1 * s) as f32;
+                    x[[ti, hi, i1]] = (x1 * c + x0 * s) as f32;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Record the rotation of the GPU tensor `x` `[T, H, E]` (dense, any storage format) in
+    /// place, token `t` at `positions[t]`. Checked before anything is recorded.
+    pub fn record(
+        &self,
+        ctx: &Context,
+        encoder: &mut wgpu::CommandEncoder,
+        x: &Tensor<'_>,
+        positions: &[usize],
+    ) -> Result<()> {
+        let (shape, d) = self.check(x, positions)?;
+        let crate::tensor::TensorData::Gpu { .. } = &x.data else {
+            return Err(Error::BadBuffer {
+                tensor: "x",
+                reason: "Rope::record rotates a GPU buffer in place (Tensor::from_buffer); use Rope::apply for host data".into(),
+            });
+        };
+        let op = Operand::check(ctx, "x", x)?;
+        let up = op.upload(ctx, "x");
+        let aux = storage_init(
+            ctx,
+            "rope angles",
+            bytemuck::cast_slice(&self.angle_words(d, positions.iter().copied())),
+        );
+        let dummy = dummy(ctx);
+        crate::kernels::rope::record(
+            ctx,
+            encoder,
+            None,
+            (up.binding(), x.storage()),
+            aux.as_entire_buffer_binding(),
+            dummy.as_entire_buffer_binding(),
+            crate::kernels::rope::Rotation {
+                tokens: shape[0],
+                heads: shape[1],
+                e: shape[2],
+                d,
+                half: self.style == RopeStyle::HalfSplit,
+                ang_off: 0,
+                slot_off: None,
+            },
+        )
+    }
+
+    /// Rotate host rows `[T, H, E]` on the GPU in format `x`'s storage (upload, rotate, read
+    /// back widened to f32): [`record`](Rope::record) for host data.
+    pub async fn run(
+        &self,
+        ctx: &Context,
+        x: &Tensor<'_>,
+        positions: &[usize],
+    ) -> Result<ndarray::Array3<f32>> {
+        let (shape, _) = self.check(x, positions)?;
+        let st = x.storage();
+        let Some(host) = x.host_f32() else {
+            return Err(Error::BadBuffer {
+                tensor: "x",
+                reason: "Rope::run takes host data; record a GPU buffer's rotation with Rope::record".into(),
+            });
+        };
+        let buf = crate::buffers::init(
+            ctx,
+            "rope x",
+            &st.encode(&host),
+            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        );
+        let n = shape.iter().product();
+        ctx.submit("wgpu-attention rope", |enc| {
+            self.record(ctx, enc, &Tensor::from_buffer(&buf, st, &shape), positions)
+        })
+        .await?;
+        let v = ctx.read_as_f32(&buf, 0, n, st).await?;
+        Ok(ndarray::Array3::from_shape_vec((shape[0], shape[1], shape[2]), v).expect("length"))
+    }
+
+    /// Blocking version of [`run`](Rope::run).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn run_blocking(
+        &self,
+        ctx: &Context,
+        x: &Tensor<'_>,
+        positions: &[usize],
+    ) -> Result<ndarray::Array3<f32>> {
+        pollster::block_on(self.run(ctx, x, positions))
+    }
+
+    fn check(&self, x: &Tensor<'_>, positions: &[usize]) -> Result<([usize; 3], usize)> {
+        let shape: [usize; 3] = x.shape.as_slice().try_into().map_err(|_| Error::WrongRank {
+            tensor: "x",
+            expected: 3,
+            actual: x.shape.len(),
+            shape: x.shape.clone(),
+        })?;
+        if shape.contains(&0) {
+            return Err(Error::ZeroSized {
+                tensor: "x",
+                shape: x.shape.clone(),
+            });
+        }
+        let d = self.rotated_dims(shape[2])?;
+        check_positions(positions, shape[0])?;
+        Ok((shape, d))
+    }
+}
+
+fn check_positions(positions: &[usize], tokens: usize) -> Result<()> {
+    if positions.len() != tokens {
+        return Err(Error::InvalidModifier {
+            modifier: "rope",
+            reason: format!("{} positions for {tokens} tokens: one per token", positions.len()),
+        });
+    }
+    Ok(())
+}
