@@ -30,6 +30,7 @@ mod forms;
 #[cfg(feature = "heatmap")]
 pub mod heatmap;
 mod kernels;
+mod kv_cache;
 mod ops;
 #[cfg(all(any(feature = "heatmap", feature = "plot"), not(target_arch = "wasm32")))]
 mod picture;
@@ -63,6 +64,8 @@ pub use faults::Fault;
 pub use forms::{BackwardForm, Caps, DecodeForm, Forms, FusedForm, MatmulForm};
 /// Re-exported: the half-precision host types ([`half::f16`], [`half::bf16`]).
 pub use half;
+#[cfg(not(target_arch = "wasm32"))]
+pub use kv_cache::{KvCache, KvCacheConfig, SeqId, Step};
 pub use mha::{
     MhaBackward, MhaConfig, MhaForward, MhaGpuGrads, MhaGpuOutput, MhaGrads, MhaGradsInto, MhaOutput,
     MhaTimings, MhaWeights, MultiHeadAttention, NeedWeights,
@@ -73,7 +76,6 @@ pub use ops::matmul::{matmul, record_matmul};
 pub use options::Options;
 pub use problem::{alibi_slopes, Causal, DocIds, Problem, Window};
 pub use ring::{DeviceReport, Layout, Ring, RingGrads, RingOutput, RingPlan, RingReport};
-#[cfg(not(target_arch = "wasm32"))]
 pub use rope::{Rope, RopeStyle};
 pub use sdpa::backward::{Backward, GpuGrads, Grads};
 pub use sdpa::merge::merge;

@@ -1,6 +1,6 @@
 //! Rotary position embedding (RoPE): the angles (computed on the host in f64), the CPU
 //! reference, and the GPU op that rotates token rows `[T, H, E]` in place. The paged KV cache
-//! (`KvCache`) applies it to K as it writes, and [`Sdpa::rope`](crate::Sdpa::rope)
+//! ([`KvCache`](crate::KvCache)) applies it to K as it writes, and [`Sdpa::rope`](crate::Sdpa::rope)
 //! to q inside the attention kernels.
 
 use ndarray::ArrayViewMut3;

@@ -225,7 +225,7 @@ impl<'a> Sdpa<'a> {
     }
 
     /// Rotate q by `rope` (RoPE) as the attention kernels read it: q holds un-rotated
-    /// vectors, and the keys are expected rotated already (a `KvCache`
+    /// vectors, and the keys are expected rotated already (a [`KvCache`](crate::KvCache)
     /// rotates K as it appends; [`Rope::record`](crate::Rope::record) rotates a buffer). Query
     /// `i` of batch `b` is at position `kv_lens[b] - L + i` (a paged call's sequence lengths;
     /// `S - L + i` without key lengths): each batch's newest query is its last key's position.

@@ -1,0 +1,528 @@
+//! A paged KV cache on the caller's device: per layer, K and V pages of `block_size` tokens,
+//! a block table per sequence, sequences added, forked (copy-on-write) and freed, and the
+//! append of a ragged batch's new K/V (RoPE applied to K as it is written), recorded into the
+//! caller's encoder. Attention reads it through [`Sdpa::paged`].
+//!
+//! Layout: each layer's K is one buffer `[num_blocks, block_size, Hkv, E]` and V `[num_blocks,
+//! block_size, Hkv, Ev]`, row-major in the cache's storage format; every layer uses the same
+//! block table. Blocks are reference-counted: a fork shares all of its parent's blocks, and
+//! the first append into a shared block that is not full copies it (every layer's K and V)
+//! into a fresh block first. Freed blocks return to a free list.
+
+use std::collections::BTreeMap;
+
+use crate::buffers::{create, dummy, storage_init, Operand};
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::rope::Rope;
+use crate::sdpa::Sdpa;
+use crate::storage::Storage;
+use crate::tensor::Tensor;
+
+/// The shape of a [`KvCache`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvCacheConfig {
+    /// Transformer layers (one K and one V buffer each).
+    pub layers: usize,
+    /// K/V heads `Hkv`.
+    pub kv_heads: usize,
+    /// K's head dim `E` and V's `Ev`.
+    pub head_dim: usize,
+    /// V's head dim `Ev`.
+    pub head_dim_v: usize,
+    /// Tokens per block (16 is vLLM's default).
+    pub block_size: usize,
+    /// Blocks per layer: the cache holds `num_blocks * block_size` tokens in all.
+    pub num_blocks: usize,
+    /// The storage format of K and V.
+    pub storage: Storage,
+    /// RoPE applied to K as it is appended (and to q by [`KvCache::attention`]), if any.
+    pub rope: Option<Rope>,
+}
+
+/// A sequence of a [`KvCache`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SeqId(u64);
+
+#[derive(Debug, Clone)]
+struct Seq {
+    blocks: Vec<u32>,
+    len: usize,
+}
+
+/// A paged KV cache on the caller's device (see the module docs of `kv_cache.rs` and
+/// `docs/paged.md`).
+///
+/// One decode step: [`reserve`](KvCache::reserve) the batch's new tokens (once for all
+/// layers), then per layer [`append`](KvCache::append) their K and V and run
+/// [`attention`](KvCache::attention).
+///
+/// ```
+/// use wgpu_attention::{Causal, Context, KvCache, KvCacheConfig, Storage};
+/// let ctx = Context::new_blocking()?;
+/// let mut cache = KvCache::new(&ctx, KvCacheConfig {
+///     layers: 1, kv_heads: 2, head_dim: 8, head_dim_v: 8,
+///     block_size: 16, num_blocks: 8, storage: Storage::F32, rope: None,
+/// })?;
+/// let seq = cache.add_sequence();
+/// let mut enc = ctx.device().create_command_encoder(&Default::default());
+/// let step = cache.reserve(&ctx, &mut enc, &[(seq, 3)])?; // a 3-token prompt
+/// let kv = ndarray::Array3::<f32>::ones((3, 2, 8)); // [T, Hkv, E]
+/// cache.append(&ctx, &mut enc, &step, 0, &(&kv).into(), &(&kv).into())?;
+/// ctx.queue().submit([enc.finish()]);
+/// let q = ndarray::Array4::<f32>::ones((1, 4, 3, 8)); // [B, Hq, n, E]
+/// let out = cache.attention(&step, 0, (&q).into())?.causal(Causal::BottomRight).run_blocking(&ctx)?;
+/// assert_eq!(out.output.shape(), &[1, 4, 3, 8]);
+/// # Ok::<(), wgpu_attention::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct KvCache {
+    config: KvCacheConfig,
+    k: Vec<wgpu::Buffer>,
+    v: Vec<wgpu::Buffer>,
+    free: Vec<u32>,
+    refs: Vec<u32>,
+    seqs: BTreeMap<SeqId, Seq>,
+    next: u64,
+    /// Changed by every reserve, fork and free: a [`Step`] is used at the epoch it was made.
+    epoch: u64,
+    id: u64,
+}
+
+/// The new tokens of one step, reserved by [`KvCache::reserve`]: where each is written, its
+/// position, and the block table and sequence lengths attention reads (the new tokens
+/// included).
+#[derive(Debug, Clone)]
+pub struct Step {
+    cache: u64,
+    epoch: u64,
+    seqs: Vec<SeqId>,
+    q_lens: Vec<usize>,
+    slots: Vec<u32>,
+    positions: Vec<usize>,
+    table: Vec<i32>,
+    seq_lens: Vec<usize>,
+}
+
+impl Step {
+    /// The sequences, in the batch's order.
+    pub fn sequences(&self) -> &[SeqId] {
+        &self.seqs
+    }
+    /// New tokens per sequence.
+    pub fn q_lens(&self) -> &[usize] {
+        &self.q_lens
+    }
+    /// Each new token's position (its sequence's length before the step, plus its index).
+    pub fn positions(&self) -> &[usize] {
+        &self.positions
+    }
+    /// The block table `[B, max_blocks]` (unused entries -1) and the sequence lengths, the
+    /// new tokens included: what [`Sdpa::paged`] takes.
+    pub fn block_table(&self) -> (&[i32], &[usize]) {
+        (&self.table, &self.seq_lens)
+    }
+    /// The new tokens in all `T`.
+    pub fn tokens(&self) -> usize {
+        self.slots.len()
+    }
+}
+
+fn bad<T>(reason: impl Into<String>) -> Result<T> {
+    Err(Error::Paged {
+        reason: reason.into(),
+    })
+}
+
+impl KvCache {
+    /// Allocate every layer's K and V pages on `ctx`'s device (zeroed). Checked: every
+    /// dimension positive, the head dims even for RoPE's rotated part, each buffer within the
+    /// device's binding limit.
+    pub fn new(ctx: &Context, config: KvCacheConfig) -> Result<Self> {
+        let c = config;
+        if [
+            c.layers,
+            c.kv_heads,
+            c.head_dim,
+            c.head_dim_v,
+            c.block_size,
+            c.num_blocks,
+        ]
+        .contains(&0)
+        {
+            return bad(format!("every dimension of the cache must be positive: {c:?}"));
+        }
+        if let Some(r) = &c.rope {
+            r.rotated_dims(c.head_dim)?;
+        }
+        if c.storage.is_half() && (c.block_size * c.kv_heads * (c.head_dim | c.head_dim_v)) % 2 == 1 {
+            return bad(format!(
+                "a {} block of {} tokens x {} heads x {}/{} dims is an odd number of 2-byte elements: blocks are copied in whole 4-byte words (make block_size even)",
+                c.storage.name(),
+                c.block_size,
+                c.kv_heads,
+                c.head_dim,
+                c.head_dim_v
+            ));
+        }
+        let bytes = |e: usize| -> Result<u64> {
+            let elems = c.num_blocks * c.block_size * c.kv_heads * e;
+            if u32::try_from(elems).is_err() {
+                return bad(format!(
+                    "{elems} elements per layer exceed the kernels' u32 indices"
+                ));
+            }
+            let b = c.storage.bytes(elems).next_multiple_of(16);
+            crate::buffers::fits(
+                "KV cache layer",
+                b,
+                ctx.max_binding(),
+                "max_storage_buffer_binding_size",
+            )?;
+            Ok(b)
+        };
+        let (kb, vb) = (bytes(c.head_dim)?, bytes(c.head_dim_v)?);
+        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for l in 0..c.layers {
+            k.push(create(ctx, &format!("KV cache K layer {l}"), kb, usage));
+            v.push(create(ctx, &format!("KV cache V layer {l}"), vb, usage));
+        }
+        static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Ok(KvCache {
+            config: c,
+            k,
+            v,
+            free: (0..c.num_blocks as u32).rev().collect(),
+            refs: vec![0; c.num_blocks],
+            seqs: BTreeMap::new(),
+            next: 0,
+            epoch: 0,
+            id: IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        })
+    }
+
+    /// The cache's shape.
+    pub fn config(&self) -> &KvCacheConfig {
+        &self.config
+    }
+
+    /// Blocks on the free list.
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Layer `layer`'s K buffer `[num_blocks, block_size, Hkv, E]` and V buffer.
+    pub fn buffers(&self, layer: usize) -> Result<(&wgpu::Buffer, &wgpu::Buffer)> {
+        match (self.k.get(layer), self.v.get(layer)) {
+            (Some(k), Some(v)) => Ok((k, v)),
+            _ => bad(format!(
+                "layer {layer} of a cache of {} layers",
+                self.config.layers
+            )),
+        }
+    }
+
+    /// A new, empty sequence.
+    pub fn add_sequence(&mut self) -> SeqId {
+        let id = SeqId(self.next);
+        self.next += 1;
+        self.seqs.insert(
+            id,
+            Seq {
+                blocks: Vec::new(),
+                len: 0,
+            },
+        );
+        id
+    }
+
+    /// Keys held for `seq`.
+    pub fn len(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.seq(seq)?.len)
+    }
+
+    /// Whether the cache holds no sequence.
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// The physical blocks of `seq`, in order.
+    pub fn blocks(&self, seq: SeqId) -> Result<&[u32]> {
+        Ok(&self.seq(seq)?.blocks)
+    }
+
+    fn seq(&self, seq: SeqId) -> Result<&Seq> {
+        self.seqs.get(&seq).map_or_else(
+            || {
+                bad(format!(
+                    "{seq:?} is not a sequence of this cache (freed, or another cache's)"
+                ))
+            },
+            Ok,
+        )
+    }
+
+    /// Free `seq`: its blocks that no other sequence shares return to the free list.
+    pub fn free_sequence(&mut self, seq: SeqId) -> Result<()> {
+        let s = self.seq(seq)?.clone();
+        for b in s.blocks {
+            self.release(b);
+        }
+        self.seqs.remove(&seq);
+        self.epoch += 1;
+        Ok(())
+    }
+
+    fn release(&mut self, b: u32) {
+        let r = &mut self.refs[b as usize];
+        *r -= 1;
+        if *r == 0 {
+            self.free.push(b);
+        }
+    }
+
+    /// A new sequence with `parent`'s keys, sharing its blocks (beam search, parallel
+    /// sampling): nothing is copied until one of them appends into a shared block that is not
+    /// full (copy-on-write).
+    pub fn fork(&mut self, parent: SeqId) -> Result<SeqId> {
+        let s = self.seq(parent)?.clone();
+        for &b in &s.blocks {
+            self.refs[b as usize] += 1;
+        }
+        let id = SeqId(self.next);
+        self.next += 1;
+        self.seqs.insert(id, s);
+        self.epoch += 1;
+        Ok(id)
+    }
+
+    /// Reserve slots for `batch`'s new tokens (`(sequence, count)`, each sequence once):
+    /// blocks are taken from the free list, and a shared block that is not full is first
+    /// copied (every layer's K and V, recorded into `encoder`). Either every sequence gets its
+    /// slots or nothing changes (too few free blocks is an error).
+    pub fn reserve(
+        &mut self,
+        ctx: &Context,
+        encoder: &mut wgpu::CommandEncoder,
+        batch: &[(SeqId, usize)],
+    ) -> Result<Step> {
+        let bs = self.config.block_size;
+        if batch.is_empty() {
+            return bad("a step needs at least one sequence");
+        }
+        let mut needed = 0;
+        for (i, &(seq, n)) in batch.iter().enumerate() {
+            if batch[..i].iter().any(|&(s, _)| s == seq) {
+                return bad(format!("{seq:?} appears twice in one step"));
+            }
+            if n == 0 {
+                return bad(format!("{seq:?}: a step appends at least one token per sequence"));
+            }
+            let s = self.seq(seq)?;
+            let have = s.blocks.len();
+            needed += (s.len + n).div_ceil(bs) - have;
+            let partial_shared = !s.len.is_multiple_of(bs) && self.refs[s.blocks[have - 1] as usize] > 1;
+            needed += partial_shared as usize;
+        }
+        if needed > self.free.len() {
+            return bad(format!(
+                "the step needs {needed} blocks, {} are free (free sequences or make a larger cache)",
+                self.free.len()
+            ));
+        }
+        let mut slots = Vec::new();
+        let mut positions = Vec::new();
+        for &(seq, n) in batch {
+            let mut s = self.seqs[&seq].clone();
+            // Copy-on-write of a shared partial block.
+            if !s.len.is_multiple_of(bs) {
+                let last = *s.blocks.last().expect("a partial block");
+                if self.refs[last as usize] > 1 {
+                    let fresh = self.free.pop().expect("counted");
+                    self.refs[fresh as usize] = 1;
+                    self.copy_block(ctx, encoder, last, fresh);
+                    self.release(last);
+                    *s.blocks.last_mut().expect("a partial block") = fresh;
+                }
+            }
+            while s.blocks.len() < (s.len + n).div_ceil(bs) {
+                let fresh = self.free.pop().expect("counted");
+                self.refs[fresh as usize] = 1;
+                s.blocks.push(fresh);
+            }
+            for t in s.len..s.len + n {
+                slots.push(s.blocks[t / bs] * bs as u32 + (t % bs) as u32);
+                positions.push(t);
+            }
+            s.len += n;
+            self.seqs.insert(seq, s);
+        }
+        self.epoch += 1;
+        let seqs: Vec<SeqId> = batch.iter().map(|&(s, _)| s).collect();
+        let max_blocks = seqs
+            .iter()
+            .map(|s| self.seqs[s].blocks.len())
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let mut table = vec![-1i32; seqs.len() * max_blocks];
+        for (i, s) in seqs.iter().enumerate() {
+            for (j, &b) in self.seqs[s].blocks.iter().enumerate() {
+                table[i * max_blocks + j] = b as i32;
+            }
+        }
+        Ok(Step {
+            cache: self.id,
+            epoch: self.epoch,
+            seq_lens: seqs.iter().map(|s| self.seqs[s].len).collect(),
+            q_lens: batch.iter().map(|&(_, n)| n).collect(),
+            seqs,
+            slots,
+            positions,
+            table,
+        })
+    }
+
+    /// Record the copy of block `from` into block `to`, every layer's K and V, through a
+    /// scratch buffer (a copy within one buffer is not allowed).
+    fn copy_block(&self, ctx: &Context, encoder: &mut wgpu::CommandEncoder, from: u32, to: u32) {
+        let c = &self.config;
+        let max = c.head_dim.max(c.head_dim_v);
+        let scratch = create(
+            ctx,
+            "KV cache copy-on-write",
+            element_bytes(c.storage, (c.block_size * c.kv_heads * max) as u64).next_multiple_of(4),
+            wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+        );
+        for (bufs, e) in [(&self.k, c.head_dim), (&self.v, c.head_dim_v)] {
+            let block = (c.block_size * c.kv_heads * e) as u64;
+            for buf in bufs {
+                // Whole 4-byte words: `new` refuses half-format blocks of an odd element count.
+                let start = element_bytes(c.storage, from as u64 * block);
+                let size = element_bytes(c.storage, block);
+                let dst = element_bytes(c.storage, to as u64 * block);
+                encoder.copy_buffer_to_buffer(buf, start, &scratch, 0, size);
+                encoder.copy_buffer_to_buffer(&scratch, 0, buf, dst, size);
+            }
+        }
+    }
+
+    fn check_step(&self, step: &Step, layer: usize) -> Result<()> {
+        if step.cache != self.id {
+            return bad("the step was reserved on another cache");
+        }
+        if step.epoch != self.epoch {
+            return bad("the cache changed since this step was reserved (a reserve, fork or free came after it): reserve again");
+        }
+        self.buffers(layer).map(|_| ())
+    }
+
+    /// Record the append of `step`'s new K `[T, Hkv, E]` and V `[T, Hkv, Ev]` (host data or
+    /// dense GPU buffers, any storage format; T the step's tokens, in its batch order) into
+    /// layer `layer`, K rotated by the cache's RoPE at each token's position.
+    pub fn append(
+        &self,
+        ctx: &Context,
+        encoder: &mut wgpu::CommandEncoder,
+        step: &Step,
+        layer: usize,
+        k: &Tensor<'_>,
+        v: &Tensor<'_>,
+    ) -> Result<()> {
+        self.check_step(step, layer)?;
+        let c = &self.config;
+        let t = step.tokens();
+        for (name, x, e) in [("k", k, c.head_dim), ("v", v, c.head_dim_v)] {
+            if x.shape != [t, c.kv_heads, e] {
+                return Err(Error::ShapeMismatch {
+                    tensor: name,
+                    expected: vec![t, c.kv_heads, e],
+                    actual: x.shape.clone(),
+                });
+            }
+        }
+        let (ko, vo) = (Operand::check(ctx, "k", k)?, Operand::check(ctx, "v", v)?);
+        let (ku, vu) = (ko.upload(ctx, "new k"), vo.upload(ctx, "new v"));
+        let d = match &c.rope {
+            Some(r) => r.rotated_dims(c.head_dim)?,
+            None => 0,
+        };
+        let mut aux = c
+            .rope
+            .map_or(Vec::new(), |r| r.angle_words(d, step.positions.iter().copied()));
+        let slot_off = aux.len();
+        aux.extend(&step.slots);
+        let aux = storage_init(ctx, "KV cache append", bytemuck::cast_slice(&aux));
+        let dummy = dummy(ctx);
+        let (kbuf, vbuf) = self.buffers(layer)?;
+        for (src, st, dst, e, d) in [
+            (ku.binding(), k.storage(), kbuf, c.head_dim, d),
+            (vu.binding(), v.storage(), vbuf, c.head_dim_v, 0),
+        ] {
+            crate::kernels::rope::record(
+                ctx,
+                encoder,
+                Some((src, st)),
+                (dst.as_entire_buffer_binding(), c.storage),
+                aux.as_entire_buffer_binding(),
+                dummy.as_entire_buffer_binding(),
+                crate::kernels::rope::Rotation {
+                    tokens: t,
+                    heads: c.kv_heads,
+                    e,
+                    d,
+                    half: c.rope.is_some_and(|r| r.style == crate::RopeStyle::HalfSplit),
+                    ang_off: 0,
+                    slot_off: Some(slot_off),
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The attention of `step`'s queries `[B, Hq, n, E]` (every sequence of the step with the
+    /// same count `n`; B in the step's order) over layer `layer`: an [`Sdpa::paged`] call on
+    /// the layer's buffers, q rotated by the cache's RoPE. Add the options (causal is
+    /// [`Causal::BottomRight`](crate::Causal::BottomRight)) and run or record it.
+    pub fn attention<'a>(&'a self, step: &'a Step, layer: usize, q: Tensor<'a>) -> Result<Sdpa<'a>> {
+        self.check_step(step, layer)?;
+        let n = step.q_lens[0];
+        if step.q_lens.iter().any(|&m| m != n) {
+            return bad(format!(
+                "attention takes the same query count for every sequence of a step; this step has {:?} (run one call per group of equal counts)",
+                step.q_lens
+            ));
+        }
+        if q.shape.len() != 4 || q.shape[0] != step.seqs.len() || q.shape[2] != n {
+            return Err(Error::ShapeMismatch {
+                tensor: "q",
+                expected: vec![
+                    step.seqs.len(),
+                    q.shape.get(1).copied().unwrap_or(0),
+                    n,
+                    self.config.head_dim,
+                ],
+                actual: q.shape.clone(),
+            });
+        }
+        let c = &self.config;
+        let (kb, vb) = self.buffers(layer)?;
+        let shape = |e| [c.num_blocks, c.block_size, c.kv_heads, e];
+        let call = Sdpa::new(
+            q,
+            Tensor::from_buffer(kb, c.storage, &shape(c.head_dim)),
+            Tensor::from_buffer(vb, c.storage, &shape(c.head_dim_v)),
+        )
+        .paged(&step.table, &step.seq_lens);
+        Ok(match c.rope {
+            Some(r) => call.rope(r),
+            None => call,
+        })
+    }
+}
+
+/// Byte offset of element `i` in format `s` (elements packed: 4 bytes for f32, 2 else).
+fn element_bytes(s: Storage, i: u64) -> u64 {
+    i * s.element_bytes()
+}
