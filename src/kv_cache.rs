@@ -522,6 +522,36 @@ impl KvCache {
     }
 }
 
+impl KvCache {
+    /// The attention of `step`'s queries packed `[T, Hq, E]` (the step's counts, in its batch
+    /// order; counts may differ: a prefill chunk beside decode queries) over layer `layer`: a
+    /// [`PagedAttention`](crate::PagedAttention) on the layer's buffers, q rotated by the
+    /// cache's RoPE. Add the options and run or record it.
+    pub fn ragged_attention<'a>(
+        &'a self,
+        step: &'a Step,
+        layer: usize,
+        q: Tensor<'a>,
+    ) -> Result<crate::PagedAttention<'a>> {
+        self.check_step(step, layer)?;
+        let c = &self.config;
+        let (kb, vb) = self.buffers(layer)?;
+        let shape = |e| [c.num_blocks, c.block_size, c.kv_heads, e];
+        let call = crate::PagedAttention::new(
+            q,
+            &step.q_lens,
+            Tensor::from_buffer(kb, c.storage, &shape(c.head_dim)),
+            Tensor::from_buffer(vb, c.storage, &shape(c.head_dim_v)),
+            &step.table,
+            &step.seq_lens,
+        );
+        Ok(match c.rope {
+            Some(r) => call.rope(r),
+            None => call,
+        })
+    }
+}
+
 /// Byte offset of element `i` in format `s` (elements packed: 4 bytes for f32, 2 else).
 fn element_bytes(s: Storage, i: u64) -> u64 {
     i * s.element_bytes()

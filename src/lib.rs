@@ -37,6 +37,7 @@ mod picture;
 #[macro_use]
 mod options;
 mod mha;
+mod paged;
 mod pipelines;
 #[cfg(all(feature = "plot", not(target_arch = "wasm32")))]
 pub mod plot;
@@ -74,6 +75,7 @@ pub use mha::{
 pub use ops::matmul::matmul_blocking;
 pub use ops::matmul::{matmul, record_matmul};
 pub use options::Options;
+pub use paged::{GpuPagedOutput, LseGroup, PagedAttention, PagedOutput};
 pub use problem::{alibi_slopes, Causal, DocIds, Problem, Window};
 pub use ring::{DeviceReport, Layout, Ring, RingGrads, RingOutput, RingPlan, RingReport};
 pub use rope::{Rope, RopeStyle};

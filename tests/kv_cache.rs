@@ -105,12 +105,45 @@ impl Model {
             }
             at += n;
         }
-        // Attention: only when every count is equal (the API's rule).
+        // Mixed counts: KvCache::attention refuses them, ragged_attention takes them packed.
         let n = batch[0].1;
         if batch.iter().any(|&(_, m)| m != n) {
             let q0 = Array4::<f32>::zeros((batch.len(), HQ, 1, E));
             let r = self.cache.attention(&step, 0, Tensor::from(&q0)).map(|_| ());
             assert!(matches!(r, Err(Error::Paged { .. })), "{r:?}");
+            let mut q: Array3<f32> = rand_array(&mut self.rng, (t, HQ, E));
+            q.mapv_inplace(|x| st.round(x));
+            let got = self
+                .cache
+                .ragged_attention(&step, 0, Tensor::from(&q).with_storage(st))
+                .unwrap()
+                .causal(Causal::BottomRight)
+                .run_blocking(ctx)
+                .unwrap_or_else(|e| panic!("{label}: {e}"));
+            let mut at = 0;
+            for &(seq, n) in batch {
+                let qs = q
+                    .slice(ndarray::s![at..at + n, .., ..])
+                    .permuted_axes([1, 0, 2])
+                    .insert_axis(ndarray::Axis(0))
+                    .to_owned();
+                let want = self.reference(seq, qs);
+                let gs = got
+                    .output
+                    .slice(ndarray::s![at..at + n, .., ..])
+                    .permuted_axes([1, 0, 2])
+                    .to_owned();
+                let tol = if st == Storage::F32 {
+                    TOL
+                } else {
+                    Tolerance::for_storage(st)
+                };
+                assert_report(
+                    wgpu_attention::check::compare(gs.iter().copied(), want.out.iter().copied(), tol),
+                    &format!("{label} ragged {seq:?}"),
+                );
+                at += n;
+            }
             return;
         }
         let b = batch.len();
@@ -184,6 +217,43 @@ impl Model {
                 .any(|(a, b)| (a - b).abs() > 1e-3),
             "{label}: layer 1 reads layer 0's pages"
         );
+    }
+}
+
+impl Model {
+    /// The reference attention of one sequence's queries `[1, Hq, n, E]` (un-rotated) over
+    /// its host keys, causal by position.
+    fn reference(&self, seq: SeqId, q: Array4<f32>) -> reference::Output {
+        let host = &self.host[&seq];
+        let (len, n) = (host.k.len(), q.dim().2);
+        let mut kc = Array4::<f32>::zeros((1, HKV, len, E));
+        let mut vc = Array4::<f32>::zeros((1, HKV, len, EV));
+        for (j, (kr, vr)) in host.k.iter().zip(&host.v).enumerate() {
+            for h in 0..HKV {
+                for d in 0..E {
+                    kc[[0, h, j, d]] = kr[h * E + d];
+                }
+                for d in 0..EV {
+                    vc[[0, h, j, d]] = vr[h * EV + d];
+                }
+            }
+        }
+        let mut qr = q;
+        if let Some(r) = &self.rope {
+            let mut rows = qr
+                .slice(ndarray::s![0, .., .., ..])
+                .permuted_axes([1, 0, 2])
+                .to_owned();
+            let pos: Vec<usize> = (0..n).map(|i| len - n + i).collect();
+            r.apply(rows.view_mut(), &pos).unwrap();
+            qr.slice_mut(ndarray::s![0, .., .., ..])
+                .assign(&rows.permuted_axes([1, 0, 2]));
+        }
+        let opts = Options {
+            causal: Causal::BottomRight,
+            ..Options::default()
+        };
+        reference::sdpa(qr.view(), kc.view(), vc.view(), &opts).unwrap()
     }
 }
 

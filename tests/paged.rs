@@ -458,3 +458,100 @@ fn rope_on_q_inside_the_kernels() {
         .problem();
     assert!(matches!(r, Err(Error::InvalidModifier { .. })), "{r:?}");
 }
+
+/// A ragged batch in one call (`PagedAttention`): queries packed `[T, Hq, E]`, counts 5, 1,
+/// 1, 3, 3 and 2 (prefill chunks beside decode queries), against the per-sequence reference;
+/// GQA, the modifiers, RoPE, half formats, both paths.
+#[test]
+fn ragged_batches_in_one_call() {
+    use ndarray::Array3;
+    use wgpu_attention::{PagedAttention, Rope, RopeStyle};
+    let Some(ctx) = ctx() else { return };
+    let q_lens = [5usize, 1, 1, 3, 3, 2];
+    let seq_lens = [40usize, 1, 29, 3, 17, 64];
+    let (hq, hkv, e, ev, bs) = (4, 2, 16, 8, 8);
+    let t: usize = q_lens.iter().sum();
+    let mut r = rng(120);
+    // Contiguous keys per sequence, paged through a shuffled table.
+    let case = Case::random((6, hq, hkv, 1, 64, e, ev), 121);
+    let pg = page(&case, &seq_lens, bs, 122);
+    type Setup = fn(PagedAttention<'_>) -> PagedAttention<'_>;
+    let setups: [(&str, Setup); 4] = [
+        ("plain", |c| c),
+        ("causal", |c| c.causal(Causal::BottomRight)),
+        ("causal_window_sinks_alibi_softcap_sink_logits", |c| {
+            c.causal(Causal::BottomRight)
+                .window(6, 0)
+                .sink_tokens(2)
+                .alibi(&[0.5, 0.25, 0.125, 0.0625])
+                .softcap(0.8)
+                .sink_logits(&[0.5, -1.0, 2.0, 0.0])
+        }),
+        ("rope_causal", |c| {
+            c.causal(Causal::BottomRight).rope(Rope {
+                style: RopeStyle::Interleaved,
+                theta: 5e5,
+                dim: Some(8),
+            })
+        }),
+    ];
+    for st in [Storage::F32, Storage::F16] {
+        let mut q: Array3<f32> = rand_array(&mut r, (t, hq, e));
+        q.mapv_inplace(|x| st.round(x));
+        let (mut k, mut v) = (pg.k.clone(), pg.v.clone());
+        k.mapv_inplace(|x| st.round(x));
+        v.mapv_inplace(|x| st.round(x));
+        for (name, setup) in setups {
+            let call = |s: Storage| {
+                setup(PagedAttention::new(
+                    Tensor::from(&q).with_storage(s),
+                    &q_lens,
+                    Tensor::from(&k).with_storage(s),
+                    Tensor::from(&v).with_storage(s),
+                    &pg.table,
+                    &seq_lens,
+                ))
+            };
+            let want = call(Storage::F32).reference().unwrap();
+            let tol = if st == Storage::F32 {
+                TOL
+            } else {
+                Tolerance::for_storage(st)
+            };
+            for path in [Path::Auto, Path::Fused, Path::Decode] {
+                let got = call(st)
+                    .path(path)
+                    .run_blocking(ctx)
+                    .unwrap_or_else(|e| panic!("{name} {st:?} {path:?}: {e}"));
+                let label = format!("ragged {name} {st:?} [{path:?}]");
+                assert_report(
+                    compare(
+                        got.output.iter().copied(),
+                        want.output.iter().map(|&x| x as f64),
+                        tol,
+                    ),
+                    &format!("{label} output"),
+                );
+                assert_report(
+                    compare(got.lse.iter().copied(), want.lse.iter().map(|&x| x as f64), tol),
+                    &format!("{label} lse"),
+                );
+            }
+        }
+    }
+    // Bad batches: counts not summing to T, a zero count, more queries than keys, a mask.
+    let q = Array3::<f32>::zeros((t, hq, e));
+    let bad = |c: PagedAttention<'_>, what: &str| match c.run_blocking(ctx) {
+        Err(Error::Paged { reason }) => assert!(reason.contains(what), "{reason:?} should say {what:?}"),
+        other => panic!("{what}: expected Error::Paged, got {other:?}"),
+    };
+    let mk = |ql: &[usize], sl: &[usize]| PagedAttention::new(&q, ql, &pg.k, &pg.v, &pg.table, sl);
+    bad(mk(&[5, 1, 1, 3, 3, 1], &[40, 1, 29, 3, 17, 64]), "sum to 14");
+    bad(mk(&[5, 0, 2, 3, 3, 2], &[40, 1, 29, 3, 17, 64]), "no query");
+    bad(
+        mk(&[5, 2, 1, 3, 2, 2], &[40, 1, 29, 3, 17, 64]),
+        "fewer than its 2 new queries",
+    );
+    let mask = ndarray::Array4::from_elem((6, 1, 1, 64), true).into_dyn();
+    bad(mk(&q_lens, &seq_lens).mask(&mask), "per batch entry");
+}

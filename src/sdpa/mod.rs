@@ -649,6 +649,52 @@ pub(crate) async fn read_output(ctx: &Context, gpu: &GpuOutput) -> Result<Array4
 /// For [`Sdpa::prepare`]: when `t` is read through a view, zeroed scratch holding a tensor of
 /// `shape` in format `st` read the same way (the same offset within 256 bytes, the same layout,
 /// its capacity at least `shape`'s S): its buffer, that offset and the view request.
+/// A block table `[B, max_blocks]` for sequences of `lens` keys with `q_lens` new queries
+/// each, over caches of `nb` blocks of `bs` tokens: its row length and the table with the
+/// entries past each sequence's blocks zeroed ([`Error::Paged`] for a table that is not a
+/// positive multiple of B, a sequence longer than its row, fewer keys than queries, a used
+/// entry outside the caches).
+pub(crate) fn check_block_table(
+    table: &[i32],
+    lens: &[usize],
+    q_lens: &[usize],
+    nb: usize,
+    bs: usize,
+) -> Result<(usize, Vec<u32>)> {
+    let bad = |reason: String| Err(Error::Paged { reason });
+    let b = lens.len();
+    if b == 0 || table.is_empty() || !table.len().is_multiple_of(b) {
+        return bad(format!(
+            "the block table has {} entries, not a positive multiple of the {b} sequences ([B, max_blocks])",
+            table.len()
+        ));
+    }
+    let max_blocks = table.len() / b;
+    let mut clean = vec![0u32; table.len()];
+    for (s, (&len, &n)) in lens.iter().zip(q_lens).enumerate() {
+        if len > max_blocks * bs {
+            return bad(format!(
+                "sequence {s} has {len} keys, more than its table's {max_blocks} blocks of {bs} hold"
+            ));
+        }
+        if len < n {
+            return bad(format!(
+                "sequence {s} has {len} keys, fewer than its {n} new queries (their own keys count)"
+            ));
+        }
+        for t in 0..len.div_ceil(bs) {
+            let entry = table[s * max_blocks + t];
+            if entry < 0 || entry as usize >= nb {
+                return bad(format!(
+                    "block_table[{s}, {t}] = {entry} is not a block of the caches (0..{nb})"
+                ));
+            }
+            clean[s * max_blocks + t] = entry as u32;
+        }
+    }
+    Ok((max_blocks, clean))
+}
+
 /// [`Sdpa::paged`]'s checks: the logical k and v shapes `[B, Hkv, S, E]` (S the longest
 /// sequence), the key lengths, and the block table with its unused entries zeroed.
 #[allow(clippy::type_complexity)]
@@ -704,36 +750,7 @@ fn paged_problem(
             lens.len()
         ));
     }
-    let table = &spec.table;
-    if table.is_empty() || !table.len().is_multiple_of(b) {
-        return bad(format!(
-            "the block table has {} entries, not a positive multiple of the {b} sequences ([B, max_blocks])",
-            table.len()
-        ));
-    }
-    let max_blocks = table.len() / b;
-    let mut clean = vec![0u32; table.len()];
-    for (s, &len) in lens.iter().enumerate() {
-        if len > max_blocks * bs {
-            return bad(format!(
-                "sequence {s} has {len} keys, more than its table's {max_blocks} blocks of {bs} hold"
-            ));
-        }
-        if len < n {
-            return bad(format!(
-                "sequence {s} has {len} keys, fewer than its {n} new queries (their own keys count)"
-            ));
-        }
-        for t in 0..len.div_ceil(bs) {
-            let entry = table[s * max_blocks + t];
-            if entry < 0 || entry as usize >= nb {
-                return bad(format!(
-                    "block_table[{s}, {t}] = {entry} is not a block of the caches (0..{nb})"
-                ));
-            }
-            clean[s * max_blocks + t] = entry as u32;
-        }
-    }
+    let (max_blocks, clean) = check_block_table(&spec.table, lens, &vec![n; b], nb, bs)?;
     let s = lens.iter().copied().max().unwrap_or(1).max(1);
     Ok((
         [b, hkv, s, e],
