@@ -185,6 +185,32 @@ impl<'a> PagedAttention<'a> {
         Ok((q, ev, groups))
     }
 
+    /// Check everything before any GPU work, as [`record`](PagedAttention::record) and
+    /// [`run`](PagedAttention::run) do: the batch, the table, and each group's call (shapes,
+    /// modifiers, RoPE).
+    pub fn validate(&self) -> Result<()> {
+        let ([_, hq, e], _, groups) = self.check()?;
+        let max_blocks = self.table.len() / self.seq_lens.len();
+        for &(s0, nseq, n) in &groups {
+            let zeros = vec![0f32; nseq * hq * n * e];
+            let mut call = Sdpa::new(
+                Tensor::from_slice(&zeros, &[nseq, hq, n, e]),
+                self.k.clone(),
+                self.v.clone(),
+            )
+            .options(self.options.clone())
+            .paged(
+                &self.table[s0 * max_blocks..(s0 + nseq) * max_blocks],
+                &self.seq_lens[s0..s0 + nseq],
+            );
+            if let Some(r) = self.rope {
+                call = call.rope(r);
+            }
+            call.problem()?;
+        }
+        Ok(())
+    }
+
     /// Record every group's call into `encoder`: the output `[T, Hq, Ev]` in q's format and
     /// each group's logsumexp. Everything is checked before anything is recorded.
     pub fn record(&self, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<GpuPagedOutput> {
@@ -246,6 +272,7 @@ impl<'a> PagedAttention<'a> {
 
     /// Run on `ctx` and read the output `[T, Hq, Ev]` and logsumexp `[T, Hq]` back (f32).
     pub async fn run(&self, ctx: &Context) -> Result<PagedOutput> {
+        self.validate()?;
         let ([t, hq, _], ev, _) = self.check()?;
         let st = self.q.storage();
         let gpu = ctx
@@ -280,6 +307,7 @@ impl<'a> PagedAttention<'a> {
     /// The CPU reference (f64) of this call on host data: [`reference::sdpa_paged`](crate::reference::sdpa_paged)
     /// per sequence, packed like the GPU's output.
     pub fn reference(&self) -> Result<PagedOutput> {
+        self.validate()?;
         let ([t, hq, e], ev, _) = self.check()?;
         let host = |x: &Tensor, name: &'static str| -> Result<Vec<f32>> {
             x.host_f32().map(|d| d.into_owned()).ok_or(Error::BadBuffer {

@@ -254,7 +254,7 @@ fn read_docs(paths: &[PathBuf], q: &Array4<f32>, k: &Array4<f32>) -> CliResult<w
 }
 
 /// `LEFT,RIGHT`: two integers (range checks are the library's: a typed error before any work).
-fn parse_window(s: &str) -> Result<(i64, i64), String> {
+pub(crate) fn parse_window(s: &str) -> Result<(i64, i64), String> {
     let parts: Vec<&str> = s.split(',').map(str::trim).collect();
     match parts.as_slice() {
         [l, r] => Ok((

@@ -15,6 +15,7 @@ mod info;
 mod input;
 mod mha;
 mod npy;
+mod paged;
 mod ring;
 mod run;
 mod timing;
@@ -80,6 +81,9 @@ enum Command {
     /// The literature's attention variants (Luong's general, Bahdanau's additive, low-rank V,
     /// Nyström, Linformer) on .npy files, on the GPU or the CPU reference.
     Variant(VariantArgs),
+    /// Paged attention of a ragged batch: queries packed [T, Hq, E] over paged KV caches read
+    /// through a block table (vLLM's layout), with RoPE and the built-in modifiers.
+    Paged(paged::PagedArgs),
     /// Time named shapes on every path and print a table (median of several runs).
     Bench(BenchArgs),
     /// Time and device memory of exact fused SDPA, Nyström and Linformer against the sequence
@@ -137,6 +141,7 @@ fn main() -> ExitCode {
         Command::Backward(args) => backward::backward(&args),
         Command::Mha(args) => mha::mha(&args),
         Command::Variant(args) => variant::variant(&args),
+        Command::Paged(args) => paged::paged(&args),
         Command::Bench(args) => bench::bench(&args),
         Command::BenchVariants(args) => bench_variants::bench_variants(&args),
         Command::BenchRing(args) => bench_ring::bench_ring(&args),

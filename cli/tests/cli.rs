@@ -1511,3 +1511,158 @@ fn user_mod_and_captures() {
         assert!(!out.exists());
     }
 }
+
+/// `paged`: a ragged batch (3 prefill queries and 1 decode query) over paged caches with RoPE,
+/// causal, a window and ALiBi on the GPU matches the CPU reference, f32 and f16; every bad
+/// input of issue 28's list is a one-line error with exit status 2 that writes nothing.
+#[test]
+fn paged_ragged_batch_with_rope() {
+    let dir = out_dir("paged");
+    let (t, hq, hkv, e, nb, bs) = (4usize, 4usize, 2usize, 8usize, 6usize, 4usize);
+    let fill3 = |shape: [usize; 3], m: usize| {
+        ndarray::Array3::from_shape_fn(shape, |(a, b, c)| {
+            ((a * 7 + b * m + c * 5) % 13) as f32 * 0.1 - 0.6
+        })
+    };
+    let fill4 = |m: usize| {
+        Array4::from_shape_fn((nb, bs, hkv, e), |(a, b, c, d)| {
+            ((a * 3 + b * m + c * 5 + d) % 11) as f32 * 0.1 - 0.5
+        })
+    };
+    let p = |n: &str| dir.join(n);
+    write_npy(p("q.npy"), &fill3([t, hq, e], 3)).unwrap();
+    write_npy(p("kc.npy"), &fill4(7)).unwrap();
+    write_npy(p("vc.npy"), &fill4(2)).unwrap();
+    write_npy(p("kc_bad.npy"), &Array4::<f32>::zeros((nb, bs, hkv, e + 2))).unwrap();
+    let table = |rows: Vec<i32>| ndarray::Array2::from_shape_vec((2, 3), rows).unwrap();
+    write_npy(p("bt.npy"), &table(vec![4, 1, 2, 0, -1, -1])).unwrap();
+    write_npy(p("bt_range.npy"), &table(vec![4, 6, 2, 0, -1, -1])).unwrap();
+    write_npy(p("bt_neg.npy"), &table(vec![4, -1, 2, 0, -1, -1])).unwrap();
+    let base = |out: &str| -> Vec<String> {
+        [
+            "paged",
+            "--q",
+            s(&p("q.npy")),
+            "--q-lens",
+            "3,1",
+            "--k-cache",
+            s(&p("kc.npy")),
+            "--v-cache",
+            s(&p("vc.npy")),
+            "--block-table",
+            s(&p("bt.npy")),
+            "--seq-lens",
+            "10,2",
+            "--out",
+            s(&p(out)),
+        ]
+        .iter()
+        .map(|x| x.to_string())
+        .collect()
+    };
+    let run = |args: &[String]| cli(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let flags = [
+        "--causal",
+        "--rope",
+        "half",
+        "--rope-theta",
+        "500000",
+        "--window",
+        "5,0",
+        "--alibi",
+        "0.5,0.25,0.1,0.05",
+    ];
+    for storage in ["f32", "f16"] {
+        let mut cpu = base("cpu.npy");
+        cpu.extend(flags.iter().map(|x| x.to_string()));
+        cpu.extend([
+            "--storage".into(),
+            storage.into(),
+            "--cpu".into(),
+            "--lse-out".into(),
+            s(&p("cpu_lse.npy")).into(),
+        ]);
+        let r = run(&cpu);
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        if common::ctx().is_none() {
+            continue;
+        }
+        let mut gpu = base("gpu.npy");
+        gpu.extend(flags.iter().map(|x| x.to_string()));
+        gpu.extend([
+            "--storage".into(),
+            storage.into(),
+            "--lse-out".into(),
+            s(&p("gpu_lse.npy")).into(),
+        ]);
+        let r = run(&gpu);
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        let tol = if storage == "f32" {
+            common::TOL
+        } else {
+            wgpu_attention::check::Tolerance::for_storage(wgpu_attention::Storage::F16)
+        };
+        for (g, c, shape) in [
+            ("gpu.npy", "cpu.npy", vec![t, hq, e]),
+            ("gpu_lse.npy", "cpu_lse.npy", vec![t, hq]),
+        ] {
+            let (g, c): (ArrayD<f32>, ArrayD<f32>) = (read_npy(p(g)).unwrap(), read_npy(p(c)).unwrap());
+            assert_eq!(g.shape(), shape.as_slice());
+            common::assert_report(
+                compare(g.iter().copied(), c.iter().map(|&x| x as f64), tol),
+                &format!("paged {storage} {shape:?}"),
+            );
+        }
+    }
+    // Bad input: exit status 2, one line, nothing written.
+    let bt_range = s(&p("bt_range.npy")).to_string();
+    let bt_neg = s(&p("bt_neg.npy")).to_string();
+    let kc_bad = s(&p("kc_bad.npy")).to_string();
+    type Case<'a> = (&'a str, Vec<(&'a str, String)>, &'a str);
+    let cases: Vec<Case> = vec![
+        (
+            "entry out of range",
+            vec![("--block-table", bt_range)],
+            "block_table[0, 1] = 6",
+        ),
+        (
+            "negative used entry",
+            vec![("--block-table", bt_neg)],
+            "block_table[0, 1] = -1",
+        ),
+        (
+            "sequence longer than its table",
+            vec![("--seq-lens", "13,2".into())],
+            "more than its table",
+        ),
+        ("n > l", vec![("--seq-lens", "10,0".into())], "fewer than"),
+        (
+            "q-lens not summing to T",
+            vec![("--q-lens", "2,1".into())],
+            "sum to 3",
+        ),
+        (
+            "odd rope dim",
+            vec![("--rope", "half".into()), ("--rope-dim", "5".into())],
+            "rope",
+        ),
+        ("cache shape", vec![("--k-cache", kc_bad)], "disagree"),
+    ];
+    for (what, changes, expect) in cases {
+        let out = format!("bad_{}.npy", what.replace(' ', "_"));
+        let mut args = base(&out);
+        for (flag, value) in &changes {
+            match args.iter().position(|a| a == flag) {
+                Some(i) => args[i + 1] = value.clone(),
+                None => args.extend([flag.to_string(), value.clone()]),
+            }
+        }
+        args.push("--cpu".into());
+        let r = run(&args);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{what}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{what}: {err}");
+        assert!(err.contains(expect), "{what}: {err} should say {expect:?}");
+        assert!(!p(&out).exists(), "{what} wrote its output");
+    }
+}

@@ -1,0 +1,270 @@
+//! `paged`: attention of a ragged batch over paged KV caches in `.npy` files.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Args, ValueEnum};
+use ndarray::{Array3, Array4, ArrayD};
+use wgpu_attention::{Causal, PagedAttention, Path, Rope, RopeStyle, Storage, Tensor};
+
+use crate::npy::{read_float, read_int, write_array};
+use crate::timing::ms;
+use crate::{context, path_parser, CliResult};
+
+/// RoPE's pairing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum RopeArg {
+    /// Pairs (k, k + D/2): GPT-NeoX, Llama, Hugging Face's rotate_half.
+    Half,
+    /// Pairs (2k, 2k + 1): GPT-J.
+    Interleaved,
+}
+
+#[derive(Args)]
+pub(crate) struct PagedArgs {
+    /// Queries packed by sequence, f32 or f16 .npy [T, Hq, E].
+    #[arg(long, value_name = "Q.npy")]
+    q: PathBuf,
+    /// New queries per sequence, comma separated (summing to T).
+    #[arg(long, value_delimiter = ',', value_name = "N0,N1,..", required = true)]
+    q_lens: Vec<usize>,
+    /// The K cache, f32 or f16 .npy [NB, BS, Hkv, E].
+    #[arg(long, value_name = "KC.npy")]
+    k_cache: PathBuf,
+    /// The V cache, f32 or f16 .npy [NB, BS, Hkv, Ev].
+    #[arg(long, value_name = "VC.npy")]
+    v_cache: PathBuf,
+    /// The block table, int32 .npy [num_seqs, max_blocks]: key t of sequence s is in block
+    /// BT[s, t / BS], slot t % BS; entries past a sequence's last block are ignored (-1 say).
+    #[arg(long, value_name = "BT.npy")]
+    block_table: PathBuf,
+    /// Keys per sequence, comma separated (its new queries' own keys included).
+    #[arg(long, value_delimiter = ',', value_name = "L0,L1,..", required = true)]
+    seq_lens: Vec<usize>,
+    /// Causal by position: query i of a sequence of l keys with n new queries is at l - n + i.
+    #[arg(long)]
+    causal: bool,
+    /// RoPE: q and the caches hold un-rotated vectors, attention runs over the rotated ones
+    /// (key t at position t, query i at l - n + i).
+    #[arg(long, value_enum)]
+    rope: Option<RopeArg>,
+    /// RoPE's base.
+    #[arg(long, value_name = "F", default_value_t = 10000.0, requires = "rope")]
+    rope_theta: f64,
+    /// RoPE's rotated leading dims (even) [default: E].
+    #[arg(long, value_name = "D", requires = "rope")]
+    rope_dim: Option<usize>,
+    /// Sliding window LEFT,RIGHT by position; -1 leaves that side unbounded.
+    #[arg(long, value_name = "LEFT,RIGHT", allow_hyphen_values = true, value_parser = crate::input::parse_window)]
+    window: Option<(i64, i64)>,
+    /// The first N keys, seen by every query whatever the window (needs --window).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    sink_tokens: usize,
+    /// Sink logits, f32 .npy [Hq].
+    #[arg(long, value_name = "SK.npy")]
+    sink_logits: Option<PathBuf>,
+    /// Logit softcap C > 0.
+    #[arg(long, value_name = "C", allow_negative_numbers = true)]
+    softcap: Option<f32>,
+    /// ALiBi slopes, one per query head, comma separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "S0,S1,..",
+        allow_negative_numbers = true
+    )]
+    alibi: Option<Vec<f32>>,
+    /// Softmax scale [default: 1/sqrt(E)].
+    #[arg(long, allow_negative_numbers = true)]
+    scale: Option<f32>,
+    /// Device storage format of q, the caches and the output (inputs rounded to it; the
+    /// output, rounded to it, written as f32).
+    #[arg(long, value_parser = crate::storage_parser(), default_value = "f32")]
+    storage: Storage,
+    /// Implementation of each group's call on the GPU (fused or decode).
+    #[arg(long, value_parser = path_parser(), default_value = "auto")]
+    path: Path,
+    /// Run the CPU reference (f64) instead of the GPU.
+    #[arg(long, conflicts_with = "path")]
+    cpu: bool,
+    /// Where to write the output, f32 .npy [T, Hq, Ev].
+    #[arg(long, value_name = "O.npy")]
+    out: PathBuf,
+    /// Also write each query row's logsumexp, f32 .npy [T, Hq].
+    #[arg(long, value_name = "LSE.npy")]
+    lse_out: Option<PathBuf>,
+}
+
+/// The library call on the inputs (`k` the K cache, rotated or not).
+fn call<'a>(
+    a: &'a PagedArgs,
+    q: &'a Array3<f32>,
+    k: &'a Array4<f32>,
+    v: &'a Array4<f32>,
+    table: &'a [i32],
+    sink_logits: Option<&'a [f32]>,
+    rope: Option<Rope>,
+) -> PagedAttention<'a> {
+    let st = a.storage;
+    let mut c = PagedAttention::new(
+        Tensor::from(q).with_storage(st),
+        &a.q_lens,
+        Tensor::from(k).with_storage(st),
+        Tensor::from(v).with_storage(st),
+        table,
+        &a.seq_lens,
+    )
+    .path(a.path);
+    if let Some((l, r)) = a.window {
+        c = c.window(l, r).sink_tokens(a.sink_tokens);
+    } else if a.sink_tokens > 0 {
+        c = c.sink_tokens(a.sink_tokens);
+    }
+    if a.causal {
+        c = c.causal(Causal::BottomRight);
+    }
+    if let Some(s) = a.scale {
+        c = c.scale(s);
+    }
+    if let Some(s) = a.softcap {
+        c = c.softcap(s);
+    }
+    if let Some(sl) = &a.alibi {
+        c = c.alibi(sl);
+    }
+    if let Some(sk) = sink_logits {
+        c = c.sink_logits(sk);
+    }
+    if let Some(r) = rope {
+        c = c.rope(r);
+    }
+    c
+}
+
+fn rank<const N: usize>(a: &ArrayD<f32>, what: &str, named: &str) -> CliResult<[usize; N]> {
+    a.shape()
+        .try_into()
+        .map_err(|_| format!("{what}: shape {:?} is not {named}", a.shape()).into())
+}
+
+/// `paged`: read, check (everything before any GPU work or any file written), run, write.
+pub(crate) fn paged(a: &PagedArgs) -> CliResult<ExitCode> {
+    crate::npy::check_writable([
+        ("--out", Some(a.out.as_path())),
+        ("--lse-out", a.lse_out.as_deref()),
+    ])?;
+    let st = a.storage;
+    let q = read_float(&a.q, "q")?;
+    let [t, hq, e] = rank::<3>(&q, "q", "[T, Hq, E]")?;
+    let kc = read_float(&a.k_cache, "k cache")?;
+    let [nb, bs, hkv, ke] = rank::<4>(&kc, "k cache", "[NB, BS, Hkv, E]")?;
+    let vc = read_float(&a.v_cache, "v cache")?;
+    let [vnb, vbs, vh, ev] = rank::<4>(&vc, "v cache", "[NB, BS, Hkv, Ev]")?;
+    if ke != e || (vnb, vbs, vh) != (nb, bs, hkv) {
+        return Err(format!(
+            "the caches {:?} and {:?} disagree with q {:?}: K [NB, BS, Hkv, E] and V [NB, BS, Hkv, Ev] with q's E",
+            kc.shape(),
+            vc.shape(),
+            q.shape()
+        )
+        .into());
+    }
+    let bt = read_int(&a.block_table, "block table")?;
+    if bt.ndim() != 2 || bt.shape()[0] != a.seq_lens.len() {
+        return Err(format!(
+            "block table: shape {:?} is not [num_seqs, max_blocks] with num_seqs = {} (--seq-lens)",
+            bt.shape(),
+            a.seq_lens.len()
+        )
+        .into());
+    }
+    let table: Vec<i32> = bt.iter().copied().collect();
+    let sink_logits = a
+        .sink_logits
+        .as_deref()
+        .map(|p| -> CliResult<Vec<f32>> {
+            let s = read_float(p, "sink logits")?;
+            if s.shape() != [hq] {
+                return Err(format!("sink logits: shape {:?} is not [Hq] = [{hq}]", s.shape()).into());
+            }
+            Ok(s.iter().copied().collect())
+        })
+        .transpose()?;
+    let rope = a.rope.map(|r| Rope {
+        style: match r {
+            RopeArg::Half => RopeStyle::HalfSplit,
+            RopeArg::Interleaved => RopeStyle::Interleaved,
+        },
+        theta: a.rope_theta,
+        dim: a.rope_dim,
+    });
+    let round = |x: f32| st.round(x);
+    let q = Array3::from_shape_vec((t, hq, e), q.iter().map(|&x| round(x)).collect())?;
+    let mut k = Array4::from_shape_vec((nb, bs, hkv, e), kc.iter().map(|&x| round(x)).collect())?;
+    let v = Array4::from_shape_vec((nb, bs, hkv, ev), vc.iter().map(|&x| round(x)).collect())?;
+    // The call, checked before the caches are rotated (its table checks come first).
+    call(a, &q, &k, &v, &table, sink_logits.as_deref(), rope).validate()?;
+    // RoPE on the caches: every used slot rotated at its key's position (a block shared by
+    // forked sequences holds the same positions in each).
+    if let Some(r) = &rope {
+        let mb = table.len() / a.seq_lens.len();
+        let mut pos_of = vec![None::<usize>; nb * bs];
+        for (s, &len) in a.seq_lens.iter().enumerate() {
+            for tk in 0..len {
+                let slot = table[s * mb + tk / bs] as usize * bs + tk % bs;
+                match pos_of[slot] {
+                    Some(p) if p != tk => {
+                        return Err(format!(
+                            "--rope: block {} slot {} holds key {p} of one sequence and key {tk} of sequence {s}: a slot has one position",
+                            slot / bs,
+                            slot % bs
+                        )
+                        .into())
+                    }
+                    _ => pos_of[slot] = Some(tk),
+                }
+            }
+        }
+        for (slot, p) in pos_of.iter().enumerate() {
+            if let Some(p) = p {
+                let mut row = k
+                    .slice(ndarray::s![slot / bs, slot % bs, .., ..])
+                    .to_owned()
+                    .insert_axis(ndarray::Axis(0));
+                r.apply(row.view_mut(), &[*p])?;
+                let row = row.mapv(round);
+                k.slice_mut(ndarray::s![slot / bs, slot % bs, .., ..])
+                    .assign(&row.index_axis(ndarray::Axis(0), 0));
+            }
+        }
+    }
+    let call = call(a, &q, &k, &v, &table, sink_logits.as_deref(), rope);
+    let started = Instant::now();
+    let (r, how) = if a.cpu {
+        let r = call.reference()?;
+        (
+            wgpu_attention::PagedOutput {
+                output: r.output.mapv(round),
+                lse: r.lse,
+            },
+            format!("ran the CPU reference (f64) in {:.3} ms", ms(started.elapsed())),
+        )
+    } else {
+        let ctx = context()?;
+        let r = call.run_blocking(&ctx)?;
+        let how = format!(
+            "ran on {}, storage {st}, {} sequences, {t} queries, in {:.3} ms (incl. upload, shader compilation and readback)",
+            ctx.describe(),
+            a.seq_lens.len(),
+            ms(started.elapsed())
+        );
+        (r, how)
+    };
+    println!("{how}");
+    write_array(&a.out, "output", &r.output.into_dyn())?;
+    if let Some(p) = &a.lse_out {
+        write_array(p, "lse", &r.lse.into_dyn())?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
