@@ -138,7 +138,8 @@ if has vulkan; then
     # The library users' examples, each checking its result against the reference.
     examples() {
       cargo run --locked --example own_device && cargo run --locked --example decode_loop &&
-        cargo run --locked --example layer
+        cargo run --locked --example layer &&
+        cargo run --locked --example generate
     }
     stage "examples on Vulkan" examples
     # scripts/gpu_report.sh's short form (the command for a machine with a GPU), so it keeps

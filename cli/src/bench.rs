@@ -18,7 +18,8 @@ pub(crate) struct BenchArgs {
     /// Shapes to time, comma separated, or `all` [default: all but c_h8_s4096_causal,
     /// long_h1_s32768_causal, causal_h8_s16384, window_h8_s16384, softcap_h8_s1024,
     /// alibi_h8_s1024, sinks_h8_s1024, docs8_h8_s8192, docs8_dense_h8_s8192,
-    /// window_mod_h8_s16384, relbias_mod_h8_s1024 and mha_gqa_h32_kv8_d128_l128]. Attention:
+    /// window_mod_h8_s16384, relbias_mod_h8_s1024, paged_d, contiguous_d, ragged8, ragged8_padded
+    /// and mha_gqa_h32_kv8_d128_l128]. Attention:
     /// small_h4_s128,
     /// a_h8_s1024, b_h8_s1024_causal, c_h8_s4096_causal, d_decode_h32_s4096_e128,
     /// e_b4_h12_s256_padmask, long_h1_s32768_causal, gpt2_h12_t1024_causal, causal_h8_s16384,
@@ -27,7 +28,10 @@ pub(crate) struct BenchArgs {
     /// logits), docs8_h8_s8192 (8 packed documents of 1024 tokens, causal, as document ids),
     /// docs8_dense_h8_s8192 (the same as a dense boolean mask), window_mod_h8_s16384 (the
     /// window of window_h8_s16384 as a user mask_mod), relbias_mod_h8_s1024 (a_h8_s1024 with a
-    /// captured relative-position bias in a user score_mod). Multi-head
+    /// captured relative-position bias in a user score_mod), paged_d and contiguous_d (d's
+    /// decode, causal, through a block table of 16-token blocks and contiguous), ragged8 and
+    /// ragged8_padded (8 decode sequences of 512 to 4096 keys, GQA 32/8: paged, and padded to
+    /// 4096 with key lengths). Multi-head
     /// attention layers: mha_bert_base_l128, mha_bert_base_l512, mha_gqa_h32_kv8_d128_l128.
     #[arg(long, value_delimiter = ',', value_name = "NAME,..")]
     shapes: Vec<String>,

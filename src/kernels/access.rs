@@ -277,11 +277,18 @@ pub(crate) fn row_base(name: &str, dim: Dim, vec4: bool, view: Option<&str>, at:
 /// `p.x.SLOT` ([`super::RowView`]'s paged fields): the row index `(b·heads + h)·n + t` is
 /// split, and key `t` of sequence `b` found in its block through the block table in the
 /// auxiliary words (`aux_word`; every entry a block of the cache, checked by the host).
+/// The last row's base is kept in private memory: the kernels read a row in several loads
+/// (one per vec4 or vec8 of the head dim), and the divisions and the table's read are paid
+/// once per row (on lavapipe the decode kernel went from 4-5x to ..x contiguous's time).
 pub(crate) fn paged_row_base(name: &str, slot: &str) -> String {
     format!(
-        "fn {name}_base(row: u32) -> u32 {{\n    let v = p.x.{slot};\n    let bh = row / v.n;\n    \
+        "var<private> {name}_memo_row: u32 = 0xffffffffu;\nvar<private> {name}_memo_base: u32 = 0u;\n\
+         fn {name}_base(row: u32) -> u32 {{\n    if (row == {name}_memo_row) {{ return {name}_memo_base; }}\n    \
+         let v = p.x.{slot};\n    let bh = row / v.n;\n    \
          let t = row - bh * v.n;\n    let blk = aux_word(v.tab + (bh / v.heads) * v.b + t / v.bs);\n    \
-         return v.off + (blk * v.bs + t % v.bs) * v.s + (bh % v.heads) * v.h;\n}}\n"
+         {name}_memo_row = row;\n    \
+         {name}_memo_base = v.off + (blk * v.bs + t % v.bs) * v.s + (bh % v.heads) * v.h;\n    \
+         return {name}_memo_base;\n}}\n"
     )
 }
 

@@ -51,6 +51,10 @@ pub struct Shape {
     pub docs_dense: bool,
     /// A user WGSL function (see [`crate::UserMod`]): [`USER_RELBIAS`] or [`USER_WINDOW`].
     pub user_mod: Option<&'static str>,
+    /// K and V as paged caches `[num_blocks, paged_block, Hkv, E]` read through a block table
+    /// ([`Sdpa::paged`]; blocks in shuffled order, sequence lengths the key lengths or S),
+    /// when not 0.
+    pub paged_block: usize,
     /// Part of the default `bench` set (false for shapes too slow on software renderers).
     pub default: bool,
 }
@@ -82,9 +86,19 @@ const fn shape(
         docs: 0,
         docs_dense: false,
         user_mod: None,
+        paged_block: 0,
         default,
     }
 }
+
+/// `s` with K and V in paged caches of `block` tokens per block.
+const fn paged(mut s: Shape, block: usize) -> Shape {
+    s.paged_block = block;
+    s
+}
+
+/// The ragged decode batch's key counts: 512 to 4096 in steps of 512.
+const RAGGED8: &[usize] = &[512, 1024, 1536, 2048, 2560, 3072, 3584, 4096];
 
 /// A `score_mod` adding a learned relative-position bias (a captured `[Hq, 129]` table, the
 /// key's distance clamped to 64: T5's and AlphaFold's learned biases), for
@@ -346,6 +360,51 @@ pub const SHAPES: &[Shape] = &[
         ),
         USER_RELBIAS,
     ),
+    // Issue 28's paged KV cache: `d`'s decode through a block table of 16-token blocks
+    // against the same keys contiguous, and a ragged decode batch of 8 sequences (512 to 4096
+    // keys, GQA 32/8) paged against the same batch padded to 4096 with key lengths.
+    paged(
+        shape(
+            "paged_d",
+            (1, 32, 32),
+            (1, 4096),
+            (128, 128),
+            Causal::BottomRight,
+            None,
+            false,
+        ),
+        16,
+    ),
+    shape(
+        "contiguous_d",
+        (1, 32, 32),
+        (1, 4096),
+        (128, 128),
+        Causal::BottomRight,
+        None,
+        false,
+    ),
+    paged(
+        shape(
+            "ragged8",
+            (8, 32, 8),
+            (1, 4096),
+            (128, 128),
+            Causal::BottomRight,
+            Some(RAGGED8),
+            false,
+        ),
+        16,
+    ),
+    shape(
+        "ragged8_padded",
+        (8, 32, 8),
+        (1, 4096),
+        (128, 128),
+        Causal::BottomRight,
+        Some(RAGGED8),
+        false,
+    ),
 ];
 
 /// The shape called `name`.
@@ -439,6 +498,9 @@ impl Shape {
         if self.docs > 0 {
             let how = if self.docs_dense { "dense mask" } else { "ids" };
             s.push_str(&format!(" docs={} ({how})", self.docs));
+        }
+        if self.paged_block > 0 {
+            s.push_str(&format!(" paged(block {})", self.paged_block));
         }
         if let Some(src) = self.user_mod {
             s.push_str(if src.contains("score_mod") {
@@ -543,6 +605,10 @@ pub struct GpuInputs {
     doc_mask: Vec<bool>,
     /// The user function's captured table ([`USER_RELBIAS`]'s).
     user_table: Vec<f32>,
+    /// A paged shape's block table `[B, max_blocks]` and sequence lengths (empty else): k and
+    /// v then hold the caches `[num_blocks, paged_block, Hkv, E]`.
+    table: Vec<i32>,
+    seq_lens: Vec<usize>,
 }
 
 impl GpuInputs {
@@ -570,10 +636,54 @@ impl GpuInputs {
                     usage: wgpu::BufferUsages::STORAGE,
                 }))
         };
+        // A paged shape: each sequence's keys scattered into blocks in a shuffled order.
+        let (table, seq_lens, k, v) = if shape.paged_block > 0 {
+            let bs = shape.paged_block;
+            let lens: Vec<usize> = shape
+                .kv_lens
+                .map_or(vec![shape.seq_kv; shape.batch], |l| l.to_vec());
+            let max_blocks = shape.seq_kv.div_ceil(bs);
+            let nb: usize = lens.iter().map(|l| l.div_ceil(bs)).sum();
+            let mut order: Vec<usize> = (0..nb).collect();
+            let mut rng = SplitMix64(0x9a6e);
+            for i in (1..nb).rev() {
+                order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+            }
+            let mut table = vec![-1i32; shape.batch * max_blocks];
+            let (hkv, e, ev) = (shape.kv_heads, shape.head_dim, shape.head_dim_v);
+            let mut kc = Array4::<f32>::zeros((nb, bs, hkv, e));
+            let mut vc = Array4::<f32>::zeros((nb, bs, hkv, ev));
+            let mut next = order.into_iter();
+            for (b, &len) in lens.iter().enumerate() {
+                for blk in 0..len.div_ceil(bs) {
+                    let phys = next.next().expect("counted");
+                    table[b * max_blocks + blk] = phys as i32;
+                    for slot in 0..bs.min(len - blk * bs) {
+                        for h in 0..hkv {
+                            let t = blk * bs + slot;
+                            kc.slice_mut(ndarray::s![phys, slot, h, ..])
+                                .assign(&host.k.slice(ndarray::s![b, h, t, ..]));
+                            vc.slice_mut(ndarray::s![phys, slot, h, ..])
+                                .assign(&host.v.slice(ndarray::s![b, h, t, ..]));
+                        }
+                    }
+                }
+            }
+            (table, lens, buffer("k cache", &kc)?, buffer("v cache", &vc)?)
+        } else {
+            (
+                Vec::new(),
+                Vec::new(),
+                buffer("k", &host.k)?,
+                buffer("v", &host.v)?,
+            )
+        };
         Ok(GpuInputs {
             q: buffer("q", &host.q)?,
-            k: buffer("k", &host.k)?,
-            v: buffer("v", &host.v)?,
+            k,
+            v,
+            table,
+            seq_lens,
             shape: shape.clone(),
             storage,
             doc_ids: if shape.docs_dense {
@@ -603,12 +713,17 @@ impl GpuInputs {
     /// q, k and v as tensors in their storage format.
     fn tensors(&self) -> [Tensor<'_>; 3] {
         let s = &self.shape;
-        [
-            (&self.q, s.q_shape()),
-            (&self.k, s.k_shape()),
-            (&self.v, s.v_shape()),
-        ]
-        .map(|(buf, shape)| Tensor::from_buffer(buf, self.storage, &shape))
+        let cache = |e: usize| {
+            let nb = self.seq_lens.iter().map(|l| l.div_ceil(s.paged_block)).sum();
+            [nb, s.paged_block, s.kv_heads, e]
+        };
+        let (k, v) = if s.paged_block > 0 {
+            (cache(s.head_dim), cache(s.head_dim_v))
+        } else {
+            (s.k_shape(), s.v_shape())
+        };
+        [(&self.q, s.q_shape()), (&self.k, k), (&self.v, v)]
+            .map(|(buf, shape)| Tensor::from_buffer(buf, self.storage, &shape))
     }
 
     /// The attention call on these buffers, with the shape's causal mask and key padding.
@@ -616,7 +731,9 @@ impl GpuInputs {
         let s = &self.shape;
         let [q, k, v] = self.tensors();
         let mut sdpa = Sdpa::new(q, k, v).causal(s.causal);
-        if let Some(lens) = s.kv_lens {
+        if s.paged_block > 0 {
+            sdpa = sdpa.paged(&self.table, &self.seq_lens);
+        } else if let Some(lens) = s.kv_lens {
             sdpa = sdpa.kv_lens(lens);
         }
         if let Some((l, r)) = s.window {
