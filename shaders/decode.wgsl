@@ -66,16 +66,17 @@ fn main(
     for (var jj = tid + skip; jj < p.chunk; jj += WG) {
         let j = j_begin + jj;
         // Rows past the allowed keys are read in bounds (clamped) and masked.
-        let kvrow = kvh * p.s + min(j, p.s - 1u);
+        let kb = k_row(kvh, min(j, p.s - 1u));
+        let vb = v_row(kvh, min(j, p.s - 1u));
         var d = vec4<f32>(0.0);
         if (P8) {
             for (var d8 = 0u; d8 < E8; d8++) { // unroll
-                let kk = load_k8(kvrow, d8);
+                let kk = load_kb8(kb, d8);
                 d += qr[2u * d8] * kk[0] + qr[2u * d8 + 1u] * kk[1];
             }
         } else {
             for (var d4 = 0u; d4 < E4; d4++) { // unroll
-                d += qr[d4] * load_k(kvrow, d4);
+                d += qr[d4] * load_kb(kb, d4);
             }
         }
         let x = masked_logit(d.x + d.y + d.z + d.w, j < j_end, b, h, i, j);
@@ -92,13 +93,13 @@ fn main(
         }
         if (P8) {
             for (var d8 = 0u; d8 < EV8; d8++) { // unroll
-                let vv = load_v8(kvrow, d8);
+                let vv = load_vb8(vb, d8);
                 acc[2u * d8] = acc[2u * d8] * alpha + pj * vv[0];
                 acc[2u * d8 + 1u] = acc[2u * d8 + 1u] * alpha + pj * vv[1];
             }
         } else {
             for (var d4 = 0u; d4 < EV4; d4++) { // unroll
-                acc[d4] = acc[d4] * alpha + pj * load_v(kvrow, d4);
+                acc[d4] = acc[d4] * alpha + pj * load_vb(vb, d4);
             }
         }
         m = m_new;

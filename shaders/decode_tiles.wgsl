@@ -45,20 +45,20 @@ var<workgroup> red_acc: array<vec4<f32>, WG>;
 // The partial dot products of KL invocations per key (KL > 1).
 var<workgroup> scp: array<f32, SCP>;
 
-// The dot product of the query row (`qs`, scaled) with K row `kvrow`, over the 16-byte chunks
+// The dot product of the query row (`qs`, scaled) with the K row at element `kb`, over the 16-byte chunks
 // `lane, lane + KL, ...` (all of them when KL = 1).
-fn key_dot(kvrow: u32, lane: u32) -> f32 {
+fn key_dot(kb: u32, lane: u32) -> f32 {
     var d = vec4<f32>(0.0);
     if (P8) {
         for (var c = 0u; c < KC8; c++) { // unroll
             let d8 = c * KL + lane;
-            let kk = load_k8(kvrow, d8);
+            let kk = load_kb8(kb, d8);
             d += qs[2u * d8] * kk[0] + qs[2u * d8 + 1u] * kk[1];
         }
     } else {
         for (var c = 0u; c < KC4; c++) { // unroll
             let d4 = c * KL + lane;
-            d += qs[d4] * load_k(kvrow, d4);
+            d += qs[d4] * load_kb(kb, d4);
         }
     }
     return d.x + d.y + d.z + d.w;
@@ -107,7 +107,7 @@ fn main(
         let j = t0 + tid;
         if (KL == 1u) {
             if (j < j_end) {
-                x = masked_logit(key_dot(kvh * p.s + j, 0u), true, b, h, i, j);
+                x = masked_logit(key_dot(k_row(kvh, j), 0u), true, b, h, i, j);
             }
         } else {
             // KL adjacent invocations score one key together, each a strided share of its
@@ -118,7 +118,7 @@ fn main(
                 let jr = t0 + r * (WG / KL) + tid / KL;
                 var part = 0.0;
                 if (jr < j_end) {
-                    part = key_dot(kvh * p.s + jr, lane);
+                    part = key_dot(k_row(kvh, jr), lane);
                 }
                 scp[r * WG + tid] = part;
             }
@@ -141,8 +141,7 @@ fn main(
         if (slot < EV4) {
             for (var c = 0u; c < KPS; c++) { // unroll
                 let k = sub + c * NS;
-                let vrow = kvh * p.s + min(t0 + k, p.s - 1u);
-                let vv = load_v(vrow, slot);
+                let vv = load_vb(v_row(kvh, min(t0 + k, p.s - 1u)), slot);
                 let xk = sc[k];
                 let m_new = max(m, xk);
                 let alpha = rescale(m, m_new);

@@ -11,7 +11,7 @@ fn stage_kv(kvh: u32, j0: u32, kv_end: u32, tid: u32) {
         let j = j0 + t / E4;
         var x = vec4<f32>(0.0);
         if (j < kv_end) {
-            x = load_k(kvh * p.s + j, t % E4);
+            x = load_kb(k_row(kvh, j), t % E4);
         }
         k_tile[t] = x;
     }
@@ -19,7 +19,7 @@ fn stage_kv(kvh: u32, j0: u32, kv_end: u32, tid: u32) {
         let j = j0 + t / EV4;
         var x = vec4<f32>(0.0);
         if (j < kv_end) {
-            x = load_v(kvh * p.s + j, t % EV4);
+            x = load_vb(v_row(kvh, j), t % EV4);
         }
         v_tile[t] = x;
     }

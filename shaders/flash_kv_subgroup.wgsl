@@ -9,12 +9,13 @@ var<private> v_reg: array<vec4<f32>, EV4>;
 // Load key j0 + tid of kv head `kvh` (zero past kv_end) into this invocation's registers.
 fn stage_kv(kvh: u32, j0: u32, kv_end: u32, tid: u32) {
     let j = j0 + tid;
-    let row = kvh * p.s + min(j, p.s - 1u);
+    let kb = k_row(kvh, min(j, p.s - 1u));
+    let vb = v_row(kvh, min(j, p.s - 1u));
     for (var d4 = 0u; d4 < E4; d4++) { // unroll
-        k_reg[d4] = select(vec4<f32>(0.0), load_k(row, d4), j < kv_end);
+        k_reg[d4] = select(vec4<f32>(0.0), load_kb(kb, d4), j < kv_end);
     }
     for (var d4 = 0u; d4 < EV4; d4++) { // unroll
-        v_reg[d4] = select(vec4<f32>(0.0), load_v(row, d4), j < kv_end);
+        v_reg[d4] = select(vec4<f32>(0.0), load_vb(vb, d4), j < kv_end);
     }
 }
 

@@ -82,7 +82,7 @@ fn fetch_kv(
         let jj = t / E4;
         var x = vec4<f32>(0.0);
         if (t < BN * E4 && j0 + jj < kv_end) {
-            x = load_k(kvh * p.s + j0 + jj, t % E4);
+            x = load_kb(k_row(kvh, j0 + jj), t % E4);
         }
         (*kp)[n] = x;
     }
@@ -92,7 +92,7 @@ fn fetch_kv(
         let c4 = t % VS;
         var x = vec4<f32>(0.0);
         if (t < BN * VS && j0 + jj < kv_end && c4 < EV4) {
-            x = load_v(kvh * p.s + j0 + jj, c4);
+            x = load_vb(v_row(kvh, j0 + jj), c4);
         }
         (*vp)[n] = x;
     }

@@ -132,9 +132,10 @@ pub(crate) struct Views {
     /// dimensions 0): read through `p.m` by the masks code, with no effect on the kernels'
     /// specialisation.
     pub bias: Option<View>,
-    /// k and v are paged caches read through a block table ([`crate::problem::Paged`]; their
-    /// views hold the caches' element offsets and the head and token strides).
-    pub paged: bool,
+    /// k and v are paged caches of blocks of this many tokens, read through a block table
+    /// ([`crate::problem::Paged`]; their views hold the caches' element offsets and the head
+    /// and token strides).
+    pub paged: Option<usize>,
     /// q is rotated as it is read (RoPE): the rotated dims and whether the pairs are
     /// half-split (else interleaved); the angles are auxiliary words from `p.m.rope_off`.
     pub q_rope: Option<(usize, bool)>,

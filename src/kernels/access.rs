@@ -228,10 +228,9 @@ pub(crate) fn attention_io(
         ("k", Dim::E, views.k),
         ("v", Dim::EV, views.v),
     ] {
-        if views.paged && x != "q" {
-            s += &paged_row_base(x, x);
-        } else {
-            s += &row_base(x, dim, vec4, view.map(|_| x), "");
+        match views.paged {
+            Some(bs) if x != "q" => s += &paged_row_base(x, x, bs),
+            _ => s += &row_base(x, dim, vec4, view.map(|_| x), ""),
         }
         match views.q_rope {
             Some((d, half)) if x == "q" => {
@@ -239,6 +238,9 @@ pub(crate) fn attention_io(
                 s += &rope_loader(d, half);
             }
             _ => s += &row_loader(x, dim, vec4),
+        }
+        if x != "q" {
+            s += &key_row_loaders(x, dim, vec4, vec8, views.paged.is_some());
         }
     }
     s += &row_base("out", Dim::EV, vec4, views.out.map(|_| "o"), "");
@@ -277,18 +279,47 @@ pub(crate) fn row_base(name: &str, dim: Dim, vec4: bool, view: Option<&str>, at:
 /// `p.x.SLOT` ([`super::RowView`]'s paged fields): the row index `(b·heads + h)·n + t` is
 /// split, and key `t` of sequence `b` found in its block through the block table in the
 /// auxiliary words (`aux_word`; every entry a block of the cache, checked by the host).
-/// The last row's base is kept in private memory: the kernels read a row in several loads
-/// (one per vec4 or vec8 of the head dim), and the divisions and the table's read are paid
-/// once per row (on lavapipe the decode kernel went from 4-5x to ..x contiguous's time).
-pub(crate) fn paged_row_base(name: &str, slot: &str) -> String {
+/// Key j of kv head kvh (`X_row`; a paged cache's comes with [`paged_row_base`]) and loads
+/// from a row's first element (`load_Xb`, `load_Xb8`): the kernels find a key's row once for
+/// all of its loads. `vec8`: X is declared in the vec8 layout ([`array8`]).
+pub(crate) fn key_row_loaders(x: &str, dim: Dim, vec4: bool, vec8: bool, paged: bool) -> String {
+    let mut s = String::new();
+    if !paged {
+        s += &format!("fn {x}_row(kvh: u32, j: u32) -> u32 {{ return {x}_base(kvh * p.s + j); }}\n");
+    }
+    s += &row_loader(x, dim, vec4)
+        .replace(
+            &format!("fn load_{x}(row: u32,"),
+            &format!("fn load_{x}b(base0: u32,"),
+        )
+        .replace(&format!("{x}_base(row)"), "base0");
+    if vec8 {
+        s += &format!(
+            "fn load_{x}b8(base: u32, c8: u32) -> array<vec4<f32>, 2> {{ return {x}_get8(base + 8u * c8); }}\n"
+        );
+    } else {
+        s += &format!(
+            "fn load_{x}b8(base: u32, c8: u32) -> array<vec4<f32>, 2> {{ return array<vec4<f32>, 2>(load_{x}b(base, 2u * c8), load_{x}b(base, 2u * c8 + 1u)); }}\n"
+        );
+    }
+    s
+}
+
+/// The last row's base is kept in private memory: kernels that read a row in several loads
+/// (one per vec4 of the head dim) pay the divisions and the table's read once per row.
+/// `X_row(kvh, j)`, key `j` of kv head `kvh`, needs no division by S and a constant block
+/// size `bs` (a shift when it is a power of two), with the kv head's parts invariant across
+/// a kernel's key loop: what the decode and fused kernels use.
+pub(crate) fn paged_row_base(name: &str, slot: &str, bs: usize) -> String {
     format!(
         "var<private> {name}_memo_row: u32 = 0xffffffffu;\nvar<private> {name}_memo_base: u32 = 0u;\n\
          fn {name}_base(row: u32) -> u32 {{\n    if (row == {name}_memo_row) {{ return {name}_memo_base; }}\n    \
-         let v = p.x.{slot};\n    let bh = row / v.n;\n    \
-         let t = row - bh * v.n;\n    let blk = aux_word(v.tab + (bh / v.heads) * v.b + t / v.bs);\n    \
-         {name}_memo_row = row;\n    \
-         {name}_memo_base = v.off + (blk * v.bs + t % v.bs) * v.s + (bh % v.heads) * v.h;\n    \
-         return {name}_memo_base;\n}}\n"
+         let bh = row / p.x.{slot}.n;\n    {name}_memo_row = row;\n    \
+         {name}_memo_base = {name}_row(bh, row - bh * p.x.{slot}.n);\n    \
+         return {name}_memo_base;\n}}\n\
+         fn {name}_row(kvh: u32, j: u32) -> u32 {{\n    let v = p.x.{slot};\n    \
+         let blk = aux_word(v.tab + (kvh / v.heads) * v.b + j / {bs}u);\n    \
+         return v.off + (blk * {bs}u + j % {bs}u) * v.s + (kvh % v.heads) * v.h;\n}}\n"
     )
 }
 

@@ -451,6 +451,9 @@ fn grad_io(f: &Formats, masks: (bool, bool, super::Mods), vec4: bool, views: &Vi
         s += &array(x, 2 + i as u32, fmt, vec4, Access::Read);
         s += &row_base(x, dim, vec4, view.map(|_| slot), "");
         s += &row_loader(x, dim, vec4);
+        if x == "k" || x == "v" {
+            s += &super::access::key_row_loaders(x, dim, vec4, false, false);
+        }
     }
     s
 }

@@ -701,7 +701,7 @@ mod tests {
             out: v(5),
             dout: v(7),
             bias: v(9),
-            paged: false,
+            paged: None,
             q_rope: None,
         }
     }
@@ -794,7 +794,7 @@ mod tests {
                         .unwrap();
                     p.views = test_views();
                     // Paged caches (the block table's reads) in half of the cases.
-                    p.views.paged = fi % 2 == 1;
+                    p.views.paged = [None, Some(16), None, Some(3)][fi];
                     // q rotated as it is read: half-split, interleaved, none.
                     p.views.q_rope = [Some((e - e % 2, true)), Some((4, false)), None, None][fi];
                 }

@@ -359,7 +359,7 @@ impl<'a> Sdpa<'a> {
                 .map(crate::view::of_bias)
                 .transpose()?
                 .flatten(),
-            paged: paged.is_some(),
+            paged: paged.as_ref().map(|pg| pg.block_size),
             q_rope: None,
         };
         if paged.is_some() {
