@@ -65,7 +65,6 @@ pub use faults::Fault;
 pub use forms::{BackwardForm, Caps, DecodeForm, Forms, FusedForm, MatmulForm};
 /// Re-exported: the half-precision host types ([`half::f16`], [`half::bf16`]).
 pub use half;
-#[cfg(not(target_arch = "wasm32"))]
 pub use kv_cache::{KvCache, KvCacheConfig, SeqId, Step};
 pub use mha::{
     MhaBackward, MhaConfig, MhaForward, MhaGpuGrads, MhaGpuOutput, MhaGrads, MhaGradsInto, MhaOutput,
@@ -77,6 +76,7 @@ pub use ops::matmul::{matmul, record_matmul};
 pub use options::Options;
 pub use paged::{GpuPagedOutput, LseGroup, PagedAttention, PagedOutput};
 pub use problem::{alibi_slopes, Causal, DocIds, Problem, Window};
+#[cfg(not(target_arch = "wasm32"))]
 pub use ring::{DeviceReport, Layout, Ring, RingGrads, RingOutput, RingPlan, RingReport};
 pub use rope::{Rope, RopeStyle};
 pub use sdpa::backward::{Backward, GpuGrads, Grads};

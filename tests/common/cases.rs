@@ -838,3 +838,61 @@ impl MhaCase {
         )
     }
 }
+
+/// A case's contiguous K and V scattered into caches of `block_size` token blocks in shuffled
+/// order (two spare blocks; every unwritten slot NaN), with the table (`-1` past each
+/// sequence's blocks, one spare column).
+pub struct Paged {
+    pub k: Array4<f32>,
+    pub v: Array4<f32>,
+    pub table: Vec<i32>,
+    pub lens: Vec<usize>,
+}
+
+pub fn page(case: &Case, lens: &[usize], block_size: usize, seed: u64) -> Paged {
+    let (b, hkv, s, e) = case.k.dim();
+    let ev = case.v.dim().3;
+    let per_seq: Vec<usize> = lens.iter().map(|l| l.div_ceil(block_size)).collect();
+    let nb = per_seq.iter().sum::<usize>() + 2;
+    let max_blocks = s.div_ceil(block_size) + 1;
+    let mut order: Vec<usize> = (0..nb).collect();
+    rand::seq::SliceRandom::shuffle(&mut order[..], &mut rng(seed));
+    let mut k = Array4::from_elem((nb, block_size, hkv, e), f32::NAN);
+    let mut v = Array4::from_elem((nb, block_size, hkv, ev), f32::NAN);
+    let mut table = vec![-1i32; b * max_blocks];
+    let mut next = order.into_iter();
+    for seq in 0..b {
+        for blk in 0..per_seq[seq] {
+            let phys = next.next().unwrap();
+            table[seq * max_blocks + blk] = phys as i32;
+            for slot in 0..block_size {
+                let t = blk * block_size + slot;
+                if t >= lens[seq] {
+                    break;
+                }
+                for h in 0..hkv {
+                    for d in 0..e {
+                        k[[phys, slot, h, d]] = case.k[[seq, h, t, d]];
+                    }
+                    for d in 0..ev {
+                        v[[phys, slot, h, d]] = case.v[[seq, h, t, d]];
+                    }
+                }
+            }
+        }
+    }
+    Paged {
+        k,
+        v,
+        table,
+        lens: lens.to_vec(),
+    }
+}
+
+/// The case's lengths as sequence lengths: `S, S - 3, n, ...` cycling (each at least n).
+pub fn seq_lens(case: &Case) -> Vec<usize> {
+    let (b, _, n, s) = case.dims();
+    (0..b)
+        .map(|i| [s, s.saturating_sub(3).max(n), n][i % 3])
+        .collect()
+}

@@ -736,3 +736,72 @@ async fn nan_input_propagates_on_every_path() {
         }
     }
 }
+
+/// Paged KV caches in the browser: `Sdpa::paged` (decode and a prefill chunk, GQA, causal with
+/// a window and ALiBi, RoPE on q) on the fused and decode paths against the reference on the
+/// contiguous keys, and a ragged batch in one `PagedAttention` call against its reference.
+#[wasm_bindgen_test]
+async fn paged_caches_ragged_batches_and_rope() {
+    use wgpu_attention::{PagedAttention, Rope, RopeStyle};
+    let ctx = ctx().await;
+    for (shape, block) in [((3, 4, 2, 1, 77, 32, 32), 16), ((2, 2, 1, 5, 40, 16, 24), 3)] {
+        let mut case = Case::random(shape, 130)
+            .with_causal(Causal::BottomRight)
+            .with_window(9, 0, 2)
+            .with_alibi();
+        case.kv_lens = Some(seq_lens(&case));
+        let want = case.reference();
+        let pg = page(&case, case.kv_lens.as_ref().unwrap(), block, 131);
+        let mut options = case.options();
+        options.kv_lens = None;
+        for path in [Path::Fused, Path::Decode] {
+            let got = Sdpa::new(Tensor::from(&case.q), Tensor::from(&pg.k), Tensor::from(&pg.v))
+                .options(options.clone())
+                .paged(&pg.table, &pg.lens)
+                .path(path)
+                .return_lse()
+                .run(&ctx)
+                .await
+                .unwrap_or_else(|e| panic!("paged {shape:?} {path:?}: {e}"));
+            case.assert_output(
+                &got,
+                &want,
+                path,
+                Tolerance::for_storage(case.storage),
+                &format!("paged {shape:?} [{path:?}]"),
+            );
+        }
+    }
+    // A ragged batch with RoPE (the caches hold rotated keys; the reference rotates q).
+    let q_lens = [4usize, 1, 2];
+    let lens = [30usize, 9, 17];
+    let case = Case::random((3, 4, 2, 1, 30, 16, 16), 132);
+    let pg = page(&case, &lens, 8, 133);
+    let q: Array3<f32> = rand_array(&mut rng(134), (7, 4, 16));
+    let rope = Rope {
+        style: RopeStyle::HalfSplit,
+        theta: 1e4,
+        dim: None,
+    };
+    let call = PagedAttention::new(&q, &q_lens, &pg.k, &pg.v, &pg.table, &lens)
+        .causal(Causal::BottomRight)
+        .rope(rope);
+    let want = call.reference().unwrap();
+    for path in [Path::Auto, Path::Fused, Path::Decode] {
+        let got = call
+            .clone()
+            .path(path)
+            .run(&ctx)
+            .await
+            .unwrap_or_else(|e| panic!("ragged {path:?}: {e}"));
+        let tol = Tolerance::for_storage(Storage::F32);
+        let r = compare(
+            got.output.iter().copied(),
+            want.output.iter().map(|&x| x as f64),
+            tol,
+        );
+        assert!(r.passed(), "ragged [{path:?}] output: {r}");
+        let r = compare(got.lse.iter().copied(), want.lse.iter().map(|&x| x as f64), tol);
+        assert!(r.passed(), "ragged [{path:?}] lse: {r}");
+    }
+}
