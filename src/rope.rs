@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 /// Which elements RoPE pairs.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum RopeStyle {
     /// Pairs `(k, k + D/2)`: GPT-NeoX, Llama and Hugging Face's `rotate_half`.
