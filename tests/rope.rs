@@ -33,6 +33,7 @@ fn hf_rope(x: &[f64], pos: usize, theta: f64, d: usize, style: RopeStyle) -> Vec
                 out[i] = x[i] * a.cos() + rot * a.sin();
             }
         }
+        other => panic!("no Hugging Face definition written here for {other:?}"),
     }
     out
 }
