@@ -137,16 +137,8 @@ impl<'a> PagedAttention<'a> {
             actual: self.q.shape.len(),
             shape: self.q.shape.clone(),
         })?;
-        let rank4 = |name: &'static str, t: &Tensor| -> Result<[usize; 4]> {
-            t.shape.as_slice().try_into().map_err(|_| Error::WrongRank {
-                tensor: name,
-                expected: 4,
-                actual: t.shape.len(),
-                shape: t.shape.clone(),
-            })
-        };
-        let [nb, bs, _, _] = rank4("k", &self.k)?;
-        let ev = rank4("v", &self.v)?[3];
+        let [nb, bs, _, _] = crate::problem::dims4("k", &self.k.shape)?;
+        let ev = crate::problem::dims4("v", &self.v.shape)?[3];
         let o = &self.options;
         if o.mask.is_some() || o.bias.is_some() || o.doc_ids.is_some() || o.kv_lens.is_some() {
             return bad(
@@ -173,7 +165,7 @@ impl<'a> PagedAttention<'a> {
                 q[0]
             ));
         }
-        crate::sdpa::check_block_table(self.table, &self.seq_lens, &self.q_lens, nb.max(1), bs.max(1))?;
+        crate::sdpa::check_block_table(self.table, &self.seq_lens, &self.q_lens, nb, bs)?;
         let mut groups = Vec::new();
         let mut s = 0;
         while s < b {

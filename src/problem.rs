@@ -250,7 +250,7 @@ pub(crate) struct Paged {
     pub table: Vec<u32>,
 }
 
-fn dims4(tensor: &'static str, shape: &[usize]) -> Result<[usize; 4]> {
+pub(crate) fn dims4(tensor: &'static str, shape: &[usize]) -> Result<[usize; 4]> {
     let s: [usize; 4] = shape.try_into().map_err(|_| Error::WrongRank {
         tensor,
         expected: 4,

@@ -703,21 +703,7 @@ fn paged_problem(
     spec: &PagedSpec,
 ) -> Result<([usize; 4], [usize; 4], Vec<usize>, crate::problem::Paged)> {
     let bad = |reason: String| Err(Error::Paged { reason });
-    let rank4 = |tensor: &'static str, shape: &[usize]| -> Result<[usize; 4]> {
-        let s: [usize; 4] = shape.try_into().map_err(|_| Error::WrongRank {
-            tensor,
-            expected: 4,
-            actual: shape.len(),
-            shape: shape.to_vec(),
-        })?;
-        if s.contains(&0) {
-            return Err(Error::ZeroSized {
-                tensor,
-                shape: shape.to_vec(),
-            });
-        }
-        Ok(s)
-    };
+    let rank4 = crate::problem::dims4;
     let [b, _, n, _] = rank4("q", &call.q.shape)?;
     let [nb, bs, hkv, e] = rank4("k", &call.k.shape)?;
     let [vnb, vbs, vh, ev] = rank4("v", &call.v.shape)?;
