@@ -3,6 +3,11 @@
 //! table from paged caches. Each run of consecutive sequences with the same query count is one
 //! [`Sdpa::paged`] call reading q and writing the output in place through views of the packed
 //! buffers.
+//!
+//! Shared prefixes (cascade attention): consecutive sequences whose block tables begin with
+//! the same blocks (forked sequences), all of them before every new query, have those keys
+//! read once: one call of all their queries over the shared blocks, one over each sequence's
+//! own tail, merged by logsumexp.
 
 use ndarray::{Array2, Array3};
 
@@ -50,7 +55,12 @@ pub struct PagedAttention<'a> {
     pub(crate) options: Options<'a>,
     rope: Option<Rope>,
     path: Path,
+    shared_prefix: bool,
 }
+
+/// The fewest shared keys for which the cascade is used: below, the extra calls and the merge
+/// cost more than the keys read again.
+pub const MIN_SHARED_KEYS: usize = 256;
 
 /// [`PagedAttention::run`]'s results on the host (f32).
 #[derive(Debug, Clone)]
@@ -66,22 +76,22 @@ pub struct PagedOutput {
 pub struct GpuPagedOutput {
     /// The output `[T, Hq, Ev]` in q's storage format.
     pub output: wgpu::Buffer,
-    /// Per group of consecutive sequences with the same query count: its first token, its
-    /// sequences, the count, and its logsumexp `[sequences, Hq, count]` (f32).
-    pub lse: Vec<LseGroup>,
+    /// The logsumexp of each query row `[T, Hq]` (f32; -inf for a row with no allowed key).
+    pub lse: wgpu::Buffer,
+    /// The shared prefixes read once (see [`PagedAttention::shared_prefix`]).
+    pub shared: Vec<SharedPrefix>,
 }
 
-/// One group's logsumexp (see [`GpuPagedOutput::lse`]).
-#[derive(Debug)]
-pub struct LseGroup {
-    /// The group's first token in the packed batch.
-    pub first_token: usize,
-    /// Its sequences and their query count.
+/// Consecutive sequences of a batch whose block tables begin with the same blocks, read once
+/// for all of them (see [`PagedAttention::shared_prefix`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SharedPrefix {
+    /// The first sequence.
+    pub first: usize,
+    /// How many sequences share it.
     pub sequences: usize,
-    /// Queries per sequence.
-    pub count: usize,
-    /// `[sequences, Hq, count]`, f32.
-    pub lse: wgpu::Buffer,
+    /// The shared keys (whole blocks).
+    pub keys: usize,
 }
 
 impl<'a> PagedAttention<'a> {
@@ -107,6 +117,7 @@ impl<'a> PagedAttention<'a> {
             options: Options::default(),
             rope: None,
             path: Path::Auto,
+            shared_prefix: true,
         }
     }
 
@@ -120,10 +131,39 @@ impl<'a> PagedAttention<'a> {
     }
 
     /// Force the path of every group's call ([`Path::Fused`] or [`Path::Decode`]; default
-    /// [`Path::Auto`]).
+    /// [`Path::Auto`]). A shared prefix's call over all its queries keeps [`Path::Auto`].
     pub fn path(mut self, path: Path) -> Self {
         self.path = path;
         self
+    }
+
+    /// Read shared prefixes once (default true): consecutive sequences whose block tables
+    /// begin with the same blocks (forks of one sequence), at least [`MIN_SHARED_KEYS`] keys
+    /// of them before each sequence's first new query, are attended in two calls (all their
+    /// queries over the shared keys, each sequence over its own tail) merged by logsumexp,
+    /// which reads the shared keys once instead of once per sequence. The result is the same
+    /// attention (rounding aside). Not with a window, ALiBi or a user function (whose
+    /// positions the split would change): those calls read every sequence's keys.
+    pub fn shared_prefix(mut self, on: bool) -> Self {
+        self.shared_prefix = on;
+        self
+    }
+
+    /// The shared prefixes that [`record`](PagedAttention::record) reads once (empty when
+    /// [`shared_prefix`](PagedAttention::shared_prefix) is off or none qualifies). Checks the
+    /// batch first.
+    pub fn shared_prefixes(&self) -> Result<Vec<SharedPrefix>> {
+        self.check()?;
+        let o = &self.options;
+        if !self.shared_prefix || o.window.is_some() || o.alibi.is_some() || o.user_mod.is_some() {
+            return Ok(Vec::new());
+        }
+        Ok(find_shared(
+            self.table,
+            &self.seq_lens,
+            &self.q_lens,
+            self.k.shape[1],
+        ))
     }
 
     /// Check everything that needs no device: shapes, counts, the table. Returns `[T, Hq,
@@ -204,14 +244,29 @@ impl<'a> PagedAttention<'a> {
     }
 
     /// Record every group's call into `encoder`: the output `[T, Hq, Ev]` in q's format and
-    /// each group's logsumexp. Everything is checked before anything is recorded.
+    /// the logsumexp `[T, Hq]`. Everything is checked before anything is recorded.
     pub fn record(&self, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<GpuPagedOutput> {
-        let ([t, hq, e], ev, groups) = self.check()?;
+        let ([t, hq, e], ev, _) = self.check()?;
+        let shared = self.shared_prefixes()?;
         let st = self.q.storage();
-        let max_blocks = self.table.len() / self.seq_lens.len();
-        // q in a buffer (the groups read views of it).
+        let b = self.seq_lens.len();
+        let max_blocks = self.table.len() / b;
+        let bs = self.k.shape[1];
+        let first_token: Vec<usize> = self
+            .q_lens
+            .iter()
+            .scan(0, |acc, &n| {
+                let f = *acc;
+                *acc += n;
+                Some(f)
+            })
+            .collect();
+        if let Some(r) = &self.rope {
+            r.rotated_dims(e)?;
+        }
+        // q in a buffer (the calls read views of it).
         let owned;
-        let (qbuf, qoff) = match &self.q.data {
+        let (mut qbuf, mut qoff) = match &self.q.data {
             TensorData::Gpu { buffer, offset, .. } => (*buffer, *offset),
             TensorData::Host(d) => {
                 owned = crate::buffers::init(
@@ -223,43 +278,202 @@ impl<'a> PagedAttention<'a> {
                 (&owned, 0)
             }
         };
+        // A shared prefix's call does not see each query's position: q is rotated first (a
+        // copy), and no call rotates it again.
+        let rotated = match (&self.rope, shared.is_empty()) {
+            (Some(_), false) => {
+                let buf = output(ctx, "paged q rotated", st.bytes(t * hq * e).next_multiple_of(16));
+                Some(buf)
+            }
+            _ => None,
+        };
+        let rope = match &rotated {
+            Some(buf) => {
+                (qbuf, qoff) = (buf, 0);
+                None
+            }
+            None => self.rope,
+        };
         let out = output(ctx, "paged output", st.bytes(t * hq * ev).next_multiple_of(16));
-        // Every group's call checked before any is recorded.
-        let mut calls = Vec::new();
-        let mut token = 0;
-        for &(s0, nseq, n) in &groups {
-            let q = Tensor::from_buffer(qbuf, st, &[nseq, hq, n, e])
+        let lse = output(ctx, "paged lse", f32_bytes(t * hq).next_multiple_of(16));
+        // Each shared prefix's scratch: the two partial results (f32, rows (token, head)),
+        // their logsumexps, the merged logsumexp, and the tails of its tables.
+        let mut in_shared = vec![false; b];
+        let cascades: Vec<Cascade> = shared
+            .iter()
+            .map(|sh| {
+                let seqs = sh.first..sh.first + sh.sequences;
+                in_shared[seqs.clone()].iter_mut().for_each(|x| *x = true);
+                let tokens: usize = self.q_lens[seqs.clone()].iter().sum();
+                let rows = tokens * hq;
+                let blocks = sh.keys / bs;
+                Cascade {
+                    share: *sh,
+                    tokens,
+                    token0: first_token[sh.first],
+                    parts: output(ctx, "cascade parts", f32_bytes(2 * rows * ev)),
+                    lses: output(ctx, "cascade lse parts", f32_bytes(2 * rows)),
+                    merged: output(ctx, "cascade lse", f32_bytes(rows)),
+                    tails: seqs
+                        .clone()
+                        .flat_map(|s| {
+                            self.table[s * max_blocks + blocks..(s + 1) * max_blocks]
+                                .iter()
+                                .copied()
+                        })
+                        .collect(),
+                    tail_lens: seqs.map(|s| self.seq_lens[s] - sh.keys).collect(),
+                }
+            })
+            .collect();
+        // The calls, each with where its logsumexp goes: (buffer, first row, [seqs, Hq, n]).
+        let q_at = |token: usize, nseq: usize, n: usize| {
+            Tensor::from_buffer(qbuf, st, &[nseq, hq, n, e])
                 .at_offset(qoff + st.bytes(token * hq * e))
-                .with_strides(&[n * hq * e, e, hq * e, 1]);
+                .with_strides(&[n * hq * e, e, hq * e, 1])
+        };
+        let mut calls: Vec<(Sdpa, &wgpu::Buffer, usize, [usize; 3])> = Vec::new();
+        // Sequences read alone: runs of equal query counts.
+        let mut s = 0;
+        while s < b {
+            if in_shared[s] {
+                s += 1;
+                continue;
+            }
+            let n = self.q_lens[s];
+            let end = (s..b).find(|&x| in_shared[x] || self.q_lens[x] != n).unwrap_or(b);
+            let nseq = end - s;
+            let token = first_token[s];
             let o = Tensor::from_buffer(&out, st, &[nseq, hq, n, ev])
                 .at_offset(st.bytes(token * hq * ev))
                 .with_strides(&[n * hq * ev, ev, hq * ev, 1]);
-            let mut call = Sdpa::new(q, self.k.clone(), self.v.clone())
+            let call = Sdpa::new(q_at(token, nseq, n), self.k.clone(), self.v.clone())
                 .options(self.options.clone())
                 .paged(
-                    &self.table[s0 * max_blocks..(s0 + nseq) * max_blocks],
-                    &self.seq_lens[s0..s0 + nseq],
+                    &self.table[s * max_blocks..end * max_blocks],
+                    &self.seq_lens[s..end],
                 )
                 .path(self.path)
                 .output_into(o);
-            if let Some(r) = self.rope {
-                call = call.rope(r);
+            let call = match rope {
+                Some(r) => call.rope(r),
+                None => call,
+            };
+            calls.push((call, &lse, token * hq, [nseq, hq, n]));
+            s = end;
+        }
+        for c in &cascades {
+            let (first, keys, tokens) = (c.share.first, c.share.keys, c.tokens);
+            let rows = tokens * hq;
+            // Every query over the shared keys: no causal mask (each is past them all), the
+            // sink logits (counted once, here).
+            let mut prefix = self.options.clone();
+            prefix.causal = crate::Causal::None;
+            prefix.sink_tokens = 0;
+            let o = Tensor::from_buffer(&c.parts, crate::Storage::F32, &[1, hq, tokens, ev]).with_strides(&[
+                rows * ev,
+                ev,
+                hq * ev,
+                1,
+            ]);
+            let call = Sdpa::new(q_at(c.token0, 1, tokens), self.k.clone(), self.v.clone())
+                .options(prefix)
+                .paged(
+                    &self.table[first * max_blocks..first * max_blocks + keys / bs],
+                    &[keys],
+                )
+                .output_into(o);
+            calls.push((call, &c.lses, 0, [1, hq, tokens]));
+            // Each sequence over its tail, by runs of equal query counts.
+            let mut tail = self.options.clone();
+            tail.sink_logits = None;
+            tail.sink_tokens = 0;
+            let tail_blocks = max_blocks - keys / bs;
+            let mut s = 0;
+            while s < c.share.sequences {
+                let n = self.q_lens[first + s];
+                let end = (s..c.share.sequences)
+                    .find(|&x| self.q_lens[first + x] != n)
+                    .unwrap_or(c.share.sequences);
+                let nseq = end - s;
+                let token = first_token[first + s];
+                let row = (token - c.token0) * hq;
+                let o = Tensor::from_buffer(&c.parts, crate::Storage::F32, &[nseq, hq, n, ev])
+                    .at_offset(f32_bytes((rows + row) * ev))
+                    .with_strides(&[n * hq * ev, ev, hq * ev, 1]);
+                let call = Sdpa::new(q_at(token, nseq, n), self.k.clone(), self.v.clone())
+                    .options(tail.clone())
+                    .paged(&c.tails[s * tail_blocks..end * tail_blocks], &c.tail_lens[s..end])
+                    .path(self.path)
+                    .output_into(o);
+                calls.push((call, &c.lses, rows + row, [nseq, hq, n]));
+                s = end;
             }
+        }
+        // Everything checked before anything is recorded.
+        for (call, ..) in &calls {
             call.plan(ctx)?;
-            calls.push((token, nseq, n, call));
-            token += nseq * n;
         }
-        let mut lse = Vec::new();
-        for (first_token, sequences, count, call) in calls {
+        if let (Some(buf), Some(r)) = (&rotated, &self.rope) {
+            let op = crate::buffers::Operand::check(ctx, "q", &self.q)?;
+            let up = op.upload(ctx, "paged q");
+            crate::ops::copy::convert(
+                ctx,
+                encoder,
+                (up.binding(), st),
+                (buf.as_entire_buffer_binding(), st),
+                t * hq * e,
+            )?;
+            let positions: Vec<usize> = self
+                .q_lens
+                .iter()
+                .zip(&self.seq_lens)
+                .flat_map(|(&n, &l)| l - n..l)
+                .collect();
+            r.record(
+                ctx,
+                encoder,
+                &Tensor::from_buffer(buf, st, &[t, hq, e]),
+                &positions,
+            )?;
+        }
+        for (call, dst, row, dims) in &calls {
             let g = call.record(ctx, encoder)?;
-            lse.push(LseGroup {
-                first_token,
-                sequences,
-                count,
-                lse: g.lse,
-            });
+            place_lse(ctx, encoder, &g.lse, *dims, dst, *row)?;
         }
-        Ok(GpuPagedOutput { output: out, lse })
+        for c in &cascades {
+            let rows = c.tokens * hq;
+            crate::ops::merge::record(
+                ctx,
+                encoder,
+                &crate::ops::merge::Parts {
+                    outputs: c.parts.as_entire_buffer_binding(),
+                    storage: crate::Storage::F32,
+                    lses: c.lses.as_entire_buffer_binding(),
+                    splits: 2,
+                },
+                &crate::ops::merge::Merged {
+                    output: out.as_entire_buffer_binding(),
+                    storage: st,
+                    // Rows (token, head) of the packed output.
+                    view: Some((
+                        crate::view::View {
+                            offset: c.token0 * hq * ev,
+                            strides: [rows * ev, hq * ev, ev, 1],
+                        },
+                        [c.tokens, hq],
+                    )),
+                    lse: c.merged.as_entire_buffer_binding(),
+                },
+                [rows, ev],
+            )?;
+            encoder.copy_buffer_to_buffer(&c.merged, 0, &lse, f32_bytes(c.token0 * hq), f32_bytes(rows));
+        }
+        Ok(GpuPagedOutput {
+            output: out,
+            lse,
+            shared,
+        })
     }
 
     /// Run on `ctx` and read the output `[T, Hq, Ev]` and logsumexp `[T, Hq]` back (f32).
@@ -271,19 +485,8 @@ impl<'a> PagedAttention<'a> {
             .submit("wgpu-attention paged", |enc| self.record(ctx, enc))
             .await?;
         let out = ctx.read_as_f32(&gpu.output, 0, t * hq * ev, st).await?;
-        let mut lse = Array2::<f32>::zeros((t, hq));
-        for g in &gpu.lse {
-            let v = ctx
-                .read_f32(&g.lse, 0, f32_bytes(g.sequences * hq * g.count))
-                .await?;
-            for s in 0..g.sequences {
-                for h in 0..hq {
-                    for i in 0..g.count {
-                        lse[[g.first_token + s * g.count + i, h]] = v[(s * hq + h) * g.count + i];
-                    }
-                }
-            }
-        }
+        let lse = ctx.read_f32(&gpu.lse, 0, f32_bytes(t * hq)).await?;
+        let lse = Array2::from_shape_vec((t, hq), lse).expect("lse length");
         Ok(PagedOutput {
             output: Array3::from_shape_vec((t, hq, ev), out).expect("output length"),
             lse,
@@ -371,4 +574,88 @@ impl<'a> PagedAttention<'a> {
         }
         Ok(PagedOutput { output: out, lse })
     }
+}
+
+/// A shared prefix's scratch (see [`PagedAttention::record`]).
+struct Cascade {
+    share: SharedPrefix,
+    /// Its queries, and the first one's token.
+    tokens: usize,
+    token0: usize,
+    /// `[2, tokens · Hq, Ev]` (f32): over the shared keys, over each tail.
+    parts: wgpu::Buffer,
+    /// `[2, tokens · Hq]`.
+    lses: wgpu::Buffer,
+    /// The merged `[tokens · Hq]`.
+    merged: wgpu::Buffer,
+    /// The tables past the shared blocks `[sequences, max_blocks - shared blocks]`, and the
+    /// sequences' keys there.
+    tails: Vec<i32>,
+    tail_lens: Vec<usize>,
+}
+
+/// Copy a call's logsumexp `[seqs, Hq, n]` into rows `(token, head)` of `dst` from row `row`.
+fn place_lse(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    src: &wgpu::Buffer,
+    [nseq, hq, n]: [usize; 3],
+    dst: &wgpu::Buffer,
+    row: usize,
+) -> Result<()> {
+    let bytes = f32_bytes(nseq * hq * n);
+    if n == 1 || hq == 1 {
+        encoder.copy_buffer_to_buffer(src, 0, dst, f32_bytes(row), bytes);
+        return Ok(());
+    }
+    let rows = output(ctx, "paged lse rows", bytes);
+    crate::ops::copy::record(
+        ctx,
+        encoder,
+        &crate::ops::copy::Strided::new(
+            (src.as_entire_buffer_binding(), crate::Storage::F32),
+            [hq * n, 1, n, 0],
+        ),
+        (rows.as_entire_buffer_binding(), crate::Storage::F32),
+        [nseq, n, hq, 1],
+    )?;
+    encoder.copy_buffer_to_buffer(&rows, 0, dst, f32_bytes(row), bytes);
+    Ok(())
+}
+
+/// The runs of consecutive sequences whose tables begin with the same blocks, at least
+/// [`MIN_SHARED_KEYS`] keys of whole blocks before each one's first new query, with no more
+/// queries than shared keys (the call over them reads like a prefill chunk).
+fn find_shared(table: &[i32], seq_lens: &[usize], q_lens: &[usize], bs: usize) -> Vec<SharedPrefix> {
+    let b = seq_lens.len();
+    let mb = table.len() / b;
+    let row = |s: usize| &table[s * mb..(s + 1) * mb];
+    // Whole blocks before sequence s's first new query.
+    let before = |s: usize| (seq_lens[s] - q_lens[s]) / bs;
+    let mut found = Vec::new();
+    let mut s = 0;
+    while s < b {
+        let mut blocks = before(s);
+        let mut tokens = q_lens[s];
+        let mut end = s + 1;
+        while end < b {
+            let limit = blocks.min(before(end));
+            let common = (0..limit).find(|&i| row(s)[i] != row(end)[i]).unwrap_or(limit);
+            if common * bs < MIN_SHARED_KEYS || tokens + q_lens[end] > common * bs {
+                break;
+            }
+            blocks = common;
+            tokens += q_lens[end];
+            end += 1;
+        }
+        if end - s >= 2 {
+            found.push(SharedPrefix {
+                first: s,
+                sequences: end - s,
+                keys: blocks * bs,
+            });
+        }
+        s = end;
+    }
+    found
 }

@@ -496,3 +496,169 @@ fn ragged_batches_in_one_call() {
     let mask = ndarray::Array4::from_elem((6, 1, 1, 64), true).into_dyn();
     bad(mk(&q_lens, &seq_lens).mask(&mask), "per batch entry");
 }
+
+/// Forked sequences (tables beginning with the same blocks) in a ragged batch: the shared
+/// keys are read once by one call over all the forks' queries, the tails per sequence, and the
+/// two merged by logsumexp. Checked against the reference per sequence (which reads every
+/// sequence's keys), with an unrelated sequence between two groups of forks, a fork whose
+/// tables part early, and one whose new queries reach back into the shared blocks (so less
+/// of them is shared).
+#[test]
+fn shared_prefixes_read_once() {
+    use ndarray::Array3;
+    use wgpu_attention::{PagedAttention, Rope, RopeStyle, SharedPrefix};
+    let Some(ctx) = ctx() else { return };
+    let (hq, hkv, e, ev, bs) = (4, 2, 16, 12, 16);
+    let mut r = rng(130);
+    // Parent A: 20 full blocks (320 keys); parent B: 17 (272). The pool holds both, and each
+    // sequence's own blocks after.
+    let mut next = 0i32;
+    let mut take = |n: usize| -> Vec<i32> {
+        let v = (next..next + n as i32).collect();
+        next += n as i32;
+        v
+    };
+    let parent_a = take(20);
+    let parent_b = take(17);
+    // (parent, shared blocks, seq_len, q_len): forks of A with tails of 1 to 40 keys, one whose
+    // queries reach back into A's blocks (330 keys, 40 queries: 18 whole blocks before them),
+    // one parting after 19 blocks; an unrelated sequence; two forks of B (279 and 299 keys
+    // before their queries: 17 and 18 blocks).
+    let seqs: [(Option<&Vec<i32>>, usize, usize, usize); 8] = [
+        (Some(&parent_a), 20, 321, 1),
+        (Some(&parent_a), 20, 335, 3),
+        (Some(&parent_a), 20, 330, 40),
+        (Some(&parent_a), 19, 360, 1),
+        (Some(&parent_a), 20, 324, 2),
+        (None, 0, 50, 1),
+        (Some(&parent_b), 17, 280, 1),
+        (Some(&parent_b), 17, 300, 1),
+    ];
+    let max_blocks = 360usize.div_ceil(bs) + 1;
+    let mut table = vec![-1i32; seqs.len() * max_blocks];
+    let mut last_blocks = Vec::new();
+    for (s, &(parent, shared, len, _)) in seqs.iter().enumerate() {
+        let row = &mut table[s * max_blocks..(s + 1) * max_blocks];
+        if let Some(p) = parent {
+            row[..shared].copy_from_slice(&p[..shared]);
+        }
+        let own = take(len.div_ceil(bs) - shared);
+        row[shared..len.div_ceil(bs)].copy_from_slice(&own);
+        last_blocks.push((*own.last().unwrap() as usize, len % bs));
+    }
+    let nb = next as usize + 1;
+    let mut k: ndarray::Array4<f32> = rand_array(&mut r, (nb, bs, hkv, e));
+    let mut v: ndarray::Array4<f32> = rand_array(&mut r, (nb, bs, hkv, ev));
+    // Unwritten slots hold NaN.
+    for &(blk, used) in &last_blocks {
+        if used > 0 {
+            k.slice_mut(ndarray::s![blk, used.., .., ..]).fill(f32::NAN);
+            v.slice_mut(ndarray::s![blk, used.., .., ..]).fill(f32::NAN);
+        }
+    }
+    k.slice_mut(ndarray::s![nb - 1, .., .., ..]).fill(f32::NAN);
+    v.slice_mut(ndarray::s![nb - 1, .., .., ..]).fill(f32::NAN);
+    let seq_lens: Vec<usize> = seqs.iter().map(|s| s.2).collect();
+    let q_lens: Vec<usize> = seqs.iter().map(|s| s.3).collect();
+    let t: usize = q_lens.iter().sum();
+    type Setup = fn(PagedAttention<'_>) -> PagedAttention<'_>;
+    let setups: [(&str, Setup, bool); 5] = [
+        ("plain", |c| c, true),
+        ("causal", |c| c.causal(Causal::BottomRight), true),
+        (
+            "causal_softcap_sink_logits_scale",
+            |c| {
+                c.causal(Causal::BottomRight)
+                    .softcap(0.9)
+                    .sink_logits(&[0.5, -1.0, 2.0, 0.0])
+                    .scale(0.7)
+            },
+            true,
+        ),
+        (
+            "rope_causal",
+            |c| {
+                c.causal(Causal::BottomRight).rope(Rope {
+                    style: RopeStyle::HalfSplit,
+                    theta: 1e4,
+                    dim: Some(12),
+                })
+            },
+            true,
+        ),
+        // A window depends on positions: no shared prefix, every sequence reads its keys.
+        ("window", |c| c.causal(Causal::BottomRight).window(100, 0), false),
+    ];
+    for st in [Storage::F32, Storage::Bf16] {
+        let mut q: Array3<f32> = rand_array(&mut r, (t, hq, e));
+        q.mapv_inplace(|x| st.round(x));
+        let (mut k, mut v) = (k.clone(), v.clone());
+        k.mapv_inplace(|x| st.round(x));
+        v.mapv_inplace(|x| st.round(x));
+        for (name, setup, shares) in setups {
+            let call = |s: Storage| {
+                setup(PagedAttention::new(
+                    Tensor::from(&q).with_storage(s),
+                    &q_lens,
+                    Tensor::from(&k).with_storage(s),
+                    Tensor::from(&v).with_storage(s),
+                    &table,
+                    &seq_lens,
+                ))
+            };
+            let want_shared = if shares {
+                vec![
+                    SharedPrefix {
+                        first: 0,
+                        sequences: 5,
+                        keys: 18 * bs,
+                    },
+                    SharedPrefix {
+                        first: 6,
+                        sequences: 2,
+                        keys: 17 * bs,
+                    },
+                ]
+            } else {
+                Vec::new()
+            };
+            assert_eq!(call(st).shared_prefixes().unwrap(), want_shared, "{name}");
+            assert!(call(st)
+                .shared_prefix(false)
+                .shared_prefixes()
+                .unwrap()
+                .is_empty());
+            let want = call(Storage::F32).reference().unwrap();
+            let tol = if st == Storage::F32 {
+                TOL
+            } else {
+                Tolerance::for_storage(st)
+            };
+            for (path, on) in [
+                (Path::Auto, true),
+                (Path::Fused, true),
+                (Path::Decode, true),
+                (Path::Auto, false),
+            ] {
+                let got = call(st)
+                    .path(path)
+                    .shared_prefix(on)
+                    .run_blocking(ctx)
+                    .unwrap_or_else(|e| panic!("{name} {st:?} {path:?}: {e}"));
+                let label = format!("shared prefixes {name} {st:?} [{path:?}, shared {on}]");
+                assert_report(
+                    compare(
+                        got.output.iter().copied(),
+                        want.output.iter().map(|&x| x as f64),
+                        tol,
+                    ),
+                    &format!("{label} output"),
+                );
+                assert_report(
+                    compare(got.lse.iter().copied(), want.lse.iter().map(|&x| x as f64), tol),
+                    &format!("{label} lse"),
+                );
+            }
+        }
+    }
+}
