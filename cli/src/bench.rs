@@ -18,8 +18,8 @@ pub(crate) struct BenchArgs {
     /// Shapes to time, comma separated, or `all` [default: all but c_h8_s4096_causal,
     /// long_h1_s32768_causal, causal_h8_s16384, window_h8_s16384, softcap_h8_s1024,
     /// alibi_h8_s1024, sinks_h8_s1024, docs8_h8_s8192, docs8_dense_h8_s8192,
-    /// window_mod_h8_s16384, relbias_mod_h8_s1024, paged_d, contiguous_d, ragged8, ragged8_padded
-    /// and mha_gqa_h32_kv8_d128_l128]. Attention:
+    /// window_mod_h8_s16384, relbias_mod_h8_s1024, paged_d, contiguous_d, ragged8, ragged8_padded,
+    /// cascade64, cascade64_unshared and mha_gqa_h32_kv8_d128_l128]. Attention:
     /// small_h4_s128,
     /// a_h8_s1024, b_h8_s1024_causal, c_h8_s4096_causal, d_decode_h32_s4096_e128,
     /// e_b4_h12_s256_padmask, long_h1_s32768_causal, gpt2_h12_t1024_causal, causal_h8_s16384,
@@ -31,7 +31,9 @@ pub(crate) struct BenchArgs {
     /// captured relative-position bias in a user score_mod), paged_d and contiguous_d (d's
     /// decode, causal, through a block table of 16-token blocks and contiguous), ragged8 and
     /// ragged8_padded (8 decode sequences of 512 to 4096 keys, GQA 32/8: paged, and padded to
-    /// 4096 with key lengths). Multi-head
+    /// 4096 with key lengths), cascade64 and cascade64_unshared (64 forks of a 4096-token
+    /// prompt, 64 keys each of their own, one decode query each, GQA 32/8, a PagedAttention
+    /// batch: the prompt's keys read once, and per fork). Multi-head
     /// attention layers: mha_bert_base_l128, mha_bert_base_l512, mha_gqa_h32_kv8_d128_l128.
     #[arg(long, value_delimiter = ',', value_name = "NAME,..")]
     shapes: Vec<String>,
@@ -150,6 +152,25 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
             // GPU times of every run, warm-ups first: the last `iters` are the timed runs'.
             let mut gpu_times: Vec<Duration> = Vec::new();
             let row = match path {
+                BenchPath::Forward(path) if gpu.paged_attention().is_some() => {
+                    // A batch of forks: one PagedAttention call (the FLOPs are the batch's
+                    // as one paged call would count them).
+                    let call = gpu.paged_attention().expect("checked").path(path);
+                    gpu.sdpa().problem().and_then(|p| {
+                        call.validate()?;
+                        let t = time_call(
+                            &ctx,
+                            gpu_time,
+                            |enc| call.record(&ctx, enc),
+                            || call.run_blocking(&ctx).map(drop),
+                            a.warmup,
+                            a.iters,
+                            &mut gpu_times,
+                            || pb.inc(1),
+                        )?;
+                        Ok((shape.counted_flops(&p), t.first, t.median, t.min, None))
+                    })
+                }
                 BenchPath::Forward(path) => {
                     let sdpa = gpu.sdpa().path(path);
                     sdpa.problem().and_then(|p| {

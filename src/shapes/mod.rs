@@ -55,6 +55,13 @@ pub struct Shape {
     /// ([`Sdpa::paged`]; blocks in shuffled order, sequence lengths the key lengths or S),
     /// when not 0.
     pub paged_block: usize,
+    /// Paged shapes: every sequence's table begins with the same blocks holding this many
+    /// keys (forks of one prompt; a multiple of `paged_block`; 0: none). Run as a
+    /// [`crate::PagedAttention`] batch (`seq_q` queries per sequence), with the shared keys
+    /// read once when [`cascade`](Self::cascade) is set.
+    pub shared_prefix: usize,
+    /// Read [`shared_prefix`](Self::shared_prefix) once ([`crate::PagedAttention::shared_prefix`]).
+    pub cascade: bool,
     /// Part of the default `bench` set (false for shapes too slow on software renderers).
     pub default: bool,
 }
@@ -87,6 +94,8 @@ const fn shape(
         docs_dense: false,
         user_mod: None,
         paged_block: 0,
+        shared_prefix: 0,
+        cascade: false,
         default,
     }
 }
@@ -94,6 +103,15 @@ const fn shape(
 /// `s` with K and V in paged caches of `block` tokens per block.
 const fn paged(mut s: Shape, block: usize) -> Shape {
     s.paged_block = block;
+    s
+}
+
+/// `s` paged in blocks of 16 with its sequences sharing their first `prefix` keys, read once
+/// when `cascade`.
+const fn forked(mut s: Shape, prefix: usize, cascade: bool) -> Shape {
+    s.paged_block = 16;
+    s.shared_prefix = prefix;
+    s.cascade = cascade;
     s
 }
 
@@ -405,6 +423,34 @@ pub const SHAPES: &[Shape] = &[
         Some(RAGGED8),
         false,
     ),
+    // Issue 28's shared prefixes: 64 forks of a 4096-token prompt, each with 64 keys of its
+    // own, decoding one query each (GQA 32/8): the prompt's keys read once, and per fork.
+    forked(
+        shape(
+            "cascade64",
+            (64, 32, 8),
+            (1, 4160),
+            (128, 128),
+            Causal::BottomRight,
+            None,
+            false,
+        ),
+        4096,
+        true,
+    ),
+    forked(
+        shape(
+            "cascade64_unshared",
+            (64, 32, 8),
+            (1, 4160),
+            (128, 128),
+            Causal::BottomRight,
+            None,
+            false,
+        ),
+        4096,
+        false,
+    ),
 ];
 
 /// The shape called `name`.
@@ -468,6 +514,28 @@ impl Shape {
         [self.batch, self.kv_heads, self.seq_kv, self.head_dim_v]
     }
 
+    /// A paged shape's cache blocks: each sequence's, a shared prefix's counted once.
+    fn cache_blocks(&self) -> usize {
+        let bs = self.paged_block.max(1);
+        let shared = self.shared_prefix / bs;
+        let lens = self.kv_lens.map_or(vec![self.seq_kv; self.batch], |l| l.to_vec());
+        shared + lens.iter().map(|l| l.div_ceil(bs) - shared).sum::<usize>()
+    }
+
+    /// The k and v that [`random_inputs`](Self::random_inputs) makes: [`k_shape`](Self::k_shape)
+    /// and [`v_shape`](Self::v_shape), or for a [`shared_prefix`](Self::shared_prefix) the
+    /// distinct keys `[1, Hkv, P + B (S - P), E]`: the shared ones, then each sequence's own.
+    pub fn kv_host_shapes(&self) -> [[usize; 4]; 2] {
+        if self.shared_prefix == 0 {
+            return [self.k_shape(), self.v_shape()];
+        }
+        let keys = self.shared_prefix + self.batch * (self.seq_kv - self.shared_prefix);
+        [
+            [1, self.kv_heads, keys, self.head_dim],
+            [1, self.kv_heads, keys, self.head_dim_v],
+        ]
+    }
+
     /// `B=.. Hq=.. Hkv=.. L=.. S=.. E=.. Ev=..` plus causal and padding, for reports.
     pub fn describe(&self) -> String {
         let mut s = format!(
@@ -501,6 +569,14 @@ impl Shape {
         }
         if self.paged_block > 0 {
             s.push_str(&format!(" paged(block {})", self.paged_block));
+        }
+        if self.shared_prefix > 0 {
+            let how = if self.cascade {
+                "read once"
+            } else {
+                "read per sequence"
+            };
+            s.push_str(&format!(" shared_prefix={} ({how})", self.shared_prefix));
         }
         if let Some(src) = self.user_mod {
             s.push_str(if src.contains("score_mod") {
@@ -556,7 +632,8 @@ impl Shape {
         }
         let limits = ctx.limits();
         let limit = limits.max_buffer_size.min(limits.max_storage_buffer_binding_size);
-        for (name, shape) in [("q", p.q_shape()), ("k", p.k_shape()), ("v", p.v_shape())] {
+        let [k, v] = self.kv_host_shapes();
+        for (name, shape) in [("q", p.q_shape()), ("k", k), ("v", v)] {
             let bytes = shape.iter().try_fold(4u64, |acc, &d| acc.checked_mul(d as u64));
             if bytes.is_none_or(|b| b > limit) {
                 let need = bytes.map_or("more than 2^64".to_string(), |b| b.to_string());
@@ -575,8 +652,8 @@ impl Shape {
         let mut array = |shape: [usize; 4]| Array4::from_shape_simple_fn(shape, || rng.next_f32());
         HostInputs {
             q: array(self.q_shape()),
-            k: array(self.k_shape()),
-            v: array(self.v_shape()),
+            k: array(self.kv_host_shapes()[0]),
+            v: array(self.kv_host_shapes()[1]),
         }
     }
 }
@@ -636,14 +713,16 @@ impl GpuInputs {
                     usage: wgpu::BufferUsages::STORAGE,
                 }))
         };
-        // A paged shape: each sequence's keys scattered into blocks in a shuffled order.
+        // A paged shape: each sequence's keys scattered into blocks in a shuffled order (a
+        // shared prefix's blocks in every table).
         let (table, seq_lens, k, v) = if shape.paged_block > 0 {
             let bs = shape.paged_block;
             let lens: Vec<usize> = shape
                 .kv_lens
                 .map_or(vec![shape.seq_kv; shape.batch], |l| l.to_vec());
             let max_blocks = shape.seq_kv.div_ceil(bs);
-            let nb: usize = lens.iter().map(|l| l.div_ceil(bs)).sum();
+            let shared = shape.shared_prefix / bs;
+            let nb = shape.cache_blocks();
             let mut order: Vec<usize> = (0..nb).collect();
             let mut rng = SplitMix64(0x9a6e);
             for i in (1..nb).rev() {
@@ -654,17 +733,29 @@ impl GpuInputs {
             let mut kc = Array4::<f32>::zeros((nb, bs, hkv, e));
             let mut vc = Array4::<f32>::zeros((nb, bs, hkv, ev));
             let mut next = order.into_iter();
+            // Where key t of sequence b is in host.k: [b, .., t] or, with a shared prefix,
+            // among the distinct keys.
+            let p = shape.shared_prefix;
+            let at = |b: usize, t: usize| match p {
+                0 => (b, t),
+                _ if t < p => (0, t),
+                _ => (0, p + b * (shape.seq_kv - p) + t - p),
+            };
             for (b, &len) in lens.iter().enumerate() {
                 for blk in 0..len.div_ceil(bs) {
+                    if b > 0 && blk < shared {
+                        table[b * max_blocks + blk] = table[blk];
+                        continue;
+                    }
                     let phys = next.next().expect("counted");
                     table[b * max_blocks + blk] = phys as i32;
                     for slot in 0..bs.min(len - blk * bs) {
+                        let (hb, ht) = at(b, blk * bs + slot);
                         for h in 0..hkv {
-                            let t = blk * bs + slot;
                             kc.slice_mut(ndarray::s![phys, slot, h, ..])
-                                .assign(&host.k.slice(ndarray::s![b, h, t, ..]));
+                                .assign(&host.k.slice(ndarray::s![hb, h, ht, ..]));
                             vc.slice_mut(ndarray::s![phys, slot, h, ..])
-                                .assign(&host.v.slice(ndarray::s![b, h, t, ..]));
+                                .assign(&host.v.slice(ndarray::s![hb, h, ht, ..]));
                         }
                     }
                 }
@@ -713,10 +804,7 @@ impl GpuInputs {
     /// q, k and v as tensors in their storage format.
     fn tensors(&self) -> [Tensor<'_>; 3] {
         let s = &self.shape;
-        let cache = |e: usize| {
-            let nb = self.seq_lens.iter().map(|l| l.div_ceil(s.paged_block)).sum();
-            [nb, s.paged_block, s.kv_heads, e]
-        };
+        let cache = |e: usize| [s.cache_blocks(), s.paged_block, s.kv_heads, e];
         let (k, v) = if s.paged_block > 0 {
             (cache(s.head_dim), cache(s.head_dim_v))
         } else {
@@ -724,6 +812,22 @@ impl GpuInputs {
         };
         [(&self.q, s.q_shape()), (&self.k, k), (&self.v, v)]
             .map(|(buf, shape)| Tensor::from_buffer(buf, self.storage, &shape))
+    }
+
+    /// A [`shared_prefix`](Shape::shared_prefix) shape's batch as a [`crate::PagedAttention`]
+    /// call (q read as `[B L, Hq, E]`, `L` queries per sequence); `None` for other shapes.
+    pub fn paged_attention(&self) -> Option<crate::PagedAttention<'_>> {
+        let s = &self.shape;
+        if s.shared_prefix == 0 {
+            return None;
+        }
+        let [_, k, v] = self.tensors();
+        let q = Tensor::from_buffer(&self.q, self.storage, &[s.batch * s.seq_q, s.q_heads, s.head_dim]);
+        Some(
+            crate::PagedAttention::new(q, &vec![s.seq_q; s.batch], k, v, &self.table, &self.seq_lens)
+                .causal(s.causal)
+                .shared_prefix(s.cascade),
+        )
     }
 
     /// The attention call on these buffers, with the shape's causal mask and key padding.
