@@ -741,7 +741,7 @@ async fn nan_input_propagates_on_every_path() {
 /// a window and ALiBi, RoPE on q) on the fused and decode paths against the reference on the
 /// contiguous keys, and a ragged batch in one `PagedAttention` call against its reference.
 #[wasm_bindgen_test]
-async fn paged_caches_ragged_batches_and_rope() {
+async fn paged_caches_ragged_batches_rope_and_shared_prefixes() {
     use wgpu_attention::{PagedAttention, Rope, RopeStyle};
     let ctx = ctx().await;
     for (shape, block) in [((3, 4, 2, 1, 77, 32, 32), 16), ((2, 2, 1, 5, 40, 16, 24), 3)] {
@@ -803,5 +803,49 @@ async fn paged_caches_ragged_batches_and_rope() {
         assert!(r.passed(), "ragged [{path:?}] output: {r}");
         let r = compare(got.lse.iter().copied(), want.lse.iter().map(|&x| x as f64), tol);
         assert!(r.passed(), "ragged [{path:?}] lse: {r}");
+    }
+    // Three forks sharing 20 blocks of 16 keys, read once (cascade) with RoPE and causal.
+    let (bs, hkv, e) = (16, 2, 16);
+    let lens = [330usize, 325, 340];
+    let q_lens = [1usize, 2, 1];
+    let mb = 22;
+    let mut table = vec![-1i32; 3 * mb];
+    let mut next = 20;
+    for (s, &l) in lens.iter().enumerate() {
+        for blk in 0..l.div_ceil(bs) {
+            table[s * mb + blk] = if blk < 20 {
+                blk as i32
+            } else {
+                next += 1;
+                next - 1
+            };
+        }
+    }
+    let mut r = rng(135);
+    let k: Array4<f32> = rand_array(&mut r, (next as usize, bs, hkv, e));
+    let v: Array4<f32> = rand_array(&mut r, (next as usize, bs, hkv, e));
+    let q: Array3<f32> = rand_array(&mut r, (4, 4, e));
+    let call = PagedAttention::new(&q, &q_lens, &k, &v, &table, &lens)
+        .causal(Causal::BottomRight)
+        .softcap(0.9)
+        .rope(rope);
+    assert_eq!(call.shared_prefixes().unwrap().len(), 1);
+    let want = call.reference().unwrap();
+    for path in [Path::Fused, Path::Decode] {
+        let got = call
+            .clone()
+            .path(path)
+            .run(&ctx)
+            .await
+            .unwrap_or_else(|e| panic!("shared prefix {path:?}: {e}"));
+        let tol = Tolerance::for_storage(Storage::F32);
+        let r = compare(
+            got.output.iter().copied(),
+            want.output.iter().map(|&x| x as f64),
+            tol,
+        );
+        assert!(r.passed(), "shared prefix [{path:?}] output: {r}");
+        let r = compare(got.lse.iter().copied(), want.lse.iter().map(|&x| x as f64), tol);
+        assert!(r.passed(), "shared prefix [{path:?}] lse: {r}");
     }
 }
