@@ -57,11 +57,11 @@ fn main(
     for (var r = 0u; r < RK; r++) { // unroll
         let j = j_first + r * WG + tid;
         let row = kvh * p.s + min(j, p.s - 1u);
-        for (var d4 = 0u; d4 < E4; d4++) { // unroll
+        for (var d4 = 0u; d4 < E4; d4++) { // unroll if UNROLL_E
             kr[r * E4 + d4] = load_k(row, d4);
             dk[r * E4 + d4] = vec4<f32>(0.0);
         }
-        for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+        for (var d4 = 0u; d4 < EV4; d4++) { // unroll if UNROLL_E
             vr[r * EV4 + d4] = load_v(row, d4);
             dv[r * EV4 + d4] = vec4<f32>(0.0);
         }
@@ -113,10 +113,10 @@ fn main(
             if (SG_Q) {
                 let i = i0 + tid;
                 let row = bh * p.l + min(i, p.l - 1u);
-                for (var d4 = 0u; d4 < E4; d4++) { // unroll
+                for (var d4 = 0u; d4 < E4; d4++) { // unroll if UNROLL_E
                     q_reg[d4] = select(vec4<f32>(0.0), load_q(row, d4) * p.scale, i < p.l);
                 }
-                for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+                for (var d4 = 0u; d4 < EV4; d4++) { // unroll if UNROLL_E
                     do_reg[d4] = select(vec4<f32>(0.0), load_dout(row, d4), i < p.l);
                 }
                 let end = select(0u, key_end(b, min(i, p.l - 1u)), i < p.l);
@@ -148,7 +148,7 @@ fn main(
                     let j = j_first + r * WG + tid;
                     var d = vec4<f32>(0.0);
                     var xs = 0.0;
-                    for (var d4 = 0u; d4 < E4; d4++) { // unroll
+                    for (var d4 = 0u; d4 < E4; d4++) { // unroll if UNROLL_E
                         if (SCALAR_LOGITS) {
                             xs = dot_fma(xs, q_at(ii, d4), kr[r * E4 + d4]);
                         } else {
@@ -162,13 +162,13 @@ fn main(
                     }
                     let pij = prob(x, lse);
                     var dp = vec4<f32>(0.0);
-                    for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+                    for (var d4 = 0u; d4 < EV4; d4++) { // unroll if UNROLL_E
                         let g = do_at(ii, d4);
                         dp += g * vr[r * EV4 + d4];
                         dv[r * EV4 + d4] += pij * g;
                     }
                     let ds = dscore(pij, dp.x + dp.y + dp.z + dp.w, dsum) * logit_grad(x0, x, b, h, i, j);
-                    for (var d4 = 0u; d4 < E4; d4++) { // unroll
+                    for (var d4 = 0u; d4 < E4; d4++) { // unroll if UNROLL_E
                         dk[r * E4 + d4] += ds * q_at(ii, d4);
                     }
                 }
@@ -183,10 +183,10 @@ fn main(
         let j = j_first + r * WG + tid;
         if (j < p.s) {
             let row = kvh * p.s + j;
-            for (var d4 = 0u; d4 < E4; d4++) { // unroll
+            for (var d4 = 0u; d4 < E4; d4++) { // unroll if UNROLL_E
                 store_dk(row, d4, dk[r * E4 + d4]);
             }
-            for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+            for (var d4 = 0u; d4 < EV4; d4++) { // unroll if UNROLL_E
                 store_dv(row, d4, dv[r * EV4 + d4]);
             }
         }

@@ -64,11 +64,11 @@ fn main(
         let i = qt * BQ + r * WG + tid;
         let valid = i < p.l;
         let row = bh * p.l + min(i, p.l - 1u);
-        for (var d4 = 0u; d4 < E4; d4++) { // unroll
+        for (var d4 = 0u; d4 < E4; d4++) { // unroll if UNROLL_E
             qr[r * E4 + d4] = select(vec4<f32>(0.0), load_q(row, d4) * p.scale, valid);
             acc[r * E4 + d4] = vec4<f32>(0.0);
         }
-        for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+        for (var d4 = 0u; d4 < EV4; d4++) { // unroll if UNROLL_E
             dor[r * EV4 + d4] = select(vec4<f32>(0.0), load_dout(row, d4), valid);
         }
         lse[r] = lse_of(row);
@@ -86,7 +86,7 @@ fn main(
             for (var r = 0u; r < RQ; r++) { // unroll
                 var d = vec4<f32>(0.0);
                 var xs = 0.0;
-                for (var d4 = 0u; d4 < E4; d4++) { // unroll
+                for (var d4 = 0u; d4 < E4; d4++) { // unroll if UNROLL_E
                     if (SCALAR_LOGITS) {
                         xs = dot_fma(xs, qr[r * E4 + d4], key_at(jj, d4));
                     } else {
@@ -101,11 +101,11 @@ fn main(
                 }
                 let pij = prob(x, lse[r]);
                 var dp = vec4<f32>(0.0);
-                for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+                for (var d4 = 0u; d4 < EV4; d4++) { // unroll if UNROLL_E
                     dp += dor[r * EV4 + d4] * value_at(jj, d4);
                 }
                 let ds = dscore(pij, dp.x + dp.y + dp.z + dp.w, dsum[r]) * logit_grad(x0, x, b, h, i, j);
-                for (var d4 = 0u; d4 < E4; d4++) { // unroll
+                for (var d4 = 0u; d4 < E4; d4++) { // unroll if UNROLL_E
                     acc[r * E4 + d4] += ds * key_at(jj, d4);
                 }
             }
@@ -117,7 +117,7 @@ fn main(
         let i = qt * BQ + r * WG + tid;
         if (i < p.l) {
             let row = bh * p.l + i;
-            for (var d4 = 0u; d4 < E4; d4++) { // unroll
+            for (var d4 = 0u; d4 < E4; d4++) { // unroll if UNROLL_E
                 store_dq(row, d4, acc[r * E4 + d4] * p.scale);
             }
         }

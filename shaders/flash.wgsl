@@ -22,6 +22,9 @@
 //   fn score4(q, k, d4) -- the terms of vec4 block d4 of the score: q * k (src/kernels/flash.rs)
 //   const UNROLL: bool -- unroll the loops marked `// unroll` (src/kernels/unroll.rs), so that
 //                      every index into a private array is a constant
+//   const UNROLL_E: bool -- with UNROLL, also the loops over the head dims (`d4`); off on CPU
+//                      adapters past head dim 128, where the unrolled kernel took 20-30 s to
+//                      compile (lavapipe) and the dims' loops cost little against that
 //   const RQ: u32   -- query rows per invocation (rows tid, tid + WG, ...): each K/V element
 //                      read from workgroup memory serves RQ rows. GPUs use RQ = 1, WG = 64;
 //                      CPU adapters (lavapipe), where every memory access is costly, more rows.
@@ -90,10 +93,10 @@ fn main(
         let i = qt * BQ + r * WG + tid;
         let valid = i < p.l;
         let qrow = bh * p.l + min(i, p.l - 1u);
-        for (var d4 = 0u; d4 < E4; d4++) { // unroll
+        for (var d4 = 0u; d4 < E4; d4++) { // unroll if UNROLL_E
             qr[r * E4 + d4] = select(vec4<f32>(0.0), load_q(qrow, d4) * p.scale, valid);
         }
-        for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+        for (var d4 = 0u; d4 < EV4; d4++) { // unroll if UNROLL_E
             acc[r * EV4 + d4] = vec4<f32>(0.0);
         }
         m[r] = START;
@@ -129,7 +132,7 @@ fn main(
                     d[r] = vec4<f32>(0.0);
                     ds[r] = 0.0;
                 }
-                for (var d4 = 0u; d4 < E4; d4++) { // unroll
+                for (var d4 = 0u; d4 < E4; d4++) { // unroll if UNROLL_E
                     let kv = key_at(jg + jj, d4);
                     for (var r = 0u; r < RQ; r++) { // unroll
                         if (SCALAR_LOGITS) {
@@ -183,7 +186,7 @@ fn main(
             // Rescale and accumulate P V, one vec4 column block at a time, so that each
             // accumulator is read and written once per step; each V element is read once for
             // RQ rows. Keys past kv_end have p = 0 and a zero V row.
-            for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+            for (var d4 = 0u; d4 < EV4; d4++) { // unroll if UNROLL_E
                 var vv: array<vec4<f32>, KG>;
                 for (var jj = 0u; jj < KG; jj++) { // unroll
                     vv[jj] = value_at(jg + jj, d4);
@@ -207,13 +210,13 @@ fn main(
             // The sink logit joins the denominator (HAS_SINKS; as it was otherwise).
             let st = with_sink(m[r], sum[r], h);
             if (st.y == 0.0) {
-                for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+                for (var d4 = 0u; d4 < EV4; d4++) { // unroll if UNROLL_E
                     store_out(row, d4, vec4<f32>(0.0));
                 }
                 lse[row] = neg_inf();
             } else {
                 let inv = st.z / st.y;
-                for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+                for (var d4 = 0u; d4 < EV4; d4++) { // unroll if UNROLL_E
                     store_out(row, d4, acc[r * EV4 + d4] * inv);
                 }
                 lse[row] = row_lse(st.x, st.y);

@@ -11,10 +11,10 @@ fn stage_kv(kvh: u32, j0: u32, kv_end: u32, tid: u32) {
     let j = j0 + tid;
     let kb = k_row(kvh, min(j, p.s - 1u));
     let vb = v_row(kvh, min(j, p.s - 1u));
-    for (var d4 = 0u; d4 < E4; d4++) { // unroll
+    for (var d4 = 0u; d4 < E4; d4++) { // unroll if UNROLL_E
         k_reg[d4] = select(vec4<f32>(0.0), load_kb(kb, d4), j < kv_end);
     }
-    for (var d4 = 0u; d4 < EV4; d4++) { // unroll
+    for (var d4 = 0u; d4 < EV4; d4++) { // unroll if UNROLL_E
         v_reg[d4] = select(vec4<f32>(0.0), load_vb(vb, d4), j < kv_end);
     }
 }

@@ -253,6 +253,8 @@ pub(crate) struct Config {
     /// Query rows per tile staged by the dK/dV kernel.
     pub bq: u32,
     pub unroll: bool,
+    /// Also the loops over the head dims ([`unroll_dims`](super::unroll_dims)).
+    pub unroll_e: bool,
     /// The dQ kernel's K/V tile and the dK/dV kernel's query tile live in registers, one row
     /// per invocation, shared by subgroup shuffles (`bk == bq == wg`, the workgroup is one
     /// subgroup); else they are staged in workgroup memory.
@@ -363,6 +365,7 @@ impl Config {
             bk,
             bq,
             unroll,
+            unroll_e: super::unroll_dims(p, caps),
             sg: sg.is_some(),
             vec4: p.vec4_rows(),
             views: p.views,
@@ -378,11 +381,12 @@ impl Config {
     fn common_prelude(&self) -> String {
         format!(
             "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst WG: u32 = {}u;\nconst UNROLL: bool = {};\n\
-             const SCALAR_LOGITS: bool = {};\n{}",
+             const UNROLL_E: bool = {};\nconst SCALAR_LOGITS: bool = {};\n{}",
             self.e4,
             self.ev4,
             self.wg,
             self.unroll,
+            self.unroll_e,
             super::scalar_logits(self.form == BackwardForm::Gpu),
             grad_io(
                 &self.formats,

@@ -125,6 +125,8 @@ pub(crate) struct Config {
     pub views: crate::view::Views,
     /// Unroll the loops marked in the shader.
     pub unroll: bool,
+    /// Also the loops over the head dims ([`unroll_dims`](super::unroll_dims)).
+    pub unroll_e: bool,
     /// The K/V tile is held one key per invocation and read by subgroup shuffles (`bk == wg`,
     /// the workgroup is one subgroup).
     pub sg_kv: bool,
@@ -304,6 +306,7 @@ impl Config {
             views: p.views,
             ev_odd: p.head_dim_v % 2 == 1,
             unroll,
+            unroll_e: super::unroll_dims(p, caps),
             sg_kv,
             has_mask: p.mask.is_some(),
             has_bias: p.bias.is_some(),
@@ -382,6 +385,7 @@ impl Config {
             // GPU compilers; CPU adapters (where it is pinned for tests) compile the loops as
             // written in a fraction of the time.
             unroll: !caps.cpu,
+            unroll_e: super::unroll_dims(p, caps),
             sg_kv: false,
             has_mask: p.mask.is_some(),
             has_bias: p.bias.is_some(),
@@ -459,7 +463,7 @@ impl Config {
                  const NPK: u32 = {}u;\nconst NPV: u32 = {}u;\n\
                  const SCALAR_LOGITS: bool = {};\nconst PREFETCH: bool = {};\n\
                  const SG_ROWS: bool = {};\nconst RED_LEN: u32 = {red}u;\n{}\
-                 const UNROLL: bool = {};\n{}{io}{score}",
+                 const UNROLL: bool = {};\nconst UNROLL_E: bool = {};\n{}{io}{score}",
                 self.e4,
                 self.ev4,
                 self.bm,
@@ -475,6 +479,7 @@ impl Config {
                 self.sg_rows,
                 if self.sg_rows { TILES_SG_ROW_FNS } else { TILES_ROW_FN_STUBS },
                 self.unroll,
+                self.unroll_e,
                 super::mask_consts(self.has_mask, self.has_bias, self.mods, self.formats.bias),
             );
         }
@@ -483,7 +488,7 @@ impl Config {
         format!(
             "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BK: u32 = {}u;\nconst WG: u32 = {}u;\n\
              const RQ: u32 = {}u;\nconst KG: u32 = {}u;\nconst NG: u32 = {}u;\n\
-             const UNROLL: bool = {};\nconst SG_KV: bool = {};\nconst SCALAR_LOGITS: bool = {};\n{}{io}{kv}{score}",
+             const UNROLL: bool = {};\nconst UNROLL_E: bool = {};\nconst SG_KV: bool = {};\nconst SCALAR_LOGITS: bool = {};\n{}{io}{kv}{score}",
             self.e4,
             self.ev4,
             self.bk,
@@ -492,6 +497,7 @@ impl Config {
             self.kg,
             self.bk / self.kg,
             self.unroll,
+            self.unroll_e,
             self.sg_kv,
             self.scalar_logits(),
             super::mask_consts(self.has_mask, self.has_bias, self.mods, self.formats.bias),
