@@ -640,6 +640,16 @@ pub(crate) fn warm(ctx: &Context, spec: &'static KernelSpec, prelude: String) ->
     }
 }
 
+/// The head dims past which CPU adapters keep the loops over them (`UNROLL_E` false): unrolled
+/// with the rows and keys, a head dim of 255 took lavapipe 20-30 s per kernel to compile.
+pub(crate) const CPU_UNROLL_MAX_DIM: usize = 128;
+
+/// Whether the fused and backward kernels unroll their loops over the head dims (when they
+/// unroll at all): on GPUs always, on CPU adapters up to [`CPU_UNROLL_MAX_DIM`].
+pub(crate) fn unroll_dims(p: &crate::Problem, caps: &crate::forms::Caps) -> bool {
+    !caps.cpu || p.head_dim.max(p.head_dim_v) <= CPU_UNROLL_MAX_DIM
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -974,14 +984,4 @@ mod tests {
         let g = grid_1d(200_000, 65535);
         assert!(g[0] as u64 * g[1] as u64 >= 200_000);
     }
-}
-
-/// The head dims past which CPU adapters keep the loops over them (`UNROLL_E` false): unrolled
-/// with the rows and keys, a head dim of 255 took lavapipe 20-30 s per kernel to compile.
-pub(crate) const CPU_UNROLL_MAX_DIM: usize = 128;
-
-/// Whether the fused and backward kernels unroll their loops over the head dims (when they
-/// unroll at all): on GPUs always, on CPU adapters up to [`CPU_UNROLL_MAX_DIM`].
-pub(crate) fn unroll_dims(p: &crate::Problem, caps: &crate::forms::Caps) -> bool {
-    !caps.cpu || p.head_dim.max(p.head_dim_v) <= CPU_UNROLL_MAX_DIM
 }
