@@ -8,7 +8,8 @@
 // The host computes the angles in f64 (position times theta^(-2k/D)), so positions far past
 // [-pi, pi] keep their accuracy (WGSL's cos and sin promise none there): `aux` holds
 // (cos, sin) as f32 bits for each (token, k) from word p.ang_off, and, for an append, each
-// token's destination row (cache block * block_size + slot) from word p.slot_off.
+// token's destination row (cache block * block_size + slot) from word p.slot_off; in a head-major
+// cache (p.hm_bs, the block size, not 0) that slot's row of head h is found in its block.
 //
 // The host (src/kernels/rope.rs) prepends `Params` (rows = T * H, heads H, e, d, half,
 // copy_rest, has_slots, and the word offsets), src and dst in their formats (dst element by
@@ -38,7 +39,11 @@ fn main(
     if (p.has_slots != 0u) {
         drow = aux[p.slot_off + t];
     }
-    let db = (drow * p.heads + h) * p.e;
+    var db = (drow * p.heads + h) * p.e;
+    if (p.hm_bs != 0u) {
+        // A head-major cache [NB, H, BS, E]: slot drow is block drow / BS, token drow % BS.
+        db = ((drow / p.hm_bs * p.heads + h) * p.hm_bs + drow % p.hm_bs) * p.e;
+    }
     let hd = p.d / 2u;
     for (var k = 0u; k < hd; k++) {
         let i0 = select(2u * k, k, p.half != 0u);

@@ -3,8 +3,9 @@
 //! append of a ragged batch's new K/V (RoPE applied to K as it is written), recorded into the
 //! caller's encoder. Attention reads it through [`Sdpa::paged`].
 //!
-//! Layout: each layer's K is one buffer `[num_blocks, block_size, Hkv, E]` and V `[num_blocks,
-//! block_size, Hkv, Ev]`, row-major in the cache's storage format; every layer uses the same
+//! Layout: each layer's K is one buffer `[num_blocks, Hkv, block_size, E]` and V `[num_blocks,
+//! Hkv, block_size, Ev]` ([`PagedLayout::HeadMajor`](crate::PagedLayout::HeadMajor): each
+//! head's keys of a block together), row-major in the cache's storage format; every layer uses the same
 //! block table. Blocks are reference-counted: a fork shares all of its parent's blocks, and
 //! the first append into a shared block that is not full copies it (every layer's K and V)
 //! into a fresh block first. Freed blocks return to a free list.
@@ -212,7 +213,8 @@ impl KvCache {
         self.free.len()
     }
 
-    /// Layer `layer`'s K buffer `[num_blocks, block_size, Hkv, E]` and V buffer.
+    /// Layer `layer`'s K buffer `[num_blocks, Hkv, block_size, E]` and V buffer `[num_blocks,
+    /// Hkv, block_size, Ev]` ([`PagedLayout::HeadMajor`](crate::PagedLayout::HeadMajor)).
     pub fn buffers(&self, layer: usize) -> Result<(&wgpu::Buffer, &wgpu::Buffer)> {
         match (self.k.get(layer), self.v.get(layer)) {
             (Some(k), Some(v)) => Ok((k, v)),
@@ -475,6 +477,7 @@ impl KvCache {
                     half: c.rope.is_some_and(|r| r.style == crate::RopeStyle::HalfSplit),
                     ang_off: 0,
                     slot_off: Some(slot_off),
+                    head_major_block: c.block_size,
                 },
             )?;
         }
@@ -508,13 +511,14 @@ impl KvCache {
         }
         let c = &self.config;
         let (kb, vb) = self.buffers(layer)?;
-        let shape = |e| [c.num_blocks, c.block_size, c.kv_heads, e];
+        let shape = |e| [c.num_blocks, c.kv_heads, c.block_size, e];
         let call = Sdpa::new(
             q,
             Tensor::from_buffer(kb, c.storage, &shape(c.head_dim)),
             Tensor::from_buffer(vb, c.storage, &shape(c.head_dim_v)),
         )
-        .paged(&step.table, &step.seq_lens);
+        .paged(&step.table, &step.seq_lens)
+        .paged_layout(crate::PagedLayout::HeadMajor);
         Ok(match c.rope {
             Some(r) => call.rope(r),
             None => call,
@@ -536,7 +540,7 @@ impl KvCache {
         self.check_step(step, layer)?;
         let c = &self.config;
         let (kb, vb) = self.buffers(layer)?;
-        let shape = |e| [c.num_blocks, c.block_size, c.kv_heads, e];
+        let shape = |e| [c.num_blocks, c.kv_heads, c.block_size, e];
         let call = crate::PagedAttention::new(
             q,
             &step.q_lens,
@@ -544,7 +548,8 @@ impl KvCache {
             Tensor::from_buffer(vb, c.storage, &shape(c.head_dim_v)),
             &step.table,
             &step.seq_lens,
-        );
+        )
+        .paged_layout(crate::PagedLayout::HeadMajor);
         Ok(match c.rope {
             Some(r) => call.rope(r),
             None => call,

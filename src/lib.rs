@@ -84,7 +84,7 @@ pub use sdpa::merge::merge;
 #[cfg(not(target_arch = "wasm32"))]
 pub use sdpa::merge::merge_blocking;
 pub use sdpa::plan::{Form, Plan, Tiles};
-pub use sdpa::{GpuOutput, Output, Path, Sdpa};
+pub use sdpa::{GpuOutput, Output, PagedLayout, Path, Sdpa};
 pub use storage::{Element, Formats, Storage};
 pub use tensor::{Mask, Tensor};
 pub use timer::GpuTimed;

@@ -56,6 +56,7 @@ pub struct PagedAttention<'a> {
     rope: Option<Rope>,
     path: Path,
     shared_prefix: bool,
+    layout: crate::PagedLayout,
 }
 
 /// The fewest shared keys for which the cascade is used: below, the extra calls and the merge
@@ -118,7 +119,24 @@ impl<'a> PagedAttention<'a> {
             rope: None,
             path: Path::Auto,
             shared_prefix: true,
+            layout: crate::PagedLayout::TokenMajor,
         }
+    }
+
+    /// The caches' layout (default [`PagedLayout::TokenMajor`](crate::PagedLayout::TokenMajor):
+    /// `[num_blocks, block_size, Hkv, E]`; see [`Sdpa::paged_layout`]).
+    pub fn paged_layout(mut self, layout: crate::PagedLayout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// The caches' block size.
+    fn block_size(&self) -> usize {
+        self.k.shape[if self.layout == crate::PagedLayout::HeadMajor {
+            2
+        } else {
+            1
+        }]
     }
 
     option_setters!();
@@ -162,7 +180,7 @@ impl<'a> PagedAttention<'a> {
             self.table,
             &self.seq_lens,
             &self.q_lens,
-            self.k.shape[1],
+            self.block_size(),
         ))
     }
 
@@ -177,7 +195,8 @@ impl<'a> PagedAttention<'a> {
             actual: self.q.shape.len(),
             shape: self.q.shape.clone(),
         })?;
-        let [nb, bs, _, _] = crate::problem::dims4("k", &self.k.shape)?;
+        let [nb, bs, _, _] =
+            crate::PagedLayout::token_major_dims(crate::problem::dims4("k", &self.k.shape)?, self.layout);
         let ev = crate::problem::dims4("v", &self.v.shape)?[3];
         let o = &self.options;
         if o.mask.is_some() || o.bias.is_some() || o.doc_ids.is_some() || o.kv_lens.is_some() {
@@ -234,7 +253,8 @@ impl<'a> PagedAttention<'a> {
             .paged(
                 &self.table[s0 * max_blocks..(s0 + nseq) * max_blocks],
                 &self.seq_lens[s0..s0 + nseq],
-            );
+            )
+            .paged_layout(self.layout);
             if let Some(r) = self.rope {
                 call = call.rope(r);
             }
@@ -251,7 +271,7 @@ impl<'a> PagedAttention<'a> {
         let st = self.q.storage();
         let b = self.seq_lens.len();
         let max_blocks = self.table.len() / b;
-        let bs = self.k.shape[1];
+        let bs = self.block_size();
         let first_token: Vec<usize> = self
             .q_lens
             .iter()
@@ -353,6 +373,7 @@ impl<'a> PagedAttention<'a> {
                     &self.table[s * max_blocks..end * max_blocks],
                     &self.seq_lens[s..end],
                 )
+                .paged_layout(self.layout)
                 .path(self.path)
                 .output_into(o);
             let call = match rope {
@@ -382,6 +403,7 @@ impl<'a> PagedAttention<'a> {
                     &self.table[first * max_blocks..first * max_blocks + keys / bs],
                     &[keys],
                 )
+                .paged_layout(self.layout)
                 .output_into(o);
             calls.push((call, &c.lses, 0, [1, hq, tokens]));
             // Each sequence over its tail, by runs of equal query counts.
@@ -404,6 +426,7 @@ impl<'a> PagedAttention<'a> {
                 let call = Sdpa::new(q_at(token, nseq, n), self.k.clone(), self.v.clone())
                     .options(tail.clone())
                     .paged(&c.tails[s * tail_blocks..end * tail_blocks], &c.tail_lens[s..end])
+                    .paged_layout(self.layout)
                     .path(self.path)
                     .output_into(o);
                 calls.push((call, &c.lses, rows + row, [nseq, hq, n]));
@@ -521,7 +544,12 @@ impl<'a> PagedAttention<'a> {
                 actual: n,
             })
         };
-        let (k, v) = (array(&self.k, k, "k")?, array(&self.v, v, "v")?);
+        let (mut k, mut v) = (array(&self.k, k, "k")?, array(&self.v, v, "v")?);
+        if self.layout == crate::PagedLayout::HeadMajor {
+            // The reference reads `[num_blocks, block_size, Hkv, E]`.
+            k = k.permuted_axes([0, 2, 1, 3]).as_standard_layout().to_owned();
+            v = v.permuted_axes([0, 2, 1, 3]).as_standard_layout().to_owned();
+        }
         if q.len() != t * hq * e {
             return Err(Error::DataLength {
                 tensor: "q",

@@ -248,6 +248,8 @@ pub(crate) struct Paged {
     pub max_blocks: usize,
     /// `[B, max_blocks]`, every entry below `num_blocks`.
     pub table: Vec<u32>,
+    /// The caches are [`PagedLayout::HeadMajor`](crate::PagedLayout::HeadMajor).
+    pub head_major: bool,
 }
 
 pub(crate) fn dims4(tensor: &'static str, shape: &[usize]) -> Result<[usize; 4]> {

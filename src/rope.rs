@@ -163,6 +163,7 @@ impl Rope {
                 half: self.style == RopeStyle::HalfSplit,
                 ang_off: 0,
                 slot_off: None,
+                head_major_block: 0,
             },
         )
     }

@@ -10,7 +10,7 @@ mod common;
 use common::*;
 use ndarray::Array4;
 use wgpu_attention::check::{compare, Tolerance};
-use wgpu_attention::{reference, Causal, Context, Error, Path, Sdpa, Storage, Tensor};
+use wgpu_attention::{reference, Causal, Context, Error, PagedLayout, Path, Sdpa, Storage, Tensor};
 
 /// Run `case` (its kv_lens the sequence lengths) paged with `block_size` on `path` and compare
 /// the output and logsumexp with the reference on its contiguous keys.
@@ -27,15 +27,29 @@ fn check_paged(ctx: &Context, case: &Case, block_size: usize, path: Path, tol: T
         Tensor::from(a).with_storage(s)
     }
     let st = case.storage;
-    let got = Sdpa::new(t(&case.q, st), t(&pg.k, st), t(&pg.v, st))
-        .options(options)
-        .paged(&pg.table, &pg.lens)
-        .path(path)
-        .return_lse()
-        .run_blocking(ctx)
-        .unwrap_or_else(|e| panic!("{label}: {e}"));
-    let label = format!("{label} block {block_size} [{path:?}]");
-    case.assert_output(&got, &want, path, tol, &label);
+    // The same blocks head-major: [NB, Hkv, BS, E].
+    let hm = |a: &Array4<f32>| {
+        a.view()
+            .permuted_axes([0, 2, 1, 3])
+            .as_standard_layout()
+            .to_owned()
+    };
+    let (hk, hv) = (hm(&pg.k), hm(&pg.v));
+    for (layout, k, v) in [
+        (PagedLayout::TokenMajor, &pg.k, &pg.v),
+        (PagedLayout::HeadMajor, &hk, &hv),
+    ] {
+        let got = Sdpa::new(t(&case.q, st), t(k, st), t(v, st))
+            .options(options.clone())
+            .paged(&pg.table, &pg.lens)
+            .paged_layout(layout)
+            .path(path)
+            .return_lse()
+            .run_blocking(ctx)
+            .unwrap_or_else(|e| panic!("{label} {layout:?}: {e}"));
+        let label = format!("{label} block {block_size} {layout:?} [{path:?}]");
+        case.assert_output(&got, &want, path, tol, &label);
+    }
 }
 
 #[test]

@@ -275,7 +275,9 @@ pub(crate) fn row_base(name: &str, dim: Dim, vec4: bool, view: Option<&str>, at:
     }
 }
 
-/// `fn NAME_base(row: u32) -> u32` of a paged cache `[NB, BS, Hkv, E]` through the view
+/// `fn NAME_base(row: u32) -> u32` of a paged cache `[NB, BS, Hkv, E]` (or head-major `[NB,
+/// Hkv, BS, E]`: the view's token and head strides `s` and `h` say which; a block is the larger
+/// of `BS·s` and `Hkv·h`) through the view
 /// `p.x.SLOT` ([`super::RowView`]'s paged fields): the row index `(b·heads + h)·n + t` is
 /// split, and key `t` of sequence `b` found in its block through the block table in the
 /// auxiliary words (`aux_word`; every entry a block of the cache, checked by the host).
@@ -319,7 +321,7 @@ pub(crate) fn paged_row_base(name: &str, slot: &str, bs: usize) -> String {
          return {name}_memo_base;\n}}\n\
          fn {name}_row(kvh: u32, j: u32) -> u32 {{\n    let v = p.x.{slot};\n    \
          let blk = aux_word(v.tab + (kvh / v.heads) * v.b + j / {bs}u);\n    \
-         return v.off + (blk * {bs}u + j % {bs}u) * v.s + (kvh % v.heads) * v.h;\n}}\n"
+         return v.off + blk * max({bs}u * v.s, v.heads * v.h) + (j % {bs}u) * v.s + (kvh % v.heads) * v.h;\n}}\n"
     )
 }
 

@@ -149,13 +149,14 @@ impl TensorViews {
         let (l, s) = (p.seq_q, p.seq_kv);
         let (hq, hkv) = (p.q_heads, p.kv_heads);
         let x = &p.views;
-        // A paged cache `[NB, BS, Hkv, E]`: token slots Hkv·E apart, heads E apart.
+        // A paged cache `[NB, BS, Hkv, E]`: token slots Hkv·E apart, heads E apart; head-major
+        // `[NB, Hkv, BS, E]`: slots E apart, heads BS·E (a block is BS·Hkv·E either way).
         let paged = |v: Option<crate::view::View>, e: usize| {
             p.paged.as_ref().map(|pg| RowView {
                 off: v.map_or(0, |v| v.offset) as u32,
                 b: pg.max_blocks as u32,
-                h: e as u32,
-                s: (hkv * e) as u32,
+                h: if pg.head_major { pg.block_size * e } else { e } as u32,
+                s: if pg.head_major { e } else { hkv * e } as u32,
                 n: s as u32,
                 heads: hkv as u32,
                 bs: pg.block_size as u32,

@@ -37,7 +37,9 @@ wgsl_struct! {
         /// Where the (cos, sin) words and the slot words start in aux.
         ang_off: u32,
         slot_off: u32,
-        _pad0: u32,
+        /// The destination is a head-major paged cache `[NB, H, BS, E]` of this block size
+        /// (0: rows `[.., H, E]`).
+        hm_bs: u32,
         _pad1: u32,
         _pad2: u32,
     }
@@ -56,6 +58,8 @@ pub(crate) struct Rotation {
     /// Angle words' offset in aux; slot words' offset (an append), if any.
     pub ang_off: usize,
     pub slot_off: Option<usize>,
+    /// With slots: the cache is head-major with blocks of this many tokens (0: token-major).
+    pub head_major_block: usize,
 }
 
 /// Record the rotation: `src` into `dst` (in place when `src` is `None`: `dst` read and
@@ -81,6 +85,7 @@ pub(crate) fn record(
         has_slots: r.slot_off.is_some() as u32,
         ang_off: r.ang_off as u32,
         slot_off: r.slot_off.unwrap_or(0) as u32,
+        hm_bs: r.head_major_block as u32,
         ..Default::default()
     };
     let dst_access = if dst.1.is_half() {

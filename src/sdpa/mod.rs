@@ -147,6 +147,7 @@ pub struct Sdpa<'a> {
     pub(crate) pos_offset: [usize; 2],
     /// k and v are paged caches read through this block table ([`Sdpa::paged`]).
     pub(crate) paged: Option<PagedSpec<'a>>,
+    pub(crate) paged_layout: PagedLayout,
     /// RoPE applied to q as the kernels read it ([`Sdpa::rope`]).
     pub(crate) rope: Option<crate::Rope>,
 }
@@ -156,6 +157,31 @@ pub struct Sdpa<'a> {
 pub(crate) struct PagedSpec<'a> {
     pub(crate) table: std::borrow::Cow<'a, [i32]>,
     pub(crate) seq_lens: Vec<usize>,
+}
+
+/// How a paged cache's blocks are laid out (FlashInfer's `kv_layout`).
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum PagedLayout {
+    /// `[num_blocks, block_size, Hkv, E]`: a token's heads together (vLLM's cache, FlashInfer's
+    /// `NHD`). The default.
+    #[default]
+    TokenMajor,
+    /// `[num_blocks, Hkv, block_size, E]`: each head's keys of a block together (FlashInfer's
+    /// `HND`). One head's consecutive keys are `E` elements apart instead of `Hkv · E`, which
+    /// reads faster where memory is read by rows (CPU adapters: `paged_d` in
+    /// docs/benchmarks.md). [`KvCache`](crate::KvCache)'s pages are laid out so.
+    HeadMajor,
+}
+
+impl PagedLayout {
+    /// `[num_blocks, block_size, Hkv, E]` from a cache's shape in this layout.
+    pub(crate) fn token_major_dims([a, b, c, d]: [usize; 4], layout: PagedLayout) -> [usize; 4] {
+        match layout {
+            PagedLayout::TokenMajor => [a, b, c, d],
+            PagedLayout::HeadMajor => [a, c, b, d],
+        }
+    }
 }
 
 impl<'a> Sdpa<'a> {
@@ -176,6 +202,7 @@ impl<'a> Sdpa<'a> {
             diag_shift: 0,
             pos_offset: [0, 0],
             paged: None,
+            paged_layout: PagedLayout::TokenMajor,
             rope: None,
         }
     }
@@ -221,6 +248,14 @@ impl<'a> Sdpa<'a> {
             table: block_table.into(),
             seq_lens: seq_lens.to_vec(),
         });
+        self
+    }
+
+    /// The layout of [`paged`](Sdpa::paged)'s caches (default [`PagedLayout::TokenMajor`]:
+    /// `[num_blocks, block_size, Hkv, E]`; [`PagedLayout::HeadMajor`]: `[num_blocks, Hkv,
+    /// block_size, E]`).
+    pub fn paged_layout(mut self, layout: PagedLayout) -> Self {
+        self.paged_layout = layout;
         self
     }
 
@@ -373,9 +408,15 @@ impl<'a> Sdpa<'a> {
                 }
                 crate::tensor::TensorData::Host(_) => 0,
             };
+            let head_major = paged.as_ref().is_some_and(|pg| pg.head_major);
+            let bs = paged.as_ref().map_or(1, |pg| pg.block_size);
             let view = |offset, e: usize| crate::view::View {
                 offset,
-                strides: [0, e, hkv * e, 1],
+                strides: if head_major {
+                    [0, bs * e, e, 1]
+                } else {
+                    [0, e, hkv * e, 1]
+                },
             };
             p.views.k = Some(view(off(&self.k), e));
             p.views.v = Some(view(off(&self.v), ev));
@@ -705,11 +746,12 @@ fn paged_problem(
     let bad = |reason: String| Err(Error::Paged { reason });
     let rank4 = crate::problem::dims4;
     let [b, _, n, _] = rank4("q", &call.q.shape)?;
-    let [nb, bs, hkv, e] = rank4("k", &call.k.shape)?;
-    let [vnb, vbs, vh, ev] = rank4("v", &call.v.shape)?;
+    let layout = call.paged_layout;
+    let [nb, bs, hkv, e] = PagedLayout::token_major_dims(rank4("k", &call.k.shape)?, layout);
+    let [vnb, vbs, vh, ev] = PagedLayout::token_major_dims(rank4("v", &call.v.shape)?, layout);
     if (vnb, vbs, vh) != (nb, bs, hkv) {
         return bad(format!(
-            "the v cache {:?} must have the k cache's blocks, block size and heads ({nb}, {bs}, {hkv}, Ev)",
+            "the v cache {:?} must have the k cache's blocks, block size and heads ({nb}, {bs}, {hkv}, Ev in the {layout:?} layout)",
             call.v.shape
         ));
     }
@@ -747,6 +789,7 @@ fn paged_problem(
             num_blocks: nb,
             max_blocks,
             table: clean,
+            head_major: layout == PagedLayout::HeadMajor,
         },
     ))
 }

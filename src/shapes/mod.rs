@@ -51,10 +51,12 @@ pub struct Shape {
     pub docs_dense: bool,
     /// A user WGSL function (see [`crate::UserMod`]): [`USER_RELBIAS`] or [`USER_WINDOW`].
     pub user_mod: Option<&'static str>,
-    /// K and V as paged caches `[num_blocks, paged_block, Hkv, E]` read through a block table
+    /// K and V as paged caches of `paged_block` tokens per block (see `paged_layout`) read through a block table
     /// ([`Sdpa::paged`]; blocks in shuffled order, sequence lengths the key lengths or S),
     /// when not 0.
     pub paged_block: usize,
+    /// The paged caches' layout (head-major, [`crate::KvCache`]'s, unless the shape says).
+    pub paged_layout: crate::PagedLayout,
     /// Paged shapes: every sequence's table begins with the same blocks holding this many
     /// keys (forks of one prompt; a multiple of `paged_block`; 0: none). Run as a
     /// [`crate::PagedAttention`] batch (`seq_q` queries per sequence), with the shared keys
@@ -94,6 +96,7 @@ const fn shape(
         docs_dense: false,
         user_mod: None,
         paged_block: 0,
+        paged_layout: crate::PagedLayout::HeadMajor,
         shared_prefix: 0,
         cascade: false,
         default,
@@ -103,6 +106,12 @@ const fn shape(
 /// `s` with K and V in paged caches of `block` tokens per block.
 const fn paged(mut s: Shape, block: usize) -> Shape {
     s.paged_block = block;
+    s
+}
+
+/// `s` with its paged caches token-major (`[NB, BS, Hkv, E]`, vLLM's).
+const fn token_major(mut s: Shape) -> Shape {
+    s.paged_layout = crate::PagedLayout::TokenMajor;
     s
 }
 
@@ -393,6 +402,19 @@ pub const SHAPES: &[Shape] = &[
         ),
         16,
     ),
+    // The same in vLLM's token-major layout `[NB, BS, Hkv, E]` (the CLI's).
+    token_major(paged(
+        shape(
+            "paged_d_token_major",
+            (1, 32, 32),
+            (1, 4096),
+            (128, 128),
+            Causal::BottomRight,
+            None,
+            false,
+        ),
+        16,
+    )),
     shape(
         "contiguous_d",
         (1, 32, 32),
@@ -568,7 +590,10 @@ impl Shape {
             s.push_str(&format!(" docs={} ({how})", self.docs));
         }
         if self.paged_block > 0 {
-            s.push_str(&format!(" paged(block {})", self.paged_block));
+            s.push_str(&format!(
+                " paged(block {}, {:?})",
+                self.paged_block, self.paged_layout
+            ));
         }
         if self.shared_prefix > 0 {
             let how = if self.cascade {
@@ -760,6 +785,10 @@ impl GpuInputs {
                     }
                 }
             }
+            if shape.paged_layout == crate::PagedLayout::HeadMajor {
+                kc = kc.permuted_axes([0, 2, 1, 3]).as_standard_layout().to_owned();
+                vc = vc.permuted_axes([0, 2, 1, 3]).as_standard_layout().to_owned();
+            }
             (table, lens, buffer("k cache", &kc)?, buffer("v cache", &vc)?)
         } else {
             (
@@ -804,7 +833,10 @@ impl GpuInputs {
     /// q, k and v as tensors in their storage format.
     fn tensors(&self) -> [Tensor<'_>; 3] {
         let s = &self.shape;
-        let cache = |e: usize| [s.cache_blocks(), s.paged_block, s.kv_heads, e];
+        let cache = |e: usize| match s.paged_layout {
+            crate::PagedLayout::HeadMajor => [s.cache_blocks(), s.kv_heads, s.paged_block, e],
+            _ => [s.cache_blocks(), s.paged_block, s.kv_heads, e],
+        };
         let (k, v) = if s.paged_block > 0 {
             (cache(s.head_dim), cache(s.head_dim_v))
         } else {
@@ -825,6 +857,7 @@ impl GpuInputs {
         let q = Tensor::from_buffer(&self.q, self.storage, &[s.batch * s.seq_q, s.q_heads, s.head_dim]);
         Some(
             crate::PagedAttention::new(q, &vec![s.seq_q; s.batch], k, v, &self.table, &self.seq_lens)
+                .paged_layout(s.paged_layout)
                 .causal(s.causal)
                 .shared_prefix(s.cascade),
         )
@@ -836,7 +869,9 @@ impl GpuInputs {
         let [q, k, v] = self.tensors();
         let mut sdpa = Sdpa::new(q, k, v).causal(s.causal);
         if s.paged_block > 0 {
-            sdpa = sdpa.paged(&self.table, &self.seq_lens);
+            sdpa = sdpa
+                .paged(&self.table, &self.seq_lens)
+                .paged_layout(s.paged_layout);
         } else if let Some(lens) = s.kv_lens {
             sdpa = sdpa.kv_lens(lens);
         }
