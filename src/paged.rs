@@ -97,7 +97,8 @@ pub struct SharedPrefix {
 
 impl<'a> PagedAttention<'a> {
     /// Queries `q` `[T, Hq, E]` packed by sequence (`q_lens` per sequence, summing to T) over
-    /// caches `k` `[num_blocks, block_size, Hkv, E]` and `v` `[.., Ev]` read through
+    /// caches `k` `[num_blocks, block_size, Hkv, E]` and `v` `[.., Ev]` (or head-major: see
+    /// [`paged_layout`](PagedAttention::paged_layout)) read through
     /// `block_table` `[B, max_blocks]` (unused entries anything, -1 say) for sequences of
     /// `seq_lens` keys. Host data or GPU buffers; the caches dense.
     pub fn new(

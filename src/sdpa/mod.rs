@@ -210,7 +210,8 @@ impl<'a> Sdpa<'a> {
     option_setters!();
 
     /// Read k and v as paged KV caches (vLLM's layout): k is `[num_blocks, block_size, Hkv,
-    /// E]` and v `[num_blocks, block_size, Hkv, Ev]` (dense, any of the storage formats), and
+    /// E]` and v `[num_blocks, block_size, Hkv, Ev]` (dense, any of the storage formats; or
+    /// head-major `[num_blocks, Hkv, block_size, E]` with [`paged_layout`](Sdpa::paged_layout)), and
     /// key `t` of sequence `b` is token slot `t % block_size` of block
     /// `block_table[b * max_blocks + t / block_size]`. `block_table` is `[B, max_blocks]`
     /// row-major (B = q's batch, one sequence per batch entry); `seq_lens[b]` is sequence
