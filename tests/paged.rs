@@ -648,18 +648,45 @@ fn shared_prefixes_read_once() {
             } else {
                 Tolerance::for_storage(st)
             };
-            for (path, on) in [
-                (Path::Auto, true),
-                (Path::Fused, true),
-                (Path::Decode, true),
-                (Path::Auto, false),
+            // The same blocks head-major, read through the same tables.
+            let hm = |a: &ndarray::Array4<f32>| {
+                a.view()
+                    .permuted_axes([0, 2, 1, 3])
+                    .as_standard_layout()
+                    .to_owned()
+            };
+            let (hk, hv) = (hm(&k), hm(&v));
+            let head_major = |s: Storage| {
+                setup(PagedAttention::new(
+                    Tensor::from(&q).with_storage(s),
+                    &q_lens,
+                    Tensor::from(&hk).with_storage(s),
+                    Tensor::from(&hv).with_storage(s),
+                    &table,
+                    &seq_lens,
+                ))
+                .paged_layout(PagedLayout::HeadMajor)
+            };
+            assert_eq!(
+                head_major(st).shared_prefixes().unwrap(),
+                want_shared,
+                "{name} head-major"
+            );
+            for (path, on, hmj) in [
+                (Path::Auto, true, false),
+                (Path::Fused, true, false),
+                (Path::Decode, true, false),
+                (Path::Auto, false, false),
+                (Path::Auto, true, true),
+                (Path::Decode, true, true),
             ] {
-                let got = call(st)
+                let got = if hmj { head_major(st) } else { call(st) }
                     .path(path)
                     .shared_prefix(on)
                     .run_blocking(ctx)
                     .unwrap_or_else(|e| panic!("{name} {st:?} {path:?}: {e}"));
-                let label = format!("shared prefixes {name} {st:?} [{path:?}, shared {on}]");
+                let label =
+                    format!("shared prefixes {name} {st:?} [{path:?}, shared {on}, head-major {hmj}]");
                 assert_report(
                     compare(
                         got.output.iter().copied(),
