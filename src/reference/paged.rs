@@ -19,33 +19,20 @@ pub fn gather_paged<T: Copy + Default>(
 ) -> Result<Array4<T>> {
     let (nb, bs, hkv, e) = cache.dim();
     let b = seq_lens.len();
-    let bad = |reason: String| Err(Error::Paged { reason });
-    if b == 0 || block_table.is_empty() || !block_table.len().is_multiple_of(b) {
-        return bad(format!(
-            "the block table has {} entries, not a positive multiple of the {b} sequences ([B, max_blocks])",
-            block_table.len()
-        ));
+    if bs == 0 {
+        return Err(Error::Paged {
+            reason: "the cache's block size is 0".into(),
+        });
     }
-    let max_blocks = block_table.len() / b;
+    let (max_blocks, table) = crate::sdpa::check_block_table(block_table, seq_lens, &vec![0; b], nb, bs)?;
     let s = seq_lens.iter().copied().max().unwrap_or(1).max(1);
     let mut out = Array4::from_elem((b, hkv, s, e), T::default());
     for (seq, &len) in seq_lens.iter().enumerate() {
-        if len > max_blocks * bs {
-            return bad(format!(
-                "sequence {seq} has {len} keys, more than its table's {max_blocks} blocks of {bs} hold"
-            ));
-        }
         for t in 0..len {
-            let entry = block_table[seq * max_blocks + t / bs];
-            if entry < 0 || entry as usize >= nb {
-                return bad(format!(
-                    "block_table[{seq}, {}] = {entry} is not a block of the caches (0..{nb})",
-                    t / bs
-                ));
-            }
+            let entry = table[seq * max_blocks + t / bs] as usize;
             for h in 0..hkv {
                 for d in 0..e {
-                    out[[seq, h, t, d]] = cache[[entry as usize, t % bs, h, d]];
+                    out[[seq, h, t, d]] = cache[[entry, t % bs, h, d]];
                 }
             }
         }
