@@ -87,6 +87,19 @@ fn modifiers_by_flash_rule() {
     }
 }
 
+/// Long packed documents (whole tiles in one document: the dQ kernel's full tiles), causal,
+/// on both paths.
+#[test]
+fn long_documents_by_flash_rule() {
+    let Some(ctx) = ctx() else { return };
+    let case = Case::random((2, 2, 2, 300, 300, 16, 16), 705)
+        .with_long_docs()
+        .with_causal(Causal::BottomRight);
+    for path in PATHS {
+        check(ctx, &case, path, "long documents");
+    }
+}
+
 /// User functions on both paths: a `score_mod` with its derivatives `score_mod_ds` and
 /// `score_mod_dcapture` (a captured relative-position bias and a captured per-head scale,
 /// with causal, key lengths and sink logits: the captures' gradients too, in f32 and bf16;

@@ -41,6 +41,22 @@ fn modifiers_on_every_path() {
     }
 }
 
+/// Long packed documents (whole query and key tiles in one document, where the fused kernels
+/// skip the per-logit document test), causal, on every path.
+#[test]
+fn long_documents_fill_whole_tiles() {
+    let Some(ctx) = ctx() else { return };
+    for (si, shape) in [(2, 2, 2, 300, 300, 16, 16), (2, 2, 1, 5, 333, 8, 12)]
+        .into_iter()
+        .enumerate()
+    {
+        let case = Case::random(shape, 620 + si as u64)
+            .with_long_docs()
+            .with_causal(Causal::BottomRight);
+        case.check_all_paths(ctx, TOL, &format!("{shape:?} long documents"));
+    }
+}
+
 /// User WGSL functions on every path (fused, decode, unfused): a captured relative-position
 /// bias in a `score_mod`, a prefix-LM and dilated `mask_mod` (rows fully masked), with the
 /// built-in masks, on a shape with tails and GQA and a decode shape; the same source on a new

@@ -224,11 +224,22 @@ fn mod_map_next(b: u32, h: u32, i0: u32, ni: u32, j: u32) -> u32 {
 
 // Whether mask_mod allows every pair of the tile a kernel is about to process (rows [i0,
 // i0 + ni), keys [j0, j0 + nj)): then masked_logit skips it (FlexAttention's full blocks).
-// Only with the block map; the fused kernels set it per tile.
+// Only with the block map; the fused kernels set it per tile. Likewise `docs_full`: every row
+// and key of the tile in one document (HAS_DOCS, from the blocks' id ranges), so that
+// masked_logit skips the per-logit document test.
 var<private> mod_full: bool = false;
+var<private> docs_full: bool = false;
 fn set_mod_full(b: u32, h: u32, i0: u32, ni: u32, j0: u32, nj: u32) {
     if (HAS_MASK_MOD && p.m.mod_map != 0u) {
         mod_full = i0 < p.m.doc_l && j0 < p.s && mod_map_block(b, h, i0, ni, j0, nj) >= 2u;
+    }
+    if (HAS_DOCS) {
+        docs_full = false;
+        if (i0 < p.m.doc_l && j0 < p.s) {
+            let qd = query_docs(b, i0, i0 + ni);
+            let kd = doc_span(p.m.doc_kb, p.s, b, j0, min(j0 + nj, p.s));
+            docs_full = qd.x == qd.y && kd.x == kd.y && qd.x == kd.x;
+        }
     }
 }
 
@@ -405,7 +416,7 @@ fn masked_logit(x: f32, keep: bool, b: u32, h: u32, i: u32, j: u32) -> f32 {
     if (HAS_WINDOW) {
         k = k && window_allows(b, i, j);
     }
-    if (HAS_DOCS) {
+    if (HAS_DOCS && !docs_full) {
         k = k && docs_allow(b, i, j);
     }
     if (HAS_BIAS) {

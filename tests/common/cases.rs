@@ -202,6 +202,21 @@ impl Case {
         self
     }
 
+    /// Long packed documents: batch b's keys in documents of 100 + 50 b tokens (the last one
+    /// shorter), its queries those of the keys at the same relative position; whole query and
+    /// key tiles then lie in one document (the kernels' full tiles skip the per-logit test).
+    pub fn with_long_docs(mut self) -> Case {
+        let (b, _, l, s) = self.dims();
+        let (mut q, mut k) = (Vec::new(), Vec::new());
+        for bi in 0..b {
+            let row: Vec<i32> = (0..s).map(|t| (t / (100 + 50 * bi)) as i32).collect();
+            q.extend((0..l).map(|i| row[i * s / l]));
+            k.extend(row);
+        }
+        self.doc_ids = Some(DocIds { q, k });
+        self
+    }
+
     /// Unordered document ids: queries' in 0..4, keys' in 0..3 (a query of document 3 sees no
     /// key: a fully masked row).
     pub fn with_random_docs(mut self, seed: u64) -> Case {
