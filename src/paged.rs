@@ -271,8 +271,6 @@ impl<'a> PagedAttention<'a> {
         let shared = self.shared_prefixes()?;
         let st = self.q.storage();
         let b = self.seq_lens.len();
-        let max_blocks = self.table.len() / b;
-        let bs = self.block_size();
         let first_token: Vec<usize> = self
             .q_lens
             .iter()
@@ -317,181 +315,34 @@ impl<'a> PagedAttention<'a> {
         };
         let out = output(ctx, "paged output", st.bytes(t * hq * ev).next_multiple_of(16));
         let lse = output(ctx, "paged lse", f32_bytes(t * hq).next_multiple_of(16));
-        // Each shared prefix's scratch: the two partial results (f32, rows (token, head)),
-        // their logsumexps, the merged logsumexp, and the tails of its tables.
+        let cascades = self.cascade_scratch(ctx, &shared, &first_token, [hq, ev]);
         let mut in_shared = vec![false; b];
-        let cascades: Vec<Cascade> = shared
-            .iter()
-            .map(|sh| {
-                let seqs = sh.first..sh.first + sh.sequences;
-                in_shared[seqs.clone()].iter_mut().for_each(|x| *x = true);
-                let tokens: usize = self.q_lens[seqs.clone()].iter().sum();
-                let rows = tokens * hq;
-                let blocks = sh.keys / bs;
-                Cascade {
-                    share: *sh,
-                    tokens,
-                    token0: first_token[sh.first],
-                    parts: output(ctx, "cascade parts", f32_bytes(2 * rows * ev)),
-                    lses: output(ctx, "cascade lse parts", f32_bytes(2 * rows)),
-                    merged: output(ctx, "cascade lse", f32_bytes(rows)),
-                    tails: seqs
-                        .clone()
-                        .flat_map(|s| {
-                            self.table[s * max_blocks + blocks..(s + 1) * max_blocks]
-                                .iter()
-                                .copied()
-                        })
-                        .collect(),
-                    tail_lens: seqs.map(|s| self.seq_lens[s] - sh.keys).collect(),
-                }
-            })
-            .collect();
+        for c in &cascades {
+            in_shared[c.share.first..c.share.first + c.share.sequences].fill(true);
+        }
         // The calls, each with where its logsumexp goes: (buffer, first row, [seqs, Hq, n]).
         let q_at = |token: usize, nseq: usize, n: usize| {
             Tensor::from_buffer(qbuf, st, &[nseq, hq, n, e])
                 .at_offset(qoff + st.bytes(token * hq * e))
                 .with_strides(&[n * hq * e, e, hq * e, 1])
         };
-        let mut calls: Vec<(Sdpa, &wgpu::Buffer, usize, [usize; 3])> = Vec::new();
-        // Sequences read alone: runs of equal query counts.
-        let mut s = 0;
-        while s < b {
-            if in_shared[s] {
-                s += 1;
-                continue;
-            }
-            let n = self.q_lens[s];
-            let end = (s..b).find(|&x| in_shared[x] || self.q_lens[x] != n).unwrap_or(b);
-            let nseq = end - s;
-            let token = first_token[s];
-            let o = Tensor::from_buffer(&out, st, &[nseq, hq, n, ev])
-                .at_offset(st.bytes(token * hq * ev))
-                .with_strides(&[n * hq * ev, ev, hq * ev, 1]);
-            let call = Sdpa::new(q_at(token, nseq, n), self.k.clone(), self.v.clone())
-                .options(self.options.clone())
-                .paged(
-                    &self.table[s * max_blocks..end * max_blocks],
-                    &self.seq_lens[s..end],
-                )
-                .paged_layout(self.layout)
-                .path(self.path)
-                .output_into(o);
-            let call = match rope {
-                Some(r) => call.rope(r),
-                None => call,
-            };
-            calls.push((call, &lse, token * hq, [nseq, hq, n]));
-            s = end;
-        }
+        let mut calls = self.alone_calls(&q_at, &in_shared, &first_token, (&out, st), &lse, rope, [hq, ev]);
         for c in &cascades {
-            let (first, keys, tokens) = (c.share.first, c.share.keys, c.tokens);
-            let rows = tokens * hq;
-            // Every query over the shared keys: no causal mask (each is past them all), the
-            // sink logits (counted once, here).
-            let mut prefix = self.options.clone();
-            prefix.causal = crate::Causal::None;
-            prefix.sink_tokens = 0;
-            let o = Tensor::from_buffer(&c.parts, crate::Storage::F32, &[1, hq, tokens, ev]).with_strides(&[
-                rows * ev,
-                ev,
-                hq * ev,
-                1,
-            ]);
-            let call = Sdpa::new(q_at(c.token0, 1, tokens), self.k.clone(), self.v.clone())
-                .options(prefix)
-                .paged(
-                    &self.table[first * max_blocks..first * max_blocks + keys / bs],
-                    &[keys],
-                )
-                .paged_layout(self.layout)
-                .output_into(o);
-            calls.push((call, &c.lses, 0, [1, hq, tokens]));
-            // Each sequence over its tail, by runs of equal query counts.
-            let mut tail = self.options.clone();
-            tail.sink_logits = None;
-            tail.sink_tokens = 0;
-            let tail_blocks = max_blocks - keys / bs;
-            let mut s = 0;
-            while s < c.share.sequences {
-                let n = self.q_lens[first + s];
-                let end = (s..c.share.sequences)
-                    .find(|&x| self.q_lens[first + x] != n)
-                    .unwrap_or(c.share.sequences);
-                let nseq = end - s;
-                let token = first_token[first + s];
-                let row = (token - c.token0) * hq;
-                let o = Tensor::from_buffer(&c.parts, crate::Storage::F32, &[nseq, hq, n, ev])
-                    .at_offset(f32_bytes((rows + row) * ev))
-                    .with_strides(&[n * hq * ev, ev, hq * ev, 1]);
-                let call = Sdpa::new(q_at(token, nseq, n), self.k.clone(), self.v.clone())
-                    .options(tail.clone())
-                    .paged(&c.tails[s * tail_blocks..end * tail_blocks], &c.tail_lens[s..end])
-                    .paged_layout(self.layout)
-                    .path(self.path)
-                    .output_into(o);
-                calls.push((call, &c.lses, rows + row, [nseq, hq, n]));
-                s = end;
-            }
+            calls.extend(self.cascade_calls(&q_at, c, &first_token, [hq, ev]));
         }
         // Everything checked before anything is recorded.
         for (call, ..) in &calls {
             call.plan(ctx)?;
         }
         if let (Some(buf), Some(r)) = (&rotated, &self.rope) {
-            let op = crate::buffers::Operand::check(ctx, "q", &self.q)?;
-            let up = op.upload(ctx, "paged q");
-            crate::ops::copy::convert(
-                ctx,
-                encoder,
-                (up.binding(), st),
-                (buf.as_entire_buffer_binding(), st),
-                t * hq * e,
-            )?;
-            let positions: Vec<usize> = self
-                .q_lens
-                .iter()
-                .zip(&self.seq_lens)
-                .flat_map(|(&n, &l)| l - n..l)
-                .collect();
-            r.record(
-                ctx,
-                encoder,
-                &Tensor::from_buffer(buf, st, &[t, hq, e]),
-                &positions,
-            )?;
+            self.rotate_q(ctx, encoder, buf, r, [t, hq, e])?;
         }
         for (call, dst, row, dims) in &calls {
             let g = call.record(ctx, encoder)?;
             place_lse(ctx, encoder, &g.lse, *dims, dst, *row)?;
         }
         for c in &cascades {
-            let rows = c.tokens * hq;
-            crate::ops::merge::record(
-                ctx,
-                encoder,
-                &crate::ops::merge::Parts {
-                    outputs: c.parts.as_entire_buffer_binding(),
-                    storage: crate::Storage::F32,
-                    lses: c.lses.as_entire_buffer_binding(),
-                    splits: 2,
-                },
-                &crate::ops::merge::Merged {
-                    output: out.as_entire_buffer_binding(),
-                    storage: st,
-                    // Rows (token, head) of the packed output.
-                    view: Some((
-                        crate::view::View {
-                            offset: c.token0 * hq * ev,
-                            strides: [rows * ev, hq * ev, ev, 1],
-                        },
-                        [c.tokens, hq],
-                    )),
-                    lse: c.merged.as_entire_buffer_binding(),
-                },
-                [rows, ev],
-            )?;
-            encoder.copy_buffer_to_buffer(&c.merged, 0, &lse, f32_bytes(c.token0 * hq), f32_bytes(rows));
+            c.merge(ctx, encoder, (&out, st), &lse, [hq, ev])?;
         }
         Ok(GpuPagedOutput {
             output: out,
@@ -605,6 +456,199 @@ impl<'a> PagedAttention<'a> {
     }
 }
 
+impl PagedAttention<'_> {
+    /// Each shared prefix's scratch: the two partial results (f32, rows (token, head)), their
+    /// logsumexps, the merged logsumexp, and the tails of its tables.
+    fn cascade_scratch(
+        &self,
+        ctx: &Context,
+        shared: &[SharedPrefix],
+        first_token: &[usize],
+        [hq, ev]: [usize; 2],
+    ) -> Vec<Cascade> {
+        let max_blocks = self.table.len() / self.seq_lens.len();
+        let bs = self.block_size();
+        shared
+            .iter()
+            .map(|sh| {
+                let seqs = sh.first..sh.first + sh.sequences;
+                let tokens: usize = self.q_lens[seqs.clone()].iter().sum();
+                let rows = tokens * hq;
+                let blocks = sh.keys / bs;
+                Cascade {
+                    share: *sh,
+                    tokens,
+                    token0: first_token[sh.first],
+                    parts: output(ctx, "cascade parts", f32_bytes(2 * rows * ev)),
+                    lses: output(ctx, "cascade lse parts", f32_bytes(2 * rows)),
+                    merged: output(ctx, "cascade lse", f32_bytes(rows)),
+                    tails: seqs
+                        .clone()
+                        .flat_map(|s| {
+                            self.table[s * max_blocks + blocks..(s + 1) * max_blocks]
+                                .iter()
+                                .copied()
+                        })
+                        .collect(),
+                    tail_lens: seqs.map(|s| self.seq_lens[s] - sh.keys).collect(),
+                }
+            })
+            .collect()
+    }
+
+    /// Record q `[T, Hq, E]` copied into `buf` and rotated there by `r`, each token at its
+    /// position.
+    fn rotate_q(
+        &self,
+        ctx: &Context,
+        encoder: &mut wgpu::CommandEncoder,
+        buf: &wgpu::Buffer,
+        r: &Rope,
+        [t, hq, e]: [usize; 3],
+    ) -> Result<()> {
+        let st = self.q.storage();
+        let op = crate::buffers::Operand::check(ctx, "q", &self.q)?;
+        let up = op.upload(ctx, "paged q");
+        crate::ops::copy::convert(
+            ctx,
+            encoder,
+            (up.binding(), st),
+            (buf.as_entire_buffer_binding(), st),
+            t * hq * e,
+        )?;
+        let positions: Vec<usize> = self
+            .q_lens
+            .iter()
+            .zip(&self.seq_lens)
+            .flat_map(|(&n, &l)| l - n..l)
+            .collect();
+        r.record(
+            ctx,
+            encoder,
+            &Tensor::from_buffer(buf, st, &[t, hq, e]),
+            &positions,
+        )
+    }
+}
+
+/// A call of [`PagedAttention::record`] and where its logsumexp `[seqs, Hq, n]` goes: the
+/// buffer, its first row `(token, head)`, and the dims.
+type Call<'b> = (Sdpa<'b>, &'b wgpu::Buffer, usize, [usize; 3]);
+
+impl<'a> PagedAttention<'a> {
+    /// The calls of the sequences read alone (not `in_shared`): runs of equal query counts,
+    /// writing the packed output `out` and logsumexp `lse` in place.
+    #[allow(clippy::too_many_arguments)]
+    fn alone_calls<'b>(
+        &'b self,
+        q_at: &impl Fn(usize, usize, usize) -> Tensor<'b>,
+        in_shared: &[bool],
+        first_token: &[usize],
+        (out, st): (&'b wgpu::Buffer, crate::Storage),
+        lse: &'b wgpu::Buffer,
+        rope: Option<Rope>,
+        [hq, ev]: [usize; 2],
+    ) -> Vec<Call<'b>> {
+        let b = self.seq_lens.len();
+        let max_blocks = self.table.len() / b;
+        let mut calls = Vec::new();
+        // Sequences read alone: runs of equal query counts.
+        let mut s = 0;
+        while s < b {
+            if in_shared[s] {
+                s += 1;
+                continue;
+            }
+            let n = self.q_lens[s];
+            let end = (s..b).find(|&x| in_shared[x] || self.q_lens[x] != n).unwrap_or(b);
+            let nseq = end - s;
+            let token = first_token[s];
+            let o = Tensor::from_buffer(out, st, &[nseq, hq, n, ev])
+                .at_offset(st.bytes(token * hq * ev))
+                .with_strides(&[n * hq * ev, ev, hq * ev, 1]);
+            let call = Sdpa::new(q_at(token, nseq, n), self.k.clone(), self.v.clone())
+                .options(self.options.clone())
+                .paged(
+                    &self.table[s * max_blocks..end * max_blocks],
+                    &self.seq_lens[s..end],
+                )
+                .paged_layout(self.layout)
+                .path(self.path)
+                .output_into(o);
+            let call = match rope {
+                Some(r) => call.rope(r),
+                None => call,
+            };
+            calls.push((call, lse, token * hq, [nseq, hq, n]));
+            s = end;
+        }
+        calls
+    }
+
+    /// A shared prefix's calls: all its queries over the shared keys, then each sequence over
+    /// its tail (runs of equal query counts), into the two parts of its scratch.
+    fn cascade_calls<'b>(
+        &'b self,
+        q_at: &impl Fn(usize, usize, usize) -> Tensor<'b>,
+        c: &'b Cascade,
+        first_token: &[usize],
+        [hq, ev]: [usize; 2],
+    ) -> Vec<Call<'b>> {
+        let max_blocks = self.table.len() / self.seq_lens.len();
+        let bs = self.block_size();
+        let mut calls = Vec::new();
+        let (first, keys, tokens) = (c.share.first, c.share.keys, c.tokens);
+        let rows = tokens * hq;
+        // Every query over the shared keys: no causal mask (each is past them all), the
+        // sink logits (counted once, here).
+        let mut prefix = self.options.clone();
+        prefix.causal = crate::Causal::None;
+        prefix.sink_tokens = 0;
+        let o = Tensor::from_buffer(&c.parts, crate::Storage::F32, &[1, hq, tokens, ev]).with_strides(&[
+            rows * ev,
+            ev,
+            hq * ev,
+            1,
+        ]);
+        let call = Sdpa::new(q_at(c.token0, 1, tokens), self.k.clone(), self.v.clone())
+            .options(prefix)
+            .paged(
+                &self.table[first * max_blocks..first * max_blocks + keys / bs],
+                &[keys],
+            )
+            .paged_layout(self.layout)
+            .output_into(o);
+        calls.push((call, &c.lses, 0, [1, hq, tokens]));
+        // Each sequence over its tail, by runs of equal query counts.
+        let mut tail = self.options.clone();
+        tail.sink_logits = None;
+        tail.sink_tokens = 0;
+        let tail_blocks = max_blocks - keys / bs;
+        let mut s = 0;
+        while s < c.share.sequences {
+            let n = self.q_lens[first + s];
+            let end = (s..c.share.sequences)
+                .find(|&x| self.q_lens[first + x] != n)
+                .unwrap_or(c.share.sequences);
+            let nseq = end - s;
+            let token = first_token[first + s];
+            let row = (token - c.token0) * hq;
+            let o = Tensor::from_buffer(&c.parts, crate::Storage::F32, &[nseq, hq, n, ev])
+                .at_offset(f32_bytes((rows + row) * ev))
+                .with_strides(&[n * hq * ev, ev, hq * ev, 1]);
+            let call = Sdpa::new(q_at(token, nseq, n), self.k.clone(), self.v.clone())
+                .options(tail.clone())
+                .paged(&c.tails[s * tail_blocks..end * tail_blocks], &c.tail_lens[s..end])
+                .paged_layout(self.layout)
+                .path(self.path)
+                .output_into(o);
+            calls.push((call, &c.lses, rows + row, [nseq, hq, n]));
+            s = end;
+        }
+        calls
+    }
+}
+
 /// A shared prefix's scratch (see [`PagedAttention::record`]).
 struct Cascade {
     share: SharedPrefix,
@@ -621,6 +665,47 @@ struct Cascade {
     /// sequences' keys there.
     tails: Vec<i32>,
     tail_lens: Vec<usize>,
+}
+
+impl Cascade {
+    /// Record the merge of the two parts into rows `(token, head)` of the packed output
+    /// `out` (in its format) and of the logsumexp `lse` `[T, Hq]`.
+    fn merge(
+        &self,
+        ctx: &Context,
+        encoder: &mut wgpu::CommandEncoder,
+        (out, st): (&wgpu::Buffer, crate::Storage),
+        lse: &wgpu::Buffer,
+        [hq, ev]: [usize; 2],
+    ) -> Result<()> {
+        let rows = self.tokens * hq;
+        crate::ops::merge::record(
+            ctx,
+            encoder,
+            &crate::ops::merge::Parts {
+                outputs: self.parts.as_entire_buffer_binding(),
+                storage: crate::Storage::F32,
+                lses: self.lses.as_entire_buffer_binding(),
+                splits: 2,
+            },
+            &crate::ops::merge::Merged {
+                output: out.as_entire_buffer_binding(),
+                storage: st,
+                // Rows (token, head) of the packed output.
+                view: Some((
+                    crate::view::View {
+                        offset: self.token0 * hq * ev,
+                        strides: [rows * ev, hq * ev, ev, 1],
+                    },
+                    [self.tokens, hq],
+                )),
+                lse: self.merged.as_entire_buffer_binding(),
+            },
+            [rows, ev],
+        )?;
+        encoder.copy_buffer_to_buffer(&self.merged, 0, lse, f32_bytes(self.token0 * hq), f32_bytes(rows));
+        Ok(())
+    }
 }
 
 /// Copy a call's logsumexp `[seqs, Hq, n]` into rows `(token, head)` of `dst` from row `row`.
