@@ -479,18 +479,7 @@ fn ragged_batches_in_one_call() {
                     .run_blocking(ctx)
                     .unwrap_or_else(|e| panic!("{name} {st:?} {path:?}: {e}"));
                 let label = format!("ragged {name} {st:?} [{path:?}]");
-                assert_report(
-                    compare(
-                        got.output.iter().copied(),
-                        want.output.iter().map(|&x| x as f64),
-                        tol,
-                    ),
-                    &format!("{label} output"),
-                );
-                assert_report(
-                    compare(got.lse.iter().copied(), want.lse.iter().map(|&x| x as f64), tol),
-                    &format!("{label} lse"),
-                );
+                assert_paged(&got, &want, tol, &label);
             }
         }
     }
@@ -687,18 +676,7 @@ fn shared_prefixes_read_once() {
                     .unwrap_or_else(|e| panic!("{name} {st:?} {path:?}: {e}"));
                 let label =
                     format!("shared prefixes {name} {st:?} [{path:?}, shared {on}, head-major {hmj}]");
-                assert_report(
-                    compare(
-                        got.output.iter().copied(),
-                        want.output.iter().map(|&x| x as f64),
-                        tol,
-                    ),
-                    &format!("{label} output"),
-                );
-                assert_report(
-                    compare(got.lse.iter().copied(), want.lse.iter().map(|&x| x as f64), tol),
-                    &format!("{label} lse"),
-                );
+                assert_paged(&got, &want, tol, &label);
             }
         }
     }

@@ -412,6 +412,24 @@ pub fn assert_report(r: Report, label: &str) {
 
 pub const TOL: Tolerance = F32_TOLERANCE;
 
+/// Compare a `PagedAttention` result's output and logsumexp with the reference's.
+pub fn assert_paged(
+    got: &wgpu_attention::PagedOutput,
+    want: &wgpu_attention::PagedOutput,
+    tol: Tolerance,
+    label: &str,
+) {
+    let f64s = |a: &[f32]| a.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let r = wgpu_attention::check::compare(
+        got.output.iter().copied(),
+        f64s(want.output.as_slice().unwrap()),
+        tol,
+    );
+    assert_report(r, &format!("{label} output"));
+    let r = wgpu_attention::check::compare(got.lse.iter().copied(), f64s(want.lse.as_slice().unwrap()), tol);
+    assert_report(r, &format!("{label} lse"));
+}
+
 /// Twice the tolerance of storage format `s`: for results rounded to the format twice (the
 /// multi-head attention layer's intermediates, merged parts).
 pub fn twice_storage_tolerance(s: Storage) -> Tolerance {
