@@ -47,6 +47,9 @@ fn main(
     let b = bh / p.heads;
     let h = bh % p.heads;
     let kvh = b * (p.heads / p.group) + h / p.group;
+    // The kv head's part of its rows' addresses (a paged cache's table row), once.
+    let kh = k_head(kvh);
+    let vh = v_head(kvh);
 
     // Allowed keys of this row within the split: [j_begin, j_end).
     let j_begin = split * p.chunk;
@@ -66,8 +69,8 @@ fn main(
     for (var jj = tid + skip; jj < p.chunk; jj += WG) {
         let j = j_begin + jj;
         // Rows past the allowed keys are read in bounds (clamped) and masked.
-        let kb = k_row(kvh, min(j, p.s - 1u));
-        let vb = v_row(kvh, min(j, p.s - 1u));
+        let kb = k_at(kh, min(j, p.s - 1u));
+        let vb = v_at(vh, min(j, p.s - 1u));
         var d = vec4<f32>(0.0);
         if (P8) {
             for (var d8 = 0u; d8 < E8; d8++) { // unroll

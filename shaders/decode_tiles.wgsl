@@ -44,6 +44,8 @@ var<workgroup> red_s: array<f32, NS>;
 var<workgroup> red_acc: array<vec4<f32>, WG>;
 // The partial dot products of KL invocations per key (KL > 1).
 var<workgroup> scp: array<f32, SCP>;
+// A paged cache's V row of each key of the tile (PAGED: found once, by the key's scorer).
+var<workgroup> vrow: array<u32, VR>;
 
 // The dot product of the query row (`qs`, scaled) with the K row at element `kb`, over the 16-byte chunks
 // `lane, lane + KL, ...` (all of them when KL = 1).
@@ -81,6 +83,9 @@ fn main(
     let b = bh / p.heads;
     let h = bh % p.heads;
     let kvh = b * (p.heads / p.group) + h / p.group;
+    // The kv head's part of its rows' addresses (a paged cache's table row), once.
+    let kh = k_head(kvh);
+    let vh = v_head(kvh);
 
     // Allowed keys of this row within the split: [j_begin, j_end).
     let j_begin = split * p.chunk;
@@ -107,7 +112,7 @@ fn main(
         let j = t0 + tid;
         if (KL == 1u) {
             if (j < j_end) {
-                x = masked_logit(key_dot(k_row(kvh, j), 0u), true, b, h, i, j);
+                x = masked_logit(key_dot(k_at(kh, j), 0u), true, b, h, i, j);
             }
         } else {
             // KL adjacent invocations score one key together, each a strided share of its
@@ -118,7 +123,7 @@ fn main(
                 let jr = t0 + r * (WG / KL) + tid / KL;
                 var part = 0.0;
                 if (jr < j_end) {
-                    part = key_dot(k_row(kvh, jr), lane);
+                    part = key_dot(k_at(kh, jr), lane);
                 }
                 scp[r * WG + tid] = part;
             }
@@ -132,6 +137,9 @@ fn main(
             }
         }
         sc[tid] = x;
+        if (PAGED) {
+            vrow[tid] = v_at(vh, min(j, p.s - 1u));
+        }
         workgroupBarrier();
 
         // 2. P V over this subset's keys of the tile. Keys past the allowed end leave the
@@ -141,7 +149,13 @@ fn main(
         if (slot < EV4) {
             for (var c = 0u; c < KPS; c++) { // unroll
                 let k = sub + c * NS;
-                let vv = load_vb(v_row(kvh, min(t0 + k, p.s - 1u)), slot);
+                var vb: u32;
+                if (PAGED) {
+                    vb = vrow[k];
+                } else {
+                    vb = v_at(vh, min(t0 + k, p.s - 1u));
+                }
+                let vv = load_vb(vb, slot);
                 let xk = sc[k];
                 let m_new = max(m, xk);
                 let alpha = rescale(m, m_new);

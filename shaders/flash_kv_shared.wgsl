@@ -7,11 +7,13 @@ var<workgroup> v_tile: array<vec4<f32>, BK * EV4>;
 
 // Stage keys j0 .. j0 + BK of kv head `kvh` (zero past kv_end); every invocation calls it.
 fn stage_kv(kvh: u32, j0: u32, kv_end: u32, tid: u32) {
+    let kh = k_head(kvh);
+    let vh = v_head(kvh);
     for (var t = tid; t < BK * E4; t += WG) {
         let j = j0 + t / E4;
         var x = vec4<f32>(0.0);
         if (j < kv_end) {
-            x = load_kb(k_row(kvh, j), t % E4);
+            x = load_kb(k_at(kh, j), t % E4);
         }
         k_tile[t] = x;
     }
@@ -19,7 +21,7 @@ fn stage_kv(kvh: u32, j0: u32, kv_end: u32, tid: u32) {
         let j = j0 + t / EV4;
         var x = vec4<f32>(0.0);
         if (j < kv_end) {
-            x = load_vb(v_row(kvh, j), t % EV4);
+            x = load_vb(v_at(vh, j), t % EV4);
         }
         v_tile[t] = x;
     }

@@ -77,12 +77,14 @@ fn fetch_kv(
     kp: ptr<function, array<vec4<f32>, NPK>>,
     vp: ptr<function, array<vec4<f32>, NPV>>,
 ) {
+    let kh = k_head(kvh);
+    let vh = v_head(kvh);
     for (var n = 0u; n < NPK; n++) { // unroll
         let t = tid + n * WG;
         let jj = t / E4;
         var x = vec4<f32>(0.0);
         if (t < BN * E4 && j0 + jj < kv_end) {
-            x = load_kb(k_row(kvh, j0 + jj), t % E4);
+            x = load_kb(k_at(kh, j0 + jj), t % E4);
         }
         (*kp)[n] = x;
     }
@@ -92,7 +94,7 @@ fn fetch_kv(
         let c4 = t % VS;
         var x = vec4<f32>(0.0);
         if (t < BN * VS && j0 + jj < kv_end && c4 < EV4) {
-            x = load_vb(v_row(kvh, j0 + jj), c4);
+            x = load_vb(v_at(vh, j0 + jj), c4);
         }
         (*vp)[n] = x;
     }

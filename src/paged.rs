@@ -56,6 +56,7 @@ pub struct PagedAttention<'a> {
     rope: Option<Rope>,
     path: Path,
     shared_prefix: bool,
+    prefix_splits: Option<usize>,
     layout: crate::PagedLayout,
 }
 
@@ -120,6 +121,7 @@ impl<'a> PagedAttention<'a> {
             rope: None,
             path: Path::Auto,
             shared_prefix: true,
+            prefix_splits: None,
             layout: crate::PagedLayout::TokenMajor,
         }
     }
@@ -165,6 +167,17 @@ impl<'a> PagedAttention<'a> {
     /// positions the split would change): those calls read every sequence's keys.
     pub fn shared_prefix(mut self, on: bool) -> Self {
         self.shared_prefix = on;
+        self
+    }
+
+    /// How many runs of whole blocks a shared prefix's keys are read in: the call over all
+    /// its queries takes each run as a batch entry (its queries repeated), and the runs are
+    /// merged by logsumexp with the tails. More runs give a GPU more workgroups to fill its
+    /// compute units with (64 forks of 32 heads make only 32 query tiles). Default: 1 on CPU
+    /// adapters, else enough for 512 workgroups with at least 256 keys per run. Clamped so
+    /// that each run has at least as many keys as the prefix has queries.
+    pub fn shared_prefix_splits(mut self, runs: usize) -> Self {
+        self.prefix_splits = Some(runs);
         self
     }
 
@@ -321,10 +334,12 @@ impl<'a> PagedAttention<'a> {
             in_shared[c.share.first..c.share.first + c.share.sequences].fill(true);
         }
         // The calls, each with where its logsumexp goes: (buffer, first row, [seqs, Hq, n]).
-        let q_at = |token: usize, nseq: usize, n: usize| {
+        // Queries from `token` as `[nseq, Hq, n, E]`: consecutive sequences, or (`repeat`) the
+        // same n tokens nseq times (a shared prefix's key splits).
+        let q_at = |token: usize, nseq: usize, n: usize, repeat: bool| {
             Tensor::from_buffer(qbuf, st, &[nseq, hq, n, e])
                 .at_offset(qoff + st.bytes(token * hq * e))
-                .with_strides(&[n * hq * e, e, hq * e, 1])
+                .with_strides(&[if repeat { 0 } else { n * hq * e }, e, hq * e, 1])
         };
         let mut calls = self.alone_calls(&q_at, &in_shared, &first_token, (&out, st), &lse, rope, [hq, ev]);
         for c in &cascades {
@@ -468,6 +483,7 @@ impl PagedAttention<'_> {
     ) -> Vec<Cascade> {
         let max_blocks = self.table.len() / self.seq_lens.len();
         let bs = self.block_size();
+        let cpu = ctx.caps().cpu;
         shared
             .iter()
             .map(|sh| {
@@ -475,12 +491,30 @@ impl PagedAttention<'_> {
                 let tokens: usize = self.q_lens[seqs.clone()].iter().sum();
                 let rows = tokens * hq;
                 let blocks = sh.keys / bs;
+                // The shared keys in `splits` runs of whole blocks, one call's batch entries.
+                // The shared keys in `splits` runs of whole blocks (sizes differing by at most
+                // one block), one call's batch entries.
+                let splits = prefix_splits(self.prefix_splits, cpu, [hq, tokens, blocks, bs]);
+                let block_ids = &self.table[sh.first * max_blocks..sh.first * max_blocks + blocks];
+                let per = blocks.div_ceil(splits);
+                let mut prefix_table = vec![-1; splits * per];
+                let mut prefix_lens = Vec::with_capacity(splits);
+                let mut at = 0;
+                for x in 0..splits {
+                    let n = blocks / splits + usize::from(x < blocks % splits);
+                    prefix_table[x * per..x * per + n].copy_from_slice(&block_ids[at..at + n]);
+                    prefix_lens.push(n * bs);
+                    at += n;
+                }
                 Cascade {
                     share: *sh,
                     tokens,
                     token0: first_token[sh.first],
-                    parts: output(ctx, "cascade parts", f32_bytes(2 * rows * ev)),
-                    lses: output(ctx, "cascade lse parts", f32_bytes(2 * rows)),
+                    splits,
+                    prefix_table,
+                    prefix_lens,
+                    parts: output(ctx, "cascade parts", f32_bytes((splits + 1) * rows * ev)),
+                    lses: output(ctx, "cascade lse parts", f32_bytes((splits + 1) * rows)),
                     merged: output(ctx, "cascade lse", f32_bytes(rows)),
                     tails: seqs
                         .clone()
@@ -541,7 +575,7 @@ impl<'a> PagedAttention<'a> {
     #[allow(clippy::too_many_arguments)]
     fn alone_calls<'b>(
         &'b self,
-        q_at: &impl Fn(usize, usize, usize) -> Tensor<'b>,
+        q_at: &impl Fn(usize, usize, usize, bool) -> Tensor<'b>,
         in_shared: &[bool],
         first_token: &[usize],
         (out, st): (&'b wgpu::Buffer, crate::Storage),
@@ -566,7 +600,7 @@ impl<'a> PagedAttention<'a> {
             let o = Tensor::from_buffer(out, st, &[nseq, hq, n, ev])
                 .at_offset(st.bytes(token * hq * ev))
                 .with_strides(&[n * hq * ev, ev, hq * ev, 1]);
-            let call = Sdpa::new(q_at(token, nseq, n), self.k.clone(), self.v.clone())
+            let call = Sdpa::new(q_at(token, nseq, n, false), self.k.clone(), self.v.clone())
                 .options(self.options.clone())
                 .paged(
                     &self.table[s * max_blocks..end * max_blocks],
@@ -589,7 +623,7 @@ impl<'a> PagedAttention<'a> {
     /// its tail (runs of equal query counts), into the two parts of its scratch.
     fn cascade_calls<'b>(
         &'b self,
-        q_at: &impl Fn(usize, usize, usize) -> Tensor<'b>,
+        q_at: &impl Fn(usize, usize, usize, bool) -> Tensor<'b>,
         c: &'b Cascade,
         first_token: &[usize],
         [hq, ev]: [usize; 2],
@@ -599,29 +633,29 @@ impl<'a> PagedAttention<'a> {
         let mut calls = Vec::new();
         let (first, keys, tokens) = (c.share.first, c.share.keys, c.tokens);
         let rows = tokens * hq;
-        // Every query over the shared keys: no causal mask (each is past them all), the
-        // sink logits (counted once, here).
+        let splits = c.splits;
+        // Every query over each run of the shared keys (a batch entry per run, the queries
+        // repeated): no causal mask (each query is past them all), no sink logits (counted
+        // once, with the tails).
         let mut prefix = self.options.clone();
         prefix.causal = crate::Causal::None;
         prefix.sink_tokens = 0;
-        let o = Tensor::from_buffer(&c.parts, crate::Storage::F32, &[1, hq, tokens, ev]).with_strides(&[
-            rows * ev,
-            ev,
-            hq * ev,
-            1,
-        ]);
-        let call = Sdpa::new(q_at(c.token0, 1, tokens), self.k.clone(), self.v.clone())
-            .options(prefix)
-            .paged(
-                &self.table[first * max_blocks..first * max_blocks + keys / bs],
-                &[keys],
-            )
-            .paged_layout(self.layout)
-            .output_into(o);
-        calls.push((call, &c.lses, 0, [1, hq, tokens]));
-        // Each sequence over its tail, by runs of equal query counts.
+        prefix.sink_logits = None;
+        let o = Tensor::from_buffer(&c.parts, crate::Storage::F32, &[splits, hq, tokens, ev])
+            .with_strides(&[rows * ev, ev, hq * ev, 1]);
+        let call = Sdpa::new(
+            q_at(c.token0, splits, tokens, true),
+            self.k.clone(),
+            self.v.clone(),
+        )
+        .options(prefix)
+        .paged(&c.prefix_table, &c.prefix_lens)
+        .paged_layout(self.layout)
+        .output_into(o);
+        calls.push((call, &c.lses, 0, [splits, hq, tokens]));
+        debug_assert_eq!(c.prefix_lens.iter().sum::<usize>(), keys);
+        // Each sequence over its tail, by runs of equal query counts (the sink logits here).
         let mut tail = self.options.clone();
-        tail.sink_logits = None;
         tail.sink_tokens = 0;
         let tail_blocks = max_blocks - keys / bs;
         let mut s = 0;
@@ -634,15 +668,15 @@ impl<'a> PagedAttention<'a> {
             let token = first_token[first + s];
             let row = (token - c.token0) * hq;
             let o = Tensor::from_buffer(&c.parts, crate::Storage::F32, &[nseq, hq, n, ev])
-                .at_offset(f32_bytes((rows + row) * ev))
+                .at_offset(f32_bytes((splits * rows + row) * ev))
                 .with_strides(&[n * hq * ev, ev, hq * ev, 1]);
-            let call = Sdpa::new(q_at(token, nseq, n), self.k.clone(), self.v.clone())
+            let call = Sdpa::new(q_at(token, nseq, n, false), self.k.clone(), self.v.clone())
                 .options(tail.clone())
                 .paged(&c.tails[s * tail_blocks..end * tail_blocks], &c.tail_lens[s..end])
                 .paged_layout(self.layout)
                 .path(self.path)
                 .output_into(o);
-            calls.push((call, &c.lses, rows + row, [nseq, hq, n]));
+            calls.push((call, &c.lses, splits * rows + row, [nseq, hq, n]));
             s = end;
         }
         calls
@@ -655,9 +689,14 @@ struct Cascade {
     /// Its queries, and the first one's token.
     tokens: usize,
     token0: usize,
-    /// `[2, tokens · Hq, Ev]` (f32): over the shared keys, over each tail.
+    /// The runs the shared keys are read in (one call, a batch entry each: enough workgroups
+    /// for a GPU), their tables `[splits, blocks per run]` and keys.
+    splits: usize,
+    prefix_table: Vec<i32>,
+    prefix_lens: Vec<usize>,
+    /// `[splits + 1, tokens · Hq, Ev]` (f32): over each run of the shared keys, over each tail.
     parts: wgpu::Buffer,
-    /// `[2, tokens · Hq]`.
+    /// `[splits + 1, tokens · Hq]`.
     lses: wgpu::Buffer,
     /// The merged `[tokens · Hq]`.
     merged: wgpu::Buffer,
@@ -686,7 +725,7 @@ impl Cascade {
                 outputs: self.parts.as_entire_buffer_binding(),
                 storage: crate::Storage::F32,
                 lses: self.lses.as_entire_buffer_binding(),
-                splits: 2,
+                splits: self.splits + 1,
             },
             &crate::ops::merge::Merged {
                 output: out.as_entire_buffer_binding(),
@@ -706,6 +745,32 @@ impl Cascade {
         encoder.copy_buffer_to_buffer(&self.merged, 0, lse, f32_bytes(self.token0 * hq), f32_bytes(rows));
         Ok(())
     }
+}
+
+/// Workgroups a shared prefix's call aims for on a GPU (its queries' tiles times the runs its
+/// keys are split into).
+const PREFIX_TARGET_WORKGROUPS: usize = 512;
+/// Keys per run of a shared prefix at least.
+const PREFIX_MIN_KEYS: usize = 256;
+
+/// How many runs a shared prefix of `keys` keys is read in by `tokens` queries of `hq` heads:
+/// `asked` ([`PagedAttention::shared_prefix_splits`]) or the knob `cascade_splits`
+/// (src/tune.rs), else one on CPU adapters (their few cores are busy with one) and enough for
+/// the fused kernel's query tiles (64 rows) to make [`PREFIX_TARGET_WORKGROUPS`] workgroups
+/// on GPUs.
+fn prefix_splits(asked: Option<usize>, cpu: bool, [hq, tokens, blocks, bs]: [usize; 4]) -> usize {
+    // The most runs of `blocks` blocks (sizes differing by at most one) with `min` keys in
+    // each.
+    let most = |min: usize| (blocks / min.div_ceil(bs).max(1)).max(1);
+    // Each run has at least as many keys as queries (a paged call's sequence has no more
+    // queries than keys).
+    if let Some(k) = asked.or(crate::tune::knob("cascade_splits").map(|k| k as usize)) {
+        return k.clamp(1, most(tokens));
+    }
+    if cpu {
+        return 1;
+    }
+    (PREFIX_TARGET_WORKGROUPS / (hq * tokens.div_ceil(64)).max(1)).clamp(1, most(PREFIX_MIN_KEYS.max(tokens)))
 }
 
 /// Copy a call's logsumexp `[seqs, Hq, n]` into rows `(token, head)` of `dst` from row `row`.

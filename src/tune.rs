@@ -27,6 +27,8 @@
 //! - `softcap_form` (0, 1 or 2): how the kernels take the softcap's tanh: 0 (the default) a
 //!   Taylor polynomial below 1/4 and `1 - 2 / (e^2x + 1)` above, 1 `(1 - e^-2x) / (1 + e^-2x)`
 //!   alone (6% faster on an H200, absolute error ~1e-7 near 0), 2 WGSL's built-in `tanh`;
+//! - `cascade_splits`: the runs a shared prefix's keys are read in (`PagedAttention`; default:
+//!   1 on CPU adapters, enough for 512 workgroups on GPUs);
 //!
 //! A developer's aid for measuring a new GPU (`scripts/gpu_report.sh` sweeps them); the plan's
 //! defaults are what it measured. Unknown keys and bad values are reported once on stderr and
@@ -72,6 +74,7 @@ const KEYS: &[&str] = &[
     "matmul_tiles",
     "unchecked",
     "softcap_form",
+    "cascade_splits",
 ];
 
 #[cfg_attr(target_arch = "wasm32", allow(dead_code))]

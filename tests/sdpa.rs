@@ -839,7 +839,10 @@ fn prepared_kernels_cover_a_growing_kv_cache() {
     };
     let template = step(8);
     let forms = template.sdpa().prepare_blocking(&fresh, 1..=700).unwrap();
-    assert!(forms >= 2, "the decode path and another: {forms}");
+    // CPU adapters: the decode path from 512 keys and the fused one below; GPUs run one
+    // query row by the decode kernel at every length.
+    let least = if ctx.is_cpu() { 2 } else { 1 };
+    assert!(forms >= least, "the decode path and another: {forms}");
     let prepared = fresh.cached_pipelines();
     assert!(prepared > 0);
     for s in [3, 64, 511, 512, 513, 700] {

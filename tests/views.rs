@@ -712,7 +712,10 @@ fn prepared_views_cover_a_growing_kv_cache() {
             .output_into(tensor(&outb, &op, f, [1, 4, 1, 16]))
     };
     let forms = call(8).prepare_blocking(&fresh, 1..=cap).unwrap();
-    assert!(forms >= 2, "the decode path and another: {forms}");
+    // CPU adapters: the decode path from 512 keys and the fused one below; GPUs run one
+    // query row by the decode kernel at every length.
+    let least = if ctx.is_cpu() { 2 } else { 1 };
+    assert!(forms >= least, "the decode path and another: {forms}");
     let prepared = fresh.cached_pipelines();
     for s in [3, 511, 512, 700] {
         call(s).run_blocking(&fresh).unwrap();

@@ -287,7 +287,11 @@ pub(crate) fn row_base(name: &str, dim: Dim, vec4: bool, view: Option<&str>, at:
 pub(crate) fn key_row_loaders(x: &str, dim: Dim, vec4: bool, vec8: bool, paged: bool) -> String {
     let mut s = String::new();
     if !paged {
-        s += &format!("fn {x}_row(kvh: u32, j: u32) -> u32 {{ return {x}_base(kvh * p.s + j); }}\n");
+        s += &format!(
+            "fn {x}_head(kvh: u32) -> vec2<u32> {{ return vec2<u32>(kvh * p.s, 0u); }}\n\
+             fn {x}_at(hd: vec2<u32>, j: u32) -> u32 {{ return {x}_base(hd.x + j); }}\n\
+             fn {x}_row(kvh: u32, j: u32) -> u32 {{ return {x}_at({x}_head(kvh), j); }}\n"
+        );
     }
     s += &row_loader(x, dim, vec4)
         .replace(
@@ -319,9 +323,12 @@ pub(crate) fn paged_row_base(name: &str, slot: &str, bs: usize) -> String {
          let bh = row / p.x.{slot}.n;\n    {name}_memo_row = row;\n    \
          {name}_memo_base = {name}_row(bh, row - bh * p.x.{slot}.n);\n    \
          return {name}_memo_base;\n}}\n\
-         fn {name}_row(kvh: u32, j: u32) -> u32 {{\n    let v = p.x.{slot};\n    \
-         let blk = aux_word(v.tab + (kvh / v.heads) * v.b + j / {bs}u);\n    \
-         return v.off + blk * max({bs}u * v.s, v.heads * v.h) + (j % {bs}u) * v.s + (kvh % v.heads) * v.h;\n}}\n"
+         fn {name}_head(kvh: u32) -> vec2<u32> {{\n    let v = p.x.{slot};\n    \
+         return vec2<u32>(v.tab + (kvh / v.heads) * v.b, v.off + (kvh % v.heads) * v.h);\n}}\n\
+         fn {name}_at(hd: vec2<u32>, j: u32) -> u32 {{\n    let v = p.x.{slot};\n    \
+         let blk = aux_word(hd.x + j / {bs}u);\n    \
+         return hd.y + blk * max({bs}u * v.s, v.heads * v.h) + (j % {bs}u) * v.s;\n}}\n\
+         fn {name}_row(kvh: u32, j: u32) -> u32 {{ return {name}_at({name}_head(kvh), j); }}\n"
     )
 }
 

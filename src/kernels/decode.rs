@@ -177,9 +177,15 @@ impl Config {
         }
         let mut kl = 1;
         if form == DecodeForm::GpuTiles {
-            // qs, sc, red_m, red_s, red_acc (decode_tiles.wgsl), and scp where KL > 1: KL is
-            // halved until the workgroup memory holds it (KL = 1 needs no scp).
-            let base = 16 * p.head_dim.div_ceil(4) + 20 * wg as usize + 8 * wg as usize;
+            // qs, sc, red_m, red_s, red_acc (decode_tiles.wgsl), vrow where paged, and scp
+            // where KL > 1: KL is halved until the workgroup memory holds it (KL = 1 needs no
+            // scp).
+            let vrow = if p.views.paged.is_some() {
+                4 * wg as usize
+            } else {
+                0
+            };
+            let base = 16 * p.head_dim.div_ceil(4) + 20 * wg as usize + 8 * wg as usize + vrow;
             kl = key_lanes(p, wg);
             while kl > 1 && base + 4 * wg as usize * kl > caps.workgroup_storage as usize {
                 kl /= 2;
@@ -241,7 +247,7 @@ impl Config {
                  const EVP: u32 = {evp}u;\nconst NS: u32 = {ns}u;\nconst KPS: u32 = {}u;\n\
                  const P8: bool = {};\nconst E8: u32 = {}u;\nconst UNROLL: bool = {};\n\
                  const KL: u32 = {kl}u;\nconst SCP: u32 = {}u;\nconst KC8: u32 = {}u;\n\
-                 const KC4: u32 = {}u;\n{}{}",
+                 const KC4: u32 = {}u;\nconst PAGED: bool = {};\nconst VR: u32 = {}u;\n{}{}",
                 self.wg,
                 self.e4,
                 self.ev4,
@@ -252,6 +258,8 @@ impl Config {
                 if kl > 1 { self.wg as usize * kl } else { 1 },
                 self.e4 / 2 / kl,
                 self.e4 / kl,
+                self.views.paged.is_some(),
+                if self.views.paged.is_some() { self.wg } else { 1 },
                 super::mask_consts(self.masks, self.bias, self.mods, self.formats.bias),
                 self.io(),
             );

@@ -96,7 +96,11 @@ impl Plan {
         let pinned_refused = fused.is_err()
             && caps.forms.fused.is_some()
             && flash::Config::new(p, &caps.with_forms(Forms::default())).is_ok();
-        let decode_shape = p.seq_q <= decode::MAX_ROWS && p.seq_kv >= decode::MIN_KEYS;
+        // One query row on a GPU: the decode kernel whatever the key length (the fused
+        // kernel's tile of 16-64 rows would compute one; H200, 64 sequences of 32 heads over
+        // 64 keys each: 0.65 ms fused against a few µs).
+        let decode_shape = (p.seq_q <= decode::MAX_ROWS && p.seq_kv >= decode::MIN_KEYS)
+            || (p.seq_q == 1 && !caps.cpu && decode::Config::new(p, caps).is_ok());
         // Paged caches and RoPE on q are read by the fused and decode kernels only.
         let kernels_only = p.paged.is_some() || p.rope.is_some();
         if kernels_only && (req.weights || req.path == Path::Unfused) {
@@ -316,6 +320,21 @@ mod tests {
         assert_eq!(
             Plan::new(&decode, &req(Path::Auto), &gpu).unwrap().form(),
             Form::Decode(DecodeForm::GpuTiles)
+        );
+        // One query row over few keys: the decode kernel on GPUs, the fused one on CPUs.
+        let short = Problem::new(&[64, 32, 1, 128], &[64, 8, 64, 128], &[64, 8, 64, 128]).unwrap();
+        assert_eq!(
+            Plan::new(&short, &req(Path::Auto), &gpu).unwrap().path(),
+            Path::Decode
+        );
+        assert_eq!(
+            Plan::new(&short, &req(Path::Auto), &lavapipe).unwrap().path(),
+            Path::Fused
+        );
+        let two = Problem::new(&[64, 32, 2, 128], &[64, 8, 64, 128], &[64, 8, 64, 128]).unwrap();
+        assert_eq!(
+            Plan::new(&two, &req(Path::Auto), &gpu).unwrap().path(),
+            Path::Fused
         );
     }
 
