@@ -500,6 +500,181 @@ fn ragged_batches_in_one_call() {
     bad(mk(&q_lens, &seq_lens).mask(&mask), "per batch entry");
 }
 
+/// A ragged batch of forks: two groups of forks around an unrelated sequence (see
+/// [`shared_prefixes_read_once`]), in token-major caches of blocks of 16 with NaN in every
+/// unwritten slot.
+struct Forks {
+    table: Vec<i32>,
+    seq_lens: Vec<usize>,
+    q_lens: Vec<usize>,
+    k: Array4<f32>,
+    v: Array4<f32>,
+}
+
+impl Forks {
+    const HQ: usize = 4;
+    const E: usize = 16;
+    const BS: usize = 16;
+
+    fn new(r: &mut rand::rngs::StdRng) -> Forks {
+        let (hkv, ev, bs) = (2, 12, Forks::BS);
+        // Parent A: 20 full blocks (320 keys); parent B: 17 (272). The pool holds both, and
+        // each sequence's own blocks after.
+        let mut next = 0i32;
+        let mut take = |n: usize| -> Vec<i32> {
+            let v = (next..next + n as i32).collect();
+            next += n as i32;
+            v
+        };
+        let parent_a = take(20);
+        let parent_b = take(17);
+        // (parent, shared blocks, seq_len, q_len): forks of A with tails of 1 to 40 keys, one
+        // whose queries reach back into A's blocks (330 keys, 40 queries: 18 whole blocks
+        // before them), one parting after 19 blocks; an unrelated sequence; two forks of B
+        // (279 and 299 keys before their queries: 17 and 18 blocks).
+        let seqs: [(Option<&Vec<i32>>, usize, usize, usize); 8] = [
+            (Some(&parent_a), 20, 321, 1),
+            (Some(&parent_a), 20, 335, 3),
+            (Some(&parent_a), 20, 330, 40),
+            (Some(&parent_a), 19, 360, 1),
+            (Some(&parent_a), 20, 324, 2),
+            (None, 0, 50, 1),
+            (Some(&parent_b), 17, 280, 1),
+            (Some(&parent_b), 17, 300, 1),
+        ];
+        let max_blocks = 360usize.div_ceil(bs) + 1;
+        let mut table = vec![-1i32; seqs.len() * max_blocks];
+        let mut last_blocks = Vec::new();
+        for (s, &(parent, shared, len, _)) in seqs.iter().enumerate() {
+            let row = &mut table[s * max_blocks..(s + 1) * max_blocks];
+            if let Some(p) = parent {
+                row[..shared].copy_from_slice(&p[..shared]);
+            }
+            let own = take(len.div_ceil(bs) - shared);
+            row[shared..len.div_ceil(bs)].copy_from_slice(&own);
+            last_blocks.push((*own.last().unwrap() as usize, len % bs));
+        }
+        let nb = next as usize + 1;
+        let mut k: Array4<f32> = rand_array(r, (nb, bs, hkv, Forks::E));
+        let mut v: Array4<f32> = rand_array(r, (nb, bs, hkv, ev));
+        // Unwritten slots hold NaN.
+        for &(blk, used) in &last_blocks {
+            if used > 0 {
+                k.slice_mut(ndarray::s![blk, used.., .., ..]).fill(f32::NAN);
+                v.slice_mut(ndarray::s![blk, used.., .., ..]).fill(f32::NAN);
+            }
+        }
+        k.slice_mut(ndarray::s![nb - 1, .., .., ..]).fill(f32::NAN);
+        v.slice_mut(ndarray::s![nb - 1, .., .., ..]).fill(f32::NAN);
+        Forks {
+            table,
+            seq_lens: seqs.iter().map(|s| s.2).collect(),
+            q_lens: seqs.iter().map(|s| s.3).collect(),
+            k,
+            v,
+        }
+    }
+
+    /// What is shared: A's five forks (18 blocks: the one reaching back limits it) and B's two.
+    fn shared() -> Vec<wgpu_attention::SharedPrefix> {
+        use wgpu_attention::SharedPrefix;
+        vec![
+            SharedPrefix {
+                first: 0,
+                sequences: 5,
+                keys: 18 * Forks::BS,
+            },
+            SharedPrefix {
+                first: 6,
+                sequences: 2,
+                keys: 17 * Forks::BS,
+            },
+        ]
+    }
+}
+
+type Setup = fn(wgpu_attention::PagedAttention<'_>) -> wgpu_attention::PagedAttention<'_>;
+
+/// The forks under `setup` in `st` (inputs rounded to it) on each path, with and without
+/// sharing, both layouts and the shared keys in 1, 3 and the most runs, against the reference;
+/// what is shared checked first (`shares`: whether anything is).
+fn check_forks(
+    ctx: &Context,
+    f: &Forks,
+    q: &ndarray::Array3<f32>,
+    st: Storage,
+    (name, setup, shares): (&str, Setup, bool),
+) {
+    use wgpu_attention::PagedAttention;
+    let round = |a: &Array4<f32>| a.mapv(|x| st.round(x));
+    let (k, v) = (round(&f.k), round(&f.v));
+    // The same blocks head-major, read through the same tables.
+    let hm = |a: &Array4<f32>| {
+        a.view()
+            .permuted_axes([0, 2, 1, 3])
+            .as_standard_layout()
+            .to_owned()
+    };
+    let (hk, hv) = (hm(&k), hm(&v));
+    let call = |s: Storage, head_major: bool| {
+        let (kc, vc) = if head_major { (&hk, &hv) } else { (&k, &v) };
+        let layout = if head_major {
+            PagedLayout::HeadMajor
+        } else {
+            PagedLayout::TokenMajor
+        };
+        setup(PagedAttention::new(
+            Tensor::from(q).with_storage(s),
+            &f.q_lens,
+            Tensor::from(kc).with_storage(s),
+            Tensor::from(vc).with_storage(s),
+            &f.table,
+            &f.seq_lens,
+        ))
+        .paged_layout(layout)
+    };
+    let want_shared = if shares { Forks::shared() } else { Vec::new() };
+    for hmj in [false, true] {
+        assert_eq!(
+            call(st, hmj).shared_prefixes().unwrap(),
+            want_shared,
+            "{name} {hmj}"
+        );
+    }
+    assert!(call(st, false)
+        .shared_prefix(false)
+        .shared_prefixes()
+        .unwrap()
+        .is_empty());
+    let want = call(Storage::F32, false).reference().unwrap();
+    let tol = if st == Storage::F32 {
+        TOL
+    } else {
+        Tolerance::for_storage(st)
+    };
+    // (path, shared, head-major, runs of the shared keys: 1 is a CPU adapter's, more a GPU's;
+    // 3 splits A's 18 blocks 6 + 6 + 6 and B's 17 6 + 6 + 5, 50 the most that leave a run as
+    // many keys as the prefix's queries, 3 blocks for A's 47, 1 for B's 2).
+    for (path, on, hmj, runs) in [
+        (Path::Auto, true, false, 1),
+        (Path::Fused, true, false, 3),
+        (Path::Decode, true, false, 1),
+        (Path::Auto, false, false, 1),
+        (Path::Auto, true, true, 3),
+        (Path::Decode, true, true, 50),
+    ] {
+        let got = call(st, hmj)
+            .path(path)
+            .shared_prefix(on)
+            .shared_prefix_splits(runs)
+            .run_blocking(ctx)
+            .unwrap_or_else(|e| panic!("{name} {st:?} {path:?}: {e}"));
+        let label =
+            format!("shared prefixes {name} {st:?} [{path:?}, shared {on}, head-major {hmj}, {runs} runs]");
+        assert_paged(&got, &want, tol, &label);
+    }
+}
+
 /// Forked sequences (tables beginning with the same blocks) in a ragged batch: the shared
 /// keys are read once by one call over all the forks' queries, the tails per sequence, and the
 /// two merged by logsumexp. Checked against the reference per sequence (which reads every
@@ -508,63 +683,11 @@ fn ragged_batches_in_one_call() {
 /// of them is shared).
 #[test]
 fn shared_prefixes_read_once() {
-    use ndarray::Array3;
-    use wgpu_attention::{PagedAttention, Rope, RopeStyle, SharedPrefix};
+    use wgpu_attention::{Rope, RopeStyle};
     let Some(ctx) = ctx() else { return };
-    let (hq, hkv, e, ev, bs) = (4, 2, 16, 12, 16);
     let mut r = rng(130);
-    // Parent A: 20 full blocks (320 keys); parent B: 17 (272). The pool holds both, and each
-    // sequence's own blocks after.
-    let mut next = 0i32;
-    let mut take = |n: usize| -> Vec<i32> {
-        let v = (next..next + n as i32).collect();
-        next += n as i32;
-        v
-    };
-    let parent_a = take(20);
-    let parent_b = take(17);
-    // (parent, shared blocks, seq_len, q_len): forks of A with tails of 1 to 40 keys, one whose
-    // queries reach back into A's blocks (330 keys, 40 queries: 18 whole blocks before them),
-    // one parting after 19 blocks; an unrelated sequence; two forks of B (279 and 299 keys
-    // before their queries: 17 and 18 blocks).
-    let seqs: [(Option<&Vec<i32>>, usize, usize, usize); 8] = [
-        (Some(&parent_a), 20, 321, 1),
-        (Some(&parent_a), 20, 335, 3),
-        (Some(&parent_a), 20, 330, 40),
-        (Some(&parent_a), 19, 360, 1),
-        (Some(&parent_a), 20, 324, 2),
-        (None, 0, 50, 1),
-        (Some(&parent_b), 17, 280, 1),
-        (Some(&parent_b), 17, 300, 1),
-    ];
-    let max_blocks = 360usize.div_ceil(bs) + 1;
-    let mut table = vec![-1i32; seqs.len() * max_blocks];
-    let mut last_blocks = Vec::new();
-    for (s, &(parent, shared, len, _)) in seqs.iter().enumerate() {
-        let row = &mut table[s * max_blocks..(s + 1) * max_blocks];
-        if let Some(p) = parent {
-            row[..shared].copy_from_slice(&p[..shared]);
-        }
-        let own = take(len.div_ceil(bs) - shared);
-        row[shared..len.div_ceil(bs)].copy_from_slice(&own);
-        last_blocks.push((*own.last().unwrap() as usize, len % bs));
-    }
-    let nb = next as usize + 1;
-    let mut k: ndarray::Array4<f32> = rand_array(&mut r, (nb, bs, hkv, e));
-    let mut v: ndarray::Array4<f32> = rand_array(&mut r, (nb, bs, hkv, ev));
-    // Unwritten slots hold NaN.
-    for &(blk, used) in &last_blocks {
-        if used > 0 {
-            k.slice_mut(ndarray::s![blk, used.., .., ..]).fill(f32::NAN);
-            v.slice_mut(ndarray::s![blk, used.., .., ..]).fill(f32::NAN);
-        }
-    }
-    k.slice_mut(ndarray::s![nb - 1, .., .., ..]).fill(f32::NAN);
-    v.slice_mut(ndarray::s![nb - 1, .., .., ..]).fill(f32::NAN);
-    let seq_lens: Vec<usize> = seqs.iter().map(|s| s.2).collect();
-    let q_lens: Vec<usize> = seqs.iter().map(|s| s.3).collect();
-    let t: usize = q_lens.iter().sum();
-    type Setup = fn(PagedAttention<'_>) -> PagedAttention<'_>;
+    let forks = Forks::new(&mut r);
+    let t: usize = forks.q_lens.iter().sum();
     let setups: [(&str, Setup, bool); 5] = [
         ("plain", |c| c, true),
         ("causal", |c| c.causal(Causal::BottomRight), true),
@@ -593,96 +716,10 @@ fn shared_prefixes_read_once() {
         ("window", |c| c.causal(Causal::BottomRight).window(100, 0), false),
     ];
     for st in [Storage::F32, Storage::Bf16] {
-        let mut q: Array3<f32> = rand_array(&mut r, (t, hq, e));
-        q.mapv_inplace(|x| st.round(x));
-        let (mut k, mut v) = (k.clone(), v.clone());
-        k.mapv_inplace(|x| st.round(x));
-        v.mapv_inplace(|x| st.round(x));
-        for (name, setup, shares) in setups {
-            let call = |s: Storage| {
-                setup(PagedAttention::new(
-                    Tensor::from(&q).with_storage(s),
-                    &q_lens,
-                    Tensor::from(&k).with_storage(s),
-                    Tensor::from(&v).with_storage(s),
-                    &table,
-                    &seq_lens,
-                ))
-            };
-            let want_shared = if shares {
-                vec![
-                    SharedPrefix {
-                        first: 0,
-                        sequences: 5,
-                        keys: 18 * bs,
-                    },
-                    SharedPrefix {
-                        first: 6,
-                        sequences: 2,
-                        keys: 17 * bs,
-                    },
-                ]
-            } else {
-                Vec::new()
-            };
-            assert_eq!(call(st).shared_prefixes().unwrap(), want_shared, "{name}");
-            assert!(call(st)
-                .shared_prefix(false)
-                .shared_prefixes()
-                .unwrap()
-                .is_empty());
-            let want = call(Storage::F32).reference().unwrap();
-            let tol = if st == Storage::F32 {
-                TOL
-            } else {
-                Tolerance::for_storage(st)
-            };
-            // The same blocks head-major, read through the same tables.
-            let hm = |a: &ndarray::Array4<f32>| {
-                a.view()
-                    .permuted_axes([0, 2, 1, 3])
-                    .as_standard_layout()
-                    .to_owned()
-            };
-            let (hk, hv) = (hm(&k), hm(&v));
-            let head_major = |s: Storage| {
-                setup(PagedAttention::new(
-                    Tensor::from(&q).with_storage(s),
-                    &q_lens,
-                    Tensor::from(&hk).with_storage(s),
-                    Tensor::from(&hv).with_storage(s),
-                    &table,
-                    &seq_lens,
-                ))
-                .paged_layout(PagedLayout::HeadMajor)
-            };
-            assert_eq!(
-                head_major(st).shared_prefixes().unwrap(),
-                want_shared,
-                "{name} head-major"
-            );
-            // (path, shared, head-major, runs of the shared keys: 1 is a CPU adapter's, more
-            // a GPU's; 3 splits A's 18 blocks 6 + 6 + 6 and B's 17 6 + 6 + 5, 50 the most that
-            // leave a run as many keys as the prefix's queries, 3 blocks for A's 47, 1 for B's 2).
-            for (path, on, hmj, runs) in [
-                (Path::Auto, true, false, 1),
-                (Path::Fused, true, false, 3),
-                (Path::Decode, true, false, 1),
-                (Path::Auto, false, false, 1),
-                (Path::Auto, true, true, 3),
-                (Path::Decode, true, true, 50),
-            ] {
-                let got = if hmj { head_major(st) } else { call(st) }
-                    .path(path)
-                    .shared_prefix(on)
-                    .shared_prefix_splits(runs)
-                    .run_blocking(ctx)
-                    .unwrap_or_else(|e| panic!("{name} {st:?} {path:?}: {e}"));
-                let label = format!(
-                    "shared prefixes {name} {st:?} [{path:?}, shared {on}, head-major {hmj}, {runs} runs]"
-                );
-                assert_paged(&got, &want, tol, &label);
-            }
+        let q: ndarray::Array3<f32> = rand_array(&mut r, (t, Forks::HQ, Forks::E));
+        let q = q.mapv(|x| st.round(x));
+        for setup in setups {
+            check_forks(ctx, &forks, &q, st, setup);
         }
     }
 }

@@ -170,8 +170,6 @@ fn bad_rope_input_is_a_typed_error() {
 /// past 131072 through a window that hides a long context's earlier keys.
 #[test]
 fn pytorch_goldens() {
-    use ndarray::{Array1, Array2, Array4};
-    use wgpu_attention::{Causal, PagedAttention, Path};
     let Some(ctx) = ctx() else { return };
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/rope");
     let mut dirs: Vec<_> = std::fs::read_dir(&root)
@@ -180,7 +178,6 @@ fn pytorch_goldens() {
         .collect();
     dirs.sort();
     assert_eq!(dirs.len(), 8, "the rope goldens");
-    let read = |d: &std::path::Path, f: &str| std::fs::read(d.join(f)).unwrap();
     for dir in dirs {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let meta: serde_json::Value =
@@ -194,118 +191,154 @@ fn pytorch_goldens() {
             dim: Some(meta["dim"].as_u64().unwrap() as usize),
         };
         if name.starts_with("op_") {
-            let x: Array3<f32> = npy(read(&dir, "x.npy"));
-            let pos: Array1<i64> = npy(read(&dir, "positions.npy"));
-            let pos: Vec<usize> = pos.iter().map(|&p| p as usize).collect();
-            let want: Array3<f64> = npy(read(&dir, "out.npy"));
-            let mut host = x.clone();
-            rope.apply(host.view_mut(), &pos).unwrap();
-            assert_report(
-                compare(host.iter().copied(), want.iter().copied(), TOL),
-                &format!("{name} reference"),
-            );
-            let gpu = rope.run_blocking(ctx, &Tensor::from(&x), &pos).unwrap();
-            assert_report(
-                compare(gpu.iter().copied(), want.iter().copied(), TOL),
-                &format!("{name} GPU"),
-            );
-            continue;
+            golden_rotation(ctx, &dir, &name, &rope);
+        } else {
+            golden_attention(ctx, &dir, &name, &rope, &meta);
         }
-        let q: Array3<f32> = npy(read(&dir, "q.npy"));
-        let k: Array4<f32> = npy(read(&dir, "k.npy"));
-        let v: Array4<f32> = npy(read(&dir, "v.npy"));
-        let want: Array3<f64> = npy(read(&dir, "out.npy"));
-        let want_lse: Array2<f64> = npy(read(&dir, "lse.npy"));
-        let ints = |key: &str| -> Vec<usize> {
-            meta[key]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap() as usize)
-                .collect()
-        };
-        let (q_lens, seq_lens) = (ints("q_lens"), ints("seq_lens"));
-        let offset = meta["offset"].as_u64().unwrap() as usize;
-        let causal = match meta["causal"].as_str().unwrap() {
-            "bottom_right" => Causal::BottomRight,
-            _ => Causal::None,
-        };
-        let (_, hkv, _, e) = k.dim();
-        let ev = v.dim().3;
-        let bs = 16;
-        assert_eq!(offset % bs, 0);
-        // Caches: block 0 stands for every block of the long context before `offset` (its
-        // keys are hidden by the window; large values show if one is read); each sequence's
-        // keys after, K rotated on the GPU at positions offset + t.
-        let dummy = offset / bs;
-        let per_seq: Vec<usize> = seq_lens.iter().map(|l| l.div_ceil(bs)).collect();
-        let nb = 1 + per_seq.iter().sum::<usize>();
-        let mut kc = Array4::<f32>::from_elem((nb, bs, hkv, e), 1e3);
-        let mut vc = Array4::<f32>::from_elem((nb, bs, hkv, ev), 1e3);
-        let max_blocks = dummy + per_seq.iter().max().unwrap();
-        let mut table = vec![-1i32; seq_lens.len() * max_blocks];
-        let mut next = 1;
-        for (s, &l) in seq_lens.iter().enumerate() {
-            let rows = k
-                .slice(ndarray::s![s, .., ..l, ..])
-                .permuted_axes([1, 0, 2])
-                .to_owned();
-            let pos: Vec<usize> = (0..l).map(|t| offset + t).collect();
-            let rotated = rope.run_blocking(ctx, &Tensor::from(&rows), &pos).unwrap();
-            for blk in 0..max_blocks {
-                table[s * max_blocks + blk] = if blk < dummy {
-                    0
-                } else if blk - dummy < per_seq[s] {
-                    next += 1;
-                    next - 1
-                } else {
-                    -1
-                };
-            }
-            for t in 0..l {
-                let phys = table[s * max_blocks + dummy + t / bs] as usize;
-                kc.slice_mut(ndarray::s![phys, t % bs, .., ..])
-                    .assign(&rotated.slice(ndarray::s![t, .., ..]));
-                vc.slice_mut(ndarray::s![phys, t % bs, .., ..])
-                    .assign(&v.slice(ndarray::s![s, .., t, ..]));
-            }
-        }
-        let total: Vec<usize> = seq_lens.iter().map(|l| offset + l).collect();
-        for path in [Path::Auto, Path::Fused, Path::Decode] {
-            // With an offset each sequence is its own call: its window (l - n keys to the
-            // left) is its own.
-            let runs: Vec<(usize, usize)> = if offset == 0 {
-                vec![(0, seq_lens.len())]
+    }
+}
+
+fn golden_file(dir: &std::path::Path, file: &str) -> Vec<u8> {
+    std::fs::read(dir.join(file)).unwrap()
+}
+
+/// An `op_*` golden: the rotation of `x.npy` at `positions.npy`, by the reference and the GPU.
+fn golden_rotation(ctx: &wgpu_attention::Context, dir: &std::path::Path, name: &str, rope: &Rope) {
+    use ndarray::Array1;
+    let x: Array3<f32> = npy(golden_file(dir, "x.npy"));
+    let pos: Array1<i64> = npy(golden_file(dir, "positions.npy"));
+    let pos: Vec<usize> = pos.iter().map(|&p| p as usize).collect();
+    let want: Array3<f64> = npy(golden_file(dir, "out.npy"));
+    let mut host = x.clone();
+    rope.apply(host.view_mut(), &pos).unwrap();
+    assert_report(
+        compare(host.iter().copied(), want.iter().copied(), TOL),
+        &format!("{name} reference"),
+    );
+    let gpu = rope.run_blocking(ctx, &Tensor::from(&x), &pos).unwrap();
+    assert_report(
+        compare(gpu.iter().copied(), want.iter().copied(), TOL),
+        &format!("{name} GPU"),
+    );
+}
+
+/// Paged caches of blocks of 16 for a golden's sequences `[B, Hkv, S, E]` whose keys sit at
+/// positions `offset + t`: block 0 stands for every block of the long context before `offset`
+/// (filled with 1e3, so a read of it shows), each sequence's keys after, K rotated on the GPU.
+/// The K and V caches, the block table and its row length.
+fn golden_caches(
+    ctx: &wgpu_attention::Context,
+    rope: &Rope,
+    (k, v): (&ndarray::Array4<f32>, &ndarray::Array4<f32>),
+    seq_lens: &[usize],
+    offset: usize,
+) -> (ndarray::Array4<f32>, ndarray::Array4<f32>, Vec<i32>, usize) {
+    let bs = 16;
+    assert_eq!(offset % bs, 0);
+    let (_, hkv, _, e) = k.dim();
+    let ev = v.dim().3;
+    let dummy = offset / bs;
+    let per_seq: Vec<usize> = seq_lens.iter().map(|l| l.div_ceil(bs)).collect();
+    let nb = 1 + per_seq.iter().sum::<usize>();
+    let mut kc = ndarray::Array4::<f32>::from_elem((nb, bs, hkv, e), 1e3);
+    let mut vc = ndarray::Array4::<f32>::from_elem((nb, bs, hkv, ev), 1e3);
+    let max_blocks = dummy + per_seq.iter().max().unwrap();
+    let mut table = vec![-1i32; seq_lens.len() * max_blocks];
+    let mut next = 1;
+    for (s, &l) in seq_lens.iter().enumerate() {
+        let rows = k
+            .slice(ndarray::s![s, .., ..l, ..])
+            .permuted_axes([1, 0, 2])
+            .to_owned();
+        let pos: Vec<usize> = (0..l).map(|t| offset + t).collect();
+        let rotated = rope.run_blocking(ctx, &Tensor::from(&rows), &pos).unwrap();
+        for blk in 0..max_blocks {
+            table[s * max_blocks + blk] = if blk < dummy {
+                0
+            } else if blk - dummy < per_seq[s] {
+                next += 1;
+                next - 1
             } else {
-                (0..seq_lens.len()).map(|s| (s, s + 1)).collect()
+                -1
             };
-            for (s0, s1) in runs {
-                let t0: usize = q_lens[..s0].iter().sum();
-                let t1: usize = q_lens[..s1].iter().sum();
-                let qs = q.slice(ndarray::s![t0..t1, .., ..]).to_owned();
-                let tab = &table[s0 * max_blocks..s1 * max_blocks];
-                let mut call = PagedAttention::new(&qs, &q_lens[s0..s1], &kc, &vc, tab, &total[s0..s1])
-                    .causal(causal)
-                    .rope(rope)
-                    .path(path);
-                if offset > 0 {
-                    call = call.window((seq_lens[s0] - q_lens[s0]) as i64, 0);
-                }
-                let got = call
-                    .run_blocking(ctx)
-                    .unwrap_or_else(|e| panic!("{name} {path:?}: {e}"));
-                let label = format!("{name} sequences {s0}..{s1} [{path:?}]");
-                let w = want.slice(ndarray::s![t0..t1, .., ..]);
-                assert_report(
-                    compare(got.output.iter().copied(), w.iter().copied(), TOL),
-                    &format!("{label} output"),
-                );
-                let wl = want_lse.slice(ndarray::s![t0..t1, ..]);
-                assert_report(
-                    compare(got.lse.iter().copied(), wl.iter().copied(), TOL),
-                    &format!("{label} lse"),
-                );
+        }
+        for t in 0..l {
+            let phys = table[s * max_blocks + dummy + t / bs] as usize;
+            kc.slice_mut(ndarray::s![phys, t % bs, .., ..])
+                .assign(&rotated.slice(ndarray::s![t, .., ..]));
+            vc.slice_mut(ndarray::s![phys, t % bs, .., ..])
+                .assign(&v.slice(ndarray::s![s, .., t, ..]));
+        }
+    }
+    (kc, vc, table, max_blocks)
+}
+
+/// An `attn_*` golden: paged attention with RoPE on q inside the kernels over a ragged batch,
+/// on every path (output and logsumexp).
+fn golden_attention(
+    ctx: &wgpu_attention::Context,
+    dir: &std::path::Path,
+    name: &str,
+    rope: &Rope,
+    meta: &serde_json::Value,
+) {
+    use ndarray::{Array2, Array4};
+    use wgpu_attention::{Causal, PagedAttention, Path};
+    let q: Array3<f32> = npy(golden_file(dir, "q.npy"));
+    let k: Array4<f32> = npy(golden_file(dir, "k.npy"));
+    let v: Array4<f32> = npy(golden_file(dir, "v.npy"));
+    let want: Array3<f64> = npy(golden_file(dir, "out.npy"));
+    let want_lse: Array2<f64> = npy(golden_file(dir, "lse.npy"));
+    let ints = |key: &str| -> Vec<usize> {
+        meta[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as usize)
+            .collect()
+    };
+    let (q_lens, seq_lens) = (ints("q_lens"), ints("seq_lens"));
+    let offset = meta["offset"].as_u64().unwrap() as usize;
+    let causal = match meta["causal"].as_str().unwrap() {
+        "bottom_right" => Causal::BottomRight,
+        _ => Causal::None,
+    };
+    let (kc, vc, table, max_blocks) = golden_caches(ctx, rope, (&k, &v), &seq_lens, offset);
+    let total: Vec<usize> = seq_lens.iter().map(|l| offset + l).collect();
+    // With an offset each sequence is its own call: its window (l - n keys to the left) is
+    // its own.
+    let runs: Vec<(usize, usize)> = if offset == 0 {
+        vec![(0, seq_lens.len())]
+    } else {
+        (0..seq_lens.len()).map(|s| (s, s + 1)).collect()
+    };
+    for path in [Path::Auto, Path::Fused, Path::Decode] {
+        for &(s0, s1) in &runs {
+            let t0: usize = q_lens[..s0].iter().sum();
+            let t1: usize = q_lens[..s1].iter().sum();
+            let qs = q.slice(ndarray::s![t0..t1, .., ..]).to_owned();
+            let tab = &table[s0 * max_blocks..s1 * max_blocks];
+            let mut call = PagedAttention::new(&qs, &q_lens[s0..s1], &kc, &vc, tab, &total[s0..s1])
+                .causal(causal)
+                .rope(*rope)
+                .path(path);
+            if offset > 0 {
+                call = call.window((seq_lens[s0] - q_lens[s0]) as i64, 0);
             }
+            let got = call
+                .run_blocking(ctx)
+                .unwrap_or_else(|e| panic!("{name} {path:?}: {e}"));
+            let label = format!("{name} sequences {s0}..{s1} [{path:?}]");
+            let w = want.slice(ndarray::s![t0..t1, .., ..]);
+            assert_report(
+                compare(got.output.iter().copied(), w.iter().copied(), TOL),
+                &format!("{label} output"),
+            );
+            let wl = want_lse.slice(ndarray::s![t0..t1, ..]);
+            assert_report(
+                compare(got.lse.iter().copied(), wl.iter().copied(), TOL),
+                &format!("{label} lse"),
+            );
         }
     }
 }
