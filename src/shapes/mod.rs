@@ -124,6 +124,24 @@ const fn forked(mut s: Shape, prefix: usize, cascade: bool) -> Shape {
     s
 }
 
+/// Issue 28's 64 forks of a 4096-token prompt with 64 keys each of their own (B=64 Hq=32
+/// Hkv=8 E=128, one decode query each), the prompt read once when `cascade`.
+const fn cascade64(name: &'static str, cascade: bool) -> Shape {
+    forked(
+        shape(
+            name,
+            (64, 32, 8),
+            (1, 4160),
+            (128, 128),
+            Causal::BottomRight,
+            None,
+            false,
+        ),
+        4096,
+        cascade,
+    )
+}
+
 /// The ragged decode batch's key counts: 512 to 4096 in steps of 512.
 const RAGGED8: &[usize] = &[512, 1024, 1536, 2048, 2560, 3072, 3584, 4096];
 
@@ -447,32 +465,8 @@ pub const SHAPES: &[Shape] = &[
     ),
     // Issue 28's shared prefixes: 64 forks of a 4096-token prompt, each with 64 keys of its
     // own, decoding one query each (GQA 32/8): the prompt's keys read once, and per fork.
-    forked(
-        shape(
-            "cascade64",
-            (64, 32, 8),
-            (1, 4160),
-            (128, 128),
-            Causal::BottomRight,
-            None,
-            false,
-        ),
-        4096,
-        true,
-    ),
-    forked(
-        shape(
-            "cascade64_unshared",
-            (64, 32, 8),
-            (1, 4160),
-            (128, 128),
-            Causal::BottomRight,
-            None,
-            false,
-        ),
-        4096,
-        false,
-    ),
+    cascade64("cascade64", true),
+    cascade64("cascade64_unshared", false),
 ];
 
 /// The shape called `name`.
