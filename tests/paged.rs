@@ -723,3 +723,75 @@ fn shared_prefixes_read_once() {
         }
     }
 }
+
+/// A generation loop over a paged cache prepared over its lengths compiles nothing as it
+/// grows (across the decode threshold, 512 keys, on CPU adapters): every step's call finds its
+/// pipelines cached on a fresh context, head-major with RoPE on q, and its results match the
+/// reference. A prefill chunk of 4 queries is prepared from 4 keys up.
+#[test]
+fn prepared_paged_kernels_cover_a_growing_cache() {
+    use wgpu_attention::{Rope, RopeStyle};
+    let Some(ctx) = ctx() else { return };
+    let fresh = Context::from_device(ctx.device().clone(), ctx.queue().clone());
+    let rope = Rope {
+        style: RopeStyle::Interleaved,
+        theta: 5e5,
+        dim: Some(12),
+    };
+    let step = |l: usize, s: usize| {
+        let mut case = Case::random((2, 4, 2, l, s, 16, 16), s as u64).with_causal(Causal::BottomRight);
+        case.kv_lens = Some(vec![s, s.saturating_sub(3).max(l)]);
+        case
+    };
+    for l in [1, 4] {
+        let template = step(l, 40);
+        let pg = page(&template, template.kv_lens.as_ref().unwrap(), 16, 3);
+        let hm = |a: &Array4<f32>| {
+            a.view()
+                .permuted_axes([0, 2, 1, 3])
+                .as_standard_layout()
+                .to_owned()
+        };
+        let forms = Sdpa::new(&template.q, &hm(&pg.k), &hm(&pg.v))
+            .causal(Causal::BottomRight)
+            .paged(&pg.table, &pg.lens)
+            .paged_layout(PagedLayout::HeadMajor)
+            .rope(rope)
+            .prepare_blocking(&fresh, 1..=700)
+            .unwrap();
+        assert!(forms >= 1, "{forms}");
+        let prepared = fresh.cached_pipelines();
+        for s in [l, 64, 511, 512, 513, 700] {
+            let case = step(l, s.max(l));
+            let lens = case.kv_lens.clone().unwrap();
+            let pg = page(&case, &lens, 16, s as u64);
+            let got = Sdpa::new(&case.q, &hm(&pg.k), &hm(&pg.v))
+                .causal(Causal::BottomRight)
+                .paged(&pg.table, &pg.lens)
+                .paged_layout(PagedLayout::HeadMajor)
+                .rope(rope)
+                .return_lse()
+                .run_blocking(&fresh)
+                .unwrap_or_else(|e| panic!("L = {l}, S = {s}: {e}"));
+            assert_eq!(
+                fresh.cached_pipelines(),
+                prepared,
+                "L = {l}, S = {s} compiled a kernel"
+            );
+            // The reference: q rotated at its positions, K as stored (un-rotated here: the
+            // cache holds what the kernels read).
+            let mut q = case.q.clone();
+            rotate(&mut q, &rope, |b, i| lens[b] - l + i);
+            let mut rotated = case;
+            rotated.q = q;
+            let want = rotated.reference();
+            rotated.assert_output(
+                &got,
+                &want,
+                Path::Auto,
+                TOL,
+                &format!("prepared L = {l}, S = {s}"),
+            );
+        }
+    }
+}

@@ -511,21 +511,17 @@ impl Sdpa<'_> {
     /// mid-generation. Returns the number of distinct kernel forms prepared. No result is
     /// computed: each form is recorded once on zero inputs of the smallest length that needs
     /// it, into an encoder that is never submitted; on CPU adapters the fastest forms, compiled
-    /// in the background, are waited for.
+    /// in the background, are waited for. A [`paged`](Sdpa::paged) call is prepared with every
+    /// sequence at each length (from its query count up: a sequence has at least as many keys
+    /// as new queries), in caches of its block size and layout; RoPE with it.
     pub async fn prepare(&self, ctx: &Context, seq_kv: std::ops::RangeInclusive<usize>) -> Result<usize> {
         let base = self.problem()?;
-        if base.paged.is_some() || base.rope.is_some() {
-            return Err(Error::Paged {
-                reason: "prepare takes contiguous calls: a paged call compiles its kernels on its first run"
-                    .into(),
-            });
-        }
         let caps = ctx.caps();
         let req = self.request();
         // The smallest S of each distinct form (tiles that are run-time parameters excluded).
         let mut forms: Vec<(String, usize)> = Vec::new();
         for s in seq_kv {
-            if s == 0 {
+            if s == 0 || (base.paged.is_some() && s < base.seq_q) {
                 continue;
             }
             let mut p = base.clone();
@@ -558,10 +554,29 @@ impl Sdpa<'_> {
         let (hkv, ev) = (base.kv_heads, base.head_dim_v);
         let f = base.storage;
         let zeros = |n: usize| vec![0f32; n];
+        // A paged call: each sequence's s keys in blocks of its own (caches `[B·blocks, BS, Hkv,
+        // E]` in the call's layout), its table those blocks in order.
+        let paged = base.paged.as_ref().map(|pg| {
+            let per = s.div_ceil(pg.block_size);
+            let table: Vec<i32> = (0..(b * per) as i32).collect();
+            let dims = |d: usize| {
+                let [nb, bs] = [b * per, pg.block_size];
+                if pg.head_major {
+                    [nb, hkv, bs, d]
+                } else {
+                    [nb, bs, hkv, d]
+                }
+            };
+            (table, vec![s; b], dims(e), dims(ev))
+        });
+        let (k_shape, v_shape) = match &paged {
+            Some((_, _, kd, vd)) => (*kd, *vd),
+            None => ([b, hkv, s, e], [b, hkv, s, ev]),
+        };
         let (q, k, v) = (
             zeros(b * hq * l * e),
-            zeros(b * hkv * s * e),
-            zeros(b * hkv * s * ev),
+            zeros(k_shape.iter().product()),
+            zeros(v_shape.iter().product()),
         );
         let with_s = |shape: &[usize]| -> Vec<usize> {
             let mut sh = shape.to_vec();
@@ -587,7 +602,12 @@ impl Sdpa<'_> {
                 .as_ref()
                 .zip(bias_data.as_ref())
                 .map(|(sh, d)| Tensor::from_slice(d, sh).with_storage(f.bias)),
-            kv_lens: self.options.kv_lens.as_ref().map(|l| vec![s; l.len()]),
+            kv_lens: self
+                .options
+                .kv_lens
+                .as_ref()
+                .filter(|_| paged.is_none())
+                .map(|l| vec![s; l.len()]),
             window: self.options.window,
             sink_tokens: self.options.sink_tokens,
             softcap: self.options.softcap,
@@ -599,10 +619,17 @@ impl Sdpa<'_> {
             }),
             user_mod: self.options.user_mod.clone(),
         };
-        // Tensors read through views are prepared as views (the kernels differ).
-        let shapes = [[b, hq, l, e], [b, hkv, s, e], [b, hkv, s, ev], base.out_shape()];
+        // Tensors read through views are prepared as views (the kernels differ); a paged call's
+        // caches are dense.
+        let shapes = [[b, hq, l, e], k_shape, v_shape, base.out_shape()];
         let formats = [f.q, f.k, f.v, f.out];
-        let given = [Some(&self.q), Some(&self.k), Some(&self.v), self.out.as_ref()];
+        let dense = paged.is_none();
+        let given = [
+            Some(&self.q),
+            Some(&self.k).filter(|_| dense),
+            Some(&self.v).filter(|_| dense),
+            self.out.as_ref(),
+        ];
         let mut scratch_views = Vec::new();
         for ((t, shape), st) in given.into_iter().zip(shapes).zip(formats) {
             scratch_views.push(t.map(|t| scratch_view(ctx, t, shape, st)).transpose()?.flatten());
@@ -624,6 +651,12 @@ impl Sdpa<'_> {
         .output_storage(f.out);
         if let Some(out) = viewed(3) {
             call = call.output_into(out);
+        }
+        if let Some((table, lens, ..)) = &paged {
+            call = call.paged(table, lens).paged_layout(self.paged_layout);
+        }
+        if let Some(r) = self.rope {
+            call = call.rope(r);
         }
         call.weights = self.weights;
         call.lse = self.lse;
