@@ -34,26 +34,8 @@ pub(crate) struct InputArgs {
     /// Causal mask alignment.
     #[arg(long, value_enum, default_value_t = CausalArg::None)]
     causal: CausalArg,
-    /// Sliding window LEFT,RIGHT (FlashAttention's window_size): query i sees keys
-    /// i + S - L - LEFT <= j <= i + S - L + RIGHT; -1 leaves that side unbounded.
-    #[arg(long, value_name = "LEFT,RIGHT", allow_hyphen_values = true, value_parser = parse_window)]
-    window: Option<(i64, i64)>,
-    /// The first N keys, seen by every query whatever the window (attention sinks; needs --window).
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    sink_tokens: usize,
-    /// Logit softcap C: each scaled logit s becomes C tanh(s / C) before the bias and ALiBi
-    /// (Gemma 2, Grok); C > 0.
-    #[arg(long, value_name = "C", allow_negative_numbers = true)]
-    softcap: Option<f32>,
-    /// ALiBi slopes, one per query head, comma separated: the logit of query i and key j in
-    /// head h gets -slope[h] |i + S - L - j|.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        value_name = "S0,S1,..",
-        allow_negative_numbers = true
-    )]
-    alibi: Option<Vec<f32>>,
+    #[command(flatten)]
+    modifiers: ModifierArgs,
     /// Sink logits, f32 .npy [Hq]: one per query head, added to each row's softmax
     /// denominator with no value (gpt-oss's attention sinks).
     #[arg(long, value_name = "SK.npy")]
@@ -72,9 +54,6 @@ pub(crate) struct InputArgs {
     /// row-major); repeatable.
     #[arg(long, value_name = "NAME=X.npy", requires = "user_mod")]
     capture: Vec<String>,
-    /// Softmax scale [default: 1/sqrt(E)].
-    #[arg(long, allow_negative_numbers = true)]
-    scale: Option<f32>,
     /// Implementation to run on the GPU.
     #[arg(long, value_parser = path_parser(), default_value = "auto")]
     pub(crate) path: Path,
@@ -99,6 +78,49 @@ pub(crate) struct InputArgs {
     /// contiguous does not.
     #[arg(long, default_value = "zigzag")]
     pub(crate) layout: wgpu_attention::Layout,
+}
+
+/// The built-in modifiers and the scale: `run`'s (through [`InputArgs`]) and `paged`'s flags.
+#[derive(Args, Clone, Debug)]
+pub(crate) struct ModifierArgs {
+    /// Sliding window LEFT,RIGHT (FlashAttention's window_size): the query at position p sees
+    /// keys p - LEFT <= j <= p + RIGHT (p = i + S - L, with key lengths kv_len - L + i; in
+    /// `paged` l - n + i); -1 leaves that side unbounded.
+    #[arg(long, value_name = "LEFT,RIGHT", allow_hyphen_values = true, value_parser = parse_window)]
+    window: Option<(i64, i64)>,
+    /// The first N keys, seen by every query whatever the window (attention sinks; needs --window).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    sink_tokens: usize,
+    /// Logit softcap C: each scaled logit s becomes C tanh(s / C) before the bias and ALiBi
+    /// (Gemma 2, Grok); C > 0.
+    #[arg(long, value_name = "C", allow_negative_numbers = true)]
+    softcap: Option<f32>,
+    /// ALiBi slopes, one per query head, comma separated: the logit of the query at position p
+    /// and key j in head h gets -slope[h] |p - j|.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "S0,S1,..",
+        allow_negative_numbers = true
+    )]
+    alibi: Option<Vec<f32>>,
+    /// Softmax scale [default: 1/sqrt(E)].
+    #[arg(long, allow_negative_numbers = true)]
+    scale: Option<f32>,
+}
+
+impl ModifierArgs {
+    /// `o` with these modifiers and scale.
+    pub(crate) fn apply<'a>(&self, o: Options<'a>) -> Options<'a> {
+        Options {
+            window: self.window,
+            sink_tokens: self.sink_tokens,
+            softcap: self.softcap,
+            alibi: self.alibi.clone(),
+            scale: self.scale.map(f64::from),
+            ..o
+        }
+    }
 }
 
 /// A `--mod` source and its captures (name, values, shape).
@@ -168,26 +190,22 @@ impl InputArgs {
 
     /// One set of options for the GPU call and the CPU reference.
     pub(crate) fn options<'a>(&self, x: &'a Inputs) -> Options<'a> {
-        Options {
+        self.modifiers.apply(Options {
             causal: self.causal.into(),
-            scale: self.scale.map(f64::from),
             mask: x.mask.as_ref().map(|m| m.into()),
             bias: x
                 .bias
                 .as_ref()
                 .map(|b| Tensor::from(b).with_storage(self.storage)),
             kv_lens: self.kv_lens.clone(),
-            window: self.window,
-            sink_tokens: self.sink_tokens,
-            softcap: self.softcap,
-            alibi: self.alibi.clone(),
             sink_logits: x.sink_logits.clone(),
             doc_ids: x.doc_ids.clone(),
             user_mod: x.user_mod.as_ref().map(|(src, caps)| {
                 caps.iter()
                     .fold(UserMod::wgsl(src), |m, (name, data, _)| m.capture(name, data))
             }),
-        }
+            ..Default::default()
+        })
     }
 
     /// `--mod F.wgsl` and its `--capture NAME=X.npy` files (checked by the library when the

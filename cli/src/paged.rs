@@ -55,29 +55,11 @@ pub(crate) struct PagedArgs {
     /// RoPE's rotated leading dims (even) [default: E].
     #[arg(long, value_name = "D", requires = "rope")]
     rope_dim: Option<usize>,
-    /// Sliding window LEFT,RIGHT by position; -1 leaves that side unbounded.
-    #[arg(long, value_name = "LEFT,RIGHT", allow_hyphen_values = true, value_parser = crate::input::parse_window)]
-    window: Option<(i64, i64)>,
-    /// The first N keys, seen by every query whatever the window (needs --window).
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    sink_tokens: usize,
     /// Sink logits, f32 .npy [Hq].
     #[arg(long, value_name = "SK.npy")]
     sink_logits: Option<PathBuf>,
-    /// Logit softcap C > 0.
-    #[arg(long, value_name = "C", allow_negative_numbers = true)]
-    softcap: Option<f32>,
-    /// ALiBi slopes, one per query head, comma separated.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        value_name = "S0,S1,..",
-        allow_negative_numbers = true
-    )]
-    alibi: Option<Vec<f32>>,
-    /// Softmax scale [default: 1/sqrt(E)].
-    #[arg(long, allow_negative_numbers = true)]
-    scale: Option<f32>,
+    #[command(flatten)]
+    modifiers: crate::input::ModifierArgs,
     /// Device storage format of q, the caches and the output (inputs rounded to it; the
     /// output, rounded to it, written as f32).
     #[arg(long, value_parser = crate::storage_parser(), default_value = "f32")]
@@ -115,23 +97,10 @@ fn call<'a>(
         table,
         &a.seq_lens,
     )
-    .path(a.path);
-    if let Some((l, r)) = a.window {
-        c = c.window(l, r).sink_tokens(a.sink_tokens);
-    } else if a.sink_tokens > 0 {
-        c = c.sink_tokens(a.sink_tokens);
-    }
+    .path(a.path)
+    .options(a.modifiers.apply(Default::default()));
     if a.causal {
         c = c.causal(Causal::BottomRight);
-    }
-    if let Some(s) = a.scale {
-        c = c.scale(s);
-    }
-    if let Some(s) = a.softcap {
-        c = c.softcap(s);
-    }
-    if let Some(sl) = &a.alibi {
-        c = c.alibi(sl);
     }
     if let Some(sk) = sink_logits {
         c = c.sink_logits(sk);
