@@ -472,8 +472,9 @@ impl<'a> PagedAttention<'a> {
 }
 
 impl PagedAttention<'_> {
-    /// Each shared prefix's scratch: the two partial results (f32, rows (token, head)), their
-    /// logsumexps, the merged logsumexp, and the tails of its tables.
+    /// Each shared prefix's scratch: its runs' tables, the partial results (f32, rows (token,
+    /// head)) over each run and over the tails, their logsumexps, the merged logsumexp, and the
+    /// tails of its tables.
     fn cascade_scratch(
         &self,
         ctx: &Context,
@@ -491,7 +492,6 @@ impl PagedAttention<'_> {
                 let tokens: usize = self.q_lens[seqs.clone()].iter().sum();
                 let rows = tokens * hq;
                 let blocks = sh.keys / bs;
-                // The shared keys in `splits` runs of whole blocks, one call's batch entries.
                 // The shared keys in `splits` runs of whole blocks (sizes differing by at most
                 // one block), one call's batch entries.
                 let splits = prefix_splits(self.prefix_splits, cpu, [hq, tokens, blocks, bs]);
@@ -619,8 +619,8 @@ impl<'a> PagedAttention<'a> {
         calls
     }
 
-    /// A shared prefix's calls: all its queries over the shared keys, then each sequence over
-    /// its tail (runs of equal query counts), into the two parts of its scratch.
+    /// A shared prefix's calls: all its queries over each run of the shared keys, then each
+    /// sequence over its tail (runs of equal query counts), into the parts of its scratch.
     fn cascade_calls<'b>(
         &'b self,
         q_at: &impl Fn(usize, usize, usize, bool) -> Tensor<'b>,
@@ -707,7 +707,7 @@ struct Cascade {
 }
 
 impl Cascade {
-    /// Record the merge of the two parts into rows `(token, head)` of the packed output
+    /// Record the merge of the parts (the runs', the tails') into rows `(token, head)` of the packed output
     /// `out` (in its format) and of the logsumexp `lse` `[T, Hq]`.
     fn merge(
         &self,

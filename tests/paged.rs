@@ -12,6 +12,14 @@ use ndarray::Array4;
 use wgpu_attention::check::{compare, Tolerance};
 use wgpu_attention::{reference, Causal, Context, Error, PagedLayout, Path, Sdpa, Storage, Tensor};
 
+/// A token-major cache `[NB, BS, Hkv, E]`'s blocks head-major: `[NB, Hkv, BS, E]`.
+fn head_major(a: &Array4<f32>) -> Array4<f32> {
+    a.view()
+        .permuted_axes([0, 2, 1, 3])
+        .as_standard_layout()
+        .to_owned()
+}
+
 /// Run `case` (its kv_lens the sequence lengths) paged with `block_size` on `path` and compare
 /// the output and logsumexp with the reference on its contiguous keys.
 fn check_paged(ctx: &Context, case: &Case, block_size: usize, path: Path, tol: Tolerance, label: &str) {
@@ -27,14 +35,7 @@ fn check_paged(ctx: &Context, case: &Case, block_size: usize, path: Path, tol: T
         Tensor::from(a).with_storage(s)
     }
     let st = case.storage;
-    // The same blocks head-major: [NB, Hkv, BS, E].
-    let hm = |a: &Array4<f32>| {
-        a.view()
-            .permuted_axes([0, 2, 1, 3])
-            .as_standard_layout()
-            .to_owned()
-    };
-    let (hk, hv) = (hm(&pg.k), hm(&pg.v));
+    let (hk, hv) = (head_major(&pg.k), head_major(&pg.v));
     for (layout, k, v) in [
         (PagedLayout::TokenMajor, &pg.k, &pg.v),
         (PagedLayout::HeadMajor, &hk, &hv),
@@ -609,13 +610,7 @@ fn check_forks(
     let round = |a: &Array4<f32>| a.mapv(|x| st.round(x));
     let (k, v) = (round(&f.k), round(&f.v));
     // The same blocks head-major, read through the same tables.
-    let hm = |a: &Array4<f32>| {
-        a.view()
-            .permuted_axes([0, 2, 1, 3])
-            .as_standard_layout()
-            .to_owned()
-    };
-    let (hk, hv) = (hm(&k), hm(&v));
+    let (hk, hv) = (head_major(&k), head_major(&v));
     let call = |s: Storage, head_major: bool| {
         let (kc, vc) = if head_major { (&hk, &hv) } else { (&k, &v) };
         let layout = if head_major {
@@ -746,13 +741,7 @@ fn prepared_paged_kernels_cover_a_growing_cache() {
     for l in [1, 4] {
         let template = step(l, 40);
         let pg = page(&template, template.kv_lens.as_ref().unwrap(), 16, 3);
-        let hm = |a: &Array4<f32>| {
-            a.view()
-                .permuted_axes([0, 2, 1, 3])
-                .as_standard_layout()
-                .to_owned()
-        };
-        let forms = Sdpa::new(&template.q, &hm(&pg.k), &hm(&pg.v))
+        let forms = Sdpa::new(&template.q, &head_major(&pg.k), &head_major(&pg.v))
             .causal(Causal::BottomRight)
             .paged(&pg.table, &pg.lens)
             .paged_layout(PagedLayout::HeadMajor)
@@ -765,7 +754,7 @@ fn prepared_paged_kernels_cover_a_growing_cache() {
             let case = step(l, s.max(l));
             let lens = case.kv_lens.clone().unwrap();
             let pg = page(&case, &lens, 16, s as u64);
-            let got = Sdpa::new(&case.q, &hm(&pg.k), &hm(&pg.v))
+            let got = Sdpa::new(&case.q, &head_major(&pg.k), &head_major(&pg.v))
                 .causal(Causal::BottomRight)
                 .paged(&pg.table, &pg.lens)
                 .paged_layout(PagedLayout::HeadMajor)
