@@ -176,6 +176,26 @@ impl<'a> PagedAttention<'a> {
     /// compute units with (64 forks of 32 heads make only 32 query tiles). Default: 1 on CPU
     /// adapters, else enough for 512 workgroups with at least 256 keys per run. Clamped so
     /// that each run has at least as many keys as the prefix has queries.
+    ///
+    /// ```
+    /// use ndarray::{Array3, Array4};
+    /// use wgpu_attention::{Causal, Context, PagedAttention};
+    /// let ctx = Context::new_blocking()?;
+    /// // Two forks of a 512-token prompt (blocks 0-31 of 16 tokens) with one block each of
+    /// // their own (32, 33), decoding one query each: the prompt is read once, in 4 runs.
+    /// let k = Array4::<f32>::zeros((34, 16, 2, 64));
+    /// let v = Array4::<f32>::zeros((34, 16, 2, 64));
+    /// let q = Array3::<f32>::zeros((2, 8, 64));
+    /// let mut table: Vec<i32> = (0..32).chain([32]).collect();
+    /// table.extend((0..32).chain([33]));
+    /// let call = PagedAttention::new(&q, &[1, 1], &k, &v, &table, &[520, 516])
+    ///     .causal(Causal::BottomRight)
+    ///     .shared_prefix_splits(4);
+    /// assert_eq!(call.shared_prefixes()?[0].keys, 512);
+    /// let out = call.run_blocking(&ctx)?;
+    /// assert_eq!(out.output.shape(), &[2, 8, 64]);
+    /// # Ok::<(), wgpu_attention::Error>(())
+    /// ```
     pub fn shared_prefix_splits(mut self, runs: usize) -> Self {
         self.prefix_splits = Some(runs);
         self
