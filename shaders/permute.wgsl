@@ -1,6 +1,6 @@
 // Strided 4-D copy: dst (contiguous, dims [n0, n1, n2, n3]) from src with any element strides,
 //
-//   dst[i0][i1][i2][i3] = src[i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3]
+//   dst[i0][i1][i2][i3] = src[off + i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3]
 //
 // Splits projections [B, L, H, d] into heads [B, H, L, d] and merges them back; a stride of 0
 // broadcasts (a learned constant query shared by the batch). One invocation per pair of
@@ -33,7 +33,7 @@ fn main(
             let r2 = r / p.n2;
             let i1 = r2 % p.n1;
             let i0 = r2 / p.n1;
-            x[e] = src_get(i0 * p.s0 + i1 * p.s1 + i2 * p.s2 + i3 * p.s3);
+            x[e] = src_get(p.off + i0 * p.s0 + i1 * p.s1 + i2 * p.s2 + i3 * p.s3);
         }
     }
     store_pair(idx, x);

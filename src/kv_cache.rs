@@ -3,6 +3,12 @@
 //! append of a ragged batch's new K/V (RoPE applied to K as it is written), recorded into the
 //! caller's encoder. Attention reads it through [`Sdpa::paged`].
 //!
+//! The step protocol is checked, not trusted: a step is used at the epoch it was reserved
+//! (no reserve, fork or free since), each layer is appended once per step, and a layer's
+//! attention comes after its append. The copy-on-write of a shared block is recorded by each
+//! layer's append, before its writes and in the same encoder, so it cannot be left
+//! unsubmitted or land after the writes it protects.
+//!
 //! Layout: each layer's K is one buffer `[num_blocks, Hkv, block_size, E]` and V `[num_blocks,
 //! Hkv, block_size, Ev]` ([`PagedLayout::HeadMajor`](crate::PagedLayout::HeadMajor): each
 //! head's keys of a block together), row-major in the cache's storage format; every layer uses the same
@@ -66,13 +72,14 @@ struct Seq {
 ///     block_size: 16, num_blocks: 8, storage: Storage::F32, rope: None,
 /// })?;
 /// let seq = cache.add_sequence();
-/// let mut enc = ctx.device().create_command_encoder(&Default::default());
-/// let step = cache.reserve(&ctx, &mut enc, &[(seq, 3)])?; // a 3-token prompt
+/// let step = cache.reserve(&[(seq, 3)])?; // a 3-token prompt
 /// let kv = ndarray::Array3::<f32>::ones((3, 2, 8)); // [T, Hkv, E]
+/// let mut enc = ctx.device().create_command_encoder(&Default::default());
 /// cache.append(&ctx, &mut enc, &step, 0, &(&kv).into(), &(&kv).into())?;
 /// ctx.queue().submit([enc.finish()]);
 /// let q = ndarray::Array4::<f32>::ones((1, 4, 3, 8)); // [B, Hq, n, E]
-/// let out = cache.attention(&step, 0, (&q).into())?.causal(Causal::BottomRight).run_blocking(&ctx)?;
+/// // Causal (bottom-right, by position) unless told otherwise: `.causal(Causal::None)`.
+/// let out = cache.attention(&step, 0, (&q).into())?.run_blocking(&ctx)?;
 /// assert_eq!(out.output.shape(), &[1, 4, 3, 8]);
 /// # Ok::<(), wgpu_attention::Error>(())
 /// ```
@@ -88,6 +95,21 @@ pub struct KvCache {
     /// Changed by every reserve, fork and free: a [`Step`] is used at the epoch it was made.
     epoch: u64,
     id: u64,
+    /// Per layer: the copies-on-write its next append records first, and the epoch of its
+    /// last append (append takes `&self`, so that a layer's attention may borrow the cache).
+    layers: std::sync::Mutex<Vec<LayerState>>,
+    /// One block of K or V: the copy-on-write goes through it (a copy within one buffer is
+    /// not allowed).
+    cow_scratch: wgpu::Buffer,
+}
+
+/// A layer's part of the step protocol.
+#[derive(Debug, Clone, Default)]
+struct LayerState {
+    /// Blocks `(from, to)` to copy before the layer's next writes.
+    pending: Vec<(u32, u32)>,
+    /// The epoch of the step the layer was last appended in.
+    appended: Option<u64>,
 }
 
 /// The new tokens of one step, reserved by [`KvCache::reserve`]: where each is written, its
@@ -189,6 +211,13 @@ impl KvCache {
             k.push(create(ctx, &format!("KV cache K layer {l}"), kb, usage));
             v.push(create(ctx, &format!("KV cache V layer {l}"), vb, usage));
         }
+        let max = c.head_dim.max(c.head_dim_v);
+        let cow_scratch = create(
+            ctx,
+            "KV cache copy-on-write",
+            element_bytes(c.storage, (c.block_size * c.kv_heads * max) as u64).next_multiple_of(4),
+            wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+        );
         static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(KvCache {
             config: c,
@@ -200,6 +229,8 @@ impl KvCache {
             next: 0,
             epoch: 0,
             id: IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            layers: std::sync::Mutex::new(vec![LayerState::default(); c.layers]),
+            cow_scratch,
         })
     }
 
@@ -213,8 +244,24 @@ impl KvCache {
         self.free.len()
     }
 
+    /// Layer `layer`'s K and V pages with their layout, for [`Sdpa::paged`] and
+    /// [`PagedAttention::new`](crate::PagedAttention::new) when a call needs more than
+    /// [`attention`](KvCache::attention) gives (a mask per group, say). Their block table and
+    /// lengths are [`Step::block_table`].
+    pub fn pages(&self, layer: usize) -> Result<crate::Pages<'_>> {
+        let (kb, vb) = self.buffers(layer)?;
+        let c = &self.config;
+        let shape = |e| [c.num_blocks, c.kv_heads, c.block_size, e];
+        Ok(crate::Pages::new(
+            Tensor::from_buffer(kb, c.storage, &shape(c.head_dim)),
+            Tensor::from_buffer(vb, c.storage, &shape(c.head_dim_v)),
+            crate::PagedLayout::HeadMajor,
+        ))
+    }
+
     /// Layer `layer`'s K buffer `[num_blocks, Hkv, block_size, E]` and V buffer `[num_blocks,
-    /// Hkv, block_size, Ev]` ([`PagedLayout::HeadMajor`](crate::PagedLayout::HeadMajor)).
+    /// Hkv, block_size, Ev]` ([`PagedLayout::HeadMajor`](crate::PagedLayout::HeadMajor)), the
+    /// raw buffers; [`pages`](KvCache::pages) gives them with their layout.
     pub fn buffers(&self, layer: usize) -> Result<(&wgpu::Buffer, &wgpu::Buffer)> {
         match (self.k.get(layer), self.v.get(layer)) {
             (Some(k), Some(v)) => Ok((k, v)),
@@ -300,15 +347,11 @@ impl KvCache {
     }
 
     /// Reserve slots for `batch`'s new tokens (`(sequence, count)`, each sequence once):
-    /// blocks are taken from the free list, and a shared block that is not full is first
-    /// copied (every layer's K and V, recorded into `encoder`). Either every sequence gets its
-    /// slots or nothing changes (too few free blocks is an error).
-    pub fn reserve(
-        &mut self,
-        ctx: &Context,
-        encoder: &mut wgpu::CommandEncoder,
-        batch: &[(SeqId, usize)],
-    ) -> Result<Step> {
+    /// blocks are taken from the free list, and a shared block that is not full is given a
+    /// fresh block, into which each layer's next [`append`](KvCache::append) copies the shared
+    /// one before it writes (copy-on-write). Either every sequence gets its slots or nothing
+    /// changes (too few free blocks is an error). Host work only.
+    pub fn reserve(&mut self, batch: &[(SeqId, usize)]) -> Result<Step> {
         let bs = self.config.block_size;
         if batch.is_empty() {
             return bad("a step needs at least one sequence");
@@ -343,7 +386,9 @@ impl KvCache {
                 if self.refs[last as usize] > 1 {
                     let fresh = self.free.pop().expect("counted");
                     self.refs[fresh as usize] = 1;
-                    self.copy_block(ctx, encoder, last, fresh);
+                    for layer in self.layers.get_mut().unwrap_or_else(|e| e.into_inner()) {
+                        layer.pending.push((last, fresh));
+                    }
                     self.release(last);
                     *s.blocks.last_mut().expect("a partial block") = fresh;
                 }
@@ -386,26 +431,21 @@ impl KvCache {
         })
     }
 
-    /// Record the copy of block `from` into block `to`, every layer's K and V, through a
+    /// Record the copy of block `from` into block `to`, layer `layer`'s K and V, through the
     /// scratch buffer (a copy within one buffer is not allowed).
-    fn copy_block(&self, ctx: &Context, encoder: &mut wgpu::CommandEncoder, from: u32, to: u32) {
+    fn copy_block(&self, encoder: &mut wgpu::CommandEncoder, layer: usize, from: u32, to: u32) {
         let c = &self.config;
-        let max = c.head_dim.max(c.head_dim_v);
-        let scratch = create(
-            ctx,
-            "KV cache copy-on-write",
-            element_bytes(c.storage, (c.block_size * c.kv_heads * max) as u64).next_multiple_of(4),
-            wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
-        );
+        let scratch = &self.cow_scratch;
         for (bufs, e) in [(&self.k, c.head_dim), (&self.v, c.head_dim_v)] {
             let block = (c.block_size * c.kv_heads * e) as u64;
-            for buf in bufs {
+            {
+                let buf = &bufs[layer];
                 // Whole 4-byte words: `new` refuses half-format blocks of an odd element count.
                 let start = element_bytes(c.storage, from as u64 * block);
                 let size = element_bytes(c.storage, block);
                 let dst = element_bytes(c.storage, to as u64 * block);
-                encoder.copy_buffer_to_buffer(buf, start, &scratch, 0, size);
-                encoder.copy_buffer_to_buffer(&scratch, 0, buf, dst, size);
+                encoder.copy_buffer_to_buffer(buf, start, scratch, 0, size);
+                encoder.copy_buffer_to_buffer(scratch, 0, buf, dst, size);
             }
         }
     }
@@ -421,8 +461,16 @@ impl KvCache {
     }
 
     /// Record the append of `step`'s new K `[T, Hkv, E]` and V `[T, Hkv, Ev]` (host data or
-    /// dense GPU buffers, any storage format; T the step's tokens, in its batch order) into
-    /// layer `layer`, K rotated by the cache's RoPE at each token's position.
+    /// GPU buffers, any storage format; T the step's tokens, in its batch order) into layer
+    /// `layer`, K rotated by the cache's RoPE at each token's position. A GPU buffer may be
+    /// a view with three strides `[T, Hkv, E]` ([`Tensor::with_strides`], the last 1): the k
+    /// and v parts of a fused QKV projection, as vLLM's `reshape_and_cache` takes them.
+    /// First the copies-on-write [`reserve`](KvCache::reserve) left for this layer are
+    /// recorded, so that they land in the same encoder before the writes.
+    ///
+    /// Checked before anything is recorded: the step (this cache's, at its epoch), the shapes,
+    /// the buffers, and that the layer was not appended in this step already (its tokens
+    /// would be written twice).
     pub fn append(
         &self,
         ctx: &Context,
@@ -435,6 +483,7 @@ impl KvCache {
         self.check_step(step, layer)?;
         let c = &self.config;
         let t = step.tokens();
+        let mut sources = Vec::new();
         for (name, x, e) in [("k", k, c.head_dim), ("v", v, c.head_dim_v)] {
             if x.shape != [t, c.kv_heads, e] {
                 return Err(Error::ShapeMismatch {
@@ -443,13 +492,19 @@ impl KvCache {
                     actual: x.shape.clone(),
                 });
             }
+            sources.push(Source::check(ctx, name, x, [t, c.kv_heads, e])?);
         }
-        let (ko, vo) = (Operand::check(ctx, "k", k)?, Operand::check(ctx, "v", v)?);
-        let (ku, vu) = (ko.upload(ctx, "new k"), vo.upload(ctx, "new v"));
         let d = match &c.rope {
             Some(r) => r.rotated_dims(c.head_dim)?,
             None => 0,
         };
+        let mut layers = self.layers.lock().unwrap_or_else(|e| e.into_inner());
+        let state = &mut layers[layer];
+        if state.appended == Some(step.epoch) {
+            return bad(format!(
+                "layer {layer} was already appended in this step: each layer takes one append per step (its tokens' slots would be written twice); reserve a new step for more tokens"
+            ));
+        }
         let mut aux = c
             .rope
             .map_or(Vec::new(), |r| r.angle_words(d, step.positions.iter().copied()));
@@ -458,6 +513,14 @@ impl KvCache {
         let aux = storage_init(ctx, "KV cache append", bytemuck::cast_slice(&aux));
         let dummy = dummy(ctx);
         let (kbuf, vbuf) = self.buffers(layer)?;
+        // The copies-on-write first: the shared blocks' tokens, then the new ones over them.
+        for &(from, to) in &state.pending {
+            self.copy_block(encoder, layer, from, to);
+        }
+        let (ku, vu) = (
+            sources[0].dense(ctx, encoder, "new k")?,
+            sources[1].dense(ctx, encoder, "new v")?,
+        );
         for (src, st, dst, e, d) in [
             (ku.binding(), k.storage(), kbuf, c.head_dim, d),
             (vu.binding(), v.storage(), vbuf, c.head_dim_v, 0),
@@ -481,13 +544,30 @@ impl KvCache {
                 },
             )?;
         }
+        state.pending.clear();
+        state.appended = Some(step.epoch);
+        Ok(())
+    }
+
+    /// Check that layer `layer` was appended in `step` (its attention reads the step's new
+    /// keys, and the copies-on-write its append records).
+    fn check_appended(&self, step: &Step, layer: usize) -> Result<()> {
+        let layers = self.layers.lock().unwrap_or_else(|e| e.into_inner());
+        if layers[layer].appended != Some(step.epoch) {
+            return bad(format!(
+                "layer {layer}'s K and V are not appended in this step: append them first (its attention reads the step's new keys)"
+            ));
+        }
         Ok(())
     }
 
     /// The attention of `step`'s queries `[B, Hq, n, E]` (every sequence of the step with the
     /// same count `n`; B in the step's order) over layer `layer`: an [`Sdpa::paged`] call on
-    /// the layer's buffers, q rotated by the cache's RoPE. Add the options (causal is
-    /// [`Causal::BottomRight`](crate::Causal::BottomRight)) and run or record it.
+    /// the layer's pages, q rotated by the cache's RoPE, causal by position
+    /// ([`Causal::BottomRight`](crate::Causal::BottomRight): query `i` of a sequence of `l`
+    /// keys is at position `l - n + i` and sees the keys up to it). Add options (non-causal
+    /// is `.causal(Causal::None)`) and run or record it. The layer must have been appended in
+    /// this step.
     pub fn attention<'a>(&'a self, step: &'a Step, layer: usize, q: Tensor<'a>) -> Result<Sdpa<'a>> {
         self.check_step(step, layer)?;
         let n = step.q_lens[0];
@@ -497,28 +577,15 @@ impl KvCache {
                 step.q_lens
             ));
         }
-        if q.shape.len() != 4 || q.shape[0] != step.seqs.len() || q.shape[2] != n {
-            return Err(Error::ShapeMismatch {
-                tensor: "q",
-                expected: vec![
-                    step.seqs.len(),
-                    q.shape.get(1).copied().unwrap_or(0),
-                    n,
-                    self.config.head_dim,
-                ],
-                actual: q.shape.clone(),
-            });
-        }
+        self.check_q(
+            &q,
+            &[step.seqs.len(), 0, n, self.config.head_dim],
+            "[B, Hq, n, E]",
+        )?;
+        self.check_appended(step, layer)?;
         let c = &self.config;
-        let (kb, vb) = self.buffers(layer)?;
-        let shape = |e| [c.num_blocks, c.kv_heads, c.block_size, e];
-        let call = Sdpa::new(
-            q,
-            Tensor::from_buffer(kb, c.storage, &shape(c.head_dim)),
-            Tensor::from_buffer(vb, c.storage, &shape(c.head_dim_v)),
-        )
-        .paged(&step.table, &step.seq_lens)
-        .paged_layout(crate::PagedLayout::HeadMajor);
+        let call = Sdpa::paged(q, self.pages(layer)?, &step.table, &step.seq_lens)
+            .causal(crate::Causal::BottomRight);
         Ok(match c.rope {
             Some(r) => call.rope(r),
             None => call,
@@ -529,8 +596,10 @@ impl KvCache {
 impl KvCache {
     /// The attention of `step`'s queries packed `[T, Hq, E]` (the step's counts, in its batch
     /// order; counts may differ: a prefill chunk beside decode queries) over layer `layer`: a
-    /// [`PagedAttention`](crate::PagedAttention) on the layer's buffers, q rotated by the
-    /// cache's RoPE. Add the options and run or record it.
+    /// [`PagedAttention`](crate::PagedAttention) on the layer's pages, q rotated by the
+    /// cache's RoPE, causal by position as [`attention`](KvCache::attention) is. Add options
+    /// (non-causal is `.causal(Causal::None)`) and run or record it. The layer must have been
+    /// appended in this step.
     pub fn ragged_attention<'a>(
         &'a self,
         step: &'a Step,
@@ -538,18 +607,12 @@ impl KvCache {
         q: Tensor<'a>,
     ) -> Result<crate::PagedAttention<'a>> {
         self.check_step(step, layer)?;
+        self.check_q(&q, &[step.tokens(), 0, self.config.head_dim], "[T, Hq, E]")?;
+        self.check_appended(step, layer)?;
         let c = &self.config;
-        let (kb, vb) = self.buffers(layer)?;
-        let shape = |e| [c.num_blocks, c.kv_heads, c.block_size, e];
-        let call = crate::PagedAttention::new(
-            q,
-            &step.q_lens,
-            Tensor::from_buffer(kb, c.storage, &shape(c.head_dim)),
-            Tensor::from_buffer(vb, c.storage, &shape(c.head_dim_v)),
-            &step.table,
-            &step.seq_lens,
-        )
-        .paged_layout(crate::PagedLayout::HeadMajor);
+        let call =
+            crate::PagedAttention::new(q, &step.q_lens, self.pages(layer)?, &step.table, &step.seq_lens)
+                .causal(crate::Causal::BottomRight);
         Ok(match c.rope {
             Some(r) => call.rope(r),
             None => call,
@@ -557,7 +620,146 @@ impl KvCache {
     }
 }
 
+impl KvCache {
+    /// q against `expected`, whose index 1 is q's head count (its own to choose: a multiple
+    /// of the cache's K/V heads) and last is the cache's head dim: errors name q, the shape
+    /// expected (Hq written as such) and what q's dims mean (`dims`).
+    fn check_q(&self, q: &Tensor<'_>, expected: &[usize], dims: &str) -> Result<()> {
+        let c = &self.config;
+        let got = &q.shape;
+        let fits = got.len() == expected.len()
+            && got
+                .iter()
+                .zip(expected)
+                .enumerate()
+                .all(|(i, (&g, &x))| i == 1 || g == x)
+            && got[1] > 0
+            && got[1].is_multiple_of(c.kv_heads);
+        if fits {
+            return Ok(());
+        }
+        let want: Vec<String> = expected
+            .iter()
+            .enumerate()
+            .map(|(i, x)| if i == 1 { "Hq".to_string() } else { x.to_string() })
+            .collect();
+        let e_note = match got.last() {
+            Some(&e) if got.len() == expected.len() && e != c.head_dim => {
+                format!(" (its head dim {e} is not the cache's {})", c.head_dim)
+            }
+            _ => String::new(),
+        };
+        Err(Error::Paged {
+            reason: format!(
+                "q must be {dims} = [{}] for this step and cache, Hq a multiple of the cache's {} K/V heads; got {got:?}{e_note}",
+                want.join(", "),
+                c.kv_heads
+            ),
+        })
+    }
+}
+
 /// Byte offset of element `i` in format `s` (elements packed: 4 bytes for f32, 2 else).
 fn element_bytes(s: Storage, i: u64) -> u64 {
     i * s.element_bytes()
+}
+
+/// An appended K or V `[T, Hkv, E]`: host data or a dense buffer, or a buffer's view with
+/// strides (copied dense before the append kernel reads it).
+struct Source<'a> {
+    name: &'static str,
+    /// The tensor as given (dense), or its view as `[1, T, Hkv, E]` with strides `[0, t, h, 1]`.
+    tensor: Tensor<'a>,
+    strided: bool,
+}
+
+impl<'a> Source<'a> {
+    /// Check `x` (shape `dims`, already matched) against its buffer before any GPU work.
+    fn check(ctx: &Context, name: &'static str, x: &Tensor<'a>, [t, h, e]: [usize; 3]) -> Result<Self> {
+        let spec = &x.view;
+        let strided = match (&x.data, spec.strides.as_deref()) {
+            (crate::tensor::TensorData::Gpu { .. }, Some(st)) if x.misuse.is_none() => {
+                let bad = |reason: String| Err(Error::BadBuffer { tensor: name, reason });
+                if spec.layout.is_some() || spec.capacity.is_some() {
+                    return bad(format!(
+                        "the appended {name} is [T, Hkv, E]: give its strides (three), not a layout or capacity"
+                    ));
+                }
+                let &[ts, hs, es] = st else {
+                    return bad(format!(
+                        "the appended {name} is [T, Hkv, E] and takes three strides, not {} ({st:?})",
+                        st.len()
+                    ));
+                };
+                if es != 1 {
+                    return bad(format!(
+                        "{name}'s head-dim stride is {es}: rows must be contiguous (stride 1)"
+                    ));
+                }
+                let crate::tensor::TensorData::Gpu {
+                    buffer,
+                    offset,
+                    storage,
+                } = &x.data
+                else {
+                    unreachable!("matched above")
+                };
+                Some(
+                    Tensor::from_buffer(buffer, *storage, &[1, t, h, e])
+                        .at_offset(*offset)
+                        .with_strides(&[0, ts, hs, 1]),
+                )
+            }
+            _ => None,
+        };
+        let source = Source {
+            name,
+            strided: strided.is_some(),
+            tensor: strided.unwrap_or_else(|| x.clone()),
+        };
+        source.operand(ctx)?;
+        Ok(source)
+    }
+
+    fn operand<'t>(&'t self, ctx: &Context) -> Result<Operand<'t, 'a>> {
+        if self.strided {
+            Operand::check_viewed(ctx, self.name, &self.tensor)
+        } else {
+            Operand::check(ctx, self.name, &self.tensor)
+        }
+    }
+
+    /// The rows dense on the device: the upload or the caller's dense buffer, or a strided
+    /// view's copy (recorded into `encoder`).
+    fn dense(
+        &self,
+        ctx: &Context,
+        encoder: &mut wgpu::CommandEncoder,
+        label: &str,
+    ) -> Result<crate::buffers::Uploaded<'a>> {
+        let op = self.operand(ctx)?;
+        let up = op.upload(ctx, label);
+        if !self.strided {
+            return Ok(up);
+        }
+        let st = self.tensor.storage();
+        let dims: [usize; 4] = self.tensor.shape.as_slice().try_into().expect("4-D view");
+        let elems: usize = dims.iter().product();
+        let bytes = st.bytes(elems).next_multiple_of(4);
+        let dense = crate::buffers::output(ctx, label, bytes);
+        let crate::tensor::TensorData::Gpu { offset, .. } = &self.tensor.data else {
+            unreachable!("a strided source is a GPU buffer")
+        };
+        let strides = self.tensor.view.strides.as_deref().expect("strided");
+        let at = (offset % crate::view::BIND_ALIGN / st.element_bytes()) as usize;
+        crate::ops::copy::record(
+            ctx,
+            encoder,
+            &crate::ops::copy::Strided::new((up.binding(), st), strides.try_into().expect("4 strides"))
+                .at(at),
+            (dense.as_entire_buffer_binding(), st),
+            dims,
+        )?;
+        Ok(crate::buffers::Uploaded::Owned(dense, bytes))
+    }
 }

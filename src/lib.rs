@@ -74,7 +74,7 @@ pub use mha::{
 pub use ops::matmul::matmul_blocking;
 pub use ops::matmul::{matmul, record_matmul};
 pub use options::Options;
-pub use paged::{GpuPagedOutput, PagedAttention, PagedOutput, SharedPrefix, MIN_SHARED_KEYS};
+pub use paged::{GpuPagedOutput, PagedAttention, PagedOutput, Pages, SharedPrefix, MIN_SHARED_KEYS};
 pub use problem::{alibi_slopes, Causal, DocIds, Problem, Window};
 #[cfg(not(target_arch = "wasm32"))]
 pub use ring::{DeviceReport, Layout, Ring, RingGrads, RingOutput, RingPlan, RingReport};

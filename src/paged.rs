@@ -19,6 +19,72 @@ use crate::rope::Rope;
 use crate::sdpa::{Path, Sdpa};
 use crate::tensor::{Tensor, TensorData};
 
+/// Paged K and V caches and the layout of their blocks: what [`Sdpa::paged`] and
+/// [`PagedAttention::new`] read. A buffer cannot say how its blocks are laid out, so your own
+/// caches name it here; a [`KvCache`](crate::KvCache) hands out its layers' pages with theirs
+/// ([`KvCache::pages`](crate::KvCache::pages)), so the two cannot be mismatched.
+///
+/// ```
+/// use ndarray::Array4;
+/// use wgpu_attention::{PagedLayout, Pages};
+/// // vLLM's caches: 8 blocks of 16 tokens, 2 K/V heads of dim 64.
+/// let k = Array4::<f32>::zeros((8, 16, 2, 64));
+/// let v = Array4::<f32>::zeros((8, 16, 2, 64));
+/// let pages = Pages::new(&k, &v, PagedLayout::TokenMajor);
+/// assert_eq!(pages.block_size(), 16);
+/// ```
+#[derive(Debug, Clone)]
+pub struct Pages<'a> {
+    pub(crate) k: Tensor<'a>,
+    pub(crate) v: Tensor<'a>,
+    pub(crate) layout: crate::PagedLayout,
+}
+
+impl<'a> Pages<'a> {
+    /// The K cache `k` and V cache `v` (host data or dense GPU buffers, any storage format),
+    /// laid out as `layout` says: [`PagedLayout::TokenMajor`](crate::PagedLayout::TokenMajor)
+    /// `[num_blocks, block_size, Hkv, E]` (vLLM's) or
+    /// [`PagedLayout::HeadMajor`](crate::PagedLayout::HeadMajor) `[num_blocks, Hkv,
+    /// block_size, E]` (FlashInfer's `HND`, the crate's [`KvCache`](crate::KvCache)).
+    pub fn new(k: impl Into<Tensor<'a>>, v: impl Into<Tensor<'a>>, layout: crate::PagedLayout) -> Self {
+        Pages {
+            k: k.into(),
+            v: v.into(),
+            layout,
+        }
+    }
+
+    /// The layout of the blocks.
+    pub fn layout(&self) -> crate::PagedLayout {
+        self.layout
+    }
+
+    /// The K cache.
+    pub fn k(&self) -> &Tensor<'a> {
+        &self.k
+    }
+
+    /// The V cache.
+    pub fn v(&self) -> &Tensor<'a> {
+        &self.v
+    }
+
+    /// Tokens per block, read from K's shape in the layout (0 when K is not 4-D).
+    pub fn block_size(&self) -> usize {
+        let i = if self.layout == crate::PagedLayout::HeadMajor {
+            2
+        } else {
+            1
+        };
+        self.k
+            .shape
+            .get(i)
+            .copied()
+            .filter(|_| self.k.shape.len() == 4)
+            .unwrap_or(0)
+    }
+}
+
 /// Paged attention of a ragged batch (see the module docs of `paged.rs` and `docs/paged.md`).
 ///
 /// Query `i` of sequence `s`, with `n = q_lens[s]` new queries and `l = seq_lens[s]` keys
@@ -30,7 +96,7 @@ use crate::tensor::{Tensor, TensorData};
 ///
 /// ```
 /// use ndarray::{Array3, Array4};
-/// use wgpu_attention::{Causal, Context, PagedAttention};
+/// use wgpu_attention::{Causal, Context, PagedAttention, PagedLayout, Pages};
 /// let ctx = Context::new_blocking()?;
 /// // Caches of 4 blocks of 4 tokens, 1 K/V head of dim 8; a prefill chunk of 3 queries for a
 /// // 6-key sequence and one decode query for a 2-key sequence: T = 4, 2 query heads.
@@ -38,7 +104,8 @@ use crate::tensor::{Tensor, TensorData};
 /// let v = Array4::<f32>::from_elem((4, 4, 1, 8), 1.0);
 /// let q = Array3::<f32>::from_elem((4, 2, 8), 0.1);
 /// let table = [2, 0, /* */ 3, -1];
-/// let out = PagedAttention::new(&q, &[3, 1], &k, &v, &table, &[6, 2])
+/// let pages = Pages::new(&k, &v, PagedLayout::TokenMajor);
+/// let out = PagedAttention::new(&q, &[3, 1], pages, &table, &[6, 2])
 ///     .causal(Causal::BottomRight)
 ///     .run_blocking(&ctx)?;
 /// assert_eq!(out.output.shape(), &[4, 2, 8]);
@@ -98,23 +165,26 @@ pub struct SharedPrefix {
 
 impl<'a> PagedAttention<'a> {
     /// Queries `q` `[T, Hq, E]` packed by sequence (`q_lens` per sequence, summing to T) over
-    /// caches `k` `[num_blocks, block_size, Hkv, E]` and `v` `[.., Ev]` (or head-major: see
-    /// [`paged_layout`](PagedAttention::paged_layout)) read through
-    /// `block_table` `[B, max_blocks]` (unused entries anything, -1 say) for sequences of
-    /// `seq_lens` keys. Host data or GPU buffers; the caches dense.
+    /// the caches `pages` (K `[num_blocks, block_size, Hkv, E]` and V `[.., Ev]` in the
+    /// pages' layout) read through `block_table` `[B, max_blocks]` (unused entries anything,
+    /// -1 say) for sequences of `seq_lens` keys. Host data or GPU buffers; the caches dense;
+    /// q may be a GPU buffer's view with strides `[T, Hq, E]` ([`Tensor::with_strides`] with
+    /// three strides, the last 1: the q part of a fused QKV projection). Not causal unless
+    /// asked: give [`causal`](PagedAttention::causal) (a [`KvCache`](crate::KvCache)'s calls
+    /// are causal by default).
     pub fn new(
         q: impl Into<Tensor<'a>>,
         q_lens: &[usize],
-        k_cache: impl Into<Tensor<'a>>,
-        v_cache: impl Into<Tensor<'a>>,
+        pages: Pages<'a>,
         block_table: &'a [i32],
         seq_lens: &[usize],
     ) -> Self {
+        let Pages { k, v, layout } = pages;
         PagedAttention {
             q: q.into(),
             q_lens: q_lens.to_vec(),
-            k: k_cache.into(),
-            v: v_cache.into(),
+            k,
+            v,
             table: block_table,
             seq_lens: seq_lens.to_vec(),
             options: Options::default(),
@@ -122,15 +192,8 @@ impl<'a> PagedAttention<'a> {
             path: Path::Auto,
             shared_prefix: true,
             prefix_splits: None,
-            layout: crate::PagedLayout::TokenMajor,
+            layout,
         }
-    }
-
-    /// The caches' layout (default [`PagedLayout::TokenMajor`](crate::PagedLayout::TokenMajor):
-    /// `[num_blocks, block_size, Hkv, E]`; see [`Sdpa::paged_layout`]).
-    pub fn paged_layout(mut self, layout: crate::PagedLayout) -> Self {
-        self.layout = layout;
-        self
     }
 
     /// The caches' block size.
@@ -179,7 +242,7 @@ impl<'a> PagedAttention<'a> {
     ///
     /// ```
     /// use ndarray::{Array3, Array4};
-    /// use wgpu_attention::{Causal, Context, PagedAttention};
+    /// use wgpu_attention::{Causal, Context, PagedAttention, PagedLayout, Pages};
     /// let ctx = Context::new_blocking()?;
     /// // Two forks of a 512-token prompt (blocks 0-31 of 16 tokens) with one block each of
     /// // their own (32, 33), decoding one query each: the prompt is read once, in 4 runs.
@@ -188,7 +251,8 @@ impl<'a> PagedAttention<'a> {
     /// let q = Array3::<f32>::zeros((2, 8, 64));
     /// let mut table: Vec<i32> = (0..32).chain([32]).collect();
     /// table.extend((0..32).chain([33]));
-    /// let call = PagedAttention::new(&q, &[1, 1], &k, &v, &table, &[520, 516])
+    /// let pages = Pages::new(&k, &v, PagedLayout::TokenMajor);
+    /// let call = PagedAttention::new(&q, &[1, 1], pages, &table, &[520, 516])
     ///     .causal(Causal::BottomRight)
     ///     .shared_prefix_splits(4);
     /// assert_eq!(call.shared_prefixes()?[0].keys, 512);
@@ -229,6 +293,7 @@ impl<'a> PagedAttention<'a> {
             actual: self.q.shape.len(),
             shape: self.q.shape.clone(),
         })?;
+        self.q_strides(q)?;
         let [nb, bs, _, _] =
             crate::PagedLayout::token_major_dims(crate::problem::dims4("k", &self.k.shape)?, self.layout);
         let ev = crate::problem::dims4("v", &self.v.shape)?[3];
@@ -270,6 +335,35 @@ impl<'a> PagedAttention<'a> {
         Ok((q, ev, groups))
     }
 
+    /// q's element strides of T and Hq (E's is 1): its own ([`Tensor::with_strides`] with
+    /// three strides), or dense `[T, Hq, E]`. Anything else asked of q is a typed error naming
+    /// it: a layout or capacity (which describe `[B, H, S, E]` tensors), another number of
+    /// strides, an E stride other than 1, a builder call made on host data.
+    fn q_strides(&self, [_, hq, e]: [usize; 3]) -> Result<[usize; 2]> {
+        let bad = |reason: String| Err(Error::BadBuffer { tensor: "q", reason });
+        if let Some(m) = self.q.misuse {
+            return bad(m.into());
+        }
+        let spec = &self.q.view;
+        if spec.layout.is_some() || spec.capacity.is_some() {
+            return bad(
+                "a paged call's q is packed [T, Hq, E]: a layout or sequence capacity describes [B, H, S, E] tensors; give its strides instead (Tensor::with_strides with three strides [T, Hq, E])"
+                    .into(),
+            );
+        }
+        match spec.strides.as_deref() {
+            None => Ok([hq * e, e]),
+            Some(&[ts, hs, 1]) => Ok([ts, hs]),
+            Some(&[_, _, es]) => bad(format!(
+                "q's head-dim stride is {es}: each row of E elements must be contiguous (stride 1)"
+            )),
+            Some(other) => bad(format!(
+                "q is [T, Hq, E] and takes three strides (T, Hq, E), not {} ({other:?})",
+                other.len()
+            )),
+        }
+    }
+
     /// Check everything before any GPU work, as [`record`](PagedAttention::record) and
     /// [`run`](PagedAttention::run) do: the batch, the table, and each group's call (shapes,
     /// modifiers, RoPE).
@@ -284,11 +378,11 @@ impl<'a> PagedAttention<'a> {
                 self.v.clone(),
             )
             .options(self.options.clone())
-            .paged(
+            .over_pages(
                 &self.table[s0 * max_blocks..(s0 + nseq) * max_blocks],
                 &self.seq_lens[s0..s0 + nseq],
-            )
-            .paged_layout(self.layout);
+                self.layout,
+            );
             if let Some(r) = self.rope {
                 call = call.rope(r);
             }
@@ -301,6 +395,7 @@ impl<'a> PagedAttention<'a> {
     /// the logsumexp `[T, Hq]`. Everything is checked before anything is recorded.
     pub fn record(&self, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<GpuPagedOutput> {
         let ([t, hq, e], ev, _) = self.check()?;
+        let [ts, hs] = self.q_strides([t, hq, e])?;
         let shared = self.shared_prefixes()?;
         let st = self.q.storage();
         let b = self.seq_lens.len();
@@ -339,9 +434,10 @@ impl<'a> PagedAttention<'a> {
             }
             _ => None,
         };
+        let (mut ts, mut hs) = (ts, hs);
         let rope = match &rotated {
             Some(buf) => {
-                (qbuf, qoff) = (buf, 0);
+                (qbuf, qoff, ts, hs) = (buf, 0, hq * e, e);
                 None
             }
             None => self.rope,
@@ -358,8 +454,8 @@ impl<'a> PagedAttention<'a> {
         // same n tokens nseq times (a shared prefix's key splits).
         let q_at = |token: usize, nseq: usize, n: usize, repeat: bool| {
             Tensor::from_buffer(qbuf, st, &[nseq, hq, n, e])
-                .at_offset(qoff + st.bytes(token * hq * e))
-                .with_strides(&[if repeat { 0 } else { n * hq * e }, e, hq * e, 1])
+                .at_offset(qoff + st.bytes(token * ts))
+                .with_strides(&[if repeat { 0 } else { n * ts }, hs, ts, 1])
         };
         let mut calls = self.alone_calls(&q_at, &in_shared, &first_token, (&out, st), &lse, rope, [hq, ev]);
         for c in &cascades {
@@ -561,15 +657,37 @@ impl PagedAttention<'_> {
         [t, hq, e]: [usize; 3],
     ) -> Result<()> {
         let st = self.q.storage();
-        let op = crate::buffers::Operand::check(ctx, "q", &self.q)?;
-        let up = op.upload(ctx, "paged q");
-        crate::ops::copy::convert(
-            ctx,
-            encoder,
-            (up.binding(), st),
-            (buf.as_entire_buffer_binding(), st),
-            t * hq * e,
-        )?;
+        let [ts, hs] = self.q_strides([t, hq, e])?;
+        match &self.q.data {
+            TensorData::Gpu { buffer, offset, .. } => {
+                // q's view as a 4-D tensor `[1, T, Hq, E]`, checked against its buffer, copied
+                // dense from the element its offset names in the binding.
+                let viewed = Tensor::from_buffer(buffer, st, &[1, t, hq, e])
+                    .at_offset(*offset)
+                    .with_strides(&[0, ts, hs, 1]);
+                let op = crate::buffers::Operand::check_viewed(ctx, "q", &viewed)?;
+                let up = op.upload(ctx, "paged q");
+                let at = (offset % crate::view::BIND_ALIGN / st.element_bytes()) as usize;
+                crate::ops::copy::record(
+                    ctx,
+                    encoder,
+                    &crate::ops::copy::Strided::new((up.binding(), st), [0, ts, hs, 1]).at(at),
+                    (buf.as_entire_buffer_binding(), st),
+                    [1, t, hq, e],
+                )?;
+            }
+            _ => {
+                let op = crate::buffers::Operand::check(ctx, "q", &self.q)?;
+                let up = op.upload(ctx, "paged q");
+                crate::ops::copy::convert(
+                    ctx,
+                    encoder,
+                    (up.binding(), st),
+                    (buf.as_entire_buffer_binding(), st),
+                    t * hq * e,
+                )?;
+            }
+        }
         let positions: Vec<usize> = self
             .q_lens
             .iter()
@@ -622,11 +740,11 @@ impl<'a> PagedAttention<'a> {
                 .with_strides(&[n * hq * ev, ev, hq * ev, 1]);
             let call = Sdpa::new(q_at(token, nseq, n, false), self.k.clone(), self.v.clone())
                 .options(self.options.clone())
-                .paged(
+                .over_pages(
                     &self.table[s * max_blocks..end * max_blocks],
                     &self.seq_lens[s..end],
+                    self.layout,
                 )
-                .paged_layout(self.layout)
                 .path(self.path)
                 .output_into(o);
             let call = match rope {
@@ -669,8 +787,7 @@ impl<'a> PagedAttention<'a> {
             self.v.clone(),
         )
         .options(prefix)
-        .paged(&c.prefix_table, &c.prefix_lens)
-        .paged_layout(self.layout)
+        .over_pages(&c.prefix_table, &c.prefix_lens, self.layout)
         .output_into(o);
         calls.push((call, &c.lses, 0, [splits, hq, tokens]));
         debug_assert_eq!(c.prefix_lens.iter().sum::<usize>(), keys);
@@ -692,8 +809,11 @@ impl<'a> PagedAttention<'a> {
                 .with_strides(&[n * hq * ev, ev, hq * ev, 1]);
             let call = Sdpa::new(q_at(token, nseq, n, false), self.k.clone(), self.v.clone())
                 .options(tail.clone())
-                .paged(&c.tails[s * tail_blocks..end * tail_blocks], &c.tail_lens[s..end])
-                .paged_layout(self.layout)
+                .over_pages(
+                    &c.tails[s * tail_blocks..end * tail_blocks],
+                    &c.tail_lens[s..end],
+                    self.layout,
+                )
                 .path(self.path)
                 .output_into(o);
             calls.push((call, &c.lses, splits * rows + row, [nseq, hq, n]));

@@ -12,6 +12,15 @@
 //! extra storage binding: WebGPU's 8 per stage still hold). Pipelines are cached by the
 //! source and the capture names: a new sequence length or new capture values compile nothing.
 //!
+//! Positions: `i` and `j` are the query's and the key's indices in the call (plus a ring
+//! chunk's start). The key index is the key's position; the query index is not when the
+//! queries are the newest positions of longer sequences (a KV cache's decode query is `i = 0`,
+//! a prefill chunk's first query too), as in FlexAttention. `q_pos(b, i) -> u32`, which the
+//! source may call, gives the query's position among the keys: `S - L + i`, or
+//! `kv_lens[b] - L + i` with key lengths (a paged call's sequence lengths), so a relative
+//! bias written `f32(j) - f32(q_pos(b, i))` means the same in training (L = S: `q_pos` is
+//! `i`) and in decode. The CPU closures read it as [`Captures::q_pos`].
+//!
 //! The backward runs `mask_mod` as it is; through a `score_mod` it needs the derivative in `s`,
 //! given in the same source as `fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32`
 //! (WGSL has no automatic differentiation). The gradients of the captures come from
@@ -54,6 +63,8 @@ pub struct Captures<'c> {
     bump: Option<(usize, usize, f64)>,
     /// The elements read (capture, index), when recording.
     reads: Option<RefCell<Vec<(usize, usize)>>>,
+    /// Each batch's key length and the call's query count, for [`Captures::q_pos`].
+    positions: Option<(Vec<usize>, usize)>,
 }
 
 impl<'c> Captures<'c> {
@@ -62,6 +73,24 @@ impl<'c> Captures<'c> {
             data,
             bump: None,
             reads: None,
+            positions: None,
+        }
+    }
+
+    /// The call's key lengths per batch (`kv_lens`, or S for each) and query count L, for
+    /// [`Captures::q_pos`].
+    pub(crate) fn at_positions(mut self, kv_lens: Vec<usize>, l: usize) -> Self {
+        self.positions = Some((kv_lens, l));
+        self
+    }
+
+    /// The position of query `i` of batch `b` among the keys, as WGSL's `q_pos(b, i)` gives
+    /// it: the queries are the newest positions (`S - L + i`, or `kv_lens[b] - L + i` with
+    /// key lengths; a paged call's sequence lengths), saturating at 0.
+    pub fn q_pos(&self, b: usize, i: usize) -> usize {
+        match &self.positions {
+            Some((lens, l)) => (i + lens.get(b).copied().unwrap_or(*l)).saturating_sub(*l),
+            None => i,
         }
     }
 
@@ -93,6 +122,7 @@ impl<'c> Captures<'c> {
             data: self.data,
             bump: None,
             reads: Some(RefCell::new(Vec::new())),
+            positions: self.positions.clone(),
         }
     }
 
@@ -118,6 +148,7 @@ impl<'c> Captures<'c> {
             data: self.data,
             bump: Some((k, at, dx)),
             reads: None,
+            positions: self.positions.clone(),
         }
     }
 
@@ -503,6 +534,10 @@ fn proved_safe(module: &naga::Module) -> bool {
     })
 }
 
+/// The position function the kernels give user code (`q_pos` in common/masks.wgsl), as naga
+/// checks the source standalone.
+const Q_POS_STUB: &str = "fn q_pos(b: u32, i: u32) -> u32 { return i; }\n";
+
 const SCORE_STUB: &str = "fn u_score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return s; }\n";
 const SCORE_DS_STUB: &str =
     "fn u_score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return 1.0; }\n";
@@ -522,7 +557,13 @@ fn check_source(source: &str, names: &[&str], vouched: bool) -> Result<Checked> 
     dcapture_calls(&module, names)?;
     // Every name the source declares at module scope, and the captures, get the u_ prefix.
     let mut declared: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-    declared.extend(module.functions.iter().filter_map(|(_, f)| f.name.clone()));
+    declared.extend(
+        module
+            .functions
+            .iter()
+            .filter_map(|(_, f)| f.name.clone())
+            .filter(|n| n != "q_pos"),
+    );
     declared.extend(module.constants.iter().filter_map(|(_, c)| c.name.clone()));
     declared.extend(module.overrides.iter().filter_map(|(_, o)| o.name.clone()));
     declared.extend(module.types.iter().filter_map(|(_, t)| t.name.clone()));
@@ -620,11 +661,13 @@ fn check_tokens(source: &str, names: &[&str]) -> Result<()> {
 /// `source` parsed and validated by naga with the captures as stubs before it: naga's message
 /// with the user's line (quoted) on failure; functions and constants only.
 fn parse_checked(source: &str, names: &[&str]) -> Result<naga::Module> {
-    let header: String = names
+    let mut header: String = names
         .iter()
         .map(|n| format!("fn {n}(idx: u32) -> f32 {{ return f32(idx); }}\nfn d_{n}(idx: u32, x: f32) {{}}\n"))
         .collect();
-    let header_lines = 2 * names.len();
+    // The kernels' own `q_pos` (common/masks.wgsl), which the source may call.
+    header.push_str(Q_POS_STUB);
+    let header_lines = 2 * names.len() + 1;
     let full = format!("{header}{source}");
     let user_line = |line: u32| (line as usize).checked_sub(header_lines).filter(|&l| l > 0);
     let quote = |line: Option<usize>, msg: &str| {

@@ -66,11 +66,12 @@ impl Model {
 
     /// One step: append `batch`'s new tokens (random K/V, both layers: layer 1's are
     /// negated) and check the attention of random queries on every sequence of equal count
-    /// (causal, so a prefill's queries see their own prefix) against the reference.
+    /// (causal by default, so a prefill's queries see their own prefix; nothing asks for it)
+    /// against the reference.
     fn step(&mut self, ctx: &Context, batch: &[(SeqId, usize)], label: &str) {
         let st = self.storage;
         let mut enc = ctx.device().create_command_encoder(&Default::default());
-        let step = self.cache.reserve(ctx, &mut enc, batch).unwrap();
+        let step = self.cache.reserve(batch).unwrap();
         let t = step.tokens();
         let mut k: Array3<f32> = rand_array(&mut self.rng, (t, HKV, E));
         let mut v: Array3<f32> = rand_array(&mut self.rng, (t, HKV, EV));
@@ -117,7 +118,6 @@ impl Model {
                 .cache
                 .ragged_attention(&step, 0, Tensor::from(&q).with_storage(st))
                 .unwrap()
-                .causal(Causal::BottomRight)
                 .run_blocking(ctx)
                 .unwrap_or_else(|e| panic!("{label}: {e}"));
             let mut at = 0;
@@ -188,7 +188,6 @@ impl Model {
             .cache
             .attention(&step, 0, Tensor::from(&q).with_storage(st))
             .unwrap()
-            .causal(Causal::BottomRight)
             .return_lse()
             .run_blocking(ctx)
             .unwrap_or_else(|e| panic!("{label}: {e}"));
@@ -207,7 +206,6 @@ impl Model {
             .cache
             .attention(&step, 1, Tensor::from(&q).with_storage(st))
             .unwrap()
-            .causal(Causal::BottomRight)
             .run_blocking(ctx)
             .unwrap();
         assert!(
@@ -351,13 +349,13 @@ fn free_list_stays_whole_over_many_rounds() {
         let mut enc = ctx.device().create_command_encoder(&Default::default());
         let a = cache.add_sequence();
         let n = 1 + round % 9;
-        let step = cache.reserve(ctx, &mut enc, &[(a, n)]).unwrap();
+        let step = cache.reserve(&[(a, n)]).unwrap();
         let kv: Array3<f32> = rand_array(&mut r, (n, 1, 4));
         cache
             .append(ctx, &mut enc, &step, 0, &Tensor::from(&kv), &Tensor::from(&kv))
             .unwrap();
         let b = cache.fork(a).unwrap();
-        let step = cache.reserve(ctx, &mut enc, &[(b, 2), (a, 1)]).unwrap();
+        let step = cache.reserve(&[(b, 2), (a, 1)]).unwrap();
         let kv: Array3<f32> = rand_array(&mut r, (3, 1, 4));
         cache
             .append(ctx, &mut enc, &step, 0, &Tensor::from(&kv), &Tensor::from(&kv))
@@ -369,9 +367,8 @@ fn free_list_stays_whole_over_many_rounds() {
         assert!(cache.is_empty());
     }
     // Too few blocks: an error, and nothing taken.
-    let mut enc = ctx.device().create_command_encoder(&Default::default());
     let a = cache.add_sequence();
-    let r = cache.reserve(ctx, &mut enc, &[(a, 49)]);
+    let r = cache.reserve(&[(a, 49)]);
     assert!(matches!(r, Err(Error::Paged { .. })), "{r:?}");
     assert_eq!((cache.free_blocks(), cache.len(a).unwrap()), (12, 0));
 }
@@ -433,19 +430,10 @@ fn misuse_is_a_typed_error() {
     let mut other = KvCache::new(ctx, config).unwrap();
     let a = cache.add_sequence();
     let mut enc = ctx.device().create_command_encoder(&Default::default());
-    paged(
-        cache.reserve(ctx, &mut enc, &[(a, 1), (a, 1)]).map(|_| ()),
-        "twice",
-    );
-    paged(
-        cache.reserve(ctx, &mut enc, &[(a, 0)]).map(|_| ()),
-        "at least one token",
-    );
-    paged(
-        cache.reserve(ctx, &mut enc, &[]).map(|_| ()),
-        "at least one sequence",
-    );
-    let step = cache.reserve(ctx, &mut enc, &[(a, 2)]).unwrap();
+    paged(cache.reserve(&[(a, 1), (a, 1)]).map(|_| ()), "twice");
+    paged(cache.reserve(&[(a, 0)]).map(|_| ()), "at least one token");
+    paged(cache.reserve(&[]).map(|_| ()), "at least one sequence");
+    let step = cache.reserve(&[(a, 2)]).unwrap();
     let kv = Array3::<f32>::zeros((2, 1, 4));
     let (k, v) = (Tensor::from(&kv), Tensor::from(&kv));
     // Wrong shape; another cache's step; a stale step; an unknown layer; q of another count.
@@ -455,9 +443,44 @@ fn misuse_is_a_typed_error() {
     paged(other.append(ctx, &mut enc, &step, 0, &k, &v), "another cache");
     paged(cache.append(ctx, &mut enc, &step, 1, &k, &v), "layer 1");
     let q = Array4::<f32>::zeros((1, 2, 3, 4));
-    let r = cache.attention(&step, 0, Tensor::from(&q)).map(|_| ());
-    assert!(matches!(r, Err(Error::ShapeMismatch { .. })), "{r:?}");
+    paged(
+        cache.attention(&step, 0, Tensor::from(&q)).map(|_| ()),
+        "[1, Hq, 2, 4]",
+    );
+    // Attention before the layer's append reads keys not yet written.
+    let q = Array4::<f32>::zeros((1, 2, 2, 4));
+    paged(
+        cache.attention(&step, 0, Tensor::from(&q)).map(|_| ()),
+        "not appended",
+    );
+    let q3 = Array3::<f32>::zeros((2, 2, 4));
+    paged(
+        cache.ragged_attention(&step, 0, Tensor::from(&q3)).map(|_| ()),
+        "not appended",
+    );
     cache.append(ctx, &mut enc, &step, 0, &k, &v).unwrap();
+    // The same step appended twice would write its tokens' slots twice.
+    paged(cache.append(ctx, &mut enc, &step, 0, &k, &v), "already appended");
+    // q of another head dim than the cache's, and [B, n, Hq, E] for [B, Hq, n, E]: named as
+    // q, with the shape expected (Hq as such).
+    let q = Array4::<f32>::zeros((1, 2, 2, 8));
+    paged(
+        cache.attention(&step, 0, Tensor::from(&q)).map(|_| ()),
+        "head dim 8 is not the cache's 4",
+    );
+    let q = Array4::<f32>::zeros((1, 2, 3, 4));
+    paged(
+        cache.attention(&step, 0, Tensor::from(&q)).map(|_| ()),
+        "q must be [B, Hq, n, E] = [1, Hq, 2, 4]",
+    );
+    let q3 = Array3::<f32>::zeros((2, 2, 5));
+    paged(
+        cache.ragged_attention(&step, 0, Tensor::from(&q3)).map(|_| ()),
+        "[T, Hq, E] = [2, Hq, 4]",
+    );
+    assert!(cache
+        .attention(&step, 0, Tensor::from(&Array4::<f32>::zeros((1, 2, 2, 4))))
+        .is_ok());
     let b = cache.fork(a).unwrap();
     paged(cache.append(ctx, &mut enc, &step, 0, &k, &v), "changed since");
     cache.free_sequence(b).unwrap();
@@ -466,4 +489,316 @@ fn misuse_is_a_typed_error() {
     let c = other.add_sequence();
     let _ = c;
     ctx.queue().submit([enc.finish()]);
+}
+
+/// A small cache of `layers` layers: Hkv 2, head dim `e`, blocks of 4 tokens.
+fn small_cache(ctx: &Context, layers: usize, e: usize, rope: Option<Rope>) -> KvCache {
+    KvCache::new(
+        ctx,
+        KvCacheConfig {
+            layers,
+            kv_heads: HKV,
+            head_dim: e,
+            head_dim_v: e,
+            block_size: 4,
+            num_blocks: 32,
+            storage: Storage::F32,
+            rope,
+        },
+    )
+    .unwrap()
+}
+
+/// A GPU buffer holding `data` (f32), readable by the kernels.
+fn upload(ctx: &Context, data: &[f32]) -> wgpu_attention::wgpu::Buffer {
+    use wgpu_attention::wgpu::{self, util::DeviceExt};
+    ctx.device()
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("fused qkv"),
+            contents: bytemuck::cast_slice(data),
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        })
+}
+
+/// A fused QKV projection `[T, Hq + 2 Hkv, E]` in one buffer (what every serving stack's QKV
+/// matmul writes): q, k and v read in place through strides at offsets that are not
+/// 256-byte aligned (E = 12), appended and attended exactly as the same tensors given dense.
+#[test]
+fn fused_qkv_buffer_is_read_in_place() {
+    let Some(ctx) = ctx() else { return };
+    const E12: usize = 12;
+    let row = (HQ + 2 * HKV) * E12;
+    let rope = Some(Rope::default());
+    let mut r = rng(48);
+    let (mut dense, mut viewed) = (small_cache(ctx, 1, E12, rope), small_cache(ctx, 1, E12, rope));
+    let seqs: Vec<(SeqId, SeqId)> = (0..3)
+        .map(|_| (dense.add_sequence(), viewed.add_sequence()))
+        .collect();
+    // A ragged prefill (5, 1, 3 tokens), then a chunk of 2 for each (equal counts: Sdpa).
+    for counts in [[5, 1, 3], [2, 2, 2]] {
+        let batch = |second: bool| -> Vec<(SeqId, usize)> {
+            seqs.iter()
+                .zip(counts)
+                .map(|(&(a, b), n)| (if second { b } else { a }, n))
+                .collect()
+        };
+        let (sd, sv) = (
+            dense.reserve(&batch(false)).unwrap(),
+            viewed.reserve(&batch(true)).unwrap(),
+        );
+        let t = sd.tokens();
+        let qkv: Array3<f32> = rand_array(&mut r, (t, HQ + 2 * HKV, E12));
+        let buf = upload(ctx, qkv.as_slice().unwrap());
+        let part = |h0: usize, h: usize| {
+            Tensor::from_buffer(&buf, Storage::F32, &[t, h, E12])
+                .at_offset((h0 * E12 * 4) as u64)
+                .with_strides(&[row, E12, 1])
+        };
+        let owned = |h0: usize, h: usize| qkv.slice(ndarray::s![.., h0..h0 + h, ..]).to_owned();
+        let (q, k, v) = (owned(0, HQ), owned(HQ, HKV), owned(HQ + HKV, HKV));
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        dense
+            .append(ctx, &mut enc, &sd, 0, &Tensor::from(&k), &Tensor::from(&v))
+            .unwrap();
+        viewed
+            .append(ctx, &mut enc, &sv, 0, &part(HQ, HKV), &part(HQ + HKV, HKV))
+            .unwrap();
+        ctx.queue().submit([enc.finish()]);
+        let want = dense
+            .ragged_attention(&sd, 0, Tensor::from(&q))
+            .unwrap()
+            .run_blocking(ctx)
+            .unwrap();
+        let got = viewed
+            .ragged_attention(&sv, 0, part(0, HQ))
+            .unwrap()
+            .run_blocking(ctx)
+            .unwrap();
+        assert_report(
+            wgpu_attention::check::compare(
+                got.output.iter().copied(),
+                want.output.iter().map(|&x| x as f64),
+                TOL,
+            ),
+            &format!("{counts:?} ragged, q a view"),
+        );
+        if counts[0] == counts[1] {
+            // [B, Hq, n, E] views of the same buffer through KvCache::attention.
+            let n = counts[0];
+            let q4 = Tensor::from_buffer(&buf, Storage::F32, &[3, HQ, n, E12]).with_strides(&[
+                n * row,
+                E12,
+                row,
+                1,
+            ]);
+            let got = viewed.attention(&sv, 0, q4).unwrap().run_blocking(ctx).unwrap();
+            for b in 0..3 {
+                for i in 0..n {
+                    for h in 0..HQ {
+                        for d in 0..E12 {
+                            let (x, y) = (got.output[[b, h, i, d]], want.output[[b * n + i, h, d]]);
+                            assert!(
+                                (x - y).abs() <= 1e-5,
+                                "attention, q a view: [{b}, {h}, {i}, {d}] {x} vs {y}"
+                            );
+                        }
+                    }
+                }
+            }
+            // Causal by default: the chunk's first query does not see the second's key.
+            let none = viewed
+                .attention(&sv, 0, part4(&buf, [3, HQ, n, E12], row))
+                .unwrap()
+                .causal(Causal::None)
+                .run_blocking(ctx)
+                .unwrap();
+            assert!(
+                none.output
+                    .iter()
+                    .zip(got.output.iter())
+                    .any(|(a, b)| (a - b).abs() > 1e-3),
+                "Causal::None gave the causal answer"
+            );
+        }
+    }
+    // Strides that are not [T, Hkv, E]'s three, or an E stride other than 1, are refused
+    // naming the tensor.
+    let step = viewed.reserve(&[(seqs[0].1, 1)]).unwrap();
+    let buf = upload(ctx, &vec![0.5; row]);
+    let mut enc = ctx.device().create_command_encoder(&Default::default());
+    let bad4 = Tensor::from_buffer(&buf, Storage::F32, &[1, HKV, E12]).with_strides(&[row, row, E12, 1]);
+    let good = Tensor::from_buffer(&buf, Storage::F32, &[1, HKV, E12]).with_strides(&[row, E12, 1]);
+    let r = viewed.append(ctx, &mut enc, &step, 0, &bad4, &good);
+    assert!(
+        matches!(&r, Err(Error::BadBuffer { tensor: "k", reason }) if reason.contains("three strides")),
+        "{r:?}"
+    );
+    let bad_e = Tensor::from_buffer(&buf, Storage::F32, &[1, HKV, E12]).with_strides(&[row, E12, 2]);
+    let r = viewed.append(ctx, &mut enc, &step, 0, &good, &bad_e);
+    assert!(matches!(&r, Err(Error::BadBuffer { tensor: "v", .. })), "{r:?}");
+    viewed.append(ctx, &mut enc, &step, 0, &good, &good).unwrap();
+    ctx.queue().submit([enc.finish()]);
+    let q4 = Tensor::from_buffer(&buf, Storage::F32, &[1, HQ, E12]).with_strides(&[row, E12, 0, 1]);
+    let r = viewed.ragged_attention(&step, 0, q4).unwrap().run_blocking(ctx);
+    assert!(
+        matches!(&r, Err(Error::BadBuffer { tensor: "q", reason }) if reason.contains("three strides")),
+        "{r:?}"
+    );
+    let qcap = Tensor::from_buffer(&buf, Storage::F32, &[1, HQ, E12]).with_seq_capacity(4);
+    let r = viewed.ragged_attention(&step, 0, qcap).unwrap().run_blocking(ctx);
+    assert!(matches!(&r, Err(Error::BadBuffer { tensor: "q", .. })), "{r:?}");
+}
+
+/// `[B, Hq, n, E]` view of a fused QKV buffer's q part.
+fn part4(buf: &wgpu_attention::wgpu::Buffer, [b, h, n, e]: [usize; 4], row: usize) -> Tensor<'_> {
+    Tensor::from_buffer(buf, Storage::F32, &[b, h, n, e]).with_strides(&[n * row, e, row, 1])
+}
+
+/// Copy-on-write is recorded by each layer's append, in the encoder of its writes: layers
+/// appended in encoders of their own, submitted at different times (layer 1 after layer
+/// 0's attention has run), each read their forked block right.
+#[test]
+fn copy_on_write_lands_with_each_layers_append() {
+    let Some(ctx) = ctx() else { return };
+    let mut cache = small_cache(ctx, 2, E, None);
+    let mut r = rng(7);
+    let a = cache.add_sequence();
+    // A 6-token prompt (a full block and a partial one), the same values in both layers.
+    let prompt: Array3<f32> = rand_array(&mut r, (6, HKV, E));
+    let step = cache.reserve(&[(a, 6)]).unwrap();
+    let mut enc = ctx.device().create_command_encoder(&Default::default());
+    for l in 0..2 {
+        cache
+            .append(
+                ctx,
+                &mut enc,
+                &step,
+                l,
+                &Tensor::from(&prompt),
+                &Tensor::from(&prompt),
+            )
+            .unwrap();
+    }
+    ctx.queue().submit([enc.finish()]);
+    let b = cache.fork(a).unwrap();
+    // The fork appends into the shared partial block: it gets a copy.
+    let step = cache.reserve(&[(b, 1)]).unwrap();
+    let new: Array3<f32> = rand_array(&mut r, (1, HKV, E));
+    let q: Array4<f32> = rand_array(&mut r, (1, HQ, 1, E));
+    let mut all = ndarray::concatenate(ndarray::Axis(0), &[prompt.view(), new.view()]).unwrap();
+    all = all.permuted_axes([1, 0, 2]).as_standard_layout().to_owned(); // [Hkv, 7, E]
+    let kv = all.insert_axis(ndarray::Axis(0));
+    let want = reference::sdpa(q.view(), kv.view(), kv.view(), &Options::default()).unwrap();
+    for l in 0..2 {
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        cache
+            .append(ctx, &mut enc, &step, l, &Tensor::from(&new), &Tensor::from(&new))
+            .unwrap();
+        ctx.queue().submit([enc.finish()]);
+        let got = cache
+            .attention(&step, l, Tensor::from(&q))
+            .unwrap()
+            .run_blocking(ctx)
+            .unwrap();
+        assert_report(
+            wgpu_attention::check::compare(got.output.iter().copied(), want.out.iter().copied(), TOL),
+            &format!("layer {l} after copy-on-write"),
+        );
+    }
+    assert_ne!(cache.blocks(a).unwrap()[1], cache.blocks(b).unwrap()[1]);
+}
+
+/// A user score function that reads `q_pos(b, i)` (the query's position) gives a relative
+/// bias the same meaning in training (L = S, `q_pos = i`) and in a KV cache's decode (one
+/// query, `i = 0`, at the cache's length - 1); read as `i`, decode would differ.
+#[test]
+fn relative_bias_by_position_in_decode_matches_training() {
+    let Some(ctx) = ctx() else { return };
+    let n = 9; // the sequence; the last token is decoded
+    let mut r = rng(9);
+    let q: Array4<f32> = rand_array(&mut r, (1, HQ, n, E));
+    let k: Array4<f32> = rand_array(&mut r, (1, HKV, n, E));
+    let v: Array4<f32> = rand_array(&mut r, (1, HKV, n, E));
+    let bias = |pos: &str| {
+        wgpu_attention::UserMod::wgsl(&format!(
+            "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {{ return s - 0.3 * abs(f32(j) - f32({pos})); }}"
+        ))
+        .cpu_score(|s, [b, _, i, j], c| s - 0.3 * (j as f64 - c.q_pos(b, i) as f64).abs())
+    };
+    let train = wgpu_attention::Sdpa::new(&q, &k, &v)
+        .causal(Causal::BottomRight)
+        .user_mod(bias("q_pos(b, i)"))
+        .run_blocking(ctx)
+        .unwrap();
+    // The reference reads the position through Captures::q_pos too.
+    let opts = Options {
+        causal: Causal::BottomRight,
+        user_mod: Some(bias("q_pos(b, i)")),
+        ..Options::default()
+    };
+    let want = reference::sdpa(q.view(), k.view(), v.view(), &opts).unwrap();
+    assert_report(
+        wgpu_attention::check::compare(train.output.iter().copied(), want.out.iter().copied(), TOL),
+        "training",
+    );
+    let mut cache = small_cache(ctx, 1, E, None);
+    let s = cache.add_sequence();
+    let rows = |x: &Array4<f32>, t: std::ops::Range<usize>| {
+        x.slice(ndarray::s![0, .., t, ..])
+            .permuted_axes([1, 0, 2])
+            .as_standard_layout()
+            .to_owned()
+    };
+    for t in [0..n - 1, n - 1..n] {
+        let step = cache.reserve(&[(s, t.len())]).unwrap();
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        cache
+            .append(
+                ctx,
+                &mut enc,
+                &step,
+                0,
+                &Tensor::from(&rows(&k, t.clone())),
+                &Tensor::from(&rows(&v, t.clone())),
+            )
+            .unwrap();
+        ctx.queue().submit([enc.finish()]);
+        if t.len() > 1 {
+            continue;
+        }
+        let qd = q.slice(ndarray::s![.., .., n - 1..n, ..]).to_owned();
+        for path in [wgpu_attention::Path::Fused, wgpu_attention::Path::Decode] {
+            let got = cache
+                .attention(&step, 0, Tensor::from(&qd))
+                .unwrap()
+                .user_mod(bias("q_pos(b, i)"))
+                .path(path)
+                .run_blocking(ctx)
+                .unwrap();
+            let last = train.output.slice(ndarray::s![.., .., n - 1..n, ..]);
+            assert_report(
+                wgpu_attention::check::compare(
+                    got.output.iter().copied(),
+                    last.iter().map(|&x| x as f64),
+                    TOL,
+                ),
+                &format!("decode by position {path:?}"),
+            );
+            let by_index = cache
+                .attention(&step, 0, Tensor::from(&qd))
+                .unwrap()
+                .user_mod(bias("i"))
+                .path(path)
+                .run_blocking(ctx)
+                .unwrap();
+            assert!(
+                by_index
+                    .output
+                    .iter()
+                    .zip(last.iter())
+                    .any(|(a, b)| (a - b).abs() > 1e-3),
+                "{path:?}: the bias by index should differ in decode"
+            );
+        }
+    }
 }

@@ -10,7 +10,7 @@ mod common;
 use common::*;
 use ndarray::Array4;
 use wgpu_attention::check::{compare, Tolerance};
-use wgpu_attention::{reference, Causal, Context, Error, PagedLayout, Path, Sdpa, Storage, Tensor};
+use wgpu_attention::{reference, Causal, Context, Error, PagedLayout, Pages, Path, Sdpa, Storage, Tensor};
 
 /// A token-major cache `[NB, BS, Hkv, E]`'s blocks head-major: `[NB, Hkv, BS, E]`.
 fn head_major(a: &Array4<f32>) -> Array4<f32> {
@@ -40,14 +40,17 @@ fn check_paged(ctx: &Context, case: &Case, block_size: usize, path: Path, tol: T
         (PagedLayout::TokenMajor, &pg.k, &pg.v),
         (PagedLayout::HeadMajor, &hk, &hv),
     ] {
-        let got = Sdpa::new(t(&case.q, st), t(k, st), t(v, st))
-            .options(options.clone())
-            .paged(&pg.table, &pg.lens)
-            .paged_layout(layout)
-            .path(path)
-            .return_lse()
-            .run_blocking(ctx)
-            .unwrap_or_else(|e| panic!("{label} {layout:?}: {e}"));
+        let got = Sdpa::paged(
+            t(&case.q, st),
+            Pages::new(t(k, st), t(v, st), layout),
+            &pg.table,
+            &pg.lens,
+        )
+        .options(options.clone())
+        .path(path)
+        .return_lse()
+        .run_blocking(ctx)
+        .unwrap_or_else(|e| panic!("{label} {layout:?}: {e}"));
         let label = format!("{label} block {block_size} {layout:?} [{path:?}]");
         case.assert_output(&got, &want, path, tol, &label);
     }
@@ -193,7 +196,9 @@ fn bad_tables_are_typed_errors_before_gpu_work() {
         let k = t(&pg.k);
         let v = t(&pg.v);
         let q = t(&case.q);
-        Sdpa::new(q, k, v).paged(&table, &lens).problem().map(|_| ())
+        Sdpa::paged(q, Pages::new(k, v, PagedLayout::TokenMajor), &table, &lens)
+            .problem()
+            .map(|_| ())
     };
     let paged_err = |r: Result<(), Error>, what: &str| match r {
         Err(Error::Paged { reason }) => assert!(reason.contains(what), "{reason:?} should say {what:?}"),
@@ -214,27 +219,44 @@ fn bad_tables_are_typed_errors_before_gpu_work() {
     paged_err(call(&pg.table, &[20]), "seq_lens has 1 lengths");
     // Key lengths or top-left causal beside the table; the unfused path and the weights.
     let (k, v) = (t(&pg.k), t(&pg.v));
-    let lens_too = Sdpa::new(t(&case.q), k.clone(), v.clone())
-        .paged(&pg.table, &pg.lens)
-        .kv_lens(&[20, 10])
-        .problem();
+    let tm = PagedLayout::TokenMajor;
+    let lens_too = Sdpa::paged(
+        t(&case.q),
+        Pages::new(k.clone(), v.clone(), tm),
+        &pg.table,
+        &pg.lens,
+    )
+    .kv_lens(&[20, 10])
+    .problem();
     assert!(matches!(lens_too, Err(Error::Paged { .. })), "{lens_too:?}");
-    let top_left = Sdpa::new(t(&case.q), k.clone(), v.clone())
-        .paged(&pg.table, &pg.lens)
-        .causal(Causal::TopLeft)
-        .problem();
+    let top_left = Sdpa::paged(
+        t(&case.q),
+        Pages::new(k.clone(), v.clone(), tm),
+        &pg.table,
+        &pg.lens,
+    )
+    .causal(Causal::TopLeft)
+    .problem();
     assert!(matches!(top_left, Err(Error::Paged { .. })), "{top_left:?}");
     // Caches that disagree.
     let v_short = Array4::<f32>::zeros((pg.v.dim().0 - 1, 4, 1, 8));
-    let r = Sdpa::new(t(&case.q), k.clone(), t(&v_short))
-        .paged(&pg.table, &pg.lens)
-        .problem();
+    let r = Sdpa::paged(
+        t(&case.q),
+        Pages::new(k.clone(), t(&v_short), tm),
+        &pg.table,
+        &pg.lens,
+    )
+    .problem();
     assert!(matches!(r, Err(Error::Paged { .. })), "{r:?}");
     let Some(ctx) = ctx() else { return };
     for (path, weights) in [(Path::Unfused, false), (Path::Auto, true)] {
-        let mut c = Sdpa::new(t(&case.q), k.clone(), v.clone())
-            .paged(&pg.table, &pg.lens)
-            .path(path);
+        let mut c = Sdpa::paged(
+            t(&case.q),
+            Pages::new(k.clone(), v.clone(), tm),
+            &pg.table,
+            &pg.lens,
+        )
+        .path(path);
         if weights {
             c = c.return_weights();
         }
@@ -273,13 +295,17 @@ fn caches_in_the_callers_buffers_at_offsets() {
         let mut options = case.options();
         options.kv_lens = None;
         for path in [Path::Fused, Path::Decode] {
-            let got = Sdpa::new(
+            let got = Sdpa::paged(
                 Tensor::from(&case.q).with_storage(st),
-                Tensor::from_buffer(&kb, st, pg.k.shape()).at_offset(at),
-                Tensor::from_buffer(&vb, st, pg.v.shape()).at_offset(at),
+                Pages::new(
+                    Tensor::from_buffer(&kb, st, pg.k.shape()).at_offset(at),
+                    Tensor::from_buffer(&vb, st, pg.v.shape()).at_offset(at),
+                    PagedLayout::TokenMajor,
+                ),
+                &pg.table,
+                &pg.lens,
             )
             .options(options.clone())
-            .paged(&pg.table, &pg.lens)
             .path(path)
             .return_lse()
             .run_blocking(ctx)
@@ -359,9 +385,8 @@ fn rope_on_q_inside_the_kernels() {
             for path in [Path::Fused, Path::Decode] {
                 let call = if paged {
                     options.kv_lens = None;
-                    Sdpa::new(Tensor::from(&raw_q), Tensor::from(&pg.k), Tensor::from(&pg.v))
-                        .options(options.clone())
-                        .paged(&pg.table, &pg.lens)
+                    let pages = Pages::new(&pg.k, &pg.v, PagedLayout::TokenMajor);
+                    Sdpa::paged(Tensor::from(&raw_q), pages, &pg.table, &pg.lens).options(options.clone())
                 } else {
                     Sdpa::new(Tensor::from(&raw_q), Tensor::from(&case.k), Tensor::from(&case.v))
                         .options(options.clone())
@@ -462,8 +487,11 @@ fn ragged_batches_in_one_call() {
                 setup(PagedAttention::new(
                     Tensor::from(&q).with_storage(s),
                     &q_lens,
-                    Tensor::from(&k).with_storage(s),
-                    Tensor::from(&v).with_storage(s),
+                    Pages::new(
+                        Tensor::from(&k).with_storage(s),
+                        Tensor::from(&v).with_storage(s),
+                        PagedLayout::TokenMajor,
+                    ),
                     &pg.table,
                     &seq_lens,
                 ))
@@ -490,7 +518,15 @@ fn ragged_batches_in_one_call() {
         Err(Error::Paged { reason }) => assert!(reason.contains(what), "{reason:?} should say {what:?}"),
         other => panic!("{what}: expected Error::Paged, got {other:?}"),
     };
-    let mk = |ql: &[usize], sl: &[usize]| PagedAttention::new(&q, ql, &pg.k, &pg.v, &pg.table, sl);
+    let mk = |ql: &[usize], sl: &[usize]| {
+        PagedAttention::new(
+            &q,
+            ql,
+            Pages::new(&pg.k, &pg.v, PagedLayout::TokenMajor),
+            &pg.table,
+            sl,
+        )
+    };
     bad(mk(&[5, 1, 1, 3, 3, 1], &[40, 1, 29, 3, 17, 64]), "sum to 14");
     bad(mk(&[5, 0, 2, 3, 3, 2], &[40, 1, 29, 3, 17, 64]), "no query");
     bad(
@@ -621,12 +657,14 @@ fn check_forks(
         setup(PagedAttention::new(
             Tensor::from(q).with_storage(s),
             &f.q_lens,
-            Tensor::from(kc).with_storage(s),
-            Tensor::from(vc).with_storage(s),
+            Pages::new(
+                Tensor::from(kc).with_storage(s),
+                Tensor::from(vc).with_storage(s),
+                layout,
+            ),
             &f.table,
             &f.seq_lens,
         ))
-        .paged_layout(layout)
     };
     let want_shared = if shares { Forks::shared() } else { Vec::new() };
     for hmj in [false, true] {
@@ -741,27 +779,35 @@ fn prepared_paged_kernels_cover_a_growing_cache() {
     for l in [1, 4] {
         let template = step(l, 40);
         let pg = page(&template, template.kv_lens.as_ref().unwrap(), 16, 3);
-        let forms = Sdpa::new(&template.q, &head_major(&pg.k), &head_major(&pg.v))
-            .causal(Causal::BottomRight)
-            .paged(&pg.table, &pg.lens)
-            .paged_layout(PagedLayout::HeadMajor)
-            .rope(rope)
-            .prepare_blocking(&fresh, 1..=700)
-            .unwrap();
+        let (hk, hv) = (head_major(&pg.k), head_major(&pg.v));
+        let forms = Sdpa::paged(
+            &template.q,
+            Pages::new(&hk, &hv, PagedLayout::HeadMajor),
+            &pg.table,
+            &pg.lens,
+        )
+        .causal(Causal::BottomRight)
+        .rope(rope)
+        .prepare_blocking(&fresh, 1..=700)
+        .unwrap();
         assert!(forms >= 1, "{forms}");
         let prepared = fresh.cached_pipelines();
         for s in [l, 64, 511, 512, 513, 700] {
             let case = step(l, s.max(l));
             let lens = case.kv_lens.clone().unwrap();
             let pg = page(&case, &lens, 16, s as u64);
-            let got = Sdpa::new(&case.q, &head_major(&pg.k), &head_major(&pg.v))
-                .causal(Causal::BottomRight)
-                .paged(&pg.table, &pg.lens)
-                .paged_layout(PagedLayout::HeadMajor)
-                .rope(rope)
-                .return_lse()
-                .run_blocking(&fresh)
-                .unwrap_or_else(|e| panic!("L = {l}, S = {s}: {e}"));
+            let (hk, hv) = (head_major(&pg.k), head_major(&pg.v));
+            let got = Sdpa::paged(
+                &case.q,
+                Pages::new(&hk, &hv, PagedLayout::HeadMajor),
+                &pg.table,
+                &pg.lens,
+            )
+            .causal(Causal::BottomRight)
+            .rope(rope)
+            .return_lse()
+            .run_blocking(&fresh)
+            .unwrap_or_else(|e| panic!("L = {l}, S = {s}: {e}"));
             assert_eq!(
                 fresh.cached_pipelines(),
                 prepared,

@@ -318,10 +318,16 @@ fn golden_attention(
             let t1: usize = q_lens[..s1].iter().sum();
             let qs = q.slice(ndarray::s![t0..t1, .., ..]).to_owned();
             let tab = &table[s0 * max_blocks..s1 * max_blocks];
-            let mut call = PagedAttention::new(&qs, &q_lens[s0..s1], &kc, &vc, tab, &total[s0..s1])
-                .causal(causal)
-                .rope(*rope)
-                .path(path);
+            let mut call = PagedAttention::new(
+                &qs,
+                &q_lens[s0..s1],
+                wgpu_attention::Pages::new(&kc, &vc, wgpu_attention::PagedLayout::TokenMajor),
+                tab,
+                &total[s0..s1],
+            )
+            .causal(causal)
+            .rope(*rope)
+            .path(path);
             if offset > 0 {
                 call = call.window((seq_lens[s0] - q_lens[s0]) as i64, 0);
             }

@@ -92,8 +92,11 @@ fn call<'a>(
     let mut c = PagedAttention::new(
         Tensor::from(q).with_storage(st),
         &a.q_lens,
-        Tensor::from(k).with_storage(st),
-        Tensor::from(v).with_storage(st),
+        wgpu_attention::Pages::new(
+            Tensor::from(k).with_storage(st),
+            Tensor::from(v).with_storage(st),
+            wgpu_attention::PagedLayout::TokenMajor,
+        ),
         table,
         &a.seq_lens,
     )

@@ -45,6 +45,18 @@ fn with_sink(m: f32, s: f32, h: u32) -> vec3<f32> {
     return vec3<f32>(m2, s * f + exp(sk - m2), f);
 }
 
+// The position of query `i` of batch `b` among the keys, for the user functions (whose `i` is
+// the query's index in the call, plus a ring chunk's start): the queries are the newest
+// positions, so the last query of a batch is at its last key (`S - L + i`, or
+// `kv_len(b) - L + i` with key lengths: a KV cache's decode query is at the cache's length - 1).
+fn q_pos(b: u32, i: u32) -> u32 {
+    var off = p.m.qpos_off;
+    if (p.m.has_lens != 0u) {
+        off += i32(kv_len(b));
+    }
+    return u32(max(i32(i) + off, 0));
+}
+
 // The causal offset of batch `b`: query i may see keys j <= i + causal_offset(b).
 fn causal_offset(b: u32) -> i32 {
     return p.m.causal_off + select(0, i32(kv_len(b)), p.m.causal_by_len != 0u);

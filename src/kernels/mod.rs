@@ -104,8 +104,9 @@ wgsl_struct! {
         /// Where q's RoPE angles start among the auxiliary words ((cos, sin) per pair of each
         /// row (b, i) of q, `[B, L, D/2, 2]`), read where the views rotate q.
         rope_off: u32,
-        /// To a multiple of 16 bytes (WGSL's uniform layout of a nested struct).
-        _pad1: u32,
+        /// `q_pos(b, i)` (the position of query `i` of batch `b`, as user functions see it)
+        /// is `i + qpos_off`, plus the batch's key length with key lengths: `S - L`, or `-L`.
+        qpos_off: i32,
     }
 }
 
@@ -257,6 +258,8 @@ impl Masks {
             pos_q: p.pos_offset[0] as u32,
             pos_k: p.pos_offset[1] as u32,
             rope_off: rope_at(p) as u32,
+            qpos_off: (if p.kv_lens.is_some() { 0 } else { p.seq_kv as i64 } - p.seq_q as i64)
+                .clamp(i32::MIN as i64, i32::MAX as i64) as i32,
             ..Default::default()
         }
     }

@@ -32,6 +32,8 @@ wgsl_struct! {
         s1: u32,
         s2: u32,
         s3: u32,
+        /// src's element offset from its binding's start.
+        off: u32,
     }
 }
 
@@ -59,7 +61,7 @@ pub(crate) fn record(
     src: wgpu::BufferBinding<'_>,
     dst: wgpu::BufferBinding<'_>,
     dims: [usize; 4],
-    strides: [usize; 4],
+    (strides, off): ([usize; 4], usize),
     formats: (Storage, Storage),
 ) -> Result<()> {
     let total = dims.iter().product::<usize>() as u32;
@@ -72,6 +74,7 @@ pub(crate) fn record(
         s1: strides[1] as u32,
         s2: strides[2] as u32,
         s3: strides[3] as u32,
+        off: off as u32,
     };
     let grid = grid_1d(
         total.div_ceil(2 * WG),

@@ -14,6 +14,8 @@ pub(crate) struct Strided<'a> {
     pub(crate) binding: wgpu::BufferBinding<'a>,
     pub(crate) storage: Storage,
     pub(crate) strides: [usize; 4],
+    /// The element offset of element 0 from the binding's start.
+    pub(crate) offset: usize,
 }
 
 /// A dense destination in its format.
@@ -26,7 +28,14 @@ impl<'a> Strided<'a> {
             binding,
             storage,
             strides,
+            offset: 0,
         }
+    }
+
+    /// Element 0 at element `offset` of the binding.
+    pub(crate) fn at(mut self, offset: usize) -> Self {
+        self.offset = offset;
+        self
     }
 }
 
@@ -43,11 +52,13 @@ pub(crate) fn record(
     if total == 0 {
         return Ok(());
     }
-    let reach = 1 + dims
-        .iter()
-        .zip(src.strides)
-        .map(|(&n, s)| (n - 1) * s)
-        .sum::<usize>();
+    let reach = 1
+        + src.offset
+        + dims
+            .iter()
+            .zip(src.strides)
+            .map(|(&n, s)| (n - 1) * s)
+            .sum::<usize>();
     let (src_held, dst_held) = (held(&src.binding, src.storage), held(&dst, dst_storage));
     if reach > src_held || total > dst_held || u32::try_from(reach.max(total)).is_err() {
         return Err(Error::Internal(format!(
@@ -62,7 +73,7 @@ pub(crate) fn record(
         src.binding.clone(),
         dst,
         dims,
-        src.strides,
+        (src.strides, src.offset),
         (src.storage, dst_storage),
     )
 }

@@ -68,7 +68,8 @@ pub fn recompute<F: Float, T: Copy + Into<f64>>(
     let caps = opts
         .user_mod
         .as_ref()
-        .map_or(crate::user_mod::Captures::new(&[]), |m| m.cpu_captures());
+        .map_or(crate::user_mod::Captures::new(&[]), |m| m.cpu_captures())
+        .at_positions(opts.kv_lens.clone().unwrap_or_else(|| vec![s; b]), l);
     let user_score = match &opts.user_mod {
         Some(m) => {
             m.cpu_mask_fn()?;
@@ -303,7 +304,10 @@ fn through_score_mod<F: Float>(
     else {
         return Ok(None);
     };
-    let caps = m.cpu_captures();
+    let (b, _, l, s) = ds.dim();
+    let caps = m
+        .cpu_captures()
+        .at_positions(opts.kv_lens.clone().unwrap_or_else(|| vec![s; b]), l);
     let mut dcap: Vec<Vec<F>> = caps.lens().map(|(_, n)| vec![F::zero(); n]).collect();
     let (b, hq, l, s) = ds.dim();
     let bias4 = opts.bias_view()?;

@@ -161,7 +161,8 @@ pub fn masked_softmax(scores: &Array4<f64>, opts: &Options) -> Result<(Array4<f6
     let caps = opts
         .user_mod
         .as_ref()
-        .map_or(crate::user_mod::Captures::new(&[]), |m| m.cpu_captures());
+        .map_or(crate::user_mod::Captures::new(&[]), |m| m.cpu_captures())
+        .at_positions(opts.kv_lens.clone().unwrap_or_else(|| vec![s; b]), l);
     let user_score = match &opts.user_mod {
         Some(m) => {
             m.cpu_mask_fn()?;

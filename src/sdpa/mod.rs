@@ -159,13 +159,14 @@ pub(crate) struct PagedSpec<'a> {
     pub(crate) seq_lens: Vec<usize>,
 }
 
-/// How a paged cache's blocks are laid out (FlashInfer's `kv_layout`).
+/// How a paged cache's blocks are laid out (FlashInfer's `kv_layout`). There is no default:
+/// a buffer cannot say how it is laid out, so [`Pages::new`](crate::Pages::new) is told, and
+/// a [`KvCache`](crate::KvCache)'s [`pages`](crate::KvCache::pages) carry theirs.
 #[non_exhaustive]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PagedLayout {
     /// `[num_blocks, block_size, Hkv, E]`: a token's heads together (vLLM's cache, FlashInfer's
-    /// `NHD`). The default.
-    #[default]
+    /// `NHD`).
     TokenMajor,
     /// `[num_blocks, Hkv, block_size, E]`: each head's keys of a block together (FlashInfer's
     /// `HND`). One head's consecutive keys are `E` elements apart instead of `Hkv · E`, which
@@ -209,10 +210,10 @@ impl<'a> Sdpa<'a> {
 
     option_setters!();
 
-    /// Read k and v as paged KV caches (vLLM's layout): k is `[num_blocks, block_size, Hkv,
-    /// E]` and v `[num_blocks, block_size, Hkv, Ev]` (dense, any of the storage formats; or
-    /// head-major `[num_blocks, Hkv, block_size, E]` with [`paged_layout`](Sdpa::paged_layout)), and
-    /// key `t` of sequence `b` is token slot `t % block_size` of block
+    /// Attention of q over paged KV caches: `pages` holds the K and V caches and names their
+    /// layout ([`Pages::new`](crate::Pages::new) for your own buffers,
+    /// [`KvCache::pages`](crate::KvCache::pages) for the crate's cache), and key `t` of
+    /// sequence `b` is token slot `t % block_size` of block
     /// `block_table[b * max_blocks + t / block_size]`. `block_table` is `[B, max_blocks]`
     /// row-major (B = q's batch, one sequence per batch entry); `seq_lens[b]` is sequence
     /// `b`'s key count, its new queries' own keys included. Entries past a sequence's last
@@ -220,8 +221,10 @@ impl<'a> Sdpa<'a> {
     ///
     /// q is `[B, Hq, n, E]`: the `n` newest positions of each sequence, so query `i` of
     /// sequence `b` has position `seq_lens[b] - n + i` ([`Causal::BottomRight`](crate::Causal::BottomRight) is causal by
-    /// position, and the window and ALiBi measure from it). Decode is `n = 1`; a prefill
-    /// chunk of the same length for every sequence is larger `n`. Runs on the fused and decode
+    /// position, and the window, ALiBi and a user function's `q_pos` measure from it). Decode
+    /// is `n = 1`; a prefill chunk of the same length for every sequence is larger `n`. Not
+    /// causal unless asked: give [`causal`](Sdpa::causal) for a prefill chunk (a
+    /// [`KvCache`](crate::KvCache)'s calls are causal by default). Runs on the fused and decode
     /// paths (never [`Path::Unfused`], nor the attention weights); every modifier applies.
     ///
     /// Checked before any GPU work, as [`Error::Paged`]: a table whose length is not a
@@ -231,31 +234,39 @@ impl<'a> Sdpa<'a> {
     ///
     /// ```
     /// use ndarray::Array4;
-    /// use wgpu_attention::{Causal, Sdpa};
+    /// use wgpu_attention::{Causal, PagedLayout, Pages, Sdpa};
     /// // Two sequences of 5 and 2 keys in caches of 4 blocks of 2 tokens (1 K/V head, head
-    /// // dim 8); one new query each, 2 query heads.
+    /// // dim 8), token-major; one new query each, 2 query heads.
     /// let k = Array4::<f32>::from_elem((4, 2, 1, 8), 0.5);
     /// let v = Array4::<f32>::from_elem((4, 2, 1, 8), 1.0);
     /// let q = Array4::<f32>::from_elem((2, 2, 1, 8), 0.1);
     /// let table = [3, 0, 2, /* sequence 1: */ 1, -1, -1];
-    /// let call = Sdpa::new(&q, &k, &v)
-    ///     .paged(&table, &[5, 2])
-    ///     .causal(Causal::BottomRight);
+    /// let pages = Pages::new(&k, &v, PagedLayout::TokenMajor);
+    /// let call = Sdpa::paged(&q, pages, &table, &[5, 2]).causal(Causal::BottomRight);
     /// assert_eq!(call.problem()?.seq_kv, 5);
     /// # Ok::<(), wgpu_attention::Error>(())
     /// ```
-    pub fn paged(mut self, block_table: &'a [i32], seq_lens: &[usize]) -> Self {
+    pub fn paged(
+        q: impl Into<Tensor<'a>>,
+        pages: crate::Pages<'a>,
+        block_table: &'a [i32],
+        seq_lens: &[usize],
+    ) -> Self {
+        let crate::Pages { k, v, layout } = pages;
+        Sdpa::new(q, k, v).over_pages(block_table, seq_lens, layout)
+    }
+
+    /// k and v read as paged caches in `layout` through `block_table` (see [`Sdpa::paged`]).
+    pub(crate) fn over_pages(
+        mut self,
+        block_table: &'a [i32],
+        seq_lens: &[usize],
+        layout: PagedLayout,
+    ) -> Self {
         self.paged = Some(PagedSpec {
             table: block_table.into(),
             seq_lens: seq_lens.to_vec(),
         });
-        self
-    }
-
-    /// The layout of [`paged`](Sdpa::paged)'s caches (default [`PagedLayout::TokenMajor`]:
-    /// `[num_blocks, block_size, Hkv, E]`; [`PagedLayout::HeadMajor`]: `[num_blocks, Hkv,
-    /// block_size, E]`).
-    pub fn paged_layout(mut self, layout: PagedLayout) -> Self {
         self.paged_layout = layout;
         self
     }
@@ -653,7 +664,7 @@ impl Sdpa<'_> {
             call = call.output_into(out);
         }
         if let Some((table, lens, ..)) = &paged {
-            call = call.paged(table, lens).paged_layout(self.paged_layout);
+            call = call.over_pages(table, lens, self.paged_layout);
         }
         if let Some(r) = self.rope {
             call = call.rope(r);

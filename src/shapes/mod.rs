@@ -850,10 +850,15 @@ impl GpuInputs {
         let [_, k, v] = self.tensors();
         let q = Tensor::from_buffer(&self.q, self.storage, &[s.batch * s.seq_q, s.q_heads, s.head_dim]);
         Some(
-            crate::PagedAttention::new(q, &vec![s.seq_q; s.batch], k, v, &self.table, &self.seq_lens)
-                .paged_layout(s.paged_layout)
-                .causal(s.causal)
-                .shared_prefix(s.cascade),
+            crate::PagedAttention::new(
+                q,
+                &vec![s.seq_q; s.batch],
+                crate::Pages::new(k, v, s.paged_layout),
+                &self.table,
+                &self.seq_lens,
+            )
+            .causal(s.causal)
+            .shared_prefix(s.cascade),
         )
     }
 
@@ -863,9 +868,7 @@ impl GpuInputs {
         let [q, k, v] = self.tensors();
         let mut sdpa = Sdpa::new(q, k, v).causal(s.causal);
         if s.paged_block > 0 {
-            sdpa = sdpa
-                .paged(&self.table, &self.seq_lens)
-                .paged_layout(s.paged_layout);
+            sdpa = sdpa.over_pages(&self.table, &self.seq_lens, s.paged_layout);
         } else if let Some(lens) = s.kv_lens {
             sdpa = sdpa.kv_lens(lens);
         }

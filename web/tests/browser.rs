@@ -755,9 +755,9 @@ async fn paged_caches_ragged_batches_rope_and_shared_prefixes() {
         let mut options = case.options();
         options.kv_lens = None;
         for path in [Path::Fused, Path::Decode] {
-            let got = Sdpa::new(Tensor::from(&case.q), Tensor::from(&pg.k), Tensor::from(&pg.v))
+            let pages = wgpu_attention::Pages::new(&pg.k, &pg.v, wgpu_attention::PagedLayout::TokenMajor);
+            let got = Sdpa::paged(Tensor::from(&case.q), pages, &pg.table, &pg.lens)
                 .options(options.clone())
-                .paged(&pg.table, &pg.lens)
                 .path(path)
                 .return_lse()
                 .run(&ctx)
@@ -783,7 +783,8 @@ async fn paged_caches_ragged_batches_rope_and_shared_prefixes() {
         theta: 1e4,
         dim: None,
     };
-    let call = PagedAttention::new(&q, &q_lens, &pg.k, &pg.v, &pg.table, &lens)
+    let pages = wgpu_attention::Pages::new(&pg.k, &pg.v, wgpu_attention::PagedLayout::TokenMajor);
+    let call = PagedAttention::new(&q, &q_lens, pages, &pg.table, &lens)
         .causal(Causal::BottomRight)
         .rope(rope);
     let want = call.reference().unwrap();
@@ -825,7 +826,8 @@ async fn paged_caches_ragged_batches_rope_and_shared_prefixes() {
     let k: Array4<f32> = rand_array(&mut r, (next as usize, bs, hkv, e));
     let v: Array4<f32> = rand_array(&mut r, (next as usize, bs, hkv, e));
     let q: Array3<f32> = rand_array(&mut r, (4, 4, e));
-    let call = PagedAttention::new(&q, &q_lens, &k, &v, &table, &lens)
+    let pages = wgpu_attention::Pages::new(&k, &v, wgpu_attention::PagedLayout::TokenMajor);
+    let call = PagedAttention::new(&q, &q_lens, pages, &table, &lens)
         .causal(Causal::BottomRight)
         .softcap(0.9)
         .rope(rope);
