@@ -411,3 +411,81 @@ pub(crate) async fn read_bytes(
     }
     Ok(out)
 }
+
+/// The bytes `[start, end)` a GPU tensor's elements reach in its buffer (through its view:
+/// strides, layout, capacity), or `None` for host data and empty tensors.
+pub(crate) fn byte_range<'a>(t: &Tensor<'a>) -> Option<(&'a wgpu::Buffer, u64, u64)> {
+    let TensorData::Gpu {
+        buffer,
+        offset,
+        storage,
+    } = &t.data
+    else {
+        return None;
+    };
+    if t.shape.contains(&0) {
+        return None;
+    }
+    let spec = &t.view;
+    let strides: Vec<usize> = match (&spec.strides, t.shape.as_slice()) {
+        (Some(s), shape) if s.len() == shape.len() => s.clone(),
+        (_, &[_, h, l, e]) if spec.layout.is_some() || spec.capacity.is_some() => spec
+            .layout
+            .unwrap_or_default()
+            .strides(h, spec.capacity.unwrap_or(l).max(l), e)
+            .to_vec(),
+        (_, shape) => {
+            // Dense row-major.
+            let mut s = vec![1; shape.len()];
+            for i in (0..shape.len().saturating_sub(1)).rev() {
+                s[i] = s[i + 1] * shape[i + 1];
+            }
+            s
+        }
+    };
+    let elems = 1 + t
+        .shape
+        .iter()
+        .zip(&strides)
+        .map(|(&d, &s)| (d - 1) * s)
+        .sum::<usize>();
+    Some((buffer, *offset, offset + elems as u64 * storage.element_bytes()))
+}
+
+/// Outputs against inputs (and each other) that share a buffer: overlapping bytes are a typed
+/// error naming the output; disjoint ranges of one buffer are fine (the kernels write such an
+/// output through a scratch copy, [`crate::kernels::dispatch`], as wgpu binds a buffer either
+/// read-only or read-write in one dispatch), given the buffer's `COPY_SRC` and `COPY_DST`.
+pub(crate) fn check_aliasing(
+    outputs: &[(&'static str, &Tensor<'_>)],
+    inputs: &[(&'static str, &Tensor<'_>)],
+) -> Result<()> {
+    for (i, &(name, out)) in outputs.iter().enumerate() {
+        let Some((buf, s0, e0)) = byte_range(out) else {
+            continue;
+        };
+        let others = inputs.iter().chain(&outputs[..i]).chain(&outputs[i + 1..]);
+        for &(other, t) in others {
+            let Some((b, s1, e1)) = byte_range(t) else {
+                continue;
+            };
+            if b != buf {
+                continue;
+            }
+            let bad = |reason: String| Err(Error::BadBuffer { tensor: name, reason });
+            if s0 < e1 && s1 < e0 {
+                return bad(format!(
+                    "its bytes {s0}..{e0} overlap {other}'s {s1}..{e1} in the same buffer: an output must not overlap an input or another output (give it a range of its own)"
+                ));
+            }
+            let need = wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
+            if !buf.usage().contains(need) {
+                return bad(format!(
+                    "it shares its buffer with {other} (bytes {s1}..{e1}): wgpu binds one buffer either read-only or read-write in a dispatch, so such an output is written through a scratch copy, which needs the buffer's COPY_SRC and COPY_DST usage (it has {:?})",
+                    buf.usage()
+                ));
+            }
+        }
+    }
+    Ok(())
+}

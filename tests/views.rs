@@ -733,3 +733,169 @@ fn prepared_views_cover_a_growing_kv_cache() {
         );
     }
 }
+
+/// One buffer holding q, k, v and the output side by side (a fused QKV projection's buffer, a
+/// tensor allocator's pool): the output in a range of its own is written right on every path
+/// (through a scratch copy: wgpu binds one buffer either read-only or read-write in a
+/// dispatch) and every other element survives, also where an f16 tensor of an odd element
+/// count ends inside a word the next tensor begins. An output that overlaps an input, or a
+/// shared buffer without the copy usages, is a typed error before any GPU work.
+#[test]
+fn inputs_and_outputs_share_one_buffer() {
+    let Some(ctx) = ctx() else { return };
+    use wgpu::util::DeviceExt;
+    let (b, hq, hkv, l, s, e) = (1, 3, 1, 5, 6, 7);
+    let mut r = common::rng(50);
+    let q: Array4<f32> = common::rand_array(&mut r, (b, hq, l, e));
+    let k: Array4<f32> = common::rand_array(&mut r, (b, hkv, s, e));
+    let v: Array4<f32> = common::rand_array(&mut r, (b, hkv, s, e));
+    let opts = wgpu_attention::Options {
+        causal: Causal::BottomRight,
+        ..Default::default()
+    };
+    let (nq, nk) = (q.len(), k.len()); // 105 and 42: f16 q and the output end inside a word
+                                       // Orders: the output first (dense at offset 0, an odd count of halves before q) and last
+                                       // (at an odd element offset, a view).
+    for (order, st) in [
+        ("out first", Storage::F32),
+        ("out first", Storage::F16),
+        ("out last", Storage::F16),
+    ] {
+        let out_first = order == "out first";
+        let (q_at, out_at) = if out_first { (nq, 0) } else { (0, nq + 2 * nk + 1) };
+        let (k_at, v_at) = (q_at + nq, q_at + nq + nk);
+        let total = if out_first { v_at + nk + 9 } else { out_at + nq + 9 };
+        let mut host: Vec<f32> = (0..total).map(|i| 1000.0 + i as f32).collect();
+        for (at, x) in [(q_at, &q), (k_at, &k), (v_at, &v)] {
+            for (i, &y) in x.iter().enumerate() {
+                host[at + i] = y;
+            }
+        }
+        let host: Vec<f32> = host.iter().map(|&x| st.round(x)).collect();
+        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
+        let make = |usage| {
+            ctx.device()
+                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some("one buffer"),
+                    contents: &encode(&host, st),
+                    usage,
+                })
+        };
+        /// The call on `buf` with q, k, v and the output at those elements.
+        fn shared<'a>(
+            buf: &'a wgpu::Buffer,
+            st: Storage,
+            at: [usize; 4],
+            dims: [usize; 5],
+            opts: &wgpu_attention::Options<'a>,
+        ) -> Sdpa<'a> {
+            let [b, hq, hkv, l, s] = dims;
+            let e = 7;
+            let t = |at: usize, shape: [usize; 4]| {
+                Tensor::from_buffer(buf, st, &shape).at_offset(at as u64 * st.element_bytes())
+            };
+            Sdpa::new(
+                t(at[0], [b, hq, l, e]),
+                t(at[1], [b, hkv, s, e]),
+                t(at[2], [b, hkv, s, e]),
+            )
+            .options(opts.clone())
+            .output_into(t(at[3], [b, hq, l, e]))
+        }
+        let dims = [b, hq, hkv, l, s];
+        let rq = q.mapv(|x| st.round(x));
+        let (rk, rv) = (k.mapv(|x| st.round(x)), v.mapv(|x| st.round(x)));
+        let want = wgpu_attention::reference::sdpa(rq.view(), rk.view(), rv.view(), &opts).unwrap();
+        for path in [Path::Auto, Path::Fused, Path::Decode, Path::Unfused] {
+            let buf = make(usage);
+            let mut enc = ctx.device().create_command_encoder(&Default::default());
+            shared(&buf, st, [q_at, k_at, v_at, out_at], dims, &opts)
+                .path(path)
+                .record(ctx, &mut enc)
+                .unwrap_or_else(|e| panic!("{order} {st:?} {path:?}: {e}"));
+            ctx.queue().submit([enc.finish()]);
+            let all = pollster::block_on(ctx.read_as_f32(&buf, 0, total, st)).unwrap();
+            let got = &all[out_at..out_at + nq];
+            let tol = if st == Storage::F32 {
+                TOL
+            } else {
+                twice_storage_tolerance(st)
+            };
+            assert_report(
+                compare(got.iter().copied(), want.out.iter().copied(), tol),
+                &format!("{order} {st:?} {path:?}"),
+            );
+            let stray: Vec<usize> = (0..total)
+                .filter(|&i| !(out_at..out_at + nq).contains(&i) && all[i].to_bits() != host[i].to_bits())
+                .collect();
+            assert!(
+                stray.is_empty(),
+                "{order} {st:?} {path:?}: elements changed outside the output: {stray:?}"
+            );
+        }
+        // Overlap with q, then with v: typed errors naming the output.
+        let buf = make(usage);
+        for bad_at in [q_at + 3, v_at + nk - 1] {
+            let r = shared(&buf, st, [q_at, k_at, v_at, bad_at], dims, &opts).problem();
+            assert!(
+                matches!(&r, Err(Error::BadBuffer { tensor: "output", reason }) if reason.contains("overlap")),
+                "{order} {st:?} at {bad_at}: {r:?}"
+            );
+        }
+        // Without COPY_SRC and COPY_DST the shared buffer cannot take the scratch copy.
+        let plain = make(wgpu::BufferUsages::STORAGE);
+        let r = shared(&plain, st, [q_at, k_at, v_at, out_at], dims, &opts).problem();
+        assert!(
+            matches!(&r, Err(Error::BadBuffer { tensor: "output", reason }) if reason.contains("COPY_DST")),
+            "{r:?}"
+        );
+    }
+    // record_matmul: a, b and c in one buffer (each at a 256-byte boundary).
+    let a: Vec<f32> = (0..15).map(|i| i as f32 * 0.25).collect();
+    let bm: Vec<f32> = (0..20).map(|i| 1.0 - i as f32 * 0.125).collect();
+    let mut host = vec![-3.0f32; 64 * 3 + 16];
+    host[..15].copy_from_slice(&a);
+    host[64..84].copy_from_slice(&bm);
+    let buf = ctx
+        .device()
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("matmul one buffer"),
+            contents: bytemuck::cast_slice(&host),
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+        });
+    let f =
+        |at: usize, shape: &[usize]| Tensor::from_buffer(&buf, Storage::F32, shape).at_offset(at as u64 * 4);
+    let mut enc = ctx.device().create_command_encoder(&Default::default());
+    wgpu_attention::record_matmul(
+        ctx,
+        &mut enc,
+        f(0, &[1, 3, 5]),
+        f(64, &[1, 5, 4]),
+        f(128, &[1, 3, 4]),
+        false,
+        1.0,
+    )
+    .unwrap();
+    ctx.queue().submit([enc.finish()]);
+    let all = pollster::block_on(ctx.read_f32(&buf, 0, host.len() as u64 * 4)).unwrap();
+    for i in 0..3 {
+        for j in 0..4 {
+            let want: f32 = (0..5).map(|x| a[i * 5 + x] * bm[x * 4 + j]).sum();
+            assert!((all[128 + i * 4 + j] - want).abs() < 1e-5, "c[{i}, {j}]");
+        }
+    }
+    for (i, (&x, &h)) in all.iter().zip(&host).enumerate() {
+        assert!((128..140).contains(&i) || x == h, "matmul changed element {i}");
+    }
+    let mut enc = ctx.device().create_command_encoder(&Default::default());
+    let r = wgpu_attention::record_matmul(
+        ctx,
+        &mut enc,
+        f(0, &[1, 3, 5]),
+        f(64, &[1, 5, 4]),
+        f(64, &[1, 3, 4]),
+        false,
+        1.0,
+    );
+    assert!(matches!(&r, Err(Error::BadBuffer { tensor: "c", .. })), "{r:?}");
+}

@@ -576,12 +576,37 @@ pub(crate) fn dispatch(
         params,
         wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::STORAGE,
     );
+    let aliased = aliased_outputs(spec, buffers)?;
+    let scratch: Vec<wgpu::Buffer> = aliased
+        .iter()
+        .map(|a| {
+            let buf = crate::buffers::create(
+                ctx,
+                "aliased output",
+                a.end - a.start,
+                wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            );
+            encoder.copy_buffer_to_buffer(a.buffer, a.start, &buf, 0, a.end - a.start);
+            buf
+        })
+        .collect();
     let mut entries: Vec<wgpu::BindGroupEntry> = buffers
         .iter()
         .enumerate()
-        .map(|(i, b)| wgpu::BindGroupEntry {
-            binding: i as u32,
-            resource: wgpu::BindingResource::Buffer(b.clone()),
+        .map(|(i, b)| {
+            let mut b = b.clone();
+            if let Some((a, s)) = aliased
+                .iter()
+                .zip(&scratch)
+                .find(|(a, _)| a.bindings.contains(&i))
+            {
+                b.offset -= a.start;
+                b.buffer = s;
+            }
+            wgpu::BindGroupEntry {
+                binding: i as u32,
+                resource: wgpu::BindingResource::Buffer(b),
+            }
         })
         .collect();
     entries.push(wgpu::BindGroupEntry {
@@ -593,14 +618,80 @@ pub(crate) fn dispatch(
         layout: &pipeline.layout,
         entries: &entries,
     });
-    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-        label: Some(spec.name),
-        timestamp_writes: None,
-    });
-    pass.set_pipeline(&pipeline.pipeline);
-    pass.set_bind_group(0, &bind_group, &[]);
-    pass.dispatch_workgroups(grid[0], grid[1], grid[2]);
+    {
+        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: Some(spec.name),
+            timestamp_writes: None,
+        });
+        pass.set_pipeline(&pipeline.pipeline);
+        pass.set_bind_group(0, &bind_group, &[]);
+        pass.dispatch_workgroups(grid[0], grid[1], grid[2]);
+    }
+    for (a, s) in aliased.iter().zip(&scratch) {
+        encoder.copy_buffer_to_buffer(s, 0, a.buffer, a.start, a.end - a.start);
+    }
     Ok(())
+}
+
+/// A buffer bound read-write in a dispatch that also binds it read-only (an output in
+/// another range of an input's buffer: a fused QKV buffer, a tensor allocator's pool), which
+/// wgpu refuses: its read-write bindings (`bindings`) go through one scratch copy of bytes
+/// `start..end` (the union of their ranges), copied in before the dispatch and back after.
+/// The bytes the kernel does not write are copied back as they were.
+struct Aliased<'b> {
+    buffer: &'b wgpu::Buffer,
+    start: u64,
+    end: u64,
+    bindings: Vec<usize>,
+}
+
+/// The read-write buffers of a dispatch that are also bound read-only (see [`Aliased`]).
+/// The entry points check such outputs before any GPU work
+/// ([`crate::buffers::check_aliasing`]); an internal misuse is an error here, not wgpu's panic.
+fn aliased_outputs<'b>(spec: &KernelSpec, buffers: &[wgpu::BufferBinding<'b>]) -> Result<Vec<Aliased<'b>>> {
+    let kind = |i: usize| spec.bindings[i];
+    let mut out: Vec<Aliased<'b>> = Vec::new();
+    for (i, b) in buffers.iter().enumerate() {
+        if kind(i) != Binding::ReadWrite || out.iter().any(|a| a.buffer == b.buffer) {
+            continue;
+        }
+        let read_too = buffers
+            .iter()
+            .enumerate()
+            .any(|(j, o)| kind(j) == Binding::Read && o.buffer == b.buffer);
+        if !read_too {
+            continue;
+        }
+        let need = wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
+        if !b.buffer.usage().contains(need) {
+            return Err(Error::BadBuffer {
+                tensor: "output",
+                reason: format!(
+                    "{}: an output shares its buffer with an input, and is written through a scratch copy, which needs COPY_SRC and COPY_DST usage",
+                    spec.name
+                ),
+            });
+        }
+        let bindings: Vec<usize> = (0..buffers.len())
+            .filter(|&j| kind(j) == Binding::ReadWrite && buffers[j].buffer == b.buffer)
+            .collect();
+        let range = |j: usize| {
+            let o = buffers[j].offset;
+            let size = buffers[j].size.map_or(b.buffer.size() - o, |s| s.get());
+            (o, o + size)
+        };
+        let start = bindings.iter().map(|&j| range(j).0).min().expect("one binding");
+        let end = bindings.iter().map(|&j| range(j).1).max().expect("one binding");
+        out.push(Aliased {
+            buffer: b.buffer,
+            start,
+            end: end
+                .next_multiple_of(wgpu::COPY_BUFFER_ALIGNMENT)
+                .min(b.buffer.size()),
+            bindings,
+        });
+    }
+    Ok(out)
 }
 
 /// Tiered compilation, for kernels whose fastest form compiles slowly on CPU adapters

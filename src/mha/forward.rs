@@ -437,6 +437,18 @@ impl<'p, 'a> Pass<'p, 'a> {
                         why: "the layer writes its output in its own format",
                     });
                 }
+                let inputs: Vec<(&'static str, &Tensor)> = [
+                    ("query", Some(&fwd.query)),
+                    ("key", fwd.key.as_ref()),
+                    ("value", fwd.value.as_ref()),
+                    ("query_heads", fwd.query_heads.as_ref()),
+                    ("key_heads", fwd.key_heads.as_ref()),
+                    ("value_heads", fwd.value_heads.as_ref()),
+                ]
+                .into_iter()
+                .filter_map(|(n, t)| t.map(|t| (n, t)))
+                .collect();
+                crate::buffers::check_aliasing(&[("output", t)], &inputs)?;
                 Some(Operand::check(ctx, "output", t)?)
             }
             None => None,

@@ -215,8 +215,9 @@ pub async fn matmul<'a>(
 
 /// [`matmul`] recorded into the caller's `encoder` (nothing is submitted), C written into the
 /// caller's buffer: `c` is a GPU tensor `[batch, M, N]` in any storage format
-/// (`Tensor::from_buffer(&buf, storage, &[batch, m, n])`, at an offset if wanted), in a buffer
-/// that holds neither A nor B. Host inputs are uploaded with `queue.write_buffer` (ordered before
+/// (`Tensor::from_buffer(&buf, storage, &[batch, m, n])`, at an offset if wanted), bytes that
+/// overlap neither A nor B (another range of their buffer is fine: it needs `COPY_SRC` and
+/// `COPY_DST` usage, see `docs/storage.md`). Host inputs are uploaded with `queue.write_buffer` (ordered before
 /// the encoder's commands once it is submitted). Everything is checked before anything is
 /// recorded.
 pub fn record_matmul<'a>(
@@ -245,14 +246,8 @@ pub fn record_matmul<'a>(
             reason: "the product is written into a GPU buffer: give c as Tensor::from_buffer".into(),
         });
     };
-    for (name, t) in [("a", &a), ("b", &b)] {
-        if matches!(&t.data, TensorData::Gpu { buffer: other, .. } if *other == *buffer) {
-            return Err(Error::BadBuffer {
-                tensor: "c",
-                reason: format!("c's buffer also holds {name}: the product needs a buffer of its own"),
-            });
-        }
-    }
+    let _ = buffer;
+    crate::buffers::check_aliasing(&[("c", &c)], &[("a", &a), ("b", &b)])?;
     // A GPU tensor: its own buffer, bound at its offset (nothing is uploaded).
     let c_buf = c_op.upload(ctx, "c");
     prod.record(ctx, encoder, c_buf.binding(), c_op.storage, alpha)

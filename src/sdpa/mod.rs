@@ -379,6 +379,13 @@ impl<'a> Sdpa<'a> {
                 _ => out = t.storage(),
             }
         }
+        if let Some(out) = &self.out {
+            let mut inputs = vec![("q", &self.q), ("k", &self.k), ("v", &self.v)];
+            if let Some(b) = &self.options.bias {
+                inputs.push(("bias", b));
+            }
+            crate::buffers::check_aliasing(&[("output", out)], &inputs)?;
+        }
         let mut p = p.with_storage(Formats {
             q,
             k: self.k.storage(),
