@@ -154,6 +154,25 @@ pub(crate) fn init(ctx: &Context, label: &str, contents: &[u8], usage: wgpu::Buf
     buffer
 }
 
+/// Constant inputs up to this size are cached by their bytes ([`constant`]).
+const CONSTANT_CACHED: usize = 64 << 10;
+
+/// A buffer of `usage` holding `contents` that nothing ever writes again (kernel parameters,
+/// key lengths, block tables, angles): one the context cached for the same bytes when there
+/// is one (see `kernels/cache.rs`), else a new one ([`init`]). Never bind it read-write.
+pub(crate) fn constant(
+    ctx: &Context,
+    label: &str,
+    contents: &[u8],
+    usage: wgpu::BufferUsages,
+) -> wgpu::Buffer {
+    if contents.len() > CONSTANT_CACHED {
+        return init(ctx, label, contents, usage);
+    }
+    ctx.cache()
+        .init(|| init(ctx, label, contents, usage), contents, usage)
+}
+
 /// An uninitialised buffer of `bytes` the kernels write and the host may read back or copy.
 pub(crate) fn output(ctx: &Context, label: &str, bytes: u64) -> wgpu::Buffer {
     use wgpu::BufferUsages as U;
@@ -179,7 +198,7 @@ pub(crate) fn create(ctx: &Context, label: &str, bytes: u64, usage: wgpu::Buffer
 
 /// The buffer bound where a kernel's optional input (mask, bias, key lengths) is absent.
 pub(crate) fn dummy(ctx: &Context) -> wgpu::Buffer {
-    storage_init(ctx, "wgpu-attention dummy", &[0u8; 16])
+    ctx.dummy().clone()
 }
 
 /// Which views an operand may be.

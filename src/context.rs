@@ -59,6 +59,8 @@ struct Inner {
     /// mask_mod block maps by source, captures and shape (`kernels::mod_map`), at most
     /// [`MOD_MAPS`] of them.
     mod_maps: Mutex<Vec<(u64, wgpu::Buffer)>>,
+    /// Parameter buffers, small constant inputs and bind groups a repeated call reuses.
+    cache: crate::kernels::cache::Cache,
 }
 
 /// The most mask_mod block maps a context keeps (the oldest go first).
@@ -255,6 +257,7 @@ impl Context {
                 subgroup: std::sync::OnceLock::new(),
                 dummy: std::sync::OnceLock::new(),
                 mod_maps: Mutex::new(Vec::new()),
+                cache: Default::default(),
             }),
             forms,
         }
@@ -302,6 +305,39 @@ impl Context {
                 mapped_at_creation: false,
             })
         })
+    }
+
+    /// The cache of parameter buffers, small constant inputs and bind groups.
+    pub(crate) fn cache(&self) -> &crate::kernels::cache::Cache {
+        &self.inner.cache
+    }
+
+    /// Bound the cache that lets a repeated call create no buffer, bind group or pipeline
+    /// (default [`CacheLimits::default`](crate::CacheLimits)): the kernels' parameter buffers
+    /// and small constant inputs (key lengths, block tables, RoPE angles) keyed by their bytes,
+    /// and bind groups keyed by the buffer ranges they bind. A cached bind group keeps the
+    /// buffers it binds alive (your buffers too, after you drop them) until it is evicted,
+    /// least recently used first, or [`release_cached`](Context::release_cached) is called.
+    /// Only what a call asks for a second time is kept, so one-off calls hold nothing.
+    /// Shared by the context's clones.
+    pub fn set_cache_limits(&self, limits: crate::CacheLimits) {
+        self.inner.cache.set_limits(limits);
+    }
+
+    /// Drop every cached parameter buffer, constant input and bind group (freeing the buffers
+    /// only they kept alive; the next calls create them again).
+    pub fn release_cached(&self) {
+        self.inner.cache.release();
+    }
+
+    /// What the cache holds now.
+    pub fn cache_stats(&self) -> crate::CacheStats {
+        let (bind_groups, buffers, bytes_held) = self.inner.cache.stats();
+        crate::CacheStats {
+            bind_groups,
+            buffers,
+            bytes_held,
+        }
     }
 
     /// The faults injected into this context.

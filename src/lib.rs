@@ -65,6 +65,7 @@ pub use faults::Fault;
 pub use forms::{BackwardForm, Caps, DecodeForm, Forms, FusedForm, MatmulForm};
 /// Re-exported: the half-precision host types ([`half::f16`], [`half::bf16`]).
 pub use half;
+pub use kernels::cache::{CacheLimits, CacheStats};
 pub use kv_cache::{KvCache, KvCacheConfig, SeqId, Step};
 pub use mha::{
     MhaBackward, MhaConfig, MhaForward, MhaGpuGrads, MhaGpuOutput, MhaGrads, MhaGradsInto, MhaOutput,

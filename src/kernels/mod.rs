@@ -10,6 +10,7 @@
 pub(crate) mod wgsl;
 pub(crate) mod access;
 pub(crate) mod backward;
+pub(crate) mod cache;
 pub(crate) mod decode;
 pub(crate) mod flash;
 pub(crate) mod matmul;
@@ -570,7 +571,7 @@ pub(crate) fn dispatch(
     let device = ctx.device();
     let pipeline = pipeline(ctx, spec, prelude, constants);
     // Either binding type (see `Context::params_in_storage`).
-    let uniform = crate::buffers::init(
+    let uniform = crate::buffers::constant(
         ctx,
         spec.name,
         params,
@@ -590,7 +591,7 @@ pub(crate) fn dispatch(
             buf
         })
         .collect();
-    let mut entries: Vec<wgpu::BindGroupEntry> = buffers
+    let mut entries: Vec<wgpu::BufferBinding> = buffers
         .iter()
         .enumerate()
         .map(|(i, b)| {
@@ -603,21 +604,11 @@ pub(crate) fn dispatch(
                 b.offset -= a.start;
                 b.buffer = s;
             }
-            wgpu::BindGroupEntry {
-                binding: i as u32,
-                resource: wgpu::BindingResource::Buffer(b),
-            }
+            b
         })
         .collect();
-    entries.push(wgpu::BindGroupEntry {
-        binding: buffers.len() as u32,
-        resource: uniform.as_entire_binding(),
-    });
-    let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
-        label: Some(spec.name),
-        layout: &pipeline.layout,
-        entries: &entries,
-    });
+    entries.push(uniform.as_entire_buffer_binding());
+    let bind_group = ctx.cache().bind_group(device, spec.name, &pipeline, &entries);
     {
         let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
             label: Some(spec.name),

@@ -38,6 +38,9 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         .as_ref()
         .map(|t| Operand::check_viewed(ctx, "output", t))
         .transpose()?;
+    if let Some(t) = &sdpa.lse_out {
+        Operand::check(ctx, "lse", t)?;
+    }
     let weights_bytes = f32_bytes(p.batch_heads() * p.seq_q * p.seq_kv);
     if sdpa.weights {
         fits(
@@ -63,7 +66,16 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
     let v = v.upload(ctx, "v");
     let bias = bias.map(|b| b.upload(ctx, "bias"));
     let dummy = dummy(ctx);
-    let lens_buf = aux_words(&p).map(|w| storage_init(ctx, "kv_lens", bytemuck::cast_slice(&w)));
+    // Constant (cached by its bytes) unless capture values are copied into it.
+    let lens_buf = aux_words(&p).map(|w| match sdpa.capture_buffers.is_empty() {
+        true => crate::buffers::constant(
+            ctx,
+            "kv_lens",
+            bytemuck::cast_slice(&w),
+            wgpu::BufferUsages::STORAGE,
+        ),
+        false => storage_init(ctx, "kv_lens", bytemuck::cast_slice(&w)),
+    });
     copy_capture_buffers(encoder, &p, &sdpa.capture_buffers, lens_buf.as_ref())?;
     let (mask_buf, map_at) = mask_binding(ctx, encoder, &p, packed_mask.as_ref(), mod_map)?;
     let out_up = out_op.as_ref().map(|o| o.upload(ctx, "output"));
@@ -71,7 +83,11 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         Some((b, off)) => (b.clone(), off),
         None => (output(ctx, "output", out_bytes), 0),
     };
-    let lse_buf = output(ctx, "lse", f32_bytes(p.batch_heads() * p.seq_q));
+    let lse_bytes = f32_bytes(p.batch_heads() * p.seq_q);
+    let (lse_buf, lse_off) = match sdpa.lse_out.as_ref().map(|t| &t.data) {
+        Some(crate::tensor::TensorData::Gpu { buffer, offset, .. }) => ((*buffer).clone(), *offset),
+        _ => (output(ctx, "lse", lse_bytes), 0),
+    };
     let weights_buf = sdpa.weights.then(|| output(ctx, "weights", weights_bytes));
 
     let io = Io {
@@ -87,7 +103,7 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         out: out_up
             .as_ref()
             .map_or_else(|| binding(&out_buf, 0, out_bytes), |u| u.binding()),
-        lse: &lse_buf,
+        lse: binding(&lse_buf, lse_off, lse_bytes),
         weights: weights_buf.as_ref(),
         dummy: &dummy,
     };
@@ -100,6 +116,7 @@ pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEnco
         output: out_buf,
         output_offset: out_off,
         lse: lse_buf,
+        lse_offset: lse_off,
         weights: weights_buf,
         problem: p,
     })
@@ -254,7 +271,7 @@ struct Io<'b> {
     mask: Option<(&'b wgpu::Buffer, [u32; 3])>,
     lens: Option<&'b wgpu::Buffer>,
     out: wgpu::BufferBinding<'b>,
-    lse: &'b wgpu::Buffer,
+    lse: wgpu::BufferBinding<'b>,
     weights: Option<&'b wgpu::Buffer>,
     dummy: &'b wgpu::Buffer,
     /// Where the mask_mod block map starts in binding 0 (words), when the kernels read one.
@@ -345,7 +362,7 @@ fn record_unfused(
                 i0,
                 rows: lc,
             };
-            let bindings = [mask, bias, lens, sc.clone(), io.lse.as_entire_buffer_binding()];
+            let bindings = [mask, bias, lens, sc.clone(), io.lse.clone()];
             softmax::record(ctx, encoder, (p, masks), bindings, chunk)?;
             // 3. the weights, if asked for: this chunk is one contiguous block of [BH, L, S]
             if let Some(w) = io.weights {
@@ -386,7 +403,7 @@ fn record_fused(
             hint: " (squared)",
         });
     }
-    let buffers = io.attention(io.out.clone(), io.lse.as_entire_buffer_binding());
+    let buffers = io.attention(io.out.clone(), io.lse.clone());
     flash::record(
         ctx,
         encoder,
@@ -432,8 +449,11 @@ fn record_decode(
         max * max,
         "max_compute_workgroups_per_dimension (squared)",
     )?;
-    let part_out = scratch(ctx, "decode partial outputs", part_bytes);
-    let part_lse = scratch(ctx, "decode partial lse", f32_bytes(cfg.splits * rows));
+    // Pooled by size: a repeated call allocates nothing (see `kernels/cache.rs`).
+    let pooled =
+        |label: &'static str, bytes: u64| ctx.cache().scratch(label, bytes, || scratch(ctx, label, bytes));
+    let part_out = pooled("decode partial outputs", part_bytes);
+    let part_lse = pooled("decode partial lse", f32_bytes(cfg.splits * rows));
     decode::record_decode(
         ctx,
         encoder,
@@ -471,7 +491,7 @@ fn record_decode(
             output: io.out.clone(),
             storage: p.storage.out,
             view: p.views.out.map(|v| (v, [p.q_heads, p.seq_q])),
-            lse: io.lse.as_entire_buffer_binding(),
+            lse: io.lse.clone(),
         },
         [rows, p.head_dim_v],
     )

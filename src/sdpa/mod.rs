@@ -97,9 +97,12 @@ pub struct GpuOutput {
     pub output: wgpu::Buffer,
     /// Byte offset of the output in [`GpuOutput::output`].
     pub output_offset: u64,
-    /// Row logsumexp `[B, Hq, L]` (f32). Always written: every path's kernels produce it on
-    /// the way (4 bytes a row); [`Sdpa::return_lse`] only decides whether `run` reads it back.
+    /// Row logsumexp `[B, Hq, L]` (f32; the caller's buffer with [`Sdpa::lse_into`]). Always
+    /// written: every path's kernels produce it on the way (4 bytes a row);
+    /// [`Sdpa::return_lse`] only decides whether `run` reads it back.
     pub lse: wgpu::Buffer,
+    /// Byte offset of the logsumexp in [`GpuOutput::lse`].
+    pub lse_offset: u64,
     /// Attention weights `[B, Hq, L, S]`, when requested.
     pub weights: Option<wgpu::Buffer>,
     /// The validated problem.
@@ -135,6 +138,8 @@ pub struct Sdpa<'a> {
     pub(crate) max_scores_bytes: Option<u64>,
     /// The caller's output tensor (a GPU buffer), if any.
     pub(crate) out: Option<Tensor<'a>>,
+    /// The caller's logsumexp tensor (a GPU buffer), if any.
+    pub(crate) lse_out: Option<Tensor<'a>>,
     pub(crate) out_storage: Option<Storage>,
     /// User captures whose values a GPU buffer holds (capture index, f32 buffer with
     /// `COPY_SRC` of at least the capture's length): copied into the capture table when the
@@ -198,6 +203,7 @@ impl<'a> Sdpa<'a> {
             lse: false,
             max_scores_bytes: None,
             out: None,
+            lse_out: None,
             out_storage: None,
             capture_buffers: Vec::new(),
             diag_shift: 0,
@@ -319,6 +325,18 @@ impl<'a> Sdpa<'a> {
         self
     }
 
+    /// Write the row logsumexp `[B, Hq, L]` (f32, dense) into a caller's GPU buffer
+    /// ([`Tensor::from_buffer`], `STORAGE` usage, at an offset that is a multiple of the
+    /// device's `min_storage_buffer_offset_alignment`). With [`output_into`](Sdpa::output_into)
+    /// too, a repeated call allocates nothing (see [`Context::set_cache_limits`]). Checked
+    /// before any GPU work like the output.
+    ///
+    /// [`Context::set_cache_limits`]: crate::Context::set_cache_limits
+    pub fn lse_into(mut self, lse: Tensor<'a>) -> Self {
+        self.lse_out = Some(lse);
+        self
+    }
+
     /// The caller's output buffer and byte offset, if one was given (validated by
     /// [`Sdpa::problem`]).
     pub(crate) fn out_buffer(&self) -> Option<(&'a wgpu::Buffer, u64)> {
@@ -379,12 +397,47 @@ impl<'a> Sdpa<'a> {
                 _ => out = t.storage(),
             }
         }
-        if let Some(out) = &self.out {
+        if let Some(t) = &self.lse_out {
+            let want = [p.batch, p.q_heads, p.seq_q];
+            let bad = |reason: &str| {
+                Err(Error::BadBuffer {
+                    tensor: "lse",
+                    reason: reason.into(),
+                })
+            };
+            if !matches!(t.data, crate::tensor::TensorData::Gpu { .. }) {
+                return bad("lse_into takes a GPU buffer (Tensor::from_buffer), not host data");
+            }
+            if t.view.is_set() {
+                return bad("the logsumexp is written dense [B, Hq, L]: no layout, capacity or strides");
+            }
+            if t.shape != want {
+                return Err(Error::ShapeMismatch {
+                    tensor: "lse",
+                    expected: want.to_vec(),
+                    actual: t.shape.clone(),
+                });
+            }
+            if t.storage() != Storage::F32 {
+                return Err(Error::StorageMismatch {
+                    tensor: "lse",
+                    expected: Storage::F32,
+                    actual: t.storage(),
+                    why: "the logsumexp is f32",
+                });
+            }
+        }
+        let outputs: Vec<(&'static str, &Tensor)> =
+            [("output", self.out.as_ref()), ("lse", self.lse_out.as_ref())]
+                .into_iter()
+                .filter_map(|(n, t)| t.map(|t| (n, t)))
+                .collect();
+        if !outputs.is_empty() {
             let mut inputs = vec![("q", &self.q), ("k", &self.k), ("v", &self.v)];
             if let Some(b) = &self.options.bias {
                 inputs.push(("bias", b));
             }
-            crate::buffers::check_aliasing(&[("output", out)], &inputs)?;
+            crate::buffers::check_aliasing(&outputs, &inputs)?;
         }
         let mut p = p.with_storage(Formats {
             q,
@@ -488,7 +541,7 @@ impl<'a> Sdpa<'a> {
         let output = read_output(ctx, &gpu).await?;
         let lse = if self.lse {
             let v = ctx
-                .read_f32(&gpu.lse, 0, f32_bytes(p.batch_heads() * p.seq_q))
+                .read_f32(&gpu.lse, gpu.lse_offset, f32_bytes(p.batch_heads() * p.seq_q))
                 .await?;
             Some(Array3::from_shape_vec((p.batch, p.q_heads, p.seq_q), v).expect("lse length"))
         } else {

@@ -1,0 +1,223 @@
+//! A call repeated with the same buffers and shapes creates nothing on the GPU after its first
+//! times: its parameter buffers, constant inputs (key lengths), scratch and bind groups come
+//! from the context's cache, counted by wgpu's own counters of buffers, bind groups and
+//! pipelines. And the cache is never wrong: two different calls in one encoder each read their
+//! own values, a dropped and reallocated buffer is never served from a stale binding, and the
+//! bytes the cache keeps alive stay within its bound.
+
+mod common;
+
+use common::*;
+use ndarray::Array4;
+use wgpu_attention::wgpu::{self, util::DeviceExt};
+use wgpu_attention::{reference, CacheLimits, Causal, Context, Options, Sdpa, Storage, Tensor};
+
+/// wgpu's live buffers, bind groups and compute pipelines on `ctx`'s device.
+fn counts(ctx: &Context) -> [isize; 3] {
+    let c = ctx.device().get_internal_counters();
+    [
+        c.hal.buffers.read(),
+        c.hal.bind_groups.read(),
+        c.hal.compute_pipelines.read(),
+    ]
+}
+
+fn gpu(ctx: &Context, data: &[f32]) -> wgpu::Buffer {
+    ctx.device()
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("steady state"),
+            contents: bytemuck::cast_slice(data),
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+        })
+}
+
+fn out_buffer(ctx: &Context, elems: usize) -> wgpu::Buffer {
+    gpu(ctx, &vec![0.0; elems])
+}
+
+/// q `[B, Hq, L, E]`, k and v `[B, Hkv, S, E]` on the host and in GPU buffers.
+struct Inputs {
+    q: Array4<f32>,
+    k: Array4<f32>,
+    v: Array4<f32>,
+    bufs: [wgpu::Buffer; 3],
+}
+
+impl Inputs {
+    fn new(ctx: &Context, l: usize, seed: u64) -> Inputs {
+        let mut r = rng(seed);
+        let q: Array4<f32> = rand_array(&mut r, (2, 8, l, 32));
+        let k: Array4<f32> = rand_array(&mut r, (2, 2, 90, 32));
+        let v: Array4<f32> = rand_array(&mut r, (2, 2, 90, 32));
+        let bufs = [&q, &k, &v].map(|x| gpu(ctx, x.as_slice().unwrap()));
+        Inputs { q, k, v, bufs }
+    }
+
+    fn call<'a>(&'a self, out: &'a wgpu::Buffer, lse: &'a wgpu::Buffer, lens: &'a [usize]) -> Sdpa<'a> {
+        let t = |i: usize, x: &Array4<f32>| Tensor::from_buffer(&self.bufs[i], Storage::F32, x.shape());
+        let l = self.q.dim().2;
+        Sdpa::new(t(0, &self.q), t(1, &self.k), t(2, &self.v))
+            .causal(Causal::BottomRight)
+            .kv_lens(lens)
+            .output_into(Tensor::from_buffer(out, Storage::F32, &[2, 8, l, 32]))
+            .lse_into(Tensor::from_buffer(lse, Storage::F32, &[2, 8, l]))
+    }
+
+    fn check(&self, ctx: &Context, out: &wgpu::Buffer, lens: &[usize], label: &str) {
+        let opts = Options {
+            causal: Causal::BottomRight,
+            kv_lens: Some(lens.to_vec()),
+            ..Options::default()
+        };
+        let want = reference::sdpa(self.q.view(), self.k.view(), self.v.view(), &opts).unwrap();
+        let got = pollster::block_on(ctx.read_f32(out, 0, out.size())).unwrap();
+        assert_report(
+            wgpu_attention::check::compare(got.iter().copied(), want.out.iter().copied(), TOL),
+            label,
+        );
+    }
+}
+
+/// Decode (L = 1) and a prefill chunk (L = 16) with the outputs in the caller's buffers, and
+/// `record_matmul`: the first calls create what they need, then 10 identical calls recorded
+/// into one unsubmitted encoder create no buffer, bind group or pipeline; their results are
+/// right once submitted.
+#[test]
+fn repeated_calls_create_no_gpu_objects() {
+    let Some(_) = ctx() else { return };
+    let ctx = &Context::new_blocking().unwrap();
+    let before_any = counts(ctx);
+    for l in [1, 16] {
+        let x = Inputs::new(ctx, l, l as u64);
+        let (out, lse) = (out_buffer(ctx, 2 * 8 * l * 32), out_buffer(ctx, 2 * 8 * l));
+        let lens = [70, 90];
+        for _ in 0..3 {
+            let mut enc = ctx.device().create_command_encoder(&Default::default());
+            x.call(&out, &lse, &lens).record(ctx, &mut enc).unwrap();
+            ctx.queue().submit([enc.finish()]);
+        }
+        let warm = counts(ctx);
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        for _ in 0..10 {
+            x.call(&out, &lse, &lens).record(ctx, &mut enc).unwrap();
+        }
+        assert_eq!(
+            counts(ctx),
+            warm,
+            "L = {l}: [buffers, bind groups, pipelines] grew over 10 identical calls"
+        );
+        ctx.queue().submit([enc.finish()]);
+        x.check(ctx, &out, &lens, &format!("L = {l}"));
+    }
+    assert!(
+        counts(ctx)[0] > before_any[0],
+        "wgpu's counters are off: the test would not see an allocation"
+    );
+    // record_matmul into the caller's buffer.
+    let (a, b, c) = (
+        gpu(ctx, &[0.5; 6 * 8]),
+        gpu(ctx, &[0.25; 8 * 5]),
+        out_buffer(ctx, 6 * 5),
+    );
+    let mm = |enc: &mut wgpu::CommandEncoder| {
+        wgpu_attention::record_matmul(
+            ctx,
+            enc,
+            Tensor::from_buffer(&a, Storage::F32, &[1, 6, 8]),
+            Tensor::from_buffer(&b, Storage::F32, &[1, 8, 5]),
+            Tensor::from_buffer(&c, Storage::F32, &[1, 6, 5]),
+            false,
+            1.0,
+        )
+        .unwrap()
+    };
+    for _ in 0..3 {
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        mm(&mut enc);
+        ctx.queue().submit([enc.finish()]);
+    }
+    let warm = counts(ctx);
+    let mut enc = ctx.device().create_command_encoder(&Default::default());
+    for _ in 0..10 {
+        mm(&mut enc);
+    }
+    assert_eq!(
+        counts(ctx),
+        warm,
+        "record_matmul: [buffers, bind groups, pipelines] grew"
+    );
+    ctx.queue().submit([enc.finish()]);
+    let got = pollster::block_on(ctx.read_f32(&c, 0, c.size())).unwrap();
+    assert!(got.iter().all(|&x| (x - 1.0).abs() < 1e-6), "{got:?}");
+}
+
+/// Two calls that differ only in their key lengths, recorded one after the other into one
+/// encoder (each also cached from earlier calls): each reads its own lengths
+/// (`queue.write_buffer` lands at submit, before every command of the encoder, so one reused
+/// parameter buffer would give both the last call's).
+#[test]
+fn two_calls_in_one_encoder_keep_their_own_values() {
+    let Some(ctx) = ctx() else { return };
+    let x = Inputs::new(ctx, 3, 5);
+    let outs = [0, 1].map(|_| (out_buffer(ctx, 2 * 8 * 3 * 32), out_buffer(ctx, 2 * 8 * 3)));
+    let lens = [[40, 90], [90, 13]];
+    for round in 0..3 {
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        for ((out, lse), lens) in outs.iter().zip(&lens) {
+            x.call(out, lse, lens).record(ctx, &mut enc).unwrap();
+        }
+        ctx.queue().submit([enc.finish()]);
+        for ((out, _), lens) in outs.iter().zip(&lens) {
+            x.check(ctx, out, lens, &format!("round {round}, lens {lens:?}"));
+        }
+    }
+}
+
+/// A buffer dropped and a new one allocated (the same size, other contents) is read as the
+/// new one: the cache's bind groups hold the buffers they bind, so the new buffer is a new
+/// key; and the bytes the cache keeps alive stay within its bound while a caller allocates new
+/// output buffers in a loop; `release_cached` frees them.
+#[test]
+fn cache_is_never_stale_and_stays_bounded() {
+    let Some(_) = ctx() else { return };
+    let ctx = &Context::new_blocking().unwrap();
+    let lens = [90, 90];
+    for seed in 0..3 {
+        let x = Inputs::new(ctx, 2, 100 + seed);
+        let (out, lse) = (out_buffer(ctx, 2 * 8 * 2 * 32), out_buffer(ctx, 2 * 8 * 2));
+        for _ in 0..2 {
+            x.call(&out, &lse, &lens).run_blocking(ctx).unwrap();
+        }
+        x.check(ctx, &out, &lens, &format!("inputs {seed}"));
+    }
+    let limit = 1 << 20;
+    ctx.set_cache_limits(CacheLimits {
+        entries: 64,
+        bytes: limit,
+    });
+    let x = Inputs::new(ctx, 1, 7);
+    for i in 0..24 {
+        // 256 KiB outputs, each used twice (so that the cache keeps its bind groups).
+        let (out, lse) = (out_buffer(ctx, 64 << 10), out_buffer(ctx, 2 * 8));
+        let o = Tensor::from_buffer(&out, Storage::F32, &[2, 8, 1, 32]);
+        for _ in 0..2 {
+            x.call(&out, &lse, &lens)
+                .output_into(o.clone())
+                .run_blocking(ctx)
+                .unwrap();
+        }
+        let held = ctx.cache_stats().bytes_held;
+        assert!(
+            held <= limit,
+            "call {i}: the cache holds {held} bytes, over its {limit}"
+        );
+        assert!(ctx.cache_stats().bind_groups <= 64);
+    }
+    assert!(
+        ctx.cache_stats().bytes_held > 0,
+        "nothing was cached: the bound was not tested"
+    );
+    ctx.release_cached();
+    let s = ctx.cache_stats();
+    assert_eq!((s.bind_groups, s.buffers, s.bytes_held), (0, 0, 0));
+}
