@@ -125,6 +125,9 @@ pub struct PagedAttention<'a> {
     shared_prefix: bool,
     prefix_splits: Option<usize>,
     layout: crate::PagedLayout,
+    /// The caller's output and logsumexp buffers, if given.
+    out: Option<Tensor<'a>>,
+    lse_out: Option<Tensor<'a>>,
 }
 
 /// The fewest shared keys for which the cascade is used: below, the extra calls and the merge
@@ -143,10 +146,15 @@ pub struct PagedOutput {
 /// [`PagedAttention::record`]'s results on the device.
 #[derive(Debug)]
 pub struct GpuPagedOutput {
-    /// The output `[T, Hq, Ev]` in q's storage format.
+    /// The output `[T, Hq, Ev]` in q's storage format (the caller's buffer with
+    /// [`PagedAttention::output_into`]).
     pub output: wgpu::Buffer,
+    /// Byte offset of the output in [`GpuPagedOutput::output`].
+    pub output_offset: u64,
     /// The logsumexp of each query row `[T, Hq]` (f32; -inf for a row with no allowed key).
     pub lse: wgpu::Buffer,
+    /// Byte offset of the logsumexp in [`GpuPagedOutput::lse`].
+    pub lse_offset: u64,
     /// The shared prefixes read once (see [`PagedAttention::shared_prefix`]).
     pub shared: Vec<SharedPrefix>,
 }
@@ -193,7 +201,77 @@ impl<'a> PagedAttention<'a> {
             shared_prefix: true,
             prefix_splits: None,
             layout,
+            out: None,
+            lse_out: None,
         }
+    }
+
+    /// Write the packed output `[T, Hq, Ev]` (dense, in q's format) into a caller's GPU buffer
+    /// ([`Tensor::from_buffer`], `STORAGE` and `COPY_DST` usage, at an offset that is a
+    /// multiple of the device's `min_storage_buffer_offset_alignment`). With
+    /// [`lse_into`](PagedAttention::lse_into) too, a repeated call allocates nothing but its
+    /// new key lengths' constants (see `docs/storage.md`). Checked before any GPU work.
+    pub fn output_into(mut self, out: Tensor<'a>) -> Self {
+        self.out = Some(out);
+        self
+    }
+
+    /// Write the logsumexp `[T, Hq]` (f32, dense) into a caller's GPU buffer (as
+    /// [`output_into`](PagedAttention::output_into)).
+    pub fn lse_into(mut self, lse: Tensor<'a>) -> Self {
+        self.lse_out = Some(lse);
+        self
+    }
+
+    /// The caller's output and logsumexp, checked (shape, format, dense, a GPU buffer, no
+    /// overlap with the inputs or each other) before any GPU work.
+    fn check_outputs(&self, ctx: &Context, [t, hq, ev]: [usize; 3]) -> Result<()> {
+        for (name, x, shape, st) in [
+            ("output", &self.out, vec![t, hq, ev], self.q.storage()),
+            ("lse", &self.lse_out, vec![t, hq], crate::Storage::F32),
+        ] {
+            let Some(x) = x else { continue };
+            let bad = |reason: &str| {
+                Err(Error::BadBuffer {
+                    tensor: name,
+                    reason: reason.into(),
+                })
+            };
+            if !matches!(x.data, TensorData::Gpu { .. }) {
+                return bad("a paged call writes into a GPU buffer (Tensor::from_buffer), not host data");
+            }
+            if x.view.is_set() {
+                return bad("a paged call writes it dense (packed by token): no layout, capacity or strides");
+            }
+            if x.shape != shape {
+                return Err(Error::ShapeMismatch {
+                    tensor: name,
+                    expected: shape,
+                    actual: x.shape.clone(),
+                });
+            }
+            if x.storage() != st {
+                return Err(Error::StorageMismatch {
+                    tensor: name,
+                    expected: st,
+                    actual: x.storage(),
+                    why: "a paged call's output is in q's format, its logsumexp f32",
+                });
+            }
+            crate::buffers::Operand::check(ctx, name, x)?;
+            let TensorData::Gpu { buffer, .. } = &x.data else {
+                unreachable!("checked")
+            };
+            if !buffer.usage().contains(wgpu::BufferUsages::COPY_DST) {
+                return bad("the buffer needs COPY_DST usage (the logsumexp rows are copied into place)");
+            }
+        }
+        let outputs: Vec<(&'static str, &Tensor)> =
+            [("output", self.out.as_ref()), ("lse", self.lse_out.as_ref())]
+                .into_iter()
+                .filter_map(|(n, x)| x.map(|x| (n, x)))
+                .collect();
+        crate::buffers::check_aliasing(&outputs, &[("q", &self.q), ("k", &self.k), ("v", &self.v)])
     }
 
     /// The caches' block size.
@@ -371,9 +449,9 @@ impl<'a> PagedAttention<'a> {
         let ([_, hq, e], _, groups) = self.check()?;
         let max_blocks = self.table.len() / self.seq_lens.len();
         for &(s0, nseq, n) in &groups {
-            let zeros = vec![0f32; nseq * hq * n * e];
+            // q's shape alone: the problem reads no data (no host copy of q's size).
             let mut call = Sdpa::new(
-                Tensor::from_slice(&zeros, &[nseq, hq, n, e]),
+                Tensor::from_slice::<f32>(&[], &[nseq, hq, n, e]),
                 self.k.clone(),
                 self.v.clone(),
             )
@@ -442,9 +520,33 @@ impl<'a> PagedAttention<'a> {
             }
             None => self.rope,
         };
-        let out = output(ctx, "paged output", st.bytes(t * hq * ev).next_multiple_of(16));
-        let lse = output(ctx, "paged lse", f32_bytes(t * hq).next_multiple_of(16));
+        self.check_outputs(ctx, [t, hq, ev])?;
+        let given = |x: &Option<Tensor<'a>>| match x.as_ref().map(|x| &x.data) {
+            Some(TensorData::Gpu { buffer, offset, .. }) => Some(((*buffer).clone(), *offset)),
+            _ => None,
+        };
+        let (out, out_off) = given(&self.out).unwrap_or_else(|| {
+            (
+                output(ctx, "paged output", st.bytes(t * hq * ev).next_multiple_of(16)),
+                0,
+            )
+        });
+        let (lse, lse_off) = given(&self.lse_out).unwrap_or_else(|| {
+            (
+                output(ctx, "paged lse", f32_bytes(t * hq).next_multiple_of(16)),
+                0,
+            )
+        });
         let cascades = self.cascade_scratch(ctx, &shared, &first_token, [hq, ev]);
+        // Each call's logsumexp `[seqs, Hq, n]`, before it is placed by rows (token, head): one
+        // pooled scratch the calls use in turn.
+        let lse_rows = cascades
+            .iter()
+            .map(|c| (c.splits * c.tokens * hq).max(c.tokens * hq))
+            .fold(t * hq, usize::max);
+        let call_lse = ctx.cache().scratch("paged call lse", f32_bytes(lse_rows), || {
+            output(ctx, "paged call lse", f32_bytes(lse_rows))
+        });
         let mut in_shared = vec![false; b];
         for c in &cascades {
             in_shared[c.share.first..c.share.first + c.share.sequences].fill(true);
@@ -457,10 +559,25 @@ impl<'a> PagedAttention<'a> {
                 .at_offset(qoff + st.bytes(token * ts))
                 .with_strides(&[if repeat { 0 } else { n * ts }, hs, ts, 1])
         };
-        let mut calls = self.alone_calls(&q_at, &in_shared, &first_token, (&out, st), &lse, rope, [hq, ev]);
+        let mut calls = self.alone_calls(
+            &q_at,
+            &in_shared,
+            &first_token,
+            (&out, out_off, st),
+            (&lse, lse_off),
+            rope,
+            [hq, ev],
+        );
         for c in &cascades {
             calls.extend(self.cascade_calls(&q_at, c, &first_token, [hq, ev]));
         }
+        let calls: Vec<Call> = calls
+            .into_iter()
+            .map(|(call, dst, row, [nseq, h, n])| {
+                let lse = Tensor::from_buffer(&call_lse, crate::Storage::F32, &[nseq, h, n]);
+                (call.lse_into(lse), dst, row, [nseq, h, n])
+            })
+            .collect();
         // Everything checked before anything is recorded.
         for (call, ..) in &calls {
             call.plan(ctx)?;
@@ -468,16 +585,18 @@ impl<'a> PagedAttention<'a> {
         if let (Some(buf), Some(r)) = (&rotated, &self.rope) {
             self.rotate_q(ctx, encoder, buf, r, [t, hq, e])?;
         }
-        for (call, dst, row, dims) in &calls {
+        for (call, (dst, off), row, dims) in &calls {
             let g = call.record(ctx, encoder)?;
-            place_lse(ctx, encoder, &g.lse, *dims, dst, *row)?;
+            place_lse(ctx, encoder, &g.lse, *dims, (dst, *off), *row)?;
         }
         for c in &cascades {
-            c.merge(ctx, encoder, (&out, st), &lse, [hq, ev])?;
+            c.merge(ctx, encoder, (&out, out_off, st), (&lse, lse_off), [hq, ev])?;
         }
         Ok(GpuPagedOutput {
             output: out,
+            output_offset: out_off,
             lse,
+            lse_offset: lse_off,
             shared,
         })
     }
@@ -490,8 +609,10 @@ impl<'a> PagedAttention<'a> {
         let gpu = ctx
             .submit("wgpu-attention paged", |enc| self.record(ctx, enc))
             .await?;
-        let out = ctx.read_as_f32(&gpu.output, 0, t * hq * ev, st).await?;
-        let lse = ctx.read_f32(&gpu.lse, 0, f32_bytes(t * hq)).await?;
+        let out = ctx
+            .read_as_f32(&gpu.output, gpu.output_offset, t * hq * ev, st)
+            .await?;
+        let lse = ctx.read_f32(&gpu.lse, gpu.lse_offset, f32_bytes(t * hq)).await?;
         let lse = Array2::from_shape_vec((t, hq), lse).expect("lse length");
         Ok(PagedOutput {
             output: Array3::from_shape_vec((t, hq, ev), out).expect("output length"),
@@ -705,7 +826,7 @@ impl PagedAttention<'_> {
 
 /// A call of [`PagedAttention::record`] and where its logsumexp `[seqs, Hq, n]` goes: the
 /// buffer, its first row `(token, head)`, and the dims.
-type Call<'b> = (Sdpa<'b>, &'b wgpu::Buffer, usize, [usize; 3]);
+type Call<'b> = (Sdpa<'b>, (&'b wgpu::Buffer, u64), usize, [usize; 3]);
 
 impl<'a> PagedAttention<'a> {
     /// The calls of the sequences read alone (not `in_shared`): runs of equal query counts,
@@ -716,8 +837,8 @@ impl<'a> PagedAttention<'a> {
         q_at: &impl Fn(usize, usize, usize, bool) -> Tensor<'b>,
         in_shared: &[bool],
         first_token: &[usize],
-        (out, st): (&'b wgpu::Buffer, crate::Storage),
-        lse: &'b wgpu::Buffer,
+        (out, out_off, st): (&'b wgpu::Buffer, u64, crate::Storage),
+        lse: (&'b wgpu::Buffer, u64),
         rope: Option<Rope>,
         [hq, ev]: [usize; 2],
     ) -> Vec<Call<'b>> {
@@ -736,7 +857,7 @@ impl<'a> PagedAttention<'a> {
             let nseq = end - s;
             let token = first_token[s];
             let o = Tensor::from_buffer(out, st, &[nseq, hq, n, ev])
-                .at_offset(st.bytes(token * hq * ev))
+                .at_offset(out_off + st.element_bytes() * (token * hq * ev) as u64)
                 .with_strides(&[n * hq * ev, ev, hq * ev, 1]);
             let call = Sdpa::new(q_at(token, nseq, n, false), self.k.clone(), self.v.clone())
                 .options(self.options.clone())
@@ -789,7 +910,7 @@ impl<'a> PagedAttention<'a> {
         .options(prefix)
         .over_pages(&c.prefix_table, &c.prefix_lens, self.layout)
         .output_into(o);
-        calls.push((call, &c.lses, 0, [splits, hq, tokens]));
+        calls.push((call, (&c.lses, 0), 0, [splits, hq, tokens]));
         debug_assert_eq!(c.prefix_lens.iter().sum::<usize>(), keys);
         // Each sequence over its tail, by runs of equal query counts (the sink logits here).
         let mut tail = self.options.clone();
@@ -816,7 +937,7 @@ impl<'a> PagedAttention<'a> {
                 )
                 .path(self.path)
                 .output_into(o);
-            calls.push((call, &c.lses, splits * rows + row, [nseq, hq, n]));
+            calls.push((call, (&c.lses, 0), splits * rows + row, [nseq, hq, n]));
             s = end;
         }
         calls
@@ -853,8 +974,8 @@ impl Cascade {
         &self,
         ctx: &Context,
         encoder: &mut wgpu::CommandEncoder,
-        (out, st): (&wgpu::Buffer, crate::Storage),
-        lse: &wgpu::Buffer,
+        (out, out_off, st): (&wgpu::Buffer, u64, crate::Storage),
+        (lse, lse_off): (&wgpu::Buffer, u64),
         [hq, ev]: [usize; 2],
     ) -> Result<()> {
         let rows = self.tokens * hq;
@@ -873,7 +994,7 @@ impl Cascade {
                 // Rows (token, head) of the packed output.
                 view: Some((
                     crate::view::View {
-                        offset: self.token0 * hq * ev,
+                        offset: (out_off / st.element_bytes()) as usize + self.token0 * hq * ev,
                         strides: [rows * ev, hq * ev, ev, 1],
                     },
                     [self.tokens, hq],
@@ -882,7 +1003,13 @@ impl Cascade {
             },
             [rows, ev],
         )?;
-        encoder.copy_buffer_to_buffer(&self.merged, 0, lse, f32_bytes(self.token0 * hq), f32_bytes(rows));
+        encoder.copy_buffer_to_buffer(
+            &self.merged,
+            0,
+            lse,
+            lse_off + f32_bytes(self.token0 * hq),
+            f32_bytes(rows),
+        );
         Ok(())
     }
 }
@@ -919,15 +1046,17 @@ fn place_lse(
     encoder: &mut wgpu::CommandEncoder,
     src: &wgpu::Buffer,
     [nseq, hq, n]: [usize; 3],
-    dst: &wgpu::Buffer,
+    (dst, dst_off): (&wgpu::Buffer, u64),
     row: usize,
 ) -> Result<()> {
     let bytes = f32_bytes(nseq * hq * n);
     if n == 1 || hq == 1 {
-        encoder.copy_buffer_to_buffer(src, 0, dst, f32_bytes(row), bytes);
+        encoder.copy_buffer_to_buffer(src, 0, dst, dst_off + f32_bytes(row), bytes);
         return Ok(());
     }
-    let rows = output(ctx, "paged lse rows", bytes);
+    let rows = ctx
+        .cache()
+        .scratch("paged lse rows", bytes, || output(ctx, "paged lse rows", bytes));
     crate::ops::copy::record(
         ctx,
         encoder,
@@ -938,7 +1067,7 @@ fn place_lse(
         (rows.as_entire_buffer_binding(), crate::Storage::F32),
         [nseq, n, hq, 1],
     )?;
-    encoder.copy_buffer_to_buffer(&rows, 0, dst, f32_bytes(row), bytes);
+    encoder.copy_buffer_to_buffer(&rows, 0, dst, dst_off + f32_bytes(row), bytes);
     Ok(())
 }
 

@@ -221,3 +221,93 @@ fn cache_is_never_stale_and_stays_bounded() {
     let s = ctx.cache_stats();
     assert_eq!((s.bind_groups, s.buffers, s.bytes_held), (0, 0, 0));
 }
+
+/// `PagedAttention` (a ragged batch: a chunk of 5 beside two decode queries) with its output
+/// and logsumexp in the caller's buffers, at offsets: the same result as `run`, and repeated
+/// calls create nothing.
+#[test]
+fn paged_calls_into_the_callers_buffers() {
+    let Some(_) = ctx() else { return };
+    let ctx = &Context::new_blocking().unwrap();
+    use wgpu_attention::{PagedAttention, PagedLayout, Pages};
+    let mut r = rng(3);
+    let (hq, hkv, e, bs) = (4, 2, 16, 4);
+    let k: ndarray::Array4<f32> = rand_array(&mut r, (12, bs, hkv, e));
+    let v: ndarray::Array4<f32> = rand_array(&mut r, (12, bs, hkv, e));
+    let q: ndarray::Array3<f32> = rand_array(&mut r, (7, hq, e));
+    let table = [0, 1, 2, 3, 4, 5, 6, -1, 8, 9, 10, -1];
+    let (q_lens, seq_lens) = ([5, 1, 1], [13, 9, 11]);
+    let bufs = [
+        k.as_slice().unwrap(),
+        v.as_slice().unwrap(),
+        q.as_slice().unwrap(),
+    ]
+    .map(|x| gpu(ctx, x));
+    let (out, lse) = (out_buffer(ctx, 64 + 7 * hq * e), out_buffer(ctx, 128 + 7 * hq));
+    let call = |into: bool| {
+        let pages = Pages::new(
+            Tensor::from_buffer(&bufs[0], Storage::F32, k.shape()),
+            Tensor::from_buffer(&bufs[1], Storage::F32, v.shape()),
+            PagedLayout::TokenMajor,
+        );
+        let c = PagedAttention::new(
+            Tensor::from_buffer(&bufs[2], Storage::F32, q.shape()),
+            &q_lens,
+            pages,
+            &table,
+            &seq_lens,
+        )
+        .causal(Causal::BottomRight);
+        match into {
+            true => c
+                .output_into(Tensor::from_buffer(&out, Storage::F32, &[7, hq, e]).at_offset(256))
+                .lse_into(Tensor::from_buffer(&lse, Storage::F32, &[7, hq]).at_offset(512)),
+            false => c,
+        }
+    };
+    let want = call(false).run_blocking(ctx).unwrap();
+    for _ in 0..3 {
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        call(true).record(ctx, &mut enc).unwrap();
+        ctx.queue().submit([enc.finish()]);
+    }
+    let warm = counts(ctx);
+    let mut enc = ctx.device().create_command_encoder(&Default::default());
+    for _ in 0..10 {
+        call(true).record(ctx, &mut enc).unwrap();
+    }
+    assert_eq!(
+        counts(ctx),
+        warm,
+        "PagedAttention: [buffers, bind groups, pipelines] grew"
+    );
+    ctx.queue().submit([enc.finish()]);
+    let got = pollster::block_on(ctx.read_f32(&out, 256, (7 * hq * e * 4) as u64)).unwrap();
+    let got_lse = pollster::block_on(ctx.read_f32(&lse, 512, (7 * hq * 4) as u64)).unwrap();
+    for (a, b) in got
+        .iter()
+        .zip(want.output.iter())
+        .chain(got_lse.iter().zip(want.lse.iter()))
+    {
+        assert!((a - b).abs() <= 1e-6 * (1.0 + b.abs()), "{a} vs {b}");
+    }
+    // An output that is host data, of another shape, or over q: typed errors.
+    let bad = call(false).output_into(Tensor::from_buffer(&bufs[2], Storage::F32, &[7, hq, e]));
+    let mut enc = ctx.device().create_command_encoder(&Default::default());
+    let r = bad.record(ctx, &mut enc).map(|_| ());
+    assert!(
+        matches!(&r, Err(wgpu_attention::Error::BadBuffer { tensor: "output", .. })),
+        "{r:?}"
+    );
+    let r = call(false)
+        .lse_into(Tensor::from_buffer(&lse, Storage::F32, &[7, hq + 1]))
+        .record(ctx, &mut enc)
+        .map(|_| ());
+    assert!(
+        matches!(
+            &r,
+            Err(wgpu_attention::Error::ShapeMismatch { tensor: "lse", .. })
+        ),
+        "{r:?}"
+    );
+}

@@ -5,6 +5,7 @@
 //! Inputs are uploaded once as GPU storage buffers, so a timed [`Sdpa::run`] measures the
 //! kernels and the readback of the output, not the upload.
 
+pub mod host;
 pub mod mha;
 
 use ndarray::Array4;
