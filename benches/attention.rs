@@ -1,8 +1,9 @@
 //! Criterion benchmarks of [`Sdpa::run_blocking`] on the small and medium named shapes, one
 //! group per shape and one benchmark per concrete [`Path`], plus the backward (`fused-bwd`,
 //! `unfused-bwd`, on the forward's saved output and logsumexp, FLOPs counted as 2.5x the
-//! forward's); and of multi-head attention layers (whole forward pass, its projection /
-//! attention / output stages, and the layer's backward).
+//! forward's); of multi-head attention layers (whole forward pass, its projection /
+//! attention / output stages, and the layer's backward); and (`host`) of the host time `record`
+//! takes per call of a generation loop.
 //!
 //! Inputs are uploaded once as GPU storage buffers; each iteration records and submits the
 //! kernels, waits for the GPU and reads the output back (as the CLI's `bench` does).
@@ -183,5 +184,45 @@ fn layers(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, attention, layers);
+/// The host time of `record` per call of a generation loop (`wgpu_attention::shapes::host`:
+/// decode, a 16-query chunk, a ragged paged batch, a 32-layer `KvCache` step per layer), the
+/// inputs in GPU buffers made once and the outputs in the caller's. Each iteration records into
+/// an encoder that is dropped unsubmitted (the device polled every 8), so no GPU work shares
+/// the cores with the timing.
+fn host(c: &mut Criterion) {
+    use wgpu_attention::shapes::host::{HostBench, HostCall};
+    let Ok(ctx) = Context::new_blocking() else {
+        eprintln!("skipping host benchmarks: no GPU context");
+        return;
+    };
+    let mut bench = match HostBench::new(&ctx) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("skipping host benchmarks: {e}");
+            return;
+        }
+    };
+    let mut group = c.benchmark_group("host");
+    settings(&mut group);
+    for call in HostCall::ALL {
+        group.bench_function(call.name(), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let mut enc = ctx.device().create_command_encoder(&Default::default());
+                for i in 0..iters {
+                    let (s, calls) = bench.record(&ctx, &mut enc, call).expect("record");
+                    total += Duration::from_secs_f64(s / calls as f64);
+                    if (i + 1) % 8 == 0 {
+                        enc = ctx.device().create_command_encoder(&Default::default());
+                        let _ = ctx.device().poll(wgpu_attention::wgpu::PollType::Poll);
+                    }
+                }
+                total
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, attention, layers, host);
 criterion_main!(benches);

@@ -267,5 +267,69 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "append: {:.0} tokens/s ({LAYERS} layers, K rotated, 1024 tokens per call)",
         rates.iter().sum::<f64>() / rates.len().max(1) as f64
     );
+    gpu_loop(&ctx, &mut cache)?;
+    Ok(())
+}
+
+/// The decode loop as it runs when the model lives on the GPU: 4 sequences of a 64-token
+/// prompt, 64 steps of one token each, every layer's append and attention recorded from and
+/// into GPU buffers (the projections' stand-ins), the outputs into the caller's buffers.
+/// Timed twice: with the last layer's output read back every step (a host-side sampler), and
+/// with no readback until the end (a GPU sampler: the host only records and submits).
+fn gpu_loop(ctx: &Context, cache: &mut KvCache) -> Result<(), Box<dyn std::error::Error>> {
+    use wgpu_attention::wgpu;
+    let buf = |elems: usize| {
+        let b = ctx.device().create_buffer(&wgpu::BufferDescriptor {
+            label: Some("gpu loop"),
+            size: (elems * 4) as u64,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        ctx.queue()
+            .write_buffer(&b, 0, bytemuck::cast_slice(&vec![0.1f32; elems]));
+        b
+    };
+    let (kv, q, out, lse) = (buf(4 * HKV * E), buf(4 * HQ * E), buf(4 * HQ * E), buf(4 * HQ));
+    for readback in [true, false] {
+        let seqs: Vec<SeqId> = (0..4).map(|_| cache.add_sequence()).collect();
+        let prompt: Vec<(SeqId, usize)> = seqs.iter().map(|&s| (s, 64)).collect();
+        let step = cache.reserve(&prompt)?;
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        let big = Array3::<f32>::from_elem((256, HKV, E), 0.1);
+        for l in 0..LAYERS {
+            cache.append(ctx, &mut enc, &step, l, &Tensor::from(&big), &Tensor::from(&big))?;
+        }
+        ctx.queue().submit([enc.finish()]);
+        ctx.device().poll(wgpu::PollType::wait_indefinitely())?;
+        let started = Instant::now();
+        let steps = 64;
+        for _ in 0..steps {
+            let step = cache.reserve(&seqs.iter().map(|&s| (s, 1)).collect::<Vec<_>>())?;
+            let mut enc = ctx.device().create_command_encoder(&Default::default());
+            for l in 0..LAYERS {
+                let t = Tensor::from_buffer(&kv, Storage::F32, &[4, HKV, E]);
+                cache.append(ctx, &mut enc, &step, l, &t, &t)?;
+                cache
+                    .attention(&step, l, Tensor::from_buffer(&q, Storage::F32, &[4, HQ, 1, E]))?
+                    .output_into(Tensor::from_buffer(&out, Storage::F32, &[4, HQ, 1, E]))
+                    .lse_into(Tensor::from_buffer(&lse, Storage::F32, &[4, HQ, 1]))
+                    .record(ctx, &mut enc)?;
+            }
+            ctx.queue().submit([enc.finish()]);
+            if readback {
+                pollster::block_on(ctx.read_f32(&out, 0, out.size()))?;
+            }
+        }
+        ctx.device().poll(wgpu::PollType::wait_indefinitely())?;
+        let secs = started.elapsed().as_secs_f64();
+        println!(
+            "GPU-resident decode loop, {}: {:.0} tokens/s ({steps} steps of 4 sequences, {LAYERS} layers, 64 to 128 keys)",
+            if readback { "output read back every step" } else { "no readback until the end" },
+            4.0 * steps as f64 / secs
+        );
+        for s in seqs {
+            cache.free_sequence(s)?;
+        }
+    }
     Ok(())
 }

@@ -6,7 +6,7 @@
 //! against the CPU reference, on `--threads` threads sharing one context. It prints the
 //! process's resident memory, the device's buffer memory, its live buffers, the pipeline
 //! cache's size and the distinct shapes so far, every `--every` calls, then the growth of each
-//! after the first cycle (the warm-up). It exits with status 1 if any grew by more than
+//! after the first two cycles (the warm-up). It exits with status 1 if any grew by more than
 //! `--max-growth` percent, 101 (a panic naming the call) on an error or a wrong answer.
 //!
 //! `--new-dims-every K` makes one call in K use a head-dim pair drawn from 1 to 96: more
@@ -26,7 +26,7 @@ struct Args {
     /// Calls in all.
     #[arg(long, default_value_t = 10_000)]
     calls: usize,
-    /// Different calls, cycled through (the first cycle is the warm-up).
+    /// Different calls, cycled through (the first two cycles are the warm-up).
     #[arg(long, default_value_t = 1_000)]
     distinct: usize,
     /// Threads sharing the context.

@@ -325,7 +325,10 @@ impl Context {
     }
 
     /// Drop every cached parameter buffer, constant input and bind group (freeing the buffers
-    /// only they kept alive; the next calls create them again).
+    /// only they kept alive; the next calls create them again). The crate's own calls
+    /// (`run` and the other calls that submit themselves) forget what a failed call
+    /// cached by themselves; after a device error that your own error scope caught around a
+    /// `record` (an out-of-memory makes invalid buffers), call this.
     pub fn release_cached(&self) {
         self.inner.cache.release();
     }
@@ -462,11 +465,14 @@ impl Context {
         let internal = device.push_error_scope(wgpu::ErrorFilter::Internal);
         let oom = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let validation = device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let mark = self.inner.cache.mark();
         let result = f();
         let v = validation.pop().await;
         let o = oom.pop().await;
         let i = internal.pop().await;
         if crate::faults::Injector::take_pending_oom() {
+            // A buffer made in the scope may be invalid: nothing cached in it is kept.
+            self.inner.cache.forget_since(mark);
             return Err(Error::OutOfMemory(
                 "injected fault: a buffer allocation failed".into(),
             ));
@@ -474,6 +480,7 @@ impl Context {
         // A buffer that could not be allocated is invalid, and so is every use of it: report
         // the out-of-memory, not the validation errors that follow from it.
         if let Some(e) = o.or(v).or(i) {
+            self.inner.cache.forget_since(mark);
             // A lost device makes every command invalid: report the cause, not the symptom.
             self.check_lost_now()?;
             return Err(e.into());

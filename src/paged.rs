@@ -578,15 +578,19 @@ impl<'a> PagedAttention<'a> {
                 (call.lse_into(lse), dst, row, [nseq, h, n])
             })
             .collect();
-        // Everything checked before anything is recorded.
+        // Everything checked before anything is recorded, each call planned once.
+        let caps = ctx.caps();
+        let mut planned = Vec::with_capacity(calls.len());
         for (call, ..) in &calls {
-            call.plan(ctx)?;
+            let p = call.problem()?;
+            let plan = crate::Plan::new(&p, &call.request(), &caps)?;
+            planned.push((p, plan));
         }
         if let (Some(buf), Some(r)) = (&rotated, &self.rope) {
             self.rotate_q(ctx, encoder, buf, r, [t, hq, e])?;
         }
-        for (call, (dst, off), row, dims) in &calls {
-            let g = call.record(ctx, encoder)?;
+        for ((call, (dst, off), row, dims), (p, plan)) in calls.iter().zip(planned) {
+            let g = crate::sdpa::forward::record_planned(call, ctx, encoder, p, plan)?;
             place_lse(ctx, encoder, &g.lse, *dims, (dst, *off), *row)?;
         }
         for c in &cascades {

@@ -1,9 +1,10 @@
 //! The soak's short form (`examples/soak.rs` runs the long one): 100 different mixed calls
 //! (every path, mask kind, format and direction, the shared layer; random batch, heads and
 //! lengths over three head-dim pairs) made three times over by two threads on one context,
-//! every result checked against the reference. After the first pass (the warm-up) the
-//! process's memory, the device's buffer memory and its live buffers stay flat (under 5%
-//! growth), and no kernel is compiled again. `WGPU_ATTENTION_SOAK_CALLS` sets the calls
+//! every result checked against the reference. After the first two passes (the warm-up: the
+//! first compiles the kernels, the second fills the context's cache of what a call asks for a
+//! second time) the process's memory, the device's buffer memory and its live buffers stay flat
+//! (under 5% growth), and no kernel is compiled again. `WGPU_ATTENTION_SOAK_CALLS` sets the calls
 //! (default 300).
 
 mod common;

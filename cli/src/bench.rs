@@ -72,6 +72,13 @@ pub(crate) struct BenchArgs {
     /// `adopted`: with `Context::from_device` alone): `scripts/bench_vs.sh device` compares them.
     #[arg(long, value_enum, default_value = "crate")]
     device: crate::DeviceKind,
+    /// Instead of the table: the host microseconds `record` takes per call of a generation
+    /// loop (median of this many calls after as many warm-up calls): decode and a 16-query
+    /// chunk over 4096 f16 keys in `[B, S, H, E]` buffers, a ragged paged batch, and a 32-layer
+    /// `KvCache` token step per layer (`decode_step_32l`), every input in GPU buffers made once
+    /// and the outputs in the caller's buffers (`wgpu_attention::shapes::host`).
+    #[arg(long, value_name = "CALLS")]
+    host: Option<usize>,
 }
 
 /// `bench`: the table of timings.
@@ -84,6 +91,22 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
     };
     let ctx = crate::context_on(a.device)?;
     println!("adapter: {}", ctx.describe());
+    if let Some(calls) = a.host {
+        use wgpu_attention::shapes::host::{median_us, HostBench, HostCall};
+        let calls = calls.max(8);
+        let mut bench = HostBench::new(&ctx)?;
+        println!("host microseconds per record (median; no GPU work runs beside it)");
+        for call in HostCall::ALL {
+            let n = if call == HostCall::KvStep {
+                calls.div_ceil(8).max(8)
+            } else {
+                calls
+            };
+            let us = median_us(&ctx, &mut bench, call, n, n)?;
+            println!("{:<18} {us:8.1} us  (median of {n})", call.name());
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let gpu_time = a.gpu_time && ctx.has_gpu_timer();
     if a.gpu_time && !gpu_time {
         println!("--gpu-time: this adapter has no timestamp queries (TIMESTAMP_QUERY); wall time only");

@@ -70,11 +70,14 @@ struct Group {
     group: wgpu::BindGroup,
     _pipeline: Arc<Pipeline>,
     used: u64,
+    /// The tick it was cached at ([`Cache::forget_since`]).
+    made: u64,
 }
 
 struct Init {
     buffer: wgpu::Buffer,
     used: u64,
+    made: u64,
 }
 
 #[derive(Default)]
@@ -228,6 +231,7 @@ impl Cache {
                 Init {
                     buffer: buffer.clone(),
                     used: tick,
+                    made: tick,
                 },
             );
             s.evict();
@@ -283,6 +287,7 @@ impl Cache {
                     group: group.clone(),
                     _pipeline: pipeline.clone(),
                     used: tick,
+                    made: tick,
                 },
             );
             s.evict();
@@ -316,10 +321,37 @@ impl Cache {
             Init {
                 buffer: buffer.clone(),
                 used: tick,
+                made: tick,
             },
         );
         s.evict();
         buffer
+    }
+
+    /// The tick now: what is cached from here on can be forgotten with
+    /// [`forget_since`](Cache::forget_since).
+    pub(crate) fn mark(&self) -> u64 {
+        self.lock().tick + 1
+    }
+
+    /// Forget what was cached since `mark` (a call that failed may have made invalid buffers:
+    /// an allocation that ran out of memory gives an invalid buffer, not an error, until its
+    /// error scope is popped). What was cached before stays.
+    pub(crate) fn forget_since(&self, mark: u64) {
+        let mut s = self.lock();
+        s.inits.retain(|_, i| i.made < mark);
+        s.scratch.retain(|_, i| i.made < mark);
+        let gone: Vec<GroupKey> = s
+            .groups
+            .iter()
+            .filter(|(_, g)| g.made >= mark)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in gone {
+            s.groups.remove(&k);
+            let bufs: Vec<wgpu::Buffer> = k.ranges.into_iter().map(|r| r.0).collect();
+            s.unhold(&bufs);
+        }
     }
 
     /// Set the bounds (evicting down to them).

@@ -18,6 +18,18 @@ use super::{GpuOutput, Sdpa};
 pub(crate) fn record(sdpa: &Sdpa, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<GpuOutput> {
     let p = sdpa.problem()?;
     let plan = Plan::new(&p, &sdpa.request(), &ctx.caps())?;
+    record_planned(sdpa, ctx, encoder, p, plan)
+}
+
+/// [`record`] with the problem and plan made already (by a caller that checked every call of
+/// a batch before recording any: `PagedAttention`).
+pub(crate) fn record_planned(
+    sdpa: &Sdpa,
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    p: Problem,
+    plan: Plan,
+) -> Result<GpuOutput> {
     let max_binding = ctx.max_binding();
     let binding_limit = "max_storage_buffer_binding_size";
 

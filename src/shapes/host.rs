@@ -24,6 +24,7 @@ use crate::{
 };
 
 /// One of the measured calls (see the module docs).
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostCall {
     /// Decode, one query row per sequence.

@@ -178,9 +178,10 @@ impl SoakPoint {
 /// What a soak makes: `calls` mixed calls on `threads` threads sharing one context and one
 /// layer, cycling through `distinct` different calls (call n is call n mod `distinct`: its
 /// shape drawn by `shapes` from `seed`, its path, mask kind, format and direction from its
-/// number), with figures every `every` calls. The first cycle is the warm-up (every kernel the
-/// cycle needs compiled); the cycles after it repeat its calls, so every byte they add is a
-/// leak, or a recompilation when the cycle needs more kernels than the cache holds.
+/// number), with figures every `every` calls. The first [`WARM_CYCLES`] cycles are the warm-up
+/// (every kernel the cycle needs compiled, the context's cache filled); the cycles after them
+/// repeat their calls, so every byte they add is a leak, or a recompilation when the cycle
+/// needs more kernels than the cache holds.
 #[derive(Debug, Clone)]
 pub struct SoakOptions {
     pub calls: usize,
@@ -214,6 +215,10 @@ impl Soak {
     }
 }
 
+/// Cycles of the distinct calls that warm up: the first compiles every kernel, the second
+/// fills the context's cache (kept from a call's second time on).
+pub const WARM_CYCLES: usize = 2;
+
 /// Run the soak `o` on `ctx`; `print` sees each point as it is taken (after the device has
 /// gone idle). Panics, naming the call, on an error or a wrong answer.
 pub fn soak(ctx: &Context, o: &SoakOptions, print: &dyn Fn(&SoakPoint)) -> Soak {
@@ -239,9 +244,10 @@ pub fn soak(ctx: &Context, o: &SoakOptions, print: &dyn Fn(&SoakPoint)) -> Soak 
     let mut warm = None;
     let mut done = 0;
     while done < o.calls {
-        // Batches end at the end of the warm-up cycle.
-        let to_warm = if done < distinct {
-            distinct - done
+        // Batches end at the end of the warm-up: two cycles, as the context caches what a
+        // call asks for a second time (parameter buffers, constant inputs, bind groups).
+        let to_warm = if done < WARM_CYCLES * distinct {
+            WARM_CYCLES * distinct - done
         } else {
             usize::MAX
         };
@@ -264,7 +270,7 @@ pub fn soak(ctx: &Context, o: &SoakOptions, print: &dyn Fn(&SoakPoint)) -> Soak 
         let p = point(done, shapes.lock().unwrap().len());
         print(&p);
         points.push(p);
-        if done == distinct {
+        if done == WARM_CYCLES * distinct {
             warm = Some(points.len() - 1);
         }
     }

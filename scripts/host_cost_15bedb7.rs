@@ -1,0 +1,242 @@
+// The host-cost program of examples/host_cost.rs written against the API of 15bedb7 (the build
+// before the generation-loop work: `reserve` takes an encoder, `PagedAttention::new` takes the
+// two caches, no `lse_into`), with wgpu_attention::shapes::host inlined, so that
+// scripts/host_cost_vs.sh can time the same calls on that build. Not part of the crate.
+
+use clap::Parser;
+// The calls of a token-by-token generation loop whose host cost (the time `record` takes on
+// the CPU) is measured: by `wgpu-attention bench --host`, `examples/host_cost.rs` and the
+// criterion group `host`. Every input lives in GPU buffers made once; only what a real loop
+// changes changes between calls (the key lengths grow).
+//
+// - [`HostCall::Decode`]: q `[4, 32, 1, 128]` f32 over K/V `[4, 8, 4096, 128]` f16 read in place
+//   from `[B, S, H, E]` buffers ([`wgpu_attention::TensorLayout::Bshe`]), bottom-right causal with key
+//   lengths, the output and logsumexp into the caller's buffers.
+// - [`HostCall::Chunk`]: the same with 16 queries.
+// - [`HostCall::Paged`]: a [`wgpu_attention::PagedAttention`] of 4 sequences, `q_lens` `[16, 1, 1,
+//   1]`, Hq 8, Hkv 2, E 64, blocks of 16, about 500 keys each.
+// - [`HostCall::KvStep`]: one token step of 4 sequences on a 32-layer [`wgpu_attention::KvCache`] of
+//   that shape (a reserve, then per layer an append and an attention); its time is per layer.
+
+
+
+#[derive(Parser)]
+struct Args {
+    /// Calls timed per call kind (after as many warm-up calls, at least 8).
+    #[arg(long, default_value_t = 200)]
+    calls: usize,
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let ctx = Context::new_blocking()?;
+    println!("adapter: {}", ctx.describe());
+    let mut bench = HostBench::new(&ctx)?;
+    for call in HostCall::ALL {
+        let n = if call == HostCall::KvStep { args.calls.div_ceil(8) } else { args.calls };
+        let us = median_us(&ctx, &mut bench, call, n.max(8), n)?;
+        println!("{:<18} {us:8.1} us host per call (median of {n})", call.name());
+    }
+    Ok(())
+}
+
+use std::time::Instant;
+
+
+use wgpu::util::DeviceExt;
+
+use wgpu_attention::wgpu;
+use wgpu_attention::{Causal, Context, KvCache, KvCacheConfig, PagedAttention, Result, Sdpa, SeqId, Storage, Tensor, TensorLayout};
+
+/// One of the measured calls (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostCall {
+    /// Decode, one query row per sequence.
+    Decode,
+    /// A prefill chunk of 16 queries per sequence.
+    Chunk,
+    /// A ragged paged batch.
+    Paged,
+    /// A `KvCache` token step over 32 layers (per layer).
+    KvStep,
+}
+
+impl HostCall {
+    /// Every call, in the order reported.
+    pub const ALL: [HostCall; 4] = [HostCall::Decode, HostCall::Chunk, HostCall::Paged, HostCall::KvStep];
+
+    /// The name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            HostCall::Decode => "decode_record",
+            HostCall::Chunk => "chunk16_record",
+            HostCall::Paged => "paged_record",
+            HostCall::KvStep => "kv_step_per_layer",
+        }
+    }
+}
+
+fn buffer(ctx: &Context, label: &str, bytes: usize) -> wgpu::Buffer {
+    // Small values (0.01): any content serves for timing the host.
+    let words = vec![0x211e_211eu32; bytes.div_ceil(4)];
+    ctx.device().create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        label: Some(label),
+        contents: bytemuck::cast_slice(&words),
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+    })
+}
+
+/// The buffers of every measured call, made once.
+pub struct HostBench {
+    q: wgpu::Buffer,
+    kv: [wgpu::Buffer; 2],
+    out: wgpu::Buffer,
+    lse: wgpu::Buffer,
+    paged_q: wgpu::Buffer,
+    pages: [wgpu::Buffer; 2],
+    table: Vec<i32>,
+    cache: KvCache,
+    seqs: Vec<SeqId>,
+    new_kv: wgpu::Buffer,
+    step_q: wgpu::Buffer,
+    calls: usize,
+}
+
+/// Sequences, K/V heads, head dim and layers of the paged calls.
+const PAGED: [usize; 4] = [4, 2, 64, 32];
+
+impl HostBench {
+    /// Allocate every call's buffers on `ctx` (about 140 MB).
+    pub fn new(ctx: &Context) -> Result<HostBench> {
+        let [nseq, hkv, e, layers] = PAGED;
+        let blocks = nseq * 34;
+        let mut cache = KvCache::new(
+            ctx,
+            KvCacheConfig {
+                layers,
+                kv_heads: hkv,
+                head_dim: e,
+                head_dim_v: e,
+                block_size: 16,
+                num_blocks: blocks + nseq * 8,
+                storage: Storage::F16,
+                rope: None,
+            },
+        )?;
+        let seqs: Vec<SeqId> = (0..nseq).map(|_| cache.add_sequence()).collect();
+        // Prompts of about 500 keys.
+        let prompt = buffer(ctx, "prompt kv", 2 * 500 * nseq * hkv * e);
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        let step = cache.reserve(ctx, &mut enc, &seqs.iter().map(|&s| (s, 500)).collect::<Vec<_>>())?;
+        let t = Tensor::from_buffer(&prompt, Storage::F16, &[500 * nseq, hkv, e]);
+        for l in 0..layers {
+            cache.append(ctx, &mut enc, &step, l, &t, &t)?;
+        }
+        ctx.queue().submit([enc.finish()]);
+        // The prompts written before anything is timed (a CPU adapter runs them on the cores
+        // the timing shares).
+        ctx.device()
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| wgpu_attention::Error::Validation(format!("poll: {e}")))?;
+        let max_blocks = 34;
+        let table: Vec<i32> = (0..nseq * max_blocks).map(|i| i as i32).collect();
+        Ok(HostBench {
+            q: buffer(ctx, "q", 4 * 32 * 16 * 128 * 4),
+            kv: [0, 1].map(|_| buffer(ctx, "kv", 4 * 4096 * 8 * 128 * 2)),
+            out: buffer(ctx, "out", 4 * 32 * 16 * 128 * 4),
+            lse: buffer(ctx, "lse", 4 * 32 * 16 * 4),
+            paged_q: buffer(ctx, "paged q", 19 * 8 * e * 2),
+            pages: [0, 1].map(|_| buffer(ctx, "pages", blocks * 16 * hkv * e * 2)),
+            table,
+            cache,
+            seqs,
+            new_kv: buffer(ctx, "new kv", nseq * hkv * e * 2),
+            step_q: buffer(ctx, "step q", nseq * 8 * e * 2),
+            calls: 0,
+        })
+    }
+
+    /// Record one `call` into `encoder` (a `KvStep`: its 32 layers), the key lengths moved on
+    /// from the last call. Returns the host seconds `record` took and the calls it counts
+    /// (32 for a `KvStep`, else 1).
+    pub fn record(&mut self, ctx: &Context, encoder: &mut wgpu::CommandEncoder, call: HostCall) -> Result<(f64, usize)> {
+        self.calls += 1;
+        let grow = self.calls % 64;
+        match call {
+            HostCall::Decode | HostCall::Chunk => {
+                let l = if call == HostCall::Decode { 1 } else { 16 };
+                let lens: Vec<usize> = (0..4).map(|b| 4000 + b * 8 + grow % 32).collect();
+                let t0 = Instant::now();
+                let kv = |i: usize| {
+                    Tensor::from_buffer(&self.kv[i], Storage::F16, &[4, 8, 4096, 128]).with_layout(TensorLayout::Bshe)
+                };
+                Sdpa::new(Tensor::from_buffer(&self.q, Storage::F32, &[4, 32, l, 128]), kv(0), kv(1))
+                    .causal(Causal::BottomRight)
+                    .kv_lens(&lens)
+                    .output_into(Tensor::from_buffer(&self.out, Storage::F32, &[4, 32, l, 128]))
+                    .record(ctx, encoder)?;
+                Ok((t0.elapsed().as_secs_f64(), 1))
+            }
+            HostCall::Paged => {
+                let [nseq, hkv, e, _] = PAGED;
+                let lens: Vec<usize> = (0..nseq).map(|s| 480 + s * 5 + grow % 32).collect();
+                let t0 = Instant::now();
+                PagedAttention::new(
+                    Tensor::from_buffer(&self.paged_q, Storage::F16, &[19, 8, e]),
+                    &[16, 1, 1, 1],
+                    Tensor::from_buffer(&self.pages[0], Storage::F16, &[nseq * 34, 16, hkv, e]),
+                    Tensor::from_buffer(&self.pages[1], Storage::F16, &[nseq * 34, 16, hkv, e]),
+                    &self.table,
+                    &lens,
+                )
+                .causal(Causal::BottomRight)
+                .record(ctx, encoder)?;
+                Ok((t0.elapsed().as_secs_f64(), 1))
+            }
+            HostCall::KvStep => {
+                let [nseq, hkv, e, layers] = PAGED;
+                let t0 = Instant::now();
+                // Keep the sequences short of the cache's end: free and re-add them now and then.
+                if self.cache.free_blocks() < nseq {
+                    for s in std::mem::take(&mut self.seqs) {
+                        self.cache.free_sequence(s)?;
+                    }
+                    self.seqs = (0..nseq).map(|_| self.cache.add_sequence()).collect();
+                }
+                let step = self.cache.reserve(ctx, encoder, &self.seqs.iter().map(|&s| (s, 1)).collect::<Vec<_>>())?;
+                let kv = Tensor::from_buffer(&self.new_kv, Storage::F16, &[nseq, hkv, e]);
+                for l in 0..layers {
+                    self.cache.append(ctx, encoder, &step, l, &kv, &kv)?;
+                    self.cache
+                        .attention(&step, l, Tensor::from_buffer(&self.step_q, Storage::F16, &[nseq, 8, 1, e]))?
+                        .causal(Causal::BottomRight)
+                        .record(ctx, encoder)?;
+                }
+                Ok((t0.elapsed().as_secs_f64(), layers))
+            }
+        }
+    }
+}
+
+/// The median host µs per call of `call` over `n` calls after `warm`, recorded 8 to an
+/// encoder that is then dropped unsubmitted (the device polled, which frees what it held): the
+/// host's cost alone, with no GPU work running
+/// beside it (a CPU adapter would share the cores).
+pub fn median_us(ctx: &Context, bench: &mut HostBench, call: HostCall, warm: usize, n: usize) -> Result<f64> {
+    let mut times = Vec::with_capacity(n);
+    let mut enc = ctx.device().create_command_encoder(&Default::default());
+    for i in 0..warm + n {
+        let (s, calls) = bench.record(ctx, &mut enc, call)?;
+        if i >= warm {
+            times.push(s * 1e6 / calls as f64);
+        }
+        if (i + 1) % 8 == 0 {
+            enc = ctx.device().create_command_encoder(&Default::default());
+            // wgpu frees what dropped encoders held when the device is polled, as a loop's
+            // submits and waits would.
+            let _ = ctx.device().poll(wgpu::PollType::Poll);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
