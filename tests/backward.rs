@@ -429,3 +429,26 @@ fn bottom_right_with_kv_lens_aligns_to_each_batch() {
         check(ctx, &case, path, "bottom-right kv_lens");
     }
 }
+
+/// A relative bias by position (`q_pos`, the query's position among the keys) in the
+/// backward: L != S and key lengths per batch, so that `q_pos(b, i) = kv_lens[b] - L + i`
+/// differs from `i`; the gradients on both paths against the reference, which reads the
+/// positions through `Captures::q_pos`.
+#[test]
+fn relative_bias_by_position_in_the_backward() {
+    let Some(ctx) = ctx() else { return };
+    let mut case = Case::random((2, 2, 1, 5, 11, 8, 8), 48).with_causal(wgpu_attention::Causal::BottomRight);
+    case.kv_lens = Some(vec![11, 8]);
+    case.user_mod = Some(
+        wgpu_attention::UserMod::wgsl(
+            "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
+                 return s - 0.25 * abs(f32(j) - f32(q_pos(b, i)));
+             }
+             fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return 1.0; }",
+        )
+        .cpu_score(|s, [b, _, i, j], c| s - 0.25 * (j as f64 - c.q_pos(b, i) as f64).abs()),
+    );
+    for path in PATHS {
+        check(ctx, &case, path, "relative bias by q_pos");
+    }
+}
