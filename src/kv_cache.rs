@@ -665,68 +665,33 @@ fn element_bytes(s: Storage, i: u64) -> u64 {
 }
 
 /// An appended K or V `[T, Hkv, E]`: host data or a dense buffer, or a buffer's view with
-/// strides (copied dense before the append kernel reads it).
-struct Source<'a> {
+/// strides ([`crate::view::packed_rows`]), copied dense before the append kernel reads it.
+struct Source<'t, 'a> {
     name: &'static str,
-    /// The tensor as given (dense), or its view as `[1, T, Hkv, E]` with strides `[0, t, h, 1]`.
-    tensor: Tensor<'a>,
-    strided: bool,
+    tensor: &'t Tensor<'a>,
+    /// The view as `[1, T, Hkv, E]` ([`crate::view::rows_view`]) when it has strides.
+    rows: Option<Tensor<'a>>,
 }
 
-impl<'a> Source<'a> {
+impl<'t, 'a> Source<'t, 'a> {
     /// Check `x` (shape `dims`, already matched) against its buffer before any GPU work.
-    fn check(ctx: &Context, name: &'static str, x: &Tensor<'a>, [t, h, e]: [usize; 3]) -> Result<Self> {
-        let spec = &x.view;
-        let strided = match (&x.data, spec.strides.as_deref()) {
-            (crate::tensor::TensorData::Gpu { .. }, Some(st)) if x.misuse.is_none() => {
-                let bad = |reason: String| Err(Error::BadBuffer { tensor: name, reason });
-                if spec.layout.is_some() || spec.capacity.is_some() {
-                    return bad(format!(
-                        "the appended {name} is [T, Hkv, E]: give its strides (three), not a layout or capacity"
-                    ));
-                }
-                let &[ts, hs, es] = st else {
-                    return bad(format!(
-                        "the appended {name} is [T, Hkv, E] and takes three strides, not {} ({st:?})",
-                        st.len()
-                    ));
-                };
-                if es != 1 {
-                    return bad(format!(
-                        "{name}'s head-dim stride is {es}: rows must be contiguous (stride 1)"
-                    ));
-                }
-                let crate::tensor::TensorData::Gpu {
-                    buffer,
-                    offset,
-                    storage,
-                } = &x.data
-                else {
-                    unreachable!("matched above")
-                };
-                Some(
-                    Tensor::from_buffer(buffer, *storage, &[1, t, h, e])
-                        .at_offset(*offset)
-                        .with_strides(&[0, ts, hs, 1]),
-                )
-            }
-            _ => None,
-        };
-        let source = Source {
-            name,
-            strided: strided.is_some(),
-            tensor: strided.unwrap_or_else(|| x.clone()),
-        };
-        source.operand(ctx)?;
-        Ok(source)
-    }
-
-    fn operand<'t>(&'t self, ctx: &Context) -> Result<Operand<'t, 'a>> {
-        if self.strided {
-            Operand::check_viewed(ctx, self.name, &self.tensor)
-        } else {
-            Operand::check(ctx, self.name, &self.tensor)
+    fn check(ctx: &Context, name: &'static str, x: &'t Tensor<'a>, dims: [usize; 3]) -> Result<Self> {
+        let strides = crate::view::packed_rows(name, x, dims)?;
+        let rows = x
+            .view
+            .strides
+            .is_some()
+            .then(|| crate::view::rows_view(x, dims, strides))
+            .flatten();
+        match &rows {
+            Some(viewed) => Operand::check_viewed(ctx, name, viewed).map(|_| ())?,
+            None => Operand::check(ctx, name, x).map(|_| ())?,
         }
+        Ok(Source {
+            name,
+            tensor: x,
+            rows,
+        })
     }
 
     /// The rows dense on the device: the upload or the caller's dense buffer, or a strided
@@ -737,28 +702,18 @@ impl<'a> Source<'a> {
         encoder: &mut wgpu::CommandEncoder,
         label: &str,
     ) -> Result<crate::buffers::Uploaded<'a>> {
-        let op = self.operand(ctx)?;
-        let up = op.upload(ctx, label);
-        if !self.strided {
-            return Ok(up);
-        }
-        let st = self.tensor.storage();
-        let dims: [usize; 4] = self.tensor.shape.as_slice().try_into().expect("4-D view");
-        let elems: usize = dims.iter().product();
-        let bytes = st.bytes(elems).next_multiple_of(4);
-        let dense = crate::buffers::output(ctx, label, bytes);
-        let crate::tensor::TensorData::Gpu { offset, .. } = &self.tensor.data else {
-            unreachable!("a strided source is a GPU buffer")
+        let Some(viewed) = &self.rows else {
+            return Ok(Operand::check(ctx, self.name, self.tensor)?.upload(ctx, label));
         };
-        let strides = self.tensor.view.strides.as_deref().expect("strided");
-        let at = (offset % crate::view::BIND_ALIGN / st.element_bytes()) as usize;
-        crate::ops::copy::record(
+        let st = viewed.storage();
+        let bytes = st.bytes(viewed.shape.iter().product());
+        let dense = crate::buffers::output(ctx, label, bytes);
+        crate::ops::copy::gather_rows(
             ctx,
             encoder,
-            &crate::ops::copy::Strided::new((up.binding(), st), strides.try_into().expect("4 strides"))
-                .at(at),
+            self.name,
+            viewed,
             (dense.as_entire_buffer_binding(), st),
-            dims,
         )?;
         Ok(crate::buffers::Uploaded::Owned(dense, bytes))
     }

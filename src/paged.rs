@@ -413,33 +413,10 @@ impl<'a> PagedAttention<'a> {
         Ok((q, ev, groups))
     }
 
-    /// q's element strides of T and Hq (E's is 1): its own ([`Tensor::with_strides`] with
-    /// three strides), or dense `[T, Hq, E]`. Anything else asked of q is a typed error naming
-    /// it: a layout or capacity (which describe `[B, H, S, E]` tensors), another number of
-    /// strides, an E stride other than 1, a builder call made on host data.
-    fn q_strides(&self, [_, hq, e]: [usize; 3]) -> Result<[usize; 2]> {
-        let bad = |reason: String| Err(Error::BadBuffer { tensor: "q", reason });
-        if let Some(m) = self.q.misuse {
-            return bad(m.into());
-        }
-        let spec = &self.q.view;
-        if spec.layout.is_some() || spec.capacity.is_some() {
-            return bad(
-                "a paged call's q is packed [T, Hq, E]: a layout or sequence capacity describes [B, H, S, E] tensors; give its strides instead (Tensor::with_strides with three strides [T, Hq, E])"
-                    .into(),
-            );
-        }
-        match spec.strides.as_deref() {
-            None => Ok([hq * e, e]),
-            Some(&[ts, hs, 1]) => Ok([ts, hs]),
-            Some(&[_, _, es]) => bad(format!(
-                "q's head-dim stride is {es}: each row of E elements must be contiguous (stride 1)"
-            )),
-            Some(other) => bad(format!(
-                "q is [T, Hq, E] and takes three strides (T, Hq, E), not {} ({other:?})",
-                other.len()
-            )),
-        }
+    /// q's element strides of T and Hq (E's is 1), or the typed error naming q
+    /// ([`crate::view::packed_rows`]).
+    fn q_strides(&self, dims: [usize; 3]) -> Result<[usize; 2]> {
+        crate::view::packed_rows("q", &self.q, dims)
     }
 
     /// Check everything before any GPU work, as [`record`](PagedAttention::record) and
@@ -783,25 +760,18 @@ impl PagedAttention<'_> {
     ) -> Result<()> {
         let st = self.q.storage();
         let [ts, hs] = self.q_strides([t, hq, e])?;
-        match &self.q.data {
-            TensorData::Gpu { buffer, offset, .. } => {
-                // q's view as a 4-D tensor `[1, T, Hq, E]`, checked against its buffer, copied
-                // dense from the element its offset names in the binding.
-                let viewed = Tensor::from_buffer(buffer, st, &[1, t, hq, e])
-                    .at_offset(*offset)
-                    .with_strides(&[0, ts, hs, 1]);
-                let op = crate::buffers::Operand::check_viewed(ctx, "q", &viewed)?;
-                let up = op.upload(ctx, "paged q");
-                let at = (offset % crate::view::BIND_ALIGN / st.element_bytes()) as usize;
-                crate::ops::copy::record(
+        match crate::view::rows_view(&self.q, [t, hq, e], [ts, hs]) {
+            // q's rows copied dense from wherever they lie in its buffer.
+            Some(viewed) => {
+                crate::ops::copy::gather_rows(
                     ctx,
                     encoder,
-                    &crate::ops::copy::Strided::new((up.binding(), st), [0, ts, hs, 1]).at(at),
+                    "q",
+                    &viewed,
                     (buf.as_entire_buffer_binding(), st),
-                    [1, t, hq, e],
                 )?;
             }
-            _ => {
+            None => {
                 let op = crate::buffers::Operand::check(ctx, "q", &self.q)?;
                 let up = op.upload(ctx, "paged q");
                 crate::ops::copy::convert(

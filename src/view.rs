@@ -349,6 +349,62 @@ pub(crate) fn of_output(name: &'static str, t: &crate::Tensor) -> Result<Option<
     Ok(v)
 }
 
+/// The element strides of T and H of a packed `[T, H, E]` tensor `name` (a ragged batch's q,
+/// a cache append's k and v): three of its own ([`Tensor::with_strides`], E's 1: the parts of
+/// a fused QKV projection), or dense. A layout or capacity (which describe `[B, H, S, E]`
+/// tensors), another count of strides, an E stride other than 1 and a view asked of host data
+/// are typed errors naming it.
+///
+/// [`Tensor::with_strides`]: crate::Tensor::with_strides
+pub(crate) fn packed_rows(
+    name: &'static str,
+    x: &crate::Tensor<'_>,
+    [_, h, e]: [usize; 3],
+) -> Result<[usize; 2]> {
+    let bad = |reason: String| Err(Error::BadBuffer { tensor: name, reason });
+    if let Some(m) = x.misuse {
+        return bad(m.into());
+    }
+    let spec = &x.view;
+    if spec.layout.is_some() || spec.capacity.is_some() {
+        return bad(format!(
+            "{name} is packed [T, H, E]: a layout or sequence capacity describes [B, H, S, E] tensors; give its strides instead (Tensor::with_strides with three strides [T, H, E])"
+        ));
+    }
+    match spec.strides.as_deref() {
+        None => Ok([h * e, e]),
+        Some(&[ts, hs, 1]) => Ok([ts, hs]),
+        Some(&[_, _, es]) => bad(format!(
+            "{name}'s head-dim stride is {es}: each row of E elements must be contiguous (stride 1)"
+        )),
+        Some(other) => bad(format!(
+            "{name} is [T, H, E] and takes three strides (T, H, E), not {} ({other:?})",
+            other.len()
+        )),
+    }
+}
+
+/// A GPU tensor's packed `[T, H, E]` rows at strides `[ts, hs]` as a `[1, T, H, E]` view from
+/// its offset (what [`crate::ops::copy::gather_rows`] reads); `None` for host data.
+pub(crate) fn rows_view<'a>(
+    x: &crate::Tensor<'a>,
+    [t, h, e]: [usize; 3],
+    [ts, hs]: [usize; 2],
+) -> Option<crate::Tensor<'a>> {
+    match &x.data {
+        crate::tensor::TensorData::Gpu {
+            buffer,
+            offset,
+            storage,
+        } => Some(
+            crate::Tensor::from_buffer(buffer, *storage, &[1, t, h, e])
+                .at_offset(*offset)
+                .with_strides(&[0, ts, hs, 1]),
+        ),
+        crate::tensor::TensorData::Host(_) => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

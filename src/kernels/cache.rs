@@ -133,45 +133,43 @@ impl State {
     fn evict(&mut self) {
         let lim = self.limits();
         while self.groups.len() > lim.entries || (self.held_bytes > lim.bytes && !self.groups.is_empty()) {
-            let Some(key) = self
-                .groups
-                .iter()
-                .min_by_key(|(_, g)| g.used)
-                .map(|(k, _)| k.clone())
-            else {
+            let Some(key) = oldest(&self.groups, |g| g.used) else {
                 break;
             };
-            self.groups.remove(&key);
-            let bufs: Vec<wgpu::Buffer> = key.ranges.into_iter().map(|r| r.0).collect();
-            self.unhold(&bufs);
+            self.drop_group(&key);
         }
         while self.scratch.len() > SCRATCH {
-            let Some(k) = self.scratch.iter().min_by_key(|(_, i)| i.used).map(|(k, _)| *k) else {
+            let Some(k) = oldest(&self.scratch, |i| i.used) else {
                 break;
             };
             self.scratch.remove(&k);
         }
         while self.inits.len() > lim.entries {
-            let Some(k) = self
-                .inits
-                .iter()
-                .min_by_key(|(_, i)| i.used)
-                .map(|(k, _)| k.clone())
-            else {
+            let Some(k) = oldest(&self.inits, |i| i.used) else {
                 break;
             };
             self.inits.remove(&k);
         }
     }
 
-    fn hold(&mut self, bufs: &[wgpu::Buffer]) {
-        let mut distinct: Vec<&wgpu::Buffer> = Vec::new();
-        for b in bufs {
-            if !distinct.contains(&b) {
-                distinct.push(b);
+    /// Remove a cached bind group, releasing its hold on the buffers it binds.
+    fn drop_group(&mut self, key: &GroupKey) {
+        if self.groups.remove(key).is_some() {
+            for b in distinct(&key.ranges) {
+                if let Some(n) = self.held.get_mut(b) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.held.remove(b);
+                        self.held_bytes -= b.size();
+                    }
+                }
             }
         }
-        for b in distinct {
+    }
+
+    /// Hold the buffers a newly cached bind group binds.
+    fn hold(&mut self, ranges: &[Range]) {
+        for b in distinct(ranges) {
             let n = self.held.entry(b.clone()).or_insert(0);
             if *n == 0 {
                 self.held_bytes += b.size();
@@ -179,24 +177,22 @@ impl State {
             *n += 1;
         }
     }
+}
 
-    fn unhold(&mut self, bufs: &[wgpu::Buffer]) {
-        let mut distinct: Vec<&wgpu::Buffer> = Vec::new();
-        for b in bufs {
-            if !distinct.contains(&b) {
-                distinct.push(b);
-            }
-        }
-        for b in distinct {
-            if let Some(n) = self.held.get_mut(b) {
-                *n -= 1;
-                if *n == 0 {
-                    self.held.remove(b);
-                    self.held_bytes -= b.size();
-                }
-            }
+/// The key of `map`'s least recently used entry.
+fn oldest<K: Clone, V>(map: &HashMap<K, V>, used: impl Fn(&V) -> u64) -> Option<K> {
+    map.iter().min_by_key(|(_, v)| used(v)).map(|(k, _)| k.clone())
+}
+
+/// The buffers of `ranges`, each once.
+fn distinct(ranges: &[Range]) -> Vec<&wgpu::Buffer> {
+    let mut out: Vec<&wgpu::Buffer> = Vec::new();
+    for (b, ..) in ranges {
+        if !out.contains(&b) {
+            out.push(b);
         }
     }
+    out
 }
 
 impl Cache {
@@ -277,10 +273,11 @@ impl Cache {
             layout: &pipeline.layout,
             entries: &bind,
         });
-        if again {
-            let mut s = self.lock();
-            let bufs: Vec<wgpu::Buffer> = key.ranges.iter().map(|r| r.0.clone()).collect();
-            s.hold(&bufs);
+        // Another thread may have cached the same key meanwhile: its group stays (holding the
+        // buffers once).
+        let mut s = self.lock();
+        if again && !s.groups.contains_key(&key) {
+            s.hold(&key.ranges);
             s.groups.insert(
                 key,
                 Group {
@@ -296,9 +293,10 @@ impl Cache {
     }
 
     /// A GPU-only scratch buffer of `bytes` (`STORAGE`) whose contents do not outlive the call
-    /// that writes and then reads them (a split decode's partial results): one buffer per role (two
-    /// scratch buffers of one dispatch never share one) and size, shared by every call. Safe because the GPU runs one queue's commands in order, and wgpu
-    /// orders a dispatch's writes after the reads of the dispatches before it; so a call's
+    /// that writes and then reads them (a split decode's partial results): one buffer per role
+    /// (two scratch buffers of one dispatch never share one) and size, shared by every call.
+    /// Safe because the GPU runs one queue's commands in order, and wgpu orders a dispatch's
+    /// writes after the reads of the dispatches before it; so a call's
     /// write-then-read of the scratch cannot interleave with another call's.
     pub(crate) fn scratch(
         &self,
@@ -348,9 +346,7 @@ impl Cache {
             .map(|(k, _)| k.clone())
             .collect();
         for k in gone {
-            s.groups.remove(&k);
-            let bufs: Vec<wgpu::Buffer> = k.ranges.into_iter().map(|r| r.0).collect();
-            s.unhold(&bufs);
+            s.drop_group(&k);
         }
     }
 

@@ -145,3 +145,42 @@ pub(crate) fn convert(
         [1, 1, 1, elems],
     )
 }
+
+/// Record the copy of a [`crate::view::rows_view`] (`[1, T, H, E]` rows anywhere in a GPU
+/// buffer, from any element offset) into the dense `dst`, the view checked against its buffer
+/// first (`Error::BadBuffer` naming `name`).
+pub(crate) fn gather_rows(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    name: &'static str,
+    viewed: &crate::Tensor<'_>,
+    dst: Dense<'_>,
+) -> Result<()> {
+    let op = crate::buffers::Operand::check_viewed(ctx, name, viewed)?;
+    let up = op.upload(ctx, name);
+    let st = viewed.storage();
+    let crate::tensor::TensorData::Gpu { offset, .. } = &viewed.data else {
+        return Err(Error::Internal(format!(
+            "gather_rows: {name} is not a GPU buffer"
+        )));
+    };
+    let strides: [usize; 4] = viewed
+        .view
+        .strides
+        .as_deref()
+        .and_then(|s| s.try_into().ok())
+        .ok_or_else(|| Error::Internal(format!("gather_rows: {name} is not a 4-D view")))?;
+    let dims: [usize; 4] = viewed
+        .shape
+        .as_slice()
+        .try_into()
+        .map_err(|_| Error::Internal(format!("gather_rows: {name} is not 4-D")))?;
+    let at = (offset % crate::view::BIND_ALIGN / st.element_bytes()) as usize;
+    record(
+        ctx,
+        encoder,
+        &Strided::new((up.binding(), st), strides).at(at),
+        dst,
+        dims,
+    )
+}
