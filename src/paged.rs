@@ -223,6 +223,24 @@ impl<'a> PagedAttention<'a> {
         self
     }
 
+    /// The output `[T, Hq, Ev]` and logsumexp `[T, Hq]` buffers and byte offsets: the caller's
+    /// ([`check_outputs`](PagedAttention::check_outputs) first), else new ones.
+    #[allow(clippy::type_complexity)]
+    fn output_buffers(
+        &self,
+        ctx: &Context,
+        [t, hq, ev]: [usize; 3],
+    ) -> ((wgpu::Buffer, u64), (wgpu::Buffer, u64)) {
+        let given = |x: &Option<Tensor<'a>>, label: &str, bytes: u64| match x.as_ref().map(|x| &x.data) {
+            Some(TensorData::Gpu { buffer, offset, .. }) => ((*buffer).clone(), *offset),
+            _ => (output(ctx, label, bytes.next_multiple_of(16)), 0),
+        };
+        (
+            given(&self.out, "paged output", self.q.storage().bytes(t * hq * ev)),
+            given(&self.lse_out, "paged lse", f32_bytes(t * hq)),
+        )
+    }
+
     /// The caller's output and logsumexp, checked (shape, format, dense, a GPU buffer, no
     /// overlap with the inputs or each other) before any GPU work.
     fn check_outputs(&self, ctx: &Context, [t, hq, ev]: [usize; 3]) -> Result<()> {
@@ -450,18 +468,15 @@ impl<'a> PagedAttention<'a> {
     /// the logsumexp `[T, Hq]`. Everything is checked before anything is recorded.
     pub fn record(&self, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<GpuPagedOutput> {
         let ([t, hq, e], ev, _) = self.check()?;
-        let [ts, hs] = self.q_strides([t, hq, e])?;
+        let [mut ts, mut hs] = self.q_strides([t, hq, e])?;
+        self.check_outputs(ctx, [t, hq, ev])?;
         let shared = self.shared_prefixes()?;
         let st = self.q.storage();
-        let b = self.seq_lens.len();
+        // Each sequence's first query among the T.
         let first_token: Vec<usize> = self
             .q_lens
             .iter()
-            .scan(0, |acc, &n| {
-                let f = *acc;
-                *acc += n;
-                Some(f)
-            })
+            .scan(0, |acc, &n| Some(std::mem::replace(acc, *acc + n)))
             .collect();
         if let Some(r) = &self.rope {
             r.rotated_dims(e)?;
@@ -482,14 +497,8 @@ impl<'a> PagedAttention<'a> {
         };
         // A shared prefix's call does not see each query's position: q is rotated first (a
         // copy), and no call rotates it again.
-        let rotated = match (&self.rope, shared.is_empty()) {
-            (Some(_), false) => {
-                let buf = output(ctx, "paged q rotated", st.bytes(t * hq * e).next_multiple_of(16));
-                Some(buf)
-            }
-            _ => None,
-        };
-        let (mut ts, mut hs) = (ts, hs);
+        let rotated = (self.rope.is_some() && !shared.is_empty())
+            .then(|| output(ctx, "paged q rotated", st.bytes(t * hq * e).next_multiple_of(16)));
         let rope = match &rotated {
             Some(buf) => {
                 (qbuf, qoff, ts, hs) = (buf, 0, hq * e, e);
@@ -497,37 +506,14 @@ impl<'a> PagedAttention<'a> {
             }
             None => self.rope,
         };
-        self.check_outputs(ctx, [t, hq, ev])?;
-        let given = |x: &Option<Tensor<'a>>| match x.as_ref().map(|x| &x.data) {
-            Some(TensorData::Gpu { buffer, offset, .. }) => Some(((*buffer).clone(), *offset)),
-            _ => None,
-        };
-        let (out, out_off) = given(&self.out).unwrap_or_else(|| {
-            (
-                output(ctx, "paged output", st.bytes(t * hq * ev).next_multiple_of(16)),
-                0,
-            )
-        });
-        let (lse, lse_off) = given(&self.lse_out).unwrap_or_else(|| {
-            (
-                output(ctx, "paged lse", f32_bytes(t * hq).next_multiple_of(16)),
-                0,
-            )
-        });
+        let ((out, out_off), (lse, lse_off)) = self.output_buffers(ctx, [t, hq, ev]);
         let cascades = self.cascade_scratch(ctx, &shared, &first_token, [hq, ev]);
-        // Each call's logsumexp `[seqs, Hq, n]`, before it is placed by rows (token, head): one
-        // pooled scratch the calls use in turn.
-        let lse_rows = cascades
+        let call_lse = call_lse_scratch(ctx, &cascades, [t, hq]);
+        // Whether each sequence is read in a shared prefix's calls.
+        let mut in_shared = vec![false; self.seq_lens.len()];
+        cascades
             .iter()
-            .map(|c| (c.splits * c.tokens * hq).max(c.tokens * hq))
-            .fold(t * hq, usize::max);
-        let call_lse = ctx.cache().scratch("paged call lse", f32_bytes(lse_rows), || {
-            output(ctx, "paged call lse", f32_bytes(lse_rows))
-        });
-        let mut in_shared = vec![false; b];
-        for c in &cascades {
-            in_shared[c.share.first..c.share.first + c.share.sequences].fill(true);
-        }
+            .for_each(|c| in_shared[c.share.first..c.share.first + c.share.sequences].fill(true));
         // The calls, each with where its logsumexp goes: (buffer, first row, [seqs, Hq, n]).
         // Queries from `token` as `[nseq, Hq, n, E]`: consecutive sequences, or (`repeat`) the
         // same n tokens nseq times (a shared prefix's key splits).
@@ -986,6 +972,19 @@ impl Cascade {
         );
         Ok(())
     }
+}
+
+/// Each call's logsumexp `[seqs, Hq, n]`, before it is placed by rows (token, head): one
+/// pooled scratch the calls use in turn, as large as the largest (a shared prefix's call over
+/// its runs may exceed the batch's `T · Hq` rows).
+fn call_lse_scratch(ctx: &Context, cascades: &[Cascade], [t, hq]: [usize; 2]) -> wgpu::Buffer {
+    let rows = cascades
+        .iter()
+        .map(|c| (c.splits * c.tokens * hq).max(c.tokens * hq))
+        .fold(t * hq, usize::max);
+    ctx.cache().scratch("paged call lse", f32_bytes(rows), || {
+        output(ctx, "paged call lse", f32_bytes(rows))
+    })
 }
 
 /// Workgroups a shared prefix's call aims for on a GPU (its queries' tiles times the runs its
