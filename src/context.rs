@@ -320,6 +320,17 @@ impl Context {
     /// least recently used first, or [`release_cached`](Context::release_cached) is called.
     /// Only what a call asks for a second time is kept, so one-off calls hold nothing.
     /// Shared by the context's clones.
+    ///
+    /// ```no_run
+    /// use wgpu_attention::{CacheLimits, Context};
+    /// let ctx = Context::new_blocking()?;
+    /// // A loop that allocates new buffers often: keep fewer of them alive through the cache.
+    /// ctx.set_cache_limits(CacheLimits { entries: 1024, bytes: 64 << 20 });
+    /// // ... calls ...
+    /// println!("{:?}", ctx.cache_stats());
+    /// ctx.release_cached(); // frees what only the cache kept alive
+    /// # Ok::<(), wgpu_attention::Error>(())
+    /// ```
     pub fn set_cache_limits(&self, limits: crate::CacheLimits) {
         self.inner.cache.set_limits(limits);
     }

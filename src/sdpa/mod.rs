@@ -331,6 +331,25 @@ impl<'a> Sdpa<'a> {
     /// too, a repeated call allocates nothing (see [`Context::set_cache_limits`]). Checked
     /// before any GPU work like the output.
     ///
+    /// ```no_run
+    /// # use wgpu_attention::{wgpu, Causal, Context, Sdpa, Storage, Tensor};
+    /// # fn f(ctx: &Context, q: &wgpu::Buffer, k: &wgpu::Buffer, v: &wgpu::Buffer, out: &wgpu::Buffer, lse: &wgpu::Buffer, lens: &[usize]) -> Result<(), wgpu_attention::Error> {
+    /// // One decode step of 4 sequences: everything in your buffers, nothing allocated.
+    /// let mut encoder = ctx.device().create_command_encoder(&Default::default());
+    /// Sdpa::new(
+    ///     Tensor::from_buffer(q, Storage::F32, &[4, 8, 1, 64]),
+    ///     Tensor::from_buffer(k, Storage::F32, &[4, 2, 4096, 64]),
+    ///     Tensor::from_buffer(v, Storage::F32, &[4, 2, 4096, 64]),
+    /// )
+    /// .causal(Causal::BottomRight)
+    /// .kv_lens(lens)
+    /// .output_into(Tensor::from_buffer(out, Storage::F32, &[4, 8, 1, 64]))
+    /// .lse_into(Tensor::from_buffer(lse, Storage::F32, &[4, 8, 1]))
+    /// .record(ctx, &mut encoder)?;
+    /// ctx.queue().submit([encoder.finish()]);
+    /// # Ok(()) }
+    /// ```
+    ///
     /// [`Context::set_cache_limits`]: crate::Context::set_cache_limits
     pub fn lse_into(mut self, lse: Tensor<'a>) -> Self {
         self.lse_out = Some(lse);
