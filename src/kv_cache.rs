@@ -18,7 +18,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::buffers::{create, dummy, storage_init, Operand};
+use crate::buffers::{create, dummy, Operand};
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::rope::Rope;
@@ -323,6 +323,31 @@ impl KvCache {
         Ok(())
     }
 
+    /// Drop `seq`'s keys from position `len` on (rejected draft tokens of speculative
+    /// decoding, or a rolled-back step): it keeps its first `len` keys, and its blocks past
+    /// them return to the free list (those it shares stay with their other sequences). The
+    /// next [`reserve`](KvCache::reserve) writes its new tokens at `len`, copying a shared
+    /// partial block first as it always does. `len` above the sequence's length is an error.
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        let s = self.seq(seq)?;
+        if len > s.len {
+            return bad(format!(
+                "{seq:?} holds {} keys: it cannot be truncated to {len}",
+                s.len
+            ));
+        }
+        let keep = len.div_ceil(self.config.block_size);
+        let dropped: Vec<u32> = s.blocks[keep..].to_vec();
+        for b in dropped {
+            self.release(b);
+        }
+        let s = self.seqs.get_mut(&seq).expect("checked above");
+        s.blocks.truncate(keep);
+        s.len = len;
+        self.epoch += 1;
+        Ok(())
+    }
+
     fn release(&mut self, b: u32) {
         let r = &mut self.refs[b as usize];
         *r -= 1;
@@ -510,7 +535,12 @@ impl KvCache {
             .map_or(Vec::new(), |r| r.angle_words(d, step.positions.iter().copied()));
         let slot_off = aux.len();
         aux.extend(&step.slots);
-        let aux = storage_init(ctx, "KV cache append", bytemuck::cast_slice(&aux));
+        let aux = crate::buffers::constant(
+            ctx,
+            "KV cache append",
+            bytemuck::cast_slice(&aux),
+            wgpu::BufferUsages::STORAGE,
+        );
         let dummy = dummy(ctx);
         let (kbuf, vbuf) = self.buffers(layer)?;
         // The copies-on-write first: the shared blocks' tokens, then the new ones over them.

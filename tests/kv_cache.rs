@@ -327,6 +327,54 @@ fn forks_share_blocks_and_copy_on_write() {
     assert_eq!(m.cache.free_blocks(), 32, "every block back on the free list");
 }
 
+/// Speculative decoding's rollback: a sequence truncated (into a block its fork shares, and
+/// past whole blocks) writes its next tokens at the new length, copying the shared partial
+/// block first; the fork still reads its own keys; blocks past the length come back; a length
+/// above the sequence's is refused.
+#[test]
+fn truncate_rolls_back_rejected_tokens() {
+    let Some(ctx) = ctx() else { return };
+    let mut m = Model::new(ctx, 4, 32, Storage::F32, Some(Rope::default()));
+    let a = m.cache.add_sequence();
+    m.step(ctx, &[(a, 10)], "prompt"); // blocks of 4, 4, 2
+    let b = m.cache.fork(a).unwrap();
+    m.host.insert(b, m.host[&a].clone());
+    let free = m.cache.free_blocks();
+    // Five draft tokens, three rejected.
+    m.step(ctx, &[(a, 5)], "draft");
+    assert_eq!(m.cache.len(a).unwrap(), 15);
+    m.cache.truncate(a, 12).unwrap();
+    let h = m.host.get_mut(&a).unwrap();
+    h.k.truncate(12);
+    h.v.truncate(12);
+    assert_eq!(m.cache.len(a).unwrap(), 12);
+    assert_eq!(m.cache.blocks(a).unwrap().len(), 3);
+    m.step(ctx, &[(a, 2), (b, 1)], "after the rollback");
+    // Back into the block the fork shares: 5 keys kept, the next written after a copy.
+    m.cache.truncate(a, 5).unwrap();
+    let h = m.host.get_mut(&a).unwrap();
+    h.k.truncate(5);
+    h.v.truncate(5);
+    assert_eq!(m.cache.blocks(a).unwrap()[1], m.cache.blocks(b).unwrap()[1]);
+    m.step(ctx, &[(a, 1), (b, 1)], "into the shared block");
+    assert_ne!(m.cache.blocks(a).unwrap()[1], m.cache.blocks(b).unwrap()[1]);
+    let err = m.cache.truncate(a, 7).map(|_| ());
+    assert!(
+        matches!(&err, Err(wgpu_attention::Error::Paged { reason }) if reason.contains("cannot be truncated")),
+        "{err:?}"
+    );
+    m.cache.truncate(a, 0).unwrap();
+    m.host.insert(a, Default::default());
+    m.cache.free_sequence(b).unwrap();
+    m.host.remove(&b);
+    assert_eq!(
+        m.cache.free_blocks(),
+        32,
+        "every block back ({free} free after the fork)"
+    );
+    m.step(ctx, &[(a, 3)], "a truncated sequence starts over");
+}
+
 #[test]
 fn free_list_stays_whole_over_many_rounds() {
     let Some(ctx) = ctx() else { return };

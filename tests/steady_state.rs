@@ -311,3 +311,131 @@ fn paged_calls_into_the_callers_buffers() {
         "{r:?}"
     );
 }
+
+/// The multi-head layer's decode step as a generation loop records it: the new token's query
+/// in a GPU buffer, the cached key and value heads in GPU buffers (read in place), the output
+/// into the caller's buffer. After the first calls, 10 identical steps in one encoder create
+/// no buffer, bind group or pipeline, and give the reference's answer.
+#[test]
+fn layer_decode_step_creates_nothing() {
+    let Some(_) = ctx() else { return };
+    let ctx = &Context::new_blocking().unwrap();
+    use wgpu_attention::check::compare;
+    use wgpu_attention::reference::MhaInputs;
+    use wgpu_attention::{MhaConfig, MhaWeights, MultiHeadAttention};
+    let c = MhaConfig::new(32, 4).kv_heads(2);
+    let w = MhaWeights::xavier_uniform(c, 5).unwrap();
+    let layer = MultiHeadAttention::new(ctx, &w).unwrap();
+    let mut r = rng(6);
+    let (b, s, d) = (2, 37, c.head_dim());
+    let x: ndarray::Array3<f32> = rand_array(&mut r, (b, 1, 32));
+    let kh: Array4<f32> = rand_array(&mut r, (b, 2, s, d));
+    let vh: Array4<f32> = rand_array(&mut r, (b, 2, s, d));
+    let inputs = MhaInputs {
+        key_heads: Some(kh.view()),
+        value_heads: Some(vh.view()),
+        ..MhaInputs::self_attention(x.view())
+    };
+    let want = reference::mha(&w, &inputs, &Options::default()).unwrap();
+    let bufs = [
+        x.as_slice().unwrap(),
+        kh.as_slice().unwrap(),
+        vh.as_slice().unwrap(),
+    ]
+    .map(|a| gpu(ctx, a));
+    let out = out_buffer(ctx, 64 + b * 32);
+    let step = |enc: &mut wgpu::CommandEncoder| {
+        layer
+            .forward(Tensor::from_buffer(&bufs[0], Storage::F32, &[b, 1, 32]))
+            .key_heads(Tensor::from_buffer(&bufs[1], Storage::F32, &[b, 2, s, d]))
+            .value_heads(Tensor::from_buffer(&bufs[2], Storage::F32, &[b, 2, s, d]))
+            .output_into(Tensor::from_buffer(&out, Storage::F32, &[b, 1, 32]).at_offset(256))
+            .record(ctx, enc)
+            .unwrap();
+    };
+    for _ in 0..3 {
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        step(&mut enc);
+        ctx.queue().submit([enc.finish()]);
+    }
+    let warm = counts(ctx);
+    let mut enc = ctx.device().create_command_encoder(&Default::default());
+    for _ in 0..10 {
+        step(&mut enc);
+    }
+    assert_eq!(
+        counts(ctx),
+        warm,
+        "the layer's decode step: [buffers, bind groups, pipelines] grew"
+    );
+    ctx.queue().submit([enc.finish()]);
+    let got = pollster::block_on(ctx.read_f32(&out, 256, (b * 32 * 4) as u64)).unwrap();
+    assert_report(
+        compare(got.iter().copied(), want.out.iter().copied(), TOL),
+        "the layer's decode step",
+    );
+}
+
+/// A `KvCache` generation loop's token steps, the new K/V, q and the outputs in the caller's
+/// buffers: what changes from step to step (positions, slots, the block table, key lengths)
+/// is made once per step and shared by its layers, so after warm-up a step's new buffers do
+/// not grow with its layers; what does is the three bind groups per layer that pair the
+/// layer's pages with the step's values.
+#[test]
+fn kv_cache_step_objects_per_layer() {
+    let Some(_) = ctx() else { return };
+    let ctx = &Context::new_blocking().unwrap();
+    use wgpu_attention::{KvCache, KvCacheConfig};
+    let (layers, hkv, e, nseq) = (16, 2, 16, 3);
+    let mut cache = KvCache::new(
+        ctx,
+        KvCacheConfig {
+            layers,
+            kv_heads: hkv,
+            head_dim: e,
+            head_dim_v: e,
+            block_size: 4,
+            num_blocks: 64,
+            storage: Storage::F32,
+            rope: Some(wgpu_attention::Rope::default()),
+        },
+    )
+    .unwrap();
+    let seqs: Vec<_> = (0..nseq).map(|_| cache.add_sequence()).collect();
+    let kv = gpu(ctx, &vec![0.5; nseq * hkv * e]);
+    let q = gpu(ctx, &vec![0.25; nseq * 4 * e]);
+    let (out, lse) = (out_buffer(ctx, nseq * 4 * e), out_buffer(ctx, nseq * 4));
+    let mut step_counts = Vec::new();
+    for _ in 0..6 {
+        let before = counts(ctx);
+        let step = cache
+            .reserve(&seqs.iter().map(|&s| (s, 1)).collect::<Vec<_>>())
+            .unwrap();
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        let t = Tensor::from_buffer(&kv, Storage::F32, &[nseq, hkv, e]);
+        for l in 0..layers {
+            cache.append(ctx, &mut enc, &step, l, &t, &t).unwrap();
+            cache
+                .attention(&step, l, Tensor::from_buffer(&q, Storage::F32, &[nseq, 4, 1, e]))
+                .unwrap()
+                .output_into(Tensor::from_buffer(&out, Storage::F32, &[nseq, 4, 1, e]))
+                .lse_into(Tensor::from_buffer(&lse, Storage::F32, &[nseq, 4, 1]))
+                .record(ctx, &mut enc)
+                .unwrap();
+        }
+        let after = counts(ctx);
+        ctx.queue().submit([enc.finish()]);
+        step_counts.push([after[0] - before[0], after[1] - before[1], after[2] - before[2]]);
+    }
+    eprintln!("new [buffers, bind groups, pipelines] per step: {step_counts:?}");
+    let last = step_counts[5];
+    assert!(
+        last[0] < layers as isize,
+        "buffers made per step grow with the layers: {step_counts:?}"
+    );
+    assert!(
+        last[1] <= 3 * layers as isize,
+        "more than three bind groups per layer: {step_counts:?}"
+    );
+    assert_eq!(last[2], 0, "pipelines made in steady state: {step_counts:?}");
+}

@@ -102,7 +102,7 @@ pub(crate) struct Cache {
 }
 
 /// Scratch sizes kept at most.
-const SCRATCH: usize = 16;
+const SCRATCH: usize = 32;
 
 /// Keys remembered as seen once, at most (then forgotten all at once).
 const SEEN: usize = 1 << 14;

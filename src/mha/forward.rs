@@ -326,7 +326,7 @@ impl<'a> MhaForward<'a> {
     pub fn record(&self, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<MhaGpuOutput> {
         let pass = Pass::new(self, ctx, false)?;
         pass.record_heads(encoder, &pass.upload_inputs())?;
-        let gpu = pass.sdpa().record(ctx, encoder)?;
+        let gpu = pass.sdpa_forward().record(ctx, encoder)?;
         pass.record_output(encoder, &gpu.output, gpu.output_offset)?;
         let (output, output_offset) = pass.out_buffer();
         Ok(MhaGpuOutput {
@@ -357,6 +357,20 @@ pub(super) struct Inputs<'a> {
     pub(super) value: Option<Uploaded<'a>>,
 }
 
+/// Activations up to this size are the context's scratch ([`activation`]).
+const SCRATCH_ACTIVATION: u64 = 16 << 20;
+
+/// A buffer for a stage's activation of `bytes` that lives only within one call: the
+/// context's scratch for `role` when small and `shared` (shared by every call: the GPU runs
+/// one queue's commands in order, so one call's write-then-read within one submission cannot
+/// interleave with another's), else the call's own.
+fn activation(ctx: &Context, role: &'static str, bytes: u64, shared: bool) -> wgpu::Buffer {
+    if !shared || bytes > SCRATCH_ACTIVATION {
+        return output(ctx, role, bytes);
+    }
+    ctx.cache().scratch(role, bytes, || output(ctx, role, bytes))
+}
+
 /// One validated forward pass: the checked inputs and the buffers of every stage. Built
 /// before any GPU work, so every bad input is an error before anything is submitted.
 pub(super) struct Pass<'p, 'a> {
@@ -369,14 +383,18 @@ pub(super) struct Pass<'p, 'a> {
     given_q: Option<Operand<'p, 'a>>,
     given_k: Option<Operand<'p, 'a>>,
     given_v: Option<Operand<'p, 'a>>,
-    /// Query, key and value heads `[B, H|G, T, d]`.
-    qh: wgpu::Buffer,
-    kh: wgpu::Buffer,
-    vh: wgpu::Buffer,
+    /// Query, key and value heads `[B, H|G, T, d]`, where they are not the given ones read
+    /// in place.
+    qh: Option<wgpu::Buffer>,
+    kh: Option<wgpu::Buffer>,
+    vh: Option<wgpu::Buffer>,
     /// Attention output merged back to `[B, L, H·d]`, and the layer output `[B, L, E]` (ours,
     /// or the caller's `out_op`).
     pub(super) merged: wgpu::Buffer,
     out: Option<wgpu::Buffer>,
+    /// The attention's output in a forward alone, when small (else the call's own).
+    /// Its output and logsumexp.
+    attn: Option<(wgpu::Buffer, wgpu::Buffer)>,
 }
 
 impl<'p, 'a> Pass<'p, 'a> {
@@ -414,6 +432,9 @@ impl<'p, 'a> Pass<'p, 'a> {
         }
         let optional =
             |t: &'p Option<Tensor<'a>>, name| t.as_ref().map(|t| Operand::check(ctx, name, t)).transpose();
+        // Given heads with the batch and format of the layer are read where they are.
+        let in_place =
+            |t: &Option<Tensor<'a>>| t.as_ref().is_some_and(|t| t.shape()[0] == b && t.storage() == st);
         let out_op = match &fwd.out {
             Some(t) => {
                 if !matches!(t.data, crate::tensor::TensorData::Gpu { .. }) {
@@ -453,8 +474,14 @@ impl<'p, 'a> Pass<'p, 'a> {
             }
             None => None,
         };
-        // An empty activation still needs a non-empty buffer.
-        let buffer = |label: &str, elems: usize| output(ctx, label, st.bytes(elems.max(1)));
+        // An empty activation still needs a non-empty buffer. The stages' activations live
+        // only within the call: small ones are the context's scratch, shared by every call
+        // (a decode step allocates nothing), large ones the call's own.
+        // Not when profiling: its stages are separate submissions, between which another
+        // thread's call could use the same scratch.
+        let shared = !fwd.profile;
+        let buffer =
+            |label: &'static str, elems: usize| activation(ctx, label, st.bytes(elems.max(1)), shared);
         Ok(Pass {
             fwd,
             ctx,
@@ -465,14 +492,22 @@ impl<'p, 'a> Pass<'p, 'a> {
             given_q: optional(&fwd.query_heads, "query_heads")?,
             given_k: optional(&fwd.key_heads, "key_heads")?,
             given_v: optional(&fwd.value_heads, "value_heads")?,
-            qh: buffer("query heads", b * h * l * d),
-            kh: buffer("key heads", b * g * s * d),
-            vh: buffer("value heads", b * g * s * d),
-            merged: buffer("merged heads", b * l * h * d),
+            qh: (!in_place(&fwd.query_heads)).then(|| buffer("mha query heads", b * h * l * d)),
+            kh: (!in_place(&fwd.key_heads)).then(|| buffer("mha key heads", b * g * s * d)),
+            vh: (!in_place(&fwd.value_heads)).then(|| buffer("mha value heads", b * g * s * d)),
+            merged: buffer("mha merged heads", b * l * h * d),
             out: match &out_op {
                 Some(_) => None,
-                None => Some(buffer("mha output", b * l * e)),
+                None => Some(output(ctx, "mha output", st.bytes((b * l * e).max(1)))),
             },
+            attn: (shared && !backward && st.bytes(b * h * l * d) <= SCRATCH_ACTIVATION).then(|| {
+                let lse = f32_bytes((b * h * l).max(1));
+                (
+                    buffer("mha attention", b * h * l * d),
+                    ctx.cache()
+                        .scratch("mha lse", lse, || output(ctx, "mha lse", lse)),
+                )
+            }),
         })
     }
 
@@ -509,30 +544,37 @@ impl<'p, 'a> Pass<'p, 'a> {
         let given_q = self.given_q.as_ref().zip(self.fwd.query_heads.as_ref());
         let given_k = self.given_k.as_ref().zip(self.fwd.key_heads.as_ref());
         let given_v = self.given_v.as_ref().zip(self.fwd.value_heads.as_ref());
-        self.heads(
-            encoder,
-            given_q,
-            (inputs.query.binding(), self.query.storage),
-            (&m.w_q, m.b_q.as_ref()),
-            &self.qh,
-            [l, h, e],
-        )?;
-        self.heads(
-            encoder,
-            given_k,
-            self.key_input(inputs),
-            (&m.w_k, m.b_k.as_ref()),
-            &self.kh,
-            [s, g, c.kdim],
-        )?;
-        self.heads(
-            encoder,
-            given_v,
-            self.value_input(inputs),
-            (&m.w_v, m.b_v.as_ref()),
-            &self.vh,
-            [s, g, c.vdim],
-        )
+        if let Some(qh) = &self.qh {
+            self.heads(
+                encoder,
+                given_q,
+                (inputs.query.binding(), self.query.storage),
+                (&m.w_q, m.b_q.as_ref()),
+                qh,
+                [l, h, e],
+            )?;
+        }
+        if let Some(kh) = &self.kh {
+            self.heads(
+                encoder,
+                given_k,
+                self.key_input(inputs),
+                (&m.w_k, m.b_k.as_ref()),
+                kh,
+                [s, g, c.kdim],
+            )?;
+        }
+        if let Some(vh) = &self.vh {
+            self.heads(
+                encoder,
+                given_v,
+                self.value_input(inputs),
+                (&m.w_v, m.b_v.as_ref()),
+                vh,
+                [s, g, c.vdim],
+            )?;
+        }
+        Ok(())
     }
 
     /// Heads `[B, n, t, d]` into `dst`: the `given` ones, or the projection of `x`
@@ -563,7 +605,8 @@ impl<'p, 'a> Pass<'p, 'a> {
             }
             None => {
                 let st = self.fwd.mha.storage;
-                let proj = output(self.ctx, "projection", st.bytes((b * t * n * d).max(1)));
+                let bytes = st.bytes((b * t * n * d).max(1));
+                let proj = activation(self.ctx, "mha projection", bytes, !self.fwd.profile);
                 linear::record(
                     self.ctx,
                     encoder,
@@ -584,11 +627,37 @@ impl<'p, 'a> Pass<'p, 'a> {
     /// Stage 2: attention over the heads.
     pub(super) fn sdpa(&self) -> Sdpa<'_> {
         let st = self.fwd.mha.storage;
+        fn heads<'s>(
+            own: &'s Option<wgpu::Buffer>,
+            given: &'s Option<Tensor<'s>>,
+            st: Storage,
+            shape: &[usize],
+        ) -> Tensor<'s> {
+            match own {
+                Some(buf) => Tensor::from_buffer(buf, st, shape),
+                None => given.clone().expect("given heads are read in place"),
+            }
+        }
+        let (q, kv) = (self.dims.heads_q(), self.dims.heads_kv());
         self.fwd.configure(Sdpa::new(
-            Tensor::from_buffer(&self.qh, st, &self.dims.heads_q()),
-            Tensor::from_buffer(&self.kh, st, &self.dims.heads_kv()),
-            Tensor::from_buffer(&self.vh, st, &self.dims.heads_kv()),
+            heads(&self.qh, &self.fwd.query_heads, st, &q),
+            heads(&self.kh, &self.fwd.key_heads, st, &kv),
+            heads(&self.vh, &self.fwd.value_heads, st, &kv),
         ))
+    }
+
+    /// Stage 2 of a forward alone: the attention's output in the context's scratch when it
+    /// is small (it lives only until the output projection has read it).
+    pub(super) fn sdpa_forward(&self) -> Sdpa<'_> {
+        let st = self.fwd.mha.storage;
+        let shape = self.dims.heads_q();
+        match &self.attn {
+            Some((out, lse)) => self
+                .sdpa()
+                .output_into(Tensor::from_buffer(out, st, &shape))
+                .lse_into(Tensor::from_buffer(lse, Storage::F32, &shape[..3])),
+            None => self.sdpa(),
+        }
     }
 
     /// Stage 3: merge the heads `[B, H, L, d]` (at `off` in `attn`) to `[B, L, H, d]`, then the
@@ -645,7 +714,7 @@ impl<'p, 'a> Pass<'p, 'a> {
                     label: Some("wgpu-attention mha"),
                 })
         };
-        let sdpa = self.sdpa();
+        let sdpa = self.sdpa_forward();
         if !self.fwd.profile {
             let gpu = ctx
                 .scoped(|| {
