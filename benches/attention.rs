@@ -185,7 +185,8 @@ fn layers(c: &mut Criterion) {
 }
 
 /// The host time of `record` per call of a generation loop (`wgpu_attention::shapes::host`:
-/// decode, a 16-query chunk, a ragged paged batch, a 32-layer `KvCache` step per layer), the
+/// decode, a 16-query chunk, a ragged paged batch, a 32-layer `KvCache` step per layer, and
+/// `decode_step_32l`, one step of a 32-layer cache at 4096 positions, per step), the
 /// inputs in GPU buffers made once and the outputs in the caller's. Each iteration records into
 /// an encoder that is dropped unsubmitted (the device polled every 8), so no GPU work shares
 /// the cores with the timing.
@@ -206,22 +207,42 @@ fn host(c: &mut Criterion) {
     settings(&mut group);
     for call in HostCall::ALL {
         group.bench_function(call.name(), |b| {
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                let mut enc = ctx.device().create_command_encoder(&Default::default());
-                for i in 0..iters {
-                    let (s, calls) = bench.record(&ctx, &mut enc, call).expect("record");
-                    total += Duration::from_secs_f64(s / calls as f64);
-                    if (i + 1) % 8 == 0 {
-                        enc = ctx.device().create_command_encoder(&Default::default());
-                        let _ = ctx.device().poll(wgpu_attention::wgpu::PollType::Poll);
-                    }
-                }
-                total
-            })
+            b.iter_custom(|iters| host_time(&ctx, iters, |enc| bench.record(&ctx, enc, call)))
         });
     }
+    drop(bench);
+    // One token step over 32 layers at 4096 positions (per step).
+    match wgpu_attention::shapes::host::DecodeStep::new(&ctx) {
+        Ok(mut step) => {
+            group.bench_function(wgpu_attention::shapes::host::DecodeStep::NAME, |b| {
+                b.iter_custom(|iters| {
+                    host_time(&ctx, iters, |enc| step.record(&ctx, enc).map(|(s, _)| (s, 1)))
+                })
+            });
+        }
+        Err(e) => eprintln!("skipping decode_step_32l: {e}"),
+    }
     group.finish();
+}
+
+/// The host time of `iters` records per call counted, into encoders dropped unsubmitted (the
+/// device polled every 8).
+fn host_time(
+    ctx: &Context,
+    iters: u64,
+    mut record: impl FnMut(&mut wgpu_attention::wgpu::CommandEncoder) -> wgpu_attention::Result<(f64, usize)>,
+) -> Duration {
+    let mut total = Duration::ZERO;
+    let mut enc = ctx.device().create_command_encoder(&Default::default());
+    for i in 0..iters {
+        let (s, calls) = record(&mut enc).expect("record");
+        total += Duration::from_secs_f64(s / calls as f64);
+        if (i + 1) % 8 == 0 {
+            enc = ctx.device().create_command_encoder(&Default::default());
+            let _ = ctx.device().poll(wgpu_attention::wgpu::PollType::Poll);
+        }
+    }
+    total
 }
 
 criterion_group!(benches, attention, layers, host);

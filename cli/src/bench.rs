@@ -72,11 +72,14 @@ pub(crate) struct BenchArgs {
     /// `adopted`: with `Context::from_device` alone): `scripts/bench_vs.sh device` compares them.
     #[arg(long, value_enum, default_value = "crate")]
     device: crate::DeviceKind,
-    /// Instead of the table: the host microseconds `record` takes per call of a generation
-    /// loop (median of this many calls after as many warm-up calls): decode and a 16-query
-    /// chunk over 4096 f16 keys in `[B, S, H, E]` buffers, a ragged paged batch, and a 32-layer
-    /// `KvCache` token step per layer (`decode_step_32l`), every input in GPU buffers made once
-    /// and the outputs in the caller's buffers (`wgpu_attention::shapes::host`).
+    /// Instead of the table: a generation loop's calls, each with the host microseconds
+    /// `record` takes (median of this many calls after as many warm-up calls) beside the wall
+    /// and GPU milliseconds of the call submitted (`--warmup`, `--iters`): decode and a
+    /// 16-query chunk over 4096 f16 keys in `[B, S, H, E]` buffers, a ragged paged batch, a
+    /// 32-layer `KvCache` token step per layer over about 500 keys, and `decode_step_32l` (one
+    /// token step of 4 sequences over a 32-layer cache at 4096 positions, Hq 32, Hkv 8, E 128,
+    /// f16); every input in GPU buffers made once and the outputs in the caller's buffers
+    /// (`wgpu_attention::shapes::host`).
     #[arg(long, value_name = "CALLS")]
     host: Option<usize>,
 }
@@ -92,19 +95,7 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
     let ctx = crate::context_on(a.device)?;
     println!("adapter: {}", ctx.describe());
     if let Some(calls) = a.host {
-        use wgpu_attention::shapes::host::{median_us, HostBench, HostCall};
-        let calls = calls.max(8);
-        let mut bench = HostBench::new(&ctx)?;
-        println!("host microseconds per record (median; no GPU work runs beside it)");
-        for call in HostCall::ALL {
-            let n = if call == HostCall::KvStep {
-                calls.div_ceil(8).max(8)
-            } else {
-                calls
-            };
-            let us = median_us(&ctx, &mut bench, call, n, n)?;
-            println!("{:<18} {us:8.1} us  (median of {n})", call.name());
-        }
+        crate::bench_host::host_table(&ctx, calls, a.warmup, a.iters)?;
         return Ok(ExitCode::SUCCESS);
     }
     let gpu_time = a.gpu_time && ctx.has_gpu_timer();

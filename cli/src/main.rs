@@ -8,6 +8,7 @@
 
 mod backward;
 mod bench;
+mod bench_host;
 mod bench_ring;
 mod bench_variants;
 mod demo;

@@ -13,6 +13,11 @@
 //! - [`HostCall::KvStep`]: one token step of 4 sequences on a 32-layer [`crate::KvCache`] of
 //!   that shape (a reserve, then per layer an append of K/V from a GPU buffer and an attention
 //!   into the caller's buffers); its time is per layer.
+//! - [`DecodeStep`] (`decode_step_32l`): one token step of 4 sequences over a 32-layer
+//!   `KvCache` at 4096 positions, Llama-3-8B's attention (Hq 32, Hkv 8, E 128, f16, blocks of
+//!   16): a reserve, then per layer an append and an attention into the caller's buffers, no
+//!   readback. Each step first truncates the sequences back to 4095 keys
+//!   ([`crate::KvCache::truncate`]), so every step reads 4096.
 
 use std::time::Instant;
 
@@ -229,10 +234,20 @@ impl HostBench {
 /// host's cost alone, with no GPU work running
 /// beside it (a CPU adapter would share the cores).
 pub fn median_us(ctx: &Context, bench: &mut HostBench, call: HostCall, warm: usize, n: usize) -> Result<f64> {
+    median_us_of(ctx, warm, n, |enc| bench.record(ctx, enc, call))
+}
+
+/// [`median_us`] of any recorder returning `(host seconds, calls counted)`.
+pub fn median_us_of(
+    ctx: &Context,
+    warm: usize,
+    n: usize,
+    mut record: impl FnMut(&mut wgpu::CommandEncoder) -> Result<(f64, usize)>,
+) -> Result<f64> {
     let mut times = Vec::with_capacity(n);
     let mut enc = ctx.device().create_command_encoder(&Default::default());
     for i in 0..warm + n {
-        let (s, calls) = bench.record(ctx, &mut enc, call)?;
+        let (s, calls) = record(&mut enc)?;
         if i >= warm {
             times.push(s * 1e6 / calls as f64);
         }
@@ -245,4 +260,94 @@ pub fn median_us(ctx: &Context, bench: &mut HostBench, call: HostCall, warm: usi
     }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
+}
+
+/// `decode_step_32l` (see the module docs): a 32-layer cache of 4 sequences at 4095 keys, and
+/// the step's inputs and outputs in GPU buffers made once (about 2.2 GB).
+pub struct DecodeStep {
+    cache: KvCache,
+    seqs: Vec<SeqId>,
+    new_kv: wgpu::Buffer,
+    q: wgpu::Buffer,
+    out: wgpu::Buffer,
+    lse: wgpu::Buffer,
+}
+
+impl DecodeStep {
+    /// The name in reports.
+    pub const NAME: &'static str = "decode_step_32l";
+    /// Sequences, query heads, K/V heads, head dim, layers, and keys each step reads.
+    pub const DIMS: [usize; 6] = [4, 32, 8, 128, 32, 4096];
+
+    /// Make the cache and fill it: every layer's 4 x 4095 prompt keys appended and waited for.
+    pub fn new(ctx: &Context) -> Result<DecodeStep> {
+        let [nseq, hq, hkv, e, layers, keys] = Self::DIMS;
+        let bs = 16;
+        let mut cache = KvCache::new(
+            ctx,
+            KvCacheConfig {
+                layers,
+                kv_heads: hkv,
+                head_dim: e,
+                head_dim_v: e,
+                block_size: bs,
+                num_blocks: nseq * keys.div_ceil(bs),
+                storage: Storage::F16,
+                rope: None,
+            },
+        )?;
+        let seqs: Vec<SeqId> = (0..nseq).map(|_| cache.add_sequence()).collect();
+        let prompt = buffer(ctx, "prompt kv", 2 * (keys - 1) * nseq * hkv * e);
+        let step = cache.reserve(&seqs.iter().map(|&s| (s, keys - 1)).collect::<Vec<_>>())?;
+        let t = Tensor::from_buffer(&prompt, Storage::F16, &[(keys - 1) * nseq, hkv, e]);
+        for l in 0..layers {
+            let mut enc = ctx.device().create_command_encoder(&Default::default());
+            cache.append(ctx, &mut enc, &step, l, &t, &t)?;
+            ctx.queue().submit([enc.finish()]);
+        }
+        ctx.device()
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| crate::Error::Validation(format!("poll: {e}")))?;
+        Ok(DecodeStep {
+            cache,
+            seqs,
+            new_kv: buffer(ctx, "new kv", 2 * nseq * hkv * e),
+            q: buffer(ctx, "step q", 2 * nseq * hq * e),
+            out: buffer(ctx, "step out", 2 * nseq * hq * e),
+            lse: buffer(ctx, "step lse", 4 * nseq * hq),
+        })
+    }
+
+    /// The attention FLOPs of one step (4 x 32 heads x 4096 keys x 128, two matmuls).
+    pub fn flops() -> f64 {
+        let [nseq, hq, _, e, layers, keys] = Self::DIMS;
+        (4 * nseq * hq * keys * e * layers) as f64
+    }
+
+    /// Record one step into `encoder`; returns the host seconds it took (the rollback to 4095
+    /// keys included) and the layers.
+    pub fn record(&mut self, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<(f64, usize)> {
+        let [nseq, hq, hkv, e, layers, keys] = Self::DIMS;
+        let t0 = Instant::now();
+        for &s in &self.seqs {
+            self.cache.truncate(s, keys - 1)?;
+        }
+        let step = self
+            .cache
+            .reserve(&self.seqs.iter().map(|&s| (s, 1)).collect::<Vec<_>>())?;
+        let kv = Tensor::from_buffer(&self.new_kv, Storage::F16, &[nseq, hkv, e]);
+        for l in 0..layers {
+            self.cache.append(ctx, encoder, &step, l, &kv, &kv)?;
+            self.cache
+                .attention(
+                    &step,
+                    l,
+                    Tensor::from_buffer(&self.q, Storage::F16, &[nseq, hq, 1, e]),
+                )?
+                .output_into(Tensor::from_buffer(&self.out, Storage::F16, &[nseq, hq, 1, e]))
+                .lse_into(Tensor::from_buffer(&self.lse, Storage::F32, &[nseq, hq, 1]))
+                .record(ctx, encoder)?;
+        }
+        Ok((t0.elapsed().as_secs_f64(), layers))
+    }
 }
