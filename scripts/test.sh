@@ -5,13 +5,15 @@
 # backends, installing what a Debian/Ubuntu machine lacks:
 #   vulkan   the whole suite on the default adapter (Mesa's software Vulkan driver, lavapipe, is
 #            installed when the machine has no Vulkan driver at all)
+#   coop     the matrix units' forms and tests on Mesa 26.1's lavapipe (cooperative matrices),
+#            downloaded into ~/.cache by scripts/coopmat_driver.sh
 #   gl       the attention, golden, MHA, error and form-matrix tests on wgpu's GL backend
 #            (WGPU_BACKEND=gl; Mesa's llvmpipe through EGL, installed when missing)
 #   browser  the browser suite in headless Chromium's WebGPU (scripts/web.sh test; Debian's
 #            chromium and chromium-driver, wasm-bindgen-cli from crates.io)
 #   web-demo the demo page built and loaded in headless Chromium, which must say "check: PASS"
 #   mpi      the ring over MPI ranks (scripts/mpi.sh; Open MPI installed when missing)
-# WGPU_ATTENTION_BACKENDS picks among them (default: all five, in that order).
+# WGPU_ATTENTION_BACKENDS picks among them (default: all six, in that order).
 # Set WGPU_ATTENTION_REQUIRE_GPU=1 to make GPU tests fail instead of skipping without an adapter
 # (the GL and browser passes always fail without one).
 set -euo pipefail
@@ -64,10 +66,10 @@ stage() { # stage <name> <command...>: run a stage and print its wall time
   echo "== $name: $((SECONDS - t0)) s"
 }
 
-BACKENDS=${WGPU_ATTENTION_BACKENDS:-vulkan gl browser web-demo mpi}
+BACKENDS=${WGPU_ATTENTION_BACKENDS:-vulkan coop gl browser web-demo mpi}
 for b in $BACKENDS; do
-  case $b in vulkan | gl | browser | web-demo | mpi) ;; *)
-    echo "WGPU_ATTENTION_BACKENDS: unknown pass '$b' (vulkan, gl, browser, web-demo, mpi)" >&2
+  case $b in vulkan | coop | gl | browser | web-demo | mpi) ;; *)
+    echo "WGPU_ATTENTION_BACKENDS: unknown pass '$b' (vulkan, coop, gl, browser, web-demo, mpi)" >&2
     exit 2
     ;;
   esac
@@ -151,6 +153,33 @@ if has vulkan; then
     unset WGPU_BACKEND
   else
     stage tests suite --locked
+  fi
+fi
+
+# The matrix units: Mesa 26.1's lavapipe, which has cooperative matrices (8 x 8 x 8 f16), in a
+# folder of its own (scripts/coopmat_driver.sh downloads it; nothing is installed system-wide),
+# the test binaries started through its own dynamic loader. WGPU_ATTENTION_REQUIRE_COOP=1: a
+# device without the units fails the tests instead of serving them in the scalar forms. The
+# coop matmul's stage tests and its naga and spirv-val checks, the coop tests, and the f16
+# paths that take the units by default (the layer's projections, the unfused attention). No
+# process-spawning tests here: a spawned process would use the system's loader.
+if has coop; then
+  if [ "$(uname -s)" = Linux ] && grep -q avx2 /proc/cpuinfo; then
+    coop_tests() (
+      local env_lines
+      env_lines=$(./scripts/coopmat_driver.sh) || exit 1
+      eval "$env_lines"
+      export WGPU_BACKEND=vulkan WGPU_ATTENTION_REQUIRE_COOP=1
+      suite --locked --lib --test coop --test mha --test storage --test golden -- matmul coop half f16 \
+        every_path_matches_pytorch_goldens &&
+        # The 16 x 16 tile (NVIDIA's, AMD's), which lavapipe runs but does not list: a test-only
+        # override that the output names.
+        WGPU_ATTENTION_TEST_UNLISTED_TILES=16 suite --locked --lib -- matmul_forms_and_formats coop_matmul
+    )
+    stage "matrix units (Mesa 26.1 lavapipe)" coop_tests
+  else
+    echo "== matrix units: this machine cannot run Mesa 26.1's lavapipe (Linux with AVX2 needed)" >&2
+    exit 1
   fi
 fi
 

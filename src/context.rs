@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
-use crate::forms::{Caps, Forms};
+use crate::forms::{Caps, CoopTiles, Forms};
 use crate::pipelines::PipelineCache;
 
 /// A device and queue plus what this crate needs to know about them, and the cache of the
@@ -37,12 +37,18 @@ use crate::pipelines::PipelineCache;
 pub struct Context {
     inner: Arc<Inner>,
     forms: Forms,
+    /// Whether the kernels may use the matrix units ([`Context::without_matrix_units`]).
+    matrix_units: bool,
 }
 
 struct Inner {
     device: wgpu::Device,
     queue: wgpu::Queue,
     info: wgpu::AdapterInfo,
+    /// The matrix units' tiles, from the adapter where the device enabled them.
+    coop: CoopTiles,
+    /// Every cooperative-matrix configuration the adapter lists (empty without an adapter).
+    coop_list: Vec<wgpu::CooperativeMatrixProperties>,
     limits: wgpu::Limits,
     features: wgpu::Features,
     pipelines: PipelineCache,
@@ -88,6 +94,57 @@ fn wanted_features() -> wgpu::Features {
     wgpu::Features::SHADER_F16 | wgpu::Features::SUBGROUP | wgpu::Features::TIMESTAMP_QUERY
 }
 
+/// The matrix units' feature: experimental in wgpu, so a device requests it only with
+/// `DeviceDescriptor::experimental_features` enabled.
+const COOP: wgpu::Features = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+
+/// Whether `WGPU_ATTENTION_MATRIX_UNITS` turns the matrix units off (`off` or `0`) for the
+/// devices the crate creates.
+fn matrix_units_turned_off() -> bool {
+    #[cfg(not(target_arch = "wasm32"))]
+    if let Ok(v) = std::env::var("WGPU_ATTENTION_MATRIX_UNITS") {
+        return matches!(v.trim(), "off" | "0" | "false");
+    }
+    false
+}
+
+/// The matrix units' tiles of a device made on `adapter` with `features`.
+fn coop_tiles(adapter: &wgpu::Adapter, features: wgpu::Features) -> CoopTiles {
+    if !adapter.features().contains(COOP) {
+        return CoopTiles::none("the adapter has no cooperative matrices (EXPERIMENTAL_COOPERATIVE_MATRIX)");
+    }
+    if !features.contains(COOP | wgpu::Features::SHADER_F16 | wgpu::Features::SUBGROUP) {
+        return CoopTiles::none(
+            "the device did not enable EXPERIMENTAL_COOPERATIVE_MATRIX with SHADER_F16 and SUBGROUP",
+        );
+    }
+    let listed = CoopTiles::from_properties(&adapter.cooperative_matrix_properties());
+    // Test-only: tiles the adapter does not list (lavapipe lists 8 x 8 and runs 16 x 16
+    // right), so that CI runs the 16 x 16 form too. Said loudly: outside the adapter's list
+    // the behaviour is undefined.
+    #[cfg(not(target_arch = "wasm32"))]
+    if let Ok(v) = std::env::var("WGPU_ATTENTION_TEST_UNLISTED_TILES") {
+        if listed.largest().is_some() {
+            let mut tiles = listed;
+            for t in v.split(',').filter_map(|t| t.trim().parse::<u32>().ok()) {
+                if !listed.has(t) {
+                    eprintln!(
+                        "wgpu-attention: WGPU_ATTENTION_TEST_UNLISTED_TILES: using {t} x {t} tiles, outside what {} lists",
+                        adapter.get_info().name
+                    );
+                }
+                match t {
+                    8 => tiles.t8 = true,
+                    16 => tiles.t16 = true,
+                    _ => {}
+                }
+            }
+            return tiles;
+        }
+    }
+    listed
+}
+
 impl Context {
     /// Create a device on wgpu's default adapter, requesting the adapter's own limits.
     ///
@@ -123,14 +180,42 @@ impl Context {
 
     /// Create a device on a given adapter with its own limits and the optional features this
     /// crate can use.
+    ///
+    /// Where the adapter has matrix units (cooperative matrices listing a square f16 tile of 8
+    /// or 16 with f32 accumulators) the device also gets wgpu's experimental
+    /// `EXPERIMENTAL_COOPERATIVE_MATRIX` feature, unless `WGPU_ATTENTION_MATRIX_UNITS=off`;
+    /// [`Context::without_matrix_units`] turns them off for one context.
     pub async fn from_adapter(adapter: &wgpu::Adapter) -> Result<Self> {
+        // A mistyped pin must not let a CI step pass on other forms.
+        #[cfg(not(target_arch = "wasm32"))]
+        if std::env::var("WGPU_ATTENTION_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+            if let Ok(v) = std::env::var("WGPU_ATTENTION_FORMS") {
+                Forms::parse(&v)?;
+            }
+        }
         let limits = adapter.limits();
-        let features = adapter.features() & wanted_features();
+        let mut features = adapter.features() & wanted_features();
+        let units = !matrix_units_turned_off()
+            && adapter.features().contains(COOP)
+            && features.contains(wgpu::Features::SHADER_F16 | wgpu::Features::SUBGROUP)
+            && CoopTiles::from_properties(&adapter.cooperative_matrix_properties())
+                .largest()
+                .is_some();
+        if units {
+            features |= COOP;
+        }
         let (device, queue) = adapter
             .request_device(&wgpu::DeviceDescriptor {
                 label: Some("wgpu-attention"),
                 required_features: features,
                 required_limits: limits,
+                // SAFETY (wgpu's contract for experimental features): only cooperative
+                // matrices are requested, and the kernels use only the tiles the adapter lists.
+                experimental_features: if units {
+                    unsafe { wgpu::ExperimentalFeatures::enabled() }
+                } else {
+                    wgpu::ExperimentalFeatures::disabled()
+                },
                 ..Default::default()
             })
             .await
@@ -139,8 +224,19 @@ impl Context {
         device.on_uncaptured_error(Arc::new(|e: wgpu::Error| {
             eprintln!("wgpu-attention: uncaptured GPU error: {e}");
         }));
-        let ctx = Self::build(device, queue, adapter.get_info());
-        Ok(ctx)
+        let coop = match units {
+            true => coop_tiles(adapter, device.features()),
+            false if matrix_units_turned_off() => {
+                CoopTiles::none("turned off by WGPU_ATTENTION_MATRIX_UNITS")
+            }
+            false => coop_tiles(adapter, device.features()),
+        };
+        Ok(Self::build(
+            device,
+            queue,
+            adapter.get_info(),
+            (coop, adapter.cooperative_matrix_properties()),
+        ))
     }
 
     /// Adopt a caller's device and queue (a clone of wgpu's handles: they are reference
@@ -160,22 +256,70 @@ impl Context {
     /// device lacks.
     ///
     /// [`Sdpa::record`]: crate::Sdpa::record
+    ///
+    /// The matrix units need the adapter's list of tiles, which a device does not give: use
+    /// [`Context::from_parts`] for them.
     pub fn from_device(device: wgpu::Device, queue: wgpu::Queue) -> Self {
         let info = device.adapter_info();
-        Self::build(device, queue, info)
+        let coop = CoopTiles::none(
+            "adopted by Context::from_device, which has no adapter to list the tiles (use Context::from_parts)",
+        );
+        Self::build(device, queue, info, (coop, Vec::new()))
     }
 
     /// Adopt a caller's device and queue created on `adapter`: the same as
     /// [`Context::from_device`], with the adapter's information taken from the adapter (the one
     /// obvious way when you hold it; burn's `WgpuSetup` carries the same four handles).
+    /// The matrix units are used where the device enabled
+    /// [`Context::wanted_experimental_features`] and the adapter lists their tiles.
     pub fn from_parts(adapter: &wgpu::Adapter, device: wgpu::Device, queue: wgpu::Queue) -> Self {
-        Self::build(device, queue, adapter.get_info())
+        let coop = coop_tiles(adapter, device.features());
+        Self::build(
+            device,
+            queue,
+            adapter.get_info(),
+            (coop, adapter.cooperative_matrix_properties()),
+        )
     }
 
     /// The optional device features this crate uses when the device has them: request
     /// `adapter.features() & Context::wanted_features()` when you create your own device.
     pub fn wanted_features() -> wgpu::Features {
         wanted_features()
+    }
+
+    /// The experimental features this crate uses when the device has them: the matrix units
+    /// (`EXPERIMENTAL_COOPERATIVE_MATRIX`, with `SHADER_F16` and `SUBGROUP`). wgpu grants
+    /// them only to a device requested with `experimental_features:
+    /// unsafe { wgpu::ExperimentalFeatures::enabled() }`; adopt it with
+    /// [`Context::from_parts`], which reads the adapter's tiles.
+    pub fn wanted_experimental_features() -> wgpu::Features {
+        COOP
+    }
+
+    /// The same device without the matrix units: every kernel in its scalar forms (a pinned
+    /// coop form is then an error). For comparing, or where f16 products are not wanted.
+    pub fn without_matrix_units(&self) -> Context {
+        Context {
+            matrix_units: false,
+            ..self.clone()
+        }
+    }
+
+    /// Every cooperative-matrix configuration the adapter lists (m x n x k, operand and
+    /// accumulator types), whether the kernels can use it or not; empty for a device adopted
+    /// by [`Context::from_device`].
+    pub fn cooperative_matrix_configurations(&self) -> &[wgpu::CooperativeMatrixProperties] {
+        &self.inner.coop_list
+    }
+
+    /// The matrix units' tiles this context's kernels may use ([`CoopTiles`]; none, with the
+    /// reason, where they may not).
+    pub fn matrix_units(&self) -> CoopTiles {
+        match self.matrix_units {
+            true => self.inner.coop,
+            false => CoopTiles::none("turned off for this context (Context::without_matrix_units)"),
+        }
     }
 
     /// What an adopted device lacks for the fastest kernels on its adapter, as a list of
@@ -189,6 +333,14 @@ impl Context {
         let lacking = (adapter.features() & wanted_features()) - self.features();
         if !lacking.is_empty() {
             out.push(format!("features not requested: {lacking:?}"));
+        }
+        let units = CoopTiles::from_properties(&adapter.cooperative_matrix_properties());
+        if adapter.features().contains(COOP) && units.largest().is_some() && !self.features().contains(COOP) {
+            out.push(
+                "experimental feature not requested: EXPERIMENTAL_COOPERATIVE_MATRIX (the matrix units; \
+                 request it with experimental_features enabled, see Context::wanted_experimental_features)"
+                    .into(),
+            );
         }
         let (a, d) = (adapter.limits(), self.limits());
         let pairs: [(&str, u64, u64); 5] = [
@@ -225,7 +377,12 @@ impl Context {
     // On the web wgpu's handles are neither Send nor Sync (one thread); the Arc shares them
     // between clones of the context all the same.
     #[cfg_attr(target_arch = "wasm32", allow(clippy::arc_with_non_send_sync))]
-    fn build(device: wgpu::Device, queue: wgpu::Queue, info: wgpu::AdapterInfo) -> Self {
+    fn build(
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        info: wgpu::AdapterInfo,
+        (coop, coop_list): (CoopTiles, Vec<wgpu::CooperativeMatrixProperties>),
+    ) -> Self {
         let lost = Arc::new(Mutex::new(None));
         let lost2 = lost.clone();
         device.set_device_lost_callback(move |reason, msg| {
@@ -250,6 +407,8 @@ impl Context {
                 device,
                 queue,
                 info,
+                coop,
+                coop_list,
                 pipelines: PipelineCache::default(),
                 faults: Default::default(),
                 lost,
@@ -260,6 +419,7 @@ impl Context {
                 cache: Default::default(),
             }),
             forms,
+            matrix_units: true,
         }
     }
 
@@ -273,6 +433,7 @@ impl Context {
         Context {
             inner: self.inner.clone(),
             forms: forms.into(),
+            matrix_units: self.matrix_units,
         }
     }
 
@@ -283,8 +444,10 @@ impl Context {
 
     /// What the device offers the kernels: the input of [`Plan`](crate::Plan).
     pub fn caps(&self) -> Caps {
-        let mut caps =
-            Caps::new(&self.inner.limits, self.is_cpu(), self.fixed_subgroup_size()).with_forms(self.forms);
+        let max_subgroup = self.inner.info.subgroup_max_size.max(1);
+        let mut caps = Caps::new(&self.inner.limits, self.is_cpu(), self.fixed_subgroup_size())
+            .with_forms(self.forms)
+            .with_coop(self.matrix_units(), max_subgroup);
         // wgpu's GL backend serialises every device of the process on one GL context, and a
         // thread that waits for it over 6 s panics (wgpu-hal): a background compilation of a
         // large unrolled form would hold it that long on a CPU driver (llvmpipe). GL takes the

@@ -242,33 +242,126 @@ pub enum MatmulForm {
     /// One subgroup of 8, 4 rows per invocation, B shared by shuffles, unrolled
     /// (`shaders/matmul_sg.wgsl`): CPU adapters with a fixed subgroup size of 8 (lavapipe).
     Subgroup,
+    /// The matrix units (tensor cores, matrix cores, simdgroup matrices) through cooperative
+    /// matrices: tiles of `tile` x `tile` f16 operands accumulated in f32, a 4 `tile` square
+    /// of C per workgroup (`shaders/matmul_coop.wgsl`). `tile` is 8 or 16, one the adapter
+    /// lists ([`CoopTiles`]); `None` takes the largest listed. Operands in f32 are rounded to
+    /// f16 (an opt-in: only a pinned form does that); bf16 operands are refused (values beyond
+    /// f16's range would overflow).
+    Coop {
+        /// The tile edge: 8, 16, or `None` for the largest the adapter lists.
+        tile: Option<u32>,
+    },
 }
 
 impl MatmulForm {
-    /// Every matmul form.
+    /// Every scalar matmul form (the coop forms need the adapter's matrix units:
+    /// [`Caps::matmul_forms`]).
     pub const ALL: [MatmulForm; 3] = [MatmulForm::Tiled, MatmulForm::GpuTiles, MatmulForm::Subgroup];
 
-    /// The name: `tiled`, `gpu-tiles`, `subgroup`.
-    pub fn name(self) -> &'static str {
+    /// The name: `tiled`, `gpu-tiles`, `subgroup`, `coop`, `coop:8`, `coop:16`.
+    pub fn name(self) -> String {
         match self {
-            MatmulForm::Tiled => "tiled",
-            MatmulForm::GpuTiles => "gpu-tiles",
-            MatmulForm::Subgroup => "subgroup",
+            MatmulForm::Tiled => "tiled".into(),
+            MatmulForm::GpuTiles => "gpu-tiles".into(),
+            MatmulForm::Subgroup => "subgroup".into(),
+            MatmulForm::Coop { tile: None } => "coop".into(),
+            MatmulForm::Coop { tile: Some(t) } => format!("coop:{t}"),
         }
+    }
+
+    /// Whether the form runs on the matrix units.
+    pub fn is_coop(self) -> bool {
+        matches!(self, MatmulForm::Coop { .. })
     }
 }
 
 impl std::str::FromStr for MatmulForm {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        MatmulForm::ALL
-            .into_iter()
-            .find(|f| f.name() == s)
-            .ok_or_else(|| Error::UnknownName {
-                kind: "matmul kernel form",
-                name: s.to_string(),
-                expected: "tiled, gpu-tiles, subgroup",
+        let bad = || Error::UnknownName {
+            kind: "matmul kernel form",
+            name: s.to_string(),
+            expected: "tiled, gpu-tiles, subgroup, coop, coop:8, coop:16",
+        };
+        match s {
+            "coop" => Ok(MatmulForm::Coop { tile: None }),
+            "coop:8" => Ok(MatmulForm::Coop { tile: Some(8) }),
+            "coop:16" => Ok(MatmulForm::Coop { tile: Some(16) }),
+            _ => MatmulForm::ALL
+                .into_iter()
+                .find(|f| f.name() == s)
+                .ok_or_else(bad),
+        }
+    }
+}
+
+/// The cooperative-matrix tiles (the GPU's matrix units) a device offers the kernels: square
+/// tiles of f16 operands accumulated in f32 that the adapter lists
+/// (`wgpu::Adapter::cooperative_matrix_properties`) and WGSL can spell. wgpu does not check a
+/// shader's tiles against that list (an unlisted one is undefined behaviour), so the kernels
+/// use only these.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct CoopTiles {
+    /// 8 x 8 x 8 (Apple's simdgroup matrices, Mesa 26.1's lavapipe).
+    pub t8: bool,
+    /// 16 x 16 x 16 (NVIDIA's tensor cores, AMD's matrix cores).
+    pub t16: bool,
+    /// Why the device offers none, where it offers none: no such units, the feature not
+    /// enabled on the device, a device adopted without its adapter, or turned off.
+    pub none_because: Option<&'static str>,
+}
+
+impl CoopTiles {
+    /// No tiles, for `reason`.
+    pub fn none(reason: &'static str) -> CoopTiles {
+        CoopTiles {
+            none_because: Some(reason),
+            ..CoopTiles::default()
+        }
+    }
+
+    /// The f16 x f16 -> f32 square tiles of 8 or 16 in an adapter's list.
+    pub fn from_properties(list: &[wgpu::CooperativeMatrixProperties]) -> CoopTiles {
+        let has = |t: u32| {
+            list.iter().any(|c| {
+                c.m_size == t
+                    && c.n_size == t
+                    && c.k_size == t
+                    && c.ab_type == wgpu::CooperativeScalarType::F16
+                    && c.cr_type == wgpu::CooperativeScalarType::F32
             })
+        };
+        let tiles = CoopTiles {
+            t8: has(8),
+            t16: has(16),
+            none_because: None,
+        };
+        match tiles.largest() {
+            Some(_) => tiles,
+            None => CoopTiles::none(
+                "the adapter lists no square 8 or 16 tile of f16 operands with f32 accumulators",
+            ),
+        }
+    }
+
+    /// Whether tiles of `t` are listed.
+    pub fn has(&self, t: u32) -> bool {
+        match t {
+            8 => self.t8,
+            16 => self.t16,
+            _ => false,
+        }
+    }
+
+    /// The largest listed tile.
+    pub fn largest(&self) -> Option<u32> {
+        [16, 8].into_iter().find(|&t| self.has(t))
+    }
+
+    /// The listed tiles, smallest first.
+    pub fn list(&self) -> Vec<u32> {
+        [8, 16].into_iter().filter(|&t| self.has(t)).collect()
     }
 }
 
@@ -384,6 +477,11 @@ pub struct Caps {
     pub background_compile: bool,
     /// Forms pinned by the context.
     pub forms: Forms,
+    /// The matrix units' tiles ([`CoopTiles`]).
+    pub coop: CoopTiles,
+    /// The largest subgroup size the adapter may run a kernel with (a coop form's workgroup
+    /// is a multiple of it).
+    pub max_subgroup: u32,
 }
 
 /// The largest storage binding a device allows, bytes: `max_storage_buffer_binding_size`, at most
@@ -406,6 +504,18 @@ impl Caps {
             max_buffer: limits.max_buffer_size,
             background_compile: cfg!(not(target_arch = "wasm32")),
             forms: Forms::default(),
+            coop: CoopTiles::none("not read from a device"),
+            max_subgroup: subgroup.unwrap_or(64),
+        }
+    }
+
+    /// The same device with the matrix units' `tiles`, run with subgroups of at most
+    /// `max_subgroup` invocations.
+    pub fn with_coop(self, tiles: CoopTiles, max_subgroup: u32) -> Caps {
+        Caps {
+            coop: tiles,
+            max_subgroup,
+            ..self
         }
     }
 
@@ -454,10 +564,53 @@ impl Caps {
 
     /// The matmul's forms this device can run.
     pub fn matmul_forms(&self) -> Vec<MatmulForm> {
-        MatmulForm::ALL
+        let mut v: Vec<MatmulForm> = MatmulForm::ALL
             .into_iter()
             .filter(|f| *f != MatmulForm::Subgroup || self.subgroup == Some(8))
-            .collect()
+            .collect();
+        v.extend(
+            self.coop
+                .list()
+                .into_iter()
+                .map(|t| MatmulForm::Coop { tile: Some(t) }),
+        );
+        v
+    }
+
+    /// The tile a coop form (`pinned`: 8, 16, or `None` for the largest) runs with on this
+    /// device, or why it cannot run.
+    pub fn coop_tile(&self, pinned: Option<u32>) -> std::result::Result<u32, String> {
+        let Some(largest) = self.coop.largest() else {
+            return Err(format!(
+                "the matrix units are not available: {}",
+                self.coop.none_because.unwrap_or("no tiles listed")
+            ));
+        };
+        let t = pinned.unwrap_or(largest);
+        if !self.coop.has(t) {
+            return Err(format!(
+                "the adapter does not list {t} x {t} f16 tiles with f32 accumulators (it lists {:?})",
+                self.coop.list()
+            ));
+        }
+        if self.max_invocations < self.coop_workgroup() || self.max_workgroup_size_x < self.coop_workgroup() {
+            return Err(format!(
+                "the coop matmul needs workgroups of {} invocations",
+                self.coop_workgroup()
+            ));
+        }
+        if self.workgroup_storage < coop_workgroup_bytes(t) {
+            return Err(format!(
+                "the {t} x {t} coop matmul needs {} bytes of workgroup memory",
+                coop_workgroup_bytes(t)
+            ));
+        }
+        Ok(t)
+    }
+
+    /// The workgroup size of a coop form: 128 invocations, or the largest subgroup if larger.
+    pub(crate) fn coop_workgroup(&self) -> u32 {
+        self.max_subgroup.max(128)
     }
 
     /// The subgroup size of the fused kernel's subgroup form: the subgroup size, when it is fixed
@@ -483,6 +636,12 @@ impl Caps {
         self.subgroup
             .filter(|s| s.is_power_of_two() && (4..=64).contains(s) && *s <= self.max_invocations)
     }
+}
+
+/// Workgroup memory of the coop matmul with tiles of `t`: f16 A and B blocks, f32 C block.
+pub(crate) fn coop_workgroup_bytes(t: u32) -> u32 {
+    let (bm, bk) = (4 * t, 2 * t);
+    2 * (bm * bk) * 2 + bm * bm * 4
 }
 
 #[cfg(test)]
@@ -522,9 +681,14 @@ mod tests {
         ] {
             assert_eq!(f.name().parse::<BackwardForm>(), Ok(f));
         }
-        for f in MatmulForm::ALL {
+        for f in MatmulForm::ALL.into_iter().chain([
+            MatmulForm::Coop { tile: None },
+            MatmulForm::Coop { tile: Some(8) },
+            MatmulForm::Coop { tile: Some(16) },
+        ]) {
             assert_eq!(f.name().parse::<MatmulForm>(), Ok(f));
         }
+        assert!("coop:32".parse::<MatmulForm>().is_err());
         assert!("tiled:9".parse::<BackwardForm>().is_err());
         assert!("gpu:1".parse::<BackwardForm>().is_err());
         assert_eq!(

@@ -62,7 +62,7 @@ mod view;
 pub use context::Context;
 pub use error::{Error, Result};
 pub use faults::Fault;
-pub use forms::{BackwardForm, Caps, DecodeForm, Forms, FusedForm, MatmulForm};
+pub use forms::{BackwardForm, Caps, CoopTiles, DecodeForm, Forms, FusedForm, MatmulForm};
 /// Re-exported: the half-precision host types ([`half::f16`], [`half::bf16`]).
 pub use half;
 pub use kernels::cache::{CacheLimits, CacheStats};

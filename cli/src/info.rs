@@ -56,8 +56,42 @@ pub(crate) fn info() -> CliResult<ExitCode> {
         ("SHADER_F16", wgpu::Features::SHADER_F16),
         ("SUBGROUP", wgpu::Features::SUBGROUP),
         ("TIMESTAMP_QUERY", wgpu::Features::TIMESTAMP_QUERY),
+        (
+            "EXPERIMENTAL_COOPERATIVE_MATRIX",
+            wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX,
+        ),
     ] {
         println!("  {name:<38} {}", if f.contains(feature) { "yes" } else { "no" });
+    }
+    // The matrix units: every configuration the adapter lists, and the tiles the kernels use.
+    println!("matrix units (cooperative matrices):");
+    let list = ctx.cooperative_matrix_configurations();
+    if list.is_empty() {
+        println!("  the adapter lists no configuration (or the device was adopted without it)");
+    }
+    for c in list {
+        println!(
+            "  {}x{}x{} {:?} x {:?} -> {:?}{}",
+            c.m_size,
+            c.n_size,
+            c.k_size,
+            c.ab_type,
+            c.ab_type,
+            c.cr_type,
+            if c.saturating_accumulation {
+                " (saturating)"
+            } else {
+                ""
+            }
+        );
+    }
+    let units = ctx.matrix_units();
+    match units.none_because {
+        None => println!(
+            "  kernels use tiles: {:?} (f16 operands, f32 accumulators)",
+            units.list()
+        ),
+        Some(why) => println!("  kernels use none: {why}"),
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -44,6 +44,25 @@ pub(crate) const TILES_SPEC: KernelSpec = KernelSpec {
     trusted: false,
 };
 
+/// The matrix-unit form: `shaders/matmul_coop.wgsl`.
+pub(crate) const COOP_SPEC: KernelSpec = KernelSpec {
+    name: "matmul_coop",
+    source: include_str!("../../shaders/matmul_coop.wgsl"),
+    common: &[super::common::MATMUL],
+    bindings: SPEC.bindings,
+    params: params_of::<Params>,
+    trusted: false,
+};
+
+/// The coop form's prelude for tiles of `t` in workgroups of `wg`: the `enable` directives,
+/// `TILE`, `WG` and the matrix types AT, BT, CT.
+pub(crate) fn coop_prelude(t: u32, wg: u32) -> String {
+    format!(
+        "enable f16;\nenable wgpu_cooperative_matrix;\nconst TILE: u32 = {t}u;\nconst WG: u32 = {wg}u;\n\
+         alias AT = coop_mat{t}x{t}<f16, A>;\nalias BT = coop_mat{t}x{t}<f16, B>;\nalias CT = coop_mat{t}x{t}<f32, C>;\n"
+    )
+}
+
 /// Output tile edge (rows and columns) per workgroup of the tiled form; the grid is sized for
 /// it (the subgroup form's tiles are smaller, see `Form::tile`).
 pub(crate) const TILE: u32 = 64;
@@ -68,6 +87,10 @@ pub(crate) fn form_for(caps: &crate::forms::Caps) -> std::result::Result<Form, S
         } else {
             Form::Tiled
         });
+    if let Form::Coop { tile } = form {
+        let t = caps.coop_tile(tile)?;
+        return Ok(Form::Coop { tile: Some(t) });
+    }
     if !caps.matmul_forms().contains(&form) {
         return Err(format!(
             "the {} matmul form needs a fixed subgroup size of 8 (device: {:?})",
@@ -100,10 +123,28 @@ fn runs_16x16(caps: &crate::forms::Caps) -> bool {
 /// keep the subgroup form, which runs them 3-4x faster.
 pub(crate) const CPU_SMALL_PRODUCT_FLOPS: f64 = 1e7;
 
-/// [`form_for`], with small products on CPU adapters in the tiled form
-/// ([`CPU_SMALL_PRODUCT_FLOPS`]): `flops` is the product's 2 m n k over every slice.
-pub(crate) fn form_for_size(caps: &crate::forms::Caps, flops: f64) -> std::result::Result<Form, String> {
+/// [`form_for`] for a product of `flops` (2 m n k over every slice) with A and B in
+/// `operands`: f16 operands on the matrix units where the device has them (the products of f16
+/// values are exact in f32, and the sums are f32 as in the scalar forms); small products on CPU
+/// adapters in the tiled form ([`CPU_SMALL_PRODUCT_FLOPS`]). A pinned coop form takes f16 and
+/// f32 operands (f32 rounded to f16: the opt-in) and refuses bf16.
+pub(crate) fn form_for_size(
+    caps: &crate::forms::Caps,
+    flops: f64,
+    operands: [Storage; 2],
+) -> std::result::Result<Form, String> {
+    let halves = operands.iter().all(|&s| s == Storage::F16);
+    if caps.forms.matmul.is_none() && halves && caps.coop.largest().is_some() {
+        let t = caps.coop_tile(None)?;
+        return Ok(Form::Coop { tile: Some(t) });
+    }
     let form = form_for(caps)?;
+    if form.is_coop() && operands.contains(&Storage::Bf16) {
+        return Err(
+            "the coop matmul takes f16 (or, pinned, f32) operands: bf16 values beyond f16's range would overflow"
+                .into(),
+        );
+    }
     let small = caps.cpu && caps.forms.matmul.is_none() && flops < CPU_SMALL_PRODUCT_FLOPS;
     if form == Form::Subgroup && small && runs_16x16(caps) {
         return Ok(Form::Tiled);
@@ -126,6 +167,8 @@ impl Form {
             Form::Tiled => [TILE, TILE],
             Form::GpuTiles => [2 * TILE, 2 * TILE],
             Form::Subgroup => [8 * SG_ROWS, 8 * SG_NB],
+            // A tile not yet resolved: the smallest (grids are checked against it).
+            Form::Coop { tile } => [4 * tile.unwrap_or(8); 2],
         }
     }
 }
@@ -133,7 +176,13 @@ impl Form {
 /// Check that an `m × n` product fits the device's grid (in the form `ctx` runs) before any
 /// GPU work: `what` names it in the error.
 pub(crate) fn check_grid(ctx: &Context, what: &str, m: usize, n: usize) -> Result<()> {
-    let [tm, tn] = form(ctx)?.tile();
+    // The smallest tile any form the call may take has (f16 products take a coop form).
+    let caps = ctx.caps();
+    let mut tile = form(ctx)?.tile();
+    if let Some(t) = caps.coop.list().first() {
+        tile = [tile[0].min(4 * t), tile[1].min(4 * t)];
+    }
+    let [tm, tn] = tile;
     let max = ctx.limits().max_compute_workgroups_per_dimension as usize;
     for (extent, tile, axis) in [(m, tm, "rows"), (n, tn, "columns")] {
         if extent.div_ceil(tile as usize) > max {
@@ -322,6 +371,23 @@ pub(crate) struct Matmul<'a> {
 }
 
 impl Matmul<'_> {
+    /// Every row of C starts at an even element and N is even, so half-format pairs are whole
+    /// words (else they are stored element by element, by atomics).
+    fn c_words(&self) -> bool {
+        let p = &self.params;
+        p.n.is_multiple_of(2)
+            && p.c_row.is_multiple_of(2)
+            && p.c_off.is_multiple_of(2)
+            && p.c_batch.is_multiple_of(2)
+            && p.c_head.is_multiple_of(2)
+    }
+
+    /// Whether the coop form can store C: f32, or half formats in whole words (its atomics
+    /// would need a SPIR-V capability naga does not declare under the Vulkan memory model).
+    fn coop_stores(&self) -> bool {
+        !self.formats[3].is_half() || self.c_words()
+    }
+
     /// Record the dispatch. `dummy` is bound where there is no bias.
     pub(crate) fn record(
         &self,
@@ -331,10 +397,21 @@ impl Matmul<'_> {
     ) -> Result<()> {
         let p = &self.params;
         let flops = 2.0 * p.m as f64 * p.n as f64 * p.k as f64 * self.batch as f64;
-        let form = form_for_size(&ctx.caps(), flops).map_err(|reason| crate::error::Error::Unsupported {
+        let operands = [self.formats[0], self.formats[1]];
+        let unsupported = |reason| crate::error::Error::Unsupported {
             path: "matmul",
             reason,
-        })?;
+        };
+        let caps = ctx.caps();
+        let mut form = form_for_size(&caps, flops, operands).map_err(unsupported)?;
+        if form.is_coop() && caps.forms.matmul.is_none() && !self.coop_stores() {
+            // The scalar forms store what the coop form cannot.
+            let scalar = caps.with_coop(
+                crate::forms::CoopTiles::none("odd half-format rows"),
+                caps.max_subgroup,
+            );
+            form = form_for_size(&scalar, flops, operands).map_err(unsupported)?;
+        }
         self.record_form(ctx, encoder, dummy, form)
     }
 
@@ -347,6 +424,25 @@ impl Matmul<'_> {
         form: Form,
     ) -> Result<()> {
         let p = &self.params;
+        let caps = ctx.caps();
+        let form = match form {
+            Form::Coop { tile } => {
+                if [self.formats[0], self.formats[1]].contains(&Storage::Bf16) {
+                    return Err(crate::error::Error::Unsupported {
+                        path: "matmul",
+                        reason: "the coop matmul takes f16 (or, pinned, f32) operands: bf16 values beyond f16's range would overflow".into(),
+                    });
+                }
+                let t = caps
+                    .coop_tile(tile)
+                    .map_err(|reason| crate::error::Error::Unsupported {
+                        path: "matmul",
+                        reason,
+                    })?;
+                Form::Coop { tile: Some(t) }
+            }
+            f => f,
+        };
         let [tm, tn] = form.tile();
         let grid = [p.n.div_ceil(tn), p.m.div_ceil(tm), self.batch];
         let bias = self.bias.clone().unwrap_or(dummy.as_entire_buffer_binding());
@@ -356,11 +452,13 @@ impl Matmul<'_> {
             ("ACCUM", self.accumulate as u32 as f64),
         ];
         debug_assert!(!self.accumulate || self.formats[3] == Storage::F32);
-        let c_words = p.n.is_multiple_of(2)
-            && p.c_row.is_multiple_of(2)
-            && p.c_off.is_multiple_of(2)
-            && p.c_batch.is_multiple_of(2)
-            && p.c_head.is_multiple_of(2);
+        let c_words = self.c_words();
+        if form.is_coop() && !self.coop_stores() {
+            return Err(crate::error::Error::Unsupported {
+                path: "matmul",
+                reason: "the coop matmul stores a half-format C as whole words: its N, row stride and offsets must be even".into(),
+            });
+        }
         let (spec, prelude) = match form {
             Form::Tiled => (&SPEC, prelude(self.formats, c_words)),
             // Unrolled at the source on GPUs; CPU adapters (where it runs only when a test pins
@@ -387,6 +485,11 @@ impl Matmul<'_> {
                         + &sg_prelude(SG_ROWS, self.trans_b, a4, b4),
                 )
             }
+            Form::Coop { tile } => (
+                &COOP_SPEC,
+                coop_prelude(tile.expect("resolved above"), caps.coop_workgroup())
+                    + &prelude(self.formats, c_words),
+            ),
         };
         dispatch(
             ctx,

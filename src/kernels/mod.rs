@@ -471,11 +471,17 @@ pub(crate) fn source(spec: &KernelSpec, prelude: &str, params_in_storage: bool) 
     } else {
         "uniform"
     };
+    // `enable` directives (the coop forms') go before every declaration.
+    let (enables, prelude): (Vec<&str>, Vec<&str>) = prelude
+        .split_inclusive('\n')
+        .partition(|l| l.starts_with("enable "));
     let mut s = format!(
-        "// {} (assembled by src/kernels/mod.rs)\n{decls}@group(0) @binding({}) var<{space}> p: {name};\n{}{prelude}",
+        "// {} (assembled by src/kernels/mod.rs)\n{}{decls}@group(0) @binding({}) var<{space}> p: {name};\n{}{}",
         spec.name,
+        enables.concat(),
         spec.bindings.len() - 1,
         access::HELPERS,
+        prelude.concat(),
     );
     for c in spec.common {
         s.push_str(c);
@@ -1061,6 +1067,97 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Every specialisation of the coop matmul (tiles 8 and 16, every storage format of its
+    /// operands and output, both B layouts, with and without bias and accumulation) assembles
+    /// into WGSL that naga validates with the Rust params layout, and into SPIR-V; where
+    /// `WGPU_ATTENTION_SPIRV_VAL` names a `spirv-val` command (scripts/coopmat_driver.sh sets
+    /// it), that SPIR-V passes it too (naga 30 writes invalid SPIR-V for a cooperative value
+    /// bound with `let`, which lavapipe runs anyway and a GPU driver may refuse).
+    #[test]
+    fn coop_matmul_validates_and_makes_valid_spirv() {
+        use crate::storage::Storage;
+        let spirv_val = std::env::var("WGPU_ATTENTION_SPIRV_VAL").ok();
+        for t in [8, 16] {
+            for (fa, fb, fc) in [
+                (Storage::F16, Storage::F16, Storage::F16),
+                (Storage::F16, Storage::F16, Storage::F32),
+                (Storage::F32, Storage::F16, Storage::F32),
+                (Storage::F32, Storage::F32, Storage::Bf16),
+            ] {
+                for c_words in [true, false] {
+                    // Half outputs stored element by element (atomics) are not the coop
+                    // form's: naga's atomics under the Vulkan memory model lack a capability.
+                    if fc.is_half() && !c_words {
+                        continue;
+                    }
+                    let pre =
+                        matmul::coop_prelude(t, 128) + &matmul::prelude([fa, fb, Storage::F32, fc], c_words);
+                    let src = source(&matmul::COOP_SPEC, &pre, false);
+                    let label = format!("matmul_coop {t} {fa:?} {fb:?} -> {fc:?} words {c_words}");
+                    validate_with::<matmul::Params>(&label, &src);
+                    for trans_b in [true, false] {
+                        for (bias, accum) in [(false, false), (true, false), (false, true)] {
+                            let consts = [("TRANS_B", trans_b), ("HAS_BIAS", bias), ("ACCUM", accum)];
+                            let words = spirv_of(&src, &consts, &label);
+                            if let Some(cmd) = &spirv_val {
+                                spirv_validates(cmd, &words, &format!("{label} {consts:?}"));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// `src` with its boolean overrides set, as SPIR-V for Vulkan 1.3 (what wgpu would hand
+    /// the driver).
+    fn spirv_of(src: &str, overrides: &[(&str, bool)], label: &str) -> Vec<u32> {
+        let module = naga::front::wgsl::parse_str(src)
+            .unwrap_or_else(|e| panic!("{label}: {}", e.emit_to_string(src)));
+        let info = naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::all(),
+        )
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{label}: {e:?}"));
+        let constants: naga::back::PipelineConstants = overrides
+            .iter()
+            .map(|(k, v)| (k.to_string(), f64::from(u8::from(*v))))
+            .collect();
+        let (module, info) =
+            naga::back::pipeline_constants::process_overrides(&module, &info, None, &constants)
+                .unwrap_or_else(|e| panic!("{label}: overrides: {e:?}"));
+        let options = naga::back::spv::Options {
+            lang_version: (1, 6),
+            ..Default::default()
+        };
+        let pipeline = naga::back::spv::PipelineOptions {
+            shader_stage: naga::ShaderStage::Compute,
+            entry_point: "main".into(),
+        };
+        naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline))
+            .unwrap_or_else(|e| panic!("{label}: SPIR-V: {e:?}"))
+    }
+
+    /// Run `cmd` (a `spirv-val` command line) on `words`.
+    fn spirv_validates(cmd: &str, words: &[u32], label: &str) {
+        let path = std::env::temp_dir().join(format!("wgpu-attention-{}.spv", std::process::id()));
+        std::fs::write(&path, bytemuck::cast_slice(words)).unwrap();
+        let mut parts = cmd.split_whitespace();
+        let out = std::process::Command::new(parts.next().expect("a command"))
+            .args(parts)
+            .args(["--target-env", "vulkan1.3"])
+            .arg(&path)
+            .output()
+            .unwrap_or_else(|e| panic!("{label}: cannot run {cmd}: {e}"));
+        assert!(
+            out.status.success(),
+            "{label}: spirv-val: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     #[test]

@@ -280,8 +280,8 @@ fn f64_product(
     want
 }
 
-/// Both matmul forms (the subgroup one where the device has a subgroup of 8), every storage
-/// format of a, b, bias and c, transposed and plain B, with and without bias, batches with a
+/// Every matmul form the device runs (the subgroup one where it has a subgroup of 8, the coop
+/// ones where it lists their tiles), every storage format of a, b, bias and c, transposed and plain B, with and without bias, batches with a
 /// shared B (GQA mapping), row offsets, tails on every tile edge and K not a multiple of 4,
 /// against the f64 product of the rounded inputs.
 #[test]
@@ -337,6 +337,66 @@ fn matmul_forms_and_formats_match_f64_product() {
                         if form == matmul::Form::GpuTiles && fs != [Storage::F32; 4] && fs != mixed {
                             continue;
                         }
+                        // The matrix units take f16 operands: f32 ones are rounded to f16 (the
+                        // products of f16 values are exact, the sums f32), bf16 ones refused.
+                        let coop = form.is_coop();
+                        let odd_half_c = fc.is_half() && n % 2 == 1;
+                        if coop && (fa == Storage::Bf16 || fb == Storage::Bf16 || odd_half_c) {
+                            let mut enc = ctx.device().create_command_encoder(&Default::default());
+                            let c = buf(&ctx, &vec![0u8; fc.bytes(c_elems) as usize]);
+                            let r = matmul::Matmul {
+                                a: ab.as_entire_buffer_binding(),
+                                b: bb.as_entire_buffer_binding(),
+                                bias: None,
+                                c: c.as_entire_buffer_binding(),
+                                params: matmul::Params::dense(m as u32, n as u32, k as u32, trans_b, alpha),
+                                batch: 1,
+                                trans_b,
+                                formats: fs,
+                                accumulate: false,
+                            }
+                            .record_form(
+                                &ctx,
+                                &mut enc,
+                                &buf(&ctx, &[0u8; 16]),
+                                form,
+                            );
+                            let why = if fa == Storage::Bf16 || fb == Storage::Bf16 {
+                                "bf16"
+                            } else {
+                                "whole words"
+                            };
+                            assert!(
+                                matches!(&r, Err(crate::Error::Unsupported { reason, .. }) if reason.contains(why)),
+                                "{form:?} {fs:?}: {r:?}"
+                            );
+                            continue;
+                        }
+                        let rounded = |x: &[f32], s: Storage| -> Vec<f32> {
+                            x.iter()
+                                .map(|&v| {
+                                    if s == Storage::F32 {
+                                        Storage::F16.round(v)
+                                    } else {
+                                        v
+                                    }
+                                })
+                                .collect()
+                        };
+                        let want_f16;
+                        let want = if coop && (fa == Storage::F32 || fb == Storage::F32) {
+                            let bias_used = if with_bias { &bias[..] } else { &[][..] };
+                            want_f16 = f64_product(
+                                (&rounded(&a, fa), off, rows),
+                                (&rounded(&b, fb), trans_b),
+                                bias_used,
+                                [batch, m, n, k],
+                                alpha,
+                            );
+                            &want_f16
+                        } else {
+                            &want
+                        };
                         let c = buf(&ctx, &vec![0u8; fc.bytes(c_elems) as usize]);
                         let dummy = buf(&ctx, &[0u8; 16]);
                         let mut enc = ctx.device().create_command_encoder(&Default::default());

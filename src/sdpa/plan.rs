@@ -205,9 +205,11 @@ impl ChunkPlan {
         // The score product's size class (its chunks are as large unless L S exceeds the
         // budget, which only large problems do).
         let flops = 2.0 * (p.batch_heads() * p.seq_q * p.seq_kv * p.head_dim) as f64;
-        let form = matmul::form_for_size(caps, flops).map_err(|reason| Error::Unsupported {
-            path: "unfused",
-            reason,
+        let form = matmul::form_for_size(caps, flops, [p.storage.q, p.storage.k]).map_err(|reason| {
+            Error::Unsupported {
+                path: "unfused",
+                reason,
+            }
         })?;
         let max_grid = caps.max_workgroups as usize;
         let tile = matmul::TILE as usize;

@@ -1,0 +1,186 @@
+//! The matrix units (cooperative matrices): where the device has them, f16 products run on
+//! them by default, pinned forms run, f32 operands only when pinned (rounded to f16), bf16
+//! refused; where it has none, a pinned coop form is a typed error and the scalar forms serve.
+//! With `WGPU_ATTENTION_REQUIRE_COOP=1` (CI's coop pass, on Mesa 26.1's lavapipe:
+//! scripts/coopmat_driver.sh) a device without them fails every test here.
+
+mod common;
+
+use common::*;
+use ndarray::Array3;
+use wgpu_attention::check::{compare, Tolerance};
+use wgpu_attention::{Context, Error, Form, Forms, MatmulForm, Path, Storage, Tensor};
+
+/// The context, and whether it has matrix units (checked against `WGPU_ATTENTION_REQUIRE_COOP`).
+fn units(ctx: &Context) -> Option<u32> {
+    let tiles = ctx.matrix_units();
+    let required = std::env::var("WGPU_ATTENTION_REQUIRE_COOP").is_ok_and(|v| v == "1");
+    match tiles.largest() {
+        Some(t) => {
+            eprintln!("matrix units on {}: tiles {:?}", ctx.describe(), tiles.list());
+            Some(t)
+        }
+        None if required => panic!(
+            "WGPU_ATTENTION_REQUIRE_COOP=1 but {} has no matrix units: {}",
+            ctx.describe(),
+            tiles.none_because.unwrap_or("-")
+        ),
+        None => {
+            eprintln!(
+                "no matrix units on {}: {}",
+                ctx.describe(),
+                tiles.none_because.unwrap_or("-")
+            );
+            None
+        }
+    }
+}
+
+/// `a [b, m, k] · op(b)` in f64 on the host, of the values as given.
+fn product(a: &Array3<f32>, b: &Array3<f32>, trans_b: bool) -> Vec<f64> {
+    let (batch, m, k) = a.dim();
+    let n = if trans_b { b.dim().1 } else { b.dim().2 };
+    let mut out = Vec::with_capacity(batch * m * n);
+    for z in 0..batch {
+        let zb = if b.dim().0 == 1 { 0 } else { z };
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0.0f64;
+                for kk in 0..k {
+                    let bv = if trans_b { b[[zb, j, kk]] } else { b[[zb, kk, j]] };
+                    s += f64::from(a[[z, i, kk]]) * f64::from(bv);
+                }
+                out.push(s);
+            }
+        }
+    }
+    out
+}
+
+fn rounded(x: &Array3<f32>, s: Storage) -> Array3<f32> {
+    x.mapv(|v| s.round(v))
+}
+
+/// The public matmul with f16 operands (shapes with tails on every tile edge, a shared B,
+/// both B layouts) on the units by default; f32 operands on the units only when pinned, then
+/// exact to the f64 product of their f16 roundings; bf16 operands refused when pinned.
+#[test]
+fn matmul_on_the_matrix_units() {
+    let Some(ctx) = ctx() else { return };
+    let tile = units(ctx);
+    let mut r = rng(41);
+    for (batch, m, n, k, trans_b) in [(2, 37, 45, 29, true), (1, 70, 9, 67, false), (3, 8, 64, 16, true)] {
+        let a: Array3<f32> = rand_array(&mut r, (batch, m, k));
+        let b: Array3<f32> = if trans_b {
+            rand_array(&mut r, (1, n, k))
+        } else {
+            rand_array(&mut r, (1, k, n))
+        };
+        let (a16, b16) = (rounded(&a, Storage::F16), rounded(&b, Storage::F16));
+        let want = product(&a16, &b16, trans_b);
+        // f16 operands: the default form (coop where there are units). Sums in f32.
+        let got = wgpu_attention::matmul_blocking(
+            ctx,
+            Tensor::from(&a16).with_storage(Storage::F16),
+            Tensor::from(&b16).with_storage(Storage::F16),
+            trans_b,
+            1.0,
+        )
+        .unwrap();
+        let tol = Tolerance {
+            atol: 1e-5,
+            rtol: 1e-5,
+        };
+        let label = format!("[{batch}, {m}, {n}, {k}] trans_b {trans_b}");
+        assert_report(
+            compare(got.iter().copied(), want.iter().copied(), tol),
+            &format!("f16 {label}"),
+        );
+        let pinned = ctx.with_forms(MatmulForm::Coop { tile: None });
+        let f32_run = wgpu_attention::matmul_blocking(&pinned, &a, &b, trans_b, 1.0);
+        match tile {
+            Some(_) => {
+                // The opt-in: f32 operands rounded to f16, the products exact, the sums f32.
+                let got = f32_run.unwrap();
+                assert_report(
+                    compare(got.iter().copied(), want.iter().copied(), tol),
+                    &format!("f32 pinned {label}"),
+                );
+                let bf = wgpu_attention::matmul_blocking(
+                    &pinned,
+                    Tensor::from(&a).with_storage(Storage::Bf16),
+                    Tensor::from(&b).with_storage(Storage::Bf16),
+                    trans_b,
+                    1.0,
+                );
+                assert!(
+                    matches!(&bf, Err(Error::Unsupported { reason, .. }) if reason.contains("bf16")),
+                    "{bf:?}"
+                );
+            }
+            None => assert!(
+                matches!(&f32_run, Err(Error::Unsupported { reason, .. }) if reason.contains("matrix units")),
+                "a pinned coop form without units: {f32_run:?}"
+            ),
+        }
+    }
+}
+
+/// Attention's unfused path in f16 plans the coop matmul where there are units (and the scalar
+/// one where there are none or they are turned off), and matches the reference within the f16
+/// tolerance on a shape with tails, L != S, a causal mask and a fully masked row.
+#[test]
+fn f16_attention_plans_and_runs_on_the_units() {
+    let Some(ctx) = ctx() else { return };
+    let tile = units(ctx);
+    let case = Case::random((2, 3, 1, 37, 53, 24, 20), 7)
+        .with_storage(Storage::F16)
+        .with_causal(wgpu_attention::Causal::BottomRight)
+        .with_kv_lens();
+    let want = case.reference();
+    for (label, c) in [
+        ("default", ctx.clone()),
+        ("without units", ctx.without_matrix_units()),
+    ] {
+        let plan = case.checked_sdpa(Path::Unfused).plan(&c).unwrap();
+        match (tile, label) {
+            (Some(t), "default") => {
+                assert_eq!(plan.form(), Form::Unfused(MatmulForm::Coop { tile: Some(t) }))
+            }
+            _ => assert!(
+                !matches!(plan.form(), Form::Unfused(MatmulForm::Coop { .. })),
+                "{:?}",
+                plan.form()
+            ),
+        }
+        let got = case.checked_sdpa(Path::Unfused).run_blocking(&c).unwrap();
+        case.assert_output(
+            &got,
+            &want,
+            Path::Unfused,
+            twice_storage_tolerance(Storage::F16),
+            label,
+        );
+    }
+    // Turned off, a pinned coop form is a typed error.
+    let off = ctx.without_matrix_units().with_forms(Forms {
+        matmul: Some(MatmulForm::Coop { tile: None }),
+        ..Forms::default()
+    });
+    let r = case.checked_sdpa(Path::Unfused).run_blocking(&off).map(|_| ());
+    assert!(matches!(&r, Err(Error::Unsupported { .. })), "{r:?}");
+    // A tile the adapter does not list is never used, pinned or not.
+    let unlisted = if ctx.matrix_units().has(16) {
+        None
+    } else {
+        Some(16)
+    };
+    if let Some(t) = unlisted {
+        let c = ctx.with_forms(MatmulForm::Coop { tile: Some(t) });
+        let r = case.checked_sdpa(Path::Unfused).run_blocking(&c).map(|_| ());
+        assert!(
+            matches!(&r, Err(Error::Unsupported { .. })),
+            "unlisted tile {t}: {r:?}"
+        );
+    }
+}
