@@ -39,13 +39,22 @@ pub enum FusedForm {
         /// Query rows per invocation (1 to 16).
         rows: u32,
     },
+    /// The matrix units (`shaders/flash_coop.wgsl`): `Q Kᵀ` and `P V` in cooperative-matrix
+    /// tiles of `tile` x `tile` f16 operands with f32 accumulators, the softmax in f32
+    /// scalar code, P rounded to f16 (as FlashAttention's f16 kernels do). Where the adapter
+    /// lists a tile ([`CoopTiles`]); `None` takes the largest. The default for f16 q, k and v;
+    /// f32 inputs only when pinned (rounded to f16); bf16 refused.
+    Coop {
+        /// The tile edge: 8, 16, or `None` for the largest the adapter lists.
+        tile: Option<u32>,
+    },
 }
 
 impl FusedForm {
     /// Query rows per invocation.
     pub fn rows(self) -> u32 {
         match self {
-            FusedForm::Gpu => 1,
+            FusedForm::Gpu | FusedForm::Coop { .. } => 1,
             FusedForm::GpuTiles => 4,
             FusedForm::Subgroup { rows } | FusedForm::Tiled { rows } | FusedForm::Loop { rows } => rows,
         }
@@ -56,6 +65,7 @@ impl FusedForm {
         match self {
             FusedForm::Gpu => FusedForm::Gpu,
             FusedForm::GpuTiles => FusedForm::GpuTiles,
+            FusedForm::Coop { tile } => FusedForm::Coop { tile },
             FusedForm::Subgroup { .. } => FusedForm::Subgroup { rows },
             FusedForm::Tiled { .. } => FusedForm::Tiled { rows },
             FusedForm::Loop { .. } => FusedForm::Loop { rows },
@@ -67,11 +77,19 @@ impl FusedForm {
         matches!(self, FusedForm::Subgroup { .. })
     }
 
-    /// The name: `gpu`, `gpu-tiles`, `subgroup:R`, `tiled:R`, `loop:R` (R rows per invocation).
+    /// Whether the form runs on the matrix units.
+    pub fn is_coop(self) -> bool {
+        matches!(self, FusedForm::Coop { .. })
+    }
+
+    /// The name: `gpu`, `gpu-tiles`, `subgroup:R`, `tiled:R`, `loop:R` (R rows per
+    /// invocation), `coop`, `coop:T` (T x T tiles).
     pub fn name(self) -> String {
         match self {
             FusedForm::Gpu => "gpu".into(),
             FusedForm::GpuTiles => "gpu-tiles".into(),
+            FusedForm::Coop { tile: None } => "coop".into(),
+            FusedForm::Coop { tile: Some(t) } => format!("coop:{t}"),
             FusedForm::Subgroup { rows } => format!("subgroup:{rows}"),
             FusedForm::Tiled { rows } => format!("tiled:{rows}"),
             FusedForm::Loop { rows } => format!("loop:{rows}"),
@@ -94,11 +112,19 @@ fn split_rows(s: &str, max: u32) -> Option<(&str, Option<u32>)> {
 impl std::str::FromStr for FusedForm {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        let bad = || Error::UnknownName {
+        let bad = || {
+            Error::UnknownName {
             kind: "fused kernel form",
             name: s.to_string(),
-            expected: "gpu, gpu-tiles, subgroup:R, tiled:R, loop:R (R = rows per invocation, 1 to 16)",
+            expected: "gpu, gpu-tiles, subgroup:R, tiled:R, loop:R (R = rows per invocation, 1 to 16), coop, coop:8, coop:16",
+        }
         };
+        match s {
+            "coop" => return Ok(FusedForm::Coop { tile: None }),
+            "coop:8" => return Ok(FusedForm::Coop { tile: Some(8) }),
+            "coop:16" => return Ok(FusedForm::Coop { tile: Some(16) }),
+            _ => {}
+        }
         let (kind, rows) = split_rows(s, 16).ok_or_else(bad)?;
         match (kind, rows) {
             ("gpu", None) => return Ok(FusedForm::Gpu),
@@ -539,6 +565,12 @@ impl Caps {
         if self.fused_subgroup().is_some() {
             v.extend([FusedForm::Subgroup { rows: 1 }, FusedForm::Subgroup { rows: 2 }]);
         }
+        v.extend(
+            self.coop
+                .list()
+                .into_iter()
+                .map(|t| FusedForm::Coop { tile: Some(t) }),
+        );
         v
     }
 

@@ -155,7 +155,9 @@ fn key_docs_meet(b: u32, j0: u32, n: u32, qd: vec2<i32>) -> bool {
 // Whether the user's mask_mod (HAS_MASK_MOD) allows any pair of query rows [i0, i0 + ni) and
 // keys [j0, j0 + nj) of batch b, head h: the workgroup's `nt` invocations (this one `tid`)
 // evaluate it on every pair of the block, their verdicts met through workgroup memory. Called
-// by every invocation of the workgroup alike (it has barriers).
+// by every invocation of the workgroup alike (it has barriers). The matrix units' kernels
+// take another form of this function (src/kernels/mod.rs, COOP_MOD_ANY: votes in an array, no
+// atomics), from here to "mask_mod_any end".
 var<workgroup> wg_mod_any: atomic<u32>;
 var<workgroup> wg_mod_flag: u32;
 fn mask_mod_any(b: u32, h: u32, i0: u32, ni: u32, j0: u32, nj: u32, tid: u32, nt: u32) -> bool {
@@ -178,6 +180,7 @@ fn mask_mod_any(b: u32, h: u32, i0: u32, ni: u32, j0: u32, nj: u32, tid: u32, nt
     }
     return workgroupUniformLoad(&wg_mod_flag) != 0u;
 }
+// mask_mod_any end
 
 // The mask_mod block map (p.m.mod_map != 0: built by shaders/mod_map.wgsl, cached by the
 // host per source, captures and shape, in binding 0 from word p.m.mod_map - 1): 2 bits per

@@ -188,6 +188,14 @@ pub(crate) fn array8(name: &str, binding: u32, s: Storage) -> String {
 /// `load_k8`/`load_v8(row, c8) -> array<vec4<f32>, 2>` read 8 elements in one load for half
 /// formats (elsewhere they are two `load_*` calls). `views`: the tensors read (written)
 /// through views (`p.x`), the others dense.
+/// Whether [`attention_io`] stores the output element by element with atomics: a half format
+/// whose rows are not vec4s and either of odd length or through a view whose pairs are not
+/// whole words.
+pub(crate) fn out_is_atomic(out_fmt: Storage, vec4: bool, ev_odd: bool, views: &crate::view::Views) -> bool {
+    let out_pairs = views.out.is_none_or(|v| v.aligned(2));
+    out_fmt.is_half() && !vec4 && (ev_odd || !out_pairs)
+}
+
 pub(crate) fn attention_io(
     f: &Formats,
     out_fmt: Storage,
@@ -196,8 +204,7 @@ pub(crate) fn attention_io(
     vec8: bool,
     views: &crate::view::Views,
 ) -> String {
-    let out_pairs = views.out.is_none_or(|v| v.aligned(2));
-    let out_access = if out_fmt.is_half() && !vec4 && (ev_odd || !out_pairs) {
+    let out_access = if out_is_atomic(out_fmt, vec4, ev_odd, views) {
         Access::Atomic
     } else {
         Access::Write

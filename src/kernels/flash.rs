@@ -30,6 +30,16 @@ pub(crate) const TILES_SPEC: KernelSpec = KernelSpec {
     trusted: true,
 };
 
+/// The matrix-unit form (`shaders/flash_coop.wgsl`).
+pub(crate) const COOP_SPEC: KernelSpec = KernelSpec {
+    name: "flash_coop",
+    source: include_str!("../../shaders/flash_coop.wgsl"),
+    common: SPEC.common,
+    bindings: SPEC.bindings,
+    params: SPEC.params,
+    trusted: false,
+};
+
 /// K/V tile access (declaration, staging, reads): staged in workgroup memory, or in registers
 /// shared by subgroup shuffles. Shared with the backward's dQ kernel.
 pub(crate) const KV_SHARED: &str = include_str!("../../shaders/flash_kv_shared.wgsl");
@@ -144,6 +154,29 @@ pub(crate) struct Config {
     pub sg_rows: bool,
 }
 
+/// The coop form's tiles: query rows and keys per workgroup and the padded head dims.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct CoopLayout {
+    bq: u32,
+    bk: u32,
+    ep: u32,
+    evp: u32,
+}
+
+impl CoopLayout {
+    /// Workgroup memory: Q, the K/V tile, the logits, the weights, the output and the
+    /// small variables.
+    fn bytes(&self) -> u32 {
+        let kvw = self.ep.max(self.evp);
+        self.bq * self.ep * 2
+            + self.bk * kvw * 2
+            + self.bq * self.bk * 6
+            + self.bq * self.evp * 4
+            + self.bq * 4
+            + 64
+    }
+}
+
 /// On CPU adapters without a fixed subgroup size, problems below this many FLOPs use the
 /// kernel with loops; larger ones the unrolled kernel. With subgroups, problems below it take
 /// one query row per invocation (quickest to compile), larger ones several rows per invocation
@@ -168,8 +201,22 @@ pub(crate) fn check_head_dims(p: &Problem) -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// The fused kernel's form for `p` on a device with `caps` when none is pinned.
+/// The fused kernel's form for `p` on a device with `caps` when none is pinned: the matrix
+/// units for f16 q, k and v where the device has them and the form takes the problem.
 pub(crate) fn default_form(p: &Problem, caps: &Caps) -> FusedForm {
+    let f16 = [p.storage.q, p.storage.k, p.storage.v] == [crate::Storage::F16; 3];
+    if f16 {
+        if let Some(t) = caps.coop.largest() {
+            if Config::coop(p, caps, Some(t), false).is_ok() {
+                return FusedForm::Coop { tile: Some(t) };
+            }
+        }
+    }
+    scalar_form(p, caps)
+}
+
+/// [`default_form`] among the scalar forms.
+fn scalar_form(p: &Problem, caps: &Caps) -> FusedForm {
     let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
     let large = cpu_large(p);
     let sg = caps.fused_subgroup().filter(|_| caps.cpu);
@@ -233,6 +280,9 @@ impl Config {
         if form == FusedForm::GpuTiles {
             return Config::tiles(p, caps, pinned.is_some());
         }
+        if let FusedForm::Coop { tile } = form {
+            return Config::coop(p, caps, tile, pinned.is_some());
+        }
         // Invocations per workgroup, query rows per invocation, keys per step; whether the
         // key loop is unrolled and K/V are shared by subgroup shuffles.
         let layout = |wg, rq, kg, [unroll, sg_kv]: [bool; 2]| FormLayout {
@@ -264,7 +314,9 @@ impl Config {
             }
             FusedForm::Tiled { rows } => layout(8, rows, 2, [true, false]),
             FusedForm::Loop { rows } => layout(8, rows, 4, [false, false]),
-            FusedForm::GpuTiles => unreachable!("configured by Config::tiles"),
+            FusedForm::GpuTiles | FusedForm::Coop { .. } => {
+                unreachable!("configured by Config::tiles and Config::coop")
+            }
         };
         if !(1..=16).contains(&rq) || caps.max_invocations < wg || caps.max_workgroup_size_x < wg {
             return Err(format!(
@@ -313,6 +365,70 @@ impl Config {
             mods: super::Mods::of(p),
             pinned: pinned.is_some(),
             bm: 0,
+            sg_rows: false,
+        })
+    }
+
+    /// The coop form's configuration: the largest tiles (BQ query rows, BK keys, multiples
+    /// of the tile) whose blocks fit the workgroup memory, or why it cannot take `p`: no
+    /// listed tile, bf16 inputs (f16 has not their range), a half output of odd Ev (stored by
+    /// atomics, which naga's SPIR-V under the Vulkan memory model lacks a capability for), a
+    /// head dim too large for the workgroup memory.
+    fn coop(
+        p: &Problem,
+        caps: &Caps,
+        tile: Option<u32>,
+        pinned: bool,
+    ) -> std::result::Result<Config, String> {
+        let t = caps.coop_tile(tile)?;
+        let s = p.storage;
+        if [s.q, s.k, s.v].contains(&crate::Storage::Bf16) {
+            return Err("the coop form takes f16 (or, pinned, f32) q, k and v: bf16 values beyond f16's range would overflow".into());
+        }
+        let ev_odd = p.head_dim_v % 2 == 1;
+        if super::access::out_is_atomic(s.out, p.vec4_rows(), ev_odd, &p.views) {
+            return Err("the coop form cannot store a half-format output element by element (odd Ev, or a view whose pairs are not whole words)".into());
+        }
+        let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
+        let (ep, evp) = ((4 * e4).next_multiple_of(t), (4 * ev4).next_multiple_of(t));
+        let wg = caps.coop_workgroup();
+        let budget = caps.workgroup_storage;
+        let layout = [(4, 4), (4, 2), (2, 4), (2, 2), (1, 2), (1, 1)]
+            .into_iter()
+            .map(|(q, k)| CoopLayout {
+                bq: q * t,
+                bk: k * t,
+                ep,
+                evp,
+            })
+            // The mask_mod votes (one word per invocation) beside the blocks.
+            .find(|l| l.bq <= wg && l.bytes() + 4 * wg <= budget)
+            .ok_or_else(|| {
+                format!(
+                    "the coop form's tiles for E = {}, Ev = {} do not fit {budget} bytes of workgroup memory",
+                    p.head_dim, p.head_dim_v
+                )
+            })?;
+        Ok(Config {
+            form: FusedForm::Coop { tile: Some(t) },
+            e4,
+            ev4,
+            bk: layout.bk,
+            wg,
+            rq: 1,
+            kg: t,
+            formats: p.storage,
+            vec4: p.vec4_rows(),
+            views: p.views,
+            ev_odd,
+            unroll: false,
+            unroll_e: false,
+            sg_kv: false,
+            has_mask: p.mask.is_some(),
+            has_bias: p.bias.is_some(),
+            mods: super::Mods::of(p),
+            pinned,
+            bm: layout.bq,
             sg_rows: false,
         })
     }
@@ -403,7 +519,12 @@ impl Config {
     /// 1.6x the run time; each row's arithmetic is the same, so are the results) while the fast
     /// form is compiled in the background ([`super::warm`]); later calls get it.
     pub(crate) fn for_now(self, ctx: &Context) -> Config {
-        if self.rq == 1 || self.pinned || !self.unroll || self.form == FusedForm::GpuTiles {
+        if self.rq == 1
+            || self.pinned
+            || !self.unroll
+            || self.form == FusedForm::GpuTiles
+            || self.form.is_coop()
+        {
             return self;
         }
         if super::warm(ctx, self.spec(), self.prelude()) {
@@ -425,7 +546,7 @@ impl Config {
 
     /// Query rows per workgroup.
     pub(crate) fn rows(&self) -> u32 {
-        if self.form == FusedForm::GpuTiles {
+        if self.form == FusedForm::GpuTiles || self.form.is_coop() {
             return self.bm;
         }
         self.wg * self.rq
@@ -433,10 +554,10 @@ impl Config {
 
     /// The kernel spec of this configuration: its form's.
     pub(crate) fn spec(&self) -> &'static KernelSpec {
-        if self.form == FusedForm::GpuTiles {
-            &TILES_SPEC
-        } else {
-            &SPEC
+        match self.form {
+            FusedForm::GpuTiles => &TILES_SPEC,
+            FusedForm::Coop { .. } => &COOP_SPEC,
+            _ => &SPEC,
         }
     }
 
@@ -450,6 +571,24 @@ impl Config {
             &self.views,
         );
         let score = SCORE;
+        if let FusedForm::Coop { tile: Some(t) } = self.form {
+            let (ep, evp) = (
+                (4 * self.e4).next_multiple_of(t),
+                (4 * self.ev4).next_multiple_of(t),
+            );
+            return format!(
+                "{}const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BQ: u32 = {}u;\nconst BK: u32 = {}u;\n\
+                 const EP: u32 = {ep}u;\nconst EVP: u32 = {evp}u;\nconst KVW: u32 = {}u;\n\
+                 const SCALAR_LOGITS: bool = false;\nconst UNROLL: bool = false;\nconst UNROLL_E: bool = false;\n{}{io}{score}",
+                super::matmul::coop_prelude(t, self.wg),
+                self.e4,
+                self.ev4,
+                self.bm,
+                self.bk,
+                ep.max(evp),
+                super::mask_consts(self.has_mask, self.has_bias, self.mods, self.formats.bias),
+            );
+        }
         if self.form == FusedForm::GpuTiles {
             let (tm, tn) = (self.rq, self.kg);
             let nx = self.bk / tn;

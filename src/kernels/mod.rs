@@ -487,7 +487,48 @@ pub(crate) fn source(spec: &KernelSpec, prelude: &str, params_in_storage: bool) 
         s.push_str(c);
     }
     s.push_str(spec.source);
+    if !enables.is_empty() {
+        s = without_atomics(s);
+    }
     unroll::unroll(&s)
+}
+
+/// The matrix units' form of common/masks.wgsl's `mask_mod_any`: the invocations' votes in an
+/// array that invocation 0 reads (its callers pass `nt == WG`), where the shared form has a
+/// workgroup atomic. naga writes atomics with device scope, which SPIR-V under the Vulkan
+/// memory model (what cooperative matrices turn on) allows only with a capability naga does
+/// not declare: `spirv-val` refuses it, and a driver may.
+const COOP_MOD_ANY: &str = "var<workgroup> wg_mod_votes: array<u32, WG>;
+var<workgroup> wg_mod_flag: u32;
+fn mask_mod_any(b: u32, h: u32, i0: u32, ni: u32, j0: u32, nj: u32, tid: u32, nt: u32) -> bool {
+    var any = false;
+    for (var t = tid; t < ni * nj; t += nt) {
+        let i = i0 + t / nj;
+        let j = j0 + t % nj;
+        any = any || (i < p.m.doc_l && j < p.s && u_mask_mod(b, h, min(i, p.m.doc_l - 1u) + p.m.pos_q, min(j, p.s - 1u) + p.m.pos_k));
+    }
+    wg_mod_votes[tid] = u32(any);
+    workgroupBarrier();
+    if (tid == 0u) {
+        var f = 0u;
+        for (var t = 0u; t < WG; t++) {
+            f |= wg_mod_votes[t];
+        }
+        wg_mod_flag = f;
+    }
+    return workgroupUniformLoad(&wg_mod_flag) != 0u;
+}
+";
+
+/// `src` (a kernel with `enable` directives: the matrix units') with common/masks.wgsl's
+/// `mask_mod_any` in its atomic-free form ([`COOP_MOD_ANY`]).
+fn without_atomics(src: String) -> String {
+    const BEGIN: &str = "var<workgroup> wg_mod_any: atomic<u32>;";
+    const END: &str = "// mask_mod_any end\n";
+    match (src.find(BEGIN), src.find(END)) {
+        (Some(a), Some(z)) => format!("{}{COOP_MOD_ANY}{}", &src[..a], &src[z + END.len()..]),
+        _ => src,
+    }
 }
 
 /// The cached pipeline of `spec` with `prelude` and override `constants` on `ctx`.
@@ -1109,6 +1150,74 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The fused forward's coop form, in both tiles, f16 and f32 inputs, head dims that are
+    /// and are not multiples of the tile, without masks and with every mask kind, modifier
+    /// and views: naga validates it with the Rust params layout, it makes SPIR-V, and where
+    /// `WGPU_ATTENTION_SPIRV_VAL` names `spirv-val` that SPIR-V passes it.
+    #[test]
+    fn coop_fused_forward_validates_and_makes_valid_spirv() {
+        use crate::storage::{Formats, Storage};
+        let spirv_val = std::env::var("WGPU_ATTENTION_SPIRV_VAL").ok();
+        let limits = wgpu::Limits {
+            max_compute_workgroup_storage_size: 48 * 1024,
+            ..wgpu::Limits::default()
+        };
+        let tiles = crate::forms::CoopTiles {
+            t8: true,
+            t16: true,
+            none_because: None,
+        };
+        for t in [8, 16] {
+            let caps = Caps::new(&limits, false, Some(32)).with_coop(tiles, 32);
+            let caps = caps.with_forms(crate::FusedForm::Coop { tile: Some(t) });
+            for (e, ev, fmt, masked) in [
+                (64, 64, Storage::F16, false),
+                (64, 64, Storage::F32, true),
+                (37, 20, Storage::F32, true),
+                (128, 128, Storage::F16, false),
+            ] {
+                let mut p = Problem::new(&[2, 4, 9, e], &[2, 2, 60, e], &[2, 2, 60, ev])
+                    .unwrap()
+                    .with_storage(Formats::all(fmt));
+                if masked {
+                    p = p
+                        .with_causal(Causal::BottomRight)
+                        .with_mask(&[9, 60])
+                        .unwrap()
+                        .with_bias(&[4, 1, 60])
+                        .unwrap()
+                        .with_kv_lens(&[5, 60])
+                        .unwrap()
+                        .with_window(Some((5, 3)), 2)
+                        .unwrap()
+                        .with_softcap(Some(30.0))
+                        .unwrap();
+                    p.views = test_views();
+                }
+                // A half output through a view whose pairs are not words (or of odd Ev) is
+                // stored by atomics: refused.
+                let half_view = p.clone().with_storage(Formats::all(Storage::F16));
+                if masked {
+                    assert!(flash::Config::new(&half_view, &caps).is_err());
+                }
+                let cfg = flash::Config::new(&p, &caps).unwrap();
+                assert_eq!(cfg.form, crate::FusedForm::Coop { tile: Some(t) });
+                assert!(!src_has_atomics(&source(cfg.spec(), &cfg.prelude(), false)));
+                let src = source(cfg.spec(), &cfg.prelude(), false);
+                let label = format!("flash_coop {t} E {e} Ev {ev} {fmt:?} masked {masked}");
+                validate_with::<flash::Params>(&label, &src);
+                let words = spirv_of(&src, &[], &label);
+                if let Some(cmd) = &spirv_val {
+                    spirv_validates(cmd, &words, &label);
+                }
+            }
+        }
+    }
+
+    fn src_has_atomics(src: &str) -> bool {
+        src.contains("atomic<")
     }
 
     /// `src` with its boolean overrides set, as SPIR-V for Vulkan 1.3 (what wgpu would hand
