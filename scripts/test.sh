@@ -160,8 +160,9 @@ fi
 # folder of its own (scripts/coopmat_driver.sh downloads it; nothing is installed system-wide),
 # the test binaries started through its own dynamic loader. WGPU_ATTENTION_REQUIRE_COOP=1: a
 # device without the units fails the tests instead of serving them in the scalar forms. The
-# coop matmul's stage tests and its naga and spirv-val checks, the coop tests, and the f16
-# paths that take the units by default (the layer's projections, the unfused attention). No
+# kernels' stage tests and their naga and spirv-val checks, the coop tests (the fused forward
+# with every mask kind, modifier, user function and head dim; the matmul), and the f16 paths
+# that take the units by default (the goldens, the layer, half-format paged caches). No
 # process-spawning tests here: a spawned process would use the system's loader.
 if has coop; then
   if [ "$(uname -s)" = Linux ] && grep -q avx2 /proc/cpuinfo; then
@@ -170,8 +171,8 @@ if has coop; then
       env_lines=$(./scripts/coopmat_driver.sh) || exit 1
       eval "$env_lines"
       export WGPU_BACKEND=vulkan WGPU_ATTENTION_REQUIRE_COOP=1
-      suite --locked --lib --test coop --test mha --test storage --test golden -- matmul coop half f16 \
-        every_path_matches_pytorch_goldens &&
+      suite --locked --lib --test coop --test mha --test golden --test paged -- matmul coop half \
+        f16 every_path_matches_pytorch_goldens &&
         # The 16 x 16 tile (NVIDIA's, AMD's), which lavapipe runs but does not list: a test-only
         # override that the output names.
         WGPU_ATTENTION_TEST_UNLISTED_TILES=16 suite --locked --lib -- matmul_forms_and_formats coop_matmul

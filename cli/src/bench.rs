@@ -16,13 +16,14 @@ use crate::CliResult;
 #[derive(Args)]
 pub(crate) struct BenchArgs {
     /// Shapes to time, comma separated, or `all` [default: all but c_h8_s4096_causal,
-    /// long_h1_s32768_causal, causal_h8_s16384, window_h8_s16384, softcap_h8_s1024,
+    /// prefill_h32_s4096_e128, long_h1_s32768_causal, causal_h8_s16384, window_h8_s16384, softcap_h8_s1024,
     /// alibi_h8_s1024, sinks_h8_s1024, docs8_h8_s8192, docs8_dense_h8_s8192,
     /// window_mod_h8_s16384, relbias_mod_h8_s1024, paged_d, paged_d_token_major, contiguous_d,
     /// ragged8, ragged8_padded,
     /// cascade64, cascade64_unshared and mha_gqa_h32_kv8_d128_l128]. Attention:
     /// small_h4_s128,
-    /// a_h8_s1024, b_h8_s1024_causal, c_h8_s4096_causal, d_decode_h32_s4096_e128,
+    /// a_h8_s1024, b_h8_s1024_causal, c_h8_s4096_causal, prefill_h32_s4096_e128 (GQA 32/8,
+    /// E 128, causal: an LLM's prefill), d_decode_h32_s4096_e128,
     /// e_b4_h12_s256_padmask, long_h1_s32768_causal, gpt2_h12_t1024_causal, causal_h8_s16384,
     /// window_h8_s16384 (window (1023, 0)), softcap_h8_s1024 (a_h8_s1024 with softcap 50),
     /// alibi_h8_s1024 (a_h8_s1024 with ALiBi, the paper's slopes), sinks_h8_s1024 (with sink

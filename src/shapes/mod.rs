@@ -278,6 +278,16 @@ pub const SHAPES: &[Shape] = &[
         None,
         false,
     ),
+    // An LLM prefill: Llama-3-8B's attention (GQA 32/8, E 128) over a 4096-token prompt.
+    shape(
+        "prefill_h32_s4096_e128",
+        (1, 32, 8),
+        (4096, 4096),
+        (128, 128),
+        Causal::TopLeft,
+        None,
+        false,
+    ),
     shape(
         "long_h1_s32768_causal",
         (1, 1, 1),
