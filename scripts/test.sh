@@ -170,7 +170,9 @@ if has coop; then
       local env_lines
       env_lines=$(./scripts/coopmat_driver.sh) || exit 1
       eval "$env_lines"
-      export WGPU_BACKEND=vulkan WGPU_ATTENTION_REQUIRE_COOP=1
+      # coop=1: the units' forms are the default for f16 here too (on CPU adapters they are
+      # opt-in: slower than the scalar forms), so the suites below run them unpinned.
+      export WGPU_BACKEND=vulkan WGPU_ATTENTION_REQUIRE_COOP=1 WGPU_ATTENTION_TUNE=coop=1
       suite --locked --lib --test coop --test mha --test golden --test paged -- matmul coop half \
         f16 every_path_matches_pytorch_goldens &&
         # The 16 x 16 tile (NVIDIA's, AMD's), which lavapipe runs but does not list: a test-only

@@ -640,6 +640,15 @@ impl Caps {
         Ok(t)
     }
 
+    /// Whether f16 calls take the matrix units' forms without a pin: on a GPU that lists a
+    /// tile. CPU adapters that have them (Mesa 26.1's lavapipe) run them about 10x slower
+    /// than their scalar forms (measured: docs/benchmarks.md), so there they are opt-in
+    /// (pinned, or `WGPU_ATTENTION_TUNE=coop=1`, which CI's coop pass sets).
+    pub fn coop_by_default(&self) -> bool {
+        let knob = crate::tune::knob("coop");
+        self.coop.largest().is_some() && knob != Some(0) && (!self.cpu || knob == Some(1))
+    }
+
     /// The workgroup size of a coop form: 128 invocations, or the largest subgroup if larger.
     pub(crate) fn coop_workgroup(&self) -> u32 {
         self.max_subgroup.max(128)

@@ -30,9 +30,13 @@
 //! - `cascade_splits`: the runs a shared prefix's keys are read in (`PagedAttention`; default:
 //!   1 on CPU adapters, enough for 512 workgroups on GPUs);
 //!
+//! - `coop` (0 or 1): 1 makes the matrix units' forms the default for f16 on CPU adapters too
+//!   (where they run slower than the scalar forms: for tests on Mesa 26.1's lavapipe), 0 keeps
+//!   them off by default on GPUs (to compare); pinned forms are not affected.
+//!
 //! A developer's aid for measuring a new GPU (`scripts/gpu_report.sh` sweeps them); the plan's
 //! defaults are what it measured. Unknown keys and bad values are reported once on stderr and
-//! ignored. CPU forms are not affected.
+//! ignored. CPU forms are not affected (but by `coop`).
 
 use std::sync::OnceLock;
 
@@ -75,6 +79,7 @@ const KEYS: &[&str] = &[
     "unchecked",
     "softcap_form",
     "cascade_splits",
+    "coop",
 ];
 
 #[cfg_attr(target_arch = "wasm32", allow(dead_code))]

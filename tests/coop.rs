@@ -144,7 +144,7 @@ fn coop_f16_attention_plans_and_runs_on_the_units() {
     ] {
         let plan = case.checked_sdpa(Path::Unfused).plan(&c).unwrap();
         match (tile, label) {
-            (Some(t), "default") => {
+            (Some(t), "default") if ctx.caps().coop_by_default() => {
                 assert_eq!(plan.form(), Form::Unfused(MatmulForm::Coop { tile: Some(t) }))
             }
             _ => assert!(
@@ -185,8 +185,8 @@ fn coop_f16_attention_plans_and_runs_on_the_units() {
     }
 }
 
-/// The fused forward on the units: f16 q, k, v take the coop form by default where there are
-/// units (the plan says so), on shapes with tails, L != S, GQA and odd head dims, with every
+/// The fused forward on the units: f16 q, k, v take the coop form by default where the units
+/// are the device's default (pinned on CPU adapters; the plan says which runs), on shapes with tails, L != S, GQA and odd head dims, with every
 /// mask kind, window, built-in modifier and user function (fully masked rows among them),
 /// within the f16 tolerance of the reference on the rounded inputs (an f16 output of odd Ev,
 /// which the coop form does not store, takes a scalar form). Without units the same
@@ -219,17 +219,23 @@ fn coop_fused_forward_on_the_units() {
             }
             let case = f(Case::random(shape, (si * 100 + ki) as u64)).with_storage(Storage::F16);
             let label = format!("{shape:?} {kind}");
-            let plan = case.checked_sdpa(Path::Fused).plan(ctx).unwrap();
             // An f16 output of odd Ev is stored element by element, which the coop form does
-            // not do: the plan takes a scalar form there.
-            if tile.is_some() && shape.6 % 2 == 0 {
+            // not do: the plan takes a scalar form there. Where the units are not the
+            // default (CPU adapters), the coop form is pinned.
+            let even = shape.6 % 2 == 0;
+            let run_ctx = match ctx.caps().coop_by_default() || !even {
+                true => ctx.clone(),
+                false => ctx.with_forms(wgpu_attention::FusedForm::Coop { tile: None }),
+            };
+            let plan = case.checked_sdpa(Path::Fused).plan(&run_ctx).unwrap();
+            if even {
                 assert!(
                     matches!(plan.form(), Form::Fused(wgpu_attention::FusedForm::Coop { .. })),
                     "{label}: planned {:?}",
                     plan.form()
                 );
             }
-            let got = case.checked_sdpa(Path::Fused).run_blocking(ctx).unwrap();
+            let got = case.checked_sdpa(Path::Fused).run_blocking(&run_ctx).unwrap();
             case.assert_output(
                 &got,
                 &case.reference(),

@@ -202,10 +202,11 @@ pub(crate) fn check_head_dims(p: &Problem) -> std::result::Result<(), String> {
 }
 
 /// The fused kernel's form for `p` on a device with `caps` when none is pinned: the matrix
-/// units for f16 q, k and v where the device has them and the form takes the problem.
+/// units for f16 q, k and v where they are the device's default ([`Caps::coop_by_default`])
+/// and the form takes the problem.
 pub(crate) fn default_form(p: &Problem, caps: &Caps) -> FusedForm {
     let f16 = [p.storage.q, p.storage.k, p.storage.v] == [crate::Storage::F16; 3];
-    if f16 {
+    if f16 && caps.coop_by_default() {
         if let Some(t) = caps.coop.largest() {
             if Config::coop(p, caps, Some(t), false).is_ok() {
                 return FusedForm::Coop { tile: Some(t) };

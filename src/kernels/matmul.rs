@@ -134,7 +134,7 @@ pub(crate) fn form_for_size(
     operands: [Storage; 2],
 ) -> std::result::Result<Form, String> {
     let halves = operands.iter().all(|&s| s == Storage::F16);
-    if caps.forms.matmul.is_none() && halves && caps.coop.largest().is_some() {
+    if caps.forms.matmul.is_none() && halves && caps.coop_by_default() {
         let t = caps.coop_tile(None)?;
         return Ok(Form::Coop { tile: Some(t) });
     }
