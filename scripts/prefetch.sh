@@ -8,6 +8,8 @@
 #             passes installed their own); each pass still installs what it lacks (apt_install)
 #   bindgen   the wasm32 target and wasm-bindgen-cli (scripts/web.sh bindgen), for the browser
 #             passes
+#   coop      Mesa 26.1's lavapipe in ~/.cache (scripts/coopmat_driver.sh), for the matrix
+#             units' pass
 #
 # prefetch_start PASS...: start what the passes PASS... need; prefetch_wait NAME: wait for one
 # (its output is printed then; a failure is reported, and the pass itself then installs what it
@@ -50,6 +52,11 @@ prefetch_start() {
   case " $* " in *" browser "* | *" web-demo "*)
     nice -n 19 ./scripts/web.sh bindgen >"$PREFETCH_LOGS/bindgen.log" 2>&1 &
     PREFETCH_PIDS[bindgen]=$!
+    ;;
+  esac
+  case " $* " in *" coop "*)
+    ./scripts/coopmat_driver.sh >"$PREFETCH_LOGS/coop.log" 2>&1 &
+    PREFETCH_PIDS[coop]=$!
     ;;
   esac
   echo "== started in the background: ${!PREFETCH_PIDS[*]} (logs in $PREFETCH_LOGS/)"

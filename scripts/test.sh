@@ -165,6 +165,7 @@ fi
 # that take the units by default (the goldens, the layer, half-format paged caches). No
 # process-spawning tests here: a spawned process would use the system's loader.
 if has coop; then
+  prefetch_wait coop
   if [ "$(uname -s)" = Linux ] && grep -q avx2 /proc/cpuinfo; then
     coop_tests() (
       local env_lines
@@ -173,11 +174,11 @@ if has coop; then
       # coop=1: the units' forms are the default for f16 here too (on CPU adapters they are
       # opt-in: slower than the scalar forms), so the suites below run them unpinned.
       export WGPU_BACKEND=vulkan WGPU_ATTENTION_REQUIRE_COOP=1 WGPU_ATTENTION_TUNE=coop=1
-      suite --locked --lib --test coop --test mha --test golden --test paged -- matmul coop half \
-        f16 every_path_matches_pytorch_goldens &&
+      suite --locked --lib --test coop --test mha --test golden --test paged -- coop half f16 \
+        every_path_matches_pytorch_goldens &&
         # The 16 x 16 tile (NVIDIA's, AMD's), which lavapipe runs but does not list: a test-only
         # override that the output names.
-        WGPU_ATTENTION_TEST_UNLISTED_TILES=16 suite --locked --lib -- matmul_forms_and_formats coop_matmul
+        WGPU_ATTENTION_TEST_UNLISTED_TILES=16 suite --locked --lib -- coop_matmul
     )
     stage "matrix units (Mesa 26.1 lavapipe)" coop_tests
   else

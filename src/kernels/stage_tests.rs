@@ -280,15 +280,50 @@ fn f64_product(
     want
 }
 
-/// Every matmul form the device runs (the subgroup one where it has a subgroup of 8, the coop
-/// ones where it lists their tiles), every storage format of a, b, bias and c, transposed and plain B, with and without bias, batches with a
-/// shared B (GQA mapping), row offsets, tails on every tile edge and K not a multiple of 4,
-/// against the f64 product of the rounded inputs.
+/// Every scalar matmul form the device runs (the subgroup one where it has a subgroup of 8),
+/// every storage format of a, b, bias and c, transposed and plain B, with and without bias,
+/// batches with a shared B (GQA mapping), row offsets, tails on every tile edge and K not a
+/// multiple of 4, against the f64 product of the rounded inputs.
 #[test]
 fn matmul_forms_and_formats_match_f64_product() {
-    use crate::storage::Storage;
     let Some(ctx) = ctx() else { return };
-    let forms = ctx.caps().matmul_forms();
+    let forms: Vec<_> = ctx
+        .caps()
+        .matmul_forms()
+        .into_iter()
+        .filter(|f| !f.is_coop())
+        .collect();
+    check_matmul_forms(&ctx, &forms);
+}
+
+/// The same for the matrix units' forms where the device lists their tiles (CI's coop pass);
+/// elsewhere a pinned coop form is refused.
+#[test]
+fn coop_matmul_forms_and_formats_match_f64_product() {
+    let Some(ctx) = ctx() else { return };
+    let forms: Vec<_> = ctx
+        .caps()
+        .matmul_forms()
+        .into_iter()
+        .filter(|f| f.is_coop())
+        .collect();
+    eprintln!("coop matmul forms on {}: {forms:?}", ctx.describe());
+    if forms.is_empty() {
+        assert!(
+            std::env::var("WGPU_ATTENTION_REQUIRE_COOP").as_deref() != Ok("1"),
+            "WGPU_ATTENTION_REQUIRE_COOP=1 but no matrix units: {:?}",
+            ctx.matrix_units()
+        );
+        let pinned = ctx.caps().with_forms(matmul::Form::Coop { tile: None });
+        assert!(matmul::form_for(&pinned).is_err());
+        return;
+    }
+    check_matmul_forms(&ctx, &forms);
+}
+
+fn check_matmul_forms(ctx: &Context, forms: &[matmul::Form]) {
+    use crate::storage::Storage;
+    let ctx = ctx.clone();
     let mixed = [Storage::F16, Storage::Bf16, Storage::F32, Storage::F16];
     let format_sets = [[Storage::F32; 4], [Storage::F16; 4], [Storage::Bf16; 4], mixed];
     // (batch, m, n, k, a_off rows): tails everywhere; aligned (vec4 loads); K % 4 != 0.
@@ -331,7 +366,7 @@ fn matmul_forms_and_formats_match_f64_product() {
                     let bias_used = if with_bias { &bias[..] } else { &[][..] };
                     let want =
                         f64_product((&a, off, rows), (&b, trans_b), bias_used, [batch, m, n, k], alpha);
-                    for &form in &forms {
+                    for &form in forms {
                         // The GPU form's loads and epilogue are format-generic: f32 and the mixed
                         // set cover them (each set compiles its own pipelines on CPU adapters).
                         if form == matmul::Form::GpuTiles && fs != [Storage::F32; 4] && fs != mixed {
