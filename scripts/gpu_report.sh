@@ -27,7 +27,7 @@ case "${1:-}" in
 esac
 out=${REPORT_DIR:-target/gpu_report}
 mkdir -p "$out"
-tests="forms sdpa views golden backward storage mha mha_backward variants errors"
+tests="forms sdpa views golden backward storage mha mha_backward variants errors coop"
 
 if [[ -z "${GPU_REPORT_BIN:-}" ]]; then
   bin=target/gpu_bin
