@@ -108,6 +108,14 @@ fn matrix_units_turned_off() -> bool {
     false
 }
 
+/// Whether `adapter` has matrix units the kernels can use: the feature and a listed tile.
+fn adapter_has_units(adapter: &wgpu::Adapter) -> bool {
+    adapter.features().contains(COOP)
+        && CoopTiles::from_properties(&adapter.cooperative_matrix_properties())
+            .largest()
+            .is_some()
+}
+
 /// The matrix units' tiles of a device made on `adapter` with `features`.
 fn coop_tiles(adapter: &wgpu::Adapter, features: wgpu::Features) -> CoopTiles {
     if !adapter.features().contains(COOP) {
@@ -196,11 +204,8 @@ impl Context {
         let limits = adapter.limits();
         let mut features = adapter.features() & wanted_features();
         let units = !matrix_units_turned_off()
-            && adapter.features().contains(COOP)
             && features.contains(wgpu::Features::SHADER_F16 | wgpu::Features::SUBGROUP)
-            && CoopTiles::from_properties(&adapter.cooperative_matrix_properties())
-                .largest()
-                .is_some();
+            && adapter_has_units(adapter);
         if units {
             features |= COOP;
         }
@@ -224,11 +229,8 @@ impl Context {
         device.on_uncaptured_error(Arc::new(|e: wgpu::Error| {
             eprintln!("wgpu-attention: uncaptured GPU error: {e}");
         }));
-        let coop = match units {
-            true => coop_tiles(adapter, device.features()),
-            false if matrix_units_turned_off() => {
-                CoopTiles::none("turned off by WGPU_ATTENTION_MATRIX_UNITS")
-            }
+        let coop = match matrix_units_turned_off() {
+            true => CoopTiles::none("turned off by WGPU_ATTENTION_MATRIX_UNITS"),
             false => coop_tiles(adapter, device.features()),
         };
         Ok(Self::build(
@@ -334,8 +336,7 @@ impl Context {
         if !lacking.is_empty() {
             out.push(format!("features not requested: {lacking:?}"));
         }
-        let units = CoopTiles::from_properties(&adapter.cooperative_matrix_properties());
-        if adapter.features().contains(COOP) && units.largest().is_some() && !self.features().contains(COOP) {
+        if adapter_has_units(adapter) && !self.features().contains(COOP) {
             out.push(
                 "experimental feature not requested: EXPERIMENTAL_COOPERATIVE_MATRIX (the matrix units; \
                  request it with experimental_features enabled, see Context::wanted_experimental_features)"

@@ -679,6 +679,17 @@ impl Caps {
     }
 }
 
+/// Whether the matrix units' forms (`what`) take inputs in `formats`: f16, or f32 (rounded
+/// to f16, the pinned opt-in), but not bf16, whose values beyond f16's range would overflow.
+pub(crate) fn coop_takes(what: &str, formats: &[crate::Storage]) -> std::result::Result<(), String> {
+    match formats.contains(&crate::Storage::Bf16) {
+        true => Err(format!(
+            "the {what} takes f16 (or, pinned, f32) inputs: bf16 values beyond f16's range would overflow"
+        )),
+        false => Ok(()),
+    }
+}
+
 /// Workgroup memory of the coop matmul with tiles of `t`: f16 A and B blocks, f32 C block.
 pub(crate) fn coop_workgroup_bytes(t: u32) -> u32 {
     let (bm, bk) = (4 * t, 2 * t);

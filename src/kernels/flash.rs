@@ -383,9 +383,7 @@ impl Config {
     ) -> std::result::Result<Config, String> {
         let t = caps.coop_tile(tile)?;
         let s = p.storage;
-        if [s.q, s.k, s.v].contains(&crate::Storage::Bf16) {
-            return Err("the coop form takes f16 (or, pinned, f32) q, k and v: bf16 values beyond f16's range would overflow".into());
-        }
+        crate::forms::coop_takes("coop form", &[s.q, s.k, s.v])?;
         let ev_odd = p.head_dim_v % 2 == 1;
         if super::access::out_is_atomic(s.out, p.vec4_rows(), ev_odd, &p.views) {
             return Err("the coop form cannot store a half-format output element by element (odd Ev, or a view whose pairs are not whole words)".into());

@@ -139,11 +139,8 @@ pub(crate) fn form_for_size(
         return Ok(Form::Coop { tile: Some(t) });
     }
     let form = form_for(caps)?;
-    if form.is_coop() && operands.contains(&Storage::Bf16) {
-        return Err(
-            "the coop matmul takes f16 (or, pinned, f32) operands: bf16 values beyond f16's range would overflow"
-                .into(),
-        );
+    if form.is_coop() {
+        crate::forms::coop_takes("coop matmul", &operands)?;
     }
     let small = caps.cpu && caps.forms.matmul.is_none() && flops < CPU_SMALL_PRODUCT_FLOPS;
     if form == Form::Subgroup && small && runs_16x16(caps) {
@@ -427,14 +424,8 @@ impl Matmul<'_> {
         let caps = ctx.caps();
         let form = match form {
             Form::Coop { tile } => {
-                if [self.formats[0], self.formats[1]].contains(&Storage::Bf16) {
-                    return Err(crate::error::Error::Unsupported {
-                        path: "matmul",
-                        reason: "the coop matmul takes f16 (or, pinned, f32) operands: bf16 values beyond f16's range would overflow".into(),
-                    });
-                }
-                let t = caps
-                    .coop_tile(tile)
+                let t = crate::forms::coop_takes("coop matmul", &self.formats[..2])
+                    .and_then(|()| caps.coop_tile(tile))
                     .map_err(|reason| crate::error::Error::Unsupported {
                         path: "matmul",
                         reason,

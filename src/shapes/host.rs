@@ -97,34 +97,8 @@ impl HostBench {
     pub fn new(ctx: &Context) -> Result<HostBench> {
         let [nseq, hkv, e, layers] = PAGED;
         let blocks = nseq * 34;
-        let mut cache = KvCache::new(
-            ctx,
-            KvCacheConfig {
-                layers,
-                kv_heads: hkv,
-                head_dim: e,
-                head_dim_v: e,
-                block_size: 16,
-                num_blocks: blocks + nseq * 8,
-                storage: Storage::F16,
-                rope: None,
-            },
-        )?;
-        let seqs: Vec<SeqId> = (0..nseq).map(|_| cache.add_sequence()).collect();
         // Prompts of about 500 keys.
-        let prompt = buffer(ctx, "prompt kv", 2 * 500 * nseq * hkv * e);
-        let step = cache.reserve(&seqs.iter().map(|&s| (s, 500)).collect::<Vec<_>>())?;
-        let mut enc = ctx.device().create_command_encoder(&Default::default());
-        let t = Tensor::from_buffer(&prompt, Storage::F16, &[500 * nseq, hkv, e]);
-        for l in 0..layers {
-            cache.append(ctx, &mut enc, &step, l, &t, &t)?;
-        }
-        ctx.queue().submit([enc.finish()]);
-        // The prompts written before anything is timed (a CPU adapter runs them on the cores
-        // the timing shares).
-        ctx.device()
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| crate::Error::Validation(format!("poll: {e}")))?;
+        let (cache, seqs) = prefilled_cache(ctx, [nseq, hkv, e, layers], blocks + nseq * 8, 500)?;
         let max_blocks = 34;
         let table: Vec<i32> = (0..nseq * max_blocks).map(|i| i as i32).collect();
         Ok(HostBench {
@@ -262,6 +236,43 @@ pub fn median_us_of(
     Ok(times[times.len() / 2])
 }
 
+/// An f16 `KvCache` of `layers` layers (`hkv` heads of `e`, blocks of 16, `num_blocks` of
+/// them) holding `nseq` sequences of `prompt` keys each, written and waited for before
+/// anything is timed (a CPU adapter runs them on the cores the timing shares).
+fn prefilled_cache(
+    ctx: &Context,
+    [nseq, hkv, e, layers]: [usize; 4],
+    num_blocks: usize,
+    prompt: usize,
+) -> Result<(KvCache, Vec<SeqId>)> {
+    let mut cache = KvCache::new(
+        ctx,
+        KvCacheConfig {
+            layers,
+            kv_heads: hkv,
+            head_dim: e,
+            head_dim_v: e,
+            block_size: 16,
+            num_blocks,
+            storage: Storage::F16,
+            rope: None,
+        },
+    )?;
+    let seqs: Vec<SeqId> = (0..nseq).map(|_| cache.add_sequence()).collect();
+    let kv = buffer(ctx, "prompt kv", 2 * prompt * nseq * hkv * e);
+    let step = cache.reserve(&seqs.iter().map(|&s| (s, prompt)).collect::<Vec<_>>())?;
+    let t = Tensor::from_buffer(&kv, Storage::F16, &[prompt * nseq, hkv, e]);
+    for l in 0..layers {
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        cache.append(ctx, &mut enc, &step, l, &t, &t)?;
+        ctx.queue().submit([enc.finish()]);
+    }
+    ctx.device()
+        .poll(wgpu::PollType::wait_indefinitely())
+        .map_err(|e| crate::Error::Validation(format!("poll: {e}")))?;
+    Ok((cache, seqs))
+}
+
 /// `decode_step_32l` (see the module docs): a 32-layer cache of 4 sequences at 4095 keys, and
 /// the step's inputs and outputs in GPU buffers made once (about 2.2 GB).
 pub struct DecodeStep {
@@ -282,32 +293,7 @@ impl DecodeStep {
     /// Make the cache and fill it: every layer's 4 x 4095 prompt keys appended and waited for.
     pub fn new(ctx: &Context) -> Result<DecodeStep> {
         let [nseq, hq, hkv, e, layers, keys] = Self::DIMS;
-        let bs = 16;
-        let mut cache = KvCache::new(
-            ctx,
-            KvCacheConfig {
-                layers,
-                kv_heads: hkv,
-                head_dim: e,
-                head_dim_v: e,
-                block_size: bs,
-                num_blocks: nseq * keys.div_ceil(bs),
-                storage: Storage::F16,
-                rope: None,
-            },
-        )?;
-        let seqs: Vec<SeqId> = (0..nseq).map(|_| cache.add_sequence()).collect();
-        let prompt = buffer(ctx, "prompt kv", 2 * (keys - 1) * nseq * hkv * e);
-        let step = cache.reserve(&seqs.iter().map(|&s| (s, keys - 1)).collect::<Vec<_>>())?;
-        let t = Tensor::from_buffer(&prompt, Storage::F16, &[(keys - 1) * nseq, hkv, e]);
-        for l in 0..layers {
-            let mut enc = ctx.device().create_command_encoder(&Default::default());
-            cache.append(ctx, &mut enc, &step, l, &t, &t)?;
-            ctx.queue().submit([enc.finish()]);
-        }
-        ctx.device()
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| crate::Error::Validation(format!("poll: {e}")))?;
+        let (cache, seqs) = prefilled_cache(ctx, [nseq, hkv, e, layers], nseq * keys.div_ceil(16), keys - 1)?;
         Ok(DecodeStep {
             cache,
             seqs,
