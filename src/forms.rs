@@ -215,23 +215,43 @@ pub enum BackwardForm {
         /// Rows (keys) per invocation (1 to 8).
         rows: u32,
     },
+    /// The matrix units (`shaders/bwd_dq_coop.wgsl`, `shaders/bwd_dkv_coop.wgsl`): the
+    /// products S = Q Kᵀ, dP = dO Vᵀ, dV += Pᵀ dO, dK += dSᵀ Q and dQ += dS K in
+    /// cooperative-matrix tiles of f16 operands with f32 accumulators, P and dS rounded to f16
+    /// as FlashAttention rounds them; `tile` is 8 or 16, one the adapter lists ([`CoopTiles`]),
+    /// `None` the largest. The default for f16 q, k, v and dO where the units are the
+    /// device's default ([`Caps::coop_by_default`]); f32 inputs only when pinned (rounded to
+    /// f16); bf16 refused.
+    Coop {
+        /// The tile edge (8 or 16), or `None` for the largest the adapter lists.
+        tile: Option<u32>,
+    },
 }
 
 impl BackwardForm {
-    /// Rows (keys) per invocation.
+    /// Rows (keys) per invocation (1 for the matrix units' form, whose tiles are shared by a
+    /// subgroup).
     pub fn rows(self) -> u32 {
         match self {
-            BackwardForm::Gpu => 1,
+            BackwardForm::Gpu | BackwardForm::Coop { .. } => 1,
             BackwardForm::Subgroup { rows } | BackwardForm::Tiled { rows } => rows,
         }
     }
 
-    /// The name: `gpu`, `subgroup:R`, `tiled:R` (R rows per invocation).
+    /// Whether this is the matrix units' form.
+    pub fn is_coop(self) -> bool {
+        matches!(self, BackwardForm::Coop { .. })
+    }
+
+    /// The name: `gpu`, `subgroup:R`, `tiled:R` (R rows per invocation), `coop`, `coop:T`
+    /// (T x T tiles).
     pub fn name(self) -> String {
         match self {
             BackwardForm::Gpu => "gpu".into(),
             BackwardForm::Subgroup { rows } => format!("subgroup:{rows}"),
             BackwardForm::Tiled { rows } => format!("tiled:{rows}"),
+            BackwardForm::Coop { tile: None } => "coop".into(),
+            BackwardForm::Coop { tile: Some(t) } => format!("coop:{t}"),
         }
     }
 }
@@ -242,8 +262,14 @@ impl std::str::FromStr for BackwardForm {
         let bad = || Error::UnknownName {
             kind: "backward kernel form",
             name: s.to_string(),
-            expected: "gpu, subgroup:R, tiled:R (R = rows per invocation, 1 to 8)",
+            expected: "gpu, subgroup:R, tiled:R (R = rows per invocation, 1 to 8), coop, coop:8, coop:16",
         };
+        match s {
+            "coop" => return Ok(BackwardForm::Coop { tile: None }),
+            "coop:8" => return Ok(BackwardForm::Coop { tile: Some(8) }),
+            "coop:16" => return Ok(BackwardForm::Coop { tile: Some(16) }),
+            _ => {}
+        }
         let (kind, rows) = split_rows(s, 8).ok_or_else(bad)?;
         match (kind, rows) {
             ("gpu", None) => Ok(BackwardForm::Gpu),
@@ -591,6 +617,12 @@ impl Caps {
                 BackwardForm::Subgroup { rows: 2 },
             ]);
         }
+        v.extend(
+            self.coop
+                .list()
+                .into_iter()
+                .map(|t| BackwardForm::Coop { tile: Some(t) }),
+        );
         v
     }
 
@@ -730,9 +762,13 @@ mod tests {
             BackwardForm::Gpu,
             BackwardForm::Subgroup { rows: 3 },
             BackwardForm::Tiled { rows: 8 },
+            BackwardForm::Coop { tile: None },
+            BackwardForm::Coop { tile: Some(8) },
+            BackwardForm::Coop { tile: Some(16) },
         ] {
             assert_eq!(f.name().parse::<BackwardForm>(), Ok(f));
         }
+        assert!("coop:32".parse::<BackwardForm>().is_err());
         for f in MatmulForm::ALL.into_iter().chain([
             MatmulForm::Coop { tile: None },
             MatmulForm::Coop { tile: Some(8) },

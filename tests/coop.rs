@@ -269,3 +269,93 @@ fn coop_fused_forward_on_the_units() {
         None => assert!(matches!(&r, Err(Error::Unsupported { .. })), "{r:?}"),
     }
 }
+
+/// The fused backward on the units: f16 q, k, v and dO take the coop form by default where
+/// the units are the device's default (pinned on CPU adapters; the plan says which runs), on
+/// shapes with tails, L != S, GQA and MQA, head dims 8, 64, 80, 96, 128 and 256, with every mask
+/// kind, window, built-in modifier and user function (fully masked rows among them): dQ, dK,
+/// dV, d(bias), d(sinks) and the captures' gradients by FlashAttention's rule for f16. An f16
+/// dQ of odd E (stored element by element) and head dims past what the workgroup memory
+/// holds take a scalar form; f32 inputs run only when pinned (rounded to f16, f16's rule);
+/// bf16 is refused; without units a pinned coop form is a typed error.
+#[test]
+fn coop_backward_on_the_units() {
+    let Some(ctx) = ctx() else { return };
+    let tile = units(ctx);
+    let kinds: Vec<MaskKind> = mask_and_window_kinds()
+        .into_iter()
+        .chain(modifier_kinds())
+        .chain(user_kinds())
+        .collect();
+    let shapes = [
+        (1, 2, 2, 19, 37, 8, 8),
+        (2, 4, 2, 65, 63, 64, 64),
+        (1, 4, 1, 5, 129, 8, 20),
+        (1, 2, 1, 37, 41, 80, 96),
+        (1, 1, 1, 33, 40, 128, 128),
+        (1, 2, 2, 21, 30, 33, 12),
+        (1, 1, 1, 9, 17, 256, 130),
+        (1, 1, 1, 9, 17, 256, 256),
+    ];
+    let coop = wgpu_attention::BackwardForm::Coop { tile: None };
+    let cases = if tile.is_some() { shapes.len() } else { 0 };
+    for (si, &shape) in shapes.iter().enumerate().take(cases) {
+        for (ki, (kind, f)) in kinds.iter().enumerate() {
+            // Every kind on the first shape; the others without masks and with every kind.
+            if si > 0 && kind != &"none" && kind != &"all_combined" {
+                continue;
+            }
+            let case = f(Case::random(shape, (si * 100 + ki) as u64)).with_storage(Storage::F16);
+            let label = format!("{shape:?} {kind}");
+            let dout = rand_array(&mut rng(si as u64 + 7), (shape.0, shape.1, shape.3, shape.6))
+                .mapv(|x| Storage::F16.round(x));
+            let dout_t = Tensor::from(&dout).with_storage(Storage::F16);
+            let bwd = case.sdpa().backward(dout_t).path(Path::Fused);
+            // Which form the coop backward takes: an f16 dQ of odd E, and E = Ev = 256 (its
+            // dK/dV blocks exceed 64 KiB of workgroup memory), run in a scalar form.
+            let takes = shape.5 % 2 == 0 && shape.5 + shape.6 < 512;
+            let run_ctx = match ctx.caps().coop_by_default() {
+                true => ctx.clone(),
+                false => ctx.with_forms(Forms {
+                    fused: Some(wgpu_attention::FusedForm::Coop { tile: None }),
+                    backward: Some(coop),
+                    ..Forms::default()
+                }),
+            };
+            let run_ctx = match takes {
+                true => run_ctx,
+                false => ctx.clone(),
+            };
+            let form = bwd.form(&run_ctx).unwrap();
+            assert_eq!(
+                matches!(form, Form::Backward(wgpu_attention::BackwardForm::Coop { .. })),
+                takes,
+                "{label}: planned {form:?}"
+            );
+            if !takes {
+                let r = bwd.form(&ctx.with_forms(coop));
+                assert!(matches!(&r, Err(Error::Unsupported { .. })), "{label}: {r:?}");
+            }
+            let g = bwd.run_blocking(&run_ctx).unwrap_or_else(|e| panic!("{label}: {e}"));
+            assert_grads(&case, &g, &dout, &label);
+        }
+    }
+    let case = Case::random((1, 2, 1, 20, 30, 16, 16), 3);
+    let dout = rand_array(&mut rng(4), (1, 2, 20, 16));
+    let pinned = ctx.with_forms(coop);
+    let r = case.sdpa().backward(&dout).path(Path::Fused).run_blocking(&pinned);
+    match tile {
+        // f32 inputs only when pinned: rounded to f16, f16's rule.
+        Some(_) => {
+            assert_grads_at(&case, &r.unwrap(), &dout, Storage::F16, "f32 pinned");
+            let bf = Case::random((1, 2, 1, 20, 30, 16, 16), 3).with_storage(Storage::Bf16);
+            let dbf = Tensor::from(&dout).with_storage(Storage::Bf16);
+            let r = bf.sdpa().backward(dbf).path(Path::Fused).form(&pinned);
+            assert!(
+                matches!(&r, Err(Error::Unsupported { reason, .. }) if reason.contains("bf16")),
+                "{r:?}"
+            );
+        }
+        None => assert!(matches!(&r, Err(Error::Unsupported { .. })), "{r:?}"),
+    }
+}

@@ -123,9 +123,31 @@ pub(crate) const DS: KernelSpec = KernelSpec {
     trusted: false,
 };
 
+/// dQ on the matrix units (`shaders/bwd_dq_coop.wgsl`).
+pub(crate) const DQ_COOP: KernelSpec = KernelSpec {
+    name: "bwd_dq_coop",
+    source: include_str!("../../shaders/bwd_dq_coop.wgsl"),
+    common: &[common::SOFTMAX, common::MASKS, BACKWARD],
+    bindings: GRAD_BINDINGS,
+    params: params_of::<Params>,
+    trusted: true,
+};
+
+/// dK and dV on the matrix units (`shaders/bwd_dkv_coop.wgsl`).
+pub(crate) const DKV_COOP: KernelSpec = KernelSpec {
+    name: "bwd_dkv_coop",
+    source: include_str!("../../shaders/bwd_dkv_coop.wgsl"),
+    common: &[common::SOFTMAX, common::MASKS, BACKWARD],
+    bindings: GRAD_BINDINGS,
+    params: params_of::<Params>,
+    trusted: true,
+};
+
 /// Every backward kernel, for the binding-limit and assembly tests.
 #[cfg(test)]
-pub(crate) const ALL: [&KernelSpec; 8] = [&PREP, &DQ, &DKV, &DBIAS, &DS, &DSINK, &DCAP, &DCAP_SUM];
+pub(crate) const ALL: [&KernelSpec; 10] = [
+    &PREP, &DQ, &DKV, &DQ_COOP, &DKV_COOP, &DBIAS, &DS, &DSINK, &DCAP, &DCAP_SUM,
+];
 
 wgsl_struct! {
     /// The backward kernels' params (`p` in `bwd_*.wgsl`); each kernel reads the fields it needs.
@@ -268,6 +290,38 @@ pub(crate) struct Config {
     pub has_mask: bool,
     pub has_bias: bool,
     pub mods: super::Mods,
+    /// The matrix units' tiles ([`BackwardForm::Coop`]).
+    pub coop: Option<CoopLayout>,
+}
+
+/// The matrix units' backward: its tile, the head dims padded to it, and the blocks of each
+/// kernel (multiples of the tile).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CoopLayout {
+    pub tile: u32,
+    pub ep: u32,
+    pub evp: u32,
+    /// dK/dV: keys per workgroup, query rows per streamed tile.
+    pub dkv: [u32; 2],
+    /// dQ: query rows per workgroup, keys per streamed tile.
+    pub dq: [u32; 2],
+}
+
+impl CoopLayout {
+    /// The dK/dV kernel's workgroup memory with `bk` keys and query tiles of `bq` rows: K, V
+    /// (f16) and their f32 accumulators, Q and dO (f16), S and dP (f32), P and dS (f16), the
+    /// rows' statistics.
+    fn dkv_bytes(&self, [bk, bq]: [u32; 2]) -> u32 {
+        let (e, ev) = (self.ep, self.evp);
+        bk * (e + ev) * 6 + bq * (e + ev) * 2 + bq * bk * 12 + bq * 12
+    }
+
+    /// The dQ kernel's with `bq` query rows and key tiles of `bk`: Q, dO (f16) and the f32
+    /// dQ accumulator, K and V (f16), S and dP (f32), dS (f16), the rows' statistics.
+    fn dq_bytes(&self, [bq, bk]: [u32; 2]) -> u32 {
+        let (e, ev) = (self.ep, self.evp);
+        bq * (e + ev) * 2 + bq * e * 4 + bk * (e + ev) * 2 + bq * bk * 10 + bq * 12 + 8
+    }
 }
 
 /// The form the plan picks: on GPUs [`BackwardForm::Gpu`]; on CPU adapters several rows (keys)
@@ -277,6 +331,14 @@ pub(crate) struct Config {
 /// one row, as the forward does: LLVM compiles the several-row kernels for seconds, more than
 /// such a problem runs (the cold CI's backward grid: 409 s, mostly compiling).
 fn default_form(p: &Problem, caps: &Caps) -> BackwardForm {
+    let f = p.storage;
+    if [f.q, f.k, f.v, f.out] == [Storage::F16; 4] && caps.coop_by_default() {
+        if let Some(t) = caps.coop.largest() {
+            if Config::coop(p, caps, Some(t)).is_ok() {
+                return BackwardForm::Coop { tile: Some(t) };
+            }
+        }
+    }
     if !caps.cpu {
         return BackwardForm::Gpu;
     }
@@ -315,6 +377,9 @@ impl Config {
         super::flash::check_head_dims(p)?;
         let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
         let form = caps.forms.backward.unwrap_or_else(|| default_form(p, caps));
+        if let BackwardForm::Coop { tile } = form {
+            return Config::coop(p, caps, tile);
+        }
         let (wg, rows, unroll, sg) = match form {
             BackwardForm::Gpu => (
                 crate::tune::knob("bwd_wg").unwrap_or(64),
@@ -330,6 +395,7 @@ impl Config {
                 (s, rows, true, Some(s))
             }
             BackwardForm::Tiled { rows } => (8, rows, true, None),
+            BackwardForm::Coop { .. } => unreachable!("configured by Config::coop"),
         };
         if !(1..=8).contains(&rows) || caps.max_invocations < wg || caps.max_workgroup_size_x < wg {
             return Err(format!(
@@ -374,7 +440,116 @@ impl Config {
             has_mask: p.mask.is_some(),
             has_bias: p.bias.is_some(),
             mods: super::Mods::of(p),
+            coop: None,
         })
+    }
+
+    /// The matrix units' configuration: the largest blocks (multiples of the tile) of each
+    /// kernel that fit the workgroup memory, or why it cannot take `p`: no listed tile, bf16
+    /// inputs or upstream gradient (f16 has not their range), a half dQ stored element by
+    /// element (odd E: by atomics, which naga's SPIR-V under the Vulkan memory model lacks a
+    /// capability for), head dims too large for the workgroup memory.
+    fn coop(p: &Problem, caps: &Caps, tile: Option<u32>) -> std::result::Result<Config, String> {
+        let t = caps.coop_tile(tile)?;
+        let s = p.storage;
+        crate::forms::coop_takes("coop backward", &[s.q, s.k, s.v, s.out])?;
+        let vec4 = p.vec4_rows();
+        if s.q.is_half() && !vec4 && p.head_dim % 2 == 1 {
+            return Err("the coop backward cannot store a half-format dQ of odd E (element by element)".into());
+        }
+        let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
+        let mut layout = CoopLayout {
+            tile: t,
+            ep: (4 * e4).next_multiple_of(t),
+            evp: (4 * ev4).next_multiple_of(t),
+            dkv: [t, t],
+            dq: [t, t],
+        };
+        let wg = caps.coop_workgroup();
+        // The mask_mod votes (one word per invocation) beside the blocks.
+        let budget = caps.workgroup_storage.saturating_sub(4 * wg + 64);
+        let blocks = [(4, 4), (4, 2), (2, 4), (2, 2), (2, 1), (1, 2), (1, 1)].map(|(a, b)| [a * t, b * t]);
+        let too_big = || {
+            format!(
+                "the coop backward's tiles for E = {}, Ev = {} do not fit {} bytes of workgroup memory",
+                p.head_dim, p.head_dim_v, caps.workgroup_storage
+            )
+        };
+        layout.dkv = blocks
+            .into_iter()
+            .find(|&b| layout.dkv_bytes(b) <= budget)
+            .ok_or_else(too_big)?;
+        layout.dq = blocks
+            .into_iter()
+            .find(|&b| layout.dq_bytes(b) <= budget)
+            .ok_or_else(too_big)?;
+        Ok(Config {
+            form: BackwardForm::Coop { tile: Some(t) },
+            e4,
+            ev4,
+            wg,
+            rq: 1,
+            rk: 1,
+            bk: layout.dq[1],
+            bq: layout.dkv[1],
+            unroll: false,
+            unroll_e: false,
+            sg: false,
+            vec4,
+            views: p.views,
+            e_odd: p.head_dim % 2 == 1,
+            formats: p.storage,
+            has_mask: p.mask.is_some(),
+            has_bias: p.bias.is_some(),
+            mods: super::Mods::of(p),
+            coop: Some(layout),
+        })
+    }
+
+    /// Keys per workgroup of the dK/dV kernel.
+    pub(crate) fn key_tile(&self) -> u32 {
+        self.coop.map_or(self.wg * self.rk, |c| c.dkv[0])
+    }
+
+    /// Query rows per workgroup of the dQ kernel.
+    pub(crate) fn query_tile(&self) -> u32 {
+        self.coop.map_or(self.wg * self.rq, |c| c.dq[0])
+    }
+
+    /// The dQ kernel of this form.
+    pub(crate) fn dq_spec(&self) -> &'static KernelSpec {
+        match self.coop {
+            Some(_) => &DQ_COOP,
+            None => &DQ,
+        }
+    }
+
+    /// The dK/dV kernel of this form.
+    pub(crate) fn dkv_spec(&self) -> &'static KernelSpec {
+        match self.coop {
+            Some(_) => &DKV_COOP,
+            None => &DKV,
+        }
+    }
+
+    /// The matrix units' constants (`[rows, keys]` blocks) and the q, k, v, dout loaders.
+    fn coop_prelude(&self, c: &CoopLayout, [bq, bk]: [u32; 2]) -> String {
+        format!(
+            "{}const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BQ: u32 = {bq}u;\nconst BK: u32 = {bk}u;\n\
+             const EP: u32 = {}u;\nconst EVP: u32 = {}u;\nconst UNROLL: bool = false;\nconst UNROLL_E: bool = false;\n\
+             const SCALAR_LOGITS: bool = false;\n{}",
+            super::matmul::coop_prelude(c.tile, self.wg),
+            self.e4,
+            self.ev4,
+            c.ep,
+            c.evp,
+            grad_io(
+                &self.formats,
+                (self.has_mask, self.has_bias, self.mods),
+                self.vec4,
+                &self.views
+            )
+        )
     }
 
     /// The constants and the q, k, v, dout loaders of the dQ and dK/dV kernels.
@@ -402,6 +577,12 @@ impl Config {
         let fq = self.formats.q;
         let odd = fq.is_half() && !self.vec4 && self.e_odd;
         let access = if odd { Access::Atomic } else { Access::Write };
+        let dq = array("dq", 7, fq, self.vec4, access)
+            + &row_base("dq", Dim::E, self.vec4, None, "")
+            + &row_storer("dq", "dq", Dim::E, self.vec4, fq.is_half() && !odd);
+        if let Some(c) = &self.coop {
+            return self.coop_prelude(c, c.dq) + &dq;
+        }
         let kv = if self.sg {
             super::flash::KV_SUBGROUP
         } else {
@@ -413,26 +594,29 @@ impl Config {
             self.bk,
             self.rq,
             self.sg,
-            array("dq", 7, fq, self.vec4, access)
-                + &row_base("dq", Dim::E, self.vec4, None, "")
-                + &row_storer("dq", "dq", Dim::E, self.vec4, fq.is_half() && !odd)
+            dq
         )
     }
 
     /// The dK/dV kernel's prelude; both go to one f32 buffer, dV at `p.dv_off`.
     pub(crate) fn dkv_prelude(&self) -> String {
+        let out = array("dkv", 7, Storage::F32, self.vec4, Access::Write)
+            + &row_base("dk", Dim::E, self.vec4, None, "")
+            + &row_storer("dk", "dkv", Dim::E, self.vec4, false)
+            + &row_base("dv", Dim::EV, self.vec4, None, "p.dv_off + ")
+            + &row_storer("dv", "dkv", Dim::EV, self.vec4, false);
+        if let Some(c) = &self.coop {
+            let [bk, bq] = c.dkv;
+            return self.coop_prelude(c, [bq, bk]) + &out;
+        }
         format!(
-            "{}const BQ: u32 = {}u;\nconst QT: u32 = {}u;\nconst RK: u32 = {}u;\nconst SG_Q: bool = {};\n{}{}{}{}",
+            "{}const BQ: u32 = {}u;\nconst QT: u32 = {}u;\nconst RK: u32 = {}u;\nconst SG_Q: bool = {};\n{}{out}",
             self.common_prelude(),
             self.bq,
             if self.sg { 1 } else { self.bq },
             self.rk,
             self.sg,
             if self.sg { Q_SUBGROUP } else { Q_SHARED },
-            array("dkv", 7, Storage::F32, self.vec4, Access::Write),
-            row_base("dk", Dim::E, self.vec4, None, "") + &row_storer("dk", "dkv", Dim::E, self.vec4, false),
-            row_base("dv", Dim::EV, self.vec4, None, "p.dv_off + ")
-                + &row_storer("dv", "dkv", Dim::EV, self.vec4, false)
         )
     }
 }

@@ -163,6 +163,12 @@ where
 /// error, plus 1e-5·max|ref| + 1e-6; half formats: twice the format's rounding of the largest
 /// gradient), d(bias) included, and the forward output when the backward ran it.
 pub fn assert_grads(case: &Case, g: &Grads, dout: &Array4<f32>, label: &str) {
+    assert_grads_at(case, g, dout, case.storage, label)
+}
+
+/// [`assert_grads`] with the gradients held to `rule`'s rule: a half format's where a kernel
+/// rounds f32 inputs to it (the matrix units' forms, pinned on f32 inputs).
+pub fn assert_grads_at(case: &Case, g: &Grads, dout: &Array4<f32>, rule: Storage, label: &str) {
     let opts = case.options();
     let r64 =
         reference::sdpa_backward(case.q.view(), case.k.view(), case.v.view(), dout.view(), &opts).unwrap();
@@ -171,7 +177,7 @@ pub fn assert_grads(case: &Case, g: &Grads, dout: &Array4<f32>, label: &str) {
     let rule = |name: &str, got: &[f32], want: &[f64], plain: &[f32]| {
         // Half outputs: the format's rounding relative to the largest gradient.
         let max = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-        let report = gradient_report(got, want, plain, case.storage, 2.0 * max);
+        let report = gradient_report(got, want, plain, rule, 2.0 * max);
         assert!(report.passed(), "{label} {name}: {report}");
     };
     let flat = |a: &ArrayD<f64>| a.iter().copied().collect::<Vec<_>>();

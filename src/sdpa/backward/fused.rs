@@ -30,6 +30,6 @@ pub(super) fn record(
             total as u32,
         )
     };
-    kernel(&kb::DKV, cfg.dkv_prelude(), dkv, [k_tiles, dkv_total])?;
-    kernel(&kb::DQ, cfg.dq_prelude(), dq, [q_tiles, dq_total])
+    kernel(cfg.dkv_spec(), cfg.dkv_prelude(), dkv, [k_tiles, dkv_total])?;
+    kernel(cfg.dq_spec(), cfg.dq_prelude(), dq, [q_tiles, dq_total])
 }

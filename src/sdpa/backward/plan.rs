@@ -18,8 +18,8 @@ const NO_DECODE: &str =
 /// The fused kernels' (tiles per head, workgroups): dK/dV over key tiles of every kv head,
 /// dQ over query tiles of every query head.
 pub(super) fn fused_grids(p: &Problem, cfg: &kb::Config) -> [(usize, usize); 2] {
-    let k_tiles = p.seq_kv.div_ceil((cfg.wg * cfg.rk) as usize);
-    let q_tiles = p.seq_q.div_ceil((cfg.wg * cfg.rq) as usize);
+    let k_tiles = p.seq_kv.div_ceil(cfg.key_tile() as usize);
+    let q_tiles = p.seq_q.div_ceil(cfg.query_tile() as usize);
     [
         (k_tiles, k_tiles * p.batch * p.kv_heads),
         (q_tiles, q_tiles * p.batch_heads()),
