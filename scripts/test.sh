@@ -161,8 +161,9 @@ fi
 # the test binaries started through its own dynamic loader. WGPU_ATTENTION_REQUIRE_COOP=1: a
 # device without the units fails the tests instead of serving them in the scalar forms. The
 # kernels' stage tests and their naga and spirv-val checks, the coop tests (the fused forward
-# with every mask kind, modifier, user function and head dim; the matmul), and the f16 paths
-# that take the units by default (the goldens, the layer, half-format paged caches). No
+# and backward with every mask kind, modifier, user function and head dim, FlashAttention's
+# accuracy rule for f16; the matmul), and the f16 paths that take the units by default (the
+# goldens, the layer, half-format paged caches, the half-format backward). No
 # process-spawning tests here: a spawned process would use the system's loader.
 if has coop; then
   prefetch_wait coop
@@ -174,7 +175,7 @@ if has coop; then
       # coop=1: the units' forms are the default for f16 here too (on CPU adapters they are
       # opt-in: slower than the scalar forms), so the suites below run them unpinned.
       export WGPU_BACKEND=vulkan WGPU_ATTENTION_REQUIRE_COOP=1 WGPU_ATTENTION_TUNE=coop=1
-      suite --locked --lib --test coop --test mha --test golden --test paged -- coop half f16 \
+      suite --locked --lib --test coop --test mha --test golden --test paged --test backward -- coop half f16 \
         every_path_matches_pytorch_goldens &&
         # The 16 x 16 tile (NVIDIA's, AMD's), which lavapipe runs but does not list: a test-only
         # override that the output names.
