@@ -336,14 +336,20 @@ fn coop_backward_on_the_units() {
                 let r = bwd.form(&ctx.with_forms(coop));
                 assert!(matches!(&r, Err(Error::Unsupported { .. })), "{label}: {r:?}");
             }
-            let g = bwd.run_blocking(&run_ctx).unwrap_or_else(|e| panic!("{label}: {e}"));
+            let g = bwd
+                .run_blocking(&run_ctx)
+                .unwrap_or_else(|e| panic!("{label}: {e}"));
             assert_grads(&case, &g, &dout, &label);
         }
     }
     let case = Case::random((1, 2, 1, 20, 30, 16, 16), 3);
     let dout = rand_array(&mut rng(4), (1, 2, 20, 16));
     let pinned = ctx.with_forms(coop);
-    let r = case.sdpa().backward(&dout).path(Path::Fused).run_blocking(&pinned);
+    let r = case
+        .sdpa()
+        .backward(&dout)
+        .path(Path::Fused)
+        .run_blocking(&pinned);
     match tile {
         // f32 inputs only when pinned: rounded to f16, f16's rule.
         Some(_) => {
@@ -402,7 +408,11 @@ fn half_plain(case: &Case, dout: &Array4<f32>) -> [Vec<f32>; 4] {
                     out[[bi, h, i, c]] = r((0..s).map(|j| p[[i, j]] * case.v[[bi, kh, j, c]]).sum());
                 }
                 let dp: Vec<f32> = (0..s)
-                    .map(|j| r((0..ev).map(|c| dout[[bi, h, i, c]] * case.v[[bi, kh, j, c]]).sum()))
+                    .map(|j| {
+                        r((0..ev)
+                            .map(|c| dout[[bi, h, i, c]] * case.v[[bi, kh, j, c]])
+                            .sum())
+                    })
                     .collect();
                 let dsum: f32 = (0..s).map(|j| p[[i, j]] * dp[j]).sum();
                 let ds: Vec<f32> = (0..s).map(|j| r(p[[i, j]] * (dp[j] - dsum))).collect();
@@ -443,7 +453,11 @@ fn coop_f16_meets_flash_attentions_rule() {
     let pinned = ctx.with_forms(forms);
     for (ci, (shape, causal, gain)) in [
         ((2, 4, 2, 65, 63, 64, 64), wgpu_attention::Causal::TopLeft, 1.0),
-        ((1, 2, 1, 37, 41, 80, 96), wgpu_attention::Causal::BottomRight, 1.0),
+        (
+            (1, 2, 1, 37, 41, 80, 96),
+            wgpu_attention::Causal::BottomRight,
+            1.0,
+        ),
         ((1, 2, 2, 40, 33, 128, 128), wgpu_attention::Causal::None, 4.0),
     ]
     .into_iter()

@@ -455,7 +455,9 @@ impl Config {
         crate::forms::coop_takes("coop backward", &[s.q, s.k, s.v, s.out])?;
         let vec4 = p.vec4_rows();
         if s.q.is_half() && !vec4 && p.head_dim % 2 == 1 {
-            return Err("the coop backward cannot store a half-format dQ of odd E (element by element)".into());
+            return Err(
+                "the coop backward cannot store a half-format dQ of odd E (element by element)".into(),
+            );
         }
         let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
         let mut layout = CoopLayout {
