@@ -287,9 +287,10 @@ fn coop_backward_on_the_units() {
         .chain(modifier_kinds())
         .chain(user_kinds())
         .collect();
+    // The first shape is the forward test's, whose kernels the driver's cache then holds.
     let shapes = [
-        (1, 2, 2, 19, 37, 8, 8),
         (2, 4, 2, 65, 63, 64, 64),
+        (1, 2, 2, 19, 37, 8, 8),
         (1, 4, 1, 5, 129, 8, 20),
         (1, 2, 1, 37, 41, 80, 96),
         (1, 1, 1, 33, 40, 128, 128),
@@ -438,8 +439,8 @@ fn half_plain(case: &Case, dout: &Array4<f32>) -> [Vec<f32>; 4] {
 /// The units' f16 forward and backward by FlashAttention's own accuracy rule for f16 (the
 /// issue's bar for making them the f16 default): against float64 on the same f16 inputs, at
 /// most twice the error of PyTorch's f16 math (`half_plain`) plus 1e-5 · max|ref| + 1e-6, for
-/// O, dQ, dK and dV, on shapes with tails, L != S, GQA, both causal alignments, and inputs
-/// four times larger (sharper softmax). The scalar forms are checked the same way (alone on a
+/// O, dQ, dK and dV, on shapes with tails, L != S, GQA, both causal alignments, E = 64 and
+/// 128, and inputs four times larger (sharper softmax). The scalar forms are checked the same way (alone on a
 /// device without units), for the comparison the output prints.
 #[test]
 fn coop_f16_meets_flash_attentions_rule() {
@@ -454,11 +455,10 @@ fn coop_f16_meets_flash_attentions_rule() {
     for (ci, (shape, causal, gain)) in [
         ((2, 4, 2, 65, 63, 64, 64), wgpu_attention::Causal::TopLeft, 1.0),
         (
-            (1, 2, 1, 37, 41, 80, 96),
+            (1, 2, 1, 33, 40, 128, 128),
             wgpu_attention::Causal::BottomRight,
-            1.0,
+            4.0,
         ),
-        ((1, 2, 2, 40, 33, 128, 128), wgpu_attention::Causal::None, 4.0),
     ]
     .into_iter()
     .enumerate()
