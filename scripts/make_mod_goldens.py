@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Golden fixtures for the score modifiers and user functions (issue 27): sliding window with
+"""Golden fixtures for the score modifiers and user functions: sliding window with
 sink tokens, sink logits, logit softcap, ALiBi, document ids, and a user score_mod with captured
 tensors plus a mask_mod, forward and backward, in float64 with PyTorch autograd.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Golden fixtures for RoPE and paged attention with RoPE (issue 28), in float64 with PyTorch,
+"""Golden fixtures for RoPE and paged attention with RoPE, in float64 with PyTorch,
 rotating by Hugging Face's definitions: `q * cos + rotate_half(q) * sin` (Llama, NeoX: the
 half-split pairs) and GPT-J's `rotate_every_two` (interleaved pairs), with
 `inv_freq = 1 / theta ** (arange(0, D, 2) / D)` over the first D elements of each head.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# How fast the CPU reference is in a library user's unoptimised build (issue 24, item 5): builds a
+# How fast the CPU reference is in a library user's unoptimised build: builds a
 # throwaway crate that depends on this checkout with `opt-level = 0` for everything, and times
 # reference::sdpa and reference::sdpa_backward at B1 H8 L128 S256 E64 (the size a new user's
 # first check has). Prints the two times; nothing is asserted (speed is measured, not tested).

@@ -1514,7 +1514,8 @@ fn user_mod_and_captures() {
 
 /// `paged`: a ragged batch (3 prefill queries and 1 decode query) over paged caches with RoPE,
 /// causal, a window and ALiBi on the GPU matches the CPU reference, f32 and f16; every bad
-/// input of issue 28's list is a one-line error with exit status 2 that writes nothing.
+/// input (shapes, tables, lengths, formats) is a one-line error with exit status 2 that
+/// writes nothing.
 #[test]
 fn paged_ragged_batch_with_rope() {
     let dir = out_dir("paged");

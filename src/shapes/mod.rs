@@ -125,7 +125,7 @@ const fn forked(mut s: Shape, prefix: usize, cascade: bool) -> Shape {
     s
 }
 
-/// Issue 28's 64 forks of a 4096-token prompt with 64 keys each of their own (B=64 Hq=32
+/// 64 forks of a 4096-token prompt with 64 keys each of their own (B=64 Hq=32
 /// Hkv=8 E=128, one decode query each), the prompt read once when `cascade`.
 const fn cascade64(name: &'static str, cascade: bool) -> Shape {
     forked(
@@ -306,7 +306,7 @@ pub const SHAPES: &[Shape] = &[
         None,
         true,
     ),
-    // Issue 27's sliding window against causal alone: 1024 keys per row against 8192 on
+    // A sliding window against causal alone: 1024 keys per row against 8192 on
     // average (8x less work).
     shape(
         "causal_h8_s16384",
@@ -330,7 +330,7 @@ pub const SHAPES: &[Shape] = &[
         1023,
         0,
     ),
-    // Issue 27's score modifiers against the plain a_h8_s1024: Gemma 2's softcap of 50, and
+    // Score modifiers against the plain a_h8_s1024: Gemma 2's softcap of 50, and
     // ALiBi with the paper's slopes.
     softcapped(
         shape(
@@ -362,7 +362,7 @@ pub const SHAPES: &[Shape] = &[
         None,
         false,
     )),
-    // Issue 27's packed sequences: 8 documents of 1024 tokens, causal within each, as document
+    // Packed sequences: 8 documents of 1024 tokens, causal within each, as document
     // ids (key tiles of other documents skipped) and as the same dense boolean mask.
     documents(
         shape(
@@ -390,7 +390,7 @@ pub const SHAPES: &[Shape] = &[
         8,
         true,
     ),
-    // Issue 27's user functions: the window above as a mask_mod (against causal_h8_s16384),
+    // User functions: the window above as a mask_mod (against causal_h8_s16384),
     // and a captured relative-position bias as a score_mod (against a_h8_s1024).
     user(
         shape(
@@ -416,7 +416,7 @@ pub const SHAPES: &[Shape] = &[
         ),
         USER_RELBIAS,
     ),
-    // Issue 28's paged KV cache: `d`'s decode through a block table of 16-token blocks
+    // The paged KV cache: `d`'s decode through a block table of 16-token blocks
     // against the same keys contiguous, and a ragged decode batch of 8 sequences (512 to 4096
     // keys, GQA 32/8) paged against the same batch padded to 4096 with key lengths.
     paged(
@@ -474,7 +474,7 @@ pub const SHAPES: &[Shape] = &[
         Some(RAGGED8),
         false,
     ),
-    // Issue 28's shared prefixes: 64 forks of a 4096-token prompt, each with 64 keys of its
+    // Shared prefixes: 64 forks of a 4096-token prompt, each with 64 keys of its
     // own, decoding one query each (GQA 32/8): the prompt's keys read once, and per fork.
     cascade64("cascade64", true),
     cascade64("cascade64_unshared", false),
