@@ -20,6 +20,8 @@ pub(crate) mod permute;
 pub(crate) mod pinv;
 pub(crate) mod rope;
 pub(crate) mod softmax;
+#[cfg(feature = "translation-check")]
+pub(crate) mod translate;
 #[cfg(test)]
 pub(crate) mod stage_tests;
 pub(crate) mod unroll;
@@ -559,6 +561,12 @@ pub(crate) fn pipeline(
                 None => spec.trusted && !ctx.caps().cpu && !prelude.contains(crate::user_mod::USER_MARK),
             };
             let src = source(spec, prelude, storage);
+            // The crate's own tests: every pipeline also as Metal's and DX12's backends would
+            // translate it (a failure there names the variant).
+            #[cfg(feature = "translation-check")]
+            if let Err(e) = translate::check(spec.name, &src, constants) {
+                panic!("translation check: {e}");
+            }
             #[cfg(not(target_arch = "wasm32"))]
             if crate::pipelines::compile_log::enabled() {
                 let t0 = std::time::Instant::now();
@@ -854,13 +862,16 @@ mod tests {
     fn validate_with<T: WgslStruct>(label: &str, src: &str) {
         let module = naga::front::wgsl::parse_str(src)
             .unwrap_or_else(|e| panic!("{label}: {}", e.emit_to_string(src)));
-        naga::valid::Validator::new(
+        let info = naga::valid::Validator::new(
             naga::valid::ValidationFlags::all(),
             naga::valid::Capabilities::all(),
         )
         .validate(&module)
         .unwrap_or_else(|e| panic!("{label}: {e:?}"));
+        drop(info);
         check_struct::<T>(label, &module);
+        // As wgpu's Metal and DX12 backends would translate it.
+        translate::check(label, src, &[]).unwrap_or_else(|e| panic!("{e}"));
     }
 
     fn check_struct<T: WgslStruct>(label: &str, module: &naga::Module) {
