@@ -20,10 +20,10 @@ pub(crate) mod permute;
 pub(crate) mod pinv;
 pub(crate) mod rope;
 pub(crate) mod softmax;
-#[cfg(feature = "translation-check")]
-pub(crate) mod translate;
 #[cfg(test)]
 pub(crate) mod stage_tests;
+#[cfg(feature = "translation-check")]
+pub(crate) mod translate;
 pub(crate) mod unroll;
 
 use crate::context::Context;
