@@ -983,9 +983,10 @@ mod tests {
         }
     }
 
-    /// The other kernels (the ops' merge, matmul forms and strided copy) assemble into WGSL
-    /// that naga accepts with the Rust params layout, in every format; and the nested masks'
-    /// layout, through the fused kernel. Runs without a GPU.
+    /// The other kernels (the ops' merge, matmul forms, strided copy and RoPE, the
+    /// pseudo-inverse's steps, the backward's d(sinks) and captures' sum) assemble into WGSL
+    /// that naga accepts with the Rust params layout, in every format, and translate to MSL
+    /// and HLSL; and the nested masks' layout, through the fused kernel. Runs without a GPU.
     #[test]
     fn every_op_kernel_assembles_and_params_match_rust() {
         use crate::storage::Storage;
@@ -1026,15 +1027,28 @@ mod tests {
         }
         for src in Storage::ALL {
             for dst in Storage::ALL {
-                let module =
-                    naga::front::wgsl::parse_str(&source(&permute::SPEC, &permute::prelude(src, dst), false))
-                        .unwrap();
-                assert!(module
-                    .types
-                    .iter()
-                    .any(|(_, t)| t.name.as_deref() == Some("Params")));
+                let label = format!("permute {src:?} -> {dst:?}");
+                validate_with::<permute::Params>(
+                    &label,
+                    &source(&permute::SPEC, &permute::prelude(src, dst), false),
+                );
+                let label = format!("rope {src:?} -> {dst:?}");
+                validate_with::<rope::Params>(
+                    &label,
+                    &source(&rope::SPEC, &rope::prelude(Some(src), dst), false),
+                );
             }
+            let label = format!("rope in place {src:?}");
+            validate_with::<rope::Params>(&label, &source(&rope::SPEC, &rope::prelude(None, src), false));
         }
+        // The pseudo-inverse's steps, d(sink logits) and the captures' gradients' sum (no
+        // prelude). The mask_mod block map and the captures' gradients themselves need a
+        // user function: tests/sdpa.rs and tests/backward.rs run them, translated at pipeline
+        // creation (src/kernels/translate.rs).
+        validate_with::<pinv::InitParams>("pinv_init", &source(&pinv::INIT, "", false));
+        validate_with::<pinv::EyeParams>("eye_minus", &source(&pinv::EYE_MINUS, "", false));
+        validate_with::<backward::Params>("bwd_dsink", &source(&backward::DSINK, "", false));
+        validate_with::<backward::Params>("bwd_dcap_sum", &source(&backward::DCAP_SUM, "", false));
         // The nested masks, through the fused kernel.
         let cfg = flash::Config::new(
             &Problem::new(&[1, 1, 1, 4], &[1, 1, 1, 4], &[1, 1, 1, 4]).unwrap(),

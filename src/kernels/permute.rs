@@ -23,7 +23,7 @@ const WG: u32 = 256;
 wgsl_struct! {
     /// The permute kernel's params (`p` in `permute.wgsl`): the trailing dims of dst, the
     /// element count and src's strides.
-    struct Params {
+    pub(crate) struct Params {
         n1: u32,
         n2: u32,
         n3: u32,
@@ -34,6 +34,10 @@ wgsl_struct! {
         s3: u32,
         /// src's element offset from its binding's start.
         off: u32,
+        /// To 48 bytes: uniform structs are multiples of 16 bytes.
+        _pad1: u32,
+        _pad2: u32,
+        _pad3: u32,
     }
 }
 
@@ -75,6 +79,7 @@ pub(crate) fn record(
         s2: strides[2] as u32,
         s3: strides[3] as u32,
         off: off as u32,
+        ..Default::default()
     };
     let grid = grid_1d(
         total.div_ceil(2 * WG),

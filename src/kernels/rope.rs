@@ -62,6 +62,25 @@ pub(crate) struct Rotation {
     pub head_major_block: usize,
 }
 
+/// The kernel's prelude: `dst` (binding 1, written by atomics when half) in its format, and
+/// `load(i)` reading `src` (binding 0) in its format, or `dst` itself when rotating in place.
+pub(crate) fn prelude(src: Option<Storage>, dst: Storage) -> String {
+    let dst_access = if dst.is_half() {
+        Access::Atomic
+    } else {
+        Access::Write
+    };
+    let mut prelude = array("dst", 1, dst, false, dst_access);
+    match src {
+        Some(s) => {
+            prelude += &array("src", 0, s, false, Access::Read);
+            prelude += "fn load(i: u32) -> f32 { return src_get(i); }\n";
+        }
+        None => prelude += "fn load(i: u32) -> f32 { return dst_get(i); }\n",
+    }
+    prelude
+}
+
 /// Record the rotation: `src` into `dst` (in place when `src` is `None`: `dst` read and
 /// written). The caller has checked every index against the bindings.
 #[allow(clippy::too_many_arguments)]
@@ -88,22 +107,10 @@ pub(crate) fn record(
         hm_bs: r.head_major_block as u32,
         ..Default::default()
     };
-    let dst_access = if dst.1.is_half() {
-        Access::Atomic
-    } else {
-        Access::Write
-    };
-    let mut prelude = array("dst", 1, dst.1, false, dst_access);
+    let prelude = prelude(src.as_ref().map(|s| s.1), dst.1);
     let src_binding = match &src {
-        Some((b, s)) => {
-            prelude += &array("src", 0, *s, false, Access::Read);
-            prelude += "fn load(i: u32) -> f32 { return src_get(i); }\n";
-            b.clone()
-        }
-        None => {
-            prelude += "fn load(i: u32) -> f32 { return dst_get(i); }\n";
-            dummy
-        }
+        Some((b, _)) => b.clone(),
+        None => dummy,
     };
     let grid = grid_1d(
         rows.div_ceil(WG),

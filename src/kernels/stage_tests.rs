@@ -323,7 +323,6 @@ fn coop_matmul_forms_and_formats_match_f64_product() {
 
 fn check_matmul_forms(ctx: &Context, forms: &[matmul::Form]) {
     use crate::storage::Storage;
-    let ctx = ctx.clone();
     let mixed = [Storage::F16, Storage::Bf16, Storage::F32, Storage::F16];
     let format_sets = [[Storage::F32; 4], [Storage::F16; 4], [Storage::Bf16; 4], mixed];
     // (batch, m, n, k, a_off rows): tails everywhere; aligned (vec4 loads); K % 4 != 0.
@@ -347,128 +346,165 @@ fn check_matmul_forms(ctx: &Context, forms: &[matmul::Form]) {
                     continue;
                 }
                 case += 1;
-                let [fa, fb, fbias, fc] = fs;
-                let rows = m + off;
-                let a: Vec<f32> = lcg(batch * rows * k, 7).iter().map(|&x| fa.round(x)).collect();
-                // One B shared by the batch (heads = group = batch).
-                let b: Vec<f32> = lcg(n * k, 8).iter().map(|&x| fb.round(x)).collect();
-                let bias: Vec<f32> = lcg(n, 9).iter().map(|&x| fbias.round(x)).collect();
-                let alpha = 0.75f32;
-                let (ab, bb, biasb) = (
-                    buf(&ctx, &fa.encode(&a)),
-                    buf(&ctx, &fb.encode(&b)),
-                    buf(&ctx, &fbias.encode(&bias)),
-                );
-                let c_elems = batch * m * n;
                 // With and without the bias epilogue, alternately (each compiles its own pipelines).
-                let with_bias = case % 2 == 0;
-                {
-                    let bias_used = if with_bias { &bias[..] } else { &[][..] };
-                    let want =
-                        f64_product((&a, off, rows), (&b, trans_b), bias_used, [batch, m, n, k], alpha);
-                    for &form in forms {
-                        // The GPU form's loads and epilogue are format-generic: f32 and the mixed
-                        // set cover them (each set compiles its own pipelines on CPU adapters).
-                        if form == matmul::Form::GpuTiles && fs != [Storage::F32; 4] && fs != mixed {
-                            continue;
-                        }
-                        // The matrix units take f16 operands: f32 ones are rounded to f16 (the
-                        // products of f16 values are exact, the sums f32), bf16 ones refused.
-                        let coop = form.is_coop();
-                        let odd_half_c = fc.is_half() && n % 2 == 1;
-                        if coop && (fa == Storage::Bf16 || fb == Storage::Bf16 || odd_half_c) {
-                            let mut enc = ctx.device().create_command_encoder(&Default::default());
-                            let c = buf(&ctx, &vec![0u8; fc.bytes(c_elems) as usize]);
-                            let r = matmul::Matmul {
-                                a: ab.as_entire_buffer_binding(),
-                                b: bb.as_entire_buffer_binding(),
-                                bias: None,
-                                c: c.as_entire_buffer_binding(),
-                                params: matmul::Params::dense(m as u32, n as u32, k as u32, trans_b, alpha),
-                                batch: 1,
-                                trans_b,
-                                formats: fs,
-                                accumulate: false,
-                            }
-                            .record_form(
-                                &ctx,
-                                &mut enc,
-                                &buf(&ctx, &[0u8; 16]),
-                                form,
-                            );
-                            let why = if fa == Storage::Bf16 || fb == Storage::Bf16 {
-                                "bf16"
-                            } else {
-                                "whole words"
-                            };
-                            assert!(
-                                matches!(&r, Err(crate::Error::Unsupported { reason, .. }) if reason.contains(why)),
-                                "{form:?} {fs:?}: {r:?}"
-                            );
-                            continue;
-                        }
-                        let rounded = |x: &[f32], s: Storage| -> Vec<f32> {
-                            x.iter()
-                                .map(|&v| {
-                                    if s == Storage::F32 {
-                                        Storage::F16.round(v)
-                                    } else {
-                                        v
-                                    }
-                                })
-                                .collect()
-                        };
-                        let want_f16;
-                        let want = if coop && (fa == Storage::F32 || fb == Storage::F32) {
-                            let bias_used = if with_bias { &bias[..] } else { &[][..] };
-                            want_f16 = f64_product(
-                                (&rounded(&a, fa), off, rows),
-                                (&rounded(&b, fb), trans_b),
-                                bias_used,
-                                [batch, m, n, k],
-                                alpha,
-                            );
-                            &want_f16
-                        } else {
-                            &want
-                        };
-                        let c = buf(&ctx, &vec![0u8; fc.bytes(c_elems) as usize]);
-                        let dummy = buf(&ctx, &[0u8; 16]);
-                        let mut enc = ctx.device().create_command_encoder(&Default::default());
-                        matmul::Matmul {
-                            a: ab.as_entire_buffer_binding(),
-                            b: bb.as_entire_buffer_binding(),
-                            bias: with_bias.then(|| biasb.as_entire_buffer_binding()),
-                            c: c.as_entire_buffer_binding(),
-                            params: matmul::Params {
-                                heads: batch as u32,
-                                group: batch as u32,
-                                a_batch: (rows * k) as u32,
-                                a_off: (off * k) as u32,
-                                ..matmul::Params::dense(m as u32, n as u32, k as u32, trans_b, alpha)
-                            }
-                            .split_heads(),
-                            batch: batch as u32,
-                            trans_b,
-                            formats: fs,
-                            accumulate: false,
-                        }
-                        .record_form(&ctx, &mut enc, &dummy, form)
-                        .unwrap();
-                        ctx.queue().submit([enc.finish()]);
-                        let got = pollster::block_on(ctx.read_as_f32(&c, 0, c_elems, fc)).unwrap();
-                        let r = compare(
-                            got,
-                            want.iter().copied(),
-                            crate::check::Tolerance::for_storage(fc),
-                        );
-                        assert!(
-                            r.passed(),
-                            "{form:?} {fs:?} trans_b {trans_b} bias {with_bias} [{batch}, {m}, {n}, {k}] off {off}: {r}"
-                        );
+                let mc = MatmulCase::new(ctx, [batch, m, n, k, off], trans_b, fs, case % 2 == 0);
+                for &form in forms {
+                    // The GPU form's loads and epilogue are format-generic: f32 and the mixed
+                    // set cover them (each set compiles its own pipelines on CPU adapters).
+                    if form == matmul::Form::GpuTiles && fs != [Storage::F32; 4] && fs != mixed {
+                        continue;
                     }
+                    mc.check(ctx, form);
                 }
             }
         }
+    }
+}
+
+/// One product of [`check_matmul_forms`]: `[batch, m, n, k]` with A's rows from `off`, one B
+/// shared by the batch, in formats `fs` (a, b, bias, c), its operands on the device.
+struct MatmulCase {
+    dims: [usize; 5],
+    trans_b: bool,
+    fs: [crate::storage::Storage; 4],
+    with_bias: bool,
+    host: [Vec<f32>; 3],
+    bufs: [wgpu::Buffer; 3],
+}
+
+impl MatmulCase {
+    const ALPHA: f32 = 0.75;
+
+    fn new(
+        ctx: &Context,
+        dims: [usize; 5],
+        trans_b: bool,
+        fs: [crate::storage::Storage; 4],
+        with_bias: bool,
+    ) -> Self {
+        let [batch, m, n, k, off] = dims;
+        let [fa, fb, fbias, _] = fs;
+        let a: Vec<f32> = lcg(batch * (m + off) * k, 7)
+            .iter()
+            .map(|&x| fa.round(x))
+            .collect();
+        let b: Vec<f32> = lcg(n * k, 8).iter().map(|&x| fb.round(x)).collect();
+        let bias: Vec<f32> = lcg(n, 9).iter().map(|&x| fbias.round(x)).collect();
+        let bufs = [
+            buf(ctx, &fa.encode(&a)),
+            buf(ctx, &fb.encode(&b)),
+            buf(ctx, &fbias.encode(&bias)),
+        ];
+        MatmulCase {
+            dims,
+            trans_b,
+            fs,
+            with_bias,
+            host: [a, b, bias],
+            bufs,
+        }
+    }
+
+    /// The f64 product of the operands, each first rounded to f16 where `f16` and it is f32
+    /// (what the matrix units take).
+    fn want(&self, f16: bool) -> Vec<f64> {
+        use crate::storage::Storage;
+        let [batch, m, n, k, off] = self.dims;
+        let [a, b, bias] = &self.host;
+        let rounded = |x: &[f32], s: Storage| -> Vec<f32> {
+            x.iter()
+                .map(|&v| {
+                    if f16 && s == Storage::F32 {
+                        Storage::F16.round(v)
+                    } else {
+                        v
+                    }
+                })
+                .collect()
+        };
+        let bias_used = if self.with_bias { &bias[..] } else { &[][..] };
+        f64_product(
+            (&rounded(a, self.fs[0]), off, m + off),
+            (&rounded(b, self.fs[1]), self.trans_b),
+            bias_used,
+            [batch, m, n, k],
+            Self::ALPHA,
+        )
+    }
+
+    /// Record the product in `form` into a fresh C.
+    fn record(
+        &self,
+        ctx: &Context,
+        form: matmul::Form,
+        whole: bool,
+    ) -> (crate::Result<()>, wgpu::Buffer, wgpu::CommandEncoder) {
+        let [batch, m, n, k, off] = self.dims;
+        let c = buf(ctx, &vec![0u8; self.fs[3].bytes(batch * m * n) as usize]);
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        let dense = matmul::Params::dense(m as u32, n as u32, k as u32, self.trans_b, Self::ALPHA);
+        let (params, batch) = match whole {
+            true => (
+                matmul::Params {
+                    heads: batch as u32,
+                    group: batch as u32,
+                    a_batch: ((m + off) * k) as u32,
+                    a_off: (off * k) as u32,
+                    ..dense
+                }
+                .split_heads(),
+                batch as u32,
+            ),
+            false => (dense, 1),
+        };
+        let r = matmul::Matmul {
+            a: self.bufs[0].as_entire_buffer_binding(),
+            b: self.bufs[1].as_entire_buffer_binding(),
+            bias: (whole && self.with_bias).then(|| self.bufs[2].as_entire_buffer_binding()),
+            c: c.as_entire_buffer_binding(),
+            params,
+            batch,
+            trans_b: self.trans_b,
+            formats: self.fs,
+            accumulate: false,
+        }
+        .record_form(ctx, &mut enc, &buf(ctx, &[0u8; 16]), form);
+        (r, c, enc)
+    }
+
+    /// Run `form` and compare with the f64 product at C's format's tolerance; the matrix
+    /// units take f16 operands (f32 ones rounded to f16: the products of f16 values are
+    /// exact, the sums f32) and refuse bf16 ones and a half C of odd N (not whole words).
+    fn check(&self, ctx: &Context, form: matmul::Form) {
+        use crate::storage::Storage;
+        let [batch, m, n, k, off] = self.dims;
+        let [fa, fb, _, fc] = self.fs;
+        let fs = self.fs;
+        let coop = form.is_coop();
+        let bf16 = fa == Storage::Bf16 || fb == Storage::Bf16;
+        if coop && (bf16 || (fc.is_half() && n % 2 == 1)) {
+            let (r, _, _) = self.record(ctx, form, false);
+            let why = if bf16 { "bf16" } else { "whole words" };
+            assert!(
+                matches!(&r, Err(crate::Error::Unsupported { reason, .. }) if reason.contains(why)),
+                "{form:?} {fs:?}: {r:?}"
+            );
+            return;
+        }
+        let want = self.want(coop);
+        let (r, c, enc) = self.record(ctx, form, true);
+        r.unwrap();
+        ctx.queue().submit([enc.finish()]);
+        let got = pollster::block_on(ctx.read_as_f32(&c, 0, batch * m * n, fc)).unwrap();
+        let r = compare(
+            got,
+            want.iter().copied(),
+            crate::check::Tolerance::for_storage(fc),
+        );
+        let (trans_b, bias) = (self.trans_b, self.with_bias);
+        assert!(
+            r.passed(),
+            "{form:?} {fs:?} trans_b {trans_b} bias {bias} [{batch}, {m}, {n}, {k}] off {off}: {r}"
+        );
     }
 }
