@@ -9,6 +9,7 @@
 #[macro_use]
 pub(crate) mod wgsl;
 pub(crate) mod access;
+pub(crate) mod aux;
 pub(crate) mod backward;
 pub(crate) mod cache;
 pub(crate) mod decode;
@@ -164,7 +165,7 @@ impl TensorViews {
                 n: s as u32,
                 heads: hkv as u32,
                 bs: pg.block_size as u32,
-                tab: page_table_at(p) as u32,
+                tab: aux::page_table_at(p) as u32,
             })
         };
         TensorViews {
@@ -225,7 +226,7 @@ impl Masks {
         // keys) and keep the kernels' i32 arithmetic from overflowing.
         let window = p.window;
         let side = |v: i64| v.min(1 << 30) as i32;
-        let doc = doc_offsets(p);
+        let doc = aux::doc_offsets(p);
         Masks {
             has_causal: (p.causal != crate::problem::Causal::None) as u32,
             causal_off: p
@@ -257,77 +258,15 @@ impl Masks {
             doc_qb: doc[2] as u32,
             doc_kb: doc[3] as u32,
             doc_l: p.seq_q as u32,
-            cap_tab: aux_tail(p) as u32,
+            cap_tab: aux::aux_tail(p) as u32,
             pos_q: p.pos_offset[0] as u32,
             pos_k: p.pos_offset[1] as u32,
-            rope_off: rope_at(p) as u32,
+            rope_off: aux::rope_at(p) as u32,
             qpos_off: (if p.kv_lens.is_some() { 0 } else { p.seq_kv as i64 } - p.seq_q as i64)
                 .clamp(i32::MIN as i64, i32::MAX as i64) as i32,
             ..Default::default()
         }
     }
-}
-
-/// The block of queries or keys whose (min, max) document id the kernels read to skip key
-/// tiles (`DOC_BLOCK` in `shaders/common/masks.wgsl`).
-pub(crate) const DOC_BLOCK: usize = 16;
-
-/// Where the document ids' four parts start among the auxiliary words (see
-/// [`crate::sdpa::forward::aux_words`]): the queries' ids, the keys', the query blocks' and the
-/// key blocks' (min, max) pairs.
-pub(crate) fn doc_offsets(p: &crate::problem::Problem) -> [usize; 4] {
-    let q = p.batch + p.alibi.as_ref().map_or(0, Vec::len) + p.sink_logits.as_ref().map_or(0, Vec::len);
-    let k = q + p.batch * p.seq_q;
-    let qb = k + p.batch * p.seq_kv;
-    let kb = qb + 2 * p.batch * p.seq_q.div_ceil(DOC_BLOCK);
-    [q, k, qb, kb]
-}
-
-/// Where the auxiliary words' tail (the user functions' captures) starts: after the document
-/// ids (and their blocks), if any.
-pub(crate) fn aux_tail(p: &crate::problem::Problem) -> usize {
-    let [q, _, _, kb] = doc_offsets(p);
-    if p.doc_ids.is_some() {
-        kb + 2 * p.batch * p.seq_kv.div_ceil(DOC_BLOCK)
-    } else {
-        q
-    }
-}
-
-/// Where a paged call's block table starts among the auxiliary words: after the user
-/// functions' captures, if any.
-pub(crate) fn page_table_at(p: &crate::problem::Problem) -> usize {
-    aux_tail(p) + p.user_fns.as_ref().map_or(0, |u| u.aux_len())
-}
-
-/// Where q's RoPE angles start among the auxiliary words: after a paged call's block table.
-pub(crate) fn rope_at(p: &crate::problem::Problem) -> usize {
-    page_table_at(p) + p.paged.as_ref().map_or(0, |pg| pg.table.len())
-}
-
-/// The positions of q's rows `(b, i)`, batch-major, for RoPE: each batch's keys end at its
-/// newest query (bottom-right): `kv_len(b) - L + i` with key lengths (a paged call's sequence
-/// lengths), `S - L + i` else (0 where that is negative).
-pub(crate) fn q_positions(p: &crate::problem::Problem) -> Vec<usize> {
-    let (l, s) = (p.seq_q, p.seq_kv);
-    (0..p.batch)
-        .flat_map(|b| {
-            let end = p.kv_lens.as_ref().map_or(s, |k| k[b] as usize);
-            (0..l).map(move |i| (end + i).saturating_sub(l))
-        })
-        .collect()
-}
-
-/// The (min, max) of each block of [`DOC_BLOCK`] ids of each of the `rows` rows of `n` ids.
-pub(crate) fn doc_blocks(ids: &[i32], n: usize) -> Vec<i32> {
-    ids.chunks(n)
-        .flat_map(|row| row.chunks(DOC_BLOCK))
-        .flat_map(|blk| {
-            let lo = blk.iter().copied().min().unwrap_or(0);
-            let hi = blk.iter().copied().max().unwrap_or(0);
-            [lo, hi]
-        })
-        .collect()
 }
 
 /// Whether a form computes its logits as scalars summed by FMAs (`dot_fma` in

@@ -79,7 +79,7 @@ pub(crate) fn get(ctx: &Context, p: &Problem) -> Result<wgpu::Buffer> {
     if let Some(b) = ctx.mod_map(key) {
         return Ok(b);
     }
-    let aux = crate::sdpa::forward::aux_words(p)
+    let aux = crate::kernels::aux::words(p)
         .map(|w| crate::buffers::storage_init(ctx, "mask_mod block map captures", bytemuck::cast_slice(&w)));
     let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
     let map = create(ctx, "mask_mod block map", bytes(p), usage);

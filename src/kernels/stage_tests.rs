@@ -170,7 +170,7 @@ fn softmax_stage_matches_reference_masked_softmax() {
             .problem(&[b, hq, l, e], &[b, hkv, s, e], &[b, hkv, s, ev])
             .unwrap();
         let m = crate::tensor::Mask::from(&mask);
-        let (words, mstr) = crate::sdpa::forward::pack_mask(&p, &m);
+        let (words, mstr) = crate::sdpa::bindings::pack_mask(&p, &m);
         let sc = buf(&ctx, bytemuck::cast_slice(&scores32));
         let lse = buf(&ctx, &vec![0u8; b * hq * l * 4]);
         let mask_b = buf(&ctx, bytemuck::cast_slice(&words));

@@ -8,8 +8,8 @@ use crate::kernels::{decode, flash, softmax, Masks, TensorViews};
 use crate::ops::matmul::Matmul;
 use crate::ops::{merge, Mats};
 use crate::problem::Problem;
+use crate::sdpa::bindings::{fit_mod_map, mask_binding, pack_mask};
 use crate::storage::Storage;
-use crate::tensor::Mask;
 
 use super::plan::{ChunkPlan, Kernel, Plan};
 use super::{GpuOutput, Sdpa};
@@ -79,7 +79,7 @@ pub(crate) fn record_planned(
     let bias = bias.map(|b| b.upload(ctx, "bias"));
     let dummy = dummy(ctx);
     // Constant (cached by its bytes) unless capture values are copied into it.
-    let lens_buf = aux_words(&p).map(|w| match sdpa.capture_buffers.is_empty() {
+    let lens_buf = crate::kernels::aux::words(&p).map(|w| match sdpa.capture_buffers.is_empty() {
         true => crate::buffers::constant(
             ctx,
             "kv_lens",
@@ -135,7 +135,7 @@ pub(crate) fn record_planned(
 }
 
 /// Copy the captures whose values GPU buffers hold ([`Sdpa::capture_buffers`]) into their
-/// places in the auxiliary buffer `aux` (where [`aux_words`] put stand-ins).
+/// places in the auxiliary buffer `aux` (where [`crate::kernels::aux::words`] put stand-ins).
 fn copy_capture_buffers(
     encoder: &mut wgpu::CommandEncoder,
     p: &Problem,
@@ -152,7 +152,7 @@ fn copy_capture_buffers(
         if k >= u.captures.len() {
             return Err(Error::Internal(format!("capture buffer for capture {k}")));
         }
-        let (at, len) = u.capture_span(k, crate::kernels::aux_tail(p));
+        let (at, len) = u.capture_span(k, crate::kernels::aux::aux_tail(p));
         if src.size() < f32_bytes(len) {
             return Err(Error::Internal(format!(
                 "capture buffer {k} is smaller than its capture"
@@ -161,117 +161,6 @@ fn copy_capture_buffers(
         encoder.copy_buffer_to_buffer(src, 0, aux, f32_bytes(at), f32_bytes(len));
     }
     Ok(())
-}
-
-/// Check that `mask_words` of packed mask and the mask_mod block map of `p` fit one binding.
-pub(crate) fn fit_mod_map(ctx: &Context, p: &Problem, mask_words: usize) -> Result<()> {
-    let bytes = f32_bytes(mask_words.next_multiple_of(4)) + crate::kernels::mod_map::bytes(p);
-    fits(
-        "mask and mask_mod block map",
-        bytes,
-        ctx.max_binding(),
-        "max_storage_buffer_binding_size",
-    )
-}
-
-/// Binding 0 of the attention kernels (forward and backward): the packed boolean mask (if any)
-/// and, with `map` (the fused path with a mask_mod), the mask_mod block map after it (cached:
-/// built on the first call), with the word where the map starts.
-pub(crate) fn mask_binding(
-    ctx: &Context,
-    encoder: &mut wgpu::CommandEncoder,
-    p: &Problem,
-    packed: Option<&(Vec<u32>, [u32; 3])>,
-    map: bool,
-) -> Result<(Option<wgpu::Buffer>, Option<usize>)> {
-    if !map {
-        let mask = packed.map(|(w, _)| storage_init(ctx, "mask", bytemuck::cast_slice(w)));
-        return Ok((mask, None));
-    }
-    let map = crate::kernels::mod_map::get(ctx, p)?;
-    let Some((words, _)) = packed else {
-        return Ok((Some(map), Some(0)));
-    };
-    // The mask's words, then the map, in one buffer (16-byte aligned for the copy).
-    let at = words.len().next_multiple_of(4);
-    let mut both = words.clone();
-    both.resize(at + (map.size() / 4) as usize, 0);
-    let buf = storage_init(ctx, "mask and mask_mod block map", bytemuck::cast_slice(&both));
-    encoder.copy_buffer_to_buffer(&map, 0, &buf, f32_bytes(at), map.size());
-    Ok((Some(buf), Some(at)))
-}
-
-/// The auxiliary words of binding 2 (`aux_word` in the kernels), when the problem has any: the
-/// B key lengths (0 without them), then the Hq ALiBi slopes and the Hq sink logits as f32
-/// bits (each when given), then the document ids: the queries' `[B, L]`, the keys' `[B, S]`
-/// and each block's (min, max) of each (`crate::kernels::doc_offsets`), the user functions'
-/// captures, a paged call's block table (`crate::kernels::page_table_at`) and q's RoPE
-/// angles (`crate::kernels::rope_at`).
-pub(crate) fn aux_words(p: &Problem) -> Option<Vec<u32>> {
-    if p.kv_lens.is_none()
-        && p.alibi.is_none()
-        && p.sink_logits.is_none()
-        && p.doc_ids.is_none()
-        && p.user_fns.is_none()
-        && p.paged.is_none()
-        && p.rope.is_none()
-    {
-        return None;
-    }
-    let mut w = p.kv_lens.clone().unwrap_or_else(|| vec![0; p.batch]);
-    w.extend(p.alibi.iter().flatten().map(|x| x.to_bits()));
-    w.extend(p.sink_logits.iter().flatten().map(|x| x.to_bits()));
-    if let Some(d) = &p.doc_ids {
-        debug_assert_eq!(w.len(), crate::kernels::doc_offsets(p)[0]);
-        let blocks = |ids: &[i32], n| crate::kernels::doc_blocks(ids, n);
-        for ids in [
-            &d.q[..],
-            &d.k[..],
-            &blocks(&d.q, p.seq_q),
-            &blocks(&d.k, p.seq_kv),
-        ] {
-            w.extend(ids.iter().map(|&x| x as u32));
-        }
-    }
-    if let Some(u) = &p.user_fns {
-        debug_assert_eq!(w.len(), crate::kernels::aux_tail(p));
-        let base = w.len();
-        w.extend(u.aux_words(base));
-    }
-    if let Some(pg) = &p.paged {
-        debug_assert_eq!(w.len(), crate::kernels::page_table_at(p));
-        w.extend(&pg.table);
-    }
-    if let Some((rope, d)) = &p.rope {
-        debug_assert_eq!(w.len(), crate::kernels::rope_at(p));
-        w.extend(rope.angle_words(*d, crate::kernels::q_positions(p)));
-    }
-    Some(w)
-}
-
-/// Pack a boolean mask into bits: `[Bm, Hm, Lm, ceil(S/32)]` u32 words (S always expanded),
-/// returning the words and the word strides (b, h, l), 0 on broadcast dimensions.
-pub(crate) fn pack_mask(p: &Problem, m: &Mask) -> (Vec<u32>, [u32; 3]) {
-    let bc = p.mask.expect("mask validated");
-    let [bm, hm, lm, sm] = bc.shape;
-    let s = p.seq_kv;
-    let words = s.div_ceil(32);
-    let mut out = vec![0u32; bm * hm * lm * words];
-    for r in 0..bm * hm * lm {
-        for j in 0..s {
-            let allowed = if sm == 1 { m.data[r] } else { m.data[r * s + j] };
-            if allowed {
-                out[r * words + j / 32] |= 1 << (j % 32);
-            }
-        }
-    }
-    let stride = |dim: usize, dense: usize| if dim == 1 { 0 } else { dense as u32 };
-    let strides = [
-        stride(bm, hm * lm * words),
-        stride(hm, lm * words),
-        stride(lm, words),
-    ];
-    (out, strides)
 }
 
 /// Everything bound by the kernels of one attention call.

@@ -18,6 +18,7 @@ use crate::storage::{Formats, Storage};
 use crate::tensor::Tensor;
 
 pub(crate) mod backward;
+pub(crate) mod bindings;
 pub(crate) mod forward;
 pub(crate) mod merge;
 pub(crate) mod plan;

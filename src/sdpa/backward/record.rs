@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::kernels::backward as kb;
 use crate::ops::copy;
 use crate::problem::Problem;
-use crate::sdpa::forward::pack_mask;
+use crate::sdpa::bindings::pack_mask;
 use crate::sdpa::Path;
 use crate::storage::Storage;
 
@@ -56,7 +56,8 @@ pub(super) fn record(
     let dummy = dummy(ctx);
     // The dQ kernel reads a mask_mod's block map as the fused forward does.
     let map = matches!(plan, Plan::Fused(_)) && p.has_mask_mod();
-    let (mask_buf, map_at) = crate::sdpa::forward::mask_binding(ctx, encoder, &p, packed_mask.as_ref(), map)?;
+    let (mask_buf, map_at) =
+        crate::sdpa::bindings::mask_binding(ctx, encoder, &p, packed_mask.as_ref(), map)?;
     let params = kb::Params::new(&p, packed_mask.as_ref().map(|(_, st)| *st), sizes.dv_off);
     let params = match map_at {
         Some(at) => params.with_mod_map(at, p.q_heads),
@@ -204,7 +205,7 @@ impl Sizes {
             rows,
             kv_rows,
             dv_off,
-            stats_len: 2 * rows + crate::sdpa::forward::aux_words(p).map_or(p.batch, |w| w.len()),
+            stats_len: 2 * rows + crate::kernels::aux::words(p).map_or(p.batch, |w| w.len()),
             dkv_bytes: f32_bytes(dv_off + kv_rows * p.head_dim_v).next_multiple_of(16),
         }
     }
@@ -221,7 +222,7 @@ impl Sizes {
             fit("packed mask", f32_bytes(words))?;
         }
         if matches!(plan, Plan::Fused(_)) && p.has_mask_mod() {
-            crate::sdpa::forward::fit_mod_map(ctx, p, mask_words.unwrap_or(0))?;
+            crate::sdpa::bindings::fit_mod_map(ctx, p, mask_words.unwrap_or(0))?;
         }
         let dcap = dcap_workgroups(p, max);
         if dcap > 0 {
@@ -260,7 +261,7 @@ pub(super) fn record_stats(
     o_fmt: Storage,
 ) -> Result<wgpu::Buffer> {
     let stats = output(ctx, "backward statistics", f32_bytes(sizes.stats_len));
-    if let Some(words) = crate::sdpa::forward::aux_words(p) {
+    if let Some(words) = crate::kernels::aux::words(p) {
         ctx.queue()
             .write_buffer(&stats, f32_bytes(2 * sizes.rows), bytemuck::cast_slice(&words));
     }

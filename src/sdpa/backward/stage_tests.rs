@@ -16,7 +16,7 @@ use crate::kernels::stage_tests::{ctx, lcg};
 use crate::options::Options;
 use crate::problem::{Causal, Problem};
 use crate::reference::{self, Gradients};
-use crate::sdpa::forward::pack_mask;
+use crate::sdpa::bindings::pack_mask;
 use crate::sdpa::plan::ChunkPlan;
 use crate::sdpa::Path;
 use crate::storage::Storage;
