@@ -8,7 +8,8 @@
 //   dV += Pᵀ dO and dK += dSᵀ Q (accumulators in workgroup memory, f32; dK scaled at the end,
 //   Q is staged unscaled as the coop forward stages it).
 //
-// Every block is zero-padded to EP / EVP columns (multiples of T) and past L and S, so every
+// Every block is zero-padded to EP / EVP columns (multiples of T) and past L and S (the blocks
+// and the steps both coop backward kernels take are common/coop_backward.wgsl's), so every
 // cooperative load reads in range by construction, the tails are exact, and nothing past the
 // tensors reaches a product. Subgroup s of nsg takes product tiles s, s + nsg, ... (as the
 // kernel sees them at run time); every cooperative value is a typed `var` (naga 30's `let`
@@ -18,19 +19,9 @@
 //
 // Bindings: those of bwd_dkv.wgsl.
 
-var<workgroup> k_blk: array<f16, BK * EP>; // [BK][EP]
-var<workgroup> v_blk: array<f16, BK * EVP>; // [BK][EVP]
-var<workgroup> q_blk: array<f16, BQ * EP>; // [BQ][EP], unscaled
-var<workgroup> do_blk: array<f16, BQ * EVP>; // [BQ][EVP]
-var<workgroup> s_blk: array<f32, BQ * BK>; // [BQ][BK]: logits
-var<workgroup> dp_blk: array<f32, BQ * BK>; // [BQ][BK]: dP
 var<workgroup> p_blk: array<f16, BQ * BK>; // [BQ][BK]: P
-var<workgroup> ds_blk: array<f16, BQ * BK>; // [BQ][BK]: dS
 var<workgroup> dk_acc: array<f32, BK * EP>; // [BK][EP]
 var<workgroup> dv_acc: array<f32, BK * EVP>; // [BK][EVP]
-var<workgroup> lse_tile: array<f32, BQ>;
-var<workgroup> dsum_tile: array<f32, BQ>;
-var<workgroup> end_tile: array<u32, BQ>;
 
 @compute @workgroup_size(WG, 1, 1)
 fn main(
@@ -51,31 +42,13 @@ fn main(
     let hk = kvh % kv_heads;
     let j_first = kt * BK;
 
-    // This workgroup's keys and values as f16, zero past S and the head dims; the
-    // accumulators zeroed.
-    for (var t = tid; t < BK * (EP / 4u); t += WG) {
-        let jj = t / (EP / 4u);
-        let d4 = t % (EP / 4u);
-        var x = vec4<f32>(0.0);
-        if (j_first + jj < p.s && d4 < E4) {
-            x = load_k(kvh * p.s + j_first + jj, d4);
-        }
-        for (var c = 0u; c < 4u; c++) {
-            k_blk[jj * EP + 4u * d4 + c] = f16(x[c]);
-            dk_acc[jj * EP + 4u * d4 + c] = 0.0;
-        }
+    // This workgroup's keys and values (common/coop_backward.wgsl), the accumulators zeroed.
+    stage_key_tile(kvh, j_first, p.s, tid);
+    for (var t = tid; t < BK * EP; t += WG) {
+        dk_acc[t] = 0.0;
     }
-    for (var t = tid; t < BK * (EVP / 4u); t += WG) {
-        let jj = t / (EVP / 4u);
-        let d4 = t % (EVP / 4u);
-        var x = vec4<f32>(0.0);
-        if (j_first + jj < p.s && d4 < EV4) {
-            x = load_v(kvh * p.s + j_first + jj, d4);
-        }
-        for (var c = 0u; c < 4u; c++) {
-            v_blk[jj * EVP + 4u * d4 + c] = f16(x[c]);
-            dv_acc[jj * EVP + 4u * d4 + c] = 0.0;
-        }
+    for (var t = tid; t < BK * EVP; t += WG) {
+        dv_acc[t] = 0.0;
     }
 
     // The query rows that may see these keys (bwd_dkv.wgsl's bounds).
@@ -118,70 +91,12 @@ fn main(
                 continue;
             }
             set_mod_full(b, h, i0, BQ, j_first, BK);
-            // The query tile: q (unscaled) and dO as f16, zero past L; the rows' statistics.
-            for (var t = tid; t < BQ * (EP / 4u); t += WG) {
-                let r = t / (EP / 4u);
-                let d4 = t % (EP / 4u);
-                var x = vec4<f32>(0.0);
-                if (i0 + r < p.l && d4 < E4) {
-                    x = load_q(bh * p.l + i0 + r, d4);
-                }
-                for (var c = 0u; c < 4u; c++) {
-                    q_blk[r * EP + 4u * d4 + c] = f16(x[c]);
-                }
-            }
-            for (var t = tid; t < BQ * (EVP / 4u); t += WG) {
-                let r = t / (EVP / 4u);
-                let d4 = t % (EVP / 4u);
-                var x = vec4<f32>(0.0);
-                if (i0 + r < p.l && d4 < EV4) {
-                    x = load_dout(bh * p.l + i0 + r, d4);
-                }
-                for (var c = 0u; c < 4u; c++) {
-                    do_blk[r * EVP + 4u * d4 + c] = f16(x[c]);
-                }
-            }
-            for (var t = tid; t < BQ; t += WG) {
-                let i = min(i0 + t, p.l - 1u);
-                lse_tile[t] = lse_of(bh * p.l + i);
-                dsum_tile[t] = dsum_of(bh * p.l + i);
-                end_tile[t] = select(0u, key_end(b, i), i0 + t < p.l);
-            }
+            stage_query_tile(bh, b, i0, tid);
             workgroupBarrier();
-            // S = Q Kᵀ and dP = dO Vᵀ (Kᵀ and Vᵀ read column-major from the rows).
-            for (var t = sg; t < (BQ / TILE) * (BK / TILE); t += nsg) {
-                let rt = t / (BK / TILE);
-                let ct = t % (BK / TILE);
-                var s: CT = CT();
-                for (var d = 0u; d < EP; d += TILE) {
-                    var a: AT = coopLoadT<AT>(&q_blk[rt * TILE * EP + d], EP);
-                    var kt: BT = coopLoad<BT>(&k_blk[ct * TILE * EP + d], EP);
-                    s = coopMultiplyAdd(a, kt, s);
-                }
-                coopStoreT(s, &s_blk[rt * TILE * BK + ct * TILE], BK);
-                var dp: CT = CT();
-                for (var d = 0u; d < EVP; d += TILE) {
-                    var a: AT = coopLoadT<AT>(&do_blk[rt * TILE * EVP + d], EVP);
-                    var vt: BT = coopLoad<BT>(&v_blk[ct * TILE * EVP + d], EVP);
-                    dp = coopMultiplyAdd(a, vt, dp);
-                }
-                coopStoreT(dp, &dp_blk[rt * TILE * BK + ct * TILE], BK);
-            }
+            scores_and_dp(sg, nsg);
             workgroupBarrier();
-            // P and dS, per (query, key), in f32; stored as f16.
             for (var t = tid; t < BQ * BK; t += WG) {
-                let ii = t / BK;
-                let j = j_first + t % BK;
-                let i = min(i0 + ii, p.l - 1u);
-                var x = select(START, s_blk[t] * p.scale, j < end_tile[ii]);
-                let x0 = x;
-                if (MASKED_LOGIT || HAS_WINDOW) {
-                    x = masked_logit(x, in_range(x), b, h, i, j);
-                }
-                let pij = prob(x, lse_tile[ii]);
-                let ds = dscore(pij, dp_blk[t], dsum_tile[ii]) * logit_grad(x0, x, b, h, i, j);
-                p_blk[t] = f16(pij);
-                ds_blk[t] = f16(ds);
+                p_blk[t] = f16(prob_and_ds(t, i0, j_first, b, h));
             }
             workgroupBarrier();
             // dV += Pᵀ dO and dK += dSᵀ Q (Pᵀ and dSᵀ read column-major from the rows).

@@ -16,6 +16,8 @@ use crate::view::Views;
 
 /// The backward's shared snippet (`shaders/common/backward.wgsl`).
 const BACKWARD: &str = include_str!("../../shaders/common/backward.wgsl");
+/// What its matrix-unit kernels share (`shaders/common/coop_backward.wgsl`).
+const COOP_BACKWARD: &str = include_str!("../../shaders/common/coop_backward.wgsl");
 
 /// mask, bias, q, k, v, dout, stats (read), one output (read_write), params.
 const GRAD_BINDINGS: &[Binding] = &[
@@ -127,7 +129,7 @@ pub(crate) const DS: KernelSpec = KernelSpec {
 pub(crate) const DQ_COOP: KernelSpec = KernelSpec {
     name: "bwd_dq_coop",
     source: include_str!("../../shaders/bwd_dq_coop.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS, BACKWARD],
+    common: &[common::SOFTMAX, common::MASKS, BACKWARD, COOP_BACKWARD],
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
     trusted: true,
@@ -137,7 +139,7 @@ pub(crate) const DQ_COOP: KernelSpec = KernelSpec {
 pub(crate) const DKV_COOP: KernelSpec = KernelSpec {
     name: "bwd_dkv_coop",
     source: include_str!("../../shaders/bwd_dkv_coop.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS, BACKWARD],
+    common: &[common::SOFTMAX, common::MASKS, BACKWARD, COOP_BACKWARD],
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
     trusted: true,
