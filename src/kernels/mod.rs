@@ -1116,14 +1116,8 @@ mod tests {
         }
     }
 
-    /// The fused forward's coop form, in both tiles, f16 and f32 inputs, head dims that are
-    /// and are not multiples of the tile, without masks and with every mask kind, modifier
-    /// and views: naga validates it with the Rust params layout, it makes SPIR-V, and where
-    /// `WGPU_ATTENTION_SPIRV_VAL` names `spirv-val` that SPIR-V passes it.
-    #[test]
-    fn coop_fused_forward_validates_and_makes_valid_spirv() {
-        use crate::storage::{Formats, Storage};
-        let spirv_val = std::env::var("WGPU_ATTENTION_SPIRV_VAL").ok();
+    /// A GPU with 48 KiB of workgroup memory, subgroups of 32 and both coop tiles.
+    fn coop_caps() -> Caps {
         let limits = wgpu::Limits {
             max_compute_workgroup_storage_size: 48 * 1024,
             ..wgpu::Limits::default()
@@ -1133,8 +1127,44 @@ mod tests {
             t16: true,
             none_because: None,
         };
+        Caps::new(&limits, false, Some(32)).with_coop(tiles, 32)
+    }
+
+    /// The coop kernels' test problem (GQA, L != S, tails): with `masked` every mask kind,
+    /// key lengths, a window with sinks, a softcap and views of every tensor.
+    fn coop_problem(e: usize, ev: usize, formats: crate::storage::Formats, masked: bool) -> Problem {
+        let p = Problem::new(&[2, 4, 9, e], &[2, 2, 60, e], &[2, 2, 60, ev])
+            .unwrap()
+            .with_storage(formats);
+        if !masked {
+            return p;
+        }
+        let mut p = p
+            .with_causal(Causal::BottomRight)
+            .with_mask(&[9, 60])
+            .unwrap()
+            .with_bias(&[4, 1, 60])
+            .unwrap()
+            .with_kv_lens(&[5, 60])
+            .unwrap()
+            .with_window(Some((5, 3)), 2)
+            .unwrap()
+            .with_softcap(Some(30.0))
+            .unwrap();
+        p.views = test_views();
+        p
+    }
+
+    /// The fused forward's coop form, in both tiles, f16 and f32 inputs, head dims that are
+    /// and are not multiples of the tile, without masks and with every mask kind, modifier
+    /// and views: naga validates it with the Rust params layout, it makes SPIR-V, and where
+    /// `WGPU_ATTENTION_SPIRV_VAL` names `spirv-val` that SPIR-V passes it.
+    #[test]
+    fn coop_fused_forward_validates_and_makes_valid_spirv() {
+        use crate::storage::{Formats, Storage};
+        let spirv_val = std::env::var("WGPU_ATTENTION_SPIRV_VAL").ok();
         for t in [8, 16] {
-            let caps = Caps::new(&limits, false, Some(32)).with_coop(tiles, 32);
+            let caps = coop_caps();
             let caps = caps.with_forms(crate::FusedForm::Coop { tile: Some(t) });
             for (e, ev, fmt, masked) in [
                 (64, 64, Storage::F16, false),
@@ -1142,24 +1172,7 @@ mod tests {
                 (37, 20, Storage::F32, true),
                 (128, 128, Storage::F16, false),
             ] {
-                let mut p = Problem::new(&[2, 4, 9, e], &[2, 2, 60, e], &[2, 2, 60, ev])
-                    .unwrap()
-                    .with_storage(Formats::all(fmt));
-                if masked {
-                    p = p
-                        .with_causal(Causal::BottomRight)
-                        .with_mask(&[9, 60])
-                        .unwrap()
-                        .with_bias(&[4, 1, 60])
-                        .unwrap()
-                        .with_kv_lens(&[5, 60])
-                        .unwrap()
-                        .with_window(Some((5, 3)), 2)
-                        .unwrap()
-                        .with_softcap(Some(30.0))
-                        .unwrap();
-                    p.views = test_views();
-                }
+                let p = coop_problem(e, ev, Formats::all(fmt), masked);
                 // A half output through a view whose pairs are not words (or of odd Ev) is
                 // stored by atomics: refused.
                 let half_view = p.clone().with_storage(Formats::all(Storage::F16));
@@ -1189,17 +1202,8 @@ mod tests {
     fn coop_backward_validates_and_makes_valid_spirv() {
         use crate::storage::{Formats, Storage};
         let spirv_val = std::env::var("WGPU_ATTENTION_SPIRV_VAL").ok();
-        let limits = wgpu::Limits {
-            max_compute_workgroup_storage_size: 48 * 1024,
-            ..wgpu::Limits::default()
-        };
-        let tiles = crate::forms::CoopTiles {
-            t8: true,
-            t16: true,
-            none_because: None,
-        };
         for t in [8, 16] {
-            let caps = Caps::new(&limits, false, Some(32)).with_coop(tiles, 32);
+            let caps = coop_caps();
             let caps = caps.with_forms(crate::BackwardForm::Coop { tile: Some(t) });
             for (e, ev, fmt, masked) in [
                 (64, 64, Storage::F16, false),
@@ -1207,24 +1211,7 @@ mod tests {
                 (37, 20, Storage::F32, true),
                 (128, 128, Storage::F16, true),
             ] {
-                let mut p = Problem::new(&[2, 4, 9, e], &[2, 2, 60, e], &[2, 2, 60, ev])
-                    .unwrap()
-                    .with_storage(Formats::all(fmt));
-                if masked {
-                    p = p
-                        .with_causal(Causal::BottomRight)
-                        .with_mask(&[9, 60])
-                        .unwrap()
-                        .with_bias(&[4, 1, 60])
-                        .unwrap()
-                        .with_kv_lens(&[5, 60])
-                        .unwrap()
-                        .with_window(Some((5, 3)), 2)
-                        .unwrap()
-                        .with_softcap(Some(30.0))
-                        .unwrap();
-                    p.views = test_views();
-                }
+                let p = coop_problem(e, ev, Formats::all(fmt), masked);
                 let c = backward::Config::new(&p, &caps).unwrap();
                 assert_eq!(c.form, crate::BackwardForm::Coop { tile: Some(t) });
                 for (spec, pre) in [(c.dq_spec(), c.dq_prelude()), (c.dkv_spec(), c.dkv_prelude())] {
@@ -1285,7 +1272,10 @@ mod tests {
 
     /// Run `cmd` (a `spirv-val` command line) on `words`.
     fn spirv_validates(cmd: &str, words: &[u32], label: &str) {
-        let path = std::env::temp_dir().join(format!("wgpu-attention-{}.spv", std::process::id()));
+        // One file per call: `cargo test` runs the tests that call this on threads of one process.
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("wgpu-attention-{}-{n}.spv", std::process::id()));
         std::fs::write(&path, bytemuck::cast_slice(words)).unwrap();
         let mut parts = cmd.split_whitespace();
         let out = std::process::Command::new(parts.next().expect("a command"))
@@ -1294,6 +1284,7 @@ mod tests {
             .arg(&path)
             .output()
             .unwrap_or_else(|e| panic!("{label}: cannot run {cmd}: {e}"));
+        let _ = std::fs::remove_file(&path);
         assert!(
             out.status.success(),
             "{label}: spirv-val: {}{}",
