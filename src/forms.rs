@@ -677,7 +677,7 @@ impl Caps {
     /// than their scalar forms (measured: docs/benchmarks.md), so there they are opt-in
     /// (pinned, or `WGPU_ATTENTION_TUNE=coop=1`, which CI's coop pass sets).
     pub fn coop_by_default(&self) -> bool {
-        let knob = crate::tune::knob("coop");
+        let knob = crate::device::tune::knob("coop");
         self.coop.largest().is_some() && knob != Some(0) && (!self.cpu || knob == Some(1))
     }
 

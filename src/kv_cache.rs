@@ -18,8 +18,8 @@
 
 use std::collections::BTreeMap;
 
-use crate::buffers::{create, dummy, Operand};
-use crate::context::Context;
+use crate::device::buffers::{create, Operand};
+use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::rope::Rope;
 use crate::sdpa::Sdpa;
@@ -196,7 +196,7 @@ impl KvCache {
                 ));
             }
             let b = c.storage.bytes(elems).next_multiple_of(16);
-            crate::buffers::fits(
+            crate::device::buffers::fits(
                 "KV cache layer",
                 b,
                 ctx.max_binding(),
@@ -530,18 +530,6 @@ impl KvCache {
                 "layer {layer} was already appended in this step: each layer takes one append per step (its tokens' slots would be written twice); reserve a new step for more tokens"
             ));
         }
-        let mut aux = c
-            .rope
-            .map_or(Vec::new(), |r| r.angle_words(d, step.positions.iter().copied()));
-        let slot_off = aux.len();
-        aux.extend(&step.slots);
-        let aux = crate::buffers::constant(
-            ctx,
-            "KV cache append",
-            bytemuck::cast_slice(&aux),
-            wgpu::BufferUsages::STORAGE,
-        );
-        let dummy = dummy(ctx);
         let (kbuf, vbuf) = self.buffers(layer)?;
         // The copies-on-write first: the shared blocks' tokens, then the new ones over them.
         for &(from, to) in &state.pending {
@@ -551,25 +539,21 @@ impl KvCache {
             sources[0].dense(ctx, encoder, "new k")?,
             sources[1].dense(ctx, encoder, "new v")?,
         );
-        for (src, st, dst, e, d) in [
-            (ku.binding(), k.storage(), kbuf, c.head_dim, d),
-            (vu.binding(), v.storage(), vbuf, c.head_dim_v, 0),
+        let rope = c.rope.map(|r| (r, d));
+        for (src, st, dst, e, rope) in [
+            (ku.binding(), k.storage(), kbuf, c.head_dim, rope),
+            (vu.binding(), v.storage(), vbuf, c.head_dim_v, None),
         ] {
-            crate::kernels::rope::record(
+            crate::ops::rope::rotate(
                 ctx,
                 encoder,
-                Some((src, st)),
-                (dst.as_entire_buffer_binding(), c.storage),
-                aux.as_entire_buffer_binding(),
-                dummy.as_entire_buffer_binding(),
-                crate::kernels::rope::Rotation {
-                    tokens: t,
-                    heads: c.kv_heads,
-                    e,
-                    d,
-                    half: c.rope.is_some_and(|r| r.style == crate::RopeStyle::HalfSplit),
-                    ang_off: 0,
-                    slot_off: Some(slot_off),
+                rope,
+                &step.positions,
+                [t, c.kv_heads, e],
+                crate::ops::rope::Dest::Slots {
+                    src: (src, st),
+                    cache: (dst.as_entire_buffer_binding(), c.storage),
+                    slots: &step.slots,
                     head_major_block: c.block_size,
                 },
             )?;
@@ -731,13 +715,13 @@ impl<'t, 'a> Source<'t, 'a> {
         ctx: &Context,
         encoder: &mut wgpu::CommandEncoder,
         label: &str,
-    ) -> Result<crate::buffers::Uploaded<'a>> {
+    ) -> Result<crate::device::buffers::Uploaded<'a>> {
         let Some(viewed) = &self.rows else {
             return Ok(Operand::check(ctx, self.name, self.tensor)?.upload(ctx, label));
         };
         let st = viewed.storage();
         let bytes = st.bytes(viewed.shape.iter().product());
-        let dense = crate::buffers::output(ctx, label, bytes);
+        let dense = crate::device::buffers::output(ctx, label, bytes);
         crate::ops::copy::gather_rows(
             ctx,
             encoder,
@@ -745,6 +729,6 @@ impl<'t, 'a> Source<'t, 'a> {
             viewed,
             (dense.as_entire_buffer_binding(), st),
         )?;
-        Ok(crate::buffers::Uploaded::Owned(dense, bytes))
+        Ok(crate::device::buffers::Uploaded::Owned(dense, bytes))
     }
 }

@@ -21,26 +21,23 @@ mod doctest_ring {}
 #[doc = include_str!("../docs/mha.md")]
 mod doctest_mha {}
 
-mod buffers;
 pub mod check;
-mod context;
+mod device;
 mod error;
-mod faults;
 mod forms;
-#[cfg(feature = "heatmap")]
-pub mod heatmap;
 mod kernels;
 mod kv_cache;
 mod ops;
-#[cfg(all(any(feature = "heatmap", feature = "plot"), not(target_arch = "wasm32")))]
-mod picture;
 #[macro_use]
 mod options;
+#[cfg(any(feature = "heatmap", feature = "plot"))]
+mod pictures;
+#[cfg(feature = "heatmap")]
+pub use pictures::heatmap;
+#[cfg(all(feature = "plot", not(target_arch = "wasm32")))]
+pub use pictures::plot;
 mod mha;
 mod paged;
-mod pipelines;
-#[cfg(all(feature = "plot", not(target_arch = "wasm32")))]
-pub mod plot;
 pub mod problem;
 pub mod reference;
 #[cfg(not(target_arch = "wasm32"))]
@@ -50,22 +47,19 @@ mod sdpa;
 #[cfg(feature = "shapes")]
 pub mod shapes;
 mod storage;
-#[cfg(not(target_arch = "wasm32"))]
-mod subgroup_probe;
 mod tensor;
-mod timer;
-mod tune;
 mod user_mod;
 mod variants;
 mod view;
 
-pub use context::Context;
+pub use device::cache::{CacheLimits, CacheStats};
+pub use device::context::Context;
+pub use device::faults::Fault;
+pub use device::timer::GpuTimed;
 pub use error::{Error, Result};
-pub use faults::Fault;
 pub use forms::{BackwardForm, Caps, CoopTiles, DecodeForm, Forms, FusedForm, MatmulForm};
 /// Re-exported: the half-precision host types ([`half::f16`], [`half::bf16`]).
 pub use half;
-pub use kernels::cache::{CacheLimits, CacheStats};
 pub use kv_cache::{KvCache, KvCacheConfig, SeqId, Step};
 pub use mha::{
     MhaBackward, MhaConfig, MhaForward, MhaGpuGrads, MhaGpuOutput, MhaGrads, MhaGradsInto, MhaOutput,
@@ -88,7 +82,6 @@ pub use sdpa::plan::{Form, Plan, Tiles};
 pub use sdpa::{GpuOutput, Output, PagedLayout, Path, Sdpa};
 pub use storage::{Element, Formats, Storage};
 pub use tensor::{Mask, Tensor};
-pub use timer::GpuTimed;
 pub use user_mod::{Captures, CpuMask, CpuScore, UserMod, MAX_DCAPTURE_CALLS};
 pub use variants::{GpuVariantOutput, Variant, VariantKind, VariantOutput, VariantParams};
 pub use view::TensorLayout;

@@ -5,7 +5,7 @@
 
 use ndarray::{ArrayViewD, IxDyn};
 
-use crate::buffers::check_len;
+use crate::device::buffers::check_len;
 use crate::error::{Error, Result};
 use crate::problem::{Causal, Problem};
 use crate::tensor::{Mask, Tensor};

@@ -11,8 +11,8 @@
 
 use ndarray::{Array2, Array3};
 
-use crate::buffers::{f32_bytes, output};
-use crate::context::Context;
+use crate::device::buffers::{f32_bytes, output};
+use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::options::Options;
 use crate::rope::Rope;
@@ -276,7 +276,7 @@ impl<'a> PagedAttention<'a> {
                     why: "a paged call's output is in q's format, its logsumexp f32",
                 });
             }
-            crate::buffers::Operand::check(ctx, name, x)?;
+            crate::device::buffers::Operand::check(ctx, name, x)?;
             let TensorData::Gpu { buffer, .. } = &x.data else {
                 unreachable!("checked")
             };
@@ -289,7 +289,7 @@ impl<'a> PagedAttention<'a> {
                 .into_iter()
                 .filter_map(|(n, x)| x.map(|x| (n, x)))
                 .collect();
-        crate::buffers::check_aliasing(&outputs, &[("q", &self.q), ("k", &self.k), ("v", &self.v)])
+        crate::device::buffers::check_aliasing(&outputs, &[("q", &self.q), ("k", &self.k), ("v", &self.v)])
     }
 
     /// The caches' block size.
@@ -486,7 +486,7 @@ impl<'a> PagedAttention<'a> {
         let (mut qbuf, mut qoff) = match &self.q.data {
             TensorData::Gpu { buffer, offset, .. } => (*buffer, *offset),
             TensorData::Host(d) => {
-                owned = crate::buffers::init(
+                owned = crate::device::buffers::init(
                     ctx,
                     "paged q",
                     &st.encode(&d.to_f32()),
@@ -758,7 +758,7 @@ impl PagedAttention<'_> {
                 )?;
             }
             None => {
-                let op = crate::buffers::Operand::check(ctx, "q", &self.q)?;
+                let op = crate::device::buffers::Operand::check(ctx, "q", &self.q)?;
                 let up = op.upload(ctx, "paged q");
                 crate::ops::copy::convert(
                     ctx,
@@ -1004,7 +1004,7 @@ fn prefix_splits(asked: Option<usize>, cpu: bool, [hq, tokens, blocks, bs]: [usi
     let most = |min: usize| (blocks / min.div_ceil(bs).max(1)).max(1);
     // Each run has at least as many keys as queries (a paged call's sequence has no more
     // queries than keys).
-    if let Some(k) = asked.or(crate::tune::knob("cascade_splits").map(|k| k as usize)) {
+    if let Some(k) = asked.or(crate::device::tune::knob("cascade_splits").map(|k| k as usize)) {
         return k.clamp(1, most(tokens));
     }
     if cpu {

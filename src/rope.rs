@@ -5,8 +5,6 @@
 
 use ndarray::ArrayViewMut3;
 
-use crate::buffers::{dummy, storage_init, Operand};
-use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -124,93 +122,8 @@ impl Rope {
         Ok(())
     }
 
-    /// Record the rotation of the GPU tensor `x` `[T, H, E]` (dense, any storage format) in
-    /// place, token `t` at `positions[t]`. Checked before anything is recorded.
-    pub fn record(
-        &self,
-        ctx: &Context,
-        encoder: &mut wgpu::CommandEncoder,
-        x: &Tensor<'_>,
-        positions: &[usize],
-    ) -> Result<()> {
-        let (shape, d) = self.check(x, positions)?;
-        let crate::tensor::TensorData::Gpu { .. } = &x.data else {
-            return Err(Error::BadBuffer {
-                tensor: "x",
-                reason: "Rope::record rotates a GPU buffer in place (Tensor::from_buffer); use Rope::apply for host data".into(),
-            });
-        };
-        let op = Operand::check(ctx, "x", x)?;
-        let up = op.upload(ctx, "x");
-        let aux = storage_init(
-            ctx,
-            "rope angles",
-            bytemuck::cast_slice(&self.angle_words(d, positions.iter().copied())),
-        );
-        let dummy = dummy(ctx);
-        crate::kernels::rope::record(
-            ctx,
-            encoder,
-            None,
-            (up.binding(), x.storage()),
-            aux.as_entire_buffer_binding(),
-            dummy.as_entire_buffer_binding(),
-            crate::kernels::rope::Rotation {
-                tokens: shape[0],
-                heads: shape[1],
-                e: shape[2],
-                d,
-                half: self.style == RopeStyle::HalfSplit,
-                ang_off: 0,
-                slot_off: None,
-                head_major_block: 0,
-            },
-        )
-    }
-
-    /// Rotate host rows `[T, H, E]` on the GPU in format `x`'s storage (upload, rotate, read
-    /// back widened to f32): [`record`](Rope::record) for host data.
-    pub async fn run(
-        &self,
-        ctx: &Context,
-        x: &Tensor<'_>,
-        positions: &[usize],
-    ) -> Result<ndarray::Array3<f32>> {
-        let (shape, _) = self.check(x, positions)?;
-        let st = x.storage();
-        let Some(host) = x.host_f32() else {
-            return Err(Error::BadBuffer {
-                tensor: "x",
-                reason: "Rope::run takes host data; record a GPU buffer's rotation with Rope::record".into(),
-            });
-        };
-        let buf = crate::buffers::init(
-            ctx,
-            "rope x",
-            &st.encode(&host),
-            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-        );
-        let n = shape.iter().product();
-        ctx.submit("wgpu-attention rope", |enc| {
-            self.record(ctx, enc, &Tensor::from_buffer(&buf, st, &shape), positions)
-        })
-        .await?;
-        let v = ctx.read_as_f32(&buf, 0, n, st).await?;
-        Ok(ndarray::Array3::from_shape_vec((shape[0], shape[1], shape[2]), v).expect("length"))
-    }
-
-    /// Blocking version of [`run`](Rope::run).
-    #[cfg(not(target_arch = "wasm32"))]
-    pub fn run_blocking(
-        &self,
-        ctx: &Context,
-        x: &Tensor<'_>,
-        positions: &[usize],
-    ) -> Result<ndarray::Array3<f32>> {
-        pollster::block_on(self.run(ctx, x, positions))
-    }
-
-    fn check(&self, x: &Tensor<'_>, positions: &[usize]) -> Result<([usize; 3], usize)> {
+    /// The shape `[T, H, E]` of `x` and the rotated dimensions, checked against `positions`.
+    pub(crate) fn check(&self, x: &Tensor<'_>, positions: &[usize]) -> Result<([usize; 3], usize)> {
         let shape: [usize; 3] = x.shape.as_slice().try_into().map_err(|_| Error::WrongRank {
             tensor: "x",
             expected: 3,

@@ -6,7 +6,7 @@
 //! written. [`Config`] picks the form and tile sizes for the device.
 
 use super::{common, dispatch, grid_1d, params_of, KernelSpec, Masks, TensorViews};
-use crate::context::Context;
+use crate::device::context::Context;
 use crate::error::Result;
 use crate::forms::{Caps, FusedForm};
 use crate::problem::Problem;
@@ -304,9 +304,9 @@ impl Config {
             // at c_h8_s4096_causal and a_h8_s1024; 2 or 4 rows per invocation spill registers
             // (3x slower); 8 keys per step no better than 4.
             FusedForm::Gpu => layout(
-                crate::tune::knob("fused_wg").unwrap_or(128),
-                crate::tune::knob("fused_rq").unwrap_or(1),
-                crate::tune::knob("fused_kg").unwrap_or(4),
+                crate::device::tune::knob("fused_wg").unwrap_or(128),
+                crate::device::tune::knob("fused_rq").unwrap_or(1),
+                crate::device::tune::knob("fused_kg").unwrap_or(4),
                 [true, false],
             ),
             FusedForm::Subgroup { rows } => {
@@ -327,7 +327,7 @@ impl Config {
         }
         let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
         let wg_memory = match form {
-            FusedForm::Gpu => crate::tune::knob("wg_memory").unwrap_or(GPU_WG_MEMORY),
+            FusedForm::Gpu => crate::device::tune::knob("wg_memory").unwrap_or(GPU_WG_MEMORY),
             _ => WG_MEMORY,
         };
         let budget = wg_memory.min(caps.workgroup_storage).saturating_sub(16);
@@ -435,9 +435,9 @@ impl Config {
     /// The register-tiled GPU form's configuration: the largest tiles of (BM query rows, BN
     /// keys) whose Q, K, V and weight tiles fit the workgroup memory (48 KiB where the device
     /// allows), with TM x TN logits per invocation (4 x 4; the `tiles_*` knobs of
-    /// [`crate::tune`] choose others).
+    /// [`crate::device::tune`] choose others).
     fn tiles(p: &Problem, caps: &Caps, pinned: bool) -> std::result::Result<Config, String> {
-        use crate::tune::knob;
+        use crate::device::tune::knob;
         let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
         let memory = knob("wg_memory").unwrap_or(TILES_WG_MEMORY);
         let budget = memory.min(caps.workgroup_storage);
@@ -613,7 +613,7 @@ impl Config {
                 self.scalar_logits(),
                 // The next K/V tile's loads issued before this tile's arithmetic: off unless the
                 // knob asks (slower on an H200).
-                crate::tune::knob("tiles_prefetch") == Some(1),
+                crate::device::tune::knob("tiles_prefetch") == Some(1),
                 self.sg_rows,
                 if self.sg_rows { TILES_SG_ROW_FNS } else { TILES_ROW_FN_STUBS },
                 self.unroll,

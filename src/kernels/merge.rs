@@ -3,7 +3,7 @@
 //! the ring's blocks.
 
 use super::{common, dispatch, grid_1d, params_of, Binding, KernelSpec, TensorViews};
-use crate::context::Context;
+use crate::device::context::Context;
 use crate::error::Result;
 
 pub(crate) const MERGE: KernelSpec = KernelSpec {

@@ -4,14 +4,13 @@
 //!
 //! [`source`] assembles a kernel's WGSL (generated params, prelude, `shaders/common/`
 //! snippets, the kernel file); [`pipeline`] builds it once per (kernel, prelude, override
-//! constants) in the context's [`PipelineCache`](crate::pipelines::PipelineCache).
+//! constants) in the context's [`PipelineCache`](crate::device::pipelines::PipelineCache).
 
 #[macro_use]
 pub(crate) mod wgsl;
 pub(crate) mod access;
 pub(crate) mod aux;
 pub(crate) mod backward;
-pub(crate) mod cache;
 pub(crate) mod decode;
 pub(crate) mod flash;
 pub(crate) mod matmul;
@@ -27,9 +26,9 @@ pub(crate) mod stage_tests;
 pub(crate) mod translate;
 pub(crate) mod unroll;
 
-use crate::context::Context;
+use crate::device::context::Context;
+use crate::device::pipelines::{Key, Pipeline};
 use crate::error::{Error, Result};
-use crate::pipelines::{Key, Pipeline};
 use wgsl::WgslType;
 
 /// The WGSL snippets the kernels share (`shaders/common/`), prepended by the host.
@@ -277,7 +276,7 @@ impl Masks {
 /// it). Measured on an H200 (gpu-tiles, c_h8_s4096_causal f32): 0.978 -> 0.939 ms, a quarter of
 /// the logits' registers.
 pub(crate) fn scalar_logits(gpu_form: bool) -> bool {
-    gpu_form && crate::tune::knob("scalar_logits") != Some(0)
+    gpu_form && crate::device::tune::knob("scalar_logits") != Some(0)
 }
 
 /// The constants every masked forward kernel's prelude declares: whether a boolean mask and a
@@ -343,7 +342,7 @@ pub(crate) fn mask_flags(has_mask: bool, has_bias: bool, mods: Mods, bias: crate
         mods.score_mod,
         mods.mask_mod,
         has_mask || has_bias || mods.softcap || mods.alibi || mods.docs || mods.score_mod || mods.mask_mod,
-        crate::tune::knob("softcap_form").unwrap_or(0).min(2),
+        crate::device::tune::knob("softcap_form").unwrap_or(0).min(2),
         access::bias(bias),
         crate::user_mod::prelude(mods.user),
     )
@@ -495,7 +494,7 @@ pub(crate) fn pipeline(
             // The `unchecked` knob overrides (1: every kernel, 0: none), for measuring.
             // User WGSL keeps the checks unless it has no loops and no dynamic indexing
             // (`user_mod::proved_safe`; its prelude is then not marked USER_MARK).
-            let unchecked = match crate::tune::knob("unchecked") {
+            let unchecked = match crate::device::tune::knob("unchecked") {
                 Some(u) => u == 1 && !prelude.contains(crate::user_mod::USER_MARK),
                 None => spec.trusted && !ctx.caps().cpu && !prelude.contains(crate::user_mod::USER_MARK),
             };
@@ -507,10 +506,10 @@ pub(crate) fn pipeline(
                 panic!("translation check: {e}");
             }
             #[cfg(not(target_arch = "wasm32"))]
-            if crate::pipelines::compile_log::enabled() {
+            if crate::device::pipelines::compile_log::enabled() {
                 let t0 = std::time::Instant::now();
                 let p = Pipeline::new(ctx.device(), spec.name, src.clone(), &types, constants, unchecked);
-                crate::pipelines::compile_log::first_dispatch(
+                crate::device::pipelines::compile_log::first_dispatch(
                     ctx.device(),
                     ctx.queue(),
                     &p,
@@ -565,7 +564,7 @@ pub(crate) fn dispatch(
     let device = ctx.device();
     let pipeline = pipeline(ctx, spec, prelude, constants);
     // Either binding type (see `Context::params_in_storage`).
-    let uniform = crate::buffers::constant(
+    let uniform = crate::device::buffers::constant(
         ctx,
         spec.name,
         params,
@@ -575,7 +574,7 @@ pub(crate) fn dispatch(
     let scratch: Vec<wgpu::Buffer> = aliased
         .iter()
         .map(|a| {
-            let buf = crate::buffers::create(
+            let buf = crate::device::buffers::create(
                 ctx,
                 "aliased output",
                 a.end - a.start,
@@ -632,7 +631,7 @@ struct Aliased<'b> {
 
 /// The read-write buffers of a dispatch that are also bound read-only (see [`Aliased`]).
 /// The entry points check such outputs before any GPU work
-/// ([`crate::buffers::check_aliasing`]); an internal misuse is an error here, not wgpu's panic.
+/// ([`crate::device::buffers::check_aliasing`]); an internal misuse is an error here, not wgpu's panic.
 fn aliased_outputs<'b>(spec: &KernelSpec, buffers: &[wgpu::BufferBinding<'b>]) -> Result<Vec<Aliased<'b>>> {
     let kind = |i: usize| spec.bindings[i];
     let mut out: Vec<Aliased<'b>> = Vec::new();

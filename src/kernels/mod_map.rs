@@ -8,8 +8,8 @@
 use std::hash::{Hash, Hasher};
 
 use super::{common, dispatch, grid_1d, mask_consts, params_of, Binding, KernelSpec, Masks, Mods};
-use crate::buffers::create;
-use crate::context::Context;
+use crate::device::buffers::create;
+use crate::device::context::Context;
 use crate::error::Result;
 use crate::problem::Problem;
 
@@ -79,8 +79,9 @@ pub(crate) fn get(ctx: &Context, p: &Problem) -> Result<wgpu::Buffer> {
     if let Some(b) = ctx.mod_map(key) {
         return Ok(b);
     }
-    let aux = crate::kernels::aux::words(p)
-        .map(|w| crate::buffers::storage_init(ctx, "mask_mod block map captures", bytemuck::cast_slice(&w)));
+    let aux = crate::kernels::aux::words(p).map(|w| {
+        crate::device::buffers::storage_init(ctx, "mask_mod block map captures", bytemuck::cast_slice(&w))
+    });
     let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
     let map = create(ctx, "mask_mod block map", bytes(p), usage);
     let words = entries(p).div_ceil(16);
@@ -98,7 +99,7 @@ pub(crate) fn get(ctx: &Context, p: &Problem) -> Result<wgpu::Buffer> {
         user: p.user_fns.as_ref().map_or(0, |u| u.key),
         ..Default::default()
     };
-    let dummy = crate::buffers::dummy(ctx);
+    let dummy = crate::device::buffers::dummy(ctx);
     let mut encoder = ctx
         .device()
         .create_command_encoder(&wgpu::CommandEncoderDescriptor {

@@ -4,7 +4,7 @@
 
 use super::access::{array, Access};
 use super::{dispatch, grid_1d, params_of, Binding, KernelSpec};
-use crate::context::Context;
+use crate::device::context::Context;
 use crate::error::Result;
 use crate::storage::Storage;
 

@@ -3,7 +3,7 @@
 //! transpose that starts it, and `Y = c·I − X`.
 
 use super::{dispatch, grid_1d, params_of, Binding, KernelSpec};
-use crate::context::Context;
+use crate::device::context::Context;
 use crate::error::Result;
 
 pub(crate) const INIT: KernelSpec = KernelSpec {

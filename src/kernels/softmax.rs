@@ -2,7 +2,7 @@
 //! every mask kind applied inside and the row logsumexp written out.
 
 use super::{common, dispatch, grid_1d, mask_consts, params_of, Binding, KernelSpec, Masks};
-use crate::context::Context;
+use crate::device::context::Context;
 use crate::error::Result;
 use crate::problem::Problem;
 

@@ -14,8 +14,8 @@
 
 use ndarray::{Array1, Array2, Array3, Array4, Axis};
 
-use crate::buffers::{binding, f32_bytes, fits, output, storage_init, Operand};
-use crate::context::Context;
+use crate::device::buffers::{binding, f32_bytes, fits, output, storage_init, Operand};
+use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::ops::copy;
 use crate::ops::matmul::{self, Matmul};

@@ -2,8 +2,8 @@
 
 use ndarray::{Array3, Array4, Axis};
 
-use crate::buffers::{binding, f32_bytes, fits, output, Operand, Uploaded};
-use crate::context::Context;
+use crate::device::buffers::{binding, f32_bytes, fits, output, Operand, Uploaded};
+use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::ops::{copy, linear};
 use crate::options::Options;
@@ -469,7 +469,7 @@ impl<'p, 'a> Pass<'p, 'a> {
                 .into_iter()
                 .filter_map(|(n, t)| t.map(|t| (n, t)))
                 .collect();
-                crate::buffers::check_aliasing(&[("output", t)], &inputs)?;
+                crate::device::buffers::check_aliasing(&[("output", t)], &inputs)?;
                 Some(Operand::check(ctx, "output", t)?)
             }
             None => None,

@@ -36,8 +36,8 @@ pub use weights::MhaWeights;
 
 use ndarray::{Array1, Array2, Array3, Array4};
 
-use crate::buffers::fits;
-use crate::context::Context;
+use crate::device::buffers::fits;
+use crate::device::context::Context;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -124,8 +124,9 @@ impl MultiHeadAttention {
             )?;
         }
         let storage = weights.storage;
-        let upload =
-            |label: &str, data: &[f32]| crate::buffers::storage_init(ctx, label, &storage.encode(data));
+        let upload = |label: &str, data: &[f32]| {
+            crate::device::buffers::storage_init(ctx, label, &storage.encode(data))
+        };
         let mat = |label: &str, w: &Array2<f32>| {
             upload(
                 label,

@@ -3,7 +3,7 @@
 //! batch-1 tensor, and format conversions.
 
 use super::held;
-use crate::context::Context;
+use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::permute as kernel;
 use crate::storage::Storage;
@@ -156,7 +156,7 @@ pub(crate) fn gather_rows(
     viewed: &crate::Tensor<'_>,
     dst: Dense<'_>,
 ) -> Result<()> {
-    let op = crate::buffers::Operand::check_viewed(ctx, name, viewed)?;
+    let op = crate::device::buffers::Operand::check_viewed(ctx, name, viewed)?;
     let up = op.upload(ctx, name);
     let st = viewed.storage();
     let crate::tensor::TensorData::Gpu { offset, .. } = &viewed.data else {

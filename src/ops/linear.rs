@@ -3,7 +3,7 @@
 
 use super::matmul::Matmul;
 use super::Mats;
-use crate::context::Context;
+use crate::device::context::Context;
 use crate::error::Result;
 use crate::storage::Storage;
 

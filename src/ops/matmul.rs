@@ -9,8 +9,8 @@
 use ndarray::Array3;
 
 use super::{param, u32_param, Mats};
-use crate::buffers::{binding, f32_bytes, fits, Operand};
-use crate::context::Context;
+use crate::device::buffers::{binding, f32_bytes, fits, Operand};
+use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::matmul as kernel;
 use crate::storage::Storage;
@@ -199,7 +199,7 @@ pub async fn matmul<'a>(
     fits("c", c_bytes, ctx.max_binding(), "max_storage_buffer_binding_size")?;
     let c = ctx
         .submit("matmul", |encoder| {
-            let c = crate::buffers::create(
+            let c = crate::device::buffers::create(
                 ctx,
                 "c",
                 c_bytes,
@@ -247,7 +247,7 @@ pub fn record_matmul<'a>(
         });
     };
     let _ = buffer;
-    crate::buffers::check_aliasing(&[("c", &c)], &[("a", &a), ("b", &b)])?;
+    crate::device::buffers::check_aliasing(&[("c", &c)], &[("a", &a), ("b", &b)])?;
     // A GPU tensor: its own buffer, bound at its offset (nothing is uploaded).
     let c_buf = c_op.upload(ctx, "c");
     prod.record(ctx, encoder, c_buf.binding(), c_op.storage, alpha)

@@ -3,7 +3,7 @@
 //! [`crate::kernels::merge`]): the decode path's splits, [`crate::merge`] and the ring's
 //! blocks.
 
-use crate::context::Context;
+use crate::device::context::Context;
 use crate::error::Result;
 use crate::kernels::merge as kernel;
 use crate::kernels::TensorViews;

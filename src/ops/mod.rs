@@ -13,6 +13,7 @@ pub(crate) mod linear;
 pub(crate) mod matmul;
 pub(crate) mod merge;
 pub(crate) mod pinv;
+pub(crate) mod rope;
 
 use crate::error::{Error, Result};
 use crate::storage::Storage;

@@ -5,8 +5,8 @@
 
 use super::matmul::Matmul;
 use super::Mats;
-use crate::buffers::{f32_bytes, output};
-use crate::context::Context;
+use crate::device::buffers::{f32_bytes, output};
+use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::pinv as kernel;
 use crate::storage::Storage;

@@ -11,8 +11,8 @@
 
 use std::time::{Duration, Instant};
 
-use crate::buffers::{f32_bytes, output, storage_init};
-use crate::context::Context;
+use crate::device::buffers::{f32_bytes, output, storage_init};
+use crate::device::context::Context;
 use crate::error::Result;
 use crate::ops::merge;
 use crate::options::Options;

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use ndarray::{Array3, Array4, ArrayD, IxDyn};
 
-use crate::context::Context;
+use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::problem::{Broadcast, Causal, Problem};
 use crate::sdpa::backward::{Backward, Grads};

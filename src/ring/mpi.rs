@@ -39,7 +39,7 @@ use super::device::{self, DeviceGrads, DeviceOutput};
 use super::link::{check_len, Link, Tag};
 use super::shard::Shard;
 use super::{DeviceReport, Layout, RingPlan, RingReport, DEFAULT_TIMEOUT};
-use crate::context::Context;
+use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::sdpa::backward::{Backward, Grads};
 use crate::sdpa::{Output, Sdpa};

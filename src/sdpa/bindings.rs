@@ -2,8 +2,8 @@
 //! packed boolean mask and the mask_mod block map after it. (Binding 2, the auxiliary words,
 //! is laid out and written by `crate::kernels::aux`.)
 
-use crate::buffers::{f32_bytes, fits, storage_init};
-use crate::context::Context;
+use crate::device::buffers::{f32_bytes, fits, storage_init};
+use crate::device::context::Context;
 use crate::error::Result;
 use crate::problem::Problem;
 use crate::tensor::Mask;

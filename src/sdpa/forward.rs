@@ -1,8 +1,8 @@
 //! Recording one attention call: validating sizes against the device, uploading the inputs
 //! and recording the kernels of the planned path (unfused, fused or decode).
 
-use crate::buffers::{binding, dummy, f32_bytes, fits, output, scratch, storage_init, Operand};
-use crate::context::Context;
+use crate::device::buffers::{binding, dummy, f32_bytes, fits, output, scratch, storage_init, Operand};
+use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::{decode, flash, softmax, Masks, TensorViews};
 use crate::ops::matmul::Matmul;
@@ -80,7 +80,7 @@ pub(crate) fn record_planned(
     let dummy = dummy(ctx);
     // Constant (cached by its bytes) unless capture values are copied into it.
     let lens_buf = crate::kernels::aux::words(&p).map(|w| match sdpa.capture_buffers.is_empty() {
-        true => crate::buffers::constant(
+        true => crate::device::buffers::constant(
             ctx,
             "kv_lens",
             bytemuck::cast_slice(&w),
@@ -350,7 +350,7 @@ fn record_decode(
         max * max,
         "max_compute_workgroups_per_dimension (squared)",
     )?;
-    // Pooled by size: a repeated call allocates nothing (see `kernels/cache.rs`).
+    // Pooled by size: a repeated call allocates nothing (see `device/cache.rs`).
     let pooled =
         |label: &'static str, bytes: u64| ctx.cache().scratch(label, bytes, || scratch(ctx, label, bytes));
     let part_out = pooled("decode partial outputs", part_bytes);

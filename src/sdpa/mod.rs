@@ -9,8 +9,8 @@
 
 use ndarray::{Array3, Array4};
 
-use crate::buffers::{binding, f32_bytes, shape_bytes};
-use crate::context::Context;
+use crate::device::buffers::{binding, f32_bytes, shape_bytes};
+use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::options::Options;
 use crate::problem::Problem;
@@ -457,7 +457,7 @@ impl<'a> Sdpa<'a> {
             if let Some(b) = &self.options.bias {
                 inputs.push(("bias", b));
             }
-            crate::buffers::check_aliasing(&outputs, &inputs)?;
+            crate::device::buffers::check_aliasing(&outputs, &inputs)?;
         }
         let mut p = p.with_storage(Formats {
             q,
@@ -940,7 +940,7 @@ fn scratch_view(
         crate::view::resolve("prepare", &spec, &shape, rem, st)?.unwrap_or(crate::view::View::dense(shape));
     let bytes = (rem + st.bytes(view.extent(shape))).next_multiple_of(16);
     Ok(Some((
-        crate::buffers::scratch(ctx, "prepare view", bytes),
+        crate::device::buffers::scratch(ctx, "prepare view", bytes),
         rem,
         spec,
     )))

@@ -2,7 +2,7 @@
 //! [`Plan`] is a pure function of the problem, the request (path, weights, score budget) and
 //! the device's [`Caps`], computed once per call; tests check it without a GPU.
 
-use crate::buffers::{f32_bytes, F32};
+use crate::device::buffers::{f32_bytes, F32};
 use crate::error::{Error, Result};
 use crate::forms::{BackwardForm, Caps, DecodeForm, Forms, FusedForm, MatmulForm};
 use crate::kernels::{decode, flash, matmul};

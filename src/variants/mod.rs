@@ -17,7 +17,7 @@ use std::str::FromStr;
 
 use ndarray::{Array1, Array2, Array4};
 
-use crate::context::Context;
+use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::options::Options;
 use crate::sdpa::Path;

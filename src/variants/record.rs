@@ -5,8 +5,8 @@
 use ndarray::Array2;
 
 use super::{Dims, GpuVariantOutput, Variant, VariantParams};
-use crate::buffers::{binding, f32_bytes, fits, output, storage_init, Operand};
-use crate::context::Context;
+use crate::device::buffers::{binding, f32_bytes, fits, output, storage_init, Operand};
+use crate::device::context::Context;
 use crate::error::Result;
 use crate::ops::matmul::{self, Matmul};
 use crate::ops::{linear, pinv, Mats};

@@ -1,7 +1,7 @@
 //! The fused backward's recorder: `bwd_dkv` (key-major: dK and dV of each key tile) and
 //! `bwd_dq` (query-major), each recomputing the probabilities from the statistics.
 
-use crate::context::Context;
+use crate::device::context::Context;
 use crate::error::Result;
 use crate::kernels::backward as kb;
 use crate::problem::Problem;

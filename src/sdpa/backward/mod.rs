@@ -20,8 +20,8 @@ mod unfused;
 
 use ndarray::{Array3, Array4, ArrayD, IxDyn};
 
-use crate::buffers::f32_bytes;
-use crate::context::Context;
+use crate::device::buffers::f32_bytes;
+use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 use crate::storage::{Formats, Storage};

@@ -1,8 +1,8 @@
 //! The backward's plan (pure: the problem, the requested path and the device's caps): the
 //! fused kernels' configuration, or the unfused path's chunks of scores.
 
-use crate::buffers::fits;
-use crate::context::Context;
+use crate::device::buffers::fits;
+use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::forms::{Caps, Forms};
 use crate::kernels::backward as kb;

@@ -2,8 +2,8 @@
 //! the forward (unless its output and logsumexp are given), the uploads, the statistics
 //! (`bwd_prep`), then the path's recorder, dK and dV in their formats, and d(bias).
 
-use crate::buffers::{binding, dummy, f32_bytes, fits, output, Operand};
-use crate::context::Context;
+use crate::device::buffers::{binding, dummy, f32_bytes, fits, output, Operand};
+use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::backward as kb;
 use crate::ops::copy;

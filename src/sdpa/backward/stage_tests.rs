@@ -8,9 +8,9 @@
 use ndarray::{Array, Array4, ArrayD, IxDyn};
 
 use super::record::{record_dbias, record_stats, Io, Sizes};
-use crate::buffers::{dummy, f32_bytes, output, storage_init};
 use crate::check::{compare, flash_rule, Report, F32_TOLERANCE};
-use crate::context::Context;
+use crate::device::buffers::{dummy, f32_bytes, output, storage_init};
+use crate::device::context::Context;
 use crate::kernels::backward as kb;
 use crate::kernels::stage_tests::{ctx, lcg};
 use crate::options::Options;

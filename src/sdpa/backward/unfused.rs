@@ -1,7 +1,7 @@
 //! The unfused backward's recorder: per chunk of scores, the matmul op and `bwd_ds`.
 
-use crate::buffers::{binding, f32_bytes, scratch};
-use crate::context::Context;
+use crate::device::buffers::{binding, f32_bytes, scratch};
+use crate::device::context::Context;
 use crate::error::Result;
 use crate::kernels::backward as kb;
 use crate::ops::matmul::Matmul;

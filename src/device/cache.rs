@@ -21,7 +21,7 @@ use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
 
-use super::Pipeline;
+use super::pipelines::Pipeline;
 
 /// The bounds of a context's cache of parameter buffers and bind groups
 /// ([`Context::set_cache_limits`](crate::Context::set_cache_limits)).
@@ -200,7 +200,7 @@ impl Cache {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A read-only buffer of `usage` holding `contents` (see [`crate::buffers::init`]): a
+    /// A read-only buffer of `usage` holding `contents` (see [`crate::device::buffers::init`]): a
     /// cached one when these bytes were asked for before, else a new one (cached from the
     /// second time on).
     pub(crate) fn init(

@@ -3,7 +3,7 @@
 
 use std::num::NonZeroU64;
 
-use crate::context::Context;
+use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::storage::Storage;
 use crate::tensor::{Tensor, TensorData};
@@ -159,7 +159,7 @@ const CONSTANT_CACHED: usize = 64 << 10;
 
 /// A buffer of `usage` holding `contents` that nothing ever writes again (kernel parameters,
 /// key lengths, block tables, angles): one the context cached for the same bytes when there
-/// is one (see `kernels/cache.rs`), else a new one ([`init`]). Never bind it read-write.
+/// is one (see `device/cache.rs`), else a new one ([`init`]). Never bind it read-write.
 pub(crate) fn constant(
     ctx: &Context,
     label: &str,
@@ -185,7 +185,7 @@ pub(crate) fn scratch(ctx: &Context, label: &str, bytes: u64) -> wgpu::Buffer {
 }
 
 /// Every buffer a call allocates is made here (where an injected out-of-memory strikes:
-/// [`crate::faults`]).
+/// [`crate::device::faults`]).
 pub(crate) fn create(ctx: &Context, label: &str, bytes: u64, usage: wgpu::BufferUsages) -> wgpu::Buffer {
     ctx.faults().allocation();
     ctx.device().create_buffer(&wgpu::BufferDescriptor {

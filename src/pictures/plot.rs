@@ -24,7 +24,7 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::picture::{self, draw_err, nice_step, shorten, tick_label, Align, Area, Text};
+use crate::pictures::picture::{self, draw_err, nice_step, shorten, tick_label, Align, Area, Text};
 
 /// One line of a [`LineChart`]: its legend name and its `(x, y)` points (drawn in x order).
 #[derive(Clone, Debug, Default, PartialEq)]

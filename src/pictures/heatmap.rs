@@ -49,7 +49,9 @@ mod render {
 
     use super::colour;
     use crate::error::{Error, Result};
-    use crate::picture::{self, check_size, draw_err, nice_step, shorten, tick_label, Align, Area, Text};
+    use crate::pictures::picture::{
+        self, check_size, draw_err, nice_step, shorten, tick_label, Align, Area, Text,
+    };
 
     /// Margin around the picture.
     const MARGIN: i32 = 8;

@@ -3,9 +3,9 @@
 
 use std::sync::{Arc, Mutex};
 
+use crate::device::pipelines::PipelineCache;
 use crate::error::{Error, Result};
 use crate::forms::{Caps, CoopTiles, Forms};
-use crate::pipelines::PipelineCache;
 
 /// A device and queue plus what this crate needs to know about them, and the cache of the
 /// kernels' pipelines.
@@ -52,7 +52,7 @@ struct Inner {
     limits: wgpu::Limits,
     features: wgpu::Features,
     pipelines: PipelineCache,
-    faults: crate::faults::Injector,
+    faults: crate::device::faults::Injector,
     lost: Arc<Mutex<Option<String>>>,
     /// The reported fixed subgroup size once `subgroup_probe` has confirmed it (None: not
     /// fixed, or the device's subgroup operations are wrong at it). Native only: the check
@@ -66,7 +66,7 @@ struct Inner {
     /// [`MOD_MAPS`] of them.
     mod_maps: Mutex<Vec<(u64, wgpu::Buffer)>>,
     /// Parameter buffers, small constant inputs and bind groups a repeated call reuses.
-    cache: crate::kernels::cache::Cache,
+    cache: crate::device::cache::Cache,
 }
 
 /// The most mask_mod block maps a context keeps (the oldest go first).
@@ -472,7 +472,7 @@ impl Context {
     }
 
     /// The cache of parameter buffers, small constant inputs and bind groups.
-    pub(crate) fn cache(&self) -> &crate::kernels::cache::Cache {
+    pub(crate) fn cache(&self) -> &crate::device::cache::Cache {
         &self.inner.cache
     }
 
@@ -519,7 +519,7 @@ impl Context {
     }
 
     /// The faults injected into this context.
-    pub(crate) fn faults(&self) -> &crate::faults::Injector {
+    pub(crate) fn faults(&self) -> &crate::device::faults::Injector {
         &self.inner.faults
     }
 
@@ -645,7 +645,7 @@ impl Context {
         let v = validation.pop().await;
         let o = oom.pop().await;
         let i = internal.pop().await;
-        if crate::faults::Injector::take_pending_oom() {
+        if crate::device::faults::Injector::take_pending_oom() {
             // A buffer made in the scope may be invalid: nothing cached in it is kept.
             self.inner.cache.forget_since(mark);
             return Err(Error::OutOfMemory(
@@ -724,8 +724,11 @@ impl Context {
         #[cfg(not(target_arch = "wasm32"))]
         {
             *self.inner.subgroup.get_or_init(|| {
-                let ok =
-                    crate::subgroup_probe::subgroups_work(&self.inner.device, &self.inner.queue, reported);
+                let ok = crate::device::subgroup_probe::subgroups_work(
+                    &self.inner.device,
+                    &self.inner.queue,
+                    reported,
+                );
                 if !ok {
                     eprintln!(
                         "wgpu-attention: {}: subgroup operations give wrong results at the reported \

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use crate::{Context, Error, Result};
+use crate::device::context::Context;
+use crate::error::{Error, Result};
 
 /// What [`Context::time_gpu`] returns: the recorder's result and the GPU time.
 #[derive(Debug)]

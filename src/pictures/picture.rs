@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 const FONT: &str = "wgpu-attention DejaVu Sans";
 /// DejaVu Sans 2.37 (assets/fonts/LICENSE-DejaVu.txt): Latin, Greek, Cyrillic and the common
 /// symbols, so that no system font is needed.
-static FONT_BYTES: &[u8] = include_bytes!("../assets/fonts/DejaVuSans.ttf");
+static FONT_BYTES: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans.ttf");
 
 /// Largest picture side accepted.
 pub(crate) const MAX_SIDE: u64 = 16_384;

@@ -1,0 +1,190 @@
+//! Rotary position embedding as an op: token rows `[T, H, E]` rotated in place, or written
+//! into a paged cache's slots (the cache's append: K rotated, V copied). The op builds the
+//! kernel's auxiliary words (the angles, computed on the host in f64, and the slots), checks
+//! that every row it reads or writes lies inside its binding, and records the kernel.
+
+use crate::device::buffers::{constant, dummy, Operand as Checked};
+use crate::device::context::Context;
+use crate::error::{Error, Result};
+use crate::kernels::rope::{record, Rotation};
+use crate::rope::{Rope, RopeStyle};
+use crate::storage::Storage;
+use crate::tensor::Tensor;
+
+/// A GPU operand of the op: its binding and its elements' format.
+pub(crate) type Operand<'b> = (wgpu::BufferBinding<'b>, Storage);
+
+/// Where the rows go.
+pub(crate) enum Dest<'b> {
+    /// Rotated in place.
+    InPlace(Operand<'b>),
+    /// From `src` into a paged cache: token `t` to slot `slots[t]` of `cache`, head-major with
+    /// blocks of `head_major_block` tokens (0: token-major `[slots, H, E]`).
+    Slots {
+        src: Operand<'b>,
+        cache: Operand<'b>,
+        slots: &'b [u32],
+        head_major_block: usize,
+    },
+}
+
+/// Record `rope` (its rotated dimensions `d`; `None`, or `d = 0`: a plain copy, only into
+/// slots) over `[tokens, heads, e]` rows at `positions` (one per token).
+pub(crate) fn rotate(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    rope: Option<(Rope, usize)>,
+    positions: &[usize],
+    [tokens, heads, e]: [usize; 3],
+    dest: Dest<'_>,
+) -> Result<()> {
+    let (d, half) = match rope {
+        Some((r, d)) => (d, r.style == RopeStyle::HalfSplit),
+        None => (0, false),
+    };
+    let bad = |reason: String| Err(Error::Internal(format!("rope op: {reason}")));
+    if d > e || d % 2 == 1 || (d > 0 && positions.len() != tokens) {
+        return bad(format!(
+            "{d} rotated of {e}, {} positions for {tokens} tokens",
+            positions.len()
+        ));
+    }
+    let rows = (tokens * heads * e) as u64;
+    let fits = |(b, st): &Operand<'_>, elems: u64| {
+        let size = b.size.map_or(b.buffer.size() - b.offset, |s| s.get());
+        st.bytes(elems as usize) as u64 <= size
+    };
+    let mut aux = match rope {
+        Some((r, _)) if d > 0 => r.angle_words(d, positions.iter().copied()),
+        _ => Vec::new(),
+    };
+    let (src, dst, slot_off, head_major_block) = match dest {
+        Dest::InPlace(x) => {
+            if d == 0 || !fits(&x, rows) {
+                return bad(format!("an in-place rotation of {rows} elements, {d} rotated"));
+            }
+            (None, x, None, 0)
+        }
+        Dest::Slots {
+            src,
+            cache,
+            slots,
+            head_major_block,
+        } => {
+            let last = slots.iter().max().map_or(0, |&s| s as u64 + 1);
+            let cached = (last.next_multiple_of(head_major_block.max(1) as u64)) * (heads * e) as u64;
+            if slots.len() != tokens || !fits(&src, rows) || !fits(&cache, cached) {
+                return bad(format!(
+                    "{} slots for {tokens} tokens, or a row outside its buffer",
+                    slots.len()
+                ));
+            }
+            let off = aux.len();
+            aux.extend(slots);
+            (Some(src), cache, Some(off), head_major_block)
+        }
+    };
+    // An empty aux still binds a buffer: one zero word.
+    if aux.is_empty() {
+        aux.push(0);
+    }
+    let aux = constant(
+        ctx,
+        "rope aux",
+        bytemuck::cast_slice(&aux),
+        wgpu::BufferUsages::STORAGE,
+    );
+    let dummy = dummy(ctx);
+    record(
+        ctx,
+        encoder,
+        src,
+        dst,
+        aux.as_entire_buffer_binding(),
+        dummy.as_entire_buffer_binding(),
+        Rotation {
+            tokens,
+            heads,
+            e,
+            d,
+            half,
+            ang_off: 0,
+            slot_off,
+            head_major_block,
+        },
+    )
+}
+
+/// The GPU side of [`Rope`]: its rotation of a caller's buffer in place, and of host rows on
+/// the GPU.
+impl Rope {
+    /// Record the rotation of the GPU tensor `x` `[T, H, E]` (dense, any storage format) in
+    /// place, token `t` at `positions[t]`. Checked before anything is recorded.
+    pub fn record(
+        &self,
+        ctx: &Context,
+        encoder: &mut wgpu::CommandEncoder,
+        x: &Tensor<'_>,
+        positions: &[usize],
+    ) -> Result<()> {
+        let (shape, d) = self.check(x, positions)?;
+        let crate::tensor::TensorData::Gpu { .. } = &x.data else {
+            return Err(Error::BadBuffer {
+                tensor: "x",
+                reason: "Rope::record rotates a GPU buffer in place (Tensor::from_buffer); use Rope::apply for host data".into(),
+            });
+        };
+        let op = Checked::check(ctx, "x", x)?;
+        let up = op.upload(ctx, "x");
+        rotate(
+            ctx,
+            encoder,
+            Some((*self, d)),
+            positions,
+            shape,
+            Dest::InPlace((up.binding(), x.storage())),
+        )
+    }
+
+    /// Rotate host rows `[T, H, E]` on the GPU in format `x`'s storage (upload, rotate, read
+    /// back widened to f32): [`record`](Rope::record) for host data.
+    pub async fn run(
+        &self,
+        ctx: &Context,
+        x: &Tensor<'_>,
+        positions: &[usize],
+    ) -> Result<ndarray::Array3<f32>> {
+        let (shape, _) = self.check(x, positions)?;
+        let st = x.storage();
+        let Some(host) = x.host_f32() else {
+            return Err(Error::BadBuffer {
+                tensor: "x",
+                reason: "Rope::run takes host data; record a GPU buffer's rotation with Rope::record".into(),
+            });
+        };
+        let buf = crate::device::buffers::init(
+            ctx,
+            "rope x",
+            &st.encode(&host),
+            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        );
+        let n = shape.iter().product();
+        ctx.submit("wgpu-attention rope", |enc| {
+            self.record(ctx, enc, &Tensor::from_buffer(&buf, st, &shape), positions)
+        })
+        .await?;
+        let v = ctx.read_as_f32(&buf, 0, n, st).await?;
+        Ok(ndarray::Array3::from_shape_vec((shape[0], shape[1], shape[2]), v).expect("length"))
+    }
+
+    /// Blocking version of [`run`](Rope::run).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn run_blocking(
+        &self,
+        ctx: &Context,
+        x: &Tensor<'_>,
+        positions: &[usize],
+    ) -> Result<ndarray::Array3<f32>> {
+        pollster::block_on(self.run(ctx, x, positions))
+    }
+}
