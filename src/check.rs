@@ -28,11 +28,11 @@ pub const BF16_TOLERANCE: Tolerance = Tolerance {
 
 impl Tolerance {
     /// The tolerance for outputs stored in `s`.
-    pub fn for_storage(s: crate::Storage) -> Tolerance {
+    pub fn for_storage(s: crate::storage::Storage) -> Tolerance {
         match s {
-            crate::Storage::F32 => F32_TOLERANCE,
-            crate::Storage::F16 => F16_TOLERANCE,
-            crate::Storage::Bf16 => BF16_TOLERANCE,
+            crate::storage::Storage::F32 => F32_TOLERANCE,
+            crate::storage::Storage::F16 => F16_TOLERANCE,
+            crate::storage::Storage::Bf16 => BF16_TOLERANCE,
         }
     }
 }

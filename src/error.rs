@@ -209,9 +209,9 @@ pub enum Error {
         /// Which tensor.
         tensor: &'static str,
         /// The format it must have.
-        expected: crate::Storage,
+        expected: crate::storage::Storage,
         /// The format it has.
-        actual: crate::Storage,
+        actual: crate::storage::Storage,
         /// Why the formats must agree.
         why: &'static str,
     },
@@ -302,3 +302,19 @@ const NO_ADAPTER_HINT: &str = "On a machine without a GPU, install Mesa's softwa
 const NO_ADAPTER_HINT: &str = "This browser offers no WebGPU adapter: use one with WebGPU enabled \
      (Chrome or Edge 113+, Safari 26+, Firefox 141+ on Windows; on Linux Chrome with \
      --enable-unsafe-webgpu), served from a secure context (https, localhost or 127.0.0.1)";
+
+// Here rather than in storage.rs, so that the formats stand below the error that names them.
+impl std::str::FromStr for crate::storage::Storage {
+    type Err = Error;
+    /// Parses `f32`, `f16`, `bf16`.
+    fn from_str(s: &str) -> Result<Self> {
+        crate::storage::Storage::ALL
+            .into_iter()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| Error::UnknownName {
+                kind: "storage format",
+                name: s.to_string(),
+                expected: "f32, f16, bf16",
+            })
+    }
+}

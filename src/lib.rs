@@ -26,7 +26,6 @@ mod device;
 mod error;
 mod forms;
 mod kernels;
-mod kv_cache;
 mod ops;
 #[macro_use]
 mod options;
@@ -60,7 +59,6 @@ pub use error::{Error, Result};
 pub use forms::{BackwardForm, Caps, CoopTiles, DecodeForm, Forms, FusedForm, MatmulForm};
 /// Re-exported: the half-precision host types ([`half::f16`], [`half::bf16`]).
 pub use half;
-pub use kv_cache::{KvCache, KvCacheConfig, SeqId, Step};
 pub use mha::{
     MhaBackward, MhaConfig, MhaForward, MhaGpuGrads, MhaGpuOutput, MhaGrads, MhaGradsInto, MhaOutput,
     MhaTimings, MhaWeights, MultiHeadAttention, NeedWeights,
@@ -69,7 +67,10 @@ pub use mha::{
 pub use ops::matmul::matmul_blocking;
 pub use ops::matmul::{matmul, record_matmul};
 pub use options::Options;
-pub use paged::{GpuPagedOutput, PagedAttention, PagedOutput, Pages, SharedPrefix, MIN_SHARED_KEYS};
+pub use paged::{
+    GpuPagedOutput, PagedAttention, PagedLayout, PagedOutput, Pages, SharedPrefix, MIN_SHARED_KEYS,
+};
+pub use paged::{KvCache, KvCacheConfig, SeqId, Step};
 pub use problem::{alibi_slopes, Causal, DocIds, Problem, Window};
 #[cfg(not(target_arch = "wasm32"))]
 pub use ring::{DeviceReport, Layout, Ring, RingGrads, RingOutput, RingPlan, RingReport};
@@ -79,7 +80,7 @@ pub use sdpa::merge::merge;
 #[cfg(not(target_arch = "wasm32"))]
 pub use sdpa::merge::merge_blocking;
 pub use sdpa::plan::{Form, Plan, Tiles};
-pub use sdpa::{GpuOutput, Output, PagedLayout, Path, Sdpa};
+pub use sdpa::{GpuOutput, Output, Path, Sdpa};
 pub use storage::{Element, Formats, Storage};
 pub use tensor::{Mask, Tensor};
 pub use user_mod::{Captures, CpuMask, CpuScore, UserMod, MAX_DCAPTURE_CALLS};

@@ -5,10 +5,9 @@
 
 use ndarray::{ArrayViewD, IxDyn};
 
-use crate::device::buffers::check_len;
 use crate::error::{Error, Result};
 use crate::problem::{Causal, Problem};
-use crate::tensor::{Mask, Tensor};
+use crate::tensor::{check_len, Mask, Tensor};
 
 /// Attention options (PyTorch `scaled_dot_product_attention` semantics; `docs/semantics.md`).
 #[derive(Debug, Clone, Default)]
@@ -38,7 +37,7 @@ pub struct Options<'a> {
     /// Document ids of packed sequences (see [`Problem::with_doc_ids`]).
     pub doc_ids: Option<crate::problem::DocIds>,
     /// User WGSL `score_mod` / `mask_mod` with their captures (see [`UserMod`](crate::UserMod)).
-    pub user_mod: Option<crate::UserMod<'a>>,
+    pub user_mod: Option<crate::user_mod::UserMod<'a>>,
 }
 
 impl<'a> Options<'a> {
@@ -106,7 +105,7 @@ impl<'a> Options<'a> {
 macro_rules! option_setters {
     () => {
         /// Causal masking with the given alignment (see [`Causal`](crate::Causal)).
-        pub fn causal(mut self, causal: $crate::Causal) -> Self {
+        pub fn causal(mut self, causal: $crate::problem::Causal) -> Self {
             self.options.causal = causal;
             self
         }
@@ -121,14 +120,14 @@ macro_rules! option_setters {
 
         /// A boolean mask, **true = may attend**, broadcastable to `[B, Hq, L, S]` (PyTorch's
         /// `nn.MultiheadAttention` uses the opposite convention: negate its masks).
-        pub fn mask(mut self, mask: impl Into<$crate::Mask<'a>>) -> Self {
+        pub fn mask(mut self, mask: impl Into<$crate::tensor::Mask<'a>>) -> Self {
             self.options.mask = Some(mask.into());
             self
         }
 
         /// An additive bias added to the scaled scores, broadcastable to `[B, Hq, L, S]`
         /// (PyTorch's float `attn_mask`). A `-inf` entry masks that key.
-        pub fn bias(mut self, bias: impl Into<$crate::Tensor<'a>>) -> Self {
+        pub fn bias(mut self, bias: impl Into<$crate::tensor::Tensor<'a>>) -> Self {
             self.options.bias = Some(bias.into());
             self
         }
@@ -185,7 +184,7 @@ macro_rules! option_setters {
         /// Combines with every other mask (causal within each document: add `causal`). Key
         /// tiles holding none of a query tile's documents are skipped.
         pub fn doc_ids(mut self, q_docs: &[i32], k_docs: &[i32]) -> Self {
-            self.options.doc_ids = Some($crate::DocIds {
+            self.options.doc_ids = Some($crate::problem::DocIds {
                 q: q_docs.to_vec(),
                 k: k_docs.to_vec(),
             });
@@ -195,13 +194,13 @@ macro_rules! option_setters {
         /// User WGSL functions: `score_mod` (applied to each logit after the softcap, the bias
         /// and ALiBi) and/or `mask_mod` (and-ed with every other mask), with their captured
         /// tensors. Checked by naga before any GPU work. See [`UserMod`]($crate::UserMod).
-        pub fn user_mod(mut self, m: $crate::UserMod<'a>) -> Self {
+        pub fn user_mod(mut self, m: $crate::user_mod::UserMod<'a>) -> Self {
             self.options.user_mod = Some(m);
             self
         }
 
         /// Every option at once, replacing those set before.
-        pub fn options(mut self, options: $crate::Options<'a>) -> Self {
+        pub fn options(mut self, options: $crate::options::Options<'a>) -> Self {
             self.options = options;
             self
         }

@@ -5,6 +5,7 @@
 //! (for [`crate::Sdpa`], the layer and the reference) before any GPU work.
 
 use crate::error::{Error, Result};
+use crate::view::pad4;
 
 /// Causal masking, by alignment. The semantics table is in `docs/semantics.md`.
 #[non_exhaustive]
@@ -107,11 +108,6 @@ pub fn alibi_slopes(heads: usize) -> Vec<f32> {
 
 /// `shape` (rank 0 to 4) left-padded with ones to 4-D: how a mask or bias broadcasts against
 /// the scores `[B, Hq, L, S]`.
-pub(crate) fn pad4(shape: &[usize]) -> [usize; 4] {
-    let mut s = [1usize; 4];
-    s[4 - shape.len()..].copy_from_slice(shape);
-    s
-}
 
 /// A `[B|1, H|1, L|1, S|1]` broadcast shape of a mask or bias, with element strides
 /// (0 on broadcast dimensions) into its row-major storage.
@@ -231,7 +227,7 @@ pub struct Problem {
     pub(crate) paged: Option<Paged>,
     /// RoPE applied to q as the kernels read it ([`Sdpa::rope`](crate::Sdpa::rope)), if any,
     /// with its rotated dims.
-    pub(crate) rope: Option<(crate::Rope, usize)>,
+    pub(crate) rope: Option<(crate::rope::Rope, usize)>,
 }
 
 /// The block table of a paged K/V read: key `t` of sequence `b` is token slot `t % block_size`
@@ -250,6 +246,43 @@ pub(crate) struct Paged {
     pub table: Vec<u32>,
     /// The caches are [`PagedLayout::HeadMajor`](crate::PagedLayout::HeadMajor).
     pub head_major: bool,
+}
+
+/// K and V read as paged caches, checked where the call was built (`paged/pages.rs`): the
+/// logical k and v shapes `[B, Hkv, S, E]` (S the longest sequence), the key lengths, the
+/// block table, and how the kernels read the caches (their element offsets and strides).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct PagedKv {
+    pub k_shape: [usize; 4],
+    pub v_shape: [usize; 4],
+    pub lens: Vec<usize>,
+    pub paged: Paged,
+    pub views: [crate::view::View; 2],
+}
+
+impl PagedKv {
+    /// Caches of `paged`'s blocks with `hkv` heads of dims `e` and `ev`, for sequences of
+    /// `lens` keys; the caches start `offsets` elements into their bindings.
+    pub(crate) fn new(paged: Paged, lens: Vec<usize>, [hkv, e, ev]: [usize; 3], offsets: [usize; 2]) -> Self {
+        let b = lens.len();
+        let s = lens.iter().copied().max().unwrap_or(1).max(1);
+        let bs = paged.block_size;
+        let view = |offset, e: usize| crate::view::View {
+            offset,
+            strides: if paged.head_major {
+                [0, bs * e, e, 1]
+            } else {
+                [0, e, hkv * e, 1]
+            },
+        };
+        PagedKv {
+            k_shape: [b, hkv, s, e],
+            v_shape: [b, hkv, s, ev],
+            views: [view(offsets[0], e), view(offsets[1], ev)],
+            lens,
+            paged,
+        }
+    }
 }
 
 pub(crate) fn dims4(tensor: &'static str, shape: &[usize]) -> Result<[usize; 4]> {
@@ -479,7 +512,7 @@ impl Problem {
 
     /// Set user WGSL functions (see [`UserMod`](crate::UserMod)): the source and captures are
     /// checked by naga (a typed error before any GPU work).
-    pub fn with_user_mod(mut self, m: Option<&crate::UserMod>) -> Result<Self> {
+    pub fn with_user_mod(mut self, m: Option<&crate::user_mod::UserMod>) -> Result<Self> {
         self.user_fns = m.map(|m| m.fns()).transpose()?;
         Ok(self)
     }

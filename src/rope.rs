@@ -6,7 +6,6 @@
 use ndarray::ArrayViewMut3;
 
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
 
 /// Which elements RoPE pairs.
 #[non_exhaustive]
@@ -121,28 +120,10 @@ impl Rope {
         }
         Ok(())
     }
-
-    /// The shape `[T, H, E]` of `x` and the rotated dimensions, checked against `positions`.
-    pub(crate) fn check(&self, x: &Tensor<'_>, positions: &[usize]) -> Result<([usize; 3], usize)> {
-        let shape: [usize; 3] = x.shape.as_slice().try_into().map_err(|_| Error::WrongRank {
-            tensor: "x",
-            expected: 3,
-            actual: x.shape.len(),
-            shape: x.shape.clone(),
-        })?;
-        if shape.contains(&0) {
-            return Err(Error::ZeroSized {
-                tensor: "x",
-                shape: x.shape.clone(),
-            });
-        }
-        let d = self.rotated_dims(shape[2])?;
-        check_positions(positions, shape[0])?;
-        Ok((shape, d))
-    }
 }
 
-fn check_positions(positions: &[usize], tokens: usize) -> Result<()> {
+/// One position per token, or [`Error::InvalidModifier`].
+pub(crate) fn check_positions(positions: &[usize], tokens: usize) -> Result<()> {
     if positions.len() != tokens {
         return Err(Error::InvalidModifier {
             modifier: "rope",

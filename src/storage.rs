@@ -9,8 +9,6 @@ use std::borrow::Cow;
 
 use half::{bf16, f16};
 
-use crate::error::{Error, Result};
-
 /// The format of a tensor's elements on the device.
 #[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -119,21 +117,6 @@ impl Storage {
 impl std::fmt::Display for Storage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for Storage {
-    type Err = Error;
-    /// Parses `f32`, `f16`, `bf16`.
-    fn from_str(s: &str) -> Result<Self> {
-        Storage::ALL
-            .into_iter()
-            .find(|f| f.name() == s)
-            .ok_or_else(|| Error::UnknownName {
-                kind: "storage format",
-                name: s.to_string(),
-                expected: "f32, f16, bf16",
-            })
     }
 }
 

@@ -4,8 +4,9 @@ use std::borrow::Cow;
 
 use ndarray::{ArrayBase, Data, Dimension};
 
+use crate::error::{Error, Result};
 use crate::storage::{Element, HostData, Storage};
-use crate::view::{TensorLayout, ViewSpec};
+use crate::view::{TensorLayout, View, ViewSpec};
 
 /// Borrow a standard-layout array's data; copy any other layout into row-major order.
 fn row_major<T: Copy, S: Data<Elem = T>, D: Dimension>(a: &ArrayBase<S, D>) -> Cow<'_, [T]> {
@@ -287,5 +288,121 @@ impl<'a, D: Dimension> From<ndarray::ArrayView<'a, bool, D>> for Mask<'a> {
             data: view_row_major(a),
             shape,
         }
+    }
+}
+
+/// [`Error::DataLength`] unless `actual` elements fill `shape`.
+pub(crate) fn check_len(tensor: &'static str, shape: &[usize], actual: usize) -> Result<()> {
+    let expected: usize = shape.iter().product();
+    if expected != actual {
+        return Err(Error::DataLength {
+            tensor,
+            shape: shape.to_vec(),
+            expected,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+// The views of a tensor: where its elements lie in its buffer.
+
+/// The view of tensor `name`, `None` when it is dense (or host data).
+pub(crate) fn of_tensor(name: &'static str, t: &Tensor) -> Result<Option<View>> {
+    match &t.data {
+        TensorData::Gpu { offset, storage, .. } => {
+            let v = crate::view::resolve(name, &t.view, &t.shape, *offset, *storage)?;
+            Ok(v.filter(|v| !v.is_dense(t.shape.as_slice().try_into().expect("a view is 4-D"))))
+        }
+        TensorData::Host(_) => Ok(None),
+    }
+}
+
+/// The bias's view (see [`resolve_bias`]), `None` when it is dense (or host data): a view
+/// equal to the dense broadcast one, from the buffer's aligned start, is no view.
+pub(crate) fn of_bias(t: &Tensor) -> Result<Option<View>> {
+    match &t.data {
+        TensorData::Gpu { offset, storage, .. } => {
+            let v = crate::view::resolve_bias(&t.view, &t.shape, *offset, *storage)?;
+            // `resolve_bias` gives a view only for a valid shape (rank 1 to 4).
+            Ok(v.filter(|v| {
+                let dense = crate::problem::Broadcast {
+                    shape: crate::view::pad4(&t.shape),
+                }
+                .strides();
+                v.offset != 0 || v.strides != dense
+            }))
+        }
+        TensorData::Host(_) => Ok(None),
+    }
+}
+
+/// [`of_tensor`] for an output: its view must not reach one element from two indices.
+pub(crate) fn of_output(name: &'static str, t: &Tensor) -> Result<Option<View>> {
+    let v = of_tensor(name, t)?;
+    if let Some(v) = v {
+        let shape: [usize; 4] = t.shape.as_slice().try_into().expect("a view is 4-D");
+        if v.overlaps(shape) {
+            return Err(Error::BadBuffer {
+                tensor: name,
+                reason: format!(
+                    "an output's elements must not overlap: shape {shape:?} through strides {:?} writes some elements twice",
+                    v.strides
+                ),
+            });
+        }
+    }
+    Ok(v)
+}
+
+/// The element strides of T and H of a packed `[T, H, E]` tensor `name` (a ragged batch's q,
+/// a cache append's k and v): three of its own ([`Tensor::with_strides`], E's 1: the parts of
+/// a fused QKV projection), or dense. A layout or capacity (which describe `[B, H, S, E]`
+/// tensors), another count of strides, an E stride other than 1 and a view asked of host data
+/// are typed errors naming it.
+///
+/// [`Tensor::with_strides`]: crate::Tensor::with_strides
+pub(crate) fn packed_rows(name: &'static str, x: &Tensor<'_>, [_, h, e]: [usize; 3]) -> Result<[usize; 2]> {
+    let bad = |reason: String| Err(Error::BadBuffer { tensor: name, reason });
+    if let Some(m) = x.misuse {
+        return bad(m.into());
+    }
+    let spec = &x.view;
+    if spec.layout.is_some() || spec.capacity.is_some() {
+        return bad(format!(
+            "{name} is packed [T, H, E]: a layout or sequence capacity describes [B, H, S, E] tensors; give its strides instead (Tensor::with_strides with three strides [T, H, E])"
+        ));
+    }
+    match spec.strides.as_deref() {
+        None => Ok([h * e, e]),
+        Some(&[ts, hs, 1]) => Ok([ts, hs]),
+        Some(&[_, _, es]) => bad(format!(
+            "{name}'s head-dim stride is {es}: each row of E elements must be contiguous (stride 1)"
+        )),
+        Some(other) => bad(format!(
+            "{name} is [T, H, E] and takes three strides (T, H, E), not {} ({other:?})",
+            other.len()
+        )),
+    }
+}
+
+/// A GPU tensor's packed `[T, H, E]` rows at strides `[ts, hs]` as a `[1, T, H, E]` view from
+/// its offset (what [`crate::ops::copy::gather_rows`] reads); `None` for host data.
+pub(crate) fn rows_view<'a>(
+    x: &Tensor<'a>,
+    [t, h, e]: [usize; 3],
+    [ts, hs]: [usize; 2],
+) -> Option<Tensor<'a>> {
+    match &x.data {
+        TensorData::Gpu {
+            buffer,
+            offset,
+            storage,
+        } => Some(
+            Tensor::from_buffer(buffer, *storage, &[1, t, h, e])
+                .at_offset(*offset)
+                .with_strides(&[0, ts, hs, 1]),
+        ),
+        TensorData::Host(_) => None,
     }
 }

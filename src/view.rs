@@ -235,17 +235,6 @@ pub(crate) fn resolve(
     }))
 }
 
-/// The view of tensor `name`, `None` when it is dense (or host data).
-pub(crate) fn of_tensor(name: &'static str, t: &crate::Tensor) -> Result<Option<View>> {
-    match &t.data {
-        crate::tensor::TensorData::Gpu { offset, storage, .. } => {
-            let v = resolve(name, &t.view, &t.shape, *offset, *storage)?;
-            Ok(v.filter(|v| !v.is_dense(t.shape.as_slice().try_into().expect("a view is 4-D"))))
-        }
-        crate::tensor::TensorData::Host(_) => Ok(None),
-    }
-}
-
 /// The view of a bias of `shape` (rank 1 to 4, broadcastable to the scores `[B, Hq, L, S]`) at
 /// byte `offset`: `None` when it is dense from a 256-aligned offset. Explicit strides
 /// ([`Tensor::with_strides`](crate::Tensor::with_strides), one per dimension of the shape,
@@ -298,7 +287,7 @@ pub(crate) fn resolve_bias(
             dense
         }
     };
-    let shape4 = crate::problem::pad4(shape);
+    let shape4 = pad4(shape);
     let mut strides = [0usize; 4];
     strides[4 - shape.len()..].copy_from_slice(&given);
     for d in 0..4 {
@@ -312,97 +301,10 @@ pub(crate) fn resolve_bias(
     }))
 }
 
-/// The bias's view (see [`resolve_bias`]), `None` when it is dense (or host data): a view
-/// equal to the dense broadcast one, from the buffer's aligned start, is no view.
-pub(crate) fn of_bias(t: &crate::Tensor) -> Result<Option<View>> {
-    match &t.data {
-        crate::tensor::TensorData::Gpu { offset, storage, .. } => {
-            let v = resolve_bias(&t.view, &t.shape, *offset, *storage)?;
-            // `resolve_bias` gives a view only for a valid shape (rank 1 to 4).
-            Ok(v.filter(|v| {
-                let dense = crate::problem::Broadcast {
-                    shape: crate::problem::pad4(&t.shape),
-                }
-                .strides();
-                v.offset != 0 || v.strides != dense
-            }))
-        }
-        crate::tensor::TensorData::Host(_) => Ok(None),
-    }
-}
-
-/// [`of_tensor`] for an output: its view must not reach one element from two indices.
-pub(crate) fn of_output(name: &'static str, t: &crate::Tensor) -> Result<Option<View>> {
-    let v = of_tensor(name, t)?;
-    if let Some(v) = v {
-        let shape: [usize; 4] = t.shape.as_slice().try_into().expect("a view is 4-D");
-        if v.overlaps(shape) {
-            return Err(Error::BadBuffer {
-                tensor: name,
-                reason: format!(
-                    "an output's elements must not overlap: shape {shape:?} through strides {:?} writes some elements twice",
-                    v.strides
-                ),
-            });
-        }
-    }
-    Ok(v)
-}
-
-/// The element strides of T and H of a packed `[T, H, E]` tensor `name` (a ragged batch's q,
-/// a cache append's k and v): three of its own ([`Tensor::with_strides`], E's 1: the parts of
-/// a fused QKV projection), or dense. A layout or capacity (which describe `[B, H, S, E]`
-/// tensors), another count of strides, an E stride other than 1 and a view asked of host data
-/// are typed errors naming it.
-///
-/// [`Tensor::with_strides`]: crate::Tensor::with_strides
-pub(crate) fn packed_rows(
-    name: &'static str,
-    x: &crate::Tensor<'_>,
-    [_, h, e]: [usize; 3],
-) -> Result<[usize; 2]> {
-    let bad = |reason: String| Err(Error::BadBuffer { tensor: name, reason });
-    if let Some(m) = x.misuse {
-        return bad(m.into());
-    }
-    let spec = &x.view;
-    if spec.layout.is_some() || spec.capacity.is_some() {
-        return bad(format!(
-            "{name} is packed [T, H, E]: a layout or sequence capacity describes [B, H, S, E] tensors; give its strides instead (Tensor::with_strides with three strides [T, H, E])"
-        ));
-    }
-    match spec.strides.as_deref() {
-        None => Ok([h * e, e]),
-        Some(&[ts, hs, 1]) => Ok([ts, hs]),
-        Some(&[_, _, es]) => bad(format!(
-            "{name}'s head-dim stride is {es}: each row of E elements must be contiguous (stride 1)"
-        )),
-        Some(other) => bad(format!(
-            "{name} is [T, H, E] and takes three strides (T, H, E), not {} ({other:?})",
-            other.len()
-        )),
-    }
-}
-
-/// A GPU tensor's packed `[T, H, E]` rows at strides `[ts, hs]` as a `[1, T, H, E]` view from
-/// its offset (what [`crate::ops::copy::gather_rows`] reads); `None` for host data.
-pub(crate) fn rows_view<'a>(
-    x: &crate::Tensor<'a>,
-    [t, h, e]: [usize; 3],
-    [ts, hs]: [usize; 2],
-) -> Option<crate::Tensor<'a>> {
-    match &x.data {
-        crate::tensor::TensorData::Gpu {
-            buffer,
-            offset,
-            storage,
-        } => Some(
-            crate::Tensor::from_buffer(buffer, *storage, &[1, t, h, e])
-                .at_offset(*offset)
-                .with_strides(&[0, ts, hs, 1]),
-        ),
-        crate::tensor::TensorData::Host(_) => None,
-    }
+pub(crate) fn pad4(shape: &[usize]) -> [usize; 4] {
+    let mut s = [1usize; 4];
+    s[4 - shape.len()..].copy_from_slice(shape);
+    s
 }
 
 #[cfg(test)]

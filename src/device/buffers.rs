@@ -6,7 +6,7 @@ use std::num::NonZeroU64;
 use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::storage::Storage;
-use crate::tensor::{Tensor, TensorData};
+use crate::tensor::{check_len, Tensor, TensorData};
 
 /// Bytes per element of the f32 storage every buffer uses today.
 pub(crate) const F32: u64 = 4;
@@ -19,19 +19,6 @@ pub(crate) fn f32_bytes(elems: usize) -> u64 {
 /// Bytes of an f32 tensor of `shape`.
 pub(crate) fn shape_bytes(shape: &[usize]) -> u64 {
     f32_bytes(shape.iter().product())
-}
-
-pub(crate) fn check_len(tensor: &'static str, shape: &[usize], actual: usize) -> Result<()> {
-    let expected: usize = shape.iter().product();
-    if expected != actual {
-        return Err(Error::DataLength {
-            tensor,
-            shape: shape.to_vec(),
-            expected,
-            actual,
-        });
-    }
-    Ok(())
 }
 
 pub(crate) fn fits(what: &str, bytes: u64, limit: u64, limit_name: &'static str) -> Result<()> {
@@ -280,7 +267,7 @@ impl<'t, 'a> Operand<'t, 'a> {
                     Some(view) => {
                         bind_offset = offset - offset % crate::view::BIND_ALIGN;
                         // A view is 4-D (a bias's shape left-padded with ones).
-                        bytes = storage.bytes(view.extent(crate::problem::pad4(&t.shape)));
+                        bytes = storage.bytes(view.extent(crate::view::pad4(&t.shape)));
                         check_view_buffer(
                             name,
                             buffer,

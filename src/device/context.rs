@@ -495,7 +495,7 @@ impl Context {
     /// ctx.release_cached(); // frees what only the cache kept alive
     /// # Ok::<(), wgpu_attention::Error>(())
     /// ```
-    pub fn set_cache_limits(&self, limits: crate::CacheLimits) {
+    pub fn set_cache_limits(&self, limits: crate::device::cache::CacheLimits) {
         self.inner.cache.set_limits(limits);
     }
 
@@ -509,9 +509,9 @@ impl Context {
     }
 
     /// What the cache holds now.
-    pub fn cache_stats(&self) -> crate::CacheStats {
+    pub fn cache_stats(&self) -> crate::device::cache::CacheStats {
         let (bind_groups, buffers, bytes_held) = self.inner.cache.stats();
-        crate::CacheStats {
+        crate::device::cache::CacheStats {
             bind_groups,
             buffers,
             bytes_held,
@@ -527,7 +527,7 @@ impl Context {
     /// memory, or the next readback fails, as a device's would. For testing how an application
     /// copes; the call that meets the fault returns the error, frees what it allocated, and the
     /// context stays usable. See `tests/faults.rs`.
-    pub fn inject_fault(&self, fault: crate::Fault) {
+    pub fn inject_fault(&self, fault: crate::device::faults::Fault) {
         self.inner.faults.inject(fault);
     }
 

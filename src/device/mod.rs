@@ -8,7 +8,6 @@
 //! - `faults.rs`: device faults (lost, out of memory, validation) as typed errors.
 //! - `timer.rs`: GPU time of recorded work (timestamp queries).
 //! - `subgroup_probe.rs`: the per-context check of the subgroup operations.
-//! - `tune.rs`: the tuning knobs of the GPU forms' sizes.
 
 pub(crate) mod buffers;
 pub(crate) mod cache;
@@ -18,4 +17,3 @@ pub(crate) mod pipelines;
 #[cfg(not(target_arch = "wasm32"))]
 pub(crate) mod subgroup_probe;
 pub(crate) mod timer;
-pub(crate) mod tune;

@@ -309,7 +309,7 @@ mod tests {
     /// The cache keeps at most MAX_PIPELINES, dropping the least recently used.
     #[test]
     fn the_cache_is_bounded_and_drops_the_least_recently_used() {
-        let Ok(ctx) = crate::Context::new_blocking() else {
+        let Ok(ctx) = crate::device::context::Context::new_blocking() else {
             return;
         };
         let cache = PipelineCache::default();

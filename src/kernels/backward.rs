@@ -384,12 +384,12 @@ impl Config {
         }
         let (wg, rows, unroll, sg) = match form {
             BackwardForm::Gpu => (
-                crate::device::tune::knob("bwd_wg").unwrap_or(64),
-                crate::device::tune::knob("bwd_rows").unwrap_or(1),
+                crate::forms::tune::knob("bwd_wg").unwrap_or(64),
+                crate::forms::tune::knob("bwd_rows").unwrap_or(1),
                 // Measured on an H100 (scripts/gpu_sweep.sh, c_h8_s4096_causal): unrolled 13.6 ms,
                 // loops as written 42 ms (their register arrays go to local memory); 2 rows per
                 // invocation spill (5.3 ms against 1.7 ms at a_h8_s1024).
-                crate::device::tune::knob("bwd_unroll").is_none_or(|u| u != 0),
+                crate::forms::tune::knob("bwd_unroll").is_none_or(|u| u != 0),
                 None,
             ),
             BackwardForm::Subgroup { rows } => {
@@ -406,9 +406,7 @@ impl Config {
             ));
         }
         let wg_memory = match form {
-            BackwardForm::Gpu => {
-                crate::device::tune::knob("wg_memory").unwrap_or(super::flash::GPU_WG_MEMORY)
-            }
+            BackwardForm::Gpu => crate::forms::tune::knob("wg_memory").unwrap_or(super::flash::GPU_WG_MEMORY),
             _ => WG_MEMORY,
         };
         let budget = wg_memory.min(caps.workgroup_storage).saturating_sub(16);

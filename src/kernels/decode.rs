@@ -75,7 +75,7 @@ pub(crate) fn split(p: &Problem, form: DecodeForm) -> (usize, usize) {
         DecodeForm::GpuTiles => TILES_TARGET_WORKGROUPS,
         _ => TARGET_WORKGROUPS,
     };
-    let target = crate::device::tune::knob("decode_target").map_or(default, |t| t as usize);
+    let target = crate::forms::tune::knob("decode_target").map_or(default, |t| t as usize);
     let want = target.div_ceil(rows).max(1);
     let chunk = p.seq_kv.div_ceil(want).next_multiple_of(64).clamp(64, 1024);
     (chunk, p.seq_kv.div_ceil(chunk))
@@ -116,7 +116,7 @@ fn key_lanes(p: &Problem, wg: u32) -> usize {
     // Half formats with E a multiple of 8 read 8 elements per chunk (Config::p8); E4 / 2
     // chunks then, which KL must divide too.
     let chunks = if e4.is_multiple_of(2) { e4 / 2 } else { e4 };
-    let mut kl = crate::device::tune::knob("decode_klanes")
+    let mut kl = crate::forms::tune::knob("decode_klanes")
         .map_or(KEY_LANES, |k| k as usize)
         .clamp(1, 16)
         .next_power_of_two();
@@ -150,12 +150,12 @@ impl Config {
         // one compiles in 1.3 s and runs in 36 ms.
         let (wg, unroll) = match form {
             DecodeForm::Gpu => (
-                crate::device::tune::knob("decode_wg").unwrap_or(64),
+                crate::forms::tune::knob("decode_wg").unwrap_or(64),
                 !caps.cpu && p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM,
             ),
             // A power of two holding at least one V row's vec4s (EVP) in each of two subsets.
             DecodeForm::GpuTiles => (
-                crate::device::tune::knob("decode_wg")
+                crate::forms::tune::knob("decode_wg")
                     .unwrap_or(TILES_WG)
                     .max(2 * evp(p.head_dim_v.div_ceil(4)) as u32),
                 !caps.cpu && p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM,
@@ -298,7 +298,7 @@ impl Config {
     fn io(&self) -> String {
         super::access::attention_io(
             &self.formats,
-            crate::Storage::F32,
+            crate::storage::Storage::F32,
             self.vec4,
             self.ev_odd,
             self.p8(),

@@ -205,7 +205,7 @@ pub(crate) fn check_head_dims(p: &Problem) -> std::result::Result<(), String> {
 /// units for f16 q, k and v where they are the device's default ([`Caps::coop_by_default`])
 /// and the form takes the problem.
 pub(crate) fn default_form(p: &Problem, caps: &Caps) -> FusedForm {
-    let f16 = [p.storage.q, p.storage.k, p.storage.v] == [crate::Storage::F16; 3];
+    let f16 = [p.storage.q, p.storage.k, p.storage.v] == [crate::storage::Storage::F16; 3];
     if f16 && caps.coop_by_default() {
         if let Some(t) = caps.coop.largest() {
             if Config::coop(p, caps, Some(t), false).is_ok() {
@@ -304,9 +304,9 @@ impl Config {
             // at c_h8_s4096_causal and a_h8_s1024; 2 or 4 rows per invocation spill registers
             // (3x slower); 8 keys per step no better than 4.
             FusedForm::Gpu => layout(
-                crate::device::tune::knob("fused_wg").unwrap_or(128),
-                crate::device::tune::knob("fused_rq").unwrap_or(1),
-                crate::device::tune::knob("fused_kg").unwrap_or(4),
+                crate::forms::tune::knob("fused_wg").unwrap_or(128),
+                crate::forms::tune::knob("fused_rq").unwrap_or(1),
+                crate::forms::tune::knob("fused_kg").unwrap_or(4),
                 [true, false],
             ),
             FusedForm::Subgroup { rows } => {
@@ -327,7 +327,7 @@ impl Config {
         }
         let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
         let wg_memory = match form {
-            FusedForm::Gpu => crate::device::tune::knob("wg_memory").unwrap_or(GPU_WG_MEMORY),
+            FusedForm::Gpu => crate::forms::tune::knob("wg_memory").unwrap_or(GPU_WG_MEMORY),
             _ => WG_MEMORY,
         };
         let budget = wg_memory.min(caps.workgroup_storage).saturating_sub(16);
@@ -435,9 +435,9 @@ impl Config {
     /// The register-tiled GPU form's configuration: the largest tiles of (BM query rows, BN
     /// keys) whose Q, K, V and weight tiles fit the workgroup memory (48 KiB where the device
     /// allows), with TM x TN logits per invocation (4 x 4; the `tiles_*` knobs of
-    /// [`crate::device::tune`] choose others).
+    /// [`crate::forms::tune`] choose others).
     fn tiles(p: &Problem, caps: &Caps, pinned: bool) -> std::result::Result<Config, String> {
-        use crate::device::tune::knob;
+        use crate::forms::tune::knob;
         let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
         let memory = knob("wg_memory").unwrap_or(TILES_WG_MEMORY);
         let budget = memory.min(caps.workgroup_storage);
@@ -613,7 +613,7 @@ impl Config {
                 self.scalar_logits(),
                 // The next K/V tile's loads issued before this tile's arithmetic: off unless the
                 // knob asks (slower on an H200).
-                crate::device::tune::knob("tiles_prefetch") == Some(1),
+                crate::forms::tune::knob("tiles_prefetch") == Some(1),
                 self.sg_rows,
                 if self.sg_rows { TILES_SG_ROW_FNS } else { TILES_ROW_FN_STUBS },
                 self.unroll,

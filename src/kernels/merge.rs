@@ -35,8 +35,8 @@ wgsl_struct! {
 
 /// The merge's declarations of part_out (format `parts`) and out (format `out`, rows of `ev`).
 pub(crate) fn prelude(
-    parts: crate::Storage,
-    out: crate::Storage,
+    parts: crate::storage::Storage,
+    out: crate::storage::Storage,
     ev: u32,
     view: Option<crate::view::View>,
 ) -> String {
@@ -68,7 +68,7 @@ pub(crate) fn record(
     encoder: &mut wgpu::CommandEncoder,
     buffers: [wgpu::BufferBinding<'_>; 4],
     params: &Params,
-    formats: (crate::Storage, crate::Storage),
+    formats: (crate::storage::Storage, crate::storage::Storage),
     view: Option<crate::view::View>,
 ) -> Result<()> {
     let grid = grid_1d(params.rows, ctx.limits().max_compute_workgroups_per_dimension);

@@ -276,13 +276,18 @@ impl Masks {
 /// it). Measured on an H200 (gpu-tiles, c_h8_s4096_causal f32): 0.978 -> 0.939 ms, a quarter of
 /// the logits' registers.
 pub(crate) fn scalar_logits(gpu_form: bool) -> bool {
-    gpu_form && crate::device::tune::knob("scalar_logits") != Some(0)
+    gpu_form && crate::forms::tune::knob("scalar_logits") != Some(0)
 }
 
 /// The constants every masked forward kernel's prelude declares: whether a boolean mask and a
 /// bias are bound (their code is compiled out when absent), the bias (binding 1) in its format
 /// `bias`, and the key lengths (binding 2, read by `kv_len`).
-pub(crate) fn mask_consts(has_mask: bool, has_bias: bool, mods: Mods, bias: crate::Storage) -> String {
+pub(crate) fn mask_consts(
+    has_mask: bool,
+    has_bias: bool,
+    mods: Mods,
+    bias: crate::storage::Storage,
+) -> String {
     mask_flags(has_mask, has_bias, mods, bias)
         + "@group(0) @binding(2) var<storage, read> kv_lens: array<u32>;\n\
            fn aux_word(i: u32) -> u32 { return kv_lens[i]; }\n"
@@ -326,7 +331,12 @@ impl Mods {
 
 /// [`mask_consts`] without the key lengths (the backward kernels read them from their
 /// statistics buffer).
-pub(crate) fn mask_flags(has_mask: bool, has_bias: bool, mods: Mods, bias: crate::Storage) -> String {
+pub(crate) fn mask_flags(
+    has_mask: bool,
+    has_bias: bool,
+    mods: Mods,
+    bias: crate::storage::Storage,
+) -> String {
     // MASKED_LOGIT: whether the fused kernels pass each logit through masked_logit (the window
     // alone they apply by key ranges).
     format!(
@@ -342,7 +352,7 @@ pub(crate) fn mask_flags(has_mask: bool, has_bias: bool, mods: Mods, bias: crate
         mods.score_mod,
         mods.mask_mod,
         has_mask || has_bias || mods.softcap || mods.alibi || mods.docs || mods.score_mod || mods.mask_mod,
-        crate::device::tune::knob("softcap_form").unwrap_or(0).min(2),
+        crate::forms::tune::knob("softcap_form").unwrap_or(0).min(2),
         access::bias(bias),
         crate::user_mod::prelude(mods.user),
     )
@@ -494,7 +504,7 @@ pub(crate) fn pipeline(
             // The `unchecked` knob overrides (1: every kernel, 0: none), for measuring.
             // User WGSL keeps the checks unless it has no loops and no dynamic indexing
             // (`user_mod::proved_safe`; its prelude is then not marked USER_MARK).
-            let unchecked = match crate::device::tune::knob("unchecked") {
+            let unchecked = match crate::forms::tune::knob("unchecked") {
                 Some(u) => u == 1 && !prelude.contains(crate::user_mod::USER_MARK),
                 None => spec.trusted && !ctx.caps().cpu && !prelude.contains(crate::user_mod::USER_MARK),
             };
@@ -725,7 +735,7 @@ pub(crate) const CPU_UNROLL_MAX_DIM: usize = 128;
 
 /// Whether the fused and backward kernels unroll their loops over the head dims (when they
 /// unroll at all): on GPUs always, on CPU adapters up to [`CPU_UNROLL_MAX_DIM`].
-pub(crate) fn unroll_dims(p: &crate::Problem, caps: &crate::forms::Caps) -> bool {
+pub(crate) fn unroll_dims(p: &crate::problem::Problem, caps: &crate::forms::Caps) -> bool {
     !caps.cpu || p.head_dim.max(p.head_dim_v) <= CPU_UNROLL_MAX_DIM
 }
 
@@ -1164,7 +1174,7 @@ mod tests {
         let spirv_val = std::env::var("WGPU_ATTENTION_SPIRV_VAL").ok();
         for t in [8, 16] {
             let caps = coop_caps();
-            let caps = caps.with_forms(crate::FusedForm::Coop { tile: Some(t) });
+            let caps = caps.with_forms(crate::forms::FusedForm::Coop { tile: Some(t) });
             for (e, ev, fmt, masked) in [
                 (64, 64, Storage::F16, false),
                 (64, 64, Storage::F32, true),
@@ -1179,7 +1189,7 @@ mod tests {
                     assert!(flash::Config::new(&half_view, &caps).is_err());
                 }
                 let cfg = flash::Config::new(&p, &caps).unwrap();
-                assert_eq!(cfg.form, crate::FusedForm::Coop { tile: Some(t) });
+                assert_eq!(cfg.form, crate::forms::FusedForm::Coop { tile: Some(t) });
                 assert!(!src_has_atomics(&source(cfg.spec(), &cfg.prelude(), false)));
                 let src = source(cfg.spec(), &cfg.prelude(), false);
                 let label = format!("flash_coop {t} E {e} Ev {ev} {fmt:?} masked {masked}");
@@ -1203,7 +1213,7 @@ mod tests {
         let spirv_val = std::env::var("WGPU_ATTENTION_SPIRV_VAL").ok();
         for t in [8, 16] {
             let caps = coop_caps();
-            let caps = caps.with_forms(crate::BackwardForm::Coop { tile: Some(t) });
+            let caps = caps.with_forms(crate::forms::BackwardForm::Coop { tile: Some(t) });
             for (e, ev, fmt, masked) in [
                 (64, 64, Storage::F16, false),
                 (64, 64, Storage::F32, true),
@@ -1212,7 +1222,7 @@ mod tests {
             ] {
                 let p = coop_problem(e, ev, Formats::all(fmt), masked);
                 let c = backward::Config::new(&p, &caps).unwrap();
-                assert_eq!(c.form, crate::BackwardForm::Coop { tile: Some(t) });
+                assert_eq!(c.form, crate::forms::BackwardForm::Coop { tile: Some(t) });
                 for (spec, pre) in [(c.dq_spec(), c.dq_prelude()), (c.dkv_spec(), c.dkv_prelude())] {
                     let src = source(spec, &pre, false);
                     assert!(!src_has_atomics(&src), "{}", spec.name);

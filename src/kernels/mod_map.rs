@@ -109,7 +109,7 @@ pub(crate) fn get(ctx: &Context, p: &Problem) -> Result<wgpu::Buffer> {
         ctx,
         &mut encoder,
         &SPEC,
-        &mask_consts(false, false, mods, crate::Storage::F32),
+        &mask_consts(false, false, mods, crate::storage::Storage::F32),
         &[],
         &[
             dummy.as_entire_buffer_binding(),

@@ -8,10 +8,10 @@ use wgpu::util::DeviceExt;
 
 use super::{matmul, softmax};
 use crate::check::{compare, F32_TOLERANCE};
+use crate::device::context::Context;
 use crate::options::Options;
 use crate::problem::Causal;
 use crate::reference;
-use crate::Context;
 
 pub(crate) fn ctx() -> Option<Context> {
     match Context::new_blocking() {
@@ -89,7 +89,7 @@ fn run_matmul(
         params,
         batch: batch as u32,
         trans_b,
-        formats: [crate::Storage::F32; 4],
+        formats: [crate::storage::Storage::F32; 4],
         accumulate: false,
     }
     .record(ctx, &mut enc, &dummy)
@@ -216,7 +216,8 @@ fn softmax_stage_matches_reference_masked_softmax() {
 #[test]
 fn fused_first_use_form_and_fastest_form_agree() {
     use super::flash;
-    use crate::{Path, Sdpa};
+    use crate::sdpa::Path;
+    use crate::sdpa::Sdpa;
     let Some(ctx) = ctx() else { return };
     // E = 64, Ev = 40 (4 rows per invocation on lavapipe), L and S not multiples of any tile.
     let (b, h, l, s, e, ev) = (1, 4, 603, 611, 64, 40);
@@ -438,7 +439,7 @@ impl MatmulCase {
         ctx: &Context,
         form: matmul::Form,
         whole: bool,
-    ) -> (crate::Result<()>, wgpu::Buffer, wgpu::CommandEncoder) {
+    ) -> (crate::error::Result<()>, wgpu::Buffer, wgpu::CommandEncoder) {
         let [batch, m, n, k, off] = self.dims;
         let c = buf(ctx, &vec![0u8; self.fs[3].bytes(batch * m * n) as usize]);
         let mut enc = ctx.device().create_command_encoder(&Default::default());
@@ -486,7 +487,7 @@ impl MatmulCase {
             let (r, _, _) = self.record(ctx, form, false);
             let why = if bf16 { "bf16" } else { "whole words" };
             assert!(
-                matches!(&r, Err(crate::Error::Unsupported { reason, .. }) if reason.contains(why)),
+                matches!(&r, Err(crate::error::Error::Unsupported { reason, .. }) if reason.contains(why)),
                 "{form:?} {fs:?}: {r:?}"
             );
             return;

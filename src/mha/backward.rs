@@ -266,7 +266,7 @@ impl<'a> MhaBackward<'a> {
         &self,
         enc: &mut wgpu::CommandEncoder,
         (lin, pass, inputs): (&Linear<'_>, &Pass<'_, '_>, &Inputs<'_>),
-        attn: &crate::GpuGrads,
+        attn: &crate::sdpa::backward::GpuGrads,
         bufs: &MhaGpuGrads,
     ) -> Result<()> {
         let (fwd, m, c) = (&self.fwd, self.fwd.layer(), self.fwd.layer().config);
@@ -341,7 +341,7 @@ impl<'a> MhaBackward<'a> {
         enc: &mut wgpu::CommandEncoder,
         dims: &Dims,
         (query_shape, [key_shape, value_shape]): (&[usize], [Option<[usize; 3]>; 2]),
-        attn: &crate::GpuGrads,
+        attn: &crate::sdpa::backward::GpuGrads,
         (out, output_offset): (wgpu::Buffer, u64),
     ) -> MhaGpuGrads {
         let (fwd, into) = (&self.fwd, &self.into);

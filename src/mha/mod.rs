@@ -102,7 +102,7 @@ pub struct MultiHeadAttention {
     b_k: Option<wgpu::Buffer>,
     b_v: Option<wgpu::Buffer>,
     b_o: Option<wgpu::Buffer>,
-    storage: crate::Storage,
+    storage: crate::storage::Storage,
 }
 
 impl MultiHeadAttention {
@@ -149,7 +149,7 @@ impl MultiHeadAttention {
     }
 
     /// The device format of the parameters, activations and output.
-    pub fn storage(&self) -> crate::Storage {
+    pub fn storage(&self) -> crate::storage::Storage {
         self.storage
     }
 

@@ -146,14 +146,14 @@ pub(crate) fn convert(
     )
 }
 
-/// Record the copy of a [`crate::view::rows_view`] (`[1, T, H, E]` rows anywhere in a GPU
+/// Record the copy of a [`crate::tensor::rows_view`] (`[1, T, H, E]` rows anywhere in a GPU
 /// buffer, from any element offset) into the dense `dst`, the view checked against its buffer
 /// first (`Error::BadBuffer` naming `name`).
 pub(crate) fn gather_rows(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
     name: &'static str,
-    viewed: &crate::Tensor<'_>,
+    viewed: &crate::tensor::Tensor<'_>,
     dst: Dense<'_>,
 ) -> Result<()> {
     let op = crate::device::buffers::Operand::check_viewed(ctx, name, viewed)?;

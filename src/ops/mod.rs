@@ -228,7 +228,7 @@ mod tests {
         // batch stride (the last head of an earlier batch lies furthest).
         let bshe = View {
             offset: 3,
-            strides: crate::TensorLayout::Bshe.strides(3, 7, 8),
+            strides: crate::view::TensorLayout::Bshe.strides(3, 7, 8),
         };
         let odd = View {
             offset: 0,

@@ -7,7 +7,7 @@ use crate::device::buffers::{constant, dummy, Operand as Checked};
 use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::kernels::rope::{record, Rotation};
-use crate::rope::{Rope, RopeStyle};
+use crate::rope::{check_positions, Rope, RopeStyle};
 use crate::storage::Storage;
 use crate::tensor::Tensor;
 
@@ -186,5 +186,24 @@ impl Rope {
         positions: &[usize],
     ) -> Result<ndarray::Array3<f32>> {
         pollster::block_on(self.run(ctx, x, positions))
+    }
+
+    /// The shape `[T, H, E]` of `x` and the rotated dimensions, checked against `positions`.
+    pub(crate) fn check(&self, x: &Tensor<'_>, positions: &[usize]) -> Result<([usize; 3], usize)> {
+        let shape: [usize; 3] = x.shape.as_slice().try_into().map_err(|_| Error::WrongRank {
+            tensor: "x",
+            expected: 3,
+            actual: x.shape.len(),
+            shape: x.shape.clone(),
+        })?;
+        if shape.contains(&0) {
+            return Err(Error::ZeroSized {
+                tensor: "x",
+                shape: x.shape.clone(),
+            });
+        }
+        let d = self.rotated_dims(shape[2])?;
+        check_positions(positions, shape[0])?;
+        Ok((shape, d))
     }
 }

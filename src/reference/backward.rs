@@ -170,7 +170,7 @@ pub fn sdpa_backward_in<F: Float, T: Copy + Into<f64>, U: Copy + Into<f64>>(
 ) -> Result<Gradients<F>> {
     let pr = opts.problem(q.shape(), k.shape(), v.shape())?;
     if dout.shape() != pr.out_shape() {
-        return Err(crate::Error::ShapeMismatch {
+        return Err(crate::error::Error::ShapeMismatch {
             tensor: "dout",
             expected: pr.out_shape().to_vec(),
             actual: dout.shape().to_vec(),

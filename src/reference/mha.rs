@@ -145,7 +145,7 @@ fn given_heads<F: Float>(x: ArrayView4<f32>, b: usize) -> Array4<F> {
 /// Multi-head attention, the plain way: f64 projections, [`scores`](super::scores),
 /// [`masked_softmax`](super::masked_softmax), [`weighted_sum`](super::weighted_sum), head merge, output projection. Validated like the GPU layer (the same
 /// typed errors for bad shapes).
-pub fn mha(w: &crate::MhaWeights, inputs: &MhaInputs, opts: &Options) -> Result<MhaOutput> {
+pub fn mha(w: &crate::mha::MhaWeights, inputs: &MhaInputs, opts: &Options) -> Result<MhaOutput> {
     w.validate()?;
     let c = &w.config;
     let (h, g, d) = (c.num_heads, c.num_kv_heads, c.head_dim());
@@ -182,7 +182,7 @@ pub fn mha(w: &crate::MhaWeights, inputs: &MhaInputs, opts: &Options) -> Result<
 /// ([`sdpa_backward_in`]), then for each projection `dx = dP W`, `dW = dPᵀ x` and `db = Σ dP`
 /// of its merged head gradient `dP`; self-attention adds the three input gradients.
 pub fn mha_backward_in<F: Float + Into<f64>, U: Copy + Into<f64>>(
-    w: &crate::MhaWeights,
+    w: &crate::mha::MhaWeights,
     inputs: &MhaInputs,
     opts: &Options,
     dout: ArrayView3<U>,
@@ -277,7 +277,7 @@ pub fn mha_backward_in<F: Float + Into<f64>, U: Copy + Into<f64>>(
 
 /// [`mha_backward_in`] in f64: the reference every GPU layer gradient is checked against.
 pub fn mha_backward<U: Copy + Into<f64>>(
-    w: &crate::MhaWeights,
+    w: &crate::mha::MhaWeights,
     inputs: &MhaInputs,
     opts: &Options,
     dout: ArrayView3<U>,
@@ -288,7 +288,7 @@ pub fn mha_backward<U: Copy + Into<f64>>(
 /// [`mha_backward_in`] in f32: the plain f32 implementation of the accuracy rule
 /// ([`crate::check::flash_rule`]).
 pub fn mha_backward_f32<U: Copy + Into<f64>>(
-    w: &crate::MhaWeights,
+    w: &crate::mha::MhaWeights,
     inputs: &MhaInputs,
     opts: &Options,
     dout: ArrayView3<U>,
@@ -299,9 +299,10 @@ pub fn mha_backward_f32<U: Copy + Into<f64>>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mha::MhaConfig;
+    use crate::mha::MhaWeights;
     use crate::problem::Causal;
     use crate::tensor::Mask;
-    use crate::{MhaConfig, MhaWeights};
     use ndarray::{Array, ArrayD, Dimension};
     use rand::{Rng, SeedableRng};
 

@@ -88,7 +88,7 @@ pub(super) fn allowed(
         }
     }
     if let Some((left, right)) = opts.window {
-        let w = crate::Window {
+        let w = crate::problem::Window {
             left,
             right,
             sink_tokens: opts.sink_tokens,
@@ -146,7 +146,7 @@ pub fn masked_softmax(scores: &Array4<f64>, opts: &Options) -> Result<(Array4<f6
     let (b, h, l, s) = scores.dim();
     if let Some(d) = &opts.doc_ids {
         if d.q.len() != b * l || d.k.len() != b * s {
-            return Err(crate::Error::InvalidModifier {
+            return Err(crate::error::Error::InvalidModifier {
                 modifier: "doc_ids",
                 reason: format!(
                     "{} query and {} key document ids for scores [{b}, {h}, {l}, {s}]: give B·L and B·S",
@@ -299,7 +299,7 @@ mod modifier_tests {
             softcap: Some(1.5),
             alibi: Some(vec![0.375]),
             kv_lens: Some(vec![2]),
-            bias: Some(crate::Tensor::from_slice(&bias, &[1, 1, 1, 3])),
+            bias: Some(crate::tensor::Tensor::from_slice(&bias, &[1, 1, 1, 3])),
             ..Default::default()
         };
         let got = sdpa(q.view(), k.view(), v.view(), &opts).unwrap().out[[0, 0, 0, 0]];

@@ -483,8 +483,12 @@ pub(crate) fn backward(
                     let bw = sdpa
                         .backward(Tensor::from_buffer(d, f.out, &[p.batch, p.q_heads, lq, ev]))
                         .saved(
-                            Tensor::from_buffer(o, crate::Storage::F32, &[p.batch, p.q_heads, lq, ev]),
-                            Tensor::from_buffer(l, crate::Storage::F32, &rows),
+                            Tensor::from_buffer(
+                                o,
+                                crate::storage::Storage::F32,
+                                &[p.batch, p.q_heads, lq, ev],
+                            ),
+                            Tensor::from_buffer(l, crate::storage::Storage::F32, &rows),
                         )
                         .path(plan.path);
                     out.push(bw.record(ctx, encoder)?);
@@ -622,7 +626,7 @@ struct GradSums<'s> {
 fn add_pair(
     ctx: &Context,
     plan: &RingPlan,
-    g: &crate::GpuGrads,
+    g: &crate::sdpa::backward::GpuGrads,
     (k_at, v_at): (usize, usize),
     acc: GradSums<'_>,
     [q0, k0]: [usize; 2],
@@ -649,7 +653,10 @@ fn add_pair(
     for (acc, buf) in [(acc.dsink, &g.dsink), (acc.dcaptures, &g.dcaptures)] {
         if let (Some(acc), Some(buf)) = (acc, buf) {
             let n = acc.len();
-            add(acc, block_on(ctx.read_as_f32(buf, 0, n, crate::Storage::F32))?);
+            add(
+                acc,
+                block_on(ctx.read_as_f32(buf, 0, n, crate::storage::Storage::F32))?,
+            );
         }
     }
     Ok(())

@@ -397,7 +397,7 @@ pub struct RingPlan {
     /// backward, dO's).
     pub(crate) p: Problem,
     /// The user functions with their captures (copied), for the pairs' calls.
-    pub(crate) user_mod: Option<crate::UserMod<'static>>,
+    pub(crate) user_mod: Option<crate::user_mod::UserMod<'static>>,
     pub(crate) scale: Option<f64>,
     pub(crate) path: Path,
     pub(crate) lse: bool,

@@ -33,7 +33,7 @@ pub(crate) fn host<'t>(n: usize, name: &'static str, t: &'t Tensor<'_>) -> Resul
         devices: n,
         reason: format!("{name}: the ring shards host data; a GPU buffer lives on one device"),
     })?;
-    crate::device::buffers::check_len(name, &t.shape, d.len())?;
+    crate::tensor::check_len(name, &t.shape, d.len())?;
     Ok(d)
 }
 

@@ -44,7 +44,7 @@ pub async fn merge<'a>(
     }
     let (d1, d2) = (host_data("o1", &o1)?, host_data("o2", &o2)?);
     for (name, d) in [("o1", &d1), ("o2", &d2)] {
-        crate::device::buffers::check_len(name, &shape, d.len())?;
+        crate::tensor::check_len(name, &shape, d.len())?;
     }
     for (name, s) in [("lse1", lse1.shape()), ("lse2", lse2.shape())] {
         if s != [b, h, l] {

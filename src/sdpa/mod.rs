@@ -13,7 +13,7 @@ use crate::device::buffers::{binding, f32_bytes, shape_bytes};
 use crate::device::context::Context;
 use crate::error::{Error, Result};
 use crate::options::Options;
-use crate::problem::Problem;
+use crate::problem::{PagedKv, Problem};
 use crate::storage::{Formats, Storage};
 use crate::tensor::Tensor;
 
@@ -151,44 +151,10 @@ pub struct Sdpa<'a> {
     pub(crate) diag_shift: i64,
     /// [`Problem`]'s `pos_offset` (a ring pair's chunk starts; [0, 0] else).
     pub(crate) pos_offset: [usize; 2],
-    /// k and v are paged caches read through this block table ([`Sdpa::paged`]).
-    pub(crate) paged: Option<PagedSpec<'a>>,
-    pub(crate) paged_layout: PagedLayout,
+    /// k and v are paged caches ([`Sdpa::paged`]), as checked when the call was built.
+    pub(crate) paged: Option<Result<PagedKv>>,
     /// RoPE applied to q as the kernels read it ([`Sdpa::rope`]).
-    pub(crate) rope: Option<crate::Rope>,
-}
-
-/// [`Sdpa::paged`]'s block table (`[B, max_blocks]`, row-major) and key count per sequence.
-#[derive(Debug, Clone)]
-pub(crate) struct PagedSpec<'a> {
-    pub(crate) table: std::borrow::Cow<'a, [i32]>,
-    pub(crate) seq_lens: Vec<usize>,
-}
-
-/// How a paged cache's blocks are laid out (FlashInfer's `kv_layout`). There is no default:
-/// a buffer cannot say how it is laid out, so [`Pages::new`](crate::Pages::new) is told, and
-/// a [`KvCache`](crate::KvCache)'s [`pages`](crate::KvCache::pages) carry theirs.
-#[non_exhaustive]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum PagedLayout {
-    /// `[num_blocks, block_size, Hkv, E]`: a token's heads together (vLLM's cache, FlashInfer's
-    /// `NHD`).
-    TokenMajor,
-    /// `[num_blocks, Hkv, block_size, E]`: each head's keys of a block together (FlashInfer's
-    /// `HND`). One head's consecutive keys are `E` elements apart instead of `Hkv · E`, which
-    /// reads faster where memory is read by rows (CPU adapters: `paged_d` in
-    /// docs/benchmarks.md). [`KvCache`](crate::KvCache)'s pages are laid out so.
-    HeadMajor,
-}
-
-impl PagedLayout {
-    /// `[num_blocks, block_size, Hkv, E]` from a cache's shape in this layout.
-    pub(crate) fn token_major_dims([a, b, c, d]: [usize; 4], layout: PagedLayout) -> [usize; 4] {
-        match layout {
-            PagedLayout::TokenMajor => [a, b, c, d],
-            PagedLayout::HeadMajor => [a, c, b, d],
-        }
-    }
+    pub(crate) rope: Option<crate::rope::Rope>,
 }
 
 impl<'a> Sdpa<'a> {
@@ -210,73 +176,11 @@ impl<'a> Sdpa<'a> {
             diag_shift: 0,
             pos_offset: [0, 0],
             paged: None,
-            paged_layout: PagedLayout::TokenMajor,
             rope: None,
         }
     }
 
     option_setters!();
-
-    /// Attention of q over paged KV caches: `pages` holds the K and V caches and names their
-    /// layout ([`Pages::new`](crate::Pages::new) for your own buffers,
-    /// [`KvCache::pages`](crate::KvCache::pages) for the crate's cache), and key `t` of
-    /// sequence `b` is token slot `t % block_size` of block
-    /// `block_table[b * max_blocks + t / block_size]`. `block_table` is `[B, max_blocks]`
-    /// row-major (B = q's batch, one sequence per batch entry); `seq_lens[b]` is sequence
-    /// `b`'s key count, its new queries' own keys included. Entries past a sequence's last
-    /// block are never read and may be anything (-1, say).
-    ///
-    /// q is `[B, Hq, n, E]`: the `n` newest positions of each sequence, so query `i` of
-    /// sequence `b` has position `seq_lens[b] - n + i` ([`Causal::BottomRight`](crate::Causal::BottomRight) is causal by
-    /// position, and the window, ALiBi and a user function's `q_pos` measure from it). Decode
-    /// is `n = 1`; a prefill chunk of the same length for every sequence is larger `n`. Not
-    /// causal unless asked: give [`causal`](Sdpa::causal) for a prefill chunk (a
-    /// [`KvCache`](crate::KvCache)'s calls are causal by default). Runs on the fused and decode
-    /// paths (never [`Path::Unfused`], nor the attention weights); every modifier applies.
-    ///
-    /// Checked before any GPU work, as [`Error::Paged`]: a table whose length is not a
-    /// multiple of B, a sequence longer than its table, fewer keys than queries, a used entry
-    /// outside the caches, caches of different block counts or sizes, caches given a layout
-    /// or strides, and [`kv_lens`](Sdpa::kv_lens) or [`Causal::TopLeft`](crate::Causal::TopLeft) with it.
-    ///
-    /// ```
-    /// use ndarray::Array4;
-    /// use wgpu_attention::{Causal, PagedLayout, Pages, Sdpa};
-    /// // Two sequences of 5 and 2 keys in caches of 4 blocks of 2 tokens (1 K/V head, head
-    /// // dim 8), token-major; one new query each, 2 query heads.
-    /// let k = Array4::<f32>::from_elem((4, 2, 1, 8), 0.5);
-    /// let v = Array4::<f32>::from_elem((4, 2, 1, 8), 1.0);
-    /// let q = Array4::<f32>::from_elem((2, 2, 1, 8), 0.1);
-    /// let table = [3, 0, 2, /* sequence 1: */ 1, -1, -1];
-    /// let pages = Pages::new(&k, &v, PagedLayout::TokenMajor);
-    /// let call = Sdpa::paged(&q, pages, &table, &[5, 2]).causal(Causal::BottomRight);
-    /// assert_eq!(call.problem()?.seq_kv, 5);
-    /// # Ok::<(), wgpu_attention::Error>(())
-    /// ```
-    pub fn paged(
-        q: impl Into<Tensor<'a>>,
-        pages: crate::Pages<'a>,
-        block_table: &'a [i32],
-        seq_lens: &[usize],
-    ) -> Self {
-        let crate::Pages { k, v, layout } = pages;
-        Sdpa::new(q, k, v).over_pages(block_table, seq_lens, layout)
-    }
-
-    /// k and v read as paged caches in `layout` through `block_table` (see [`Sdpa::paged`]).
-    pub(crate) fn over_pages(
-        mut self,
-        block_table: &'a [i32],
-        seq_lens: &[usize],
-        layout: PagedLayout,
-    ) -> Self {
-        self.paged = Some(PagedSpec {
-            table: block_table.into(),
-            seq_lens: seq_lens.to_vec(),
-        });
-        self.paged_layout = layout;
-        self
-    }
 
     /// Rotate q by `rope` (RoPE) as the attention kernels read it: q holds un-rotated
     /// vectors, and the keys are expected rotated already (a [`KvCache`](crate::KvCache)
@@ -285,7 +189,7 @@ impl<'a> Sdpa<'a> {
     /// `S - L + i` without key lengths): each batch's newest query is its last key's position.
     /// The angles are computed on the host in f64. Fused and decode paths only ([`Path::Unfused`]
     /// and the attention weights are refused), and not the backward.
-    pub fn rope(mut self, rope: crate::Rope) -> Self {
+    pub fn rope(mut self, rope: crate::rope::Rope) -> Self {
         self.rope = Some(rope);
         self
     }
@@ -377,17 +281,28 @@ impl<'a> Sdpa<'a> {
     /// Validate shapes and options into a [`Problem`] (no GPU work).
     pub fn problem(&self) -> Result<Problem> {
         let q = self.q.storage();
-        let (p, paged) = match &self.paged {
-            None => (
-                self.options
-                    .problem(&self.q.shape, &self.k.shape, &self.v.shape)?,
-                None,
-            ),
-            Some(spec) => {
-                let (k, v, lens, paged) = paged_problem(self, spec)?;
+        let paged = self.paged.clone().transpose()?;
+        let p = match &paged {
+            None => self
+                .options
+                .problem(&self.q.shape, &self.k.shape, &self.v.shape)?,
+            Some(pg) => {
+                let bad = |reason: &str| {
+                    Err(Error::Paged {
+                        reason: reason.into(),
+                    })
+                };
+                if self.options.kv_lens.is_some() {
+                    return bad("seq_lens are the key lengths: do not also give kv_lens");
+                }
+                if self.options.causal == crate::problem::Causal::TopLeft {
+                    return bad(
+                        "queries are each sequence's newest positions: causal is Causal::BottomRight (by position)",
+                    );
+                }
                 let mut options = self.options.clone();
-                options.kv_lens = Some(lens);
-                (options.problem(&self.q.shape, &k, &v)?, Some(paged))
+                options.kv_lens = Some(pg.lens.clone());
+                options.problem(&self.q.shape, &pg.k_shape, &pg.v_shape)?
             }
         };
         let mut out = self.out_storage.unwrap_or(q);
@@ -469,13 +384,13 @@ impl<'a> Sdpa<'a> {
         p.diag_shift = self.diag_shift;
         p.pos_offset = self.pos_offset;
         p.views = crate::view::Views {
-            q: crate::view::of_tensor("q", &self.q)?,
-            k: crate::view::of_tensor("k", &self.k)?,
-            v: crate::view::of_tensor("v", &self.v)?,
+            q: crate::tensor::of_tensor("q", &self.q)?,
+            k: crate::tensor::of_tensor("k", &self.k)?,
+            v: crate::tensor::of_tensor("v", &self.v)?,
             out: self
                 .out
                 .as_ref()
-                .map(|t| crate::view::of_output("output", t))
+                .map(|t| crate::tensor::of_output("output", t))
                 .transpose()?
                 .flatten(),
             dout: None,
@@ -483,41 +398,20 @@ impl<'a> Sdpa<'a> {
                 .options
                 .bias
                 .as_ref()
-                .map(crate::view::of_bias)
+                .map(crate::tensor::of_bias)
                 .transpose()?
                 .flatten(),
-            paged: paged.as_ref().map(|pg| pg.block_size),
+            paged: paged.as_ref().map(|pg| pg.paged.block_size),
             q_rope: None,
         };
-        if paged.is_some() {
-            // The caches' element offsets (a binding starts at a 256-byte boundary) and their
-            // head and token strides, for the kernels' alignment checks; TensorViews reads the
-            // rest from `p.paged`.
-            let (e, ev, hkv) = (p.head_dim, p.head_dim_v, p.kv_heads);
-            let off = |t: &Tensor| match &t.data {
-                crate::tensor::TensorData::Gpu { offset, storage, .. } => {
-                    ((offset % crate::view::BIND_ALIGN) / storage.element_bytes()) as usize
-                }
-                crate::tensor::TensorData::Host(_) => 0,
-            };
-            let head_major = paged.as_ref().is_some_and(|pg| pg.head_major);
-            let bs = paged.as_ref().map_or(1, |pg| pg.block_size);
-            let view = |offset, e: usize| crate::view::View {
-                offset,
-                strides: if head_major {
-                    [0, bs * e, e, 1]
-                } else {
-                    [0, e, hkv * e, 1]
-                },
-            };
-            p.views.k = Some(view(off(&self.k), e));
-            p.views.v = Some(view(off(&self.v), ev));
+        if let Some(pg) = &paged {
+            [p.views.k, p.views.v] = pg.views.map(Some);
         }
-        p.paged = paged;
+        p.paged = paged.map(|pg| pg.paged);
         if let Some(rope) = self.rope {
             let d = rope.rotated_dims(p.head_dim)?;
             p.rope = Some((rope, d));
-            p.views.q_rope = Some((d, rope.style == crate::RopeStyle::HalfSplit));
+            p.views.q_rope = Some((d, rope.style == crate::rope::RopeStyle::HalfSplit));
         }
         Ok(p)
     }
@@ -647,9 +541,9 @@ impl Sdpa<'_> {
         let zeros = |n: usize| vec![0f32; n];
         // A paged call: each sequence's s keys in blocks of its own (caches `[B·blocks, BS, Hkv,
         // E]` in the call's layout), its table those blocks in order.
+        // Valid by construction: no table to check.
         let paged = base.paged.as_ref().map(|pg| {
             let per = s.div_ceil(pg.block_size);
-            let table: Vec<i32> = (0..(b * per) as i32).collect();
             let dims = |d: usize| {
                 let [nb, bs] = [b * per, pg.block_size];
                 if pg.head_major {
@@ -658,10 +552,20 @@ impl Sdpa<'_> {
                     [nb, bs, hkv, d]
                 }
             };
-            (table, vec![s; b], dims(e), dims(ev))
+            let table = crate::problem::Paged {
+                num_blocks: b * per,
+                max_blocks: per,
+                table: (0..(b * per) as u32).collect(),
+                ..pg.clone()
+            };
+            (
+                PagedKv::new(table, vec![s; b], [hkv, e, ev], [0, 0]),
+                dims(e),
+                dims(ev),
+            )
         });
         let (k_shape, v_shape) = match &paged {
-            Some((_, _, kd, vd)) => (*kd, *vd),
+            Some((_, kd, vd)) => (*kd, *vd),
             None => ([b, hkv, s, e], [b, hkv, s, ev]),
         };
         let (q, k, v) = (
@@ -704,7 +608,7 @@ impl Sdpa<'_> {
             softcap: self.options.softcap,
             alibi: self.options.alibi.clone(),
             sink_logits: self.options.sink_logits.clone(),
-            doc_ids: self.options.doc_ids.as_ref().map(|_| crate::DocIds {
+            doc_ids: self.options.doc_ids.as_ref().map(|_| crate::problem::DocIds {
                 q: vec![0; b * l],
                 k: vec![0; b * s],
             }),
@@ -743,9 +647,7 @@ impl Sdpa<'_> {
         if let Some(out) = viewed(3) {
             call = call.output_into(out);
         }
-        if let Some((table, lens, ..)) = &paged {
-            call = call.over_pages(table, lens, self.paged_layout);
-        }
+        call.paged = paged.map(|(pg, ..)| Ok(pg));
         if let Some(r) = self.rope {
             call = call.rope(r);
         }
@@ -815,110 +717,6 @@ pub(crate) async fn read_output(ctx: &Context, gpu: &GpuOutput) -> Result<Array4
 /// For [`Sdpa::prepare`]: when `t` is read through a view, zeroed scratch holding a tensor of
 /// `shape` in format `st` read the same way (the same offset within 256 bytes, the same layout,
 /// its capacity at least `shape`'s S): its buffer, that offset and the view request.
-/// A block table `[B, max_blocks]` for sequences of `lens` keys with `q_lens` new queries
-/// each, over caches of `nb` blocks of `bs` tokens: its row length and the table with the
-/// entries past each sequence's blocks zeroed ([`Error::Paged`] for a table that is not a
-/// positive multiple of B, a sequence longer than its row, fewer keys than queries, a used
-/// entry outside the caches).
-pub(crate) fn check_block_table(
-    table: &[i32],
-    lens: &[usize],
-    q_lens: &[usize],
-    nb: usize,
-    bs: usize,
-) -> Result<(usize, Vec<u32>)> {
-    let bad = |reason: String| Err(Error::Paged { reason });
-    let b = lens.len();
-    if b == 0 || table.is_empty() || !table.len().is_multiple_of(b) {
-        return bad(format!(
-            "the block table has {} entries, not a positive multiple of the {b} sequences ([B, max_blocks])",
-            table.len()
-        ));
-    }
-    let max_blocks = table.len() / b;
-    let mut clean = vec![0u32; table.len()];
-    for (s, (&len, &n)) in lens.iter().zip(q_lens).enumerate() {
-        if len > max_blocks * bs {
-            return bad(format!(
-                "sequence {s} has {len} keys, more than its table's {max_blocks} blocks of {bs} hold"
-            ));
-        }
-        if len < n {
-            return bad(format!(
-                "sequence {s} has {len} keys, fewer than its {n} new queries (their own keys count)"
-            ));
-        }
-        for t in 0..len.div_ceil(bs) {
-            let entry = table[s * max_blocks + t];
-            if entry < 0 || entry as usize >= nb {
-                return bad(format!(
-                    "block_table[{s}, {t}] = {entry} is not a block of the caches (0..{nb})"
-                ));
-            }
-            clean[s * max_blocks + t] = entry as u32;
-        }
-    }
-    Ok((max_blocks, clean))
-}
-
-/// [`Sdpa::paged`]'s checks: the logical k and v shapes `[B, Hkv, S, E]` (S the longest
-/// sequence), the key lengths, and the block table with its unused entries zeroed.
-#[allow(clippy::type_complexity)]
-fn paged_problem(
-    call: &Sdpa,
-    spec: &PagedSpec,
-) -> Result<([usize; 4], [usize; 4], Vec<usize>, crate::problem::Paged)> {
-    let bad = |reason: String| Err(Error::Paged { reason });
-    let rank4 = crate::problem::dims4;
-    let [b, _, n, _] = rank4("q", &call.q.shape)?;
-    let layout = call.paged_layout;
-    let [nb, bs, hkv, e] = PagedLayout::token_major_dims(rank4("k", &call.k.shape)?, layout);
-    let [vnb, vbs, vh, ev] = PagedLayout::token_major_dims(rank4("v", &call.v.shape)?, layout);
-    if (vnb, vbs, vh) != (nb, bs, hkv) {
-        return bad(format!(
-            "the v cache {:?} must have the k cache's blocks, block size and heads ({nb}, {bs}, {hkv}, Ev in the {layout:?} layout)",
-            call.v.shape
-        ));
-    }
-    for (name, t) in [("k", &call.k), ("v", &call.v)] {
-        if t.view.is_set() {
-            return bad(format!(
-                "the {name} cache is read as dense [num_blocks, block_size, Hkv, E]: no layout, capacity or strides"
-            ));
-        }
-    }
-    if call.options.kv_lens.is_some() {
-        return bad("seq_lens are the key lengths: do not also give kv_lens".into());
-    }
-    if call.options.causal == crate::Causal::TopLeft {
-        return bad(
-            "queries are each sequence's newest positions: causal is Causal::BottomRight (by position)"
-                .into(),
-        );
-    }
-    let lens = &spec.seq_lens;
-    if lens.len() != b {
-        return bad(format!(
-            "seq_lens has {} lengths for q's batch of {b} sequences",
-            lens.len()
-        ));
-    }
-    let (max_blocks, clean) = check_block_table(&spec.table, lens, &vec![n; b], nb, bs)?;
-    let s = lens.iter().copied().max().unwrap_or(1).max(1);
-    Ok((
-        [b, hkv, s, e],
-        [b, hkv, s, ev],
-        lens.clone(),
-        crate::problem::Paged {
-            block_size: bs,
-            num_blocks: nb,
-            max_blocks,
-            table: clean,
-            head_major: layout == PagedLayout::HeadMajor,
-        },
-    ))
-}
-
 fn scratch_view(
     ctx: &Context,
     t: &Tensor,

@@ -23,10 +23,17 @@ use std::time::Instant;
 
 use wgpu::util::DeviceExt;
 
-use crate::{
-    Causal, Context, KvCache, KvCacheConfig, PagedAttention, Result, Sdpa, SeqId, Storage, Tensor,
-    TensorLayout,
-};
+use crate::device::context::Context;
+use crate::error::Result;
+use crate::paged::KvCache;
+use crate::paged::KvCacheConfig;
+use crate::paged::PagedAttention;
+use crate::paged::SeqId;
+use crate::problem::Causal;
+use crate::sdpa::Sdpa;
+use crate::storage::Storage;
+use crate::tensor::Tensor;
+use crate::view::TensorLayout;
 
 /// One of the measured calls (see the module docs).
 #[non_exhaustive]
@@ -153,10 +160,10 @@ impl HostBench {
                 let [nseq, hkv, e, _] = PAGED;
                 let lens: Vec<usize> = (0..nseq).map(|s| 480 + s * 5 + grow % 32).collect();
                 let t0 = Instant::now();
-                let pages = crate::Pages::new(
+                let pages = crate::paged::Pages::new(
                     Tensor::from_buffer(&self.pages[0], Storage::F16, &[nseq * 34, 16, hkv, e]),
                     Tensor::from_buffer(&self.pages[1], Storage::F16, &[nseq * 34, 16, hkv, e]),
-                    crate::PagedLayout::TokenMajor,
+                    crate::paged::PagedLayout::TokenMajor,
                 );
                 PagedAttention::new(
                     Tensor::from_buffer(&self.paged_q, Storage::F16, &[19, 8, e]),
@@ -269,7 +276,7 @@ fn prefilled_cache(
     }
     ctx.device()
         .poll(wgpu::PollType::wait_indefinitely())
-        .map_err(|e| crate::Error::Validation(format!("poll: {e}")))?;
+        .map_err(|e| crate::error::Error::Validation(format!("poll: {e}")))?;
     Ok((cache, seqs))
 }
 

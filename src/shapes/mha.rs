@@ -5,7 +5,13 @@
 
 use wgpu::util::DeviceExt;
 
-use crate::{Causal, Context, MhaConfig, MhaForward, MhaWeights, MultiHeadAttention, Tensor};
+use crate::device::context::Context;
+use crate::mha::MhaConfig;
+use crate::mha::MhaForward;
+use crate::mha::MhaWeights;
+use crate::mha::MultiHeadAttention;
+use crate::problem::Causal;
+use crate::tensor::Tensor;
 
 /// A self-attention layer and its input size.
 #[derive(Debug, Clone, PartialEq)]
@@ -86,13 +92,17 @@ impl MhaShape {
     }
 
     /// Upload the layer and its input (f32).
-    pub fn prepare(&'static self, ctx: &Context) -> crate::Result<MhaBench> {
-        self.prepare_as(ctx, crate::Storage::F32)
+    pub fn prepare(&'static self, ctx: &Context) -> crate::error::Result<MhaBench> {
+        self.prepare_as(ctx, crate::storage::Storage::F32)
     }
 
     /// Upload the layer (weights, activations and output in `storage`) and its input in
     /// `storage`.
-    pub fn prepare_as(&'static self, ctx: &Context, storage: crate::Storage) -> crate::Result<MhaBench> {
+    pub fn prepare_as(
+        &'static self,
+        ctx: &Context,
+        storage: crate::storage::Storage,
+    ) -> crate::error::Result<MhaBench> {
         let weights = MhaWeights::xavier_uniform(self.config(), 0)?.with_storage(storage);
         let layer = MultiHeadAttention::new(ctx, &weights)?;
         let n = self.batch * self.seq * self.d_model;
@@ -120,7 +130,7 @@ pub struct MhaBench {
     shape: &'static MhaShape,
     layer: MultiHeadAttention,
     x: wgpu::Buffer,
-    storage: crate::Storage,
+    storage: crate::storage::Storage,
 }
 
 impl MhaBench {
@@ -137,7 +147,7 @@ impl MhaBench {
     }
 
     /// The layer's backward on the same input, with the input also as the upstream gradient.
-    pub fn backward(&self) -> crate::MhaBackward<'_> {
+    pub fn backward(&self) -> crate::mha::MhaBackward<'_> {
         let s = self.shape;
         self.forward().backward(Tensor::from_buffer(
             &self.x,

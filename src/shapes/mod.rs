@@ -11,7 +11,11 @@ pub mod mha;
 use ndarray::Array4;
 use wgpu::util::DeviceExt;
 
-use crate::{Causal, Context, Problem, Sdpa, Tensor};
+use crate::device::context::Context;
+use crate::problem::Causal;
+use crate::problem::Problem;
+use crate::sdpa::Sdpa;
+use crate::tensor::Tensor;
 
 /// One attention problem size: `q [B, Hq, L, E]`, `k [B, Hkv, S, E]`, `v [B, Hkv, S, Ev]`.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,7 +61,7 @@ pub struct Shape {
     /// when not 0.
     pub paged_block: usize,
     /// The paged caches' layout (head-major, [`crate::KvCache`]'s, unless the shape says).
-    pub paged_layout: crate::PagedLayout,
+    pub paged_layout: crate::paged::PagedLayout,
     /// Paged shapes: every sequence's table begins with the same blocks holding this many
     /// keys (forks of one prompt; a multiple of `paged_block`; 0: none). Run as a
     /// [`crate::PagedAttention`] batch (`seq_q` queries per sequence), with the shared keys
@@ -97,7 +101,7 @@ const fn shape(
         docs_dense: false,
         user_mod: None,
         paged_block: 0,
-        paged_layout: crate::PagedLayout::HeadMajor,
+        paged_layout: crate::paged::PagedLayout::HeadMajor,
         shared_prefix: 0,
         cascade: false,
         default,
@@ -112,7 +116,7 @@ const fn paged(mut s: Shape, block: usize) -> Shape {
 
 /// `s` with its paged caches token-major (`[NB, BS, Hkv, E]`, vLLM's).
 const fn token_major(mut s: Shape) -> Shape {
-    s.paged_layout = crate::PagedLayout::TokenMajor;
+    s.paged_layout = crate::paged::PagedLayout::TokenMajor;
     s
 }
 
@@ -650,7 +654,13 @@ impl Shape {
             .with_causal(self.causal)
             .with_window(self.window, 0)
             .and_then(|p| p.with_softcap(self.softcap))
-            .and_then(|p| p.with_alibi(self.alibi.then(|| crate::alibi_slopes(self.q_heads)).as_deref()))
+            .and_then(|p| {
+                p.with_alibi(
+                    self.alibi
+                        .then(|| crate::problem::alibi_slopes(self.q_heads))
+                        .as_deref(),
+                )
+            })
             .and_then(|p| p.with_sink_logits(self.sinks.then(|| vec![0.0; self.q_heads]).as_deref()))
             .map_err(|e| e.to_string())?;
         if self.docs > 0 && !self.docs_dense {
@@ -706,7 +716,7 @@ pub struct GpuInputs {
     k: wgpu::Buffer,
     v: wgpu::Buffer,
     shape: Shape,
-    storage: crate::Storage,
+    storage: crate::storage::Storage,
     /// The shape's documents: ids, or the dense boolean mask.
     doc_ids: (Vec<i32>, Vec<i32>),
     doc_mask: Vec<bool>,
@@ -721,7 +731,7 @@ pub struct GpuInputs {
 impl GpuInputs {
     /// Upload `host` (which must have `shape`'s sizes) after [`Shape::check_fits`], as f32.
     pub fn upload(ctx: &Context, shape: &Shape, host: &HostInputs) -> Result<GpuInputs, String> {
-        Self::upload_as(ctx, shape, host, crate::Storage::F32)
+        Self::upload_as(ctx, shape, host, crate::storage::Storage::F32)
     }
 
     /// [`upload`](Self::upload) in `storage` (rounded to nearest even); the attention call
@@ -730,7 +740,7 @@ impl GpuInputs {
         ctx: &Context,
         shape: &Shape,
         host: &HostInputs,
-        storage: crate::Storage,
+        storage: crate::storage::Storage,
     ) -> Result<GpuInputs, String> {
         shape.check_fits(ctx)?;
         let buffer = |name: &str, a: &Array4<f32>| -> Result<wgpu::Buffer, String> {
@@ -790,7 +800,7 @@ impl GpuInputs {
                     }
                 }
             }
-            if shape.paged_layout == crate::PagedLayout::HeadMajor {
+            if shape.paged_layout == crate::paged::PagedLayout::HeadMajor {
                 kc = kc.permuted_axes([0, 2, 1, 3]).as_standard_layout().to_owned();
                 vc = vc.permuted_axes([0, 2, 1, 3]).as_standard_layout().to_owned();
             }
@@ -830,16 +840,16 @@ impl GpuInputs {
 
     /// The attention variant of `params` on these buffers (no masks: the shape's causal mask
     /// and key padding are not applied).
-    pub fn variant<'a>(&'a self, params: &'a crate::VariantParams) -> crate::Variant<'a> {
+    pub fn variant<'a>(&'a self, params: &'a crate::variants::VariantParams) -> crate::variants::Variant<'a> {
         let [q, k, v] = self.tensors();
-        crate::Variant::new(q, k, v, params)
+        crate::variants::Variant::new(q, k, v, params)
     }
 
     /// q, k and v as tensors in their storage format.
     fn tensors(&self) -> [Tensor<'_>; 3] {
         let s = &self.shape;
         let cache = |e: usize| match s.paged_layout {
-            crate::PagedLayout::HeadMajor => [s.cache_blocks(), s.kv_heads, s.paged_block, e],
+            crate::paged::PagedLayout::HeadMajor => [s.cache_blocks(), s.kv_heads, s.paged_block, e],
             _ => [s.cache_blocks(), s.paged_block, s.kv_heads, e],
         };
         let (k, v) = if s.paged_block > 0 {
@@ -853,7 +863,7 @@ impl GpuInputs {
 
     /// A [`shared_prefix`](Shape::shared_prefix) shape's batch as a [`crate::PagedAttention`]
     /// call (q read as `[B L, Hq, E]`, `L` queries per sequence); `None` for other shapes.
-    pub fn paged_attention(&self) -> Option<crate::PagedAttention<'_>> {
+    pub fn paged_attention(&self) -> Option<crate::paged::PagedAttention<'_>> {
         let s = &self.shape;
         if s.shared_prefix == 0 {
             return None;
@@ -861,10 +871,10 @@ impl GpuInputs {
         let [_, k, v] = self.tensors();
         let q = Tensor::from_buffer(&self.q, self.storage, &[s.batch * s.seq_q, s.q_heads, s.head_dim]);
         Some(
-            crate::PagedAttention::new(
+            crate::paged::PagedAttention::new(
                 q,
                 &vec![s.seq_q; s.batch],
-                crate::Pages::new(k, v, s.paged_layout),
+                crate::paged::Pages::new(k, v, s.paged_layout),
                 &self.table,
                 &self.seq_lens,
             )
@@ -890,7 +900,7 @@ impl GpuInputs {
             sdpa = sdpa.softcap(c);
         }
         if s.alibi {
-            sdpa = sdpa.alibi(&crate::alibi_slopes(s.q_heads));
+            sdpa = sdpa.alibi(&crate::problem::alibi_slopes(s.q_heads));
         }
         if s.sinks {
             sdpa = sdpa.sink_logits(&vec![0.0; s.q_heads]);
@@ -900,10 +910,10 @@ impl GpuInputs {
         }
         if !self.doc_mask.is_empty() {
             let shape = [1, 1, s.seq_q, s.seq_kv];
-            sdpa = sdpa.mask(crate::Mask::from_slice(&self.doc_mask, &shape));
+            sdpa = sdpa.mask(crate::tensor::Mask::from_slice(&self.doc_mask, &shape));
         }
         if let Some(src) = s.user_mod {
-            let mut m = crate::UserMod::wgsl(src);
+            let mut m = crate::user_mod::UserMod::wgsl(src);
             if src.contains("rel(") {
                 m = m.capture("rel", &self.user_table);
             }
@@ -917,7 +927,7 @@ impl GpuInputs {
     /// Run the forward (its default path) and keep its output and logsumexp, with a random
     /// upstream gradient dO from `seed` (in the inputs' format): what a timed backward starts
     /// from.
-    pub fn saved_forward(&self, ctx: &Context, seed: u64) -> crate::Result<SavedForward> {
+    pub fn saved_forward(&self, ctx: &Context, seed: u64) -> crate::error::Result<SavedForward> {
         let mut encoder = ctx.device().create_command_encoder(&Default::default());
         let fw = self.sdpa().record(ctx, &mut encoder)?;
         ctx.queue().submit([encoder.finish()]);
@@ -954,13 +964,17 @@ pub struct SavedForward {
 
 impl SavedForward {
     /// The backward of `gpu`'s attention on the saved output and logsumexp.
-    pub fn backward<'a>(&'a self, gpu: &'a GpuInputs) -> crate::Backward<'a> {
+    pub fn backward<'a>(&'a self, gpu: &'a GpuInputs) -> crate::sdpa::backward::Backward<'a> {
         let p = &self.problem;
         gpu.sdpa()
             .backward(Tensor::from_buffer(&self.dout, p.storage.out, &p.out_shape()))
             .saved(
                 Tensor::from_buffer(&self.out, p.storage.out, &p.out_shape()),
-                Tensor::from_buffer(&self.lse, crate::Storage::F32, &[p.batch, p.q_heads, p.seq_q]),
+                Tensor::from_buffer(
+                    &self.lse,
+                    crate::storage::Storage::F32,
+                    &[p.batch, p.q_heads, p.seq_q],
+                ),
             )
     }
 }

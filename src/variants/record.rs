@@ -51,7 +51,7 @@ impl Stage<'_> {
 /// source serves every shape. Its loop ends (a is the capture's value) and it reads only
 /// through the clamping capture readers: vouched for, its pipelines run without wgpu's runtime
 /// checks on GPUs.
-fn additive_score(d: &Dims, u: &ndarray::Array1<f32>) -> crate::UserMod<'static> {
+fn additive_score(d: &Dims, u: &ndarray::Array1<f32>) -> crate::user_mod::UserMod<'static> {
     const SOURCE: &str = "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {
     let hq = u32(dims(0u));
     let l = u32(dims(1u));
@@ -68,7 +68,7 @@ fn additive_score(d: &Dims, u: &ndarray::Array1<f32>) -> crate::UserMod<'static>
     return s + t;
 }";
     let dims = [d.hq, d.l, d.s, d.hkv, d.inner].map(|x| x as f32).to_vec();
-    crate::UserMod::wgsl(SOURCE)
+    crate::user_mod::UserMod::wgsl(SOURCE)
         .capture_owned("qa", vec![0.0; d.batch * d.hq * d.l * d.inner])
         .capture_owned("ka", vec![0.0; d.batch * d.hkv * d.s * d.inner])
         .capture_owned("u", u.iter().map(|x| x * d.scale as f32).collect())

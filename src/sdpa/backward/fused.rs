@@ -6,8 +6,8 @@ use crate::error::Result;
 use crate::kernels::backward as kb;
 use crate::problem::Problem;
 
+use super::io::Io;
 use super::plan::fused_grids;
-use super::record::Io;
 
 /// Record dK and dV (f32, into `dkv`, dV at `params.dv_off`) and dQ (q's format, into `dq`).
 pub(super) fn record(

@@ -12,6 +12,7 @@
 //! shared by both paths in `record.rs`, one recorder per path (`fused.rs`, `unfused.rs`).
 
 mod fused;
+mod io;
 mod plan;
 mod record;
 #[cfg(test)]
@@ -166,9 +167,9 @@ impl<'a> Backward<'a> {
         // The output read back is the saved one, when given (else the forward's, whose view
         // the forward problem gave).
         if let Some((o, _)) = &self.saved {
-            p.views.out = crate::view::of_tensor("output", o)?;
+            p.views.out = crate::tensor::of_tensor("output", o)?;
         }
-        p.views.dout = crate::view::of_tensor("dout", &self.dout)?;
+        p.views.dout = crate::tensor::of_tensor("dout", &self.dout)?;
         let out = p.out_shape();
         check_shape("dout", &self.dout.shape, &out)?;
         if let Some((o, lse)) = &self.saved {

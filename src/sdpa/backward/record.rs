@@ -12,6 +12,7 @@ use crate::sdpa::bindings::pack_mask;
 use crate::sdpa::Path;
 use crate::storage::Storage;
 
+use super::io::Io;
 use super::plan::{check_workgroups, fused_grids, plan, Plan};
 use super::{Backward, GpuGrads};
 
@@ -391,36 +392,6 @@ pub(super) fn record_dcap(
         n.div_ceil(64) as u32,
     )?;
     Ok(Some(buf))
-}
-
-/// What the gradient kernels bind: mask, bias, q, k, v, dout, stats.
-pub(super) struct Io<'b> {
-    pub(super) mask: wgpu::BufferBinding<'b>,
-    pub(super) bias: wgpu::BufferBinding<'b>,
-    pub(super) q: wgpu::BufferBinding<'b>,
-    pub(super) k: wgpu::BufferBinding<'b>,
-    pub(super) v: wgpu::BufferBinding<'b>,
-    pub(super) dout: wgpu::BufferBinding<'b>,
-    pub(super) stats: wgpu::BufferBinding<'b>,
-}
-
-impl<'b> Io<'b> {
-    /// The bindings of a gradient kernel writing `out`.
-    pub(super) fn with_out<'c>(&self, out: wgpu::BufferBinding<'c>) -> Vec<wgpu::BufferBinding<'c>>
-    where
-        'b: 'c,
-    {
-        vec![
-            self.mask.clone(),
-            self.bias.clone(),
-            self.q.clone(),
-            self.k.clone(),
-            self.v.clone(),
-            self.dout.clone(),
-            self.stats.clone(),
-            out,
-        ]
-    }
 }
 
 /// `elems` f32 values at byte `offset` of `src` as a new buffer in format `to` (a copy for f32).

@@ -7,7 +7,8 @@
 
 use ndarray::{Array, Array4, ArrayD, IxDyn};
 
-use super::record::{record_dbias, record_stats, Io, Sizes};
+use super::io::Io;
+use super::record::{record_dbias, record_stats, Sizes};
 use crate::check::{compare, flash_rule, Report, F32_TOLERANCE};
 use crate::device::buffers::{dummy, f32_bytes, output, storage_init};
 use crate::device::context::Context;

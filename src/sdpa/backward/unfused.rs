@@ -11,7 +11,7 @@ use crate::sdpa::plan::ChunkPlan;
 use crate::storage::Storage;
 use crate::view::View;
 
-use super::record::Io;
+use super::io::Io;
 
 /// The unfused backward: per chunk of scores, S = scale·Q Kᵀ and dP = dO Vᵀ (matmuls), then P,
 /// dS and their group-transposes (`bwd_ds`), then dQ = scale·dS K, dV += Pᵀ dO and

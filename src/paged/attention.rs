@@ -19,71 +19,8 @@ use crate::rope::Rope;
 use crate::sdpa::{Path, Sdpa};
 use crate::tensor::{Tensor, TensorData};
 
-/// Paged K and V caches and the layout of their blocks: what [`Sdpa::paged`] and
-/// [`PagedAttention::new`] read. A buffer cannot say how its blocks are laid out, so your own
-/// caches name it here; a [`KvCache`](crate::KvCache) hands out its layers' pages with theirs
-/// ([`KvCache::pages`](crate::KvCache::pages)), so the two cannot be mismatched.
-///
-/// ```
-/// use ndarray::Array4;
-/// use wgpu_attention::{PagedLayout, Pages};
-/// // vLLM's caches: 8 blocks of 16 tokens, 2 K/V heads of dim 64.
-/// let k = Array4::<f32>::zeros((8, 16, 2, 64));
-/// let v = Array4::<f32>::zeros((8, 16, 2, 64));
-/// let pages = Pages::new(&k, &v, PagedLayout::TokenMajor);
-/// assert_eq!(pages.block_size(), 16);
-/// ```
-#[derive(Debug, Clone)]
-pub struct Pages<'a> {
-    pub(crate) k: Tensor<'a>,
-    pub(crate) v: Tensor<'a>,
-    pub(crate) layout: crate::PagedLayout,
-}
-
-impl<'a> Pages<'a> {
-    /// The K cache `k` and V cache `v` (host data or dense GPU buffers, any storage format),
-    /// laid out as `layout` says: [`PagedLayout::TokenMajor`](crate::PagedLayout::TokenMajor)
-    /// `[num_blocks, block_size, Hkv, E]` (vLLM's) or
-    /// [`PagedLayout::HeadMajor`](crate::PagedLayout::HeadMajor) `[num_blocks, Hkv,
-    /// block_size, E]` (FlashInfer's `HND`, the crate's [`KvCache`](crate::KvCache)).
-    pub fn new(k: impl Into<Tensor<'a>>, v: impl Into<Tensor<'a>>, layout: crate::PagedLayout) -> Self {
-        Pages {
-            k: k.into(),
-            v: v.into(),
-            layout,
-        }
-    }
-
-    /// The layout of the blocks.
-    pub fn layout(&self) -> crate::PagedLayout {
-        self.layout
-    }
-
-    /// The K cache.
-    pub fn k(&self) -> &Tensor<'a> {
-        &self.k
-    }
-
-    /// The V cache.
-    pub fn v(&self) -> &Tensor<'a> {
-        &self.v
-    }
-
-    /// Tokens per block, read from K's shape in the layout (0 when K is not 4-D).
-    pub fn block_size(&self) -> usize {
-        let i = if self.layout == crate::PagedLayout::HeadMajor {
-            2
-        } else {
-            1
-        };
-        self.k
-            .shape
-            .get(i)
-            .copied()
-            .filter(|_| self.k.shape.len() == 4)
-            .unwrap_or(0)
-    }
-}
+use super::cascade::{call_lse_scratch, find_shared, place_lse, prefix_splits, Cascade, SharedPrefix};
+use super::pages::Pages;
 
 /// Paged attention of a ragged batch (see the module docs of `paged.rs` and `docs/paged.md`).
 ///
@@ -113,26 +50,22 @@ impl<'a> Pages<'a> {
 /// ```
 #[derive(Debug, Clone)]
 pub struct PagedAttention<'a> {
-    q: Tensor<'a>,
-    q_lens: Vec<usize>,
-    k: Tensor<'a>,
-    v: Tensor<'a>,
-    table: &'a [i32],
-    seq_lens: Vec<usize>,
+    pub(crate) q: Tensor<'a>,
+    pub(crate) q_lens: Vec<usize>,
+    pub(crate) k: Tensor<'a>,
+    pub(crate) v: Tensor<'a>,
+    pub(crate) table: &'a [i32],
+    pub(crate) seq_lens: Vec<usize>,
     pub(crate) options: Options<'a>,
-    rope: Option<Rope>,
-    path: Path,
-    shared_prefix: bool,
-    prefix_splits: Option<usize>,
-    layout: crate::PagedLayout,
+    pub(crate) rope: Option<Rope>,
+    pub(crate) path: Path,
+    pub(crate) shared_prefix: bool,
+    pub(crate) prefix_splits: Option<usize>,
+    pub(crate) layout: crate::paged::PagedLayout,
     /// The caller's output and logsumexp buffers, if given.
-    out: Option<Tensor<'a>>,
-    lse_out: Option<Tensor<'a>>,
+    pub(crate) out: Option<Tensor<'a>>,
+    pub(crate) lse_out: Option<Tensor<'a>>,
 }
-
-/// The fewest shared keys for which the cascade is used: below, the extra calls and the merge
-/// cost more than the keys read again.
-pub const MIN_SHARED_KEYS: usize = 256;
 
 /// [`PagedAttention::run`]'s results on the host (f32).
 #[derive(Debug, Clone)]
@@ -157,18 +90,6 @@ pub struct GpuPagedOutput {
     pub lse_offset: u64,
     /// The shared prefixes read once (see [`PagedAttention::shared_prefix`]).
     pub shared: Vec<SharedPrefix>,
-}
-
-/// Consecutive sequences of a batch whose block tables begin with the same blocks, read once
-/// for all of them (see [`PagedAttention::shared_prefix`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SharedPrefix {
-    /// The first sequence.
-    pub first: usize,
-    /// How many sequences share it.
-    pub sequences: usize,
-    /// The shared keys (whole blocks).
-    pub keys: usize,
 }
 
 impl<'a> PagedAttention<'a> {
@@ -226,7 +147,7 @@ impl<'a> PagedAttention<'a> {
     /// The output `[T, Hq, Ev]` and logsumexp `[T, Hq]` buffers and byte offsets: the caller's
     /// ([`check_outputs`](PagedAttention::check_outputs) first), else new ones.
     #[allow(clippy::type_complexity)]
-    fn output_buffers(
+    pub(crate) fn output_buffers(
         &self,
         ctx: &Context,
         [t, hq, ev]: [usize; 3],
@@ -243,10 +164,10 @@ impl<'a> PagedAttention<'a> {
 
     /// The caller's output and logsumexp, checked (shape, format, dense, a GPU buffer, no
     /// overlap with the inputs or each other) before any GPU work.
-    fn check_outputs(&self, ctx: &Context, [t, hq, ev]: [usize; 3]) -> Result<()> {
+    pub(crate) fn check_outputs(&self, ctx: &Context, [t, hq, ev]: [usize; 3]) -> Result<()> {
         for (name, x, shape, st) in [
             ("output", &self.out, vec![t, hq, ev], self.q.storage()),
-            ("lse", &self.lse_out, vec![t, hq], crate::Storage::F32),
+            ("lse", &self.lse_out, vec![t, hq], crate::storage::Storage::F32),
         ] {
             let Some(x) = x else { continue };
             let bad = |reason: &str| {
@@ -293,8 +214,8 @@ impl<'a> PagedAttention<'a> {
     }
 
     /// The caches' block size.
-    fn block_size(&self) -> usize {
-        self.k.shape[if self.layout == crate::PagedLayout::HeadMajor {
+    pub(crate) fn block_size(&self) -> usize {
+        self.k.shape[if self.layout == crate::paged::PagedLayout::HeadMajor {
             2
         } else {
             1
@@ -381,7 +302,7 @@ impl<'a> PagedAttention<'a> {
     /// Check everything that needs no device: shapes, counts, the table. Returns `[T, Hq,
     /// E]`, Ev and the groups `(first sequence, sequences, count)`.
     #[allow(clippy::type_complexity)]
-    fn check(&self) -> Result<([usize; 3], usize, Vec<(usize, usize, usize)>)> {
+    pub(crate) fn check(&self) -> Result<([usize; 3], usize, Vec<(usize, usize, usize)>)> {
         let bad = |reason: String| Err(Error::Paged { reason });
         let q: [usize; 3] = self.q.shape.as_slice().try_into().map_err(|_| Error::WrongRank {
             tensor: "q",
@@ -390,8 +311,10 @@ impl<'a> PagedAttention<'a> {
             shape: self.q.shape.clone(),
         })?;
         self.q_strides(q)?;
-        let [nb, bs, _, _] =
-            crate::PagedLayout::token_major_dims(crate::problem::dims4("k", &self.k.shape)?, self.layout);
+        let [nb, bs, _, _] = crate::paged::PagedLayout::token_major_dims(
+            crate::problem::dims4("k", &self.k.shape)?,
+            self.layout,
+        );
         let ev = crate::problem::dims4("v", &self.v.shape)?[3];
         let o = &self.options;
         if o.mask.is_some() || o.bias.is_some() || o.doc_ids.is_some() || o.kv_lens.is_some() {
@@ -419,7 +342,7 @@ impl<'a> PagedAttention<'a> {
                 q[0]
             ));
         }
-        crate::sdpa::check_block_table(self.table, &self.seq_lens, &self.q_lens, nb, bs)?;
+        crate::paged::check_block_table(self.table, &self.seq_lens, &self.q_lens, nb, bs)?;
         let mut groups = Vec::new();
         let mut s = 0;
         while s < b {
@@ -432,9 +355,9 @@ impl<'a> PagedAttention<'a> {
     }
 
     /// q's element strides of T and Hq (E's is 1), or the typed error naming q
-    /// ([`crate::view::packed_rows`]).
-    fn q_strides(&self, dims: [usize; 3]) -> Result<[usize; 2]> {
-        crate::view::packed_rows("q", &self.q, dims)
+    /// ([`crate::tensor::packed_rows`]).
+    pub(crate) fn q_strides(&self, dims: [usize; 3]) -> Result<[usize; 2]> {
+        crate::tensor::packed_rows("q", &self.q, dims)
     }
 
     /// Check everything before any GPU work, as [`record`](PagedAttention::record) and
@@ -537,7 +460,7 @@ impl<'a> PagedAttention<'a> {
         let calls: Vec<Call> = calls
             .into_iter()
             .map(|(call, dst, row, [nseq, h, n])| {
-                let lse = Tensor::from_buffer(&call_lse, crate::Storage::F32, &[nseq, h, n]);
+                let lse = Tensor::from_buffer(&call_lse, crate::storage::Storage::F32, &[nseq, h, n]);
                 (call.lse_into(lse), dst, row, [nseq, h, n])
             })
             .collect();
@@ -546,7 +469,7 @@ impl<'a> PagedAttention<'a> {
         let mut planned = Vec::with_capacity(calls.len());
         for (call, ..) in &calls {
             let p = call.problem()?;
-            let plan = crate::Plan::new(&p, &call.request(), &caps)?;
+            let plan = crate::sdpa::plan::Plan::new(&p, &call.request(), &caps)?;
             planned.push((p, plan));
         }
         if let (Some(buf), Some(r)) = (&rotated, &self.rope) {
@@ -592,86 +515,56 @@ impl<'a> PagedAttention<'a> {
     pub fn run_blocking(&self, ctx: &Context) -> Result<PagedOutput> {
         pollster::block_on(self.run(ctx))
     }
+}
 
-    /// The CPU reference (f64) of this call on host data: [`reference::sdpa_paged`](crate::reference::sdpa_paged)
-    /// per sequence, packed like the GPU's output.
-    pub fn reference(&self) -> Result<PagedOutput> {
-        self.validate()?;
-        let ([t, hq, e], ev, _) = self.check()?;
-        let host = |x: &Tensor, name: &'static str| -> Result<Vec<f32>> {
-            x.host_f32().map(|d| d.into_owned()).ok_or(Error::BadBuffer {
-                tensor: name,
-                reason: "the CPU reference reads host data, not a GPU buffer".into(),
-            })
-        };
-        let (q, k, v) = (host(&self.q, "q")?, host(&self.k, "k")?, host(&self.v, "v")?);
-        let array = |x: &Tensor, d: Vec<f32>, name: &'static str| -> Result<ndarray::Array4<f32>> {
-            let shape: [usize; 4] = x.shape.as_slice().try_into().expect("checked");
-            let n = d.len();
-            ndarray::Array4::from_shape_vec(shape, d).map_err(|_| Error::DataLength {
-                tensor: name,
-                shape: x.shape.clone(),
-                expected: x.shape.iter().product(),
-                actual: n,
-            })
-        };
-        let (mut k, mut v) = (array(&self.k, k, "k")?, array(&self.v, v, "v")?);
-        if self.layout == crate::PagedLayout::HeadMajor {
-            // The reference reads `[num_blocks, block_size, Hkv, E]`.
-            k = k.permuted_axes([0, 2, 1, 3]).as_standard_layout().to_owned();
-            v = v.permuted_axes([0, 2, 1, 3]).as_standard_layout().to_owned();
-        }
-        if q.len() != t * hq * e {
-            return Err(Error::DataLength {
-                tensor: "q",
-                shape: self.q.shape.clone(),
-                expected: t * hq * e,
-                actual: q.len(),
-            });
-        }
-        let mut out = Array3::<f32>::zeros((t, hq, ev));
-        let mut lse = Array2::<f32>::zeros((t, hq));
-        let max_blocks = self.table.len() / self.seq_lens.len();
-        let mut token = 0;
-        for (s, (&n, &len)) in self.q_lens.iter().zip(&self.seq_lens).enumerate() {
-            let mut qs = ndarray::Array4::<f32>::zeros((1, hq, n, e));
-            for i in 0..n {
-                for h in 0..hq {
-                    for d in 0..e {
-                        qs[[0, h, i, d]] = q[((token + i) * hq + h) * e + d];
-                    }
-                }
+impl PagedAttention<'_> {
+    /// Record q `[T, Hq, E]` copied into `buf` and rotated there by `r`, each token at its
+    /// position.
+    pub(crate) fn rotate_q(
+        &self,
+        ctx: &Context,
+        encoder: &mut wgpu::CommandEncoder,
+        buf: &wgpu::Buffer,
+        r: &Rope,
+        [t, hq, e]: [usize; 3],
+    ) -> Result<()> {
+        let st = self.q.storage();
+        let [ts, hs] = self.q_strides([t, hq, e])?;
+        match crate::tensor::rows_view(&self.q, [t, hq, e], [ts, hs]) {
+            // q's rows copied dense from wherever they lie in its buffer.
+            Some(viewed) => {
+                crate::ops::copy::gather_rows(
+                    ctx,
+                    encoder,
+                    "q",
+                    &viewed,
+                    (buf.as_entire_buffer_binding(), st),
+                )?;
             }
-            if let Some(r) = &self.rope {
-                // The caches hold rotated keys; rotate q at its positions.
-                let mut rows = qs
-                    .slice(ndarray::s![0, .., .., ..])
-                    .permuted_axes([1, 0, 2])
-                    .to_owned();
-                let pos: Vec<usize> = (0..n).map(|i| len - n + i).collect();
-                r.apply(rows.view_mut(), &pos)?;
-                qs.slice_mut(ndarray::s![0, .., .., ..])
-                    .assign(&rows.permuted_axes([1, 0, 2]));
+            None => {
+                let op = crate::device::buffers::Operand::check(ctx, "q", &self.q)?;
+                let up = op.upload(ctx, "paged q");
+                crate::ops::copy::convert(
+                    ctx,
+                    encoder,
+                    (up.binding(), st),
+                    (buf.as_entire_buffer_binding(), st),
+                    t * hq * e,
+                )?;
             }
-            let r = crate::reference::sdpa_paged(
-                qs.view(),
-                k.view(),
-                v.view(),
-                &self.table[s * max_blocks..(s + 1) * max_blocks],
-                &[len],
-                &self.options,
-            )?;
-            for i in 0..n {
-                for h in 0..hq {
-                    for d in 0..ev {
-                        out[[token + i, h, d]] = r.out[[0, h, i, d]] as f32;
-                    }
-                    lse[[token + i, h]] = r.lse[[0, h, i]] as f32;
-                }
-            }
-            token += n;
         }
-        Ok(PagedOutput { output: out, lse })
+        let positions: Vec<usize> = self
+            .q_lens
+            .iter()
+            .zip(&self.seq_lens)
+            .flat_map(|(&n, &l)| l - n..l)
+            .collect();
+        r.record(
+            ctx,
+            encoder,
+            &Tensor::from_buffer(buf, st, &[t, hq, e]),
+            &positions,
+        )
     }
 }
 
@@ -733,55 +626,6 @@ impl PagedAttention<'_> {
             })
             .collect()
     }
-
-    /// Record q `[T, Hq, E]` copied into `buf` and rotated there by `r`, each token at its
-    /// position.
-    fn rotate_q(
-        &self,
-        ctx: &Context,
-        encoder: &mut wgpu::CommandEncoder,
-        buf: &wgpu::Buffer,
-        r: &Rope,
-        [t, hq, e]: [usize; 3],
-    ) -> Result<()> {
-        let st = self.q.storage();
-        let [ts, hs] = self.q_strides([t, hq, e])?;
-        match crate::view::rows_view(&self.q, [t, hq, e], [ts, hs]) {
-            // q's rows copied dense from wherever they lie in its buffer.
-            Some(viewed) => {
-                crate::ops::copy::gather_rows(
-                    ctx,
-                    encoder,
-                    "q",
-                    &viewed,
-                    (buf.as_entire_buffer_binding(), st),
-                )?;
-            }
-            None => {
-                let op = crate::device::buffers::Operand::check(ctx, "q", &self.q)?;
-                let up = op.upload(ctx, "paged q");
-                crate::ops::copy::convert(
-                    ctx,
-                    encoder,
-                    (up.binding(), st),
-                    (buf.as_entire_buffer_binding(), st),
-                    t * hq * e,
-                )?;
-            }
-        }
-        let positions: Vec<usize> = self
-            .q_lens
-            .iter()
-            .zip(&self.seq_lens)
-            .flat_map(|(&n, &l)| l - n..l)
-            .collect();
-        r.record(
-            ctx,
-            encoder,
-            &Tensor::from_buffer(buf, st, &[t, hq, e]),
-            &positions,
-        )
-    }
 }
 
 /// A call of [`PagedAttention::record`] and where its logsumexp `[seqs, Hq, n]` goes: the
@@ -797,7 +641,7 @@ impl<'a> PagedAttention<'a> {
         q_at: &impl Fn(usize, usize, usize, bool) -> Tensor<'b>,
         in_shared: &[bool],
         first_token: &[usize],
-        (out, out_off, st): (&'b wgpu::Buffer, u64, crate::Storage),
+        (out, out_off, st): (&'b wgpu::Buffer, u64, crate::storage::Storage),
         lse: (&'b wgpu::Buffer, u64),
         rope: Option<Rope>,
         [hq, ev]: [usize; 2],
@@ -857,10 +701,10 @@ impl<'a> PagedAttention<'a> {
         // repeated): no causal mask (each query is past them all), no sink logits (counted
         // once, with the tails).
         let mut prefix = self.options.clone();
-        prefix.causal = crate::Causal::None;
+        prefix.causal = crate::problem::Causal::None;
         prefix.sink_tokens = 0;
         prefix.sink_logits = None;
-        let o = Tensor::from_buffer(&c.parts, crate::Storage::F32, &[splits, hq, tokens, ev])
+        let o = Tensor::from_buffer(&c.parts, crate::storage::Storage::F32, &[splits, hq, tokens, ev])
             .with_strides(&[rows * ev, ev, hq * ev, 1]);
         let call = Sdpa::new(
             q_at(c.token0, splits, tokens, true),
@@ -885,7 +729,7 @@ impl<'a> PagedAttention<'a> {
             let nseq = end - s;
             let token = first_token[first + s];
             let row = (token - c.token0) * hq;
-            let o = Tensor::from_buffer(&c.parts, crate::Storage::F32, &[nseq, hq, n, ev])
+            let o = Tensor::from_buffer(&c.parts, crate::storage::Storage::F32, &[nseq, hq, n, ev])
                 .at_offset(f32_bytes((splits * rows + row) * ev))
                 .with_strides(&[n * hq * ev, ev, hq * ev, 1]);
             let call = Sdpa::new(q_at(token, nseq, n, false), self.k.clone(), self.v.clone())
@@ -902,181 +746,4 @@ impl<'a> PagedAttention<'a> {
         }
         calls
     }
-}
-
-/// A shared prefix's scratch (see [`PagedAttention::record`]).
-struct Cascade {
-    share: SharedPrefix,
-    /// Its queries, and the first one's token.
-    tokens: usize,
-    token0: usize,
-    /// The runs the shared keys are read in (one call, a batch entry each: enough workgroups
-    /// for a GPU), their tables `[splits, blocks per run]` and keys.
-    splits: usize,
-    prefix_table: Vec<i32>,
-    prefix_lens: Vec<usize>,
-    /// `[splits + 1, tokens · Hq, Ev]` (f32): over each run of the shared keys, over each tail.
-    parts: wgpu::Buffer,
-    /// `[splits + 1, tokens · Hq]`.
-    lses: wgpu::Buffer,
-    /// The merged `[tokens · Hq]`.
-    merged: wgpu::Buffer,
-    /// The tables past the shared blocks `[sequences, max_blocks - shared blocks]`, and the
-    /// sequences' keys there.
-    tails: Vec<i32>,
-    tail_lens: Vec<usize>,
-}
-
-impl Cascade {
-    /// Record the merge of the parts (the runs', the tails') into rows `(token, head)` of the packed output
-    /// `out` (in its format) and of the logsumexp `lse` `[T, Hq]`.
-    fn merge(
-        &self,
-        ctx: &Context,
-        encoder: &mut wgpu::CommandEncoder,
-        (out, out_off, st): (&wgpu::Buffer, u64, crate::Storage),
-        (lse, lse_off): (&wgpu::Buffer, u64),
-        [hq, ev]: [usize; 2],
-    ) -> Result<()> {
-        let rows = self.tokens * hq;
-        crate::ops::merge::record(
-            ctx,
-            encoder,
-            &crate::ops::merge::Parts {
-                outputs: self.parts.as_entire_buffer_binding(),
-                storage: crate::Storage::F32,
-                lses: self.lses.as_entire_buffer_binding(),
-                splits: self.splits + 1,
-            },
-            &crate::ops::merge::Merged {
-                output: out.as_entire_buffer_binding(),
-                storage: st,
-                // Rows (token, head) of the packed output.
-                view: Some((
-                    crate::view::View {
-                        offset: (out_off / st.element_bytes()) as usize + self.token0 * hq * ev,
-                        strides: [rows * ev, hq * ev, ev, 1],
-                    },
-                    [self.tokens, hq],
-                )),
-                lse: self.merged.as_entire_buffer_binding(),
-            },
-            [rows, ev],
-        )?;
-        encoder.copy_buffer_to_buffer(
-            &self.merged,
-            0,
-            lse,
-            lse_off + f32_bytes(self.token0 * hq),
-            f32_bytes(rows),
-        );
-        Ok(())
-    }
-}
-
-/// Each call's logsumexp `[seqs, Hq, n]`, before it is placed by rows (token, head): one
-/// pooled scratch the calls use in turn, as large as the largest (a shared prefix's call over
-/// its runs may exceed the batch's `T · Hq` rows).
-fn call_lse_scratch(ctx: &Context, cascades: &[Cascade], [t, hq]: [usize; 2]) -> wgpu::Buffer {
-    let rows = cascades
-        .iter()
-        .map(|c| (c.splits * c.tokens * hq).max(c.tokens * hq))
-        .fold(t * hq, usize::max);
-    ctx.cache().scratch("paged call lse", f32_bytes(rows), || {
-        output(ctx, "paged call lse", f32_bytes(rows))
-    })
-}
-
-/// Workgroups a shared prefix's call aims for on a GPU (its queries' tiles times the runs its
-/// keys are split into).
-const PREFIX_TARGET_WORKGROUPS: usize = 512;
-/// Keys per run of a shared prefix at least.
-const PREFIX_MIN_KEYS: usize = 256;
-
-/// How many runs a shared prefix of `keys` keys is read in by `tokens` queries of `hq` heads:
-/// `asked` ([`PagedAttention::shared_prefix_splits`]) or the knob `cascade_splits`
-/// (src/tune.rs), else one on CPU adapters (their few cores are busy with one) and enough for
-/// the fused kernel's query tiles (64 rows) to make [`PREFIX_TARGET_WORKGROUPS`] workgroups
-/// on GPUs.
-fn prefix_splits(asked: Option<usize>, cpu: bool, [hq, tokens, blocks, bs]: [usize; 4]) -> usize {
-    // The most runs of `blocks` blocks (sizes differing by at most one) with `min` keys in
-    // each.
-    let most = |min: usize| (blocks / min.div_ceil(bs).max(1)).max(1);
-    // Each run has at least as many keys as queries (a paged call's sequence has no more
-    // queries than keys).
-    if let Some(k) = asked.or(crate::device::tune::knob("cascade_splits").map(|k| k as usize)) {
-        return k.clamp(1, most(tokens));
-    }
-    if cpu {
-        return 1;
-    }
-    (PREFIX_TARGET_WORKGROUPS / (hq * tokens.div_ceil(64)).max(1)).clamp(1, most(PREFIX_MIN_KEYS.max(tokens)))
-}
-
-/// Copy a call's logsumexp `[seqs, Hq, n]` into rows `(token, head)` of `dst` from row `row`.
-fn place_lse(
-    ctx: &Context,
-    encoder: &mut wgpu::CommandEncoder,
-    src: &wgpu::Buffer,
-    [nseq, hq, n]: [usize; 3],
-    (dst, dst_off): (&wgpu::Buffer, u64),
-    row: usize,
-) -> Result<()> {
-    let bytes = f32_bytes(nseq * hq * n);
-    if n == 1 || hq == 1 {
-        encoder.copy_buffer_to_buffer(src, 0, dst, dst_off + f32_bytes(row), bytes);
-        return Ok(());
-    }
-    let rows = ctx
-        .cache()
-        .scratch("paged lse rows", bytes, || output(ctx, "paged lse rows", bytes));
-    crate::ops::copy::record(
-        ctx,
-        encoder,
-        &crate::ops::copy::Strided::new(
-            (src.as_entire_buffer_binding(), crate::Storage::F32),
-            [hq * n, 1, n, 0],
-        ),
-        (rows.as_entire_buffer_binding(), crate::Storage::F32),
-        [nseq, n, hq, 1],
-    )?;
-    encoder.copy_buffer_to_buffer(&rows, 0, dst, dst_off + f32_bytes(row), bytes);
-    Ok(())
-}
-
-/// The runs of consecutive sequences whose tables begin with the same blocks, at least
-/// [`MIN_SHARED_KEYS`] keys of whole blocks before each one's first new query, with no more
-/// queries than shared keys (the call over them reads like a prefill chunk).
-fn find_shared(table: &[i32], seq_lens: &[usize], q_lens: &[usize], bs: usize) -> Vec<SharedPrefix> {
-    let b = seq_lens.len();
-    let mb = table.len() / b;
-    let row = |s: usize| &table[s * mb..(s + 1) * mb];
-    // Whole blocks before sequence s's first new query.
-    let before = |s: usize| (seq_lens[s] - q_lens[s]) / bs;
-    let mut found = Vec::new();
-    let mut s = 0;
-    while s < b {
-        let mut blocks = before(s);
-        let mut tokens = q_lens[s];
-        let mut end = s + 1;
-        while end < b {
-            let limit = blocks.min(before(end));
-            let common = (0..limit).find(|&i| row(s)[i] != row(end)[i]).unwrap_or(limit);
-            if common * bs < MIN_SHARED_KEYS || tokens + q_lens[end] > common * bs {
-                break;
-            }
-            blocks = common;
-            tokens += q_lens[end];
-            end += 1;
-        }
-        if end - s >= 2 {
-            found.push(SharedPrefix {
-                first: s,
-                sequences: end - s,
-                keys: blocks * bs,
-            });
-        }
-        s = end;
-    }
-    found
 }

@@ -3,6 +3,8 @@
 //! [`Plan`](crate::Plan) picks one per call from the device's capabilities, or takes the one
 //! pinned by [`Context::with_forms`](crate::Context::with_forms).
 
+pub(crate) mod tune;
+
 use crate::error::{Error, Result};
 
 /// A form of the fused kernel (`shaders/flash.wgsl`).
@@ -677,7 +679,7 @@ impl Caps {
     /// than their scalar forms (measured: docs/benchmarks.md), so there they are opt-in
     /// (pinned, or `WGPU_ATTENTION_TUNE=coop=1`, which CI's coop pass sets).
     pub fn coop_by_default(&self) -> bool {
-        let knob = crate::device::tune::knob("coop");
+        let knob = crate::forms::tune::knob("coop");
         self.coop.largest().is_some() && knob != Some(0) && (!self.cpu || knob == Some(1))
     }
 
@@ -713,8 +715,8 @@ impl Caps {
 
 /// Whether the matrix units' forms (`what`) take inputs in `formats`: f16, or f32 (rounded
 /// to f16, the pinned opt-in), but not bf16, whose values beyond f16's range would overflow.
-pub(crate) fn coop_takes(what: &str, formats: &[crate::Storage]) -> std::result::Result<(), String> {
-    match formats.contains(&crate::Storage::Bf16) {
+pub(crate) fn coop_takes(what: &str, formats: &[crate::storage::Storage]) -> std::result::Result<(), String> {
+    match formats.contains(&crate::storage::Storage::Bf16) {
         true => Err(format!(
             "the {what} takes f16 (or, pinned, f32) inputs: bf16 values beyond f16's range would overflow"
         )),

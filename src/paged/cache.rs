@@ -248,14 +248,14 @@ impl KvCache {
     /// [`PagedAttention::new`](crate::PagedAttention::new) when a call needs more than
     /// [`attention`](KvCache::attention) gives (a mask per group, say). Their block table and
     /// lengths are [`Step::block_table`].
-    pub fn pages(&self, layer: usize) -> Result<crate::Pages<'_>> {
+    pub fn pages(&self, layer: usize) -> Result<crate::paged::Pages<'_>> {
         let (kb, vb) = self.buffers(layer)?;
         let c = &self.config;
         let shape = |e| [c.num_blocks, c.kv_heads, c.block_size, e];
-        Ok(crate::Pages::new(
+        Ok(crate::paged::Pages::new(
             Tensor::from_buffer(kb, c.storage, &shape(c.head_dim)),
             Tensor::from_buffer(vb, c.storage, &shape(c.head_dim_v)),
-            crate::PagedLayout::HeadMajor,
+            crate::paged::PagedLayout::HeadMajor,
         ))
     }
 
@@ -599,7 +599,7 @@ impl KvCache {
         self.check_appended(step, layer)?;
         let c = &self.config;
         let call = Sdpa::paged(q, self.pages(layer)?, &step.table, &step.seq_lens)
-            .causal(crate::Causal::BottomRight);
+            .causal(crate::problem::Causal::BottomRight);
         Ok(match c.rope {
             Some(r) => call.rope(r),
             None => call,
@@ -619,14 +619,19 @@ impl KvCache {
         step: &'a Step,
         layer: usize,
         q: Tensor<'a>,
-    ) -> Result<crate::PagedAttention<'a>> {
+    ) -> Result<crate::paged::PagedAttention<'a>> {
         self.check_step(step, layer)?;
         self.check_q(&q, &[step.tokens(), 0, self.config.head_dim], "[T, Hq, E]")?;
         self.check_appended(step, layer)?;
         let c = &self.config;
-        let call =
-            crate::PagedAttention::new(q, &step.q_lens, self.pages(layer)?, &step.table, &step.seq_lens)
-                .causal(crate::Causal::BottomRight);
+        let call = crate::paged::PagedAttention::new(
+            q,
+            &step.q_lens,
+            self.pages(layer)?,
+            &step.table,
+            &step.seq_lens,
+        )
+        .causal(crate::problem::Causal::BottomRight);
         Ok(match c.rope {
             Some(r) => call.rope(r),
             None => call,
@@ -679,23 +684,23 @@ fn element_bytes(s: Storage, i: u64) -> u64 {
 }
 
 /// An appended K or V `[T, Hkv, E]`: host data or a dense buffer, or a buffer's view with
-/// strides ([`crate::view::packed_rows`]), copied dense before the append kernel reads it.
+/// strides ([`crate::tensor::packed_rows`]), copied dense before the append kernel reads it.
 struct Source<'t, 'a> {
     name: &'static str,
     tensor: &'t Tensor<'a>,
-    /// The view as `[1, T, Hkv, E]` ([`crate::view::rows_view`]) when it has strides.
+    /// The view as `[1, T, Hkv, E]` ([`crate::tensor::rows_view`]) when it has strides.
     rows: Option<Tensor<'a>>,
 }
 
 impl<'t, 'a> Source<'t, 'a> {
     /// Check `x` (shape `dims`, already matched) against its buffer before any GPU work.
     fn check(ctx: &Context, name: &'static str, x: &'t Tensor<'a>, dims: [usize; 3]) -> Result<Self> {
-        let strides = crate::view::packed_rows(name, x, dims)?;
+        let strides = crate::tensor::packed_rows(name, x, dims)?;
         let rows = x
             .view
             .strides
             .is_some()
-            .then(|| crate::view::rows_view(x, dims, strides))
+            .then(|| crate::tensor::rows_view(x, dims, strides))
             .flatten();
         match &rows {
             Some(viewed) => Operand::check_viewed(ctx, name, viewed).map(|_| ())?,
