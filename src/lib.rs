@@ -56,7 +56,7 @@ pub use device::context::Context;
 pub use device::faults::Fault;
 pub use device::timer::GpuTimed;
 pub use error::{Error, Result};
-pub use forms::{BackwardForm, Caps, CoopTiles, DecodeForm, Forms, FusedForm, MatmulForm};
+pub use forms::{BackwardForm, Caps, CoopTiles, DecodeForm, Forms, FusedForm, MatmulForm, Tuning};
 /// Re-exported: the half-precision host types ([`half::f16`], [`half::bf16`]).
 pub use half;
 pub use mha::{

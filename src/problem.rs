@@ -106,9 +106,6 @@ pub fn alibi_slopes(heads: usize) -> Vec<f32> {
     out.into_iter().map(|x| x as f32).collect()
 }
 
-/// `shape` (rank 0 to 4) left-padded with ones to 4-D: how a mask or bias broadcasts against
-/// the scores `[B, Hq, L, S]`.
-
 /// A `[B|1, H|1, L|1, S|1]` broadcast shape of a mask or bias, with element strides
 /// (0 on broadcast dimensions) into its row-major storage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -39,10 +39,7 @@
 
 use std::borrow::Cow;
 use std::cell::RefCell;
-use std::collections::hash_map::DefaultHasher;
-use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 use crate::error::{Error, Result};
 
@@ -194,6 +191,9 @@ pub struct UserMod<'a> {
     /// The crate's own source, known to terminate and to index only through the clamping
     /// capture readers: its pipelines run without wgpu's runtime checks even with loops.
     vouched: bool,
+    /// The source checked with these capture names, once ([`fns`](Self::fns)); shared by
+    /// clones, renewed when a capture is added.
+    checked: Arc<OnceLock<Result<Arc<Checked>>>>,
 }
 
 impl std::fmt::Debug for UserMod<'_> {
@@ -223,12 +223,14 @@ impl<'a> UserMod<'a> {
             cpu_score: None,
             cpu_mask: None,
             vouched: false,
+            checked: Default::default(),
         }
     }
 
     /// This source vouched for by the crate (see `vouched`): its own functions alone.
     pub(crate) fn vouched(mut self) -> Self {
         self.vouched = true;
+        self.checked = Default::default();
         self
     }
 
@@ -236,6 +238,7 @@ impl<'a> UserMod<'a> {
     /// the source. An index past its end reads its last element.
     pub fn capture(mut self, name: &str, data: &'a [f32]) -> Self {
         self.captures.push((name.to_string(), Cow::Borrowed(data)));
+        self.checked = Default::default();
         self
     }
 
@@ -253,12 +256,14 @@ impl<'a> UserMod<'a> {
             cpu_score: self.cpu_score.clone(),
             cpu_mask: self.cpu_mask.clone(),
             vouched: self.vouched,
+            checked: self.checked.clone(),
         }
     }
 
     /// [`capture`](Self::capture) of owned values (the attention variants' additive score).
     pub(crate) fn capture_owned(mut self, name: &str, data: Vec<f32>) -> Self {
         self.captures.push((name.to_string(), Cow::Owned(data)));
+        self.checked = Default::default();
         self
     }
 
@@ -317,7 +322,8 @@ impl<'a> UserMod<'a> {
         closure_for(self.cpu_mask.as_deref(), f.mask, "mask_mod", "cpu_mask")
     }
 
-    /// The checked functions, registered for the kernels (cached by source and capture names).
+    /// The checked functions (checked once per source and capture names: the result is kept
+    /// with this value and its clones).
     pub(crate) fn fns(&self) -> Result<Arc<UserFns>> {
         if let Some((n, _)) = self.captures.iter().find(|(_, d)| d.is_empty()) {
             return Err(Error::UserMod {
@@ -326,24 +332,12 @@ impl<'a> UserMod<'a> {
             });
         }
         let names: Vec<&str> = self.captures.iter().map(|(n, _)| n.as_str()).collect();
-        let key = key_of(&self.source, &names, self.vouched);
-        let checked = {
-            let reg = registry().lock().unwrap_or_else(|e| e.into_inner());
-            reg.get(&key).cloned()
-        };
-        let code = match checked {
-            Some(c) => c,
-            None => {
-                let c = Arc::new(check_source(&self.source, &names, self.vouched)?);
-                registry()
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(key, c.clone());
-                c
-            }
-        };
+        let code = self
+            .checked
+            .get_or_init(|| check_source(&self.source, &names, self.vouched).map(Arc::new))
+            .clone()?;
         Ok(Arc::new(UserFns {
-            key,
+            code: code.clone(),
             score: code.score,
             mask: code.mask,
             score_ds: code.score_ds,
@@ -381,11 +375,11 @@ fn closure_for<'s, T: ?Sized>(
     }
 }
 
-/// The checked user functions of a problem: the registry key of their assembled code, which
-/// of the two the source defines, and the captures' values.
+/// The checked user functions of a problem: their assembled code, which of the two the source
+/// defines, and the captures' values.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct UserFns {
-    pub(crate) key: u64,
+    pub(crate) code: Arc<Checked>,
     pub(crate) score: bool,
     pub(crate) mask: bool,
     /// The source defines `score_mod_ds` (score_mod's derivative in `s`: the backward needs it).
@@ -453,61 +447,32 @@ impl UserFns {
     }
 }
 
-/// A checked source as the kernels include it.
-#[derive(Debug)]
-struct Checked {
-    score: bool,
-    mask: bool,
-    score_ds: bool,
+/// A checked source as the kernels include it: it travels with the problem
+/// ([`UserFns::code`]) into the kernels' preludes, so a kernel is assembled from the very source
+/// that was checked.
+#[derive(Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Checked {
+    pub(crate) score: bool,
+    pub(crate) mask: bool,
+    pub(crate) score_ds: bool,
     /// The renamed source with the capture readers and the stubs of what it does not define,
     /// without `score_mod_dcapture`.
-    wgsl: String,
+    pub(crate) wgsl: String,
     /// `score_mod_dcapture` renamed, with the `d_NAME` accumulators (the capture-gradient
     /// kernel's alone), when the source defines it.
-    dcapture: Option<String>,
+    pub(crate) dcapture: Option<String>,
+    /// No loops and no dynamic indexing ([`proved_safe`]), or the crate's own source: its
+    /// pipelines may run without wgpu's runtime checks like the crate's own.
+    pub(crate) proved_safe: bool,
 }
 
-fn registry() -> &'static Mutex<HashMap<u64, Arc<Checked>>> {
-    static R: OnceLock<Mutex<HashMap<u64, Arc<Checked>>>> = OnceLock::new();
-    R.get_or_init(Default::default)
-}
-
-fn key_of(source: &str, names: &[&str], vouched: bool) -> u64 {
-    let mut h = DefaultHasher::new();
-    source.hash(&mut h);
-    names.hash(&mut h);
-    vouched.hash(&mut h);
-    // 0 means no user functions.
-    h.finish().max(1)
-}
-
-/// The WGSL the kernels' prelude includes for registry key `key` (0: the stubs alone).
-pub(crate) fn prelude(key: u64) -> String {
-    if key != 0 {
-        if let Some(c) = registry().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-            return c.wgsl.clone();
-        }
+/// The WGSL the kernels' prelude includes for the user functions `code` (none: the stubs).
+pub(crate) fn prelude(code: Option<&Checked>) -> String {
+    match code {
+        Some(c) => c.wgsl.clone(),
+        None => format!("{SCORE_STUB}{SCORE_DS_STUB}{MASK_STUB}"),
     }
-    format!("{SCORE_STUB}{SCORE_DS_STUB}{MASK_STUB}")
 }
-
-/// The capture-gradient kernel's part of registry key `key`: `u_score_mod_dcapture` and the
-/// `u_d_NAME(idx, x)` accumulators, which call the kernel's `dcap_record(at, x)` with `at` the
-/// element's index among every capture's (packed in order).
-pub(crate) fn dcapture_prelude(key: u64) -> Option<String> {
-    registry()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&key)
-        .and_then(|c| c.dcapture.clone())
-}
-
-/// Marks a prelude holding user code that keeps wgpu's runtime checks (it has a loop or a
-/// dynamic index).
-pub(crate) const USER_MARK: &str = "// user WGSL (src/user_mod.rs)";
-
-/// Marks a prelude holding user code without loops or dynamic indexing ([`proved_safe`]).
-const USER_PROVED_MARK: &str = "// user WGSL, no loops or dynamic indexing (src/user_mod.rs)";
 
 /// Whether the user's module has no loop and no dynamically indexed access (`a[i]` with `i`
 /// not a constant) in any function: then it cannot spin or index out of bounds, and its
@@ -572,7 +537,7 @@ fn check_source(source: &str, names: &[&str], vouched: bool) -> Result<Checked> 
     declared.extend(module_scope_names(source));
     let (renamed, dcap_fn) = split_fn(&rename(source, &declared), "u_score_mod_dcapture");
     let dcapture = dcapture.then(|| {
-        let mut w = format!("{USER_MARK}\n{}\n", dcap_fn.unwrap_or_default());
+        let mut w = format!("{}\n", dcap_fn.unwrap_or_default());
         for (k, n) in names.iter().enumerate() {
             w.push_str(&format!(
                 "fn u_d_{n}(idx: u32, x: f32) {{\n    let t = p.m.cap_tab + {}u;\n    \
@@ -585,12 +550,8 @@ fn check_source(source: &str, names: &[&str], vouched: bool) -> Result<Checked> 
     // Without loops and dynamic indexing the user's code cannot index out of bounds or spin
     // (it names nothing of the crate's, and the capture readers clamp): its pipelines may run
     // without wgpu's runtime checks like the crate's own.
-    let mark = if vouched || proved_safe(&module) {
-        USER_PROVED_MARK
-    } else {
-        USER_MARK
-    };
-    let mut wgsl = format!("{mark}\n");
+    let proved_safe = vouched || proved_safe(&module);
+    let mut wgsl = String::new();
     for (k, n) in names.iter().enumerate() {
         wgsl.push_str(&format!(
             "fn u_{n}(idx: u32) -> f32 {{\n    let t = p.m.cap_tab + {}u;\n    \
@@ -611,6 +572,7 @@ fn check_source(source: &str, names: &[&str], vouched: bool) -> Result<Checked> 
         score_ds,
         wgsl,
         dcapture,
+        proved_safe,
     })
 }
 
@@ -1130,13 +1092,9 @@ mod tests {
     fn only_code_without_loops_or_dynamic_indexing_runs_unchecked() {
         let head = "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {";
         let proved = |body: &str, names: &[&str]| {
-            let c = check_source(&format!("{head}\n{body}\n}}"), names, false).unwrap();
-            assert!(
-                c.wgsl.contains(USER_MARK) != c.wgsl.contains(USER_PROVED_MARK),
-                "{}",
-                c.wgsl
-            );
-            c.wgsl.contains(USER_PROVED_MARK)
+            check_source(&format!("{head}\n{body}\n}}"), names, false)
+                .unwrap()
+                .proved_safe
         };
         // Capture reads, constant indices, branches: proved.
         assert!(proved("return s + rel(h * 3u + min(j - i, 2u));", &["rel"]));
@@ -1157,10 +1115,7 @@ mod tests {
         assert!(!proved("loop { if (i > 0u) { break; } } return s;", &[]));
         // The crate's own source with a loop, vouched for.
         let looped = format!("{head}\nvar t = s; for (var k = 0u; k < i; k++) {{ t += 1.0; }} return t;\n}}");
-        assert!(check_source(&looped, &[], true)
-            .unwrap()
-            .wgsl
-            .contains(USER_PROVED_MARK));
+        assert!(check_source(&looped, &[], true).unwrap().proved_safe);
     }
 
     #[test]

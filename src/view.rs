@@ -301,6 +301,8 @@ pub(crate) fn resolve_bias(
     }))
 }
 
+/// `shape` (rank 0 to 4) left-padded with ones to 4-D: how a mask or bias broadcasts against
+/// the scores `[B, Hq, L, S]`.
 pub(crate) fn pad4(shape: &[usize]) -> [usize; 4] {
     let mut s = [1usize; 4];
     s[4 - shape.len()..].copy_from_slice(shape);

@@ -130,7 +130,10 @@ fn every_import_runs_down_a_floor() {
             continue; // the crate's face: declares the modules and re-exports them
         }
         let Some(own) = floor(&module) else {
-            wrong.push(format!("{}: module `{module}` has no floor in FLOORS", rel.display()));
+            wrong.push(format!(
+                "{}: module `{module}` has no floor in FLOORS",
+                rel.display()
+            ));
             continue;
         };
         let Some(code) = production_code(path) else {
@@ -140,8 +143,15 @@ fn every_import_runs_down_a_floor() {
         seen += edges.len();
         wrong.extend(violations(&rel.display().to_string(), &module, own, &edges));
     }
-    assert!(seen > 500, "only {seen} crate:: paths read: is the parser still reading the code?");
-    assert!(wrong.is_empty(), "imports against the floors:\n{}", wrong.join("\n"));
+    assert!(
+        seen > 500,
+        "only {seen} crate:: paths read: is the parser still reading the code?"
+    );
+    assert!(
+        wrong.is_empty(),
+        "imports against the floors:\n{}",
+        wrong.join("\n")
+    );
 }
 
 /// What is wrong with the edges of a file `rel` of `module` on floor `own`.
@@ -167,7 +177,11 @@ fn the_parser_reads_paths_and_groups() {
     let code = "use crate::sdpa::Sdpa;\nuse crate::{device::context::Context, error};\nlet x = crate::ops::copy::convert(a);";
     assert_eq!(crate_edges(code), ["sdpa", "device", "error", "ops"]);
     let dir = std::env::temp_dir().join(format!("floors-{}.rs", std::process::id()));
-    std::fs::write(&dir, "// crate::variants in a comment\nuse crate::view::View; // crate::mha\n").expect("write");
+    std::fs::write(
+        &dir,
+        "// crate::variants in a comment\nuse crate::view::View; // crate::mha\n",
+    )
+    .expect("write");
     let code = production_code(&dir).expect("read");
     std::fs::remove_file(&dir).ok();
     assert_eq!(crate_edges(&code), ["view"]);
@@ -181,7 +195,10 @@ fn a_wrong_edge_is_named() {
     let wrong = violations("kernels/x.rs", "kernels", 20, &crate_edges(code));
     assert_eq!(wrong.len(), 2, "{wrong:?}");
     assert!(wrong[0].contains("uses `sdpa` (floor 40)"), "{wrong:?}");
-    assert!(wrong[1].contains("`crate::Context` goes through the crate root"), "{wrong:?}");
+    assert!(
+        wrong[1].contains("`crate::Context` goes through the crate root"),
+        "{wrong:?}"
+    );
     let same = violations("mha/x.rs", "mha", 50, &crate_edges("crate::paged::KvCache"));
     assert_eq!(same.len(), 1, "{same:?}");
 }

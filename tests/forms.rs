@@ -25,6 +25,7 @@ use common::{ctx, goldens, Case, SHAPES, TOL};
 use wgpu_attention::check::{compare, Tolerance};
 use wgpu_attention::{
     BackwardForm, Causal, Context, DecodeForm, Error, Form, FusedForm, MatmulForm, Options, Path, Storage,
+    Tuning,
 };
 
 /// Every mask kind at once: bottom-right causal, a boolean mask with fully masked rows, a
@@ -776,5 +777,45 @@ fn windows_in_every_form() {
             Form::Backward(form),
             &format!("{name} [{}]", form.name()),
         );
+    }
+}
+
+/// A context's tuning knobs reach its plans and kernels, and only its own: on one device,
+/// the GPU form pinned with other knobs (`Context::with_tuning`) plans other tiles and runs
+/// other kernels, and both agree with the reference; the knobs of a context made by
+/// `with_forms` or `with_tuning` are its parent's unless set.
+#[test]
+fn tuning_is_a_value_of_the_context() {
+    let Some(ctx) = ctx() else { return };
+    let gpu = ctx.with_forms(FusedForm::Gpu);
+    assert!(
+        ctx.caps().fused_forms().contains(&FusedForm::Gpu),
+        "every device offers the GPU form"
+    );
+    let mut knobs = Tuning::default();
+    knobs.set("fused_wg", 64).unwrap();
+    knobs.set("fused_kg", 2).unwrap();
+    knobs.set("softcap_form", 1).unwrap();
+    let tuned = gpu.with_tuning(knobs);
+    assert_eq!(tuned.tuning(), knobs);
+    assert_eq!(tuned.caps().tuning, knobs);
+    assert_eq!(gpu.tuning(), ctx.tuning(), "with_forms keeps the knobs");
+    assert_eq!(tuned.with_forms(FusedForm::Gpu).tuning(), knobs);
+    let case = Case::random((2, 4, 2, 37, 45, 24, 20), 31)
+        .with_causal(Causal::BottomRight)
+        .with_softcap(20.0);
+    let want = case.reference();
+    let tiles = |c: &Context| case.sdpa().path(Path::Fused).plan(c).unwrap().tiles();
+    let (base, other) = (tiles(&gpu), tiles(&tuned));
+    assert!(
+        matches!(other, wgpu_attention::Tiles::Fused { invocations: 64, .. }),
+        "{other:?}"
+    );
+    assert_ne!(base, other);
+    for (c, label) in [
+        (&gpu, "default knobs"),
+        (&tuned, "fused_wg=64 fused_kg=2 softcap_form=1"),
+    ] {
+        case.check_against(&want, c, Path::Fused, TOL, label);
     }
 }

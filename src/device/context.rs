@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::device::pipelines::PipelineCache;
 use crate::error::{Error, Result};
-use crate::forms::{Caps, CoopTiles, Forms};
+use crate::forms::{Caps, CoopTiles, Forms, Tuning};
 
 /// A device and queue plus what this crate needs to know about them, and the cache of the
 /// kernels' pipelines.
@@ -39,6 +39,8 @@ pub struct Context {
     forms: Forms,
     /// Whether the kernels may use the matrix units ([`Context::without_matrix_units`]).
     matrix_units: bool,
+    /// The GPU forms' tuning knobs ([`Context::with_tuning`]).
+    tuning: Tuning,
 }
 
 struct Inner {
@@ -421,6 +423,7 @@ impl Context {
             }),
             forms,
             matrix_units: true,
+            tuning: Tuning::from_env(),
         }
     }
 
@@ -432,10 +435,25 @@ impl Context {
     /// [`FusedForm`]: crate::FusedForm
     pub fn with_forms(&self, forms: impl Into<Forms>) -> Context {
         Context {
-            inner: self.inner.clone(),
             forms: forms.into(),
-            matrix_units: self.matrix_units,
+            ..self.clone()
         }
+    }
+
+    /// The same device, queue and pipeline cache with the GPU forms' tuning knobs `tuning`
+    /// (for sweeps over a knob in one process; a new context reads them from
+    /// `WGPU_ATTENTION_TUNE`, [`Tuning::from_env`]). Pipelines differ by the code the knobs
+    /// give, so contexts of different tunings share the cache safely.
+    pub fn with_tuning(&self, tuning: Tuning) -> Context {
+        Context {
+            tuning,
+            ..self.clone()
+        }
+    }
+
+    /// The GPU forms' tuning knobs of this context.
+    pub fn tuning(&self) -> Tuning {
+        self.tuning
     }
 
     /// The forms pinned on this context.
@@ -448,7 +466,8 @@ impl Context {
         let max_subgroup = self.inner.info.subgroup_max_size.max(1);
         let mut caps = Caps::new(&self.inner.limits, self.is_cpu(), self.fixed_subgroup_size())
             .with_forms(self.forms)
-            .with_coop(self.matrix_units(), max_subgroup);
+            .with_coop(self.matrix_units(), max_subgroup)
+            .with_tuning(self.tuning);
         // wgpu's GL backend serialises every device of the process on one GL context, and a
         // thread that waits for it over 6 s panics (wgpu-hal): a background compilation of a
         // large unrolled form would hold it that long on a CPU driver (llvmpipe). GL takes the

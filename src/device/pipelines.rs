@@ -13,20 +13,27 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 /// What makes two pipelines the same: the kernel, the host-generated prelude (constants and
-/// chosen snippets) and the override constants.
+/// chosen snippets), the override constants, and whether wgpu's runtime checks are off.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Key {
     name: &'static str,
     prelude: String,
     constants: Vec<(&'static str, u64)>,
+    unchecked: bool,
 }
 
 impl Key {
-    pub(crate) fn new(name: &'static str, prelude: &str, constants: &[(&'static str, f64)]) -> Self {
+    pub(crate) fn new(
+        name: &'static str,
+        prelude: &str,
+        constants: &[(&'static str, f64)],
+        unchecked: bool,
+    ) -> Self {
         Key {
             name,
             prelude: prelude.to_string(),
             constants: constants.iter().map(|&(n, v)| (n, v.to_bits())).collect(),
+            unchecked,
         }
     }
 }
@@ -315,7 +322,7 @@ mod tests {
         let cache = PipelineCache::default();
         let src = "@compute @workgroup_size(1) fn main() {}".to_string();
         let build = || Pipeline::new(ctx.device(), "t", src.clone(), &[], &[], false);
-        let key = |i: usize| Key::new("t", &format!("// {i}"), &[]);
+        let key = |i: usize| Key::new("t", &format!("// {i}"), &[], false);
         for i in 0..MAX_PIPELINES + 40 {
             cache.get_or_build(key(i), build);
             // Key 0 stays in use.

@@ -5,6 +5,8 @@
 
 pub(crate) mod tune;
 
+pub use tune::Tuning;
+
 use crate::error::{Error, Result};
 
 /// A form of the fused kernel (`shaders/flash.wgsl`).
@@ -536,6 +538,9 @@ pub struct Caps {
     /// The largest subgroup size the adapter may run a kernel with (a coop form's workgroup
     /// is a multiple of it).
     pub max_subgroup: u32,
+    /// The tuning knobs of the GPU forms (a context's: [`Context::with_tuning`](crate::Context::with_tuning);
+    /// none by [`Caps::new`]).
+    pub tuning: Tuning,
 }
 
 /// The largest storage binding a device allows, bytes: `max_storage_buffer_binding_size`, at most
@@ -560,7 +565,14 @@ impl Caps {
             forms: Forms::default(),
             coop: CoopTiles::none("not read from a device"),
             max_subgroup: subgroup.unwrap_or(64),
+            tuning: Tuning::default(),
         }
+    }
+
+    /// These capabilities with the tuning knobs `tuning`.
+    pub fn with_tuning(mut self, tuning: Tuning) -> Caps {
+        self.tuning = tuning;
+        self
     }
 
     /// The same device with the matrix units' `tiles`, run with subgroups of at most
@@ -679,7 +691,7 @@ impl Caps {
     /// than their scalar forms (measured: docs/benchmarks.md), so there they are opt-in
     /// (pinned, or `WGPU_ATTENTION_TUNE=coop=1`, which CI's coop pass sets).
     pub fn coop_by_default(&self) -> bool {
-        let knob = crate::forms::tune::knob("coop");
+        let knob = self.tuning.coop;
         self.coop.largest().is_some() && knob != Some(0) && (!self.cpu || knob == Some(1))
     }
 

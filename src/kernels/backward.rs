@@ -261,7 +261,7 @@ impl Params {
 }
 
 /// The fused backward's specialisation for a problem on a device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Config {
     pub form: BackwardForm,
     pub e4: u32,
@@ -294,6 +294,8 @@ pub(crate) struct Config {
     pub mods: super::Mods,
     /// The matrix units' tiles ([`BackwardForm::Coop`]).
     pub coop: Option<CoopLayout>,
+    /// The device's tuning knobs (what the preludes read of them).
+    pub tuning: crate::forms::Tuning,
 }
 
 /// The matrix units' backward: its tile, the head dims padded to it, and the blocks of each
@@ -384,12 +386,12 @@ impl Config {
         }
         let (wg, rows, unroll, sg) = match form {
             BackwardForm::Gpu => (
-                crate::forms::tune::knob("bwd_wg").unwrap_or(64),
-                crate::forms::tune::knob("bwd_rows").unwrap_or(1),
+                caps.tuning.bwd_wg.unwrap_or(64),
+                caps.tuning.bwd_rows.unwrap_or(1),
                 // Measured on an H100 (scripts/gpu_sweep.sh, c_h8_s4096_causal): unrolled 13.6 ms,
                 // loops as written 42 ms (their register arrays go to local memory); 2 rows per
                 // invocation spill (5.3 ms against 1.7 ms at a_h8_s1024).
-                crate::forms::tune::knob("bwd_unroll").is_none_or(|u| u != 0),
+                caps.tuning.bwd_unroll.is_none_or(|u| u != 0),
                 None,
             ),
             BackwardForm::Subgroup { rows } => {
@@ -406,7 +408,7 @@ impl Config {
             ));
         }
         let wg_memory = match form {
-            BackwardForm::Gpu => crate::forms::tune::knob("wg_memory").unwrap_or(super::flash::GPU_WG_MEMORY),
+            BackwardForm::Gpu => caps.tuning.wg_memory.unwrap_or(super::flash::GPU_WG_MEMORY),
             _ => WG_MEMORY,
         };
         let budget = wg_memory.min(caps.workgroup_storage).saturating_sub(16);
@@ -441,7 +443,8 @@ impl Config {
             formats: p.storage,
             has_mask: p.mask.is_some(),
             has_bias: p.bias.is_some(),
-            mods: super::Mods::of(p),
+            mods: super::Mods::of(p, &caps.tuning),
+            tuning: caps.tuning,
             coop: None,
         })
     }
@@ -505,7 +508,8 @@ impl Config {
             formats: p.storage,
             has_mask: p.mask.is_some(),
             has_bias: p.bias.is_some(),
-            mods: super::Mods::of(p),
+            mods: super::Mods::of(p, &caps.tuning),
+            tuning: caps.tuning,
             coop: Some(layout),
         })
     }
@@ -549,7 +553,7 @@ impl Config {
             c.evp,
             grad_io(
                 &self.formats,
-                (self.has_mask, self.has_bias, self.mods),
+                (self.has_mask, self.has_bias, self.mods.clone()),
                 self.vec4,
                 &self.views
             )
@@ -566,10 +570,10 @@ impl Config {
             self.wg,
             self.unroll,
             self.unroll_e,
-            super::scalar_logits(self.form == BackwardForm::Gpu),
+            super::scalar_logits(self.form == BackwardForm::Gpu, &self.tuning),
             grad_io(
                 &self.formats,
-                (self.has_mask, self.has_bias, self.mods),
+                (self.has_mask, self.has_bias, self.mods.clone()),
                 self.vec4,
                 &self.views
             )
@@ -651,26 +655,30 @@ fn grad_io(f: &Formats, masks: (bool, bool, super::Mods), vec4: bool, views: &Vi
 }
 
 /// The dbias kernel's prelude (any head dims): scalar q, k, v, dout; dbias in the bias's format.
-pub(crate) fn dbias_prelude(p: &Problem) -> String {
+pub(crate) fn dbias_prelude(p: &Problem, tuning: &crate::forms::Tuning) -> String {
     let f = &p.storage;
     let access = if f.bias.is_half() {
         Access::Atomic
     } else {
         Access::Write
     };
-    grad_io(f, (p.mask.is_some(), true, super::Mods::of(p)), false, &p.views)
-        + &array("dbias", 7, f.bias, false, access)
+    grad_io(
+        f,
+        (p.mask.is_some(), true, super::Mods::of(p, tuning)),
+        false,
+        &p.views,
+    ) + &array("dbias", 7, f.bias, false, access)
 }
 
 /// The capture-gradient kernel's prelude: scalar q, k, v, dout, the calls' bound and the
 /// user's `score_mod_dcapture` with its accumulators (None: the source has none).
-pub(crate) fn dcap_prelude(p: &Problem) -> Option<String> {
+pub(crate) fn dcap_prelude(p: &Problem, tuning: &crate::forms::Tuning) -> Option<String> {
     let user = p.user_fns.as_ref()?;
-    let dcap = crate::user_mod::dcapture_prelude(user.key)?;
+    let dcap = user.code.dcapture.clone()?;
     Some(
         grad_io(
             &p.storage,
-            (p.mask.is_some(), p.bias.is_some(), super::Mods::of(p)),
+            (p.mask.is_some(), p.bias.is_some(), super::Mods::of(p, tuning)),
             false,
             &p.views,
         ) + &format!("const CALLS: u32 = {}u;\n", crate::user_mod::MAX_DCAPTURE_CALLS)
@@ -693,6 +701,7 @@ pub(crate) fn ds_prelude(has_mask: bool, has_bias: bool, mods: super::Mods, bias
 }
 
 /// Record one dispatch of a gradient kernel over `workgroups` workgroups.
+#[allow(clippy::too_many_arguments)] // each argument is a distinct part of one dispatch
 pub(crate) fn record(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
@@ -701,6 +710,7 @@ pub(crate) fn record(
     buffers: &[wgpu::BufferBinding<'_>],
     params: &Params,
     workgroups: u32,
+    checks: super::Checks,
 ) -> Result<()> {
     let grid = grid_1d(workgroups, ctx.limits().max_compute_workgroups_per_dimension);
     dispatch(
@@ -712,5 +722,6 @@ pub(crate) fn record(
         buffers,
         bytemuck::bytes_of(params),
         grid,
+        checks,
     )
 }

@@ -69,13 +69,13 @@ const TILES_TARGET_WORKGROUPS: usize = 256;
 const TILES_WG: u32 = 256;
 
 /// Keys per split (a multiple of 64, at most 1024) and the number of splits, for `form`.
-pub(crate) fn split(p: &Problem, form: DecodeForm) -> (usize, usize) {
+pub(crate) fn split(p: &Problem, form: DecodeForm, tuning: &crate::forms::Tuning) -> (usize, usize) {
     let rows = p.batch_heads() * p.seq_q;
     let default = match form {
         DecodeForm::GpuTiles => TILES_TARGET_WORKGROUPS,
         _ => TARGET_WORKGROUPS,
     };
-    let target = crate::forms::tune::knob("decode_target").map_or(default, |t| t as usize);
+    let target = tuning.decode_target.map_or(default, |t| t as usize);
     let want = target.div_ceil(rows).max(1);
     let chunk = p.seq_kv.div_ceil(want).next_multiple_of(64).clamp(64, 1024);
     (chunk, p.seq_kv.div_ceil(chunk))
@@ -86,7 +86,7 @@ pub(crate) fn split(p: &Problem, form: DecodeForm) -> (usize, usize) {
 const UNROLL_MAX_DIM: usize = 256;
 
 /// The decode kernel's form, workgroup and split for one problem.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Config {
     pub form: DecodeForm,
     /// Invocations per workgroup (a power of two).
@@ -111,12 +111,13 @@ pub(crate) struct Config {
 
 /// Invocations that score one key together in the GPU-tiled form (knob `decode_klanes`, a
 /// power of two up to 16): halved until it divides the K row's 16-byte chunks and `wg`.
-fn key_lanes(p: &Problem, wg: u32) -> usize {
+fn key_lanes(p: &Problem, wg: u32, tuning: &crate::forms::Tuning) -> usize {
     let e4 = p.head_dim.div_ceil(4);
     // Half formats with E a multiple of 8 read 8 elements per chunk (Config::p8); E4 / 2
     // chunks then, which KL must divide too.
     let chunks = if e4.is_multiple_of(2) { e4 / 2 } else { e4 };
-    let mut kl = crate::forms::tune::knob("decode_klanes")
+    let mut kl = tuning
+        .decode_klanes
         .map_or(KEY_LANES, |k| k as usize)
         .clamp(1, 16)
         .next_power_of_two();
@@ -150,12 +151,13 @@ impl Config {
         // one compiles in 1.3 s and runs in 36 ms.
         let (wg, unroll) = match form {
             DecodeForm::Gpu => (
-                crate::forms::tune::knob("decode_wg").unwrap_or(64),
+                caps.tuning.decode_wg.unwrap_or(64),
                 !caps.cpu && p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM,
             ),
             // A power of two holding at least one V row's vec4s (EVP) in each of two subsets.
             DecodeForm::GpuTiles => (
-                crate::forms::tune::knob("decode_wg")
+                caps.tuning
+                    .decode_wg
                     .unwrap_or(TILES_WG)
                     .max(2 * evp(p.head_dim_v.div_ceil(4)) as u32),
                 !caps.cpu && p.head_dim.max(p.head_dim_v) <= UNROLL_MAX_DIM,
@@ -186,7 +188,7 @@ impl Config {
                 0
             };
             let base = 16 * p.head_dim.div_ceil(4) + 20 * wg as usize + 8 * wg as usize + vrow;
-            kl = key_lanes(p, wg);
+            kl = key_lanes(p, wg, &caps.tuning);
             while kl > 1 && base + 4 * wg as usize * kl > caps.workgroup_storage as usize {
                 kl /= 2;
             }
@@ -198,7 +200,7 @@ impl Config {
                 ));
             }
         }
-        let (chunk, splits) = split(p, form);
+        let (chunk, splits) = split(p, form, &caps.tuning);
         Ok(Config {
             form,
             wg,
@@ -213,7 +215,7 @@ impl Config {
             ev_odd: p.head_dim_v % 2 == 1,
             masks: p.mask.is_some(),
             bias: p.bias.is_some(),
-            mods: super::Mods::of(p),
+            mods: super::Mods::of(p, &caps.tuning),
             kl,
         })
     }
@@ -260,7 +262,7 @@ impl Config {
                 self.e4 / kl,
                 self.views.paged.is_some(),
                 if self.views.paged.is_some() { self.wg } else { 1 },
-                super::mask_consts(self.masks, self.bias, self.mods, self.formats.bias),
+                super::mask_consts(self.masks, self.bias, self.mods.clone(), self.formats.bias),
                 self.io(),
             );
         }
@@ -286,7 +288,7 @@ impl Config {
             self.ev4 / 2,
             self.ev4 / rb,
             self.unroll,
-            super::mask_consts(self.masks, self.bias, self.mods, self.formats.bias),
+            super::mask_consts(self.masks, self.bias, self.mods.clone(), self.formats.bias),
             self.io(),
             reductions[0],
             reductions[1],
@@ -333,6 +335,7 @@ pub(crate) fn record_decode(
         &buffers,
         bytemuck::bytes_of(params),
         grid,
+        cfg.mods.checks(),
     )
 }
 
@@ -344,12 +347,12 @@ mod tests {
     fn decode_of_one_row_makes_hundreds_of_workgroups() {
         let p = Problem::new(&[1, 32, 1, 128], &[1, 32, 4096, 128], &[1, 32, 4096, 128]).unwrap();
         for form in DecodeForm::ALL {
-            let (chunk, splits) = split(&p, form);
+            let (chunk, splits) = split(&p, form, &Default::default());
             assert_eq!(chunk * splits, 4096);
             assert!(splits * 32 >= 256, "{splits}");
         }
         let p = Problem::new(&[1, 1, 1, 8], &[1, 1, 100_000, 8], &[1, 1, 100_000, 8]).unwrap();
-        let (chunk, splits) = split(&p, DecodeForm::Gpu);
+        let (chunk, splits) = split(&p, DecodeForm::Gpu, &Default::default());
         assert!(chunk <= 1024 && chunk * splits >= 100_000);
     }
 

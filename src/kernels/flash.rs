@@ -113,7 +113,7 @@ wgsl_struct! {
 }
 
 /// The specialisation: the form, head dims in vec4s (rounded up) and keys per tile.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Config {
     pub form: FusedForm,
     pub e4: u32,
@@ -152,6 +152,8 @@ pub(crate) struct Config {
     pub bm: u32,
     /// The register-tiled GPU form reduces each row's max and sum by subgroup shuffles.
     pub sg_rows: bool,
+    /// The device's tuning knobs (what the preludes read of them).
+    pub tuning: crate::forms::Tuning,
 }
 
 /// The coop form's tiles: query rows and keys per workgroup and the padded head dims.
@@ -304,9 +306,9 @@ impl Config {
             // at c_h8_s4096_causal and a_h8_s1024; 2 or 4 rows per invocation spill registers
             // (3x slower); 8 keys per step no better than 4.
             FusedForm::Gpu => layout(
-                crate::forms::tune::knob("fused_wg").unwrap_or(128),
-                crate::forms::tune::knob("fused_rq").unwrap_or(1),
-                crate::forms::tune::knob("fused_kg").unwrap_or(4),
+                caps.tuning.fused_wg.unwrap_or(128),
+                caps.tuning.fused_rq.unwrap_or(1),
+                caps.tuning.fused_kg.unwrap_or(4),
                 [true, false],
             ),
             FusedForm::Subgroup { rows } => {
@@ -327,7 +329,7 @@ impl Config {
         }
         let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
         let wg_memory = match form {
-            FusedForm::Gpu => crate::forms::tune::knob("wg_memory").unwrap_or(GPU_WG_MEMORY),
+            FusedForm::Gpu => caps.tuning.wg_memory.unwrap_or(GPU_WG_MEMORY),
             _ => WG_MEMORY,
         };
         let budget = wg_memory.min(caps.workgroup_storage).saturating_sub(16);
@@ -363,7 +365,8 @@ impl Config {
             sg_kv,
             has_mask: p.mask.is_some(),
             has_bias: p.bias.is_some(),
-            mods: super::Mods::of(p),
+            mods: super::Mods::of(p, &caps.tuning),
+            tuning: caps.tuning,
             pinned: pinned.is_some(),
             bm: 0,
             sg_rows: false,
@@ -425,7 +428,8 @@ impl Config {
             sg_kv: false,
             has_mask: p.mask.is_some(),
             has_bias: p.bias.is_some(),
-            mods: super::Mods::of(p),
+            mods: super::Mods::of(p, &caps.tuning),
+            tuning: caps.tuning,
             pinned,
             bm: layout.bq,
             sg_rows: false,
@@ -437,13 +441,12 @@ impl Config {
     /// allows), with TM x TN logits per invocation (4 x 4; the `tiles_*` knobs of
     /// [`crate::forms::tune`] choose others).
     fn tiles(p: &Problem, caps: &Caps, pinned: bool) -> std::result::Result<Config, String> {
-        use crate::forms::tune::knob;
         let (e4, ev4) = (p.head_dim.div_ceil(4) as u32, p.head_dim_v.div_ceil(4) as u32);
-        let memory = knob("wg_memory").unwrap_or(TILES_WG_MEMORY);
+        let memory = caps.tuning.wg_memory.unwrap_or(TILES_WG_MEMORY);
         let budget = memory.min(caps.workgroup_storage);
-        let tm = knob("tiles_tm").filter(|&k| k == 4 || k == 8).unwrap_or(4);
-        let tn = knob("tiles_tn").filter(|&k| k == 4 || k == 8).unwrap_or(4);
-        let want_sg = knob("tiles_sg").map_or(TILES_SG_ROWS, |k| k == 1);
+        let tm = caps.tuning.tiles_tm.filter(|&k| k == 4 || k == 8).unwrap_or(4);
+        let tn = caps.tuning.tiles_tn.filter(|&k| k == 4 || k == 8).unwrap_or(4);
+        let want_sg = caps.tuning.tiles_sg.map_or(TILES_SG_ROWS, |k| k == 1);
         // A row's NX invocations are adjacent lanes of one subgroup where NX divides its size.
         let sg_rows = |nx: u32| want_sg && caps.subgroup.is_some_and(|s| s % nx == 0);
         let bytes = |bm: u32, bn: u32| {
@@ -470,8 +473,8 @@ impl Config {
         let (bm, bn) = tiles
             .into_iter()
             .filter(|&(bm, bn)| {
-                knob("tiles_bm").is_none_or(|k| k == bm)
-                    && knob("tiles_bn").is_none_or(|k| k == bn)
+                caps.tuning.tiles_bm.is_none_or(|k| k == bm)
+                    && caps.tuning.tiles_bn.is_none_or(|k| k == bn)
                     && bm % tm == 0
                     && bn % tn == 0
             })
@@ -504,7 +507,8 @@ impl Config {
             sg_kv: false,
             has_mask: p.mask.is_some(),
             has_bias: p.bias.is_some(),
-            mods: super::Mods::of(p),
+            mods: super::Mods::of(p, &caps.tuning),
+            tuning: caps.tuning,
             pinned,
             bm,
             sg_rows: sg_rows(bn / tn),
@@ -526,7 +530,7 @@ impl Config {
         {
             return self;
         }
-        if super::warm(ctx, self.spec(), self.prelude()) {
+        if super::warm(ctx, self.spec(), self.prelude(), self.mods.checks()) {
             self
         } else {
             Config {
@@ -540,7 +544,10 @@ impl Config {
     /// Whether the logits are scalars summed by FMAs (`score_fma`), not vec4 partials: the GPU
     /// forms' arithmetic ([`super::scalar_logits`]).
     fn scalar_logits(&self) -> bool {
-        super::scalar_logits(matches!(self.form, FusedForm::Gpu | FusedForm::GpuTiles))
+        super::scalar_logits(
+            matches!(self.form, FusedForm::Gpu | FusedForm::GpuTiles),
+            &self.tuning,
+        )
     }
 
     /// Query rows per workgroup.
@@ -585,7 +592,7 @@ impl Config {
                 self.bm,
                 self.bk,
                 ep.max(evp),
-                super::mask_consts(self.has_mask, self.has_bias, self.mods, self.formats.bias),
+                super::mask_consts(self.has_mask, self.has_bias, self.mods.clone(), self.formats.bias),
             );
         }
         if self.form == FusedForm::GpuTiles {
@@ -613,12 +620,12 @@ impl Config {
                 self.scalar_logits(),
                 // The next K/V tile's loads issued before this tile's arithmetic: off unless the
                 // knob asks (slower on an H200).
-                crate::forms::tune::knob("tiles_prefetch") == Some(1),
+                self.tuning.tiles_prefetch == Some(1),
                 self.sg_rows,
                 if self.sg_rows { TILES_SG_ROW_FNS } else { TILES_ROW_FN_STUBS },
                 self.unroll,
                 self.unroll_e,
-                super::mask_consts(self.has_mask, self.has_bias, self.mods, self.formats.bias),
+                super::mask_consts(self.has_mask, self.has_bias, self.mods.clone(), self.formats.bias),
             );
         }
         // Naga takes the subgroup built-ins without `enable subgroups;` (which it rejects).
@@ -638,7 +645,7 @@ impl Config {
             self.unroll_e,
             self.sg_kv,
             self.scalar_logits(),
-            super::mask_consts(self.has_mask, self.has_bias, self.mods, self.formats.bias),
+            super::mask_consts(self.has_mask, self.has_bias, self.mods.clone(), self.formats.bias),
         )
     }
 }
@@ -671,6 +678,7 @@ pub(crate) fn record(
         buffers,
         bytemuck::bytes_of(params),
         grid,
+        cfg.mods.checks(),
     )
 }
 

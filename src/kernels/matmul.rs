@@ -82,7 +82,7 @@ pub(crate) fn form_for(caps: &crate::forms::Caps) -> std::result::Result<Form, S
             // incl. compilation): 4 rows x 4 blocks x 2 k-steps 35 (1.4 s), 4 x 6 x 2 37 (2.9 s),
             // 4 x 4 x 4 37 (2.2 s), 8 x 2 x 2 31, 8 x 1 x 2 21, 2 x 8 x 2 30, 4 x 8 x 2 32 (4.5 s).
             Form::Subgroup
-        } else if !caps.cpu && crate::forms::tune::knob("matmul_tiles") != Some(0) {
+        } else if !caps.cpu && caps.tuning.matmul_tiles != Some(0) {
             Form::GpuTiles
         } else {
             Form::Tiled
@@ -491,6 +491,7 @@ impl Matmul<'_> {
             &[self.a.clone(), self.b.clone(), bias, self.c.clone()],
             bytemuck::bytes_of(p),
             grid,
+            super::Checks::Kernel,
         )
     }
 }

@@ -81,5 +81,6 @@ pub(crate) fn record(
         &buffers,
         bytemuck::bytes_of(params),
         grid,
+        super::Checks::Kernel,
     )
 }

@@ -275,8 +275,8 @@ impl Masks {
 /// logits match the forward's logsumexp to the bit (FlashAttention's rule on large logits needs
 /// it). Measured on an H200 (gpu-tiles, c_h8_s4096_causal f32): 0.978 -> 0.939 ms, a quarter of
 /// the logits' registers.
-pub(crate) fn scalar_logits(gpu_form: bool) -> bool {
-    gpu_form && crate::forms::tune::knob("scalar_logits") != Some(0)
+pub(crate) fn scalar_logits(gpu_form: bool, tuning: &crate::forms::Tuning) -> bool {
+    gpu_form && tuning.scalar_logits != Some(0)
 }
 
 /// The constants every masked forward kernel's prelude declares: whether a boolean mask and a
@@ -293,9 +293,30 @@ pub(crate) fn mask_consts(
            fn aux_word(i: u32) -> u32 { return kv_lens[i]; }\n"
 }
 
+/// Whether a kernel's code may run without wgpu's runtime checks (bounds checks, loop bounds)
+/// where its spec is trusted: the crate's own code may, user code only once proved safe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Checks {
+    /// The crate's code alone, or user code proved safe.
+    #[default]
+    Kernel,
+    /// User code that keeps the checks (a loop or a dynamic index).
+    User,
+}
+
+impl Checks {
+    /// The checks of `p`'s kernels: [`Checks::User`] for user code not proved safe.
+    pub(crate) fn of(p: &crate::problem::Problem) -> Checks {
+        match &p.user_fns {
+            Some(u) if !u.code.proved_safe => Checks::User,
+            _ => Checks::Kernel,
+        }
+    }
+}
+
 /// The built-in modifiers a kernel specialises on (the code of each is compiled out when
 /// absent: CPU adapters execute both sides of every branch).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub(crate) struct Mods {
     /// A sliding window (with sink tokens).
     pub window: bool,
@@ -307,24 +328,35 @@ pub(crate) struct Mods {
     pub sinks: bool,
     /// Document ids (the auxiliary words after the sink logits).
     pub docs: bool,
-    /// User functions: their registry key (0: none) and which of the two they define.
-    pub user: u64,
+    /// User functions: their checked code (none: the stubs) and which of the two they define.
+    pub user: Option<std::sync::Arc<crate::user_mod::Checked>>,
     pub score_mod: bool,
     pub mask_mod: bool,
+    /// How the softcap's tanh is taken (the tuning knob `softcap_form`, 0 to 2).
+    pub softcap_form: u32,
 }
 
 impl Mods {
-    /// The modifiers of `p`.
-    pub(crate) fn of(p: &crate::problem::Problem) -> Self {
+    /// Whether the user code of these modifiers keeps wgpu's runtime checks.
+    pub(crate) fn checks(&self) -> Checks {
+        match &self.user {
+            Some(code) if !code.proved_safe => Checks::User,
+            _ => Checks::Kernel,
+        }
+    }
+
+    /// The modifiers of `p`, taken as `tuning` says.
+    pub(crate) fn of(p: &crate::problem::Problem, tuning: &crate::forms::Tuning) -> Self {
         Mods {
             window: p.window.is_some(),
             softcap: p.softcap.is_some(),
             alibi: p.alibi.is_some(),
             sinks: p.sink_logits.is_some(),
             docs: p.doc_ids.is_some(),
-            user: p.user_fns.as_ref().map_or(0, |u| u.key),
+            user: p.user_fns.as_ref().map(|u| u.code.clone()),
             score_mod: p.has_score_mod(),
             mask_mod: p.has_mask_mod(),
+            softcap_form: tuning.softcap_form.unwrap_or(0).min(2),
         }
     }
 }
@@ -352,9 +384,9 @@ pub(crate) fn mask_flags(
         mods.score_mod,
         mods.mask_mod,
         has_mask || has_bias || mods.softcap || mods.alibi || mods.docs || mods.score_mod || mods.mask_mod,
-        crate::forms::tune::knob("softcap_form").unwrap_or(0).min(2),
+        mods.softcap_form,
         access::bias(bias),
-        crate::user_mod::prelude(mods.user),
+        crate::user_mod::prelude(mods.user.as_deref()),
     )
 }
 
@@ -481,15 +513,28 @@ fn without_atomics(src: String) -> String {
     }
 }
 
+/// Whether `spec`'s pipeline runs without wgpu's runtime checks on `ctx`. The `unchecked` knob
+/// overrides (1: every kernel, 0: none), for measuring. User WGSL keeps the checks unless it
+/// has no loops and no dynamic indexing (`user_mod::proved_safe`).
+fn unchecked(ctx: &Context, spec: &KernelSpec, checks: Checks) -> bool {
+    checks != Checks::User
+        && match ctx.tuning().unchecked {
+            Some(u) => u == 1,
+            None => spec.trusted && !ctx.caps().cpu,
+        }
+}
+
 /// The cached pipeline of `spec` with `prelude` and override `constants` on `ctx`.
 pub(crate) fn pipeline(
     ctx: &Context,
     spec: &KernelSpec,
     prelude: &str,
     constants: &[(&'static str, f64)],
+    checks: Checks,
 ) -> std::sync::Arc<Pipeline> {
+    let unchecked = unchecked(ctx, spec, checks);
     ctx.pipelines()
-        .get_or_build(Key::new(spec.name, prelude, constants), || {
+        .get_or_build(Key::new(spec.name, prelude, constants, unchecked), || {
             let storage = ctx.params_in_storage(spec.bindings.len());
             let types: Vec<wgpu::BufferBindingType> = spec
                 .bindings
@@ -501,13 +546,6 @@ pub(crate) fn pipeline(
                     Binding::Params => wgpu::BufferBindingType::Uniform,
                 })
                 .collect();
-            // The `unchecked` knob overrides (1: every kernel, 0: none), for measuring.
-            // User WGSL keeps the checks unless it has no loops and no dynamic indexing
-            // (`user_mod::proved_safe`; its prelude is then not marked USER_MARK).
-            let unchecked = match crate::forms::tune::knob("unchecked") {
-                Some(u) => u == 1 && !prelude.contains(crate::user_mod::USER_MARK),
-                None => spec.trusted && !ctx.caps().cpu && !prelude.contains(crate::user_mod::USER_MARK),
-            };
             let src = source(spec, prelude, storage);
             // The crate's own tests: every pipeline also as Metal's and DX12's backends would
             // translate it (a failure there names the variant).
@@ -556,6 +594,7 @@ pub(crate) fn dispatch(
     buffers: &[wgpu::BufferBinding<'_>],
     params: &[u8],
     grid: [u32; 3],
+    checks: Checks,
 ) -> Result<()> {
     let max = ctx.limits().max_compute_workgroups_per_dimension;
     if grid.iter().any(|&g| g > max) {
@@ -572,7 +611,7 @@ pub(crate) fn dispatch(
     }
     debug_assert_eq!(buffers.len() + 1, spec.bindings.len());
     let device = ctx.device();
-    let pipeline = pipeline(ctx, spec, prelude, constants);
+    let pipeline = pipeline(ctx, spec, prelude, constants, checks);
     // Either binding type (see `Context::params_in_storage`).
     let uniform = crate::device::buffers::constant(
         ctx,
@@ -697,10 +736,10 @@ fn aliased_outputs<'b>(spec: &KernelSpec, buffers: &[wgpu::BufferBinding<'b>]) -
 /// returns `false` then, and the caller uses that form. Elsewhere (GPUs compile at pipeline
 /// creation; the web has no threads; on GL one context serves every thread, see
 /// [`Context::caps`]) returns `true`: use the pipeline directly.
-pub(crate) fn warm(ctx: &Context, spec: &'static KernelSpec, prelude: String) -> bool {
+pub(crate) fn warm(ctx: &Context, spec: &'static KernelSpec, prelude: String, checks: Checks) -> bool {
     #[cfg(target_arch = "wasm32")]
     {
-        let _ = (ctx, spec, prelude);
+        let _ = (ctx, spec, prelude, checks);
         true
     }
     #[cfg(not(target_arch = "wasm32"))]
@@ -708,7 +747,7 @@ pub(crate) fn warm(ctx: &Context, spec: &'static KernelSpec, prelude: String) ->
         if !ctx.is_cpu() || !ctx.caps().background_compile {
             return true;
         }
-        let key = Key::new(spec.name, &prelude, &[]);
+        let key = Key::new(spec.name, &prelude, &[], unchecked(ctx, spec, checks));
         if ctx.pipelines().contains(&key) {
             return true;
         }
@@ -719,7 +758,7 @@ pub(crate) fn warm(ctx: &Context, spec: &'static KernelSpec, prelude: String) ->
         let handle = std::thread::spawn(move || {
             // Errors here would recur, and be reported, where the pipeline is used.
             let _ = pollster::block_on(bg.scoped(|| {
-                pipeline(&bg, spec, &prelude, &[]).dispatch_zeroed(bg.device(), bg.queue());
+                pipeline(&bg, spec, &prelude, &[], checks).dispatch_zeroed(bg.device(), bg.queue());
                 Ok(())
             }));
             bg.pipelines().end_warming(&key);
@@ -923,7 +962,12 @@ mod tests {
                     "softmax",
                     &source(
                         &softmax::SPEC,
-                        &mask_consts(p.mask.is_some(), p.bias.is_some(), Mods::of(&p), p.storage.bias),
+                        &mask_consts(
+                            p.mask.is_some(),
+                            p.bias.is_some(),
+                            Mods::of(&p, &Default::default()),
+                            p.storage.bias,
+                        ),
                         false,
                     ),
                 );
@@ -1037,10 +1081,10 @@ mod tests {
                         for (spec, pre) in [
                             (&backward::DQ, c.dq_prelude()),
                             (&backward::DKV, c.dkv_prelude()),
-                            (&backward::DBIAS, backward::dbias_prelude(&p)),
+                            (&backward::DBIAS, backward::dbias_prelude(&p, &Default::default())),
                             (
                                 &backward::DS,
-                                backward::ds_prelude(masked, masked, Mods::of(&p), fmt),
+                                backward::ds_prelude(masked, masked, Mods::of(&p, &Default::default()), fmt),
                             ),
                             (
                                 &backward::PREP,

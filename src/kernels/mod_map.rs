@@ -62,7 +62,7 @@ pub(crate) fn bytes(p: &Problem) -> u64 {
 fn key_of(p: &Problem) -> u64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     if let Some(u) = &p.user_fns {
-        u.key.hash(&mut h);
+        u.code.hash(&mut h);
         for (_, d) in &u.captures {
             d.iter().for_each(|x| x.to_bits().hash(&mut h));
         }
@@ -96,7 +96,7 @@ pub(crate) fn get(ctx: &Context, p: &Problem) -> Result<wgpu::Buffer> {
     };
     let mods = Mods {
         mask_mod: true,
-        user: p.user_fns.as_ref().map_or(0, |u| u.key),
+        user: p.user_fns.as_ref().map(|u| u.code.clone()),
         ..Default::default()
     };
     let dummy = crate::device::buffers::dummy(ctx);
@@ -109,7 +109,7 @@ pub(crate) fn get(ctx: &Context, p: &Problem) -> Result<wgpu::Buffer> {
         ctx,
         &mut encoder,
         &SPEC,
-        &mask_consts(false, false, mods, crate::storage::Storage::F32),
+        &mask_consts(false, false, mods.clone(), crate::storage::Storage::F32),
         &[],
         &[
             dummy.as_entire_buffer_binding(),
@@ -122,6 +122,7 @@ pub(crate) fn get(ctx: &Context, p: &Problem) -> Result<wgpu::Buffer> {
             words.div_ceil(64) as u32,
             ctx.limits().max_compute_workgroups_per_dimension,
         ),
+        mods.checks(),
     )?;
     ctx.queue().submit([encoder.finish()]);
     ctx.keep_mod_map(key, map.clone());

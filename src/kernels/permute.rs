@@ -94,5 +94,6 @@ pub(crate) fn record(
         &[src, dst],
         bytemuck::bytes_of(&params),
         grid,
+        super::Checks::Kernel,
     )
 }

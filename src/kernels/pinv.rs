@@ -69,6 +69,7 @@ pub(crate) fn record_init(
         &[a, z],
         bytemuck::bytes_of(&params),
         grid,
+        super::Checks::Kernel,
     )
 }
 
@@ -101,5 +102,6 @@ pub(crate) fn record_eye_minus(
         &[x, y],
         bytemuck::bytes_of(&params),
         grid,
+        super::Checks::Kernel,
     )
 }

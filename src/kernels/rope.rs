@@ -125,5 +125,6 @@ pub(crate) fn record(
         &[src_binding, dst.0, aux],
         bytemuck::bytes_of(&params),
         grid,
+        super::Checks::Kernel,
     )
 }

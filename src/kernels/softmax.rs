@@ -75,12 +75,13 @@ pub(crate) fn record(
         &mask_consts(
             p.mask.is_some(),
             p.bias.is_some(),
-            crate::kernels::Mods::of(p),
+            crate::kernels::Mods::of(p, &ctx.tuning()),
             p.storage.bias,
         ),
         &[],
         &buffers,
         bytemuck::bytes_of(&params),
         grid,
+        crate::kernels::Checks::of(p),
     )
 }

@@ -231,7 +231,7 @@ fn fused_first_use_form_and_fastest_form_agree() {
     let tiered = ctx.is_cpu() && !full.pinned && full.rq > 1 && !cfg!(target_arch = "wasm32");
     if tiered {
         assert_eq!(
-            full.for_now(&ctx).rq,
+            full.clone().for_now(&ctx).rq,
             1,
             "a fresh context serves the one-row form first"
         );
@@ -239,7 +239,7 @@ fn fused_first_use_form_and_fastest_form_agree() {
     let first = sdpa().run_blocking(&ctx).unwrap().output;
     ctx.wait_idle().unwrap();
     assert_eq!(
-        full.for_now(&ctx),
+        full.clone().for_now(&ctx),
         full,
         "after wait_idle the fastest form is ready"
     );

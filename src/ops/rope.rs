@@ -52,7 +52,7 @@ pub(crate) fn rotate(
     let rows = (tokens * heads * e) as u64;
     let fits = |(b, st): &Operand<'_>, elems: u64| {
         let size = b.size.map_or(b.buffer.size() - b.offset, |s| s.get());
-        st.bytes(elems as usize) as u64 <= size
+        st.bytes(elems as usize) <= size
     };
     let mut aux = match rope {
         Some((r, _)) if d > 0 => r.angle_words(d, positions.iter().copied()),

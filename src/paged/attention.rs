@@ -581,7 +581,7 @@ impl PagedAttention<'_> {
     ) -> Vec<Cascade> {
         let max_blocks = self.table.len() / self.seq_lens.len();
         let bs = self.block_size();
-        let cpu = ctx.caps().cpu;
+        let caps = ctx.caps();
         shared
             .iter()
             .map(|sh| {
@@ -591,7 +591,7 @@ impl PagedAttention<'_> {
                 let blocks = sh.keys / bs;
                 // The shared keys in `splits` runs of whole blocks (sizes differing by at most
                 // one block), one call's batch entries.
-                let splits = prefix_splits(self.prefix_splits, cpu, [hq, tokens, blocks, bs]);
+                let splits = prefix_splits(self.prefix_splits, &caps, [hq, tokens, blocks, bs]);
                 let block_ids = &self.table[sh.first * max_blocks..sh.first * max_blocks + blocks];
                 let per = blocks.div_ceil(splits);
                 let mut prefix_table = vec![-1; splits * per];

@@ -113,19 +113,23 @@ pub(super) const PREFIX_MIN_KEYS: usize = 256;
 
 /// How many runs a shared prefix of `keys` keys is read in by `tokens` queries of `hq` heads:
 /// `asked` ([`PagedAttention::shared_prefix_splits`]) or the knob `cascade_splits`
-/// (src/tune.rs), else one on CPU adapters (their few cores are busy with one) and enough for
+/// (src/forms/tune.rs), else one on CPU adapters (their few cores are busy with one) and enough for
 /// the fused kernel's query tiles (64 rows) to make [`PREFIX_TARGET_WORKGROUPS`] workgroups
 /// on GPUs.
-pub(super) fn prefix_splits(asked: Option<usize>, cpu: bool, [hq, tokens, blocks, bs]: [usize; 4]) -> usize {
+pub(super) fn prefix_splits(
+    asked: Option<usize>,
+    caps: &crate::forms::Caps,
+    [hq, tokens, blocks, bs]: [usize; 4],
+) -> usize {
     // The most runs of `blocks` blocks (sizes differing by at most one) with `min` keys in
     // each.
     let most = |min: usize| (blocks / min.div_ceil(bs).max(1)).max(1);
     // Each run has at least as many keys as queries (a paged call's sequence has no more
     // queries than keys).
-    if let Some(k) = asked.or(crate::forms::tune::knob("cascade_splits").map(|k| k as usize)) {
+    if let Some(k) = asked.or(caps.tuning.cascade_splits.map(|k| k as usize)) {
         return k.clamp(1, most(tokens));
     }
-    if cpu {
+    if caps.cpu {
         return 1;
     }
     (PREFIX_TARGET_WORKGROUPS / (hq * tokens.div_ceil(64)).max(1)).clamp(1, most(PREFIX_MIN_KEYS.max(tokens)))

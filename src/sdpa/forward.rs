@@ -291,7 +291,7 @@ fn record_fused(
     cfg: &flash::Config,
     io: &Io,
 ) -> Result<()> {
-    let cfg = cfg.for_now(ctx);
+    let cfg = cfg.clone().for_now(ctx);
     let q_tiles = (p.seq_q as u32).div_ceil(cfg.rows());
     let total = q_tiles as u64 * p.batch_heads() as u64;
     let max = ctx.limits().max_compute_workgroups_per_dimension as u64;

@@ -28,6 +28,7 @@ pub(super) fn record(
             &io.with_out(out.as_entire_buffer_binding()),
             &params.tiled(tiles, total),
             total as u32,
+            crate::kernels::Checks::of(p),
         )
     };
     kernel(cfg.dkv_spec(), cfg.dkv_prelude(), dkv, [k_tiles, dkv_total])?;

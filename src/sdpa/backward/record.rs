@@ -274,6 +274,7 @@ pub(super) fn record_stats(
         &[o, dout, lse, stats.as_entire_buffer_binding()],
         &params.over(sizes.rows),
         sizes.rows.div_ceil(64) as u32,
+        crate::kernels::Checks::of(p),
     )?;
     Ok(stats)
 }
@@ -310,10 +311,11 @@ pub(super) fn record_dbias(
         ctx,
         encoder,
         &kb::DBIAS,
-        &kb::dbias_prelude(p),
+        &kb::dbias_prelude(p, &ctx.tuning()),
         &io.with_out(buf.as_entire_buffer_binding()),
         &params.over(n),
         n.div_ceil(64) as u32,
+        crate::kernels::Checks::of(p),
     )?;
     Ok(buf)
 }
@@ -335,6 +337,7 @@ pub(super) fn record_dsink(
         &[stats.as_entire_buffer_binding(), buf.as_entire_buffer_binding()],
         params,
         heads as u32,
+        crate::kernels::Checks::Kernel,
     )?;
     Ok(buf)
 }
@@ -363,7 +366,7 @@ pub(super) fn record_dcap(
     p: &Problem,
     (io, params): (&Io<'_>, &kb::Params),
 ) -> Result<Option<wgpu::Buffer>> {
-    let Some(prelude) = kb::dcap_prelude(p) else {
+    let Some(prelude) = kb::dcap_prelude(p, &ctx.tuning()) else {
         return Ok(None);
     };
     let w = dcap_workgroups(p, ctx.max_binding());
@@ -377,6 +380,7 @@ pub(super) fn record_dcap(
         &io.with_out(partials.as_entire_buffer_binding()),
         &params.over(w),
         w as u32,
+        crate::kernels::Checks::of(p),
     )?;
     let buf = output(ctx, "dcaptures", f32_bytes(n));
     kb::record(
@@ -390,6 +394,7 @@ pub(super) fn record_dcap(
         ],
         &params.over(w),
         n.div_ceil(64) as u32,
+        crate::kernels::Checks::of(p),
     )?;
     Ok(Some(buf))
 }

@@ -260,7 +260,12 @@ fn ds_stage_matches_reference_softmax_backward() {
                 &ctx,
                 enc,
                 &kb::DS,
-                &kb::ds_prelude(true, true, crate::kernels::Mods::of(&dev.p), Storage::F32),
+                &kb::ds_prelude(
+                    true,
+                    true,
+                    crate::kernels::Mods::of(&dev.p, &ctx.tuning()),
+                    Storage::F32,
+                ),
                 &[
                     io.mask,
                     io.bias,
@@ -272,6 +277,7 @@ fn ds_stage_matches_reference_softmax_backward() {
                 ],
                 &dev.params.chunk([0, 0, l, gw], total),
                 total.div_ceil(64) as u32,
+                crate::kernels::Checks::Kernel,
             )
             .unwrap();
         });

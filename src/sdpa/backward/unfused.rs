@@ -41,7 +41,7 @@ pub(super) fn record(
         ds_prelude: kb::ds_prelude(
             p.mask.is_some(),
             p.bias.is_some(),
-            crate::kernels::Mods::of(p),
+            crate::kernels::Mods::of(p, &ctx.tuning()),
             p.storage.bias,
         ),
     };
@@ -204,6 +204,7 @@ impl Unfused<'_> {
             ],
             &self.params.chunk([c.z0, c.i0, c.lc, gw], total),
             total.div_ceil(64) as u32,
+            crate::kernels::Checks::of(self.p),
         )
     }
 
