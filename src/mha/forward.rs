@@ -397,6 +397,51 @@ pub(super) struct Pass<'p, 'a> {
     attn: Option<(wgpu::Buffer, wgpu::Buffer)>,
 }
 
+/// The layer's output tensor `t` checked: a GPU buffer of `[B, L, E]` in the layer's format
+/// that overlaps no input.
+fn check_output<'t, 'a>(
+    fwd: &MhaForward<'_>,
+    ctx: &Context,
+    t: &'t Tensor<'a>,
+    [b, l, e]: [usize; 3],
+) -> Result<Operand<'t, 'a>> {
+    let st = fwd.mha.storage;
+    if !matches!(t.data, crate::tensor::TensorData::Gpu { .. }) {
+        return Err(Error::BadBuffer {
+            tensor: "output",
+            reason: "output_into takes a GPU buffer (Tensor::from_buffer), not host data".into(),
+        });
+    }
+    if t.shape() != [b, l, e] {
+        return Err(Error::ShapeMismatch {
+            tensor: "output",
+            expected: vec![b, l, e],
+            actual: t.shape().to_vec(),
+        });
+    }
+    if t.storage() != st {
+        return Err(Error::StorageMismatch {
+            tensor: "output",
+            expected: st,
+            actual: t.storage(),
+            why: "the layer writes its output in its own format",
+        });
+    }
+    let inputs: Vec<(&'static str, &Tensor)> = [
+        ("query", Some(&fwd.query)),
+        ("key", fwd.key.as_ref()),
+        ("value", fwd.value.as_ref()),
+        ("query_heads", fwd.query_heads.as_ref()),
+        ("key_heads", fwd.key_heads.as_ref()),
+        ("value_heads", fwd.value_heads.as_ref()),
+    ]
+    .into_iter()
+    .filter_map(|(n, t)| t.map(|t| (n, t)))
+    .collect();
+    crate::device::buffers::check_aliasing(&[("output", t)], &inputs)?;
+    Operand::check(ctx, "output", t)
+}
+
 impl<'p, 'a> Pass<'p, 'a> {
     /// Validate `fwd` on `ctx` (with `backward`, the attention backward's plan too, for the
     /// upstream gradient in the layer's format) and allocate the stages' buffers.
@@ -435,45 +480,11 @@ impl<'p, 'a> Pass<'p, 'a> {
         // Given heads with the batch and format of the layer are read where they are.
         let in_place =
             |t: &Option<Tensor<'a>>| t.as_ref().is_some_and(|t| t.shape()[0] == b && t.storage() == st);
-        let out_op = match &fwd.out {
-            Some(t) => {
-                if !matches!(t.data, crate::tensor::TensorData::Gpu { .. }) {
-                    return Err(Error::BadBuffer {
-                        tensor: "output",
-                        reason: "output_into takes a GPU buffer (Tensor::from_buffer), not host data".into(),
-                    });
-                }
-                if t.shape() != [b, l, e] {
-                    return Err(Error::ShapeMismatch {
-                        tensor: "output",
-                        expected: vec![b, l, e],
-                        actual: t.shape().to_vec(),
-                    });
-                }
-                if t.storage() != st {
-                    return Err(Error::StorageMismatch {
-                        tensor: "output",
-                        expected: st,
-                        actual: t.storage(),
-                        why: "the layer writes its output in its own format",
-                    });
-                }
-                let inputs: Vec<(&'static str, &Tensor)> = [
-                    ("query", Some(&fwd.query)),
-                    ("key", fwd.key.as_ref()),
-                    ("value", fwd.value.as_ref()),
-                    ("query_heads", fwd.query_heads.as_ref()),
-                    ("key_heads", fwd.key_heads.as_ref()),
-                    ("value_heads", fwd.value_heads.as_ref()),
-                ]
-                .into_iter()
-                .filter_map(|(n, t)| t.map(|t| (n, t)))
-                .collect();
-                crate::device::buffers::check_aliasing(&[("output", t)], &inputs)?;
-                Some(Operand::check(ctx, "output", t)?)
-            }
-            None => None,
-        };
+        let out_op = fwd
+            .out
+            .as_ref()
+            .map(|t| check_output(fwd, ctx, t, [b, l, e]))
+            .transpose()?;
         // An empty activation still needs a non-empty buffer. The stages' activations live
         // only within the call: small ones are the context's scratch, shared by every call
         // (a decode step allocates nothing), large ones the call's own.

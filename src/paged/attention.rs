@@ -395,15 +395,8 @@ impl<'a> PagedAttention<'a> {
         self.check_outputs(ctx, [t, hq, ev])?;
         let shared = self.shared_prefixes()?;
         let st = self.q.storage();
-        // Each sequence's first query among the T.
-        let first_token: Vec<usize> = self
-            .q_lens
-            .iter()
-            .scan(0, |acc, &n| Some(std::mem::replace(acc, *acc + n)))
-            .collect();
-        if let Some(r) = &self.rope {
-            r.rotated_dims(e)?;
-        }
+        let first_token = self.first_tokens();
+        self.rope.map(|r| r.rotated_dims(e)).transpose()?;
         // q in a buffer (the calls read views of it).
         let owned;
         let (mut qbuf, mut qoff) = match &self.q.data {
@@ -432,11 +425,7 @@ impl<'a> PagedAttention<'a> {
         let ((out, out_off), (lse, lse_off)) = self.output_buffers(ctx, [t, hq, ev]);
         let cascades = self.cascade_scratch(ctx, &shared, &first_token, [hq, ev]);
         let call_lse = call_lse_scratch(ctx, &cascades, [t, hq]);
-        // Whether each sequence is read in a shared prefix's calls.
-        let mut in_shared = vec![false; self.seq_lens.len()];
-        cascades
-            .iter()
-            .for_each(|c| in_shared[c.share.first..c.share.first + c.share.sequences].fill(true));
+        let in_shared = self.in_shared(&cascades);
         // The calls, each with where its logsumexp goes: (buffer, first row, [seqs, Hq, n]).
         // Queries from `token` as `[nseq, Hq, n, E]`: consecutive sequences, or (`repeat`) the
         // same n tokens nseq times (a shared prefix's key splits).
@@ -457,27 +446,34 @@ impl<'a> PagedAttention<'a> {
         for c in &cascades {
             calls.extend(self.cascade_calls(&q_at, c, &first_token, [hq, ev]));
         }
+        // Each call's logsumexp into the pooled scratch, placed by rows after it.
         let calls: Vec<Call> = calls
             .into_iter()
-            .map(|(call, dst, row, [nseq, h, n])| {
-                let lse = Tensor::from_buffer(&call_lse, crate::storage::Storage::F32, &[nseq, h, n]);
-                (call.lse_into(lse), dst, row, [nseq, h, n])
+            .map(|c| Call {
+                sdpa: c.sdpa.lse_into(Tensor::from_buffer(
+                    &call_lse,
+                    crate::storage::Storage::F32,
+                    &c.dims,
+                )),
+                ..c
             })
             .collect();
         // Everything checked before anything is recorded, each call planned once.
         let caps = ctx.caps();
-        let mut planned = Vec::with_capacity(calls.len());
-        for (call, ..) in &calls {
-            let p = call.problem()?;
-            let plan = crate::sdpa::plan::Plan::new(&p, &call.request(), &caps)?;
-            planned.push((p, plan));
-        }
+        let planned = calls
+            .iter()
+            .map(|c| {
+                let p = c.sdpa.problem()?;
+                let plan = crate::sdpa::plan::Plan::new(&p, &c.sdpa.request(), &caps)?;
+                Ok((p, plan))
+            })
+            .collect::<Result<Vec<_>>>()?;
         if let (Some(buf), Some(r)) = (&rotated, &self.rope) {
             self.rotate_q(ctx, encoder, buf, r, [t, hq, e])?;
         }
-        for ((call, (dst, off), row, dims), (p, plan)) in calls.iter().zip(planned) {
-            let g = crate::sdpa::forward::record_planned(call, ctx, encoder, p, plan)?;
-            place_lse(ctx, encoder, &g.lse, *dims, (dst, *off), *row)?;
+        for (c, (p, plan)) in calls.iter().zip(planned) {
+            let g = crate::sdpa::forward::record_planned(&c.sdpa, ctx, encoder, p, plan)?;
+            place_lse(ctx, encoder, &g.lse, c.dims, c.lse_dst, c.row)?;
         }
         for c in &cascades {
             c.merge(ctx, encoder, (&out, out_off, st), (&lse, lse_off), [hq, ev])?;
@@ -489,6 +485,23 @@ impl<'a> PagedAttention<'a> {
             lse_offset: lse_off,
             shared,
         })
+    }
+
+    /// Each sequence's first query among the T.
+    fn first_tokens(&self) -> Vec<usize> {
+        self.q_lens
+            .iter()
+            .scan(0, |acc, &n| Some(std::mem::replace(acc, *acc + n)))
+            .collect()
+    }
+
+    /// Whether each sequence is read in one of `cascades`' calls.
+    fn in_shared(&self, cascades: &[Cascade]) -> Vec<bool> {
+        let mut in_shared = vec![false; self.seq_lens.len()];
+        for c in cascades {
+            in_shared[c.share.first..c.share.first + c.share.sequences].fill(true);
+        }
+        in_shared
     }
 
     /// Run on `ctx` and read the output `[T, Hq, Ev]` and logsumexp `[T, Hq]` back (f32).
@@ -630,7 +643,15 @@ impl PagedAttention<'_> {
 
 /// A call of [`PagedAttention::record`] and where its logsumexp `[seqs, Hq, n]` goes: the
 /// buffer, its first row `(token, head)`, and the dims.
-type Call<'b> = (Sdpa<'b>, (&'b wgpu::Buffer, u64), usize, [usize; 3]);
+struct Call<'b> {
+    sdpa: Sdpa<'b>,
+    /// The buffer and byte offset of the packed logsumexp `[T', Hq]` it goes into.
+    lse_dst: (&'b wgpu::Buffer, u64),
+    /// Its first row `(token, head)` there.
+    row: usize,
+    /// Its logsumexp's dims `[seqs, Hq, n]`.
+    dims: [usize; 3],
+}
 
 impl<'a> PagedAttention<'a> {
     /// The calls of the sequences read alone (not `in_shared`): runs of equal query counts,
@@ -676,7 +697,12 @@ impl<'a> PagedAttention<'a> {
                 Some(r) => call.rope(r),
                 None => call,
             };
-            calls.push((call, lse, token * hq, [nseq, hq, n]));
+            calls.push(Call {
+                sdpa: call,
+                lse_dst: lse,
+                row: token * hq,
+                dims: [nseq, hq, n],
+            });
             s = end;
         }
         calls
@@ -714,7 +740,12 @@ impl<'a> PagedAttention<'a> {
         .options(prefix)
         .over_pages(&c.prefix_table, &c.prefix_lens, self.layout)
         .output_into(o);
-        calls.push((call, (&c.lses, 0), 0, [splits, hq, tokens]));
+        calls.push(Call {
+            sdpa: call,
+            lse_dst: (&c.lses, 0),
+            row: 0,
+            dims: [splits, hq, tokens],
+        });
         debug_assert_eq!(c.prefix_lens.iter().sum::<usize>(), keys);
         // Each sequence over its tail, by runs of equal query counts (the sink logits here).
         let mut tail = self.options.clone();
@@ -741,7 +772,12 @@ impl<'a> PagedAttention<'a> {
                 )
                 .path(self.path)
                 .output_into(o);
-            calls.push((call, (&c.lses, 0), splits * rows + row, [nseq, hq, n]));
+            calls.push(Call {
+                sdpa: call,
+                lse_dst: (&c.lses, 0),
+                row: splits * rows + row,
+                dims: [nseq, hq, n],
+            });
             s = end;
         }
         calls

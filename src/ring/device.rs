@@ -451,8 +451,7 @@ pub(crate) fn backward(
     let started = Instant::now();
     let peak = plan.check_device(ctx, rank)?;
     let p = &plan.p;
-    let f = p.storage;
-    let (e, ev) = (p.head_dim, p.head_dim_v);
+    let e = p.head_dim;
     let own = plan.chunks(rank);
     let mut clock = Clock::new(ctx);
     let qbufs = upload_q(ctx, plan, &shard);
@@ -472,29 +471,15 @@ pub(crate) fn backward(
             .map(|&x| Pair::new(plan, &shard, b, x, own))
             .collect();
         let grads = Clock::time(&mut clock.compute, || {
-            block_on(ctx.submit("wgpu-attention ring backward step", |encoder| {
-                let mut out = vec![];
-                for (call, &(i, _, _)) in calls.iter().zip(&pairs) {
-                    let q = qbufs[i].as_ref().expect("a pair's query chunk is not empty");
-                    let [d, o, l] = dbufs[i].as_ref().expect("not empty");
-                    let lq = plan.q_range(own[i]).len();
-                    let rows = [p.batch, p.q_heads, lq];
-                    let sdpa = call.sdpa(plan, q, &blocks.cur);
-                    let bw = sdpa
-                        .backward(Tensor::from_buffer(d, f.out, &[p.batch, p.q_heads, lq, ev]))
-                        .saved(
-                            Tensor::from_buffer(
-                                o,
-                                crate::storage::Storage::F32,
-                                &[p.batch, p.q_heads, lq, ev],
-                            ),
-                            Tensor::from_buffer(l, crate::storage::Storage::F32, &rows),
-                        )
-                        .path(plan.path);
-                    out.push(bw.record(ctx, encoder)?);
-                }
-                Ok(out)
-            }))
+            let saved = (&qbufs[..], &dbufs[..], &own[..]);
+            block_on(record_backward_step(
+                ctx,
+                plan,
+                &calls,
+                &pairs,
+                saved,
+                &blocks.cur,
+            ))
         })?;
         clock.finish_step(ctx, plan, &mut blocks, link, (t, b), overlap)?;
         // Sum the pairs' gradients: dQ here, dK/dV into the block's travelling sums.
@@ -546,6 +531,45 @@ pub(crate) fn backward(
         },
         clock.report(plan, rank, peak, started),
     ))
+}
+
+/// A backward step's pairs (`calls` of `pairs`) recorded and submitted: their gradients.
+/// `saved`: each own chunk's q, its dO with the saved output and logsumexp, and the chunks.
+#[allow(clippy::type_complexity)]
+async fn record_backward_step(
+    ctx: &Context,
+    plan: &RingPlan,
+    calls: &[Pair],
+    pairs: &[(usize, usize, crate::problem::Causal)],
+    (qbufs, dbufs, own): (&[Option<wgpu::Buffer>], &[Option<[wgpu::Buffer; 3]>], &[usize]),
+    block: &wgpu::Buffer,
+) -> Result<Vec<crate::sdpa::backward::GpuGrads>> {
+    let p = &plan.p;
+    let ev = p.head_dim_v;
+    ctx.submit("wgpu-attention ring backward step", |encoder| {
+        let mut out = vec![];
+        for (call, &(i, _, _)) in calls.iter().zip(pairs) {
+            let q = qbufs[i].as_ref().expect("a pair's query chunk is not empty");
+            let [d, o, l] = dbufs[i].as_ref().expect("not empty");
+            let lq = plan.q_range(own[i]).len();
+            let rows = [p.batch, p.q_heads, lq];
+            let sdpa = call.sdpa(plan, q, block);
+            let bw = sdpa
+                .backward(Tensor::from_buffer(
+                    d,
+                    p.storage.out,
+                    &[p.batch, p.q_heads, lq, ev],
+                ))
+                .saved(
+                    Tensor::from_buffer(o, Storage::F32, &[p.batch, p.q_heads, lq, ev]),
+                    Tensor::from_buffer(l, Storage::F32, &rows),
+                )
+                .path(plan.path);
+            out.push(bw.record(ctx, encoder)?);
+        }
+        Ok(out)
+    })
+    .await
 }
 
 /// dO, and the saved output and logsumexp, of the own chunks' rows (None for an empty chunk).

@@ -62,15 +62,7 @@ pub(crate) fn record_planned(
             "max_buffer_size",
         )?;
     }
-    let packed_mask = sdpa.options.mask.as_ref().map(|m| pack_mask(&p, m));
-    if let Some((words, _)) = &packed_mask {
-        fits("packed mask", f32_bytes(words.len()), max_binding, binding_limit)?;
-    }
-    // The fused kernels read a mask_mod's block map (cached), after the packed mask if any.
-    let mod_map = matches!(plan.kernel, Kernel::Fused(_)) && p.has_mask_mod();
-    if mod_map {
-        fit_mod_map(ctx, &p, packed_mask.as_ref().map_or(0, |(w, _)| w.len()))?;
-    }
+    let (packed_mask, mod_map) = masks_fit(sdpa, ctx, &p, &plan)?;
 
     // Buffers.
     let q = q.upload(ctx, "q");
@@ -78,16 +70,7 @@ pub(crate) fn record_planned(
     let v = v.upload(ctx, "v");
     let bias = bias.map(|b| b.upload(ctx, "bias"));
     let dummy = dummy(ctx);
-    // Constant (cached by its bytes) unless capture values are copied into it.
-    let lens_buf = crate::kernels::aux::words(&p).map(|w| match sdpa.capture_buffers.is_empty() {
-        true => crate::device::buffers::constant(
-            ctx,
-            "kv_lens",
-            bytemuck::cast_slice(&w),
-            wgpu::BufferUsages::STORAGE,
-        ),
-        false => storage_init(ctx, "kv_lens", bytemuck::cast_slice(&w)),
-    });
+    let lens_buf = aux_buffer(sdpa, ctx, &p);
     copy_capture_buffers(encoder, &p, &sdpa.capture_buffers, lens_buf.as_ref())?;
     let (mask_buf, map_at) = mask_binding(ctx, encoder, &p, packed_mask.as_ref(), mod_map)?;
     let out_up = out_op.as_ref().map(|o| o.upload(ctx, "output"));
@@ -131,6 +114,46 @@ pub(crate) fn record_planned(
         lse_offset: lse_off,
         weights: weights_buf,
         problem: p,
+    })
+}
+
+/// The packed boolean mask (its words and strides) and whether the fused kernel reads a
+/// mask_mod's block map (cached, after the packed mask if any), both checked against the
+/// device's binding size.
+#[allow(clippy::type_complexity)]
+fn masks_fit(
+    sdpa: &Sdpa,
+    ctx: &Context,
+    p: &Problem,
+    plan: &Plan,
+) -> Result<(Option<(Vec<u32>, [u32; 3])>, bool)> {
+    let packed_mask = sdpa.options.mask.as_ref().map(|m| pack_mask(p, m));
+    if let Some((words, _)) = &packed_mask {
+        fits(
+            "packed mask",
+            f32_bytes(words.len()),
+            ctx.max_binding(),
+            "max_storage_buffer_binding_size",
+        )?;
+    }
+    let mod_map = matches!(plan.kernel, Kernel::Fused(_)) && p.has_mask_mod();
+    if mod_map {
+        fit_mod_map(ctx, p, packed_mask.as_ref().map_or(0, |(w, _)| w.len()))?;
+    }
+    Ok((packed_mask, mod_map))
+}
+
+/// The auxiliary words' buffer (binding 2), if the problem has any: constant (cached by its
+/// bytes) unless capture values are copied into it.
+fn aux_buffer(sdpa: &Sdpa, ctx: &Context, p: &Problem) -> Option<wgpu::Buffer> {
+    crate::kernels::aux::words(p).map(|w| match sdpa.capture_buffers.is_empty() {
+        true => crate::device::buffers::constant(
+            ctx,
+            "kv_lens",
+            bytemuck::cast_slice(&w),
+            wgpu::BufferUsages::STORAGE,
+        ),
+        false => storage_init(ctx, "kv_lens", bytemuck::cast_slice(&w)),
     })
 }
 

@@ -280,32 +280,55 @@ impl<'a> Sdpa<'a> {
 
     /// Validate shapes and options into a [`Problem`] (no GPU work).
     pub fn problem(&self) -> Result<Problem> {
-        let q = self.q.storage();
         let paged = self.paged.clone().transpose()?;
-        let p = match &paged {
-            None => self
-                .options
-                .problem(&self.q.shape, &self.k.shape, &self.v.shape)?,
-            Some(pg) => {
-                let bad = |reason: &str| {
-                    Err(Error::Paged {
-                        reason: reason.into(),
-                    })
-                };
-                if self.options.kv_lens.is_some() {
-                    return bad("seq_lens are the key lengths: do not also give kv_lens");
-                }
-                if self.options.causal == crate::problem::Causal::TopLeft {
-                    return bad(
-                        "queries are each sequence's newest positions: causal is Causal::BottomRight (by position)",
-                    );
-                }
-                let mut options = self.options.clone();
-                options.kv_lens = Some(pg.lens.clone());
-                options.problem(&self.q.shape, &pg.k_shape, &pg.v_shape)?
-            }
+        let p = self.shaped(paged.as_ref())?;
+        let out = self.check_outputs(&p)?;
+        let mut p = p.with_storage(Formats {
+            q: self.q.storage(),
+            k: self.k.storage(),
+            v: self.v.storage(),
+            bias: self.options.bias.as_ref().map_or(Storage::F32, |b| b.storage()),
+            out,
+        });
+        p.diag_shift = self.diag_shift;
+        p.pos_offset = self.pos_offset;
+        p.views = self.views(paged.as_ref())?;
+        p.paged = paged.map(|pg| pg.paged);
+        if let Some(rope) = self.rope {
+            let d = rope.rotated_dims(p.head_dim)?;
+            p.rope = Some((rope, d));
+            p.views.q_rope = Some((d, rope.style == crate::rope::RopeStyle::HalfSplit));
+        }
+        Ok(p)
+    }
+
+    /// The options' problem over q, k and v's shapes (a paged call's logical ones).
+    fn shaped(&self, paged: Option<&PagedKv>) -> Result<Problem> {
+        let Some(pg) = paged else {
+            return self.options.problem(&self.q.shape, &self.k.shape, &self.v.shape);
         };
-        let mut out = self.out_storage.unwrap_or(q);
+        let bad = |reason: &str| {
+            Err(Error::Paged {
+                reason: reason.into(),
+            })
+        };
+        if self.options.kv_lens.is_some() {
+            return bad("seq_lens are the key lengths: do not also give kv_lens");
+        }
+        if self.options.causal == crate::problem::Causal::TopLeft {
+            return bad(
+                "queries are each sequence's newest positions: causal is Causal::BottomRight (by position)",
+            );
+        }
+        let mut options = self.options.clone();
+        options.kv_lens = Some(pg.lens.clone());
+        options.problem(&self.q.shape, &pg.k_shape, &pg.v_shape)
+    }
+
+    /// The caller's output and logsumexp tensors checked against `p` (GPU buffers, shapes,
+    /// formats, no overlap with an input): the output's format.
+    fn check_outputs(&self, p: &Problem) -> Result<Storage> {
+        let mut out = self.out_storage.unwrap_or(self.q.storage());
         if let Some(t) = &self.out {
             if !matches!(t.data, crate::tensor::TensorData::Gpu { .. }) {
                 return Err(Error::BadBuffer {
@@ -333,34 +356,7 @@ impl<'a> Sdpa<'a> {
             }
         }
         if let Some(t) = &self.lse_out {
-            let want = [p.batch, p.q_heads, p.seq_q];
-            let bad = |reason: &str| {
-                Err(Error::BadBuffer {
-                    tensor: "lse",
-                    reason: reason.into(),
-                })
-            };
-            if !matches!(t.data, crate::tensor::TensorData::Gpu { .. }) {
-                return bad("lse_into takes a GPU buffer (Tensor::from_buffer), not host data");
-            }
-            if t.view.is_set() {
-                return bad("the logsumexp is written dense [B, Hq, L]: no layout, capacity or strides");
-            }
-            if t.shape != want {
-                return Err(Error::ShapeMismatch {
-                    tensor: "lse",
-                    expected: want.to_vec(),
-                    actual: t.shape.clone(),
-                });
-            }
-            if t.storage() != Storage::F32 {
-                return Err(Error::StorageMismatch {
-                    tensor: "lse",
-                    expected: Storage::F32,
-                    actual: t.storage(),
-                    why: "the logsumexp is f32",
-                });
-            }
+            check_lse(t, [p.batch, p.q_heads, p.seq_q])?;
         }
         let outputs: Vec<(&'static str, &Tensor)> =
             [("output", self.out.as_ref()), ("lse", self.lse_out.as_ref())]
@@ -374,16 +370,13 @@ impl<'a> Sdpa<'a> {
             }
             crate::device::buffers::check_aliasing(&outputs, &inputs)?;
         }
-        let mut p = p.with_storage(Formats {
-            q,
-            k: self.k.storage(),
-            v: self.v.storage(),
-            bias: self.options.bias.as_ref().map_or(Storage::F32, |b| b.storage()),
-            out,
-        });
-        p.diag_shift = self.diag_shift;
-        p.pos_offset = self.pos_offset;
-        p.views = crate::view::Views {
+        Ok(out)
+    }
+
+    /// Where q, k, v, the output and the bias lie in their buffers (a paged call's caches as
+    /// their checks found them).
+    fn views(&self, paged: Option<&PagedKv>) -> Result<crate::view::Views> {
+        let mut views = crate::view::Views {
             q: crate::tensor::of_tensor("q", &self.q)?,
             k: crate::tensor::of_tensor("k", &self.k)?,
             v: crate::tensor::of_tensor("v", &self.v)?,
@@ -401,19 +394,13 @@ impl<'a> Sdpa<'a> {
                 .map(crate::tensor::of_bias)
                 .transpose()?
                 .flatten(),
-            paged: paged.as_ref().map(|pg| pg.paged.block_size),
+            paged: paged.map(|pg| pg.paged.block_size),
             q_rope: None,
         };
-        if let Some(pg) = &paged {
-            [p.views.k, p.views.v] = pg.views.map(Some);
+        if let Some(pg) = paged {
+            [views.k, views.v] = pg.views.map(Some);
         }
-        p.paged = paged.map(|pg| pg.paged);
-        if let Some(rope) = self.rope {
-            let d = rope.rotated_dims(p.head_dim)?;
-            p.rope = Some((rope, d));
-            p.views.q_rope = Some((d, rope.style == crate::rope::RopeStyle::HalfSplit));
-        }
-        Ok(p)
+        Ok(views)
     }
 
     /// The plan of this call on `ctx`: the concrete path ([`Path::Auto`] resolved), the form
@@ -539,31 +526,7 @@ impl Sdpa<'_> {
         let (hkv, ev) = (base.kv_heads, base.head_dim_v);
         let f = base.storage;
         let zeros = |n: usize| vec![0f32; n];
-        // A paged call: each sequence's s keys in blocks of its own (caches `[B·blocks, BS, Hkv,
-        // E]` in the call's layout), its table those blocks in order.
-        // Valid by construction: no table to check.
-        let paged = base.paged.as_ref().map(|pg| {
-            let per = s.div_ceil(pg.block_size);
-            let dims = |d: usize| {
-                let [nb, bs] = [b * per, pg.block_size];
-                if pg.head_major {
-                    [nb, hkv, bs, d]
-                } else {
-                    [nb, bs, hkv, d]
-                }
-            };
-            let table = crate::problem::Paged {
-                num_blocks: b * per,
-                max_blocks: per,
-                table: (0..(b * per) as u32).collect(),
-                ..pg.clone()
-            };
-            (
-                PagedKv::new(table, vec![s; b], [hkv, e, ev], [0, 0]),
-                dims(e),
-                dims(ev),
-            )
-        });
+        let paged = base.paged.as_ref().map(|pg| zero_pages(pg, [b, hkv, s, e, ev]));
         let (k_shape, v_shape) = match &paged {
             Some((_, kd, vd)) => (*kd, *vd),
             None => ([b, hkv, s, e], [b, hkv, s, ev]),
@@ -582,38 +545,18 @@ impl Sdpa<'_> {
             }
             sh
         };
-        let mask_shape = self.options.mask.as_ref().map(|m| with_s(&m.shape));
+        let (mask_shape, bias_shape) = (
+            self.options.mask.as_ref().map(|m| with_s(&m.shape)),
+            self.options.bias.as_ref().map(|b| with_s(&b.shape)),
+        );
         let mask_data = mask_shape.as_ref().map(|sh| vec![true; sh.iter().product()]);
-        let bias_shape = self.options.bias.as_ref().map(|b| with_s(&b.shape));
         let bias_data = bias_shape.as_ref().map(|sh| zeros(sh.iter().product()));
-        let options = Options {
-            causal: self.options.causal,
-            scale: self.options.scale,
-            mask: mask_shape
-                .as_ref()
-                .zip(mask_data.as_ref())
-                .map(|(sh, d)| crate::tensor::Mask::from_slice(d, sh)),
-            bias: bias_shape
-                .as_ref()
-                .zip(bias_data.as_ref())
-                .map(|(sh, d)| Tensor::from_slice(d, sh).with_storage(f.bias)),
-            kv_lens: self
-                .options
-                .kv_lens
-                .as_ref()
-                .filter(|_| paged.is_none())
-                .map(|l| vec![s; l.len()]),
-            window: self.options.window,
-            sink_tokens: self.options.sink_tokens,
-            softcap: self.options.softcap,
-            alibi: self.options.alibi.clone(),
-            sink_logits: self.options.sink_logits.clone(),
-            doc_ids: self.options.doc_ids.as_ref().map(|_| crate::problem::DocIds {
-                q: vec![0; b * l],
-                k: vec![0; b * s],
-            }),
-            user_mod: self.options.user_mod.clone(),
-        };
+        let options = self.stand_in_options(
+            [b, l, s],
+            mask_shape.as_deref().zip(mask_data.as_deref()),
+            bias_shape.as_deref().zip(bias_data.as_deref()),
+            paged.is_none(),
+        );
         // Tensors read through views are prepared as views (the kernels differ); a paged call's
         // caches are dense.
         let shapes = [[b, hq, l, e], k_shape, v_shape, base.out_shape()];
@@ -625,10 +568,16 @@ impl Sdpa<'_> {
             Some(&self.v).filter(|_| dense),
             self.out.as_ref(),
         ];
-        let mut scratch_views = Vec::new();
-        for ((t, shape), st) in given.into_iter().zip(shapes).zip(formats) {
-            scratch_views.push(t.map(|t| scratch_view(ctx, t, shape, st)).transpose()?.flatten());
-        }
+        let scratch_views = given
+            .into_iter()
+            .zip(shapes)
+            .zip(formats)
+            .map(|((t, shape), st)| {
+                t.map(|t| scratch_view(ctx, t, shape, st))
+                    .transpose()
+                    .map(Option::flatten)
+            })
+            .collect::<Result<Vec<_>>>()?;
         let viewed = |i: usize| {
             scratch_views[i].as_ref().map(|(buf, rem, spec)| {
                 let mut t = Tensor::from_buffer(buf, formats[i], &shapes[i]).at_offset(*rem);
@@ -651,9 +600,7 @@ impl Sdpa<'_> {
         if let Some(r) = self.rope {
             call = call.rope(r);
         }
-        call.weights = self.weights;
-        call.lse = self.lse;
-        call.max_scores_bytes = self.max_scores_bytes;
+        (call.weights, call.lse, call.max_scores_bytes) = (self.weights, self.lse, self.max_scores_bytes);
         ctx.scoped(|| {
             let mut encoder = ctx
                 .device()
@@ -664,6 +611,41 @@ impl Sdpa<'_> {
         })
         .await?;
         Ok(())
+    }
+
+    /// [`Sdpa::prepare_at`]'s options: this call's, with `s` keys for `[b, l]` queries, the
+    /// stand-in mask and bias (`(shape, values)`), key lengths where the call has them (a paged
+    /// call's come with its pages) and zero document ids.
+    fn stand_in_options<'x>(
+        &'x self,
+        [b, l, s]: [usize; 3],
+        mask: Option<(&'x [usize], &'x [bool])>,
+        bias: Option<(&'x [usize], &'x [f32])>,
+        dense: bool,
+    ) -> Options<'x> {
+        let bias_st = self.options.bias.as_ref().map_or(Storage::F32, |b| b.storage());
+        Options {
+            causal: self.options.causal,
+            scale: self.options.scale,
+            mask: mask.map(|(sh, d)| crate::tensor::Mask::from_slice(d, sh)),
+            bias: bias.map(|(sh, d)| Tensor::from_slice(d, sh).with_storage(bias_st)),
+            kv_lens: self
+                .options
+                .kv_lens
+                .as_ref()
+                .filter(|_| dense)
+                .map(|l| vec![s; l.len()]),
+            window: self.options.window,
+            sink_tokens: self.options.sink_tokens,
+            softcap: self.options.softcap,
+            alibi: self.options.alibi.clone(),
+            sink_logits: self.options.sink_logits.clone(),
+            doc_ids: self.options.doc_ids.as_ref().map(|_| crate::problem::DocIds {
+                q: vec![0; b * l],
+                k: vec![0; b * s],
+            }),
+            user_mod: self.options.user_mod.clone(),
+        }
     }
 
     /// Blocking version of [`prepare`](Sdpa::prepare).
@@ -712,6 +694,67 @@ pub(crate) async fn read_output(ctx: &Context, gpu: &GpuOutput) -> Result<Array4
     Ok(Array4::from_shape_fn(gpu.problem.out_shape(), |(b, h, i, e)| {
         all[view.offset + b * sb + h * sh + i * ss + e]
     }))
+}
+
+/// [`Sdpa::prepare`]'s paged caches for `[B, Hkv, S, E, Ev]`: each sequence's S keys in blocks
+/// of its own (caches `[B·blocks, BS, Hkv, E]` in `pg`'s layout), its table those blocks in
+/// order, valid by construction (no table to check); with the K and V caches' shapes.
+fn zero_pages(
+    pg: &crate::problem::Paged,
+    [b, hkv, s, e, ev]: [usize; 5],
+) -> (PagedKv, [usize; 4], [usize; 4]) {
+    let per = s.div_ceil(pg.block_size);
+    let dims = |d: usize| {
+        let [nb, bs] = [b * per, pg.block_size];
+        if pg.head_major {
+            [nb, hkv, bs, d]
+        } else {
+            [nb, bs, hkv, d]
+        }
+    };
+    let table = crate::problem::Paged {
+        num_blocks: b * per,
+        max_blocks: per,
+        table: (0..(b * per) as u32).collect(),
+        ..pg.clone()
+    };
+    (
+        PagedKv::new(table, vec![s; b], [hkv, e, ev], [0, 0]),
+        dims(e),
+        dims(ev),
+    )
+}
+
+/// The caller's logsumexp tensor `t`: a dense f32 GPU buffer of shape `want` `[B, Hq, L]`.
+fn check_lse(t: &Tensor, want: [usize; 3]) -> Result<()> {
+    let bad = |reason: &str| {
+        Err(Error::BadBuffer {
+            tensor: "lse",
+            reason: reason.into(),
+        })
+    };
+    if !matches!(t.data, crate::tensor::TensorData::Gpu { .. }) {
+        return bad("lse_into takes a GPU buffer (Tensor::from_buffer), not host data");
+    }
+    if t.view.is_set() {
+        return bad("the logsumexp is written dense [B, Hq, L]: no layout, capacity or strides");
+    }
+    if t.shape != want {
+        return Err(Error::ShapeMismatch {
+            tensor: "lse",
+            expected: want.to_vec(),
+            actual: t.shape.clone(),
+        });
+    }
+    if t.storage() != Storage::F32 {
+        return Err(Error::StorageMismatch {
+            tensor: "lse",
+            expected: Storage::F32,
+            actual: t.storage(),
+            why: "the logsumexp is f32",
+        });
+    }
+    Ok(())
 }
 
 /// For [`Sdpa::prepare`]: when `t` is read through a view, zeroed scratch holding a tensor of

@@ -756,54 +756,7 @@ impl GpuInputs {
         // A paged shape: each sequence's keys scattered into blocks in a shuffled order (a
         // shared prefix's blocks in every table).
         let (table, seq_lens, k, v) = if shape.paged_block > 0 {
-            let bs = shape.paged_block;
-            let lens: Vec<usize> = shape
-                .kv_lens
-                .map_or(vec![shape.seq_kv; shape.batch], |l| l.to_vec());
-            let max_blocks = shape.seq_kv.div_ceil(bs);
-            let shared = shape.shared_prefix / bs;
-            let nb = shape.cache_blocks();
-            let mut order: Vec<usize> = (0..nb).collect();
-            let mut rng = SplitMix64(0x9a6e);
-            for i in (1..nb).rev() {
-                order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
-            }
-            let mut table = vec![-1i32; shape.batch * max_blocks];
-            let (hkv, e, ev) = (shape.kv_heads, shape.head_dim, shape.head_dim_v);
-            let mut kc = Array4::<f32>::zeros((nb, bs, hkv, e));
-            let mut vc = Array4::<f32>::zeros((nb, bs, hkv, ev));
-            let mut next = order.into_iter();
-            // Where key t of sequence b is in host.k: [b, .., t] or, with a shared prefix,
-            // among the distinct keys.
-            let p = shape.shared_prefix;
-            let at = |b: usize, t: usize| match p {
-                0 => (b, t),
-                _ if t < p => (0, t),
-                _ => (0, p + b * (shape.seq_kv - p) + t - p),
-            };
-            for (b, &len) in lens.iter().enumerate() {
-                for blk in 0..len.div_ceil(bs) {
-                    if b > 0 && blk < shared {
-                        table[b * max_blocks + blk] = table[blk];
-                        continue;
-                    }
-                    let phys = next.next().expect("counted");
-                    table[b * max_blocks + blk] = phys as i32;
-                    for slot in 0..bs.min(len - blk * bs) {
-                        let (hb, ht) = at(b, blk * bs + slot);
-                        for h in 0..hkv {
-                            kc.slice_mut(ndarray::s![phys, slot, h, ..])
-                                .assign(&host.k.slice(ndarray::s![hb, h, ht, ..]));
-                            vc.slice_mut(ndarray::s![phys, slot, h, ..])
-                                .assign(&host.v.slice(ndarray::s![hb, h, ht, ..]));
-                        }
-                    }
-                }
-            }
-            if shape.paged_layout == crate::paged::PagedLayout::HeadMajor {
-                kc = kc.permuted_axes([0, 2, 1, 3]).as_standard_layout().to_owned();
-                vc = vc.permuted_axes([0, 2, 1, 3]).as_standard_layout().to_owned();
-            }
+            let (table, lens, kc, vc) = scatter_pages(shape, host);
             (table, lens, buffer("k cache", &kc)?, buffer("v cache", &vc)?)
         } else {
             (
@@ -998,6 +951,61 @@ impl SplitMix64 {
         let unit = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
         unit * 2.0 - 1.0
     }
+}
+
+/// A paged shape's caches `[NB, BS, Hkv, E]` (in its layout) on the host: each sequence's keys
+/// scattered into blocks in a shuffled order (a shared prefix's blocks in every table), with
+/// the block table and the key lengths.
+fn scatter_pages(shape: &Shape, host: &HostInputs) -> (Vec<i32>, Vec<usize>, Array4<f32>, Array4<f32>) {
+    let bs = shape.paged_block;
+    let lens: Vec<usize> = shape
+        .kv_lens
+        .map_or(vec![shape.seq_kv; shape.batch], |l| l.to_vec());
+    let max_blocks = shape.seq_kv.div_ceil(bs);
+    let shared = shape.shared_prefix / bs;
+    let nb = shape.cache_blocks();
+    let mut order: Vec<usize> = (0..nb).collect();
+    let mut rng = SplitMix64(0x9a6e);
+    for i in (1..nb).rev() {
+        order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+    }
+    let mut table = vec![-1i32; shape.batch * max_blocks];
+    let (hkv, e, ev) = (shape.kv_heads, shape.head_dim, shape.head_dim_v);
+    let mut kc = Array4::<f32>::zeros((nb, bs, hkv, e));
+    let mut vc = Array4::<f32>::zeros((nb, bs, hkv, ev));
+    let mut next = order.into_iter();
+    // Where key t of sequence b is in host.k: [b, .., t] or, with a shared prefix,
+    // among the distinct keys.
+    let p = shape.shared_prefix;
+    let at = |b: usize, t: usize| match p {
+        0 => (b, t),
+        _ if t < p => (0, t),
+        _ => (0, p + b * (shape.seq_kv - p) + t - p),
+    };
+    for (b, &len) in lens.iter().enumerate() {
+        for blk in 0..len.div_ceil(bs) {
+            if b > 0 && blk < shared {
+                table[b * max_blocks + blk] = table[blk];
+                continue;
+            }
+            let phys = next.next().expect("counted");
+            table[b * max_blocks + blk] = phys as i32;
+            for slot in 0..bs.min(len - blk * bs) {
+                let (hb, ht) = at(b, blk * bs + slot);
+                for h in 0..hkv {
+                    kc.slice_mut(ndarray::s![phys, slot, h, ..])
+                        .assign(&host.k.slice(ndarray::s![hb, h, ht, ..]));
+                    vc.slice_mut(ndarray::s![phys, slot, h, ..])
+                        .assign(&host.v.slice(ndarray::s![hb, h, ht, ..]));
+                }
+            }
+        }
+    }
+    if shape.paged_layout == crate::paged::PagedLayout::HeadMajor {
+        kc = kc.permuted_axes([0, 2, 1, 3]).as_standard_layout().to_owned();
+        vc = vc.permuted_axes([0, 2, 1, 3]).as_standard_layout().to_owned();
+    }
+    (table, lens, kc, vc)
 }
 
 #[cfg(test)]

@@ -84,24 +84,7 @@ pub(super) fn record(
         dout: dout.binding(),
         stats: stats.as_entire_buffer_binding(),
     };
-    let dq = output(ctx, "dq", p.storage.q.bytes(sizes.rows * p.head_dim));
-    // dK and dV in f32, in one buffer, dV at dv_off.
-    let dkv = output(ctx, "dk and dv", sizes.dkv_bytes);
-    match &plan {
-        Plan::Fused(cfg) => super::fused::record(ctx, encoder, (&p, cfg), &io, &params, [&dkv, &dq])?,
-        Plan::Unfused(chunks) => {
-            encoder.clear_buffer(&dkv, 0, None);
-            super::unfused::record(
-                ctx,
-                encoder,
-                (&p, chunks),
-                &io,
-                &params,
-                [&dkv, &dq],
-                sizes.dv_off,
-            )?;
-        }
-    }
+    let (dq, dkv) = record_grads(ctx, encoder, (&p, &plan, &sizes), &io, &params)?;
     // dK and dV in k's and v's formats.
     let (kv, dv_at) = (sizes.kv_rows, f32_bytes(sizes.dv_off));
     let dk = convert(ctx, encoder, ("dk", &dkv, 0), kv * p.head_dim, p.storage.k)?;
@@ -117,6 +100,26 @@ pub(super) fn record(
         forward,
         problem: p,
     })
+}
+
+/// dQ (in q's format) and dK, dV (f32, in one buffer, dV at `sizes.dv_off`) by the plan's path.
+fn record_grads(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    (p, plan, sizes): (&Problem, &Plan, &Sizes),
+    io: &Io<'_>,
+    params: &kb::Params,
+) -> Result<(wgpu::Buffer, wgpu::Buffer)> {
+    let dq = output(ctx, "dq", p.storage.q.bytes(sizes.rows * p.head_dim));
+    let dkv = output(ctx, "dk and dv", sizes.dkv_bytes);
+    match plan {
+        Plan::Fused(cfg) => super::fused::record(ctx, encoder, (p, cfg), io, params, [&dkv, &dq])?,
+        Plan::Unfused(chunks) => {
+            encoder.clear_buffer(&dkv, 0, None);
+            super::unfused::record(ctx, encoder, (p, chunks), io, params, [&dkv, &dq], sizes.dv_off)?;
+        }
+    }
+    Ok((dq, dkv))
 }
 
 /// The forward, when O and the logsumexp are not given. Under Path::Auto it runs on the
