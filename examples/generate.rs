@@ -57,7 +57,49 @@ struct HostKv {
     v: Vec<Vec<f32>>,
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// The model: embeddings, layers, RoPE, and its sequences in the cache.
+struct Model {
+    embed: Array2<f32>,
+    unembed: Array2<f32>,
+    layers: Vec<Layer>,
+    rope: Rope,
+    seqs: Vec<SeqId>,
+}
+
+impl Model {
+    /// Random weights (seeded), and a sequence in `cache` per prompt.
+    fn new(rope: Rope, cache: &mut KvCache) -> Model {
+        let w = |i: u64, r: usize, c: usize| noise((r, c), 10 + i, 1.0 / (r as f32).sqrt());
+        Model {
+            embed: noise((VOCAB, D), 1, 1.0),
+            unembed: noise((D, VOCAB), 2, 1.0 / (D as f32).sqrt()),
+            layers: (0..LAYERS as u64)
+                .map(|l| Layer {
+                    wq: w(6 * l, D, HQ * E),
+                    wk: w(6 * l + 1, D, HKV * E),
+                    wv: w(6 * l + 2, D, HKV * E),
+                    wo: w(6 * l + 3, HQ * E, D),
+                    w1: w(6 * l + 4, D, 2 * D),
+                    w2: w(6 * l + 5, 2 * D, D),
+                })
+                .collect(),
+            rope,
+            seqs: PROMPTS.iter().map(|_| cache.add_sequence()).collect(),
+        }
+    }
+}
+
+/// The host's copies of every layer's rotated keys and values per sequence, and what the
+/// checks against the reference found.
+struct Checks {
+    host: Vec<Vec<HostKv>>,
+    checked: usize,
+    worst: f64,
+}
+
+fn main() -> Res<()> {
     let ctx = Context::new_blocking()?;
     println!("adapter: {}", ctx.describe());
     let rope = Rope {
@@ -78,122 +120,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             rope: Some(rope),
         },
     )?;
-    let embed = noise((VOCAB, D), 1, 1.0);
-    let unembed = noise((D, VOCAB), 2, 1.0 / (D as f32).sqrt());
-    let w = |i: u64, r: usize, c: usize| noise((r, c), 10 + i, 1.0 / (r as f32).sqrt());
-    let layers: Vec<Layer> = (0..LAYERS as u64)
-        .map(|l| Layer {
-            wq: w(6 * l, D, HQ * E),
-            wk: w(6 * l + 1, D, HKV * E),
-            wv: w(6 * l + 2, D, HKV * E),
-            wo: w(6 * l + 3, HQ * E, D),
-            w1: w(6 * l + 4, D, 2 * D),
-            w2: w(6 * l + 5, 2 * D, D),
-        })
-        .collect();
-
-    let seqs: Vec<SeqId> = PROMPTS.iter().map(|_| cache.add_sequence()).collect();
+    let model = Model::new(rope, &mut cache);
     let prompts: Vec<Vec<usize>> = PROMPTS
         .iter()
         .enumerate()
         .map(|(i, &n)| (0..n).map(|t| (t * 7 + i * 13) % VOCAB).collect())
         .collect();
-    let mut host: Vec<Vec<HostKv>> = vec![vec![HostKv::default(); PROMPTS.len()]; LAYERS];
+    let mut checks = Checks {
+        host: vec![vec![HostKv::default(); PROMPTS.len()]; LAYERS],
+        checked: 0,
+        worst: 0.0,
+    };
     let mut fed = vec![0usize; PROMPTS.len()];
     let mut generated: Vec<Vec<usize>> = vec![Vec::new(); PROMPTS.len()];
     let mut gpu_time = Duration::ZERO;
-    let mut checked = 0usize;
-    let mut worst = 0f64;
-
-    // One step: `batch` = (sequence index, its new tokens). Returns the next token of each.
-    let mut step = |cache: &mut KvCache,
-                    host: &mut Vec<Vec<HostKv>>,
-                    batch: &[(usize, Vec<usize>)],
-                    gpu_time: &mut Duration|
-     -> Result<Vec<usize>, Box<dyn std::error::Error>> {
-        let tokens: Vec<usize> = batch.iter().flat_map(|(_, t)| t.iter().copied()).collect();
-        let t = tokens.len();
-        let mut x = Array2::<f32>::zeros((t, D));
-        for (i, &tok) in tokens.iter().enumerate() {
-            x.row_mut(i).assign(&embed.row(tok));
-        }
-        let plan: Vec<(SeqId, usize)> = batch.iter().map(|(s, toks)| (seqs[*s], toks.len())).collect();
-        let st = cache.reserve(&plan)?;
-        for (l, layer) in layers.iter().enumerate() {
-            let q = x.dot(&layer.wq).into_shape_with_order((t, HQ, E))?;
-            let k = x.dot(&layer.wk).into_shape_with_order((t, HKV, E))?;
-            let v = x.dot(&layer.wv).into_shape_with_order((t, HKV, E))?;
-            let started = Instant::now();
-            let mut enc = ctx.device().create_command_encoder(&Default::default());
-            cache.append(&ctx, &mut enc, &st, l, &Tensor::from(&k), &Tensor::from(&v))?;
-            ctx.queue().submit([enc.finish()]);
-            let out = cache
-                .ragged_attention(&st, l, Tensor::from(&q))?
-                .run_blocking(&ctx)?;
-            *gpu_time += started.elapsed();
-            // The host's copy of the rotated keys, and the reference per sequence.
-            let mut kr = k.clone();
-            rope.apply(kr.view_mut(), st.positions())?;
-            let mut at = 0;
-            for (s, toks) in batch {
-                let n = toks.len();
-                let h = &mut host[l][*s];
-                for i in at..at + n {
-                    h.k.push(kr.slice(s![i, .., ..]).iter().copied().collect());
-                    h.v.push(v.slice(s![i, .., ..]).iter().copied().collect());
-                }
-                let len = h.k.len();
-                let mut kc = Array4::<f32>::zeros((1, HKV, len, E));
-                let mut vc = Array4::<f32>::zeros((1, HKV, len, E));
-                for j in 0..len {
-                    for hh in 0..HKV {
-                        for d in 0..E {
-                            kc[[0, hh, j, d]] = h.k[j][hh * E + d];
-                            vc[[0, hh, j, d]] = h.v[j][hh * E + d];
-                        }
-                    }
-                }
-                let mut qs = q.slice(s![at..at + n, .., ..]).to_owned();
-                let pos: Vec<usize> = (len - n..len).collect();
-                rope.apply(qs.view_mut(), &pos)?;
-                let qs = qs.permuted_axes([1, 0, 2]).insert_axis(Axis(0));
-                let opts = Options {
-                    causal: Causal::BottomRight,
-                    ..Options::default()
-                };
-                let want = reference::sdpa(qs.view(), kc.view(), vc.view(), &opts)?;
-                let got = out.output.slice(s![at..at + n, .., ..]).permuted_axes([1, 0, 2]);
-                let r = compare(got.iter().copied(), want.out.iter().copied(), F32_TOLERANCE);
-                assert!(r.passed(), "layer {l} sequence {s}: {r}");
-                worst = worst.max(r.max_abs_err);
-                checked += 1;
-                at += n;
-            }
-            // Output projection, residual, MLP (host).
-            let attn: Array2<f32> = out.output.into_shape_with_order((t, HQ * E))?;
-            x = &x + &attn.dot(&layer.wo);
-            let hidden = x.dot(&layer.w1).mapv(f32::tanh);
-            x = &x + &hidden.dot(&layer.w2);
-        }
-        // The next token of each sequence's last position, sampled (Gumbel-max with seeded
-        // noise: random weights' greedy choice settles on one token).
-        let logits = x.dot(&unembed);
-        let mut next = Vec::new();
-        let mut at = 0;
-        for (s, toks) in batch {
-            at += toks.len();
-            // Logits at unit spread (temperature 1 on a standardised row).
-            let row = logits.row(at - 1);
-            let row = &row / row.std(0.0).max(1e-6);
-            let noise = noise((1, VOCAB), (*s as u64) << 32 | host[0][*s].k.len() as u64, 1.0);
-            let gumbel = |a: usize| -(-((noise[[0, a]] + 1.0) / 2.0).max(1e-6).ln()).ln();
-            let best = (0..VOCAB)
-                .max_by(|&a, &b| (row[a] + gumbel(a)).total_cmp(&(row[b] + gumbel(b))))
-                .unwrap_or(0);
-            next.push(best);
-        }
-        Ok(next)
-    };
 
     // Prefill in chunks: every prompt with tokens left contributes up to CHUNK of them.
     let mut last = vec![0usize; PROMPTS.len()];
@@ -206,7 +146,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 (s, prompts[s][fed[s]..fed[s] + n].to_vec())
             })
             .collect();
-        let next = step(&mut cache, &mut host, &batch, &mut gpu_time)?;
+        let next = step(&ctx, &model, &mut cache, &mut checks, &batch, &mut gpu_time)?;
         for ((s, toks), tok) in batch.iter().zip(next) {
             fed[*s] += toks.len();
             last[*s] = tok;
@@ -217,7 +157,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Generate, the 4 sequences batched, one token each per step.
     for _ in 0..GENERATE {
         let batch: Vec<(usize, Vec<usize>)> = (0..PROMPTS.len()).map(|s| (s, vec![last[s]])).collect();
-        let next = step(&mut cache, &mut host, &batch, &mut gpu_time)?;
+        let next = step(&ctx, &model, &mut cache, &mut checks, &batch, &mut gpu_time)?;
         for (s, tok) in next.into_iter().enumerate() {
             generated[s].push(tok);
             last[s] = tok;
@@ -234,14 +174,134 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         new_tokens as f64 / decode_time.as_secs_f64(),
         decode_time.as_secs_f64() * 1e3 / GENERATE as f64,
     );
-    println!("checked {checked} attention outputs against the CPU reference: worst abs error {worst:.2e}");
-    for s in &seqs {
+    println!(
+        "checked {} attention outputs against the CPU reference: worst abs error {:.2e}",
+        checks.checked, checks.worst
+    );
+    for s in &model.seqs {
         cache.free_sequence(*s)?;
     }
     assert_eq!(cache.free_blocks(), 64, "every block back on the free list");
+    append_throughput(&ctx, &mut cache)?;
+    gpu_loop(&ctx, &mut cache)?;
+    Ok(())
+}
 
-    // Append throughput: 1024 tokens (8 sequences of 128) into both layers, timed to
-    // completion; the first of three rounds compiles the kernel and is not counted.
+/// One step: `batch` = (sequence index, its new tokens). Returns the next token of each.
+fn step(
+    ctx: &Context,
+    model: &Model,
+    cache: &mut KvCache,
+    checks: &mut Checks,
+    batch: &[(usize, Vec<usize>)],
+    gpu_time: &mut Duration,
+) -> Res<Vec<usize>> {
+    let tokens: Vec<usize> = batch.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+    let t = tokens.len();
+    let mut x = Array2::<f32>::zeros((t, D));
+    for (i, &tok) in tokens.iter().enumerate() {
+        x.row_mut(i).assign(&model.embed.row(tok));
+    }
+    let plan: Vec<(SeqId, usize)> = batch
+        .iter()
+        .map(|(s, toks)| (model.seqs[*s], toks.len()))
+        .collect();
+    let st = cache.reserve(&plan)?;
+    for (l, layer) in model.layers.iter().enumerate() {
+        let q = x.dot(&layer.wq).into_shape_with_order((t, HQ, E))?;
+        let k = x.dot(&layer.wk).into_shape_with_order((t, HKV, E))?;
+        let v = x.dot(&layer.wv).into_shape_with_order((t, HKV, E))?;
+        let started = Instant::now();
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        cache.append(ctx, &mut enc, &st, l, &Tensor::from(&k), &Tensor::from(&v))?;
+        ctx.queue().submit([enc.finish()]);
+        let out = cache
+            .ragged_attention(&st, l, Tensor::from(&q))?
+            .run_blocking(ctx)?;
+        *gpu_time += started.elapsed();
+        // The host's copy of the rotated keys, and the reference per sequence.
+        let mut kr = k.clone();
+        model.rope.apply(kr.view_mut(), st.positions())?;
+        checks.layer(model, l, batch, (&q, &kr, &v), &out.output)?;
+        // Output projection, residual, MLP (host).
+        let attn: Array2<f32> = out.output.into_shape_with_order((t, HQ * E))?;
+        x = &x + &attn.dot(&layer.wo);
+        let hidden = x.dot(&layer.w1).mapv(f32::tanh);
+        x = &x + &hidden.dot(&layer.w2);
+    }
+    Ok(sample(model, checks, batch, &x))
+}
+
+impl Checks {
+    /// Layer `l`'s new keys `kr` (rotated) and values `v` kept, and its attention output `got`
+    /// `[T, Hq, E]` checked against the reference per sequence.
+    fn layer(
+        &mut self,
+        model: &Model,
+        l: usize,
+        batch: &[(usize, Vec<usize>)],
+        (q, kr, v): (&Array3<f32>, &Array3<f32>, &Array3<f32>),
+        got: &Array3<f32>,
+    ) -> Res<()> {
+        let mut at = 0;
+        for (s, toks) in batch {
+            let n = toks.len();
+            let h = &mut self.host[l][*s];
+            for i in at..at + n {
+                h.k.push(kr.slice(s![i, .., ..]).iter().copied().collect());
+                h.v.push(v.slice(s![i, .., ..]).iter().copied().collect());
+            }
+            let len = h.k.len();
+            let kc = Array4::from_shape_fn((1, HKV, len, E), |(_, hh, j, d)| h.k[j][hh * E + d]);
+            let vc = Array4::from_shape_fn((1, HKV, len, E), |(_, hh, j, d)| h.v[j][hh * E + d]);
+            let mut qs = q.slice(s![at..at + n, .., ..]).to_owned();
+            let pos: Vec<usize> = (len - n..len).collect();
+            model.rope.apply(qs.view_mut(), &pos)?;
+            let qs = qs.permuted_axes([1, 0, 2]).insert_axis(Axis(0));
+            let opts = Options {
+                causal: Causal::BottomRight,
+                ..Options::default()
+            };
+            let want = reference::sdpa(qs.view(), kc.view(), vc.view(), &opts)?;
+            let got = got.slice(s![at..at + n, .., ..]).permuted_axes([1, 0, 2]);
+            let r = compare(got.iter().copied(), want.out.iter().copied(), F32_TOLERANCE);
+            assert!(r.passed(), "layer {l} sequence {s}: {r}");
+            self.worst = self.worst.max(r.max_abs_err);
+            self.checked += 1;
+            at += n;
+        }
+        Ok(())
+    }
+}
+
+/// The next token of each sequence's last position, sampled (Gumbel-max with seeded noise:
+/// random weights' greedy choice settles on one token).
+fn sample(model: &Model, checks: &Checks, batch: &[(usize, Vec<usize>)], x: &Array2<f32>) -> Vec<usize> {
+    let logits = x.dot(&model.unembed);
+    let mut next = Vec::new();
+    let mut at = 0;
+    for (s, toks) in batch {
+        at += toks.len();
+        // Logits at unit spread (temperature 1 on a standardised row).
+        let row = logits.row(at - 1);
+        let row = &row / row.std(0.0).max(1e-6);
+        let noise = noise(
+            (1, VOCAB),
+            (*s as u64) << 32 | checks.host[0][*s].k.len() as u64,
+            1.0,
+        );
+        let gumbel = |a: usize| -(-((noise[[0, a]] + 1.0) / 2.0).max(1e-6).ln()).ln();
+        let best = (0..VOCAB)
+            .max_by(|&a, &b| (row[a] + gumbel(a)).total_cmp(&(row[b] + gumbel(b))))
+            .unwrap_or(0);
+        next.push(best);
+    }
+    next
+}
+
+/// Append throughput: 1024 tokens (8 sequences of 128) into both layers, timed to
+/// completion; the first of three rounds compiles the kernel and is not counted.
+fn append_throughput(ctx: &Context, cache: &mut KvCache) -> Res<()> {
     let kv = Array3::<f32>::from_elem((1024, HKV, E), 0.25);
     let mut rates = Vec::new();
     for round in 0..3 {
@@ -251,7 +311,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let st = cache.reserve(&plan)?;
         let started = Instant::now();
         for l in 0..LAYERS {
-            cache.append(&ctx, &mut enc, &st, l, &Tensor::from(&kv), &Tensor::from(&kv))?;
+            cache.append(ctx, &mut enc, &st, l, &Tensor::from(&kv), &Tensor::from(&kv))?;
         }
         ctx.queue().submit([enc.finish()]);
         ctx.device()
@@ -267,7 +327,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "append: {:.0} tokens/s ({LAYERS} layers, K rotated, 1024 tokens per call)",
         rates.iter().sum::<f64>() / rates.len().max(1) as f64
     );
-    gpu_loop(&ctx, &mut cache)?;
     Ok(())
 }
 

@@ -13,10 +13,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     pollster::block_on(run())
 }
 
-async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    // 1. Your device, requested with the adapter's own limits and the features the crate uses;
-    //    the matrix units (tensor cores) are an experimental wgpu feature, which wgpu grants
-    //    only with its experimental features enabled: here only where the adapter has them.
+/// 1. Your device, requested with the adapter's own limits and the features the crate uses;
+///    the matrix units (tensor cores) are an experimental wgpu feature, which wgpu grants only
+///    with its experimental features enabled: here only where the adapter has them.
+async fn your_device() -> Result<(wgpu::Adapter, wgpu::Device, wgpu::Queue), Box<dyn std::error::Error>> {
     let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
     let adapter = instance.request_adapter(&Default::default()).await?;
     let experimental = adapter.features() & Context::wanted_experimental_features();
@@ -35,6 +35,11 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
             ..Default::default()
         })
         .await?;
+    Ok((adapter, device, queue))
+}
+
+async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let (adapter, device, queue) = your_device().await?;
     // The context keeps clones of your handles and reads the adapter's information.
     let ctx = Context::from_parts(&adapter, device.clone(), queue.clone());
     println!("adapter: {}", ctx.describe());

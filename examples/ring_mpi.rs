@@ -19,7 +19,7 @@ use mpi::traits::*;
 use ndarray::{s, Array4};
 use rand::{Rng, SeedableRng};
 use wgpu_attention::check::{compare, flash_rule, F32_TOLERANCE};
-use wgpu_attention::ring::mpi::{abort_on_panic, fail, MpiRing};
+use wgpu_attention::ring::mpi::{abort_on_panic, fail, MpiOutput, MpiRing};
 use wgpu_attention::{reference, Causal, Context, Layout, Options, RingReport, Sdpa};
 
 #[derive(Parser)]
@@ -112,38 +112,7 @@ fn main() {
     if args.seq <= args.check_max {
         // This rank's rows against one device on its own GPU.
         let one = sdpa.run_blocking(&ctx).unwrap_or_else(|e| fail(&world, &e));
-        let want: Vec<f32> = out
-            .rows
-            .iter()
-            .flat_map(|r| one.output.slice(s![.., .., r.clone(), ..]).to_owned().into_iter())
-            .collect();
-        // Chunk by chunk within each (batch, head): reorder the local rows the same way.
-        let got: Vec<f32> = {
-            let mut at = 0;
-            let mut v = vec![];
-            for r in &out.rows {
-                v.extend(
-                    out.local_output
-                        .slice(s![.., .., at..at + r.len(), ..])
-                        .iter()
-                        .copied(),
-                );
-                at += r.len();
-            }
-            v
-        };
-        let report = compare(got, want, F32_TOLERANCE);
-        println!("rank {rank}: rows {:?} against one device: {report}", out.rows);
-        failed |= !report.passed();
-        if let Some(full) = &out.output {
-            let report = compare(
-                full.output.iter().copied(),
-                one.output.iter().copied(),
-                F32_TOLERANCE,
-            );
-            println!("rank 0: assembled output against one device: {report}");
-            failed |= !report.passed();
-        }
+        failed |= !rows_match(rank, &out, &one.output);
     }
     if args.backward {
         let dout = random(4, shape);
@@ -182,6 +151,41 @@ fn main() {
         eprintln!("rank {rank}: check failed");
         world.abort(1);
     }
+}
+
+/// This rank's rows of the ring's output (and rank 0's assembled output) against `one`, the
+/// output of one device: whether they match.
+fn rows_match(rank: usize, out: &MpiOutput, one: &Array4<f32>) -> bool {
+    let mut ok = true;
+    let want: Vec<f32> = out
+        .rows
+        .iter()
+        .flat_map(|r| one.slice(s![.., .., r.clone(), ..]).to_owned().into_iter())
+        .collect();
+    // Chunk by chunk within each (batch, head): reorder the local rows the same way.
+    let got: Vec<f32> = {
+        let mut at = 0;
+        let mut v = vec![];
+        for r in &out.rows {
+            v.extend(
+                out.local_output
+                    .slice(s![.., .., at..at + r.len(), ..])
+                    .iter()
+                    .copied(),
+            );
+            at += r.len();
+        }
+        v
+    };
+    let report = compare(got, want, F32_TOLERANCE);
+    println!("rank {rank}: rows {:?} against one device: {report}", out.rows);
+    ok &= report.passed();
+    if let Some(full) = &out.output {
+        let report = compare(full.output.iter().copied(), one.iter().copied(), F32_TOLERANCE);
+        println!("rank 0: assembled output against one device: {report}");
+        ok &= report.passed();
+    }
+    ok
 }
 
 fn print_report(what: &str, r: &RingReport, seconds: f64, flops: f64) {

@@ -99,6 +99,71 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
         crate::bench_host::host_table(&ctx, calls, a.warmup, a.iters)?;
         return Ok(ExitCode::SUCCESS);
     }
+    let gpu_time = print_header(&ctx, a);
+    let storages = dedup(a.storage.clone());
+    let per_row = u64::from(a.warmup + a.iters);
+    let pb = ProgressBar::new(per_row * (shapes.len() * paths.len() * storages.len()) as u64);
+    pb.set_style(ProgressStyle::with_template(
+        "[{elapsed_precise}] {bar:24} {pos}/{len} runs  {wide_msg}",
+    )?);
+    for (shape, &st) in shapes
+        .iter()
+        .flat_map(|s| storages.iter().map(move |st| (*s, st)))
+    {
+        pb.set_message(shape.name);
+        let prepared = shape
+            .check_fits(&ctx)
+            .and_then(|()| GpuInputs::upload_as(&ctx, shape, &shape.random_inputs(a.seed), st));
+        let gpu = match prepared {
+            Ok(g) => g,
+            Err(e) => {
+                for path in &paths {
+                    pb.suspend(|| println!("{:<24} {:<11} {st:<5} error: {e}", shape.name, path.name()));
+                    pb.inc(per_row);
+                }
+                continue;
+            }
+        };
+        // The forward's output and logsumexp and a dO, for the backward rows.
+        let mut saved: Option<wgpu_attention::shapes::SavedForward> = None;
+        for &path in &paths {
+            pb.set_message(format!("{} / {}", shape.name, path.name()));
+            let done_before = pb.position();
+            // GPU times of every run, warm-ups first: the last `iters` are the timed runs'.
+            let mut gpu_times: Vec<Duration> = Vec::new();
+            let row = measure(
+                &ctx,
+                a,
+                (shape, &gpu, path),
+                &mut saved,
+                (gpu_time, &mut gpu_times),
+                &pb,
+            );
+            let gpu_median = gpu_median(&gpu_times, a.iters).filter(|_| gpu_time);
+            let line = match row {
+                Ok(m) => format_row(shape.name, path.name(), st, m, gpu_median, gpu_time),
+                Err(e) => {
+                    pb.set_position(done_before + per_row);
+                    format!("{:<24} {:<11} {st:<5} error: {e}", shape.name, path.name())
+                }
+            };
+            pb.suspend(|| println!("{line}"));
+        }
+    }
+    pb.finish_and_clear();
+    bench_layers(&ctx, &layers, a, &storages)?;
+    if !a.no_matmul {
+        for &st in &storages {
+            for trans_b in [true, false] {
+                println!("{}", matmul_row(&ctx, a, st, trans_b, gpu_time)?);
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The table's preamble and column heads; whether GPU times are measured.
+fn print_header(ctx: &Context, a: &BenchArgs) -> bool {
     let gpu_time = a.gpu_time && ctx.has_gpu_timer();
     if a.gpu_time && !gpu_time {
         println!("--gpu-time: this adapter has no timestamp queries (TIMESTAMP_QUERY); wall time only");
@@ -137,131 +202,107 @@ pub(crate) fn bench(a: &BenchArgs) -> CliResult<ExitCode> {
         }
     );
 
-    let storages = dedup(a.storage.clone());
-    let per_row = u64::from(a.warmup + a.iters);
-    let pb = ProgressBar::new(per_row * (shapes.len() * paths.len() * storages.len()) as u64);
-    pb.set_style(ProgressStyle::with_template(
-        "[{elapsed_precise}] {bar:24} {pos}/{len} runs  {wide_msg}",
-    )?);
-    for (shape, &st) in shapes
-        .iter()
-        .flat_map(|s| storages.iter().map(move |st| (*s, st)))
-    {
-        pb.set_message(shape.name);
-        let prepared = shape
-            .check_fits(&ctx)
-            .and_then(|()| GpuInputs::upload_as(&ctx, shape, &shape.random_inputs(a.seed), st));
-        let gpu = match prepared {
-            Ok(g) => g,
-            Err(e) => {
-                for path in &paths {
-                    pb.suspend(|| println!("{:<24} {:<11} {st:<5} error: {e}", shape.name, path.name()));
-                    pb.inc(per_row);
-                }
-                continue;
-            }
-        };
-        // The forward's output and logsumexp and a dO, for the backward rows.
-        let mut saved: Option<wgpu_attention::shapes::SavedForward> = None;
-        for &path in &paths {
-            pb.set_message(format!("{} / {}", shape.name, path.name()));
-            let done_before = pb.position();
-            // GPU times of every run, warm-ups first: the last `iters` are the timed runs'.
-            let mut gpu_times: Vec<Duration> = Vec::new();
-            let row = match path {
-                BenchPath::Forward(path) if gpu.paged_attention().is_some() => {
-                    // A batch of forks: one PagedAttention call (the FLOPs are the batch's
-                    // as one paged call would count them).
-                    let call = gpu.paged_attention().expect("checked").path(path);
-                    gpu.sdpa().problem().and_then(|p| {
-                        call.validate()?;
-                        let t = time_call(
-                            &ctx,
-                            gpu_time,
-                            |enc| call.record(&ctx, enc),
-                            || call.run_blocking(&ctx).map(drop),
-                            a.warmup,
-                            a.iters,
-                            &mut gpu_times,
-                            || pb.inc(1),
-                        )?;
-                        Ok((shape.counted_flops(&p), t.first, t.median, t.min, None))
-                    })
-                }
-                BenchPath::Forward(path) => {
-                    let sdpa = gpu.sdpa().path(path);
-                    sdpa.problem().and_then(|p| {
-                        let mem = sdpa.device_memory(&ctx)?;
-                        let t = time_call(
-                            &ctx,
-                            gpu_time,
-                            |enc| sdpa.record(&ctx, enc),
-                            || sdpa.run_blocking(&ctx).map(drop),
-                            a.warmup,
-                            a.iters,
-                            &mut gpu_times,
-                            || pb.inc(1),
-                        )?;
-                        Ok((shape.counted_flops(&p), t.first, t.median, t.min, Some(mem)))
-                    })
-                }
-                BenchPath::Backward(path) => (|| {
-                    if saved.is_none() {
-                        saved = Some(gpu.saved_forward(&ctx, a.seed)?);
-                    }
-                    let bwd = saved.as_ref().expect("made above").backward(&gpu).path(path);
-                    let flops = 2.5 * shape.counted_flops(&bwd.problem()?);
-                    let t = time_call(
-                        &ctx,
-                        gpu_time,
-                        |enc| bwd.record(&ctx, enc),
-                        || bwd.run_blocking(&ctx).map(drop),
-                        a.warmup,
-                        a.iters,
-                        &mut gpu_times,
-                        || pb.inc(1),
-                    )?;
-                    Ok((flops, t.first, t.median, t.min, None))
-                })(),
-            };
-            let gpu_median = gpu_median(&gpu_times, a.iters).filter(|_| gpu_time);
-            let line = match row {
-                Ok((flops, first, median, min, mem)) => format!(
-                    "{:<24} {:<11} {st:<5} {:>10.3} {:>10.3} {:>10.3} {:>9.2} {:>9}{}",
-                    shape.name,
-                    path.name(),
-                    ms(first),
-                    ms(median),
-                    ms(min),
-                    gflops(flops, median),
-                    mem.map_or("-".to_string(), |m| format!(
-                        "{:.1}",
-                        m as f64 / (1024.0 * 1024.0)
-                    )),
-                    match gpu_median {
-                        Some(g) => format!(" {:>10.3} {:>10.2}", ms(g), gflops(flops, g)),
-                        None if gpu_time => format!(" {:>10} {:>10}", "-", "-"),
-                        None => String::new(),
-                    }
-                ),
-                Err(e) => {
-                    pb.set_position(done_before + per_row);
-                    format!("{:<24} {:<11} {st:<5} error: {e}", shape.name, path.name())
-                }
-            };
-            pb.suspend(|| println!("{line}"));
+    gpu_time
+}
+
+/// FLOPs, first, median and min wall times, and the device memory of one row.
+type Measured = (f64, Duration, Duration, Duration, Option<u64>);
+
+/// One row: `path` on `shape`'s inputs `gpu` (the backward reads the forward `saved` once per
+/// shape), every run's GPU time pushed to `gpu_times`.
+fn measure(
+    ctx: &Context,
+    a: &BenchArgs,
+    (shape, gpu, path): (&Shape, &GpuInputs, BenchPath),
+    saved: &mut Option<wgpu_attention::shapes::SavedForward>,
+    (gpu_time, gpu_times): (bool, &mut Vec<Duration>),
+    pb: &ProgressBar,
+) -> wgpu_attention::Result<Measured> {
+    match path {
+        BenchPath::Forward(path) if gpu.paged_attention().is_some() => {
+            // A batch of forks: one PagedAttention call (the FLOPs are the batch's
+            // as one paged call would count them).
+            let call = gpu.paged_attention().expect("checked").path(path);
+            gpu.sdpa().problem().and_then(|p| {
+                call.validate()?;
+                let t = time_call(
+                    ctx,
+                    gpu_time,
+                    |enc| call.record(ctx, enc),
+                    || call.run_blocking(ctx).map(drop),
+                    a.warmup,
+                    a.iters,
+                    gpu_times,
+                    || pb.inc(1),
+                )?;
+                Ok((shape.counted_flops(&p), t.first, t.median, t.min, None))
+            })
         }
-    }
-    pb.finish_and_clear();
-    bench_layers(&ctx, &layers, a, &storages)?;
-    if !a.no_matmul {
-        for &st in &storages {
-            for trans_b in [true, false] {
-                println!("{}", matmul_row(&ctx, a, st, trans_b, gpu_time)?);
-            }
+        BenchPath::Forward(path) => {
+            let sdpa = gpu.sdpa().path(path);
+            sdpa.problem().and_then(|p| {
+                let mem = sdpa.device_memory(ctx)?;
+                let t = time_call(
+                    ctx,
+                    gpu_time,
+                    |enc| sdpa.record(ctx, enc),
+                    || sdpa.run_blocking(ctx).map(drop),
+                    a.warmup,
+                    a.iters,
+                    gpu_times,
+                    || pb.inc(1),
+                )?;
+                Ok((shape.counted_flops(&p), t.first, t.median, t.min, Some(mem)))
+            })
         }
+        BenchPath::Backward(path) => (|| {
+            if saved.is_none() {
+                *saved = Some(gpu.saved_forward(ctx, a.seed)?);
+            }
+            let bwd = saved.as_ref().expect("made above").backward(gpu).path(path);
+            let flops = 2.5 * shape.counted_flops(&bwd.problem()?);
+            let t = time_call(
+                ctx,
+                gpu_time,
+                |enc| bwd.record(ctx, enc),
+                || bwd.run_blocking(ctx).map(drop),
+                a.warmup,
+                a.iters,
+                gpu_times,
+                || pb.inc(1),
+            )?;
+            Ok((flops, t.first, t.median, t.min, None))
+        })(),
     }
-    Ok(ExitCode::SUCCESS)
+}
+
+/// One row of the table.
+fn format_row(
+    name: &str,
+    path: String,
+    st: Storage,
+    (flops, first, median, min, mem): Measured,
+    gpu_median: Option<Duration>,
+    gpu_time: bool,
+) -> String {
+    format!(
+        "{:<24} {:<11} {st:<5} {:>10.3} {:>10.3} {:>10.3} {:>9.2} {:>9}{}",
+        name,
+        path,
+        ms(first),
+        ms(median),
+        ms(min),
+        gflops(flops, median),
+        mem.map_or("-".to_string(), |m| format!(
+            "{:.1}",
+            m as f64 / (1024.0 * 1024.0)
+        )),
+        match gpu_median {
+            Some(g) => format!(" {:>10.3} {:>10.2}", ms(g), gflops(flops, g)),
+            None if gpu_time => format!(" {:>10} {:>10}", "-", "-"),
+            None => String::new(),
+        }
+    )
 }
 
 /// The attention and layer shapes named on the command line (`all` for every one), or the

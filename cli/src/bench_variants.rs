@@ -91,12 +91,46 @@ fn read(ctx: &Context, buf: &wgpu_attention::wgpu::Buffer, n: usize) -> CliResul
     Ok(pollster::block_on(ctx.read_f32(buf, 0, 4 * n as u64))?)
 }
 
+/// Named series of (L = S, value) points.
+type Series = Vec<(String, Vec<(f64, f64)>)>;
+
+/// The time chart at `path` and the memory chart beside it (`NAME-memory.EXT`).
+fn plot_series(path: &std::path::Path, time_series: &Series, mem_series: &Series) -> CliResult<()> {
+    let mut chart = LineChart::new(
+        "Attention variants on this adapter (H = 8, E = 64)",
+        "sequence length L = S",
+        "time (ms)",
+    )
+    .axes(true, true);
+    for (name, pts) in time_series {
+        chart = chart.with_series(name.clone(), pts.clone());
+    }
+    chart.write(path, 960, 600)?;
+    let mem_path = path.with_file_name(format!(
+        "{}-memory.{}",
+        path.file_stem().unwrap_or_default().to_string_lossy(),
+        path.extension().unwrap_or_default().to_string_lossy()
+    ));
+    let mut chart = LineChart::new(
+        "Device memory of one call (H = 8, E = 64)",
+        "sequence length L = S",
+        "device memory (MiB)",
+    )
+    .axes(true, true);
+    for (name, pts) in mem_series {
+        chart = chart.with_series(name.clone(), pts.clone());
+    }
+    chart.write(&mem_path, 960, 600)?;
+    println!("wrote {} and {}", path.display(), mem_path.display());
+    Ok(())
+}
+
 pub(crate) fn bench_variants(a: &BenchVariantsArgs) -> CliResult<ExitCode> {
     crate::npy::check_writable([("--plot", a.plot.as_deref())])?;
     let ctx = context()?;
     println!("adapter: {}", ctx.describe());
-    let mut time_series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
-    let mut mem_series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    let mut time_series: Series = Vec::new();
+    let mut mem_series: Series = Vec::new();
     if !a.compare_only {
         println!(
             "{:>6} {:<18} {:>10} {:>10} {:>12} {:>12}",
@@ -146,32 +180,7 @@ pub(crate) fn bench_variants(a: &BenchVariantsArgs) -> CliResult<ExitCode> {
             }
         }
         if let Some(path) = &a.plot {
-            let mut chart = LineChart::new(
-                "Attention variants on this adapter (H = 8, E = 64)",
-                "sequence length L = S",
-                "time (ms)",
-            )
-            .axes(true, true);
-            for (name, pts) in &time_series {
-                chart = chart.with_series(name.clone(), pts.clone());
-            }
-            chart.write(path, 960, 600)?;
-            let mem_path = path.with_file_name(format!(
-                "{}-memory.{}",
-                path.file_stem().unwrap_or_default().to_string_lossy(),
-                path.extension().unwrap_or_default().to_string_lossy()
-            ));
-            let mut chart = LineChart::new(
-                "Device memory of one call (H = 8, E = 64)",
-                "sequence length L = S",
-                "device memory (MiB)",
-            )
-            .axes(true, true);
-            for (name, pts) in &mem_series {
-                chart = chart.with_series(name.clone(), pts.clone());
-            }
-            chart.write(&mem_path, 960, 600)?;
-            println!("wrote {} and {}", path.display(), mem_path.display());
+            plot_series(path, &time_series, &mem_series)?;
         }
     }
 

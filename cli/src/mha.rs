@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use clap::Args;
 use wgpu_attention::reference::{self, MhaInputs};
-use wgpu_attention::{MhaWeights, MultiHeadAttention, NeedWeights, Options, Storage, Tensor};
+use wgpu_attention::{MhaGrads, MhaWeights, MultiHeadAttention, NeedWeights, Options, Storage, Tensor};
 
 use crate::npy::{combine_masks, read_3d, read_array, write_array};
 use crate::timing::ms;
@@ -119,39 +119,87 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
     }
     let st = a.storage.unwrap_or(weights.storage);
     let weights = weights.with_storage(st);
-    let round = |x: f32| st.round(x);
-    let x = read_3d(&a.query, "query", "[B, L, d_model]")?.mapv(round);
-    let key = a
-        .key
-        .as_deref()
-        .map(|p| read_3d(p, "key", "[B, S, kdim]").map(|k| k.mapv(round)))
-        .transpose()?;
-    let value = a
-        .value
-        .as_deref()
-        .map(|p| read_3d(p, "value", "[B, S, vdim]").map(|v| v.mapv(round)))
-        .transpose()?;
-    let mask = a
-        .mask
-        .as_deref()
-        .map(|p| read_array::<bool>(p, "mask", "bool ('|b1')", "np.asarray(m, dtype=bool)"))
-        .transpose()?
-        .map(|m| if a.torch_masks { m.mapv(|x| !x) } else { m });
-    let kpm = a
-        .key_padding_mask
-        .as_deref()
-        .map(|p| read_array::<bool>(p, "key padding mask", "bool ('|b1')", "np.asarray(m, dtype=bool)"))
-        .transpose()?
-        .map(|m| if a.torch_masks { m.mapv(|x| !x) } else { m });
-    let mask = combine_masks(mask, kpm)?;
+    let inputs = Inputs::read(a, st)?;
     // The heatmap's labels, checked against L and S before any work.
+    let labels = labels(a, &inputs)?;
+    // One set of options for the GPU layer and the CPU reference.
+    let options = Options {
+        causal: a.causal.into(),
+        mask: inputs.mask.as_ref().map(|m| m.into()),
+        kv_lens: a.kv_lens.clone(),
+        ..Default::default()
+    };
+    let need = match (a.weights_out.is_some() || a.heatmap.is_some(), a.average_weights) {
+        (false, _) => NeedWeights::No,
+        (true, false) => NeedWeights::PerHead,
+        (true, true) => NeedWeights::Averaged,
+    };
+    let run = if a.cpu {
+        run_cpu(&weights, &inputs, &options, need, st)?
+    } else {
+        run_gpu(&weights, &inputs, &options, need, st)?
+    };
+    println!("{}", run.how);
+    write_array(&a.out, "output", &run.out)?;
+    if let (Some((grads, elapsed)), Some(path)) = (&run.grads, &a.grads_out) {
+        write_grads(a, &weight_bytes, grads, *elapsed, path)?;
+    }
+    if let Some(p) = &a.weights_out {
+        write_array(p, "weights", run.weights.as_ref().ok_or("no attention weights")?)?;
+    }
+    if let Some(p) = &a.heatmap {
+        write_heatmap(a, run.weights.as_ref().ok_or("no attention weights")?, &labels, p)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The layer's inputs read from their files (rounded to the layer's format), masks combined.
+struct Inputs {
+    x: ndarray::Array3<f32>,
+    key: Option<ndarray::Array3<f32>>,
+    value: Option<ndarray::Array3<f32>>,
+    mask: Option<ndarray::ArrayD<bool>>,
+    dout: Option<ndarray::Array3<f32>>,
+}
+
+impl Inputs {
+    fn read(a: &MhaArgs, st: Storage) -> CliResult<Inputs> {
+        let round = |x: f32| st.round(x);
+        let read3 = |p: &Option<PathBuf>, name, shape| {
+            p.as_deref()
+                .map(|p| read_3d(p, name, shape).map(|k| k.mapv(round)))
+                .transpose()
+        };
+        let read_mask = |p: &Option<PathBuf>, name| {
+            p.as_deref()
+                .map(|p| read_array::<bool>(p, name, "bool ('|b1')", "np.asarray(m, dtype=bool)"))
+                .transpose()
+                .map(|m| m.map(|m| if a.torch_masks { m.mapv(|x| !x) } else { m }))
+        };
+        let mask = read_mask(&a.mask, "mask")?;
+        let kpm = read_mask(&a.key_padding_mask, "key padding mask")?;
+        Ok(Inputs {
+            x: read_3d(&a.query, "query", "[B, L, d_model]")?.mapv(round),
+            key: read3(&a.key, "key", "[B, S, kdim]")?,
+            value: read3(&a.value, "value", "[B, S, vdim]")?,
+            mask: combine_masks(mask, kpm)?,
+            dout: read3(&a.dout, "dout", "[B, L, d_model]")?,
+        })
+    }
+}
+
+/// The heatmap's query and key labels (`--tokens`, `--key-tokens`: the keys are the queries'
+/// words in self-attention), checked against L and S.
+type Labels = (Option<Vec<String>>, Option<Vec<String>>);
+
+fn labels(a: &MhaArgs, inputs: &Inputs) -> CliResult<Labels> {
     let words = |s: &Option<String>| {
         s.as_deref()
             .map(|t| t.split_whitespace().map(String::from).collect::<Vec<_>>())
     };
     let (queries, mut keys) = (words(&a.tokens), words(&a.key_tokens));
-    let q_len = x.dim().1;
-    let k_len = key.as_ref().map_or(q_len, |k| k.dim().1);
+    let q_len = inputs.x.dim().1;
+    let k_len = inputs.key.as_ref().map_or(q_len, |k| k.dim().1);
     if let Some(q) = &queries {
         if q.len() != q_len {
             return Err(format!(
@@ -160,7 +208,7 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
             )
             .into());
         }
-        if key.is_none() && keys.is_none() {
+        if inputs.key.is_none() && keys.is_none() {
             keys = queries.clone();
         }
     }
@@ -173,151 +221,188 @@ pub(crate) fn mha(a: &MhaArgs) -> CliResult<ExitCode> {
             .into());
         }
     }
-    // One set of options for the GPU layer and the CPU reference.
-    let options = Options {
-        causal: a.causal.into(),
-        mask: mask.as_ref().map(|m| m.into()),
-        kv_lens: a.kv_lens.clone(),
-        ..Default::default()
+    Ok((queries, keys))
+}
+
+/// What one run gives: the output, the attention weights asked for, how it ran, and the
+/// gradients (with the time they took) when `--dout` is given.
+struct Run {
+    out: ndarray::ArrayD<f32>,
+    weights: Option<ndarray::ArrayD<f32>>,
+    how: String,
+    grads: Option<(MhaGrads<f32>, std::time::Duration)>,
+}
+
+/// The CPU reference (f64 on the rounded inputs and weights).
+fn run_cpu(
+    weights: &MhaWeights,
+    inputs: &Inputs,
+    options: &Options,
+    need: NeedWeights,
+    st: Storage,
+) -> CliResult<Run> {
+    let cross = match (&inputs.key, &inputs.value) {
+        (Some(k), Some(v)) => MhaInputs::cross(inputs.x.view(), k.view(), v.view()),
+        _ => MhaInputs::self_attention(inputs.x.view()),
     };
-    let need = match (a.weights_out.is_some() || a.heatmap.is_some(), a.average_weights) {
-        (false, _) => NeedWeights::No,
-        (true, false) => NeedWeights::PerHead,
-        (true, true) => NeedWeights::Averaged,
+    let started = Instant::now();
+    let r = reference::mha(weights, &cross, options)?;
+    let how = format!(
+        "ran the CPU reference (f64 on {st} inputs and weights, output rounded to {st}, written as f32) in {:.3} ms",
+        ms(started.elapsed())
+    );
+    let w = match need {
+        NeedWeights::No => None,
+        NeedWeights::PerHead => Some(r.weights.mapv(|x| x as f32).into_dyn()),
+        NeedWeights::Averaged => Some(
+            reference::mean_over_heads(&r.weights)
+                .mapv(|x| x as f32)
+                .into_dyn(),
+        ),
+        other => return Err(format!("--cpu: no reference weights for {other:?}").into()),
     };
-    let dout = a
+    let started = Instant::now();
+    let grads = inputs
         .dout
-        .as_deref()
-        .map(|p| read_3d(p, "dout", "[B, L, d_model]").map(|d| d.mapv(round)))
-        .transpose()?;
-    // The gradients, when --dout is given, and the time they took.
-    let (out, w, how, grads) = if a.cpu {
-        let inputs = match (&key, &value) {
-            (Some(k), Some(v)) => MhaInputs::cross(x.view(), k.view(), v.view()),
-            _ => MhaInputs::self_attention(x.view()),
-        };
-        let started = Instant::now();
-        let r = reference::mha(&weights, &inputs, &options)?;
-        let how = format!(
-            "ran the CPU reference (f64 on {st} inputs and weights, output rounded to {st}, written as f32) in {:.3} ms",
+        .as_ref()
+        .map(|dy| reference::mha_backward(weights, &cross, options, dy.view()))
+        .transpose()?
+        .map(|g| (g.mapv(|x| x as f32), started.elapsed()));
+    Ok(Run {
+        out: r.out.mapv(|x| st.round(x as f32)).into_dyn(),
+        weights: w,
+        how,
+        grads,
+    })
+}
+
+/// The layer on the GPU (the backward too with `--dout`).
+fn run_gpu(
+    weights: &MhaWeights,
+    inputs: &Inputs,
+    options: &Options,
+    need: NeedWeights,
+    st: Storage,
+) -> CliResult<Run> {
+    let ctx = context()?;
+    let layer = MultiHeadAttention::new(&ctx, weights)?;
+    let t = |x| Tensor::from(x).with_storage(st);
+    let mut f = layer
+        .forward(t(&inputs.x))
+        .options(options.clone())
+        .need_weights(need);
+    if let (Some(k), Some(v)) = (&inputs.key, &inputs.value) {
+        f = f.key_value(t(k), t(v));
+    }
+    let started = Instant::now();
+    let how = |what: &str| {
+        format!(
+            "ran {what} on {}, storage {st}, in {:.3} ms (incl. upload, shader compilation and readback)",
+            ctx.describe(),
             ms(started.elapsed())
-        );
-        let w = match need {
-            NeedWeights::No => None,
-            NeedWeights::PerHead => Some(r.weights.mapv(|x| x as f32).into_dyn()),
-            NeedWeights::Averaged => Some(
-                reference::mean_over_heads(&r.weights)
-                    .mapv(|x| x as f32)
-                    .into_dyn(),
-            ),
-            other => return Err(format!("--cpu: no reference weights for {other:?}").into()),
-        };
-        let started = Instant::now();
-        let grads = dout
-            .as_ref()
-            .map(|dy| reference::mha_backward(&weights, &inputs, &options, dy.view()))
-            .transpose()?
-            .map(|g| (g.mapv(|x| x as f32), started.elapsed()));
-        (r.out.mapv(|x| st.round(x as f32)).into_dyn(), w, how, grads)
-    } else {
-        let ctx = context()?;
-        let layer = MultiHeadAttention::new(&ctx, &weights)?;
-        let t = |x| Tensor::from(x).with_storage(st);
-        let mut f = layer.forward(t(&x)).options(options.clone()).need_weights(need);
-        if let (Some(k), Some(v)) = (&key, &value) {
-            f = f.key_value(t(k), t(v));
-        }
-        let started = Instant::now();
-        let how = |what: &str| {
-            format!(
-                "ran {what} on {}, storage {st}, in {:.3} ms (incl. upload, shader compilation and readback)",
-                ctx.describe(),
-                ms(started.elapsed())
-            )
-        };
-        match &dout {
-            // The backward runs the forward and returns its output.
-            Some(dy) if need == NeedWeights::No => {
-                let g = f.backward(t(dy)).run_blocking(&ctx)?;
-                let elapsed = started.elapsed();
-                (
-                    g.output.clone().into_dyn(),
-                    None,
-                    how("forward and backward"),
-                    Some((g, elapsed)),
-                )
-            }
-            _ => {
-                let r = f.clone().run_blocking(&ctx)?;
-                let how = how("the forward");
-                let w = r
-                    .weights
-                    .map(|w| w.into_dyn())
-                    .or(r.avg_weights.map(|w| w.into_dyn()));
-                let started = Instant::now();
-                let grads = dout
-                    .as_ref()
-                    .map(|dy| f.backward(t(dy)).run_blocking(&ctx))
-                    .transpose()?
-                    .map(|g| (g, started.elapsed()));
-                (r.output.into_dyn(), w, how, grads)
-            }
-        }
+        )
     };
-    println!("{how}");
-    write_array(&a.out, "output", &out)?;
-    if let (Some((grads, elapsed)), Some(path)) = (&grads, &a.grads_out) {
-        let packed = safetensors::SafeTensors::deserialize(&weight_bytes)
-            .map(|st| st.tensor(&format!("{}in_proj_weight", a.prefix)).is_ok())
-            .unwrap_or(false);
-        let mut tensors: Vec<(String, ndarray::ArrayD<f32>)> =
-            vec![("query".into(), grads.query.clone().into_dyn())];
-        if let (Some(k), Some(v)) = (&grads.key, &grads.value) {
-            tensors.push(("key".into(), k.clone().into_dyn()));
-            tensors.push(("value".into(), v.clone().into_dyn()));
+    match &inputs.dout {
+        // The backward runs the forward and returns its output.
+        Some(dy) if need == NeedWeights::No => {
+            let g = f.backward(t(dy)).run_blocking(&ctx)?;
+            let elapsed = started.elapsed();
+            Ok(Run {
+                out: g.output.clone().into_dyn(),
+                weights: None,
+                how: how("forward and backward"),
+                grads: Some((g, elapsed)),
+            })
         }
-        tensors.extend(grads.state_dict(packed, &a.prefix));
-        write_safetensors(path, &tensors)?;
-        println!(
-            "wrote {} gradients to {} (computed in {:.3} ms, {})",
-            tensors.len(),
-            path.display(),
-            ms(*elapsed),
-            if a.cpu {
-                "CPU reference, f64 rounded to f32"
-            } else {
-                "GPU"
-            }
-        );
+        _ => {
+            let r = f.clone().run_blocking(&ctx)?;
+            let how = how("the forward");
+            let w = r
+                .weights
+                .map(|w| w.into_dyn())
+                .or(r.avg_weights.map(|w| w.into_dyn()));
+            let started = Instant::now();
+            let grads = inputs
+                .dout
+                .as_ref()
+                .map(|dy| f.backward(t(dy)).run_blocking(&ctx))
+                .transpose()?
+                .map(|g| (g, started.elapsed()));
+            Ok(Run {
+                out: r.output.into_dyn(),
+                weights: w,
+                how,
+                grads,
+            })
+        }
     }
-    if let Some(p) = &a.weights_out {
-        write_array(p, "weights", w.as_ref().ok_or("no attention weights")?)?;
+}
+
+/// The inputs' and the weights' gradients as a safetensors state dict (PyTorch's names).
+fn write_grads(
+    a: &MhaArgs,
+    weight_bytes: &[u8],
+    grads: &MhaGrads<f32>,
+    elapsed: std::time::Duration,
+    path: &std::path::Path,
+) -> CliResult<()> {
+    let packed = safetensors::SafeTensors::deserialize(weight_bytes)
+        .map(|st| st.tensor(&format!("{}in_proj_weight", a.prefix)).is_ok())
+        .unwrap_or(false);
+    let mut tensors: Vec<(String, ndarray::ArrayD<f32>)> =
+        vec![("query".into(), grads.query.clone().into_dyn())];
+    if let (Some(k), Some(v)) = (&grads.key, &grads.value) {
+        tensors.push(("key".into(), k.clone().into_dyn()));
+        tensors.push(("value".into(), v.clone().into_dyn()));
     }
-    if let Some(p) = &a.heatmap {
-        let w = w.as_ref().ok_or("no attention weights")?;
-        // Batch element 0: [H, L, S] per head, [1, L, S] averaged.
-        let first = w.index_axis(ndarray::Axis(0), 0).to_owned();
-        let panels = match first.ndim() {
-            2 => first.insert_axis(ndarray::Axis(0)),
-            _ => first,
+    tensors.extend(grads.state_dict(packed, &a.prefix));
+    write_safetensors(path, &tensors)?;
+    println!(
+        "wrote {} gradients to {} (computed in {:.3} ms, {})",
+        tensors.len(),
+        path.display(),
+        ms(elapsed),
+        if a.cpu {
+            "CPU reference, f64 rounded to f32"
+        } else {
+            "GPU"
         }
-        .into_dimensionality::<ndarray::Ix3>()?;
-        let labelled = queries.is_some() || keys.is_some();
-        let mut map = wgpu_attention::heatmap::Heatmap::new(panels.view())
-            .cell(a.cell.unwrap_or(if labelled { 20 } else { 8 }));
-        if let Some(q) = &queries {
-            map = map.queries(q);
-        }
-        if let Some(k) = &keys {
-            map = map.keys(k);
-        }
-        if a.average_weights {
-            map = map.titles(&["mean over heads"]);
-        }
-        map.write(p)?;
-        println!("wrote heatmap of {} panel(s) to {}", panels.dim().0, p.display());
+    );
+    Ok(())
+}
+
+/// Batch element 0's attention weights `w` as a heatmap: `[H, L, S]` per head, `[1, L, S]`
+/// averaged, with the tokens as labels.
+fn write_heatmap(
+    a: &MhaArgs,
+    w: &ndarray::ArrayD<f32>,
+    (queries, keys): &Labels,
+    p: &std::path::Path,
+) -> CliResult<()> {
+    let first = w.index_axis(ndarray::Axis(0), 0).to_owned();
+    let panels = match first.ndim() {
+        2 => first.insert_axis(ndarray::Axis(0)),
+        _ => first,
     }
-    Ok(ExitCode::SUCCESS)
+    .into_dimensionality::<ndarray::Ix3>()?;
+    let labelled = queries.is_some() || keys.is_some();
+    let mut map = wgpu_attention::heatmap::Heatmap::new(panels.view()).cell(a.cell.unwrap_or(if labelled {
+        20
+    } else {
+        8
+    }));
+    if let Some(q) = queries {
+        map = map.queries(q);
+    }
+    if let Some(k) = keys {
+        map = map.keys(k);
+    }
+    if a.average_weights {
+        map = map.titles(&["mean over heads"]);
+    }
+    map.write(p)?;
+    println!("wrote heatmap of {} panel(s) to {}", panels.dim().0, p.display());
+    Ok(())
 }
 
 /// Write f32 tensors to a safetensors file.

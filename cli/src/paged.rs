@@ -120,6 +120,44 @@ fn rank<const N: usize>(a: &ArrayD<f32>, what: &str, named: &str) -> CliResult<[
         .map_err(|_| format!("{what}: shape {:?} is not {named}", a.shape()).into())
 }
 
+/// RoPE on the K cache: every used slot rotated at its key's position (a block shared by
+/// forked sequences holds the same positions in each), rounded to the cache's format.
+fn rotate_cache(a: &PagedArgs, r: &Rope, table: &[i32], k: &mut Array4<f32>) -> CliResult<()> {
+    let (nb, bs) = (k.dim().0, k.dim().1);
+    let round = |x: f32| a.storage.round(x);
+    let mb = table.len() / a.seq_lens.len();
+    let mut pos_of = vec![None::<usize>; nb * bs];
+    for (s, &len) in a.seq_lens.iter().enumerate() {
+        for tk in 0..len {
+            let slot = table[s * mb + tk / bs] as usize * bs + tk % bs;
+            match pos_of[slot] {
+                Some(p) if p != tk => {
+                    return Err(format!(
+                        "--rope: block {} slot {} holds key {p} of one sequence and key {tk} of sequence {s}: a slot has one position",
+                        slot / bs,
+                        slot % bs
+                    )
+                    .into())
+                }
+                _ => pos_of[slot] = Some(tk),
+            }
+        }
+    }
+    for (slot, p) in pos_of.iter().enumerate() {
+        if let Some(p) = p {
+            let mut row = k
+                .slice(ndarray::s![slot / bs, slot % bs, .., ..])
+                .to_owned()
+                .insert_axis(ndarray::Axis(0));
+            r.apply(row.view_mut(), &[*p])?;
+            let row = row.mapv(round);
+            k.slice_mut(ndarray::s![slot / bs, slot % bs, .., ..])
+                .assign(&row.index_axis(ndarray::Axis(0), 0));
+        }
+    }
+    Ok(())
+}
+
 /// `paged`: read, check (everything before any GPU work or any file written), run, write.
 pub(crate) fn paged(a: &PagedArgs) -> CliResult<ExitCode> {
     crate::npy::check_writable([
@@ -177,39 +215,8 @@ pub(crate) fn paged(a: &PagedArgs) -> CliResult<ExitCode> {
     let v = Array4::from_shape_vec((nb, bs, hkv, ev), vc.iter().map(|&x| round(x)).collect())?;
     // The call, checked before the caches are rotated (its table checks come first).
     call(a, &q, &k, &v, &table, sink_logits.as_deref(), rope).validate()?;
-    // RoPE on the caches: every used slot rotated at its key's position (a block shared by
-    // forked sequences holds the same positions in each).
     if let Some(r) = &rope {
-        let mb = table.len() / a.seq_lens.len();
-        let mut pos_of = vec![None::<usize>; nb * bs];
-        for (s, &len) in a.seq_lens.iter().enumerate() {
-            for tk in 0..len {
-                let slot = table[s * mb + tk / bs] as usize * bs + tk % bs;
-                match pos_of[slot] {
-                    Some(p) if p != tk => {
-                        return Err(format!(
-                            "--rope: block {} slot {} holds key {p} of one sequence and key {tk} of sequence {s}: a slot has one position",
-                            slot / bs,
-                            slot % bs
-                        )
-                        .into())
-                    }
-                    _ => pos_of[slot] = Some(tk),
-                }
-            }
-        }
-        for (slot, p) in pos_of.iter().enumerate() {
-            if let Some(p) = p {
-                let mut row = k
-                    .slice(ndarray::s![slot / bs, slot % bs, .., ..])
-                    .to_owned()
-                    .insert_axis(ndarray::Axis(0));
-                r.apply(row.view_mut(), &[*p])?;
-                let row = row.mapv(round);
-                k.slice_mut(ndarray::s![slot / bs, slot % bs, .., ..])
-                    .assign(&row.index_axis(ndarray::Axis(0), 0));
-            }
-        }
+        rotate_cache(a, r, &table, &mut k)?;
     }
     let call = call(a, &q, &k, &v, &table, sink_logits.as_deref(), rope);
     let started = Instant::now();
