@@ -450,6 +450,64 @@ fn softcap_and_alibi_are_validated() {
     }
 }
 
+/// Sources a user function is refused for, the captures given with each, and what the
+/// error says.
+fn rejected_sources(good: &str) -> Vec<(String, &'static [&'static str], &'static str)> {
+    vec![
+    ("fn score_mod(s: f32, b: u32, h: u32) -> f32 { return s + t(h); }".to_string(), &["t"][..], "score_mod must be"),
+    ("fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> u32 { return u32(t(h)); }".to_string(), &["t"], "mask_mod must be"),
+    ("fn helper(x: u32) -> f32 { return t(x); }".to_string(), &["t"], "neither"),
+    (good.to_string(), &["t", "t"], "twice"),
+    (good.to_string(), &["t", "other"], "unknown"),
+    (good.to_string(), &["t", "bad name"], "identifier"),
+    (
+        "@compute @workgroup_size(1) fn main() {}\nfn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { return t(h) > 0.0; }".to_string(),
+        &["t"],
+        "entry point",
+    ),
+    // The capture gradients' function: its signature, its accumulators' callers, loops
+    // and call count.
+    (
+        "fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { return t(h) > 0.0; }\n\
+         fn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) { d_t(h, g); }".to_string(),
+        &["t"],
+        "without score_mod",
+    ),
+    (
+        format!("{good}\nfn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32) {{ d_t(h, 1.0); }}"),
+        &["t"],
+        "score_mod_dcapture must be",
+    ),
+    (
+        format!("{good}\nfn helper(h: u32) {{ d_t(h, 1.0); }}"),
+        &["t"],
+        "only score_mod_dcapture may",
+    ),
+    (
+        format!(
+            "{good}\nfn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) {{\n\
+             for (var x = 0u; x < 2u; x++) {{ d_t(x, g); }}\n}}"
+        ),
+        &["t"],
+        "in a loop",
+    ),
+    (
+        format!(
+            "{good}\nfn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) {{\n{}}}",
+            "d_t(h, g); ".repeat(9)
+        ),
+        &["t"],
+        "at most 8",
+    ),
+    (
+        "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { score_mod_dcapture(s, b, h, i, j, 1.0); return s + t(h); }\n\
+         fn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) { d_t(h, g); }".to_string(),
+        &["t"],
+        "the backward alone",
+    ),
+]
+}
+
 /// User WGSL functions: naga's rejection quoting the line, a wrong signature, no function,
 /// duplicate and unknown captures, an entry point: typed errors from `problem()` (no GPU work);
 /// the CPU reference without closures, the ring and the variants refuse too.
@@ -478,61 +536,10 @@ fn user_functions_are_checked() {
         "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {\n    return s + t(h) + true;\n}",
     ));
     assert!(matches!(e, Error::UserMod { .. }), "{e}");
-    let cases: [(&str, &[&str], &str); 13] = [
-        ("fn score_mod(s: f32, b: u32, h: u32) -> f32 { return s + t(h); }", &["t"][..], "score_mod must be"),
-        ("fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> u32 { return u32(t(h)); }", &["t"], "mask_mod must be"),
-        ("fn helper(x: u32) -> f32 { return t(x); }", &["t"], "neither"),
-        (good, &["t", "t"], "twice"),
-        (good, &["t", "other"], "unknown"),
-        (good, &["t", "bad name"], "identifier"),
-        (
-            "@compute @workgroup_size(1) fn main() {}\nfn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { return t(h) > 0.0; }",
-            &["t"],
-            "entry point",
-        ),
-        // The capture gradients' function: its signature, its accumulators' callers, loops
-        // and call count.
-        (
-            "fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { return t(h) > 0.0; }\n\
-             fn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) { d_t(h, g); }",
-            &["t"],
-            "without score_mod",
-        ),
-        (
-            &format!("{good}\nfn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32) {{ d_t(h, 1.0); }}"),
-            &["t"],
-            "score_mod_dcapture must be",
-        ),
-        (
-            &format!("{good}\nfn helper(h: u32) {{ d_t(h, 1.0); }}"),
-            &["t"],
-            "only score_mod_dcapture may",
-        ),
-        (
-            &format!(
-                "{good}\nfn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) {{\n\
-                 for (var x = 0u; x < 2u; x++) {{ d_t(x, g); }}\n}}"
-            ),
-            &["t"],
-            "in a loop",
-        ),
-        (
-            &format!(
-                "{good}\nfn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) {{\n{}}}",
-                "d_t(h, g); ".repeat(9)
-            ),
-            &["t"],
-            "at most 8",
-        ),
-        (
-            "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { score_mod_dcapture(s, b, h, i, j, 1.0); return s + t(h); }\n\
-             fn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) { d_t(h, g); }",
-            &["t"],
-            "the backward alone",
-        ),
-    ];
-    for (src, names, want) in cases {
-        let m = names.iter().fold(UserMod::wgsl(src), |m, n| m.capture(n, &table));
+    for (src, names, want) in rejected_sources(good) {
+        let m = names
+            .iter()
+            .fold(UserMod::wgsl(&src), |m, n| m.capture(n, &table));
         let e = err(m);
         assert!(
             matches!(e, Error::UserMod { .. }) && e.to_string().contains(want),

@@ -9,8 +9,8 @@ use ndarray::{Array3, Array4};
 use rand::rngs::StdRng;
 use wgpu_attention::check::Tolerance;
 use wgpu_attention::{
-    reference, Causal, Context, Error, KvCache, KvCacheConfig, Options, Rope, RopeStyle, SeqId, Storage,
-    Tensor,
+    reference, Causal, Context, Error, KvCache, KvCacheConfig, Options, Rope, RopeStyle, SeqId, Step,
+    Storage, Tensor,
 };
 
 const HKV: usize = 2;
@@ -69,6 +69,19 @@ impl Model {
     /// (causal by default, so a prefill's queries see their own prefix; nothing asks for it)
     /// against the reference.
     fn step(&mut self, ctx: &Context, batch: &[(SeqId, usize)], label: &str) {
+        let step = self.append(ctx, batch);
+        // Mixed counts: KvCache::attention refuses them, ragged_attention takes them packed.
+        let n = batch[0].1;
+        if batch.iter().any(|&(_, m)| m != n) {
+            self.check_ragged(ctx, &step, batch, label);
+        } else {
+            self.check_equal(ctx, &step, batch, label);
+        }
+    }
+
+    /// Reserve and append `batch`'s new tokens (random K/V, both layers: layer 1's are
+    /// negated), keeping the host copy: K rotated at the tokens' positions (layer 0's values).
+    fn append(&mut self, ctx: &Context, batch: &[(SeqId, usize)]) -> Step {
         let st = self.storage;
         let mut enc = ctx.device().create_command_encoder(&Default::default());
         let step = self.cache.reserve(batch).unwrap();
@@ -106,46 +119,52 @@ impl Model {
             }
             at += n;
         }
-        // Mixed counts: KvCache::attention refuses them, ragged_attention takes them packed.
-        let n = batch[0].1;
-        if batch.iter().any(|&(_, m)| m != n) {
-            let q0 = Array4::<f32>::zeros((batch.len(), HQ, 1, E));
-            let r = self.cache.attention(&step, 0, Tensor::from(&q0)).map(|_| ());
-            assert!(matches!(r, Err(Error::Paged { .. })), "{r:?}");
-            let mut q: Array3<f32> = rand_array(&mut self.rng, (t, HQ, E));
-            q.mapv_inplace(|x| st.round(x));
-            let got = self
-                .cache
-                .ragged_attention(&step, 0, Tensor::from(&q).with_storage(st))
-                .unwrap()
-                .run_blocking(ctx)
-                .unwrap_or_else(|e| panic!("{label}: {e}"));
-            let mut at = 0;
-            for &(seq, n) in batch {
-                let qs = q
-                    .slice(ndarray::s![at..at + n, .., ..])
-                    .permuted_axes([1, 0, 2])
-                    .insert_axis(ndarray::Axis(0))
-                    .to_owned();
-                let want = self.reference(seq, qs);
-                let gs = got
-                    .output
-                    .slice(ndarray::s![at..at + n, .., ..])
-                    .permuted_axes([1, 0, 2])
-                    .to_owned();
-                let tol = if st == Storage::F32 {
-                    TOL
-                } else {
-                    Tolerance::for_storage(st)
-                };
-                assert_report(
-                    wgpu_attention::check::compare(gs.iter().copied(), want.out.iter().copied(), tol),
-                    &format!("{label} ragged {seq:?}"),
-                );
-                at += n;
-            }
-            return;
+        step
+    }
+
+    /// Mixed counts: KvCache::attention refuses them, ragged_attention takes them packed.
+    fn check_ragged(&mut self, ctx: &Context, step: &Step, batch: &[(SeqId, usize)], label: &str) {
+        let (st, t) = (self.storage, step.tokens());
+        let q0 = Array4::<f32>::zeros((batch.len(), HQ, 1, E));
+        let r = self.cache.attention(step, 0, Tensor::from(&q0)).map(|_| ());
+        assert!(matches!(r, Err(Error::Paged { .. })), "{r:?}");
+        let mut q: Array3<f32> = rand_array(&mut self.rng, (t, HQ, E));
+        q.mapv_inplace(|x| st.round(x));
+        let got = self
+            .cache
+            .ragged_attention(step, 0, Tensor::from(&q).with_storage(st))
+            .unwrap()
+            .run_blocking(ctx)
+            .unwrap_or_else(|e| panic!("{label}: {e}"));
+        let mut at = 0;
+        for &(seq, n) in batch {
+            let qs = q
+                .slice(ndarray::s![at..at + n, .., ..])
+                .permuted_axes([1, 0, 2])
+                .insert_axis(ndarray::Axis(0))
+                .to_owned();
+            let want = self.reference(seq, qs);
+            let gs = got
+                .output
+                .slice(ndarray::s![at..at + n, .., ..])
+                .permuted_axes([1, 0, 2])
+                .to_owned();
+            let tol = if st == Storage::F32 {
+                TOL
+            } else {
+                Tolerance::for_storage(st)
+            };
+            assert_report(
+                wgpu_attention::check::compare(gs.iter().copied(), want.out.iter().copied(), tol),
+                &format!("{label} ragged {seq:?}"),
+            );
+            at += n;
         }
+    }
+
+    /// Equal counts: one attention call of the batch, checked, and layer 1 read apart.
+    fn check_equal(&mut self, ctx: &Context, step: &Step, batch: &[(SeqId, usize)], label: &str) {
+        let (st, n) = (self.storage, batch[0].1);
         let b = batch.len();
         let mut q: Array4<f32> = rand_array(&mut self.rng, (b, HQ, n, E));
         q.mapv_inplace(|x| st.round(x));
@@ -186,7 +205,7 @@ impl Model {
         let want = reference::sdpa(qr.view(), kc.view(), vc.view(), &opts).unwrap();
         let got = self
             .cache
-            .attention(&step, 0, Tensor::from(&q).with_storage(st))
+            .attention(step, 0, Tensor::from(&q).with_storage(st))
             .unwrap()
             .return_lse()
             .run_blocking(ctx)
@@ -204,7 +223,7 @@ impl Model {
         // No: negated K changes the logits; check that it runs and differs from layer 0.
         let got1 = self
             .cache
-            .attention(&step, 1, Tensor::from(&q).with_storage(st))
+            .attention(step, 1, Tensor::from(&q).with_storage(st))
             .unwrap()
             .run_blocking(ctx)
             .unwrap();
@@ -421,10 +440,9 @@ fn free_list_stays_whole_over_many_rounds() {
     assert_eq!((cache.free_blocks(), cache.len(a).unwrap()), (12, 0));
 }
 
-#[test]
-fn misuse_is_a_typed_error() {
-    let Some(ctx) = ctx() else { return };
-    let config = KvCacheConfig {
+/// The small cache the misuse tests start from.
+fn misuse_config() -> KvCacheConfig {
+    KvCacheConfig {
         layers: 1,
         kv_heads: 1,
         head_dim: 4,
@@ -433,11 +451,23 @@ fn misuse_is_a_typed_error() {
         num_blocks: 8,
         storage: Storage::F32,
         rope: None,
-    };
-    let paged = |r: Result<(), Error>, what: &str| match r {
+    }
+}
+
+/// `r` is an [`Error::Paged`] whose reason says `what`.
+fn paged(r: Result<(), Error>, what: &str) {
+    match r {
         Err(Error::Paged { reason }) => assert!(reason.contains(what), "{reason:?} should say {what:?}"),
         other => panic!("{what}: expected Error::Paged, got {other:?}"),
-    };
+    }
+}
+
+/// A cache's configuration is checked when it is made: block size, head dims of half formats,
+/// RoPE's dims.
+#[test]
+fn bad_configs_are_a_typed_error() {
+    let Some(ctx) = ctx() else { return };
+    let config = misuse_config();
     paged(
         KvCache::new(
             ctx,
@@ -474,6 +504,12 @@ fn misuse_is_a_typed_error() {
         },
     );
     assert!(matches!(r, Err(Error::InvalidModifier { .. })), "{r:?}");
+}
+
+#[test]
+fn misuse_is_a_typed_error() {
+    let Some(ctx) = ctx() else { return };
+    let config = misuse_config();
     let mut cache = KvCache::new(ctx, config).unwrap();
     let mut other = KvCache::new(ctx, config).unwrap();
     let a = cache.add_sequence();
@@ -669,9 +705,18 @@ fn fused_qkv_buffer_is_read_in_place() {
             );
         }
     }
-    // Strides that are not [T, Hkv, E]'s three, or an E stride other than 1, are refused
-    // naming the tensor.
-    let step = viewed.reserve(&[(seqs[0].1, 1)]).unwrap();
+}
+
+/// Views of a fused QKV buffer whose strides are not `[T, H, E]`'s three, or whose E stride
+/// is not 1, are refused naming the tensor.
+#[test]
+fn fused_qkv_strides_are_checked() {
+    let Some(ctx) = ctx() else { return };
+    const E12: usize = 12;
+    let row = (HQ + 2 * HKV) * E12;
+    let mut viewed = small_cache(ctx, 1, E12, Some(Rope::default()));
+    let seq = viewed.add_sequence();
+    let step = viewed.reserve(&[(seq, 1)]).unwrap();
     let buf = upload(ctx, &vec![0.5; row]);
     let mut enc = ctx.device().create_command_encoder(&Default::default());
     let bad4 = Tensor::from_buffer(&buf, Storage::F32, &[1, HKV, E12]).with_strides(&[row, row, E12, 1]);

@@ -363,7 +363,7 @@ fn gpu_buffer_inputs() {
 #[test]
 fn gradients_into_caller_buffers() {
     let Some(ctx) = ctx() else { return };
-    use wgpu_attention::wgpu::{self, util::DeviceExt};
+    use wgpu_attention::wgpu;
     use wgpu_attention::MhaGradsInto;
     let c = MhaConfig::new(16, 2);
     let case = MhaCase::random(grid(c, (2, 9, 7), true), 33, Storage::F32);
@@ -371,15 +371,7 @@ fn gradients_into_caller_buffers() {
     let dout = dout_for(&case, 6);
     let call = || case.forward(&layer).backward(&dout);
     let want = call().run_blocking(ctx).unwrap();
-    let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
-    let filled = |n: usize, x: f32| {
-        ctx.device()
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: None,
-                contents: bytemuck::cast_slice(&vec![x; n]),
-                usage,
-            })
-    };
+    let filled = |n: usize, x: f32| filled(ctx, n, x);
     let (dq, dk, dwq, dwo, dbv) = (
         filled(2 * 9 * 16, 1.0),
         filled(2 * 7 * 16, 1.0),
@@ -432,26 +424,49 @@ fn gradients_into_caller_buffers() {
             &format!("{label} accumulated"),
         );
     }
-    // Misuse, each before any GPU work.
+}
+
+/// A storage buffer of `n` values `x` that copies go from and to.
+fn filled(ctx: &Context, n: usize, x: f32) -> wgpu_attention::wgpu::Buffer {
+    use wgpu_attention::wgpu::{self, util::DeviceExt};
+    let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
+    ctx.device()
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: None,
+            contents: bytemuck::cast_slice(&vec![x; n]),
+            usage,
+        })
+}
+
+/// Gradient buffers the call cannot write (too small, given twice, not storage, without the
+/// copy usages it needs, a key gradient in self-attention): typed errors before any GPU work.
+#[test]
+fn gradient_buffer_misuse_is_a_typed_error() {
+    let Some(ctx) = ctx() else { return };
+    use wgpu_attention::wgpu;
+    use wgpu_attention::MhaGradsInto;
+    let c = MhaConfig::new(16, 2);
+    let case = MhaCase::random(grid(c, (2, 9, 7), true), 33, Storage::F32);
+    let layer = MultiHeadAttention::new(ctx, &case.w).unwrap();
+    let dout = dout_for(&case, 6);
+    let call = || case.forward(&layer).backward(&dout);
+    let filled = |n: usize, x: f32| filled(ctx, n, x);
+    let (dk, dwq) = (filled(2 * 7 * 16, 1.0), filled(16 * 16, 1.0));
     let small = filled(10, 0.0);
-    let no_copy = ctx.device().create_buffer(&wgpu::BufferDescriptor {
-        label: None,
-        size: 4 * 16 * 16,
-        usage: wgpu::BufferUsages::STORAGE,
-        mapped_at_creation: false,
-    });
-    let no_dst = ctx.device().create_buffer(&wgpu::BufferDescriptor {
-        label: None,
-        size: 4 * 16,
-        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-        mapped_at_creation: false,
-    });
-    let uniform = ctx.device().create_buffer(&wgpu::BufferDescriptor {
-        label: None,
-        size: 4 * 16 * 16,
-        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_SRC,
-        mapped_at_creation: false,
-    });
+    let buffer = |size: u64, usage| {
+        ctx.device().create_buffer(&wgpu::BufferDescriptor {
+            label: None,
+            size,
+            usage,
+            mapped_at_creation: false,
+        })
+    };
+    let no_copy = buffer(4 * 16 * 16, wgpu::BufferUsages::STORAGE);
+    let no_dst = buffer(4 * 16, wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC);
+    let uniform = buffer(
+        4 * 16 * 16,
+        wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_SRC,
+    );
     let cases = [
         (
             "too small",

@@ -682,53 +682,21 @@ fn record_matmul_into_caller_buffer() {
         usage: wgpu::BufferUsages::STORAGE,
         mapped_at_creation: false,
     });
-    let c = || Tensor::from_buffer(&cbuf, Storage::F32, &[batch, m, n]);
+    let c = |buf, st, shape: [usize; 3]| Tensor::from_buffer(buf, st, &shape);
     let mut enc = dev.create_command_encoder(&Default::default());
     let host_c = ndarray::Array3::<f32>::zeros((batch, m, n));
+    let mut mm = |c, trans_b| record_matmul(ctx, &mut enc, ta(), tb(), c, trans_b, 1.0);
     let bad = [
         (
             "c of the wrong shape",
-            record_matmul(
-                ctx,
-                &mut enc,
-                ta(),
-                tb(),
-                Tensor::from_buffer(&cbuf, Storage::F32, &[batch, n, m]),
-                true,
-                1.0,
-            ),
+            mm(c(&cbuf, Storage::F32, [batch, n, m]), true),
         ),
-        (
-            "host c",
-            record_matmul(ctx, &mut enc, ta(), tb(), Tensor::from(&host_c), true, 1.0),
-        ),
-        (
-            "c in a's buffer",
-            record_matmul(
-                ctx,
-                &mut enc,
-                ta(),
-                tb(),
-                Tensor::from_buffer(&abuf, Storage::F16, &[batch, m, n]),
-                true,
-                1.0,
-            ),
-        ),
-        (
-            "c too small",
-            record_matmul(
-                ctx,
-                &mut enc,
-                ta(),
-                tb(),
-                Tensor::from_buffer(&bbuf, Storage::F32, &[batch, m, n]),
-                true,
-                1.0,
-            ),
-        ),
+        ("host c", mm(Tensor::from(&host_c), true)),
+        ("c in a's buffer", mm(c(&abuf, Storage::F16, [batch, m, n]), true)),
+        ("c too small", mm(c(&bbuf, Storage::F32, [batch, m, n]), true)),
         (
             "b of the wrong shape",
-            record_matmul(ctx, &mut enc, ta(), tb(), c(), false, 1.0),
+            mm(c(&cbuf, Storage::F32, [batch, m, n]), false),
         ),
     ];
     for (label, res) in bad {

@@ -402,27 +402,48 @@ fn pytorch_goldens() {
     }
 }
 
-/// Bad parameters and options: typed errors naming the parameter, before any GPU work (the
-/// reference gives the same errors).
-#[test]
-fn typed_errors() {
-    let Some(ctx) = ctx() else { return };
-    let (q, k, v) = (
+/// The inputs of the error tests: q `[1, 2, 8, 4]`, k `[1, 2, 6, 4]`, v `[1, 2, 6, 3]`.
+fn error_inputs() -> (Array4<f32>, Array4<f32>, Array4<f32>) {
+    (
         Array4::<f32>::zeros((1, 2, 8, 4)),
         Array4::<f32>::zeros((1, 2, 6, 4)),
         Array4::<f32>::zeros((1, 2, 6, 3)),
-    );
-    let m2 = |r, c| Array2::<f32>::zeros((r, c));
-    let v1 = |n| Array1::<f32>::zeros(n);
-    let run = |p: &VariantParams, opts: Options| {
-        let gpu = Variant::new(&q, &k, &v, p)
-            .options(opts.clone())
-            .run_blocking(ctx);
-        let cpu = reference::variant(p, q.view(), k.view(), v.view(), &opts, false, 6);
-        let (g, c) = (gpu.expect_err("an error"), cpu.expect_err("an error"));
-        assert_eq!(g.to_string(), c.to_string());
-        g
-    };
+    )
+}
+
+fn m2(r: usize, c: usize) -> Array2<f32> {
+    Array2::<f32>::zeros((r, c))
+}
+
+fn v1(n: usize) -> Array1<f32> {
+    Array1::<f32>::zeros(n)
+}
+
+fn additive(w_q: Array2<f32>, w_k: Array2<f32>, u: Array1<f32>, b: Option<Array1<f32>>) -> VariantParams {
+    VariantParams::Additive { w_q, w_k, u, b }
+}
+
+/// The error of variant `p` with `opts` on the GPU, which the reference gives too.
+fn run_err(
+    ctx: &Context,
+    (q, k, v): (&Array4<f32>, &Array4<f32>, &Array4<f32>),
+    p: &VariantParams,
+    opts: Options,
+) -> Error {
+    let gpu = Variant::new(q, k, v, p).options(opts.clone()).run_blocking(ctx);
+    let cpu = reference::variant(p, q.view(), k.view(), v.view(), &opts, false, 6);
+    let (g, c) = (gpu.expect_err("an error"), cpu.expect_err("an error"));
+    assert_eq!(g.to_string(), c.to_string());
+    g
+}
+
+/// Parameters of the wrong shape: typed errors naming the parameter, before any GPU work (the
+/// reference gives the same errors).
+#[test]
+fn bad_parameter_shapes_are_typed_errors() {
+    let Some(ctx) = ctx() else { return };
+    let (q, k, v) = error_inputs();
+    let run = |p: &VariantParams, opts: Options| run_err(ctx, (&q, &k, &v), p, opts);
     let shape_err = |e: Error, name: &str| match e {
         Error::ShapeMismatch { tensor, .. } => assert_eq!(tensor, name),
         other => panic!("{name}: {other}"),
@@ -431,12 +452,6 @@ fn typed_errors() {
         run(&VariantParams::General { w: m2(4, 5) }, Options::default()),
         "w",
     );
-    let additive = |wq, wk, u, b| VariantParams::Additive {
-        w_q: wq,
-        w_k: wk,
-        u,
-        b,
-    };
     shape_err(
         run(&additive(m2(5, 4), m2(6, 4), v1(5), None), Options::default()),
         "w_k",
@@ -480,6 +495,15 @@ fn typed_errors() {
         ),
         "e",
     );
+}
+
+/// Options a variant cannot take, and bad variant options: typed errors naming the option,
+/// before any GPU work (the reference gives the same errors).
+#[test]
+fn options_a_variant_cannot_take_are_typed_errors() {
+    let Some(ctx) = ctx() else { return };
+    let (q, k, v) = error_inputs();
+    let run = |p: &VariantParams, opts: Options| run_err(ctx, (&q, &k, &v), p, opts);
     let option_err = |e: Error, name: &str| match e {
         Error::VariantOption { option, .. } => assert_eq!(option, name),
         other => panic!("{name}: {other}"),

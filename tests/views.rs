@@ -560,16 +560,29 @@ fn bias_views_on_every_path_and_in_the_backward() {
     }
 }
 
-/// Plausible mistakes with views are typed errors before any GPU work.
-#[test]
-fn view_mistakes_are_typed_errors() {
-    let Some(ctx) = ctx() else { return };
-    let buf = ctx.device().create_buffer(&wgpu::BufferDescriptor {
+/// A 4 KiB storage buffer for the mistakes' views.
+fn mistakes_buffer(ctx: &wgpu_attention::Context) -> wgpu::Buffer {
+    ctx.device().create_buffer(&wgpu::BufferDescriptor {
         label: None,
         size: 4096,
         usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
         mapped_at_creation: false,
-    });
+    })
+}
+
+/// `r` is an [`Error::BadBuffer`] whose reason says `what`.
+fn bad(r: Result<(), Error>, what: &str, label: &str) {
+    match r {
+        Err(Error::BadBuffer { reason, .. }) => assert!(reason.contains(what), "{label}: {reason}"),
+        other => panic!("{label}: expected BadBuffer mentioning {what:?}, got {other:?}"),
+    }
+}
+
+/// Plausible mistakes with views are typed errors before any GPU work.
+#[test]
+fn view_mistakes_are_typed_errors() {
+    let Some(ctx) = ctx() else { return };
+    let buf = mistakes_buffer(ctx);
     let f = Storage::F32;
     let q = || Tensor::from_buffer(&buf, f, &[1, 2, 4, 8]);
     let run = |q: Tensor, out: Option<Tensor>| {
@@ -583,10 +596,6 @@ fn view_mistakes_are_typed_errors() {
         }
         let mut enc = ctx.device().create_command_encoder(&Default::default());
         s.record(ctx, &mut enc).map(|_| ())
-    };
-    let bad = |r: Result<(), Error>, what: &str, label: &str| match r {
-        Err(Error::BadBuffer { reason, .. }) => assert!(reason.contains(what), "{label}: {reason}"),
-        other => panic!("{label}: expected BadBuffer mentioning {what:?}, got {other:?}"),
     };
     // A head dim that is not contiguous.
     bad(
@@ -639,8 +648,17 @@ fn view_mistakes_are_typed_errors() {
         matches!(run(r3, None), Err(Error::WrongRank { .. })),
         "rank 3 with a layout"
     );
-    // A bias: a layout or capacity (they describe [B, H, S, E] tensors), a stride per
-    // dimension missing, strides past the buffer's end, an offset inside an element.
+}
+
+/// A bias through a view: a layout or capacity (they describe [B, H, S, E] tensors), a stride
+/// per dimension missing, strides past the buffer's end, an offset inside an element; and a
+/// view given to the matmul. Typed errors before any GPU work.
+#[test]
+fn bias_view_mistakes_are_typed_errors() {
+    let Some(ctx) = ctx() else { return };
+    let buf = mistakes_buffer(ctx);
+    let f = Storage::F32;
+    let q = || Tensor::from_buffer(&buf, f, &[1, 2, 4, 8]);
     let run_bias = |bias: Tensor| {
         let mut enc = ctx.device().create_command_encoder(&Default::default());
         Sdpa::new(q(), q(), q())
@@ -734,6 +752,28 @@ fn prepared_views_cover_a_growing_kv_cache() {
     }
 }
 
+/// The call on `buf` with q, k, v and the output at those elements.
+fn shared<'a>(
+    buf: &'a wgpu::Buffer,
+    st: Storage,
+    at: [usize; 4],
+    dims: [usize; 5],
+    opts: &wgpu_attention::Options<'a>,
+) -> Sdpa<'a> {
+    let [b, hq, hkv, l, s] = dims;
+    let e = 7;
+    let t = |at: usize, shape: [usize; 4]| {
+        Tensor::from_buffer(buf, st, &shape).at_offset(at as u64 * st.element_bytes())
+    };
+    Sdpa::new(
+        t(at[0], [b, hq, l, e]),
+        t(at[1], [b, hkv, s, e]),
+        t(at[2], [b, hkv, s, e]),
+    )
+    .options(opts.clone())
+    .output_into(t(at[3], [b, hq, l, e]))
+}
+
 /// One buffer holding q, k, v and the output side by side (a fused QKV projection's buffer, a
 /// tensor allocator's pool): the output in a range of its own is written right on every path
 /// (through a scratch copy: wgpu binds one buffer either read-only or read-write in a
@@ -781,27 +821,6 @@ fn inputs_and_outputs_share_one_buffer() {
                     usage,
                 })
         };
-        /// The call on `buf` with q, k, v and the output at those elements.
-        fn shared<'a>(
-            buf: &'a wgpu::Buffer,
-            st: Storage,
-            at: [usize; 4],
-            dims: [usize; 5],
-            opts: &wgpu_attention::Options<'a>,
-        ) -> Sdpa<'a> {
-            let [b, hq, hkv, l, s] = dims;
-            let e = 7;
-            let t = |at: usize, shape: [usize; 4]| {
-                Tensor::from_buffer(buf, st, &shape).at_offset(at as u64 * st.element_bytes())
-            };
-            Sdpa::new(
-                t(at[0], [b, hq, l, e]),
-                t(at[1], [b, hkv, s, e]),
-                t(at[2], [b, hkv, s, e]),
-            )
-            .options(opts.clone())
-            .output_into(t(at[3], [b, hq, l, e]))
-        }
         let dims = [b, hq, hkv, l, s];
         let rq = q.mapv(|x| st.round(x));
         let (rk, rv) = (k.mapv(|x| st.round(x)), v.mapv(|x| st.round(x)));
@@ -850,7 +869,14 @@ fn inputs_and_outputs_share_one_buffer() {
             "{r:?}"
         );
     }
-    // record_matmul: a, b and c in one buffer (each at a 256-byte boundary).
+}
+
+/// record_matmul: a, b and c in one buffer (each at a 256-byte boundary); c overlapping b is
+/// a typed error.
+#[test]
+fn matmul_operands_share_one_buffer() {
+    let Some(ctx) = ctx() else { return };
+    use wgpu::util::DeviceExt;
     let a: Vec<f32> = (0..15).map(|i| i as f32 * 0.25).collect();
     let bm: Vec<f32> = (0..20).map(|i| 1.0 - i as f32 * 0.125).collect();
     let mut host = vec![-3.0f32; 64 * 3 + 16];
