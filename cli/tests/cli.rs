@@ -687,10 +687,9 @@ fn backward_writes_gradients_matching_the_reference() {
     let bias = common::rand_array(&mut r, ndarray::IxDyn(&[4, 1, 9]));
     let mask = ArrayD::from_shape_fn(ndarray::IxDyn(&[7, 9]), |ix| (ix[0] + 2 * ix[1]) % 5 != 0);
     let files = ["q", "k", "v", "dout", "bias", "mask"].map(|n| dir.join(format!("{n}.npy")));
-    write_npy(&files[0], &q).unwrap();
-    write_npy(&files[1], &k).unwrap();
-    write_npy(&files[2], &v).unwrap();
-    write_npy(&files[3], &dout).unwrap();
+    for (file, x) in files[..4].iter().zip([&q, &k, &v, &dout]) {
+        write_npy(file, x).unwrap();
+    }
     write_npy(&files[4], &bias).unwrap();
     write_npy(&files[5], &mask).unwrap();
     let opts = wgpu_attention::Options {
@@ -771,8 +770,51 @@ fn backward_writes_gradients_matching_the_reference() {
     // A dO of the wrong shape: status 2 and a message naming it.
     let res = backward_cli(&[&files[0], &files[1], &files[2], &files[0]], &outs[..3], &[]);
     let err = String::from_utf8_lossy(&res.stderr);
-    assert_eq!(res.status.code(), Some(2), "{err}");
-    assert!(err.contains("dout"), "{err}");
+    assert!(res.status.code() == Some(2) && err.contains("dout"), "{err}");
+}
+
+/// The `variant` arguments of the golden in `d` (its `meta.json` read into `meta`): inputs,
+/// parameters, masks, key lengths, causal, scale, landmarks; the output to `out` and the
+/// weights to `weights_out`.
+fn variant_args(d: &Path, meta: &serde_json::Value, out: &Path, weights_out: Option<&Path>) -> Vec<String> {
+    let kind = meta["kind"].as_str().unwrap().to_string();
+    let mut args: Vec<String> = vec!["variant".into(), "--kind".into(), kind];
+    for f in ["q", "k", "v"] {
+        args.push(format!("--{f}"));
+        args.push(s(&d.join(format!("{f}.npy"))).into());
+    }
+    for (flag, file) in [
+        ("--params", "params.safetensors"),
+        ("--mask", "mask.npy"),
+        ("--bias", "bias.npy"),
+    ] {
+        if d.join(file).exists() {
+            args.push(flag.into());
+            args.push(s(&d.join(file)).into());
+        }
+    }
+    if d.join("kv_lens.npy").exists() {
+        let lens: ndarray::Array1<i64> = read_npy(d.join("kv_lens.npy")).unwrap();
+        args.push("--kv-lens".into());
+        args.push(lens.iter().map(|l| l.to_string()).collect::<Vec<_>>().join(","));
+    }
+    args.push("--causal".into());
+    args.push(meta["causal"].as_str().unwrap().replace('_', "-"));
+    if let Some(sc) = meta["scale"].as_f64() {
+        args.push(format!("--scale={sc}"));
+    }
+    if let Some(m) = meta["landmarks"].as_u64() {
+        args.extend(["--landmarks".into(), m.to_string()]);
+        args.extend([
+            "--pinv-iters".into(),
+            meta["pinv_iters"].as_u64().unwrap().to_string(),
+        ]);
+    }
+    args.extend(["--out".into(), s(out).into()]);
+    if let Some(w) = weights_out {
+        args.extend(["--weights-out".into(), s(w).into()]);
+    }
+    args
 }
 
 /// `variant`: every kind on its PyTorch golden (GPU, and the CPU reference for one), with the
@@ -798,43 +840,8 @@ fn variant_kinds_match_their_goldens() {
         let kind = meta["kind"].as_str().unwrap().to_string();
         let out = dir.join(format!("{case}_out.npy"));
         let w = dir.join(format!("{case}_w.npy"));
-        let mut args: Vec<String> = vec!["variant".into(), "--kind".into(), kind.clone()];
-        for f in ["q", "k", "v"] {
-            args.push(format!("--{f}"));
-            args.push(s(&d.join(format!("{f}.npy"))).into());
-        }
-        for (flag, file) in [
-            ("--params", "params.safetensors"),
-            ("--mask", "mask.npy"),
-            ("--bias", "bias.npy"),
-        ] {
-            if d.join(file).exists() {
-                args.push(flag.into());
-                args.push(s(&d.join(file)).into());
-            }
-        }
-        if d.join("kv_lens.npy").exists() {
-            let lens: ndarray::Array1<i64> = read_npy(d.join("kv_lens.npy")).unwrap();
-            args.push("--kv-lens".into());
-            args.push(lens.iter().map(|l| l.to_string()).collect::<Vec<_>>().join(","));
-        }
-        args.push("--causal".into());
-        args.push(meta["causal"].as_str().unwrap().replace('_', "-"));
-        if let Some(sc) = meta["scale"].as_f64() {
-            args.push(format!("--scale={sc}"));
-        }
-        if let Some(m) = meta["landmarks"].as_u64() {
-            args.extend(["--landmarks".into(), m.to_string()]);
-            args.extend([
-                "--pinv-iters".into(),
-                meta["pinv_iters"].as_u64().unwrap().to_string(),
-            ]);
-        }
-        args.extend(["--out".into(), s(&out).into()]);
         let has_weights = d.join("weights.npy").exists();
-        if has_weights {
-            args.extend(["--weights-out".into(), s(&w).into()]);
-        }
+        let mut args = variant_args(&d, &meta, &out, has_weights.then_some(w.as_path()));
         if cpu {
             args.push("--cpu".into());
         }
@@ -1311,39 +1318,27 @@ fn doc_ids_on_run_and_backward() {
     refuse_bad_doc_ids(&dir, [&q, &k, &v], [&qdp, &kdp]);
 }
 
-/// `run` with misshapen key or query ids, a float ids file, or one file only: one line, exit
-/// status 2, nothing written (`dir` holds `bad.npy` `[2, 8]` int32 and `float.npy` f32).
-fn refuse_bad_doc_ids(dir: &Path, [q, k, v]: [&Path; 3], [qdp, kdp]: [&Path; 2]) {
-    let p = |n: &str| dir.join(n);
-    let o = p("bad-out.npy");
-    let bad_ids = [
-        format!("{},{}", s(qdp), s(&p("bad.npy"))),
-        format!("{},{}", s(&p("bad.npy")), s(kdp)),
-        format!("{},{}", s(qdp), s(&p("float.npy"))),
-        s(qdp).to_string(),
-    ];
-    for (bad, want) in bad_ids.iter().zip(["[B, S]", "[B, L]", "int32", "two files"]) {
-        let r = run_qkv(q, k, v, &["--out", s(&o), "--doc-ids", bad]);
-        let err = String::from_utf8_lossy(&r.stderr);
-        assert_eq!(r.status.code(), Some(2), "{bad}: {err}");
-        assert!(err.contains(want) && err.lines().count() == 1, "{bad}: {err}");
-        assert!(!o.exists());
-    }
+/// The files of the user-function tests in `dir`: q, k, v; a source with a relative-position
+/// score_mod (and its derivatives) and a mask_mod; its capture `rel`; and the same as a bias
+/// and a boolean mask for the built-in options.
+struct UserModFiles {
+    p: Box<dyn Fn(&str) -> std::path::PathBuf>,
+    q: std::path::PathBuf,
+    k: std::path::PathBuf,
+    v: std::path::PathBuf,
+    modf: std::path::PathBuf,
+    relf: std::path::PathBuf,
+    biasf: std::path::PathBuf,
+    maskf: std::path::PathBuf,
+    capture: String,
+    /// L, S.
+    dims: [usize; 2],
 }
-/// `--mod F.wgsl` with `--capture NAME=X.npy` on `run`: a relative-position bias table read
-/// by a `score_mod` and a `mask_mod`, on the GPU, against the same attention written with the
-/// built-in options (the table's values as a dense bias, the mask as a boolean mask); a source
-/// naga rejects, a capture the source does not use, `--cpu` with `--mod`: one line, exit 2,
-/// nothing written.
-#[test]
-fn user_mod_and_captures() {
-    let dir = out_dir("user-mod");
-    let p = |n: &str| dir.join(n);
-    let fill = |shape: [usize; 4], m: usize| {
-        Array4::from_shape_fn(shape, |(b, h, i, j)| {
-            ((b * 7 + h * 3 + i * m + j * 5) % 11) as f32 * 0.2 - 1.0
-        })
-    };
+
+fn user_mod_files(name: &str) -> UserModFiles {
+    let dir = out_dir(name);
+    let p = move |n: &str| dir.join(n);
+    let fill = user_mod_fill;
     let (q, k, v) = (p("q.npy"), p("k.npy"), p("v.npy"));
     let (l, sl) = (9, 13);
     write_npy(&q, &fill([1, 2, l, 8], 7)).unwrap();
@@ -1371,111 +1366,191 @@ fn user_mod_and_captures() {
     let mask = ndarray::Array4::from_shape_fn((1, 1, l, sl), |(_, _, i, j)| (i + j) % 3 != 0);
     write_npy(p("bias.npy"), &bias).unwrap();
     write_npy(p("mask.npy"), &mask).unwrap();
-    let [modf, relf, biasf, maskf, badf] = ["mod.wgsl", "rel.npy", "bias.npy", "mask.npy", "bad.wgsl"].map(p);
+    let [modf, relf, biasf, maskf] = ["mod.wgsl", "rel.npy", "bias.npy", "mask.npy"].map(&p);
     let capture = format!("rel={}", s(&relf));
-    let out = p("out.npy");
-    let user = ["--mod", s(&modf), "--capture", capture.as_str()];
-    if common::ctx().is_some() {
-        let r = run_qkv(&q, &k, &v, &[&["--out", s(&out)][..], &user].concat());
-        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-        let want = p("want.npy");
-        let r = run_qkv(
-            &q,
-            &k,
-            &v,
-            &[
-                "--cpu",
-                "--out",
-                s(&want),
-                "--bias",
-                s(&biasf),
-                "--mask",
-                s(&maskf),
-            ],
-        );
-        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-        let (g, c): (ArrayD<f32>, ArrayD<f32>) = (read_npy(&out).unwrap(), read_npy(&want).unwrap());
-        common::assert_report(
-            compare(g.iter().copied(), c.iter().map(|&x| x as f64), common::TOL),
-            "--mod gpu vs the built-in options on the cpu",
-        );
-        std::fs::remove_file(&out).unwrap();
-        // The backward: d(rel) in rel's shape [2, 9], against the CPU's d(bias) of the same
-        // bias summed per bucket.
-        let dout = p("dout.npy");
-        write_npy(&dout, &fill([1, 2, l, 4], 5)).unwrap();
-        let outs = ["dq", "dk", "dv"].map(|n| p(&format!("{n}.npy")));
-        let (drel, dbias) = (p("drel.npy"), p("dbias.npy"));
-        let dcap = format!("rel={}", s(&drel));
-        let r = backward_cli(
-            &[&q, &k, &v, &dout],
-            &outs,
-            &[&user[..], &["--dcapture-out", dcap.as_str()]].concat(),
-        );
-        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-        let r = backward_cli(
-            &[&q, &k, &v, &dout],
-            &outs,
-            &[
-                "--cpu",
-                "--bias",
-                s(&biasf),
-                "--mask",
-                s(&maskf),
-                "--dbias-out",
-                s(&dbias),
-            ],
-        );
-        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-        let (got, db): (ArrayD<f32>, ArrayD<f32>) = (read_npy(&drel).unwrap(), read_npy(&dbias).unwrap());
-        assert_eq!(got.shape(), &[2, 9]);
-        let mut want = ndarray::Array2::<f64>::zeros((2, 9));
-        for ((_, h, i, j), &x) in db.into_dimensionality::<ndarray::Ix4>().unwrap().indexed_iter() {
-            want[[h, ((j as i64 - i as i64).clamp(-4, 4) + 4) as usize]] += f64::from(x);
-        }
-        assert!(want.iter().any(|&x| x.abs() > 1e-3));
-        common::assert_report(
-            compare(got.iter().copied(), want.iter().copied(), common::TOL),
-            "--dcapture-out gpu vs d(bias) per bucket on the cpu",
-        );
-        // A name that is not a capture, or a source without score_mod_dcapture: exit 2, nothing
-        // written.
-        std::fs::remove_file(&drel).unwrap();
-        std::fs::write(
-            p("plain.wgsl"),
-            "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return s + rel(h); }\n\
-             fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return 1.0; }\n",
-        )
-        .unwrap();
-        let plain = p("plain.wgsl");
-        let other = format!("other={}", s(&drel));
-        for (args, want) in [
-            (vec!["--dcapture-out", other.as_str()], "no --capture other"),
-            (vec!["--dcapture-out", "rel"], "NAME=FILE.npy"),
-            (
-                vec![
-                    "--mod",
-                    s(&plain),
-                    "--capture",
-                    capture.as_str(),
-                    "--dcapture-out",
-                    dcap.as_str(),
-                ],
-                "score_mod_dcapture",
-            ),
-        ] {
-            let outs = ["dq", "dk", "dv"].map(|n| p(&format!("bad-{n}.npy")));
-            let extra: &[&str] = if args[0] == "--mod" { &[] } else { &user };
-            let r = backward_cli(&[&q, &k, &v, &dout], &outs, &[extra, &args[..]].concat());
-            let err = String::from_utf8_lossy(&r.stderr);
-            assert_eq!(r.status.code(), Some(2), "{args:?}: {err}");
-            assert!(
-                err.contains(want) && err.trim().lines().count() == 1,
-                "{args:?}: {err}"
-            );
-            assert!(!drel.exists() && !outs[0].exists(), "{args:?}");
-        }
+    UserModFiles {
+        q,
+        k,
+        v,
+        modf,
+        relf,
+        biasf,
+        maskf,
+        capture,
+        dims: [l, sl],
+        p: Box::new(p),
     }
+}
+
+/// Deterministic inputs of `shape`.
+fn user_mod_fill(shape: [usize; 4], m: usize) -> Array4<f32> {
+    Array4::from_shape_fn(shape, |(b, h, i, j)| {
+        ((b * 7 + h * 3 + i * m + j * 5) % 11) as f32 * 0.2 - 1.0
+    })
+}
+
+/// `run` with misshapen key or query ids, a float ids file, or one file only: one line, exit
+/// status 2, nothing written (`dir` holds `bad.npy` `[2, 8]` int32 and `float.npy` f32).
+fn refuse_bad_doc_ids(dir: &Path, [q, k, v]: [&Path; 3], [qdp, kdp]: [&Path; 2]) {
+    let p = |n: &str| dir.join(n);
+    let o = p("bad-out.npy");
+    let bad_ids = [
+        format!("{},{}", s(qdp), s(&p("bad.npy"))),
+        format!("{},{}", s(&p("bad.npy")), s(kdp)),
+        format!("{},{}", s(qdp), s(&p("float.npy"))),
+        s(qdp).to_string(),
+    ];
+    for (bad, want) in bad_ids.iter().zip(["[B, S]", "[B, L]", "int32", "two files"]) {
+        let r = run_qkv(q, k, v, &["--out", s(&o), "--doc-ids", bad]);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{bad}: {err}");
+        assert!(err.contains(want) && err.lines().count() == 1, "{bad}: {err}");
+        assert!(!o.exists());
+    }
+}
+
+/// `--mod F.wgsl` with `--capture NAME=X.npy` on `run`: a relative-position bias table read
+/// by a `score_mod` and a `mask_mod`, on the GPU, against the same attention written with the
+/// built-in options on the CPU (the table's values as a dense bias, the mask as a boolean
+/// mask).
+#[test]
+fn user_mod_and_captures() {
+    let f = user_mod_files("user-mod");
+    let (p, q, k, v) = (&f.p, &f.q, &f.k, &f.v);
+    let (modf, biasf, maskf, capture) = (&f.modf, &f.biasf, &f.maskf, &f.capture);
+    let out = p("out.npy");
+    let user = ["--mod", s(modf), "--capture", capture.as_str()];
+    if common::ctx().is_none() {
+        return;
+    }
+    let r = run_qkv(&q, &k, &v, &[&["--out", s(&out)][..], &user].concat());
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let want = p("want.npy");
+    let r = run_qkv(
+        &q,
+        &k,
+        &v,
+        &[
+            "--cpu",
+            "--out",
+            s(&want),
+            "--bias",
+            s(&biasf),
+            "--mask",
+            s(&maskf),
+        ],
+    );
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let (g, c): (ArrayD<f32>, ArrayD<f32>) = (read_npy(&out).unwrap(), read_npy(&want).unwrap());
+    common::assert_report(
+        compare(g.iter().copied(), c.iter().map(|&x| x as f64), common::TOL),
+        "--mod gpu vs the built-in options on the cpu",
+    );
+    std::fs::remove_file(&out).unwrap();
+}
+
+/// The backward through a user function: d(rel) by `--dcapture-out` equals the CPU's d(bias)
+/// of the same bias summed per bucket; a name that is not a capture, or a source without
+/// score_mod_dcapture, is one line, exit 2, nothing written.
+#[test]
+fn user_mod_capture_gradients() {
+    let f = user_mod_files("user-mod-backward");
+    let (p, q, k, v) = (&f.p, &f.q, &f.k, &f.v);
+    let (modf, biasf, maskf, capture) = (&f.modf, &f.biasf, &f.maskf, &f.capture);
+    let [l, _] = f.dims;
+    let out = p("out.npy");
+    let user = ["--mod", s(modf), "--capture", capture.as_str()];
+    let _ = &out;
+    if common::ctx().is_none() {
+        return;
+    }
+    let fill = user_mod_fill;
+    // The backward: d(rel) in rel's shape [2, 9], against the CPU's d(bias) of the same
+    // bias summed per bucket.
+    let dout = p("dout.npy");
+    write_npy(&dout, &fill([1, 2, l, 4], 5)).unwrap();
+    let outs = ["dq", "dk", "dv"].map(|n| p(&format!("{n}.npy")));
+    let (drel, dbias) = (p("drel.npy"), p("dbias.npy"));
+    let dcap = format!("rel={}", s(&drel));
+    let r = backward_cli(
+        &[&q, &k, &v, &dout],
+        &outs,
+        &[&user[..], &["--dcapture-out", dcap.as_str()]].concat(),
+    );
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let r = backward_cli(
+        &[&q, &k, &v, &dout],
+        &outs,
+        &[
+            "--cpu",
+            "--bias",
+            s(&biasf),
+            "--mask",
+            s(&maskf),
+            "--dbias-out",
+            s(&dbias),
+        ],
+    );
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let (got, db): (ArrayD<f32>, ArrayD<f32>) = (read_npy(&drel).unwrap(), read_npy(&dbias).unwrap());
+    assert_eq!(got.shape(), &[2, 9]);
+    let mut want = ndarray::Array2::<f64>::zeros((2, 9));
+    for ((_, h, i, j), &x) in db.into_dimensionality::<ndarray::Ix4>().unwrap().indexed_iter() {
+        want[[h, ((j as i64 - i as i64).clamp(-4, 4) + 4) as usize]] += f64::from(x);
+    }
+    assert!(want.iter().any(|&x| x.abs() > 1e-3));
+    common::assert_report(
+        compare(got.iter().copied(), want.iter().copied(), common::TOL),
+        "--dcapture-out gpu vs d(bias) per bucket on the cpu",
+    );
+    // A name that is not a capture, or a source without score_mod_dcapture: exit 2, nothing
+    // written.
+    std::fs::remove_file(&drel).unwrap();
+    std::fs::write(
+        p("plain.wgsl"),
+        "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return s + rel(h); }\n\
+         fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return 1.0; }\n",
+    )
+    .unwrap();
+    let plain = p("plain.wgsl");
+    let other = format!("other={}", s(&drel));
+    for (args, want) in [
+        (vec!["--dcapture-out", other.as_str()], "no --capture other"),
+        (vec!["--dcapture-out", "rel"], "NAME=FILE.npy"),
+        (
+            vec![
+                "--mod",
+                s(&plain),
+                "--capture",
+                capture.as_str(),
+                "--dcapture-out",
+                dcap.as_str(),
+            ],
+            "score_mod_dcapture",
+        ),
+    ] {
+        let outs = ["dq", "dk", "dv"].map(|n| p(&format!("bad-{n}.npy")));
+        let extra: &[&str] = if args[0] == "--mod" { &[] } else { &user };
+        let r = backward_cli(&[&q, &k, &v, &dout], &outs, &[extra, &args[..]].concat());
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains(want) && err.trim().lines().count() == 1,
+            "{args:?}: {err}"
+        );
+        assert!(!drel.exists() && !outs[0].exists(), "{args:?}");
+    }
+}
+
+/// A source naga rejects, a capture the source does not use, `--cpu` with `--mod`, a capture
+/// without its file: one line, exit 2, nothing written.
+#[test]
+fn user_mod_mistakes_are_one_line() {
+    let f = user_mod_files("user-mod-mistakes");
+    let (p, q, k, v) = (&f.p, &f.q, &f.k, &f.v);
+    let (modf, relf, capture) = (&f.modf, &f.relf, &f.capture);
+    let out = p("out.npy");
+    let badf = p("bad.wgsl");
     std::fs::write(
         &badf,
         "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {\n    return s + nope;\n}\n",
@@ -1512,13 +1587,11 @@ fn user_mod_and_captures() {
     }
 }
 
-/// `paged`: a ragged batch (3 prefill queries and 1 decode query) over paged caches with RoPE,
-/// causal, a window and ALiBi on the GPU matches the CPU reference, f32 and f16; every bad
-/// input (shapes, tables, lengths, formats) is a one-line error with exit status 2 that
-/// writes nothing.
-#[test]
-fn paged_ragged_batch_with_rope() {
-    let dir = out_dir("paged");
+/// The `paged` tests' files in a directory of their own: q `[4, 4, 8]` (3 prefill queries, 1
+/// decode), caches of 6 blocks of 4 tokens (2 heads), block tables (a good one and bad ones),
+/// and a cache of the wrong head dim; with the arguments of the good call writing `out`.
+fn paged_files(name: &str) -> (std::path::PathBuf, impl Fn(&str) -> Vec<String>) {
+    let dir = out_dir(name);
     let (t, hq, hkv, e, nb, bs) = (4usize, 4usize, 2usize, 8usize, 6usize, 4usize);
     let fill3 = |shape: [usize; 3], m: usize| {
         ndarray::Array3::from_shape_fn(shape, |(a, b, c)| {
@@ -1539,7 +1612,9 @@ fn paged_ragged_batch_with_rope() {
     write_npy(p("bt.npy"), &table(vec![4, 1, 2, 0, -1, -1])).unwrap();
     write_npy(p("bt_range.npy"), &table(vec![4, 6, 2, 0, -1, -1])).unwrap();
     write_npy(p("bt_neg.npy"), &table(vec![4, -1, 2, 0, -1, -1])).unwrap();
-    let base = |out: &str| -> Vec<String> {
+    let d = dir.clone();
+    let base = move |out: &str| -> Vec<String> {
+        let p = |n: &str| d.join(n);
         [
             "paged",
             "--q",
@@ -1561,6 +1636,16 @@ fn paged_ragged_batch_with_rope() {
         .map(|x| x.to_string())
         .collect()
     };
+    (dir, base)
+}
+
+/// `paged`: a ragged batch (3 prefill queries and 1 decode query) over paged caches with RoPE,
+/// causal, a window and ALiBi on the GPU matches the CPU reference, f32 and f16.
+#[test]
+fn paged_ragged_batch_with_rope() {
+    let (dir, base) = paged_files("paged");
+    let (t, hq, e) = (4usize, 4usize, 8usize);
+    let p = |n: &str| dir.join(n);
     let run = |args: &[String]| cli(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let flags = [
         "--causal",
@@ -1615,7 +1700,15 @@ fn paged_ragged_batch_with_rope() {
             );
         }
     }
-    // Bad input: exit status 2, one line, nothing written.
+}
+
+/// `paged`: every bad input (shapes, tables, lengths, formats) is a one-line error with exit
+/// status 2 that writes nothing.
+#[test]
+fn paged_bad_input_is_one_line() {
+    let (dir, base) = paged_files("paged-bad");
+    let p = |n: &str| dir.join(n);
+    let run = |args: &[String]| cli(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let bt_range = s(&p("bt_range.npy")).to_string();
     let bt_neg = s(&p("bt_neg.npy")).to_string();
     let kc_bad = s(&p("kc_bad.npy")).to_string();
