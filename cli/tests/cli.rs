@@ -1423,22 +1423,14 @@ fn user_mod_and_captures() {
     if common::ctx().is_none() {
         return;
     }
-    let r = run_qkv(&q, &k, &v, &[&["--out", s(&out)][..], &user].concat());
+    let r = run_qkv(q, k, v, &[&["--out", s(&out)][..], &user].concat());
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let want = p("want.npy");
     let r = run_qkv(
-        &q,
-        &k,
-        &v,
-        &[
-            "--cpu",
-            "--out",
-            s(&want),
-            "--bias",
-            s(&biasf),
-            "--mask",
-            s(&maskf),
-        ],
+        q,
+        k,
+        v,
+        &["--cpu", "--out", s(&want), "--bias", s(biasf), "--mask", s(maskf)],
     );
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let (g, c): (ArrayD<f32>, ArrayD<f32>) = (read_npy(&out).unwrap(), read_npy(&want).unwrap());
@@ -1473,20 +1465,20 @@ fn user_mod_capture_gradients() {
     let (drel, dbias) = (p("drel.npy"), p("dbias.npy"));
     let dcap = format!("rel={}", s(&drel));
     let r = backward_cli(
-        &[&q, &k, &v, &dout],
+        &[q, k, v, &dout],
         &outs,
         &[&user[..], &["--dcapture-out", dcap.as_str()]].concat(),
     );
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let r = backward_cli(
-        &[&q, &k, &v, &dout],
+        &[q, k, v, &dout],
         &outs,
         &[
             "--cpu",
             "--bias",
-            s(&biasf),
+            s(biasf),
             "--mask",
-            s(&maskf),
+            s(maskf),
             "--dbias-out",
             s(&dbias),
         ],
@@ -1531,7 +1523,7 @@ fn user_mod_capture_gradients() {
     ] {
         let outs = ["dq", "dk", "dv"].map(|n| p(&format!("bad-{n}.npy")));
         let extra: &[&str] = if args[0] == "--mod" { &[] } else { &user };
-        let r = backward_cli(&[&q, &k, &v, &dout], &outs, &[extra, &args[..]].concat());
+        let r = backward_cli(&[q, k, v, &dout], &outs, &[extra, &args[..]].concat());
         let err = String::from_utf8_lossy(&r.stderr);
         assert_eq!(r.status.code(), Some(2), "{args:?}: {err}");
         assert!(
@@ -1556,13 +1548,13 @@ fn user_mod_mistakes_are_one_line() {
         "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 {\n    return s + nope;\n}\n",
     )
     .unwrap();
-    let bad_capture = format!("other={}", s(&relf));
+    let bad_capture = format!("other={}", s(relf));
     for (args, want) in [
         (vec!["--mod", s(&badf)], "line 2"),
         (
             vec![
                 "--mod",
-                s(&modf),
+                s(modf),
                 "--capture",
                 capture.as_str(),
                 "--capture",
@@ -1571,12 +1563,12 @@ fn user_mod_mistakes_are_one_line() {
             "unknown",
         ),
         (
-            vec!["--mod", s(&modf), "--capture", capture.as_str(), "--cpu"],
+            vec!["--mod", s(modf), "--capture", capture.as_str(), "--cpu"],
             "--cpu",
         ),
-        (vec!["--mod", s(&modf), "--capture", "rel"], "NAME=X.npy"),
+        (vec!["--mod", s(modf), "--capture", "rel"], "NAME=X.npy"),
     ] {
-        let r = run_qkv(&q, &k, &v, &[&["--out", s(&out)][..], &args].concat());
+        let r = run_qkv(q, k, v, &[&["--out", s(&out)][..], &args].concat());
         let err = String::from_utf8_lossy(&r.stderr);
         assert_eq!(r.status.code(), Some(2), "{args:?}: {err}");
         assert!(
