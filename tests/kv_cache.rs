@@ -740,6 +740,8 @@ fn fused_qkv_strides_are_checked() {
     let qcap = Tensor::from_buffer(&buf, Storage::F32, &[1, HQ, E12]).with_seq_capacity(4);
     let r = viewed.ragged_attention(&step, 0, qcap).unwrap().run_blocking(ctx);
     assert!(matches!(&r, Err(Error::BadBuffer { tensor: "q", .. })), "{r:?}");
+    // The appends in flight end before the process does.
+    ctx.wait_idle().unwrap();
 }
 
 /// `[B, Hq, n, E]` view of a fused QKV buffer's q part.

@@ -390,6 +390,39 @@ pub(crate) fn mask_flags(
     )
 }
 
+/// Every kernel of the crate, once. The GPU-free tests assemble every one of them (naga,
+/// `spirv-val`, MSL and HLSL), and a test holds the list complete: a new `KernelSpec` that is
+/// not here fails it, and one here that no GPU-free test assembles fails those tests.
+#[cfg(test)]
+pub(crate) const ALL: &[&KernelSpec] = &[
+    &flash::SPEC,
+    &flash::TILES_SPEC,
+    &flash::COOP_SPEC,
+    &decode::DECODE,
+    &decode::DECODE_TILES,
+    &merge::MERGE,
+    &softmax::SPEC,
+    &matmul::SPEC,
+    &matmul::SG_SPEC,
+    &matmul::TILES_SPEC,
+    &matmul::COOP_SPEC,
+    &permute::SPEC,
+    &rope::SPEC,
+    &pinv::INIT,
+    &pinv::EYE_MINUS,
+    &mod_map::SPEC,
+    &backward::PREP,
+    &backward::DQ,
+    &backward::DKV,
+    &backward::DBIAS,
+    &backward::DCAP,
+    &backward::DCAP_SUM,
+    &backward::DSINK,
+    &backward::DS,
+    &backward::DQ_COOP,
+    &backward::DKV_COOP,
+];
+
 /// How a kernel binds one buffer; the binding number is the index in [`KernelSpec::bindings`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Binding {
@@ -780,6 +813,92 @@ pub(crate) fn unroll_dims(p: &crate::problem::Problem, caps: &crate::forms::Caps
 
 #[cfg(test)]
 mod tests {
+    thread_local! {
+        /// The kernels this test thread assembled.
+        static COVERED: std::cell::RefCell<std::collections::BTreeSet<&'static str>> = Default::default();
+    }
+
+    /// [`super::source`], recording the kernel as assembled by this test.
+    fn covered_source(spec: &KernelSpec, prelude: &str, storage: bool) -> String {
+        COVERED.with(|c| c.borrow_mut().insert(spec.name));
+        super::source(spec, prelude, storage)
+    }
+
+    /// Which GPU-free test assembles which kernels (each asserts its own at its end); their
+    /// union is every kernel of [`super::ALL`] (`the_kernel_list_is_complete`).
+    const ASSEMBLED_BY: &[(&str, &[&str])] = &[
+        (
+            "attention",
+            &["flash", "flash_tiles", "decode", "decode_tiles", "softmax"],
+        ),
+        (
+            "ops",
+            &[
+                "merge",
+                "matmul",
+                "matmul_sg",
+                "matmul_tiles",
+                "permute",
+                "rope",
+                "pinv_init",
+                "eye_minus",
+                "bwd_dsink",
+                "bwd_dcap_sum",
+                "mod_map",
+                "bwd_dcap",
+            ],
+        ),
+        (
+            "backward",
+            &["bwd_prep", "bwd_dq", "bwd_dkv", "bwd_dbias", "bwd_ds"],
+        ),
+        ("coop matmul", &["matmul_coop"]),
+        ("coop forward", &["flash_coop"]),
+        ("coop backward", &["bwd_dq_coop", "bwd_dkv_coop"]),
+    ];
+
+    /// This test thread assembled every kernel `ASSEMBLED_BY` gives test `which`.
+    fn assert_assembled(which: &str) {
+        let (_, want) = ASSEMBLED_BY
+            .iter()
+            .find(|(w, _)| *w == which)
+            .expect("a test of the table");
+        let got = COVERED.with(|c| c.borrow().clone());
+        let missing: Vec<&&str> = want.iter().filter(|n| !got.contains(*n)).collect();
+        assert!(missing.is_empty(), "{which}: kernels not assembled: {missing:?}");
+    }
+
+    /// [`super::ALL`] names every `KernelSpec` of `src/kernels/`, once.
+    #[test]
+    fn the_kernel_list_is_complete() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/kernels");
+        let mut declared = Vec::new();
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+            let lines: Vec<&str> = text.lines().collect();
+            for (i, line) in lines.iter().enumerate() {
+                if line.starts_with("pub(crate) const ") && line.ends_with(": KernelSpec = KernelSpec {") {
+                    let name = lines[i + 1].trim().strip_prefix("name: \"").expect("name first");
+                    declared.push(name.trim_end_matches("\",").to_string());
+                }
+            }
+        }
+        declared.sort();
+        let mut listed: Vec<String> = super::ALL.iter().map(|s| s.name.to_string()).collect();
+        listed.sort();
+        assert_eq!(
+            declared, listed,
+            "kernels::ALL and the KernelSpecs of src/kernels/"
+        );
+        listed.dedup();
+        assert_eq!(listed.len(), super::ALL.len(), "a kernel listed twice");
+        let mut assembled: Vec<String> = ASSEMBLED_BY
+            .iter()
+            .flat_map(|(_, n)| n.iter().map(|n| n.to_string()))
+            .collect();
+        assembled.sort();
+        assert_eq!(assembled, listed, "the GPU-free tests' kernels and kernels::ALL");
+    }
     use super::*;
 
     use crate::forms::Caps;
@@ -947,7 +1066,7 @@ mod tests {
                             let label = format!("flash {form:?} E {e} Ev {ev} masked {masked} formats {fi}");
                             validate_with::<flash::Params>(
                                 &label,
-                                &source(cfg.spec(), &cfg.prelude(), storage),
+                                &covered_source(cfg.spec(), &cfg.prelude(), storage),
                             );
                         }
                     }
@@ -955,12 +1074,15 @@ mod tests {
                         let c = caps.with_forms(form);
                         let cfg = decode::Config::new(&p, &c).unwrap();
                         let label = format!("decode {form:?} E {e} Ev {ev} masked {masked} formats {fi}");
-                        validate_with::<decode::Params>(&label, &source(cfg.spec(), &cfg.prelude(), false));
+                        validate_with::<decode::Params>(
+                            &label,
+                            &covered_source(cfg.spec(), &cfg.prelude(), false),
+                        );
                     }
                 }
                 validate_with::<softmax::Params>(
                     "softmax",
-                    &source(
+                    &covered_source(
                         &softmax::SPEC,
                         &mask_consts(
                             p.mask.is_some(),
@@ -973,6 +1095,7 @@ mod tests {
                 );
             }
         }
+        assert_assembled("attention");
     }
 
     /// The other kernels (the ops' merge, matmul forms, strided copy and RoPE, the
@@ -988,7 +1111,7 @@ mod tests {
                     for view in [None, test_views().out] {
                         validate_with::<merge::Params>(
                             "merge",
-                            &source(&merge::MERGE, &merge::prelude(parts, out, ev, view), false),
+                            &covered_source(&merge::MERGE, &merge::prelude(parts, out, ev, view), false),
                         );
                     }
                 }
@@ -998,11 +1121,11 @@ mod tests {
             for words in [false, true] {
                 validate_with::<matmul::Params>(
                     "matmul",
-                    &source(&matmul::SPEC, &matmul::prelude([f, f, f, f], words), false),
+                    &covered_source(&matmul::SPEC, &matmul::prelude([f, f, f, f], words), false),
                 );
                 validate_with::<matmul::Params>(
                     "matmul_tiles",
-                    &source(
+                    &covered_source(
                         &matmul::TILES_SPEC,
                         &(matmul::prelude([f, f, f, f], words) + "const UNROLL: bool = true;\n"),
                         false,
@@ -1012,7 +1135,10 @@ mod tests {
                     for vec4 in [false, true] {
                         let pre = matmul::prelude_vec4([f, f, f, f], words, [vec4, vec4])
                             + &matmul::sg_prelude(3, trans_b, vec4, vec4);
-                        validate_with::<matmul::Params>("matmul_sg", &source(&matmul::SG_SPEC, &pre, false));
+                        validate_with::<matmul::Params>(
+                            "matmul_sg",
+                            &covered_source(&matmul::SG_SPEC, &pre, false),
+                        );
                     }
                 }
             }
@@ -1022,33 +1148,68 @@ mod tests {
                 let label = format!("permute {src:?} -> {dst:?}");
                 validate_with::<permute::Params>(
                     &label,
-                    &source(&permute::SPEC, &permute::prelude(src, dst), false),
+                    &covered_source(&permute::SPEC, &permute::prelude(src, dst), false),
                 );
                 let label = format!("rope {src:?} -> {dst:?}");
                 validate_with::<rope::Params>(
                     &label,
-                    &source(&rope::SPEC, &rope::prelude(Some(src), dst), false),
+                    &covered_source(&rope::SPEC, &rope::prelude(Some(src), dst), false),
                 );
             }
             let label = format!("rope in place {src:?}");
-            validate_with::<rope::Params>(&label, &source(&rope::SPEC, &rope::prelude(None, src), false));
+            validate_with::<rope::Params>(
+                &label,
+                &covered_source(&rope::SPEC, &rope::prelude(None, src), false),
+            );
         }
         // The pseudo-inverse's steps, d(sink logits) and the captures' gradients' sum (no
         // prelude). The mask_mod block map and the captures' gradients themselves need a
         // user function: tests/sdpa.rs and tests/backward.rs run them, translated at pipeline
         // creation (src/kernels/translate.rs).
-        validate_with::<pinv::InitParams>("pinv_init", &source(&pinv::INIT, "", false));
-        validate_with::<pinv::EyeParams>("eye_minus", &source(&pinv::EYE_MINUS, "", false));
-        validate_with::<backward::Params>("bwd_dsink", &source(&backward::DSINK, "", false));
-        validate_with::<backward::Params>("bwd_dcap_sum", &source(&backward::DCAP_SUM, "", false));
+        validate_with::<pinv::InitParams>("pinv_init", &covered_source(&pinv::INIT, "", false));
+        validate_with::<pinv::EyeParams>("eye_minus", &covered_source(&pinv::EYE_MINUS, "", false));
+        validate_with::<backward::Params>("bwd_dsink", &covered_source(&backward::DSINK, "", false));
+        validate_with::<backward::Params>("bwd_dcap_sum", &covered_source(&backward::DCAP_SUM, "", false));
         // The nested masks, through the fused kernel.
         let cfg = flash::Config::new(
             &Problem::new(&[1, 1, 1, 4], &[1, 1, 1, 4], &[1, 1, 1, 4]).unwrap(),
             &Caps::new(&wgpu::Limits::default(), false, Some(32)),
         )
         .unwrap();
-        let src = source(&flash::SPEC, &cfg.prelude(), false);
+        let src = covered_source(&flash::SPEC, &cfg.prelude(), false);
         check_struct::<Masks>("masks", &naga::front::wgsl::parse_str(&src).unwrap());
+        // The user functions' kernels: the mask_mod block map and the capture gradients.
+        let q = ndarray::Array4::<f32>::zeros((1, 2, 5, 8));
+        let k = ndarray::Array4::<f32>::zeros((1, 2, 7, 8));
+        let table = [0.5f32; 4];
+        let user = crate::user_mod::UserMod::wgsl(
+            "fn score_mod(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return s + t(h); }\n\
+             fn score_mod_ds(s: f32, b: u32, h: u32, i: u32, j: u32) -> f32 { return 1.0; }\n\
+             fn score_mod_dcapture(s: f32, b: u32, h: u32, i: u32, j: u32, g: f32) { d_t(h, g); }\n\
+             fn mask_mod(b: u32, h: u32, i: u32, j: u32) -> bool { return i >= j; }",
+        )
+        .capture("t", &table);
+        let p = crate::sdpa::Sdpa::new(&q, &k, &k)
+            .user_mod(user)
+            .problem()
+            .unwrap();
+        let mods = Mods {
+            mask_mod: true,
+            user: p.user_fns.as_ref().map(|u| u.code.clone()),
+            ..Default::default()
+        };
+        validate_with::<mod_map::Params>(
+            "mod_map",
+            &covered_source(
+                &mod_map::SPEC,
+                &mask_consts(false, false, mods, Storage::F32),
+                false,
+            ),
+        );
+        let dcap =
+            backward::dcap_prelude(&p, &Default::default()).expect("the source has score_mod_dcapture");
+        validate_with::<backward::Params>("bwd_dcap", &covered_source(&backward::DCAP, &dcap, false));
+        assert_assembled("ops");
     }
 
     /// Every backward kernel, in both forms, every layout and format, masked or not, assembles
@@ -1093,13 +1254,14 @@ mod tests {
                         ] {
                             validate_with::<backward::Params>(
                                 &format!("{} {label}", spec.name),
-                                &source(spec, &pre, cpu),
+                                &covered_source(spec, &pre, cpu),
                             );
                         }
                     }
                 }
             }
         }
+        assert_assembled("backward");
     }
 
     /// On CPU adapters the fused backward takes one row (key) per invocation for problems
@@ -1120,7 +1282,7 @@ mod tests {
                 for (spec, pre) in [(&backward::DQ, c.dq_prelude()), (&backward::DKV, c.dkv_prelude())] {
                     validate_with::<backward::Params>(
                         &format!("{} E {e} Ev {ev} subgroup {sg:?} rows {}", spec.name, c.rq),
-                        &source(spec, &pre, true),
+                        &covered_source(spec, &pre, true),
                     );
                 }
             }
@@ -1152,7 +1314,7 @@ mod tests {
                     }
                     let pre =
                         matmul::coop_prelude(t, 128) + &matmul::prelude([fa, fb, Storage::F32, fc], c_words);
-                    let src = source(&matmul::COOP_SPEC, &pre, false);
+                    let src = covered_source(&matmul::COOP_SPEC, &pre, false);
                     let label = format!("matmul_coop {t} {fa:?} {fb:?} -> {fc:?} words {c_words}");
                     validate_with::<matmul::Params>(&label, &src);
                     for trans_b in [true, false] {
@@ -1167,6 +1329,7 @@ mod tests {
                 }
             }
         }
+        assert_assembled("coop matmul");
     }
 
     /// A GPU with 48 KiB of workgroup memory, subgroups of 32 and both coop tiles.
@@ -1234,8 +1397,12 @@ mod tests {
                 }
                 let cfg = flash::Config::new(&p, &caps).unwrap();
                 assert_eq!(cfg.form, crate::forms::FusedForm::Coop { tile: Some(t) });
-                assert!(!src_has_atomics(&source(cfg.spec(), &cfg.prelude(), false)));
-                let src = source(cfg.spec(), &cfg.prelude(), false);
+                assert!(!src_has_atomics(&covered_source(
+                    cfg.spec(),
+                    &cfg.prelude(),
+                    false
+                )));
+                let src = covered_source(cfg.spec(), &cfg.prelude(), false);
                 let label = format!("flash_coop {t} E {e} Ev {ev} {fmt:?} masked {masked}");
                 validate_with::<flash::Params>(&label, &src);
                 let words = spirv_of(&src, &[], &label);
@@ -1244,6 +1411,7 @@ mod tests {
                 }
             }
         }
+        assert_assembled("coop forward");
     }
 
     /// The fused backward's coop form (dQ and dK/dV), in both tiles, f16 and f32 inputs, head
@@ -1268,7 +1436,7 @@ mod tests {
                 let c = backward::Config::new(&p, &caps).unwrap();
                 assert_eq!(c.form, crate::forms::BackwardForm::Coop { tile: Some(t) });
                 for (spec, pre) in [(c.dq_spec(), c.dq_prelude()), (c.dkv_spec(), c.dkv_prelude())] {
-                    let src = source(spec, &pre, false);
+                    let src = covered_source(spec, &pre, false);
                     assert!(!src_has_atomics(&src), "{}", spec.name);
                     let label = format!("{} {t} E {e} Ev {ev} {fmt:?} masked {masked}", spec.name);
                     validate_with::<backward::Params>(&label, &src);
@@ -1287,6 +1455,7 @@ mod tests {
                 .with_storage(Formats::all(Storage::Bf16));
             assert!(backward::Config::new(&bf16, &caps).is_err());
         }
+        assert_assembled("coop backward");
     }
 
     fn src_has_atomics(src: &str) -> bool {
