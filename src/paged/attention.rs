@@ -239,7 +239,7 @@ impl<'a> PagedAttention<'a> {
     }
 
     /// Read shared prefixes once (default true): consecutive sequences whose block tables
-    /// begin with the same blocks (forks of one sequence), at least [`MIN_SHARED_KEYS`] keys
+    /// begin with the same blocks (forks of one sequence), at least [`MIN_SHARED_KEYS`](crate::MIN_SHARED_KEYS) keys
     /// of them before each sequence's first new query, are attended in two calls (all their
     /// queries over the shared keys, each sequence over its own tail) merged by logsumexp,
     /// which reads the shared keys once instead of once per sequence. The result is the same

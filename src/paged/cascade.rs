@@ -11,7 +11,7 @@ use crate::error::Result;
 pub const MIN_SHARED_KEYS: usize = 256;
 
 /// Consecutive sequences of a batch whose block tables begin with the same blocks, read once
-/// for all of them (see [`PagedAttention::shared_prefix`]).
+/// for all of them (see [`PagedAttention::shared_prefix`](crate::PagedAttention::shared_prefix)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SharedPrefix {
     /// The first sequence.

@@ -10,7 +10,7 @@ use crate::tensor::{Tensor, TensorData};
 use crate::view::BIND_ALIGN;
 
 /// Paged K and V caches and the layout of their blocks: what [`Sdpa::paged`] and
-/// [`PagedAttention::new`] read. A buffer cannot say how its blocks are laid out, so your own
+/// [`PagedAttention::new`](crate::PagedAttention::new) read. A buffer cannot say how its blocks are laid out, so your own
 /// caches name it here; a [`KvCache`](crate::KvCache) hands out its layers' pages with theirs
 /// ([`KvCache::pages`](crate::KvCache::pages)), so the two cannot be mismatched.
 ///
@@ -121,7 +121,7 @@ impl<'a> Sdpa<'a> {
     /// is `n = 1`; a prefill chunk of the same length for every sequence is larger `n`. Not
     /// causal unless asked: give [`causal`](Sdpa::causal) for a prefill chunk (a
     /// [`KvCache`](crate::KvCache)'s calls are causal by default). Runs on the fused and decode
-    /// paths (never [`Path::Unfused`], nor the attention weights); every modifier applies.
+    /// paths (never [`Path::Unfused`](crate::Path::Unfused), nor the attention weights); every modifier applies.
     ///
     /// Checked before any GPU work, as [`Error::Paged`]: a table whose length is not a
     /// multiple of B, a sequence longer than its table, fewer keys than queries, a used entry
