@@ -18,75 +18,85 @@ pub(crate) type Operand<'b> = (wgpu::BufferBinding<'b>, Storage);
 pub(crate) enum Dest<'b> {
     /// Rotated in place.
     InPlace(Operand<'b>),
-    /// From `src` into a paged cache: token `t` to slot `slots[t]` of `cache`, head-major with
-    /// blocks of `head_major_block` tokens (0: token-major `[slots, H, E]`).
-    Slots {
-        src: Operand<'b>,
-        cache: Operand<'b>,
-        slots: &'b [u32],
-        head_major_block: usize,
-    },
+    /// From `src` into a paged cache: token `t` to the step's slot `t` of `cache` (see
+    /// [`Slots`]).
+    Slots { src: Operand<'b>, cache: Operand<'b> },
 }
 
-/// Record `rope` (its rotated dimensions `d`; `None`, or `d = 0`: a plain copy, only into
-/// slots) over `[tokens, heads, e]` rows at `positions` (one per token).
+/// The cache slots of an append's tokens, head-major with blocks of `head_major_block` tokens
+/// (0: token-major `[slots, H, E]`).
+#[derive(Clone, Copy)]
+pub(crate) struct Slots<'b> {
+    pub slots: &'b [u32],
+    pub head_major_block: usize,
+}
+
+/// One set of `[tokens, heads, e]` rows: rotated by the rotation's angles (`rotate`) or copied.
+pub(crate) struct Rows<'b> {
+    pub dims: [usize; 3],
+    pub dest: Dest<'b>,
+    pub rotate: bool,
+}
+
+/// Record `rope` (its rotated dimensions `d`) over each of `rows` at `positions` (one per
+/// token; the rows' token counts are equal): one auxiliary buffer of the angles (computed on
+/// the host in f64) and the `slots` for them all (a cache's K and V share it).
 pub(crate) fn rotate(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
     rope: Option<(Rope, usize)>,
     positions: &[usize],
-    [tokens, heads, e]: [usize; 3],
-    dest: Dest<'_>,
+    slots: Option<Slots<'_>>,
+    rows: Vec<Rows<'_>>,
 ) -> Result<()> {
     let (d, half) = match rope {
         Some((r, d)) => (d, r.style == RopeStyle::HalfSplit),
         None => (0, false),
     };
     let bad = |reason: String| Err(Error::Internal(format!("rope op: {reason}")));
-    if d > e || d % 2 == 1 || (d > 0 && positions.len() != tokens) {
-        return bad(format!(
-            "{d} rotated of {e}, {} positions for {tokens} tokens",
-            positions.len()
-        ));
-    }
-    let rows = (tokens * heads * e) as u64;
-    let fits = |(b, st): &Operand<'_>, elems: u64| {
-        let size = b.size.map_or(b.buffer.size() - b.offset, |s| s.get());
-        st.bytes(elems as usize) <= size
-    };
+    let tokens = positions.len();
     let mut aux = match rope {
         Some((r, _)) if d > 0 => r.angle_words(d, positions.iter().copied()),
         _ => Vec::new(),
     };
-    let (src, dst, slot_off, head_major_block) = match dest {
-        Dest::InPlace(x) => {
-            if d == 0 || !fits(&x, rows) {
-                return bad(format!("an in-place rotation of {rows} elements, {d} rotated"));
-            }
-            (None, x, None, 0)
-        }
-        Dest::Slots {
-            src,
-            cache,
-            slots,
-            head_major_block,
-        } => {
-            let last = slots.iter().max().map_or(0, |&s| s as u64 + 1);
-            let cached = (last.next_multiple_of(head_major_block.max(1) as u64)) * (heads * e) as u64;
-            if slots.len() != tokens || !fits(&src, rows) || !fits(&cache, cached) {
-                return bad(format!(
-                    "{} slots for {tokens} tokens, or a row outside its buffer",
-                    slots.len()
-                ));
-            }
-            let off = aux.len();
-            aux.extend(slots);
-            (Some(src), cache, Some(off), head_major_block)
-        }
-    };
+    let slot_off = slots.map(|s| {
+        let off = aux.len();
+        aux.extend(s.slots);
+        off
+    });
     // An empty aux still binds a buffer: one zero word.
     if aux.is_empty() {
         aux.push(0);
+    }
+    let fits = |(b, st): &Operand<'_>, elems: u64| {
+        let size = b.size.map_or(b.buffer.size() - b.offset, |s| s.get());
+        st.bytes(elems as usize) <= size
+    };
+    // Every row checked before anything is recorded.
+    for r in &rows {
+        let [t, heads, e] = r.dims;
+        let n = (t * heads * e) as u64;
+        let rotated = if r.rotate { d } else { 0 };
+        if t != tokens || rotated > e || rotated % 2 == 1 {
+            return bad(format!(
+                "{rotated} rotated of {e}, {tokens} positions for {t} tokens"
+            ));
+        }
+        let ok = match (&r.dest, slots) {
+            (Dest::InPlace(x), None) => rotated > 0 && fits(x, n),
+            (Dest::Slots { src, cache }, Some(s)) => {
+                let last = s.slots.iter().max().map_or(0, |&x| x as u64 + 1);
+                let held = last.next_multiple_of(s.head_major_block.max(1) as u64) * (heads * e) as u64;
+                s.slots.len() == t && fits(src, n) && fits(cache, held)
+            }
+            _ => false,
+        };
+        if !ok {
+            return bad(format!(
+                "rows {:?} outside their buffers, or slots for an in-place rotation",
+                r.dims
+            ));
+        }
     }
     let aux = constant(
         ctx,
@@ -95,24 +105,32 @@ pub(crate) fn rotate(
         wgpu::BufferUsages::STORAGE,
     );
     let dummy = dummy(ctx);
-    record(
-        ctx,
-        encoder,
-        src,
-        dst,
-        aux.as_entire_buffer_binding(),
-        dummy.as_entire_buffer_binding(),
-        Rotation {
-            tokens,
-            heads,
-            e,
-            d,
-            half,
-            ang_off: 0,
-            slot_off,
-            head_major_block,
-        },
-    )
+    for r in rows {
+        let [tokens, heads, e] = r.dims;
+        let (src, dst) = match r.dest {
+            Dest::InPlace(x) => (None, x),
+            Dest::Slots { src, cache } => (Some(src), cache),
+        };
+        record(
+            ctx,
+            encoder,
+            src,
+            dst,
+            aux.as_entire_buffer_binding(),
+            dummy.as_entire_buffer_binding(),
+            Rotation {
+                tokens,
+                heads,
+                e,
+                d: if r.rotate { d } else { 0 },
+                half,
+                ang_off: 0,
+                slot_off,
+                head_major_block: slots.map_or(0, |s| s.head_major_block),
+            },
+        )?;
+    }
+    Ok(())
 }
 
 /// The GPU side of [`Rope`]: its rotation of a caller's buffer in place, and of host rows on
@@ -141,8 +159,12 @@ impl Rope {
             encoder,
             Some((*self, d)),
             positions,
-            shape,
-            Dest::InPlace((up.binding(), x.storage())),
+            None,
+            vec![Rows {
+                dims: shape,
+                dest: Dest::InPlace((up.binding(), x.storage())),
+                rotate: true,
+            }],
         )
     }
 

@@ -539,25 +539,30 @@ impl KvCache {
             sources[0].dense(ctx, encoder, "new k")?,
             sources[1].dense(ctx, encoder, "new v")?,
         );
-        let rope = c.rope.map(|r| (r, d));
-        for (src, st, dst, e, rope) in [
-            (ku.binding(), k.storage(), kbuf, c.head_dim, rope),
-            (vu.binding(), v.storage(), vbuf, c.head_dim_v, None),
-        ] {
-            crate::ops::rope::rotate(
-                ctx,
-                encoder,
-                rope,
-                &step.positions,
-                [t, c.kv_heads, e],
-                crate::ops::rope::Dest::Slots {
-                    src: (src, st),
-                    cache: (dst.as_entire_buffer_binding(), c.storage),
-                    slots: &step.slots,
-                    head_major_block: c.block_size,
-                },
-            )?;
-        }
+        // K rotated and V copied into the step's slots, with one auxiliary buffer.
+        let rows = [
+            (ku.binding(), k.storage(), kbuf, c.head_dim, true),
+            (vu.binding(), v.storage(), vbuf, c.head_dim_v, false),
+        ]
+        .map(|(src, st, dst, e, rotate)| crate::ops::rope::Rows {
+            dims: [t, c.kv_heads, e],
+            dest: crate::ops::rope::Dest::Slots {
+                src: (src, st),
+                cache: (dst.as_entire_buffer_binding(), c.storage),
+            },
+            rotate,
+        });
+        crate::ops::rope::rotate(
+            ctx,
+            encoder,
+            c.rope.map(|r| (r, d)),
+            &step.positions,
+            Some(crate::ops::rope::Slots {
+                slots: &step.slots,
+                head_major_block: c.block_size,
+            }),
+            rows.into(),
+        )?;
         state.pending.clear();
         state.appended = Some(step.epoch);
         Ok(())
