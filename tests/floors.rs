@@ -60,10 +60,11 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// The code of a file without comments, its `mod tests`, or the files only tests compile.
+/// The code of a file without comments or its `mod tests`; none for the files only tests
+/// compile (`stage_tests.rs`, `tests.rs`).
 fn production_code(path: &Path) -> Option<String> {
     let name = path.file_name()?.to_str()?;
-    if name == "stage_tests.rs" {
+    if name == "stage_tests.rs" || name == "tests.rs" {
         return None;
     }
     let text = std::fs::read_to_string(path).expect("read a source file");
