@@ -8,7 +8,7 @@
 use crate::problem::Problem;
 
 /// The block of queries or keys whose (min, max) document id the kernels read to skip key
-/// tiles (`DOC_BLOCK` in `shaders/common/masks.wgsl`).
+/// tiles (`DOC_BLOCK` in `shaders/common/modifiers/docs.wgsl`).
 pub(crate) const DOC_BLOCK: usize = 16;
 
 /// Where the document ids' four parts start among the auxiliary words (see

@@ -35,8 +35,17 @@ use wgsl::WgslType;
 pub(crate) mod common {
     /// Sentinels and the online-softmax step.
     pub(crate) const SOFTMAX: &str = include_str!("../../shaders/common/softmax.wgsl");
-    /// Mask bindings 0-2 and the mask tests (causal limit, key length, bits, bias).
-    pub(crate) const MASKS: &str = include_str!("../../shaders/common/masks.wgsl");
+    /// Mask bindings 0-2 and the mask tests (causal limit, key length, bits, bias), with the
+    /// modifiers, a file each.
+    pub(crate) const MASKS: &str = concat!(
+        include_str!("../../shaders/common/masks.wgsl"),
+        include_str!("../../shaders/common/modifiers/softcap.wgsl"),
+        include_str!("../../shaders/common/modifiers/alibi.wgsl"),
+        include_str!("../../shaders/common/modifiers/sinks.wgsl"),
+        include_str!("../../shaders/common/modifiers/window.wgsl"),
+        include_str!("../../shaders/common/modifiers/docs.wgsl"),
+        include_str!("../../shaders/common/modifiers/mask_mod.wgsl"),
+    );
     /// The matmul forms' batch slices and epilogue.
     pub(crate) const MATMUL: &str = include_str!("../../shaders/common/matmul.wgsl");
     /// Workgroup reductions through workgroup memory.
@@ -508,7 +517,7 @@ pub(crate) fn source(spec: &KernelSpec, prelude: &str, params_in_storage: bool) 
     unroll::unroll(&s)
 }
 
-/// The matrix units' form of common/masks.wgsl's `mask_mod_any`: the invocations' votes in an
+/// The matrix units' form of common/modifiers/mask_mod.wgsl's `mask_mod_any`: the invocations' votes in an
 /// array that invocation 0 reads (its callers pass `nt == WG`), where the shared form has a
 /// workgroup atomic. naga writes atomics with device scope, which SPIR-V under the Vulkan
 /// memory model (what cooperative matrices turn on) allows only with a capability naga does
@@ -535,7 +544,7 @@ fn mask_mod_any(b: u32, h: u32, i0: u32, ni: u32, j0: u32, nj: u32, tid: u32, nt
 }
 ";
 
-/// `src` (a kernel with `enable` directives: the matrix units') with common/masks.wgsl's
+/// `src` (a kernel with `enable` directives: the matrix units') with common/modifiers/mask_mod.wgsl's
 /// `mask_mod_any` in its atomic-free form ([`COOP_MOD_ANY`]).
 fn without_atomics(src: String) -> String {
     const BEGIN: &str = "var<workgroup> wg_mod_any: atomic<u32>;";

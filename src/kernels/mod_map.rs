@@ -28,7 +28,7 @@ pub(crate) const SPEC: KernelSpec = KernelSpec {
     trusted: false,
 };
 
-/// Queries and keys per block of the map (`MAP_BLOCK` in `shaders/common/masks.wgsl`).
+/// Queries and keys per block of the map (`MAP_BLOCK` in `shaders/common/modifiers/mask_mod.wgsl`).
 pub(crate) const MAP_BLOCK: usize = 16;
 
 wgsl_struct! {
