@@ -314,12 +314,18 @@ pub(crate) enum Checks {
 }
 
 impl Checks {
-    /// The checks of `p`'s kernels: [`Checks::User`] for user code not proved safe.
-    pub(crate) fn of(p: &crate::problem::Problem) -> Checks {
-        match &p.user_fns {
-            Some(u) if !u.code.proved_safe => Checks::User,
+    /// The checks of kernels holding the user code `code`: [`Checks::User`] for code not
+    /// proved safe.
+    pub(crate) fn of_code(code: Option<&crate::user_mod::Checked>) -> Checks {
+        match code {
+            Some(c) if !c.proved_safe => Checks::User,
             _ => Checks::Kernel,
         }
+    }
+
+    /// The checks of `p`'s kernels.
+    pub(crate) fn of(p: &crate::problem::Problem) -> Checks {
+        Checks::of_code(p.user_fns.as_ref().map(|u| &*u.code))
     }
 }
 
@@ -348,10 +354,7 @@ pub(crate) struct Mods {
 impl Mods {
     /// Whether the user code of these modifiers keeps wgpu's runtime checks.
     pub(crate) fn checks(&self) -> Checks {
-        match &self.user {
-            Some(code) if !code.proved_safe => Checks::User,
-            _ => Checks::Kernel,
-        }
+        Checks::of_code(self.user.as_deref())
     }
 
     /// The modifiers of `p`, taken as `tuning` says.
@@ -562,7 +565,7 @@ fn unchecked(ctx: &Context, spec: &KernelSpec, checks: Checks) -> bool {
     checks != Checks::User
         && match ctx.tuning().unchecked {
             Some(u) => u == 1,
-            None => spec.trusted && !ctx.caps().cpu,
+            None => spec.trusted && !ctx.is_cpu(),
         }
 }
 

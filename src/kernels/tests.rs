@@ -584,12 +584,8 @@ fn coop_fused_forward_validates_and_makes_valid_spirv() {
             }
             let cfg = flash::Config::new(&p, &caps).unwrap();
             assert_eq!(cfg.form, crate::forms::FusedForm::Coop { tile: Some(t) });
-            assert!(!src_has_atomics(&covered_source(
-                cfg.spec(),
-                &cfg.prelude(),
-                false
-            )));
             let src = covered_source(cfg.spec(), &cfg.prelude(), false);
+            assert!(!src_has_atomics(&src));
             let label = format!("flash_coop {t} E {e} Ev {ev} {fmt:?} masked {masked}");
             validate_with::<flash::Params>(&label, &src);
             let words = spirv_of(&src, &[], &label);
