@@ -60,11 +60,35 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
+/// Whether `path` is a module only tests compile: its declaration in its parent
+/// (`mod.rs` beside it, or `mod.rs` of the folder it names) follows `#[cfg(test)]`.
+fn test_only(path: &Path) -> bool {
+    let (Some(dir), Some(stem)) = (path.parent(), path.file_stem().and_then(|s| s.to_str())) else {
+        return false;
+    };
+    let (parent, name) = if stem == "mod" {
+        match (dir.parent(), dir.file_name().and_then(|n| n.to_str())) {
+            (Some(up), Some(n)) => (up.join("mod.rs"), n.to_string()),
+            _ => return false,
+        }
+    } else {
+        (dir.join("mod.rs"), stem.to_string())
+    };
+    let Ok(text) = std::fs::read_to_string(parent) else {
+        return false;
+    };
+    let lines: Vec<&str> = text.lines().map(str::trim).collect();
+    lines.windows(2).any(|w| {
+        w[0] == "#[cfg(test)]"
+            && (w[1] == format!("mod {name};") || w[1] == format!("pub(crate) mod {name};"))
+    })
+}
+
 /// The code of a file without comments or its `mod tests`; none for the files only tests
-/// compile (`stage_tests.rs`, `tests.rs`).
+/// compile (`stage_tests.rs`, `tests.rs`, and any module declared under `#[cfg(test)]`).
 fn production_code(path: &Path) -> Option<String> {
     let name = path.file_name()?.to_str()?;
-    if name == "stage_tests.rs" || name == "tests.rs" {
+    if name == "stage_tests.rs" || name == "tests.rs" || test_only(path) {
         return None;
     }
     let text = std::fs::read_to_string(path).expect("read a source file");

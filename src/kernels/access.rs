@@ -203,7 +203,8 @@ pub(crate) fn attention_io(
     ev_odd: bool,
     vec8: bool,
     views: &crate::view::Views,
-) -> String {
+) -> super::consts::Prelude {
+    let mut rope = None;
     let out_access = if out_is_atomic(out_fmt, vec4, ev_odd, views) {
         Access::Atomic
     } else {
@@ -242,7 +243,11 @@ pub(crate) fn attention_io(
         match views.q_rope {
             Some((d, half)) if x == "q" => {
                 s += &row_loader("q_raw", dim, vec4).replace("q_raw_", "q_");
-                s += &rope_loader(d, half);
+                s += &rope_loader(half);
+                rope = Some(RopeConsts {
+                    ROPE_D: d as u32,
+                    HD: (d / 2) as u32,
+                });
             }
             _ => s += &row_loader(x, dim, vec4),
         }
@@ -258,7 +263,47 @@ pub(crate) fn attention_io(
         vec4,
         out_fmt.is_half() && out_access == Access::Write,
     );
-    s
+    let rope_form = match views.q_rope {
+        Some((_, true)) => " rope-halves",
+        Some((_, false)) => " rope-pairs",
+        None => "",
+    };
+    let tag = format!(
+        "q={} k={} v={} o={}{}{}{}{rope_form}{}",
+        f.q,
+        f.k,
+        f.v,
+        out_fmt,
+        if vec4 { " vec4" } else { "" },
+        if vec8 { " vec8" } else { "" },
+        if views.paged.is_some() { " paged" } else { "" },
+        viewed(&[("q", views.q), ("k", views.k), ("v", views.v), ("o", views.out)]),
+    );
+    let p = super::consts::Prelude::new();
+    match rope {
+        Some(r) => p.consts(&r),
+        None => p,
+    }
+    .code(&s)
+    .tag(tag)
+}
+
+/// The label tag of the tensors read through views: ` q-view k-view` (empty when dense).
+pub(crate) fn viewed(views: &[(&str, Option<crate::view::View>)]) -> String {
+    views
+        .iter()
+        .filter(|(_, v)| v.is_some())
+        .map(|(n, _)| format!(" {n}-view"))
+        .collect()
+}
+
+wgsl_consts! {
+    /// RoPE applied to the queries as they are loaded: over the first `ROPE_D` elements of each
+    /// row, `HD` pairs.
+    pub(crate) struct RopeConsts {
+        ROPE_D: u32,
+        HD: u32,
+    }
 }
 
 /// `fn NAME_base(row: u32) -> u32`: the element where row `row` of a tensor with rows of `dim`
@@ -343,8 +388,8 @@ pub(crate) fn paged_row_base(name: &str, slot: &str, bs: usize) -> String {
 /// `(k, k + d/2)` when `half`, else `(2k, 2k + 1)`), from `load_q_raw` and the element
 /// reads of the partners; the (cos, sin) of row `(b, i)`'s pair `k` are auxiliary words at
 /// `p.m.rope_off + 2 ((b L + i) d/2 + k)`. Rows are `(b·heads + h)·L + i` (`p.l`, `p.heads`).
-pub(crate) fn rope_loader(d: usize, half: bool) -> String {
-    let hd = d / 2;
+/// `d` and `d/2` are the constants `ROPE_D` and `HD` ([`RopeConsts`]).
+pub(crate) fn rope_loader(half: bool) -> String {
     let (k, partner, first) = if half {
         (
             "select(e - HD, e, e < HD)",
@@ -355,9 +400,7 @@ pub(crate) fn rope_loader(d: usize, half: bool) -> String {
         ("e / 2u", "e ^ 1u", "(e & 1u) == 0u")
     };
     format!(
-        "const ROPE_D: u32 = {d}u;
-const HD: u32 = {hd}u;
-         fn load_q(row: u32, c4: u32) -> vec4<f32> {{
+        "fn load_q(row: u32, c4: u32) -> vec4<f32> {{
     var x = load_q_raw(row, c4);
              if (c4 * 4u >= ROPE_D) {{ return x; }}
     let bh = row / p.l;

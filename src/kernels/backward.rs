@@ -6,6 +6,7 @@
 //! statistics buffer, and dK and dV share one f32 output.
 
 use super::access::{array, row_base, row_loader, row_storer, Access, Dim};
+use super::consts::Prelude;
 use super::{common, dispatch, grid_1d, mask_flags, params_of, Binding, KernelSpec, Masks, TensorViews};
 use crate::device::context::Context;
 use crate::error::Result;
@@ -144,12 +145,6 @@ pub(crate) const DKV_COOP: KernelSpec = KernelSpec {
     params: params_of::<Params>,
     trusted: true,
 };
-
-/// Every backward kernel, for the binding-limit and assembly tests.
-#[cfg(test)]
-pub(crate) const ALL: [&KernelSpec; 10] = [
-    &PREP, &DQ, &DKV, &DQ_COOP, &DKV_COOP, &DBIAS, &DS, &DSINK, &DCAP, &DCAP_SUM,
-];
 
 wgsl_struct! {
     /// The backward kernels' params (`p` in `bwd_*.wgsl`); each kernel reads the fields it needs.
@@ -541,47 +536,48 @@ impl Config {
     }
 
     /// The matrix units' constants (`[rows, keys]` blocks) and the q, k, v, dout loaders.
-    fn coop_prelude(&self, c: &CoopLayout, [bq, bk]: [u32; 2]) -> String {
-        format!(
-            "{}const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BQ: u32 = {bq}u;\nconst BK: u32 = {bk}u;\n\
-             const EP: u32 = {}u;\nconst EVP: u32 = {}u;\nconst UNROLL: bool = false;\nconst UNROLL_E: bool = false;\n\
-             const SCALAR_LOGITS: bool = false;\n{}",
-            super::matmul::coop_prelude(c.tile, self.wg),
-            self.e4,
-            self.ev4,
-            c.ep,
-            c.evp,
-            grad_io(
-                &self.formats,
-                (self.has_mask, self.has_bias, self.mods.clone()),
-                self.vec4,
-                &self.views
-            )
+    fn coop_prelude(&self, c: &CoopLayout, [bq, bk]: [u32; 2]) -> Prelude {
+        super::matmul::coop_prelude(c.tile, self.wg)
+            .consts(&CoopConsts {
+                E4: self.e4,
+                EV4: self.ev4,
+                BQ: bq,
+                BK: bk,
+                EP: c.ep,
+                EVP: c.evp,
+                UNROLL: false,
+                UNROLL_E: false,
+                SCALAR_LOGITS: false,
+            })
+            .then(self.io())
+    }
+
+    /// q, k, v, dout with the masks, as this configuration reads them.
+    fn io(&self) -> Prelude {
+        grad_io(
+            &self.formats,
+            (self.has_mask, self.has_bias, self.mods.clone()),
+            self.vec4,
+            &self.views,
         )
     }
 
     /// The constants and the q, k, v, dout loaders of the dQ and dK/dV kernels.
-    fn common_prelude(&self) -> String {
-        format!(
-            "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst WG: u32 = {}u;\nconst UNROLL: bool = {};\n\
-             const UNROLL_E: bool = {};\nconst SCALAR_LOGITS: bool = {};\n{}",
-            self.e4,
-            self.ev4,
-            self.wg,
-            self.unroll,
-            self.unroll_e,
-            super::scalar_logits(self.form == BackwardForm::Gpu, &self.tuning),
-            grad_io(
-                &self.formats,
-                (self.has_mask, self.has_bias, self.mods.clone()),
-                self.vec4,
-                &self.views
-            )
-        )
+    fn common_prelude(&self) -> Prelude {
+        Prelude::new()
+            .consts(&CommonConsts {
+                E4: self.e4,
+                EV4: self.ev4,
+                WG: self.wg,
+                UNROLL: self.unroll,
+                UNROLL_E: self.unroll_e,
+                SCALAR_LOGITS: super::scalar_logits(self.form == BackwardForm::Gpu, &self.tuning),
+            })
+            .then(self.io())
     }
 
     /// The dQ kernel's prelude; dq is stored in q's format.
-    pub(crate) fn dq_prelude(&self) -> String {
+    pub(crate) fn dq_prelude(&self) -> Prelude {
         let fq = self.formats.q;
         let odd = fq.is_half() && !self.vec4 && self.e_odd;
         let access = if odd { Access::Atomic } else { Access::Write };
@@ -589,25 +585,25 @@ impl Config {
             + &row_base("dq", Dim::E, self.vec4, None, "")
             + &row_storer("dq", "dq", Dim::E, self.vec4, fq.is_half() && !odd);
         if let Some(c) = &self.coop {
-            return self.coop_prelude(c, c.dq) + &dq;
+            return self.coop_prelude(c, c.dq).code(&dq);
         }
         let kv = if self.sg {
             super::flash::KV_SUBGROUP
         } else {
             super::flash::KV_SHARED
         };
-        format!(
-            "{}const BK: u32 = {}u;\nconst RQ: u32 = {}u;\nconst SG_KV: bool = {};\n{kv}{}",
-            self.common_prelude(),
-            self.bk,
-            self.rq,
-            self.sg,
-            dq
-        )
+        self.common_prelude()
+            .consts(&DqConsts {
+                BK: self.bk,
+                RQ: self.rq,
+                SG_KV: self.sg,
+            })
+            .code(kv)
+            .code(&dq)
     }
 
     /// The dK/dV kernel's prelude; both go to one f32 buffer, dV at `p.dv_off`.
-    pub(crate) fn dkv_prelude(&self) -> String {
+    pub(crate) fn dkv_prelude(&self) -> Prelude {
         let out = array("dkv", 7, Storage::F32, self.vec4, Access::Write)
             + &row_base("dk", Dim::E, self.vec4, None, "")
             + &row_storer("dk", "dkv", Dim::E, self.vec4, false)
@@ -615,26 +611,83 @@ impl Config {
             + &row_storer("dv", "dkv", Dim::EV, self.vec4, false);
         if let Some(c) = &self.coop {
             let [bk, bq] = c.dkv;
-            return self.coop_prelude(c, [bq, bk]) + &out;
+            return self.coop_prelude(c, [bq, bk]).code(&out);
         }
-        format!(
-            "{}const BQ: u32 = {}u;\nconst QT: u32 = {}u;\nconst RK: u32 = {}u;\nconst SG_Q: bool = {};\n{}{out}",
-            self.common_prelude(),
-            self.bq,
-            if self.sg { 1 } else { self.bq },
-            self.rk,
-            self.sg,
-            if self.sg { Q_SUBGROUP } else { Q_SHARED },
-        )
+        self.common_prelude()
+            .consts(&DkvConsts {
+                BQ: self.bq,
+                QT: if self.sg { 1 } else { self.bq },
+                RK: self.rk,
+                SG_Q: self.sg,
+            })
+            .code(if self.sg { Q_SUBGROUP } else { Q_SHARED })
+            .code(&out)
+    }
+}
+
+wgsl_consts! {
+    /// What the fused backward's dQ and dK/dV kernels share: head dims in vec4s, `WG`
+    /// invocations, whether loops are unrolled and how logits are summed.
+    pub(crate) struct CommonConsts {
+        E4: u32,
+        EV4: u32,
+        WG: u32,
+        UNROLL: bool,
+        UNROLL_E: bool,
+        SCALAR_LOGITS: bool,
+    }
+}
+
+wgsl_consts! {
+    /// The dQ kernel (`shaders/bwd_dq.wgsl`): `BK` keys per tile, `RQ` rows per invocation,
+    /// keys shared through the subgroup (`SG_KV`) or workgroup memory.
+    pub(crate) struct DqConsts {
+        BK: u32,
+        RQ: u32,
+        SG_KV: bool,
+    }
+}
+
+wgsl_consts! {
+    /// The dK/dV kernel (`shaders/bwd_dkv.wgsl`): `BQ` queries per tile (`QT` staged), `RK`
+    /// keys per invocation, queries shared through the subgroup (`SG_Q`) or workgroup memory.
+    pub(crate) struct DkvConsts {
+        BQ: u32,
+        QT: u32,
+        RK: u32,
+        SG_Q: bool,
+    }
+}
+
+wgsl_consts! {
+    /// The fused backward on the matrix units (`shaders/bwd_dq_coop.wgsl`, `bwd_dkv_coop.wgsl`):
+    /// `BQ` x `BK` blocks, head dims padded to the tile (`EP`, `EVP`).
+    pub(crate) struct CoopConsts {
+        E4: u32,
+        EV4: u32,
+        BQ: u32,
+        BK: u32,
+        EP: u32,
+        EVP: u32,
+        UNROLL: bool,
+        UNROLL_E: bool,
+        SCALAR_LOGITS: bool,
+    }
+}
+
+wgsl_consts! {
+    /// The capture-gradient kernel's bound on a user function's capture calls.
+    pub(crate) struct DcapConsts {
+        CALLS: u32,
     }
 }
 
 /// The mask flags, the bias, and q, k, v, dout (bindings 2-5) in their formats (`out`: dout's)
 /// with `load_q`, `load_k`, `load_v`, `load_dout(row, c4)` and their `X_base(row)` (dense, or
 /// through the `views`).
-fn grad_io(f: &Formats, masks: (bool, bool, super::Mods), vec4: bool, views: &Views) -> String {
+fn grad_io(f: &Formats, masks: (bool, bool, super::Mods), vec4: bool, views: &Views) -> Prelude {
     let (has_mask, has_bias, mods) = masks;
-    let mut s = mask_flags(has_mask, has_bias, mods, f.bias);
+    let mut s = String::new();
     for (i, (x, fmt, dim, view, slot)) in [
         ("q", f.q, Dim::E, views.q, "q"),
         ("k", f.k, Dim::E, views.k, "k"),
@@ -651,11 +704,24 @@ fn grad_io(f: &Formats, masks: (bool, bool, super::Mods), vec4: bool, views: &Vi
             s += &super::access::key_row_loaders(x, dim, vec4, false, false);
         }
     }
-    s
+    mask_flags(has_mask, has_bias, mods, f.bias).code(&s).tag(format!(
+        "q={} k={} v={} dout={}{}{}",
+        f.q,
+        f.k,
+        f.v,
+        f.out,
+        if vec4 { " vec4" } else { "" },
+        super::access::viewed(&[
+            ("q", views.q),
+            ("k", views.k),
+            ("v", views.v),
+            ("dout", views.dout)
+        ]),
+    ))
 }
 
 /// The dbias kernel's prelude (any head dims): scalar q, k, v, dout; dbias in the bias's format.
-pub(crate) fn dbias_prelude(p: &Problem, tuning: &crate::forms::Tuning) -> String {
+pub(crate) fn dbias_prelude(p: &Problem, tuning: &crate::forms::Tuning) -> Prelude {
     let f = &p.storage;
     let access = if f.bias.is_half() {
         Access::Atomic
@@ -667,12 +733,13 @@ pub(crate) fn dbias_prelude(p: &Problem, tuning: &crate::forms::Tuning) -> Strin
         (p.mask.is_some(), true, super::Mods::of(p, tuning)),
         false,
         &p.views,
-    ) + &array("dbias", 7, f.bias, false, access)
+    )
+    .code(&array("dbias", 7, f.bias, false, access))
 }
 
 /// The capture-gradient kernel's prelude: scalar q, k, v, dout, the calls' bound and the
 /// user's `score_mod_dcapture` with its accumulators (None: the source has none).
-pub(crate) fn dcap_prelude(p: &Problem, tuning: &crate::forms::Tuning) -> Option<String> {
+pub(crate) fn dcap_prelude(p: &Problem, tuning: &crate::forms::Tuning) -> Option<Prelude> {
     let user = p.user_fns.as_ref()?;
     let dcap = user.code.dcapture.clone()?;
     Some(
@@ -681,22 +748,31 @@ pub(crate) fn dcap_prelude(p: &Problem, tuning: &crate::forms::Tuning) -> Option
             (p.mask.is_some(), p.bias.is_some(), super::Mods::of(p, tuning)),
             false,
             &p.views,
-        ) + &format!("const CALLS: u32 = {}u;\n", crate::user_mod::MAX_DCAPTURE_CALLS)
-            + &dcap,
+        )
+        .consts(&DcapConsts {
+            CALLS: crate::user_mod::MAX_DCAPTURE_CALLS as u32,
+        })
+        .code(&dcap),
     )
 }
 
 /// The prep kernel's prelude: o and dout (bindings 0, 1) in their formats, with `o_base` and
 /// `dout_base` (dense, or through the `views`).
-pub(crate) fn prep_prelude(o: Storage, dout: Storage, views: &Views) -> String {
-    array("o", 0, o, false, Access::Read)
-        + &array("dout", 1, dout, false, Access::Read)
-        + &row_base("o", Dim::EV, false, views.out.map(|_| "o"), "")
-        + &row_base("dout", Dim::EV, false, views.dout.map(|_| "g"), "")
+pub(crate) fn prep_prelude(o: Storage, dout: Storage, views: &Views) -> Prelude {
+    Prelude::from(
+        array("o", 0, o, false, Access::Read)
+            + &array("dout", 1, dout, false, Access::Read)
+            + &row_base("o", Dim::EV, false, views.out.map(|_| "o"), "")
+            + &row_base("dout", Dim::EV, false, views.dout.map(|_| "g"), ""),
+    )
+    .tag(format!(
+        "o={o} dout={dout}{}",
+        super::access::viewed(&[("o", views.out), ("dout", views.dout)])
+    ))
 }
 
 /// The ds kernel's prelude.
-pub(crate) fn ds_prelude(has_mask: bool, has_bias: bool, mods: super::Mods, bias: Storage) -> String {
+pub(crate) fn ds_prelude(has_mask: bool, has_bias: bool, mods: super::Mods, bias: Storage) -> Prelude {
     mask_flags(has_mask, has_bias, mods, bias)
 }
 
@@ -706,7 +782,7 @@ pub(crate) fn record(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
     spec: &KernelSpec,
-    prelude: &str,
+    prelude: &Prelude,
     buffers: &[wgpu::BufferBinding<'_>],
     params: &Params,
     workgroups: u32,

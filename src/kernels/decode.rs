@@ -4,6 +4,7 @@
 //! ([`super::merge`]) combines them by the logsumexp rule (also exposed as [`crate::merge`]). [`Config`] picks the
 //! form ([`DecodeForm`]) and the split for the device.
 
+use super::consts::Prelude;
 use super::{common, dispatch, grid_1d, params_of, KernelSpec, Masks, TensorViews};
 use crate::device::context::Context;
 use crate::error::Result;
@@ -239,32 +240,34 @@ impl Config {
     }
 
     /// The kernel's constants, reductions and I/O snippet.
-    pub(crate) fn prelude(&self) -> String {
+    pub(crate) fn prelude(&self) -> Prelude {
+        let masks = super::mask_consts(self.masks, self.bias, self.mods.clone(), self.formats.bias);
+        let (wg, e4, ev4) = (self.wg, self.e4 as u32, self.ev4 as u32);
         if self.form == DecodeForm::GpuTiles {
-            let evp = evp(self.ev4);
-            let ns = self.wg as usize / evp;
-            let kl = self.kl;
-            return format!(
-                "const WG: u32 = {}u;\nconst E4: u32 = {}u;\nconst EV4: u32 = {}u;\n\
-                 const EVP: u32 = {evp}u;\nconst NS: u32 = {ns}u;\nconst KPS: u32 = {}u;\n\
-                 const P8: bool = {};\nconst E8: u32 = {}u;\nconst UNROLL: bool = {};\n\
-                 const KL: u32 = {kl}u;\nconst SCP: u32 = {}u;\nconst KC8: u32 = {}u;\n\
-                 const KC4: u32 = {}u;\nconst PAGED: bool = {};\nconst VR: u32 = {}u;\n{}{}",
-                self.wg,
-                self.e4,
-                self.ev4,
-                self.wg as usize / ns,
-                self.p8(),
-                self.e4 / 2,
-                self.unroll,
-                if kl > 1 { self.wg as usize * kl } else { 1 },
-                self.e4 / 2 / kl,
-                self.e4 / kl,
-                self.views.paged.is_some(),
-                if self.views.paged.is_some() { self.wg } else { 1 },
-                super::mask_consts(self.masks, self.bias, self.mods.clone(), self.formats.bias),
-                self.io(),
-            );
+            let evp = evp(self.ev4) as u32;
+            let ns = wg / evp;
+            let kl = self.kl as u32;
+            let paged = self.views.paged.is_some();
+            return Prelude::new()
+                .consts(&TilesConsts {
+                    WG: wg,
+                    E4: e4,
+                    EV4: ev4,
+                    EVP: evp,
+                    NS: ns,
+                    KPS: wg / ns,
+                    P8: self.p8(),
+                    E8: e4 / 2,
+                    UNROLL: self.unroll,
+                    KL: kl,
+                    SCP: if kl > 1 { wg * kl } else { 1 },
+                    KC8: e4 / 2 / kl,
+                    KC4: e4 / kl,
+                    PAGED: paged,
+                    VR: if paged { wg } else { 1 },
+                })
+                .then(masks)
+                .then(self.io());
         }
         let reductions = if self.form == DecodeForm::Subgroup {
             [common::REDUCE_SUBGROUP, ACC_SUBGROUP]
@@ -274,30 +277,34 @@ impl Config {
         // The shared accumulator reduction sums RB vec4s per tree (a divisor of EV4, at most 8).
         let rb = [8, 4, 2, 1]
             .into_iter()
-            .find(|r| self.ev4.is_multiple_of(*r))
+            .find(|r| ev4.is_multiple_of(*r))
             .unwrap_or(1);
-        format!(
-            "const WG: u32 = {}u;\nconst E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst RB: u32 = {rb}u;\n\
-             const P8: bool = {};\nconst E8: u32 = {}u;\nconst EV8: u32 = {}u;\n\
-             const NRB: u32 = {}u;\nconst UNROLL: bool = {};\n{}{}{}{}",
-            self.wg,
-            self.e4,
-            self.ev4,
-            self.p8(),
-            self.e4 / 2,
-            self.ev4 / 2,
-            self.ev4 / rb,
-            self.unroll,
-            super::mask_consts(self.masks, self.bias, self.mods.clone(), self.formats.bias),
-            self.io(),
-            reductions[0],
-            reductions[1],
-        )
+        Prelude::new()
+            .consts(&SplitConsts {
+                WG: wg,
+                E4: e4,
+                EV4: ev4,
+                RB: rb,
+                P8: self.p8(),
+                E8: e4 / 2,
+                EV8: ev4 / 2,
+                NRB: ev4 / rb,
+                UNROLL: self.unroll,
+            })
+            .then(masks)
+            .then(self.io())
+            .code(reductions[0])
+            .code(reductions[1])
+            .tag(if self.form == DecodeForm::Subgroup {
+                "subgroup-sums"
+            } else {
+                "shared-sums"
+            })
     }
 
     /// The I/O snippet. The partial outputs are f32 scratch; the merge writes the output's
     /// format.
-    fn io(&self) -> String {
+    fn io(&self) -> Prelude {
         super::access::attention_io(
             &self.formats,
             crate::storage::Storage::F32,
@@ -309,6 +316,46 @@ impl Config {
                 ..self.views
             },
         )
+    }
+}
+
+wgsl_consts! {
+    /// The split pass's shared and subgroup forms (`shaders/decode.wgsl`): `WG` invocations,
+    /// head dims in vec4s (`E8`, `EV8`: in pairs of them, read as 8 elements where `P8`), the
+    /// accumulator reduced `RB` vec4s per tree over `NRB` trees.
+    pub(crate) struct SplitConsts {
+        WG: u32,
+        E4: u32,
+        EV4: u32,
+        RB: u32,
+        P8: bool,
+        E8: u32,
+        EV8: u32,
+        NRB: u32,
+        UNROLL: bool,
+    }
+}
+
+wgsl_consts! {
+    /// The split pass's GPU-tiled form (`shaders/decode_tiles.wgsl`): `NS` key slots of `KPS`
+    /// invocations, `EVP` invocations per V row, `KL` lanes per key (`SCP`, `KC8`, `KC4` derived),
+    /// paged caches read `VR` rows at a time.
+    pub(crate) struct TilesConsts {
+        WG: u32,
+        E4: u32,
+        EV4: u32,
+        EVP: u32,
+        NS: u32,
+        KPS: u32,
+        P8: bool,
+        E8: u32,
+        UNROLL: bool,
+        KL: u32,
+        SCP: u32,
+        KC8: u32,
+        KC4: u32,
+        PAGED: bool,
+        VR: u32,
     }
 }
 

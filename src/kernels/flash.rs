@@ -5,6 +5,7 @@
 //! GQA by indexing the shared K/V head. Memory is linear in L and S: the score matrix is never
 //! written. [`Config`] picks the form and tile sizes for the device.
 
+use super::consts::Prelude;
 use super::{common, dispatch, grid_1d, params_of, KernelSpec, Masks, TensorViews};
 use crate::device::context::Context;
 use crate::error::Result;
@@ -567,7 +568,8 @@ impl Config {
         }
     }
 
-    pub(crate) fn prelude(&self) -> String {
+    /// The kernel's constants, I/O and score snippets.
+    pub(crate) fn prelude(&self) -> Prelude {
         let io = super::access::attention_io(
             &self.formats,
             self.formats.out,
@@ -576,77 +578,142 @@ impl Config {
             false,
             &self.views,
         );
-        let score = SCORE;
-        if let FusedForm::Coop { tile: Some(t) } = self.form {
-            let (ep, evp) = (
-                (4 * self.e4).next_multiple_of(t),
-                (4 * self.ev4).next_multiple_of(t),
-            );
-            return format!(
-                "{}const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BQ: u32 = {}u;\nconst BK: u32 = {}u;\n\
-                 const EP: u32 = {ep}u;\nconst EVP: u32 = {evp}u;\nconst KVW: u32 = {}u;\n\
-                 const SCALAR_LOGITS: bool = false;\nconst UNROLL: bool = false;\nconst UNROLL_E: bool = false;\n{}{io}{score}",
-                super::matmul::coop_prelude(t, self.wg),
-                self.e4,
-                self.ev4,
-                self.bm,
-                self.bk,
-                ep.max(evp),
-                super::mask_consts(self.has_mask, self.has_bias, self.mods.clone(), self.formats.bias),
-            );
-        }
-        if self.form == FusedForm::GpuTiles {
-            let (tm, tn) = (self.rq, self.kg);
-            let nx = self.bk / tn;
-            let evt = self.ev4.div_ceil(nx);
-            let ny = self.bm / tm;
-            let red = if self.sg_rows { 1 } else { self.bm * nx };
-            return format!(
-                "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BM: u32 = {}u;\nconst BN: u32 = {}u;\n\
-                 const TM: u32 = {tm}u;\nconst TN: u32 = {tn}u;\nconst TMN: u32 = {}u;\n\
-                 const NX: u32 = {nx}u;\nconst NY: u32 = {ny}u;\nconst EVT: u32 = {evt}u;\nconst TM_EVT: u32 = {}u;\n\
-                 const NPK: u32 = {}u;\nconst NPV: u32 = {}u;\n\
-                 const SCALAR_LOGITS: bool = {};\nconst PREFETCH: bool = {};\n\
-                 const SG_ROWS: bool = {};\nconst RED_LEN: u32 = {red}u;\n{}\
-                 const UNROLL: bool = {};\nconst UNROLL_E: bool = {};\n{}{io}{score}",
-                self.e4,
-                self.ev4,
-                self.bm,
-                self.bk,
-                tm * tn,
-                tm * evt,
-                (self.bk * self.e4).div_ceil(nx * ny),
-                (self.bk * nx * evt).div_ceil(nx * ny),
-                self.scalar_logits(),
+        let masks = super::mask_consts(self.has_mask, self.has_bias, self.mods.clone(), self.formats.bias);
+        let (e4, ev4) = (self.e4, self.ev4);
+        let form = match self.form {
+            FusedForm::Coop { tile: Some(t) } => {
+                let (ep, evp) = ((4 * e4).next_multiple_of(t), (4 * ev4).next_multiple_of(t));
+                super::matmul::coop_prelude(t, self.wg).consts(&CoopConsts {
+                    E4: e4,
+                    EV4: ev4,
+                    BQ: self.bm,
+                    BK: self.bk,
+                    EP: ep,
+                    EVP: evp,
+                    KVW: ep.max(evp),
+                    SCALAR_LOGITS: false,
+                    UNROLL: false,
+                    UNROLL_E: false,
+                })
+            }
+            FusedForm::GpuTiles => self.tiles_prelude(),
+            _ => Prelude::new()
+                .consts(&SharedConsts {
+                    E4: e4,
+                    EV4: ev4,
+                    BK: self.bk,
+                    WG: self.wg,
+                    RQ: self.rq,
+                    KG: self.kg,
+                    NG: self.bk / self.kg,
+                    UNROLL: self.unroll,
+                    UNROLL_E: self.unroll_e,
+                    SG_KV: self.sg_kv,
+                    SCALAR_LOGITS: self.scalar_logits(),
+                })
+                // Naga takes the subgroup built-ins without `enable subgroups;` (which it rejects).
+                .code(if self.sg_kv { KV_SUBGROUP } else { KV_SHARED }),
+        };
+        form.then(masks).then(io).code(SCORE)
+    }
+
+    /// The GPU-tiled form's constants and row reductions.
+    fn tiles_prelude(&self) -> Prelude {
+        let (tm, tn) = (self.rq, self.kg);
+        let nx = self.bk / tn;
+        let evt = self.ev4.div_ceil(nx);
+        let ny = self.bm / tm;
+        Prelude::new()
+            .consts(&TilesConsts {
+                E4: self.e4,
+                EV4: self.ev4,
+                BM: self.bm,
+                BN: self.bk,
+                TM: tm,
+                TN: tn,
+                TMN: tm * tn,
+                NX: nx,
+                NY: ny,
+                EVT: evt,
+                TM_EVT: tm * evt,
+                NPK: (self.bk * self.e4).div_ceil(nx * ny),
+                NPV: (self.bk * nx * evt).div_ceil(nx * ny),
+                SCALAR_LOGITS: self.scalar_logits(),
                 // The next K/V tile's loads issued before this tile's arithmetic: off unless the
                 // knob asks (slower on an H200).
-                self.tuning.tiles_prefetch == Some(1),
-                self.sg_rows,
-                if self.sg_rows { TILES_SG_ROW_FNS } else { TILES_ROW_FN_STUBS },
-                self.unroll,
-                self.unroll_e,
-                super::mask_consts(self.has_mask, self.has_bias, self.mods.clone(), self.formats.bias),
-            );
-        }
-        // Naga takes the subgroup built-ins without `enable subgroups;` (which it rejects).
-        let kv = if self.sg_kv { KV_SUBGROUP } else { KV_SHARED };
-        format!(
-            "const E4: u32 = {}u;\nconst EV4: u32 = {}u;\nconst BK: u32 = {}u;\nconst WG: u32 = {}u;\n\
-             const RQ: u32 = {}u;\nconst KG: u32 = {}u;\nconst NG: u32 = {}u;\n\
-             const UNROLL: bool = {};\nconst UNROLL_E: bool = {};\nconst SG_KV: bool = {};\nconst SCALAR_LOGITS: bool = {};\n{}{io}{kv}{score}",
-            self.e4,
-            self.ev4,
-            self.bk,
-            self.wg,
-            self.rq,
-            self.kg,
-            self.bk / self.kg,
-            self.unroll,
-            self.unroll_e,
-            self.sg_kv,
-            self.scalar_logits(),
-            super::mask_consts(self.has_mask, self.has_bias, self.mods.clone(), self.formats.bias),
-        )
+                PREFETCH: self.tuning.tiles_prefetch == Some(1),
+                SG_ROWS: self.sg_rows,
+                RED_LEN: if self.sg_rows { 1 } else { self.bm * nx },
+                UNROLL: self.unroll,
+                UNROLL_E: self.unroll_e,
+            })
+            .code(if self.sg_rows {
+                TILES_SG_ROW_FNS
+            } else {
+                TILES_ROW_FN_STUBS
+            })
+    }
+}
+
+wgsl_consts! {
+    /// The shared and subgroup forms of the fused forward (`shaders/flash.wgsl`): head dims in
+    /// vec4s, `BK` keys per tile, `WG` invocations, `RQ` rows each, keys in `KG` groups of `NG`.
+    pub(crate) struct SharedConsts {
+        E4: u32,
+        EV4: u32,
+        BK: u32,
+        WG: u32,
+        RQ: u32,
+        KG: u32,
+        NG: u32,
+        UNROLL: bool,
+        UNROLL_E: bool,
+        SG_KV: bool,
+        SCALAR_LOGITS: bool,
+    }
+}
+
+wgsl_consts! {
+    /// The GPU-tiled form (`shaders/flash_tiles.wgsl`): `BM` x `BN` tiles of `TM` x `TN`
+    /// register blocks over `NX` x `NY` invocations, `EVT` output vec4s each, `NPK`/`NPV` loads
+    /// of K/V per invocation, the row reductions' length.
+    pub(crate) struct TilesConsts {
+        E4: u32,
+        EV4: u32,
+        BM: u32,
+        BN: u32,
+        TM: u32,
+        TN: u32,
+        TMN: u32,
+        NX: u32,
+        NY: u32,
+        EVT: u32,
+        TM_EVT: u32,
+        NPK: u32,
+        NPV: u32,
+        SCALAR_LOGITS: bool,
+        PREFETCH: bool,
+        SG_ROWS: bool,
+        RED_LEN: u32,
+        UNROLL: bool,
+        UNROLL_E: bool,
+    }
+}
+
+wgsl_consts! {
+    /// The matrix units' form (`shaders/flash_coop.wgsl`): `BQ` queries and `BK` keys per tile,
+    /// head dims padded to the tile (`EP`, `EVP`), `KVW` the staged rows' width.
+    pub(crate) struct CoopConsts {
+        E4: u32,
+        EV4: u32,
+        BQ: u32,
+        BK: u32,
+        EP: u32,
+        EVP: u32,
+        KVW: u32,
+        SCALAR_LOGITS: bool,
+        UNROLL: bool,
+        UNROLL_E: bool,
     }
 }
 
@@ -748,13 +815,19 @@ mod tests {
             let c = Config::tiles(&p, &Caps::new(&limits, false, sg), false).unwrap();
             assert_eq!((c.bm, c.bk, c.sg_rows), (64, 32, want), "subgroup {sg:?}");
             let prelude = c.prelude();
-            assert!(prelude.contains(&format!("const SG_ROWS: bool = {want};")));
+            let declared = prelude.declared();
+            assert!(declared.contains(&("SG_ROWS", want.into())));
             // Subgroup built-ins only where used: WebGPU compilers reject them otherwise.
-            assert_eq!(prelude.contains("subgroupShuffleXor"), want, "subgroup {sg:?}");
-            let red = if want { 1 } else { 64 * 8 };
+            assert_eq!(
+                prelude.text().contains("subgroupShuffleXor"),
+                want,
+                "subgroup {sg:?}"
+            );
+            let red: u32 = if want { 1 } else { 64 * 8 };
             assert!(
-                prelude.contains(&format!("const RED_LEN: u32 = {red}u;")),
-                "{prelude}"
+                declared.contains(&("RED_LEN", red.into())),
+                "{}",
+                prelude.label("flash_tiles")
             );
         }
     }

@@ -3,6 +3,7 @@
 //! crate's plain matmul. 64×64 output tile per workgroup, 4×4 per invocation, K in steps of 16.
 
 use super::access::{array, Access};
+use super::consts::Prelude;
 use super::{dispatch, params_of, Binding, KernelSpec};
 use crate::device::context::Context;
 use crate::error::Result;
@@ -56,11 +57,53 @@ pub(crate) const COOP_SPEC: KernelSpec = KernelSpec {
 
 /// The coop form's prelude for tiles of `t` in workgroups of `wg`: the `enable` directives,
 /// `TILE`, `WG` and the matrix types AT, BT, CT.
-pub(crate) fn coop_prelude(t: u32, wg: u32) -> String {
-    format!(
-        "enable f16;\nenable wgpu_cooperative_matrix;\nconst TILE: u32 = {t}u;\nconst WG: u32 = {wg}u;\n\
-         alias AT = coop_mat{t}x{t}<f16, A>;\nalias BT = coop_mat{t}x{t}<f16, B>;\nalias CT = coop_mat{t}x{t}<f32, C>;\n"
-    )
+pub(crate) fn coop_prelude(t: u32, wg: u32) -> Prelude {
+    Prelude::new()
+        .code("enable f16;\nenable wgpu_cooperative_matrix;\n")
+        .consts(&CoopConsts { TILE: t, WG: wg })
+        .code(&format!(
+            "alias AT = coop_mat{t}x{t}<f16, A>;\nalias BT = coop_mat{t}x{t}<f16, B>;\nalias CT = coop_mat{t}x{t}<f32, C>;\n"
+        ))
+}
+
+wgsl_consts! {
+    /// The matrix units' tiles: `TILE` x `TILE` matrices in workgroups of `WG` invocations.
+    pub(crate) struct CoopConsts {
+        TILE: u32,
+        WG: u32,
+    }
+}
+
+wgsl_consts! {
+    /// The matmul kernels' override constants (`override TRANS_B: bool` in the WGSL).
+    pub(crate) struct Overrides {
+        /// B is read transposed (`A Bᵀ`).
+        TRANS_B: bool,
+        /// A bias row is added.
+        HAS_BIAS: bool,
+        /// The product is added to C.
+        ACCUM: bool,
+    }
+}
+
+wgsl_consts! {
+    /// The subgroup form's tiles: `RQ` rows per invocation, `NB` column blocks of 8, `NB2`
+    /// and `ACC` derived, `KC4` vec4 steps of k per chunk.
+    pub(crate) struct SgConsts {
+        RQ: u32,
+        NB: u32,
+        NB2: u32,
+        ACC: u32,
+        KC4: u32,
+        UNROLL: bool,
+    }
+}
+
+wgsl_consts! {
+    /// Whether a kernel's marked loops are unrolled at the source.
+    pub(crate) struct Unroll {
+        UNROLL: bool,
+    }
 }
 
 /// Output tile edge (rows and columns) per workgroup of the tiled form; the grid is sized for
@@ -205,9 +248,17 @@ pub(crate) const SG_KC4: u32 = 2;
 
 /// `load_a`/`load_b` of the subgroup form: 4 consecutive k of a row of A (of column `col` of
 /// B'), zero past M, N or K. `vec4`: one vec4 load (K and every row start multiples of 4).
-pub(crate) fn sg_prelude(rows: u32, trans_b: bool, a_vec4: bool, b_vec4: bool) -> String {
+pub(crate) fn sg_prelude(rows: u32, trans_b: bool, a_vec4: bool, b_vec4: bool) -> Prelude {
     let nb = SG_NB;
-    let mut s = format!("const RQ: u32 = {rows}u;\nconst NB: u32 = {nb}u;\nconst NB2: u32 = {}u;\nconst ACC: u32 = {}u;\nconst KC4: u32 = {}u;\nconst UNROLL: bool = true;\n", 2 * nb, 2 * nb * rows, SG_KC4);
+    let consts = SgConsts {
+        RQ: rows,
+        NB: nb,
+        NB2: 2 * nb,
+        ACC: 2 * nb * rows,
+        KC4: SG_KC4,
+        UNROLL: true,
+    };
+    let mut s = String::new();
     let rowwise = |name: &str, x: &str, lim: &str, row_stride: &str, vec4: bool| {
         let body = if vec4 {
             format!("    if (k < p.k) {{ return {x}_get4(base + r * {row_stride} + k); }}\n    return vec4<f32>(0.0);\n")
@@ -243,7 +294,10 @@ pub(crate) fn sg_prelude(rows: u32, trans_b: bool, a_vec4: bool, b_vec4: bool) -
               return vec4<f32>(subgroupShuffle(b[j % 4u], l), subgroupShuffle(b[j % 4u], l + 1u), \
               subgroupShuffle(b[j % 4u], l + 2u), subgroupShuffle(b[j % 4u], l + 3u));\n}\n";
     }
-    s
+    Prelude::new()
+        .consts(&consts)
+        .code(&s)
+        .tag(if trans_b { "b-transposed" } else { "b-rows" })
 }
 
 wgsl_struct! {
@@ -325,12 +379,12 @@ impl Params {
 /// The declarations of a, b, bias, c in `formats` and `store_c4`. `c_words`: every row of c
 /// starts at an even element and N is even, so half-format pairs are whole words (else they
 /// are stored element by element, by atomics).
-pub(crate) fn prelude(formats: [Storage; 4], c_words: bool) -> String {
+pub(crate) fn prelude(formats: [Storage; 4], c_words: bool) -> Prelude {
     prelude_vec4(formats, c_words, [false, false])
 }
 
 /// [`prelude`] with a and b in the vec4 layout where `vec4` says so.
-pub(crate) fn prelude_vec4(formats: [Storage; 4], c_words: bool, vec4: [bool; 2]) -> String {
+pub(crate) fn prelude_vec4(formats: [Storage; 4], c_words: bool, vec4: [bool; 2]) -> Prelude {
     let [fa, fb, fbias, fc] = formats;
     let atomic = fc.is_half() && !c_words;
     let mut s = array("a", 0, fa, vec4[0], Access::Read);
@@ -349,7 +403,12 @@ pub(crate) fn prelude_vec4(formats: [Storage; 4], c_words: bool, vec4: [bool; 2]
     } else {
         "fn store_c4(i: u32, n_left: u32, x: vec4<f32>) {\n    for (var j = 0u; j < 4u; j++) {\n        if (j < n_left) { c_set(i + j, x[j]); }\n    }\n}\n"
     };
-    s
+    Prelude::from(s).tag(format!(
+        "a={fa} b={fb} bias={fbias} c={fc}{}{}{}",
+        if c_words { " c-words" } else { "" },
+        if vec4[0] { " a-vec4" } else { "" },
+        if vec4[1] { " b-vec4" } else { "" }
+    ))
 }
 
 /// Operands of one batched product; `batch` slices go on the grid's z axis.
@@ -437,11 +496,11 @@ impl Matmul<'_> {
         let [tm, tn] = form.tile();
         let grid = [p.n.div_ceil(tn), p.m.div_ceil(tm), self.batch];
         let bias = self.bias.clone().unwrap_or(dummy.as_entire_buffer_binding());
-        let constants = [
-            ("TRANS_B", self.trans_b as u32 as f64),
-            ("HAS_BIAS", self.bias.is_some() as u32 as f64),
-            ("ACCUM", self.accumulate as u32 as f64),
-        ];
+        let constants = super::consts::overrides(&Overrides {
+            TRANS_B: self.trans_b,
+            HAS_BIAS: self.bias.is_some(),
+            ACCUM: self.accumulate,
+        });
         debug_assert!(!self.accumulate || self.formats[3] == Storage::F32);
         let c_words = self.c_words();
         if form.is_coop() && !self.coop_stores() {
@@ -456,7 +515,9 @@ impl Matmul<'_> {
             // it) compile the loops as written, in a fraction of the time.
             Form::GpuTiles => (
                 &TILES_SPEC,
-                prelude(self.formats, c_words) + &format!("const UNROLL: bool = {};\n", !ctx.caps().cpu),
+                prelude(self.formats, c_words).consts(&Unroll {
+                    UNROLL: !ctx.caps().cpu,
+                }),
             ),
             Form::Subgroup => {
                 let aligned = |x: u32| x.is_multiple_of(4);
@@ -472,14 +533,18 @@ impl Matmul<'_> {
                     && aligned(p.b_off);
                 (
                     &SG_SPEC,
-                    prelude_vec4(self.formats, c_words, [a4, b4])
-                        + &sg_prelude(SG_ROWS, self.trans_b, a4, b4),
+                    prelude_vec4(self.formats, c_words, [a4, b4]).then(sg_prelude(
+                        SG_ROWS,
+                        self.trans_b,
+                        a4,
+                        b4,
+                    )),
                 )
             }
             Form::Coop { tile } => (
                 &COOP_SPEC,
                 coop_prelude(tile.expect("resolved above"), caps.coop_workgroup())
-                    + &prelude(self.formats, c_words),
+                    .then(prelude(self.formats, c_words)),
             ),
         };
         dispatch(

@@ -39,7 +39,7 @@ pub(crate) fn prelude(
     out: crate::storage::Storage,
     ev: u32,
     view: Option<crate::view::View>,
-) -> String {
+) -> super::consts::Prelude {
     use super::access::{array, row_base, Access, Dim};
     // Half outputs with an even Ev (and rows at even elements) are stored in whole words;
     // else by atomics.
@@ -54,12 +54,17 @@ pub(crate) fn prelude(
     } else {
         "fn store2(row0: u32, d: u32, x: vec2<f32>) {\n    out_set(row0 + d, x.x);\n    if (d + 1u < p.ev) { out_set(row0 + d + 1u, x.y); }\n}\n"
     };
-    format!(
+    super::consts::Prelude::from(format!(
         "{}{}{store}{}",
         array("part_out", 0, parts, false, Access::Read),
         array("out", 2, out, false, access),
         row_base("out", Dim::EV, false, view.map(|_| "o"), "")
-    )
+    ))
+    .tag(format!(
+        "parts={parts} out={out}{}{}",
+        if words { " out-words" } else { "" },
+        super::access::viewed(&[("o", view)])
+    ))
 }
 
 /// Record the merge. `buffers`: part_out, part_lse, out, lse.

@@ -8,6 +8,8 @@
 
 #[macro_use]
 pub(crate) mod wgsl;
+#[macro_use]
+pub(crate) mod consts;
 pub(crate) mod access;
 pub(crate) mod aux;
 pub(crate) mod backward;
@@ -29,6 +31,7 @@ pub(crate) mod unroll;
 use crate::device::context::Context;
 use crate::device::pipelines::{Key, Pipeline};
 use crate::error::{Error, Result};
+use consts::Prelude;
 use wgsl::WgslType;
 
 /// The WGSL snippets the kernels share (`shaders/common/`), prepended by the host.
@@ -296,10 +299,11 @@ pub(crate) fn mask_consts(
     has_bias: bool,
     mods: Mods,
     bias: crate::storage::Storage,
-) -> String {
-    mask_flags(has_mask, has_bias, mods, bias)
-        + "@group(0) @binding(2) var<storage, read> kv_lens: array<u32>;\n\
-           fn aux_word(i: u32) -> u32 { return kv_lens[i]; }\n"
+) -> Prelude {
+    mask_flags(has_mask, has_bias, mods, bias).code(
+        "@group(0) @binding(2) var<storage, read> kv_lens: array<u32>;\n\
+         fn aux_word(i: u32) -> u32 { return kv_lens[i]; }\n",
+    )
 }
 
 /// Whether a kernel's code may run without wgpu's runtime checks (bounds checks, loop bounds)
@@ -373,6 +377,26 @@ impl Mods {
     }
 }
 
+wgsl_consts! {
+    /// Which masks and modifiers a masked kernel compiles in (`shaders/common/masks.wgsl` and
+    /// its modifiers): the code of each absent one is compiled out.
+    pub(crate) struct MaskConsts {
+        HAS_MASK: bool,
+        HAS_BIAS: bool,
+        HAS_WINDOW: bool,
+        HAS_SOFTCAP: bool,
+        HAS_ALIBI: bool,
+        HAS_SINKS: bool,
+        HAS_DOCS: bool,
+        HAS_SCORE_MOD: bool,
+        HAS_MASK_MOD: bool,
+        /// Whether the fused kernels pass each logit through `masked_logit` (the window alone
+        /// they apply by key ranges).
+        MASKED_LOGIT: bool,
+        SOFTCAP_FORM: u32,
+    }
+}
+
 /// [`mask_consts`] without the key lengths (the backward kernels read them from their
 /// statistics buffer).
 pub(crate) fn mask_flags(
@@ -380,26 +404,36 @@ pub(crate) fn mask_flags(
     has_bias: bool,
     mods: Mods,
     bias: crate::storage::Storage,
-) -> String {
-    // MASKED_LOGIT: whether the fused kernels pass each logit through masked_logit (the window
-    // alone they apply by key ranges).
-    format!(
-        "const HAS_MASK: bool = {has_mask};\nconst HAS_BIAS: bool = {has_bias};\nconst HAS_WINDOW: bool = {};\n\
-         const HAS_SOFTCAP: bool = {};\nconst HAS_ALIBI: bool = {};\nconst HAS_SINKS: bool = {};\n\
-         const HAS_DOCS: bool = {};\nconst HAS_SCORE_MOD: bool = {};\nconst HAS_MASK_MOD: bool = {};\n\
-         const MASKED_LOGIT: bool = {};\nconst SOFTCAP_FORM: u32 = {}u;\n{}{}",
-        mods.window,
-        mods.softcap,
-        mods.alibi,
-        mods.sinks,
-        mods.docs,
-        mods.score_mod,
-        mods.mask_mod,
-        has_mask || has_bias || mods.softcap || mods.alibi || mods.docs || mods.score_mod || mods.mask_mod,
-        mods.softcap_form,
-        access::bias(bias),
-        crate::user_mod::prelude(mods.user.as_deref()),
-    )
+) -> Prelude {
+    let c = MaskConsts {
+        HAS_MASK: has_mask,
+        HAS_BIAS: has_bias,
+        HAS_WINDOW: mods.window,
+        HAS_SOFTCAP: mods.softcap,
+        HAS_ALIBI: mods.alibi,
+        HAS_SINKS: mods.sinks,
+        HAS_DOCS: mods.docs,
+        HAS_SCORE_MOD: mods.score_mod,
+        HAS_MASK_MOD: mods.mask_mod,
+        MASKED_LOGIT: has_mask
+            || has_bias
+            || mods.softcap
+            || mods.alibi
+            || mods.docs
+            || mods.score_mod
+            || mods.mask_mod,
+        SOFTCAP_FORM: mods.softcap_form,
+    };
+    let user = mods.user.as_deref();
+    let p = Prelude::new()
+        .consts(&c)
+        .code(&access::bias(bias))
+        .code(&crate::user_mod::prelude(user))
+        .tag(format!("bias={bias}"));
+    match user {
+        Some(code) => p.tag(format!("user={:016x}", code.hash())),
+        None => p,
+    }
 }
 
 /// Every kernel of the crate, once. The GPU-free tests assemble every one of them (naga,
@@ -573,13 +607,13 @@ fn unchecked(ctx: &Context, spec: &KernelSpec, checks: Checks) -> bool {
 pub(crate) fn pipeline(
     ctx: &Context,
     spec: &KernelSpec,
-    prelude: &str,
+    prelude: &Prelude,
     constants: &[(&'static str, f64)],
     checks: Checks,
 ) -> std::sync::Arc<Pipeline> {
     let unchecked = unchecked(ctx, spec, checks);
     ctx.pipelines()
-        .get_or_build(Key::new(spec.name, prelude, constants, unchecked), || {
+        .get_or_build(Key::new(spec.name, prelude.text(), constants, unchecked), || {
             let storage = ctx.params_in_storage(spec.bindings.len());
             let types: Vec<wgpu::BufferBindingType> = spec
                 .bindings
@@ -591,17 +625,18 @@ pub(crate) fn pipeline(
                     Binding::Params => wgpu::BufferBindingType::Uniform,
                 })
                 .collect();
-            let src = source(spec, prelude, storage);
+            let src = source(spec, prelude.text(), storage);
+            let label = prelude.label(spec.name);
             // The crate's own tests: every pipeline also as Metal's and DX12's backends would
             // translate it (a failure there names the variant).
             #[cfg(feature = "translation-check")]
-            if let Err(e) = translate::check(spec.name, &src, constants) {
+            if let Err(e) = translate::check(&label, &src, constants) {
                 panic!("translation check: {e}");
             }
             #[cfg(not(target_arch = "wasm32"))]
             if crate::device::pipelines::compile_log::enabled() {
                 let t0 = std::time::Instant::now();
-                let p = Pipeline::new(ctx.device(), spec.name, src.clone(), &types, constants, unchecked);
+                let p = Pipeline::new(ctx.device(), &label, src.clone(), &types, constants, unchecked);
                 crate::device::pipelines::compile_log::first_dispatch(
                     ctx.device(),
                     ctx.queue(),
@@ -613,7 +648,7 @@ pub(crate) fn pipeline(
                 );
                 return p;
             }
-            Pipeline::new(ctx.device(), spec.name, src, &types, constants, unchecked)
+            Pipeline::new(ctx.device(), &label, src, &types, constants, unchecked)
         })
 }
 
@@ -634,7 +669,7 @@ pub(crate) fn dispatch(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
     spec: &KernelSpec,
-    prelude: &str,
+    prelude: &Prelude,
     constants: &[(&'static str, f64)],
     buffers: &[wgpu::BufferBinding<'_>],
     params: &[u8],
@@ -781,7 +816,7 @@ fn aliased_outputs<'b>(spec: &KernelSpec, buffers: &[wgpu::BufferBinding<'b>]) -
 /// returns `false` then, and the caller uses that form. Elsewhere (GPUs compile at pipeline
 /// creation; the web has no threads; on GL one context serves every thread, see
 /// [`Context::caps`]) returns `true`: use the pipeline directly.
-pub(crate) fn warm(ctx: &Context, spec: &'static KernelSpec, prelude: String, checks: Checks) -> bool {
+pub(crate) fn warm(ctx: &Context, spec: &'static KernelSpec, prelude: Prelude, checks: Checks) -> bool {
     #[cfg(target_arch = "wasm32")]
     {
         let _ = (ctx, spec, prelude, checks);
@@ -792,7 +827,7 @@ pub(crate) fn warm(ctx: &Context, spec: &'static KernelSpec, prelude: String, ch
         if !ctx.is_cpu() || !ctx.caps().background_compile {
             return true;
         }
-        let key = Key::new(spec.name, &prelude, &[], unchecked(ctx, spec, checks));
+        let key = Key::new(spec.name, prelude.text(), &[], unchecked(ctx, spec, checks));
         if ctx.pipelines().contains(&key) {
             return true;
         }
@@ -825,3 +860,5 @@ pub(crate) fn unroll_dims(p: &crate::problem::Problem, caps: &crate::forms::Caps
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+pub(crate) mod variants;

@@ -42,18 +42,19 @@ wgsl_struct! {
 }
 
 /// The declarations of src and dst in their formats, and `store_pair`.
-pub(crate) fn prelude(src: Storage, dst: Storage) -> String {
+pub(crate) fn prelude(src: Storage, dst: Storage) -> super::consts::Prelude {
     let store = if dst.is_half() {
         // A half dst is padded to whole words: the pair past an odd end writes the padding.
         "fn store_pair(i: u32, x: vec2<f32>) { dst_set2(i, x); }\n"
     } else {
         "fn store_pair(i: u32, x: vec2<f32>) {\n    if (i + 1u < p.total) { dst_set2(i, x); } else { dst_set(i, x.x); }\n}\n"
     };
-    format!(
+    super::consts::Prelude::from(format!(
         "{}{}{store}",
         array("src", 0, src, false, Access::Read),
         array("dst", 1, dst, false, Access::Write)
-    )
+    ))
+    .tag(format!("src={src} dst={dst}"))
 }
 
 /// Record `dst[i0][i1][i2][i3] = src[Σ ik · strides[k]]` for the contiguous `dims` of `dst`,

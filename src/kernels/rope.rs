@@ -64,7 +64,7 @@ pub(crate) struct Rotation {
 
 /// The kernel's prelude: `dst` (binding 1, written by atomics when half) in its format, and
 /// `load(i)` reading `src` (binding 0) in its format, or `dst` itself when rotating in place.
-pub(crate) fn prelude(src: Option<Storage>, dst: Storage) -> String {
+pub(crate) fn prelude(src: Option<Storage>, dst: Storage) -> super::consts::Prelude {
     let dst_access = if dst.is_half() {
         Access::Atomic
     } else {
@@ -78,7 +78,11 @@ pub(crate) fn prelude(src: Option<Storage>, dst: Storage) -> String {
         }
         None => prelude += "fn load(i: u32) -> f32 { return dst_get(i); }\n",
     }
-    prelude
+    let tag = match src {
+        Some(s) => format!("src={s} dst={dst}"),
+        None => format!("dst={dst}"),
+    };
+    super::consts::Prelude::from(prelude).tag(tag)
 }
 
 /// Record the rotation: `src` into `dst` (in place when `src` is `None`: `dst` read and

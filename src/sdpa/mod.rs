@@ -507,7 +507,13 @@ impl Sdpa<'_> {
                 plan::Tiles::Unfused { .. } => "unfused".to_string(),
                 t => format!("{t:?}"),
             };
-            let key = format!("{:?} {tiles}", plan.form());
+            // The kernel's variant (its prelude) and the tiles, which set the passes around it
+            // (a decode's merge).
+            let variant = plan
+                .variant()
+                .map(|(spec, prelude)| format!("{} {}", spec.name, prelude.text()))
+                .unwrap_or_default();
+            let key = format!("{:?} {tiles}\n{variant}", plan.form());
             if !forms.iter().any(|(k, _)| *k == key) {
                 forms.push((key, s));
             }

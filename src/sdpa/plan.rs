@@ -167,6 +167,24 @@ impl Plan {
         }
     }
 
+    /// The variant of the path's kernel: the kernel and the prelude it is assembled with (its
+    /// typed constants name it: [`crate::kernels::consts::Prelude::label`]). The unfused path
+    /// picks its products' forms as it records (none here). [`crate::Sdpa::prepare`] tells its
+    /// forms apart by it, and the GPU-free kernel tests enumerate the attention kernels'
+    /// variants through it (`kernels::variants`).
+    pub(crate) fn variant(
+        &self,
+    ) -> Option<(
+        &'static crate::kernels::KernelSpec,
+        crate::kernels::consts::Prelude,
+    )> {
+        match &self.kernel {
+            Kernel::Fused(c) => Some((c.spec(), c.prelude())),
+            Kernel::Decode(c) => Some((c.spec(), c.prelude())),
+            Kernel::Unfused(_) => None,
+        }
+    }
+
     /// The tiles.
     pub fn tiles(&self) -> Tiles {
         match &self.kernel {

@@ -21,6 +21,17 @@ pub(crate) struct Checked {
     pub(crate) proved_safe: bool,
 }
 
+impl Checked {
+    /// A hash of the checked source: it names the user code in a pipeline's label.
+    pub(crate) fn hash(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.wgsl.hash(&mut h);
+        self.dcapture.hash(&mut h);
+        h.finish()
+    }
+}
+
 /// The WGSL the kernels' prelude includes for the user functions `code` (none: the stubs).
 pub(crate) fn prelude(code: Option<&Checked>) -> String {
     match code {

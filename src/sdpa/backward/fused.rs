@@ -19,18 +19,19 @@ pub(super) fn record(
     [dkv, dq]: [&wgpu::Buffer; 2],
 ) -> Result<()> {
     let [(k_tiles, dkv_total), (q_tiles, dq_total)] = fused_grids(p, cfg);
-    let mut kernel = |spec, prelude: String, out: &wgpu::Buffer, [tiles, total]: [usize; 2]| {
-        kb::record(
-            ctx,
-            encoder,
-            spec,
-            &prelude,
-            &io.with_out(out.as_entire_buffer_binding()),
-            &params.tiled(tiles, total),
-            total as u32,
-            crate::kernels::Checks::of(p),
-        )
-    };
+    let mut kernel =
+        |spec, prelude: crate::kernels::consts::Prelude, out: &wgpu::Buffer, [tiles, total]: [usize; 2]| {
+            kb::record(
+                ctx,
+                encoder,
+                spec,
+                &prelude,
+                &io.with_out(out.as_entire_buffer_binding()),
+                &params.tiled(tiles, total),
+                total as u32,
+                crate::kernels::Checks::of(p),
+            )
+        };
     kernel(cfg.dkv_spec(), cfg.dkv_prelude(), dkv, [k_tiles, dkv_total])?;
     kernel(cfg.dq_spec(), cfg.dq_prelude(), dq, [q_tiles, dq_total])
 }

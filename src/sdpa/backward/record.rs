@@ -336,7 +336,7 @@ pub(super) fn record_dsink(
         ctx,
         encoder,
         &kb::DSINK,
-        "",
+        &Default::default(),
         &[stats.as_entire_buffer_binding(), buf.as_entire_buffer_binding()],
         params,
         heads as u32,
@@ -390,7 +390,7 @@ pub(super) fn record_dcap(
         ctx,
         encoder,
         &kb::DCAP_SUM,
-        "",
+        &Default::default(),
         &[
             partials.as_entire_buffer_binding(),
             buf.as_entire_buffer_binding(),

@@ -95,7 +95,7 @@ struct Unfused<'r> {
     /// dK and dV (f32, accumulated over chunks).
     dk: wgpu::BufferBinding<'r>,
     dv: wgpu::BufferBinding<'r>,
-    ds_prelude: String,
+    ds_prelude: crate::kernels::consts::Prelude,
 }
 
 impl Unfused<'_> {
