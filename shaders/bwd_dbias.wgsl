@@ -34,7 +34,7 @@ fn main(
         for (var xh = 0u; xh < nh; xh++) {
             let h = select(th, xh, p.db_h == 1u);
             let bh = b * p.heads + h;
-            let kvh = b * (p.heads / p.group) + h / p.group;
+            let kvh = kv_head(b, h);
             for (var xi = 0u; xi < nl; xi++) {
                 let i = select(ti, xi, p.db_l == 1u);
                 let row = bh * p.l + i;

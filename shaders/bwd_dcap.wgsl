@@ -64,7 +64,7 @@ fn main(
         let b = bh / p.heads;
         let h = bh % p.heads;
         if (j < p.s && j < key_end(b, i)) {
-            let kvh = b * (p.heads / p.group) + h / p.group;
+            let kvh = kv_head(b, h);
             var s = 0.0;
             for (var d = 0u; d < p.e; d++) {
                 s += (q_get(q_base(row) + d) * p.scale) * k_get(k_base(kvh * p.s + j) + d);

@@ -78,7 +78,7 @@ fn main(
     workgroupBarrier();
 
     for (var hh = 0u; hh < p.group; hh++) {
-        let h = hk * p.group + hh;
+        let h = group_head(hk, hh);
         let bh = b * p.heads + h;
         for (var i0 = t0 * BQ; i0 < i_stop; i0 += BQ) {
             if (HAS_DOCS) {

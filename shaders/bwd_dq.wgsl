@@ -20,8 +20,6 @@
 
 const BQ: u32 = WG * RQ;
 
-var<workgroup> wg_end: u32;
-var<workgroup> wg_begin: u32;
 
 @compute @workgroup_size(WG, 1, 1)
 fn main(
@@ -33,11 +31,12 @@ fn main(
     if (wid >= p.total) {
         return;
     }
-    let qt = p.tiles - 1u - wid % p.tiles;
-    let bh = wid / p.tiles;
-    let b = bh / p.heads;
-    let h = bh % p.heads;
-    let kvh = b * (p.heads / p.group) + h / p.group;
+    let tile = query_tile(wid, p.tiles);
+    let qt = tile.qt;
+    let bh = tile.bh;
+    let b = tile.b;
+    let h = tile.h;
+    let kvh = tile.kvh;
 
     var qr: array<vec4<f32>, RQ * E4>;
     var dor: array<vec4<f32>, RQ * EV4>;
@@ -47,13 +46,9 @@ fn main(
     var row_end: array<u32, RQ>;
 
     // Keys before kv_begin (past the sink tokens) are outside every row's window.
-    if (tid == 0u) {
-        let last_row = min(qt * BQ + BQ, p.l) - 1u;
-        wg_end = key_end(b, last_row);
-        wg_begin = key_begin(b, min(qt * BQ, p.l - 1u));
-    }
-    let kv_end = workgroupUniformLoad(&wg_end);
-    let kv_begin = workgroupUniformLoad(&wg_begin);
+    let keys = tile_keys(b, qt * BQ, BQ, tid);
+    let kv_begin = keys.x;
+    let kv_end = keys.y;
     // The documents of this tile's rows (HAS_DOCS): key tiles holding none are skipped.
     var qd = vec2<i32>(0);
     if (HAS_DOCS) {

@@ -46,7 +46,7 @@ fn main(
     let bh = row / p.l;
     let b = bh / p.heads;
     let h = bh % p.heads;
-    let kvh = b * (p.heads / p.group) + h / p.group;
+    let kvh = kv_head(b, h);
     // The kv head's part of its rows' addresses (a paged cache's table row), once.
     let kh = k_head(kvh);
     let vh = v_head(kvh);

@@ -45,8 +45,6 @@ const BQ: u32 = WG * RQ;
 
 @group(0) @binding(7) var<storage, read_write> lse: array<f32>;
 
-var<workgroup> wg_end: u32;
-var<workgroup> wg_begin: u32;
 
 @compute @workgroup_size(WG, 1, 1)
 fn main(
@@ -58,12 +56,12 @@ fn main(
     if (wid >= p.total) {
         return;
     }
-    // Heaviest query tiles (the last, under a causal mask) first: better balance at the end.
-    let qt = p.q_tiles - 1u - wid % p.q_tiles;
-    let bh = wid / p.q_tiles;
-    let b = bh / p.heads;
-    let h = bh % p.heads;
-    let kvh = b * (p.heads / p.group) + h / p.group;
+    let tile = query_tile(wid, p.q_tiles);
+    let qt = tile.qt;
+    let bh = tile.bh;
+    let b = tile.b;
+    let h = tile.h;
+    let kvh = tile.kvh;
 
     // This invocation's query rows (pre-scaled), accumulators, running max and sum, and the
     // end of each row's allowed keys.
@@ -76,13 +74,9 @@ fn main(
 
     // Keys [0, kv_end) can matter to some row of this tile; later tiles are skipped whole.
     // Keys before kv_begin (past the sink tokens) are outside every row's window.
-    if (tid == 0u) {
-        let last_row = min(qt * BQ + BQ, p.l) - 1u;
-        wg_end = key_end(b, last_row);
-        wg_begin = key_begin(b, min(qt * BQ, p.l - 1u));
-    }
-    let kv_end = workgroupUniformLoad(&wg_end);
-    let kv_begin = workgroupUniformLoad(&wg_begin);
+    let keys = tile_keys(b, qt * BQ, BQ, tid);
+    let kv_begin = keys.x;
+    let kv_end = keys.y;
     // The documents of this tile's rows (HAS_DOCS): key tiles holding none are skipped.
     var qd = vec2<i32>(0);
     if (HAS_DOCS) {

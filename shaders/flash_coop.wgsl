@@ -27,8 +27,6 @@ var<workgroup> s_blk: array<f32, BQ * BK>; // [BQ][BK]: logits
 var<workgroup> p_blk: array<f16, BQ * BK>; // [BQ][BK]: weights
 var<workgroup> o_blk: array<f32, BQ * EVP>; // [BQ][EVP]: output accumulators
 var<workgroup> alpha_blk: array<f32, BQ>;
-var<workgroup> wg_end: u32;
-var<workgroup> wg_begin: u32;
 
 @compute @workgroup_size(WG, 1, 1)
 fn main(
@@ -42,20 +40,17 @@ fn main(
     if (wid >= p.total) {
         return;
     }
-    let qt = p.q_tiles - 1u - wid % p.q_tiles;
-    let bh = wid / p.q_tiles;
-    let b = bh / p.heads;
-    let h = bh % p.heads;
-    let kvh = b * (p.heads / p.group) + h / p.group;
+    let tile = query_tile(wid, p.q_tiles);
+    let qt = tile.qt;
+    let bh = tile.bh;
+    let b = tile.b;
+    let h = tile.h;
+    let kvh = tile.kvh;
     let i0 = qt * BQ;
 
-    if (tid == 0u) {
-        let last_row = min(i0 + BQ, p.l) - 1u;
-        wg_end = key_end(b, last_row);
-        wg_begin = key_begin(b, min(i0, p.l - 1u));
-    }
-    let kv_end = workgroupUniformLoad(&wg_end);
-    let kv_begin = workgroupUniformLoad(&wg_begin);
+    let keys = tile_keys(b, i0, BQ, tid);
+    let kv_begin = keys.x;
+    let kv_end = keys.y;
     var qd = vec2<i32>(0);
     if (HAS_DOCS) {
         qd = query_docs(b, i0, i0 + BQ);

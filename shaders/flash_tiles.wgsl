@@ -64,8 +64,6 @@ var<workgroup> k_tile: array<vec4<f32>, BN * QS>;
 var<workgroup> v_tile: array<vec4<f32>, BN * VS>;
 var<workgroup> p_tile: array<vec4<f32>, BM * PS>;
 var<workgroup> red: array<f32, RED_LEN>;
-var<workgroup> wg_end: u32;
-var<workgroup> wg_begin: u32;
 
 // Load this invocation's share of the K and V tiles of keys j0 .. j0 + BN of kv head `kvh`
 // (keys past kv_end and padding columns zero) into registers.
@@ -110,23 +108,20 @@ fn main(
     if (wid >= p.total) {
         return;
     }
-    // Heaviest query tiles (the last, under a causal mask) first.
-    let qt = p.q_tiles - 1u - wid % p.q_tiles;
-    let bh = wid / p.q_tiles;
-    let b = bh / p.heads;
-    let h = bh % p.heads;
-    let kvh = b * (p.heads / p.group) + h / p.group;
+    let tile = query_tile(wid, p.q_tiles);
+    let qt = tile.qt;
+    let bh = tile.bh;
+    let b = tile.b;
+    let h = tile.h;
+    let kvh = tile.kvh;
     let tx = tid % NX;
     let ty = tid / NX;
     let i0 = qt * BM;
 
     // Keys before kv_begin (past the sink tokens) are outside every row's window.
-    if (tid == 0u) {
-        wg_end = key_end(b, min(i0 + BM, p.l) - 1u);
-        wg_begin = key_begin(b, min(i0, p.l - 1u));
-    }
-    let kv_end = workgroupUniformLoad(&wg_end);
-    let kv_begin = workgroupUniformLoad(&wg_begin);
+    let keys = tile_keys(b, i0, BM, tid);
+    let kv_begin = keys.x;
+    let kv_end = keys.y;
     // The documents of this tile's rows (HAS_DOCS): key tiles holding none are skipped.
     var qd = vec2<i32>(0);
     if (HAS_DOCS) {

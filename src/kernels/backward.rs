@@ -51,7 +51,7 @@ pub(crate) const PREP: KernelSpec = KernelSpec {
 pub(crate) const DQ: KernelSpec = KernelSpec {
     name: "bwd_dq",
     source: include_str!("../../shaders/bwd_dq.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS, BACKWARD],
+    common: &[common::SOFTMAX, common::MASKS, common::HEADS, BACKWARD],
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
     trusted: true,
@@ -60,7 +60,7 @@ pub(crate) const DQ: KernelSpec = KernelSpec {
 pub(crate) const DKV: KernelSpec = KernelSpec {
     name: "bwd_dkv",
     source: include_str!("../../shaders/bwd_dkv.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS, BACKWARD],
+    common: &[common::SOFTMAX, common::MASKS, common::HEADS, BACKWARD],
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
     trusted: true,
@@ -69,7 +69,7 @@ pub(crate) const DKV: KernelSpec = KernelSpec {
 pub(crate) const DBIAS: KernelSpec = KernelSpec {
     name: "bwd_dbias",
     source: include_str!("../../shaders/bwd_dbias.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS, BACKWARD],
+    common: &[common::SOFTMAX, common::MASKS, common::HEADS, BACKWARD],
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
     trusted: false,
@@ -79,7 +79,7 @@ pub(crate) const DBIAS: KernelSpec = KernelSpec {
 pub(crate) const DCAP: KernelSpec = KernelSpec {
     name: "bwd_dcap",
     source: include_str!("../../shaders/bwd_dcap.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS, BACKWARD],
+    common: &[common::SOFTMAX, common::MASKS, common::HEADS, BACKWARD],
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
     trusted: false,
@@ -111,7 +111,7 @@ pub(crate) const DSINK: KernelSpec = KernelSpec {
 pub(crate) const DS: KernelSpec = KernelSpec {
     name: "bwd_ds",
     source: include_str!("../../shaders/bwd_ds.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS, BACKWARD],
+    common: &[common::SOFTMAX, common::MASKS, common::HEADS, BACKWARD],
     bindings: &[
         Binding::Read,
         Binding::Read,
@@ -130,7 +130,7 @@ pub(crate) const DS: KernelSpec = KernelSpec {
 pub(crate) const DQ_COOP: KernelSpec = KernelSpec {
     name: "bwd_dq_coop",
     source: include_str!("../../shaders/bwd_dq_coop.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS, BACKWARD, COOP_BACKWARD],
+    common: &[common::SOFTMAX, common::MASKS, common::HEADS, BACKWARD, COOP_BACKWARD],
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
     trusted: true,
@@ -140,7 +140,7 @@ pub(crate) const DQ_COOP: KernelSpec = KernelSpec {
 pub(crate) const DKV_COOP: KernelSpec = KernelSpec {
     name: "bwd_dkv_coop",
     source: include_str!("../../shaders/bwd_dkv_coop.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS, BACKWARD, COOP_BACKWARD],
+    common: &[common::SOFTMAX, common::MASKS, common::HEADS, BACKWARD, COOP_BACKWARD],
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
     trusted: true,

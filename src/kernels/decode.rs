@@ -14,7 +14,7 @@ use crate::problem::Problem;
 pub(crate) const DECODE: KernelSpec = KernelSpec {
     name: "decode",
     source: include_str!("../../shaders/decode.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS],
+    common: &[common::SOFTMAX, common::MASKS, common::HEADS],
     bindings: super::ATTENTION_BINDINGS,
     params: params_of::<Params>,
     trusted: false,
@@ -24,7 +24,7 @@ pub(crate) const DECODE: KernelSpec = KernelSpec {
 pub(crate) const DECODE_TILES: KernelSpec = KernelSpec {
     name: "decode_tiles",
     source: include_str!("../../shaders/decode_tiles.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS],
+    common: &[common::SOFTMAX, common::MASKS, common::HEADS],
     bindings: super::ATTENTION_BINDINGS,
     params: params_of::<Params>,
     trusted: false,

@@ -15,7 +15,7 @@ use crate::problem::Problem;
 pub(crate) const SPEC: KernelSpec = KernelSpec {
     name: "flash",
     source: include_str!("../../shaders/flash.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS],
+    common: &[common::SOFTMAX, common::MASKS, common::HEADS],
     bindings: super::ATTENTION_BINDINGS,
     params: params_of::<Params>,
     trusted: true,

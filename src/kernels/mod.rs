@@ -49,6 +49,9 @@ pub(crate) mod common {
         include_str!("../../shaders/common/modifiers/docs.wgsl"),
         include_str!("../../shaders/common/modifiers/mask_mod.wgsl"),
     );
+    /// Grouped-query attention's head mapping and the query-tile prologue (the attention
+    /// kernels whose params carry `heads` and `group`).
+    pub(crate) const HEADS: &str = include_str!("../../shaders/common/heads.wgsl");
     /// The matmul forms' batch slices and epilogue.
     pub(crate) const MATMUL: &str = include_str!("../../shaders/common/matmul.wgsl");
     /// Workgroup reductions through workgroup memory.
