@@ -71,6 +71,59 @@ struct Inner {
     cache: crate::device::cache::Cache,
 }
 
+/// At process exit, every live context's background compilations are joined and its queue
+/// drained before the drivers' own exit handlers run. A compilation or a submission cut off
+/// by the exit crashed Mesa's lavapipe (its exit handler stops the threads it compiles and
+/// runs on): an application that forgets [`Context::wait_idle`] must not crash at exit.
+#[cfg(not(target_arch = "wasm32"))]
+mod at_exit {
+    use super::Inner;
+    use std::sync::{Arc, Mutex, Once, Weak};
+
+    /// The contexts made in this process, held weakly.
+    static LIVE: Mutex<Vec<Weak<Inner>>> = Mutex::new(Vec::new());
+    static REGISTERED: Once = Once::new();
+
+    extern "C" {
+        fn atexit(f: extern "C" fn()) -> std::os::raw::c_int;
+    }
+
+    /// Watch `inner` until the process exits. The handler is registered after the first
+    /// device was made, so it runs before the handlers its driver registered then (C runs
+    /// them in reverse order).
+    pub(super) fn watch(inner: &Arc<Inner>) {
+        REGISTERED.call_once(|| {
+            // SAFETY: `drain` is a plain `extern "C"` function with no arguments, as `atexit`
+            // takes; it never unwinds (every lock and wait below is fallible and ignored).
+            unsafe {
+                atexit(drain);
+            }
+        });
+        if let Ok(mut live) = LIVE.lock() {
+            live.retain(|w| w.strong_count() > 0);
+            live.push(Arc::downgrade(inner));
+        }
+    }
+
+    /// Join each live context's background compilations and wait (at most a minute) for its
+    /// queue.
+    extern "C" fn drain() {
+        let _ = std::panic::catch_unwind(|| {
+            let live: Vec<Arc<Inner>> = match LIVE.lock() {
+                Ok(live) => live.iter().filter_map(Weak::upgrade).collect(),
+                Err(_) => return,
+            };
+            for inner in live {
+                inner.pipelines.join();
+                let _ = inner.device.poll(wgpu::PollType::Wait {
+                    submission_index: None,
+                    timeout: Some(std::time::Duration::from_secs(60)),
+                });
+            }
+        });
+    }
+}
+
 /// The most mask_mod block maps a context keeps (the oldest go first).
 const MOD_MAPS: usize = 16;
 
@@ -403,24 +456,27 @@ impl Context {
         };
         #[cfg(target_arch = "wasm32")]
         let forms = Forms::default();
+        let inner = Arc::new(Inner {
+            limits: device.limits(),
+            features: device.features(),
+            device,
+            queue,
+            info,
+            coop,
+            coop_list,
+            pipelines: PipelineCache::default(),
+            faults: Default::default(),
+            lost,
+            #[cfg(not(target_arch = "wasm32"))]
+            subgroup: std::sync::OnceLock::new(),
+            dummy: std::sync::OnceLock::new(),
+            mod_maps: Mutex::new(Vec::new()),
+            cache: Default::default(),
+        });
+        #[cfg(not(target_arch = "wasm32"))]
+        at_exit::watch(&inner);
         Context {
-            inner: Arc::new(Inner {
-                limits: device.limits(),
-                features: device.features(),
-                device,
-                queue,
-                info,
-                coop,
-                coop_list,
-                pipelines: PipelineCache::default(),
-                faults: Default::default(),
-                lost,
-                #[cfg(not(target_arch = "wasm32"))]
-                subgroup: std::sync::OnceLock::new(),
-                dummy: std::sync::OnceLock::new(),
-                mod_maps: Mutex::new(Vec::new()),
-                cache: Default::default(),
-            }),
+            inner,
             forms,
             matrix_units: true,
             tuning: Tuning::from_env(),

@@ -130,7 +130,13 @@ pub(crate) const DS: KernelSpec = KernelSpec {
 pub(crate) const DQ_COOP: KernelSpec = KernelSpec {
     name: "bwd_dq_coop",
     source: include_str!("../../shaders/bwd_dq_coop.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS, common::HEADS, BACKWARD, COOP_BACKWARD],
+    common: &[
+        common::SOFTMAX,
+        common::MASKS,
+        common::HEADS,
+        BACKWARD,
+        COOP_BACKWARD,
+    ],
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
     trusted: true,
@@ -140,7 +146,13 @@ pub(crate) const DQ_COOP: KernelSpec = KernelSpec {
 pub(crate) const DKV_COOP: KernelSpec = KernelSpec {
     name: "bwd_dkv_coop",
     source: include_str!("../../shaders/bwd_dkv_coop.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS, common::HEADS, BACKWARD, COOP_BACKWARD],
+    common: &[
+        common::SOFTMAX,
+        common::MASKS,
+        common::HEADS,
+        BACKWARD,
+        COOP_BACKWARD,
+    ],
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
     trusted: true,

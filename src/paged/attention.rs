@@ -67,6 +67,26 @@ pub struct PagedAttention<'a> {
     pub(crate) lse_out: Option<Tensor<'a>>,
 }
 
+/// A checked batch ([`PagedAttention::check`]): q's `[T, Hq, E]`, Ev, and the groups of
+/// consecutive sequences with equal query counts (one call each).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Batch {
+    pub dims: [usize; 3],
+    pub ev: usize,
+    pub groups: Vec<Group>,
+}
+
+/// Consecutive sequences with the same query count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Group {
+    /// The first sequence.
+    pub first: usize,
+    /// How many sequences.
+    pub sequences: usize,
+    /// The query count of each.
+    pub queries: usize,
+}
+
 /// [`PagedAttention::run`]'s results on the host (f32).
 #[derive(Debug, Clone)]
 pub struct PagedOutput {
@@ -287,22 +307,22 @@ impl<'a> PagedAttention<'a> {
     /// batch first.
     pub fn shared_prefixes(&self) -> Result<Vec<SharedPrefix>> {
         self.check()?;
-        let o = &self.options;
-        if !self.shared_prefix || o.window.is_some() || o.alibi.is_some() || o.user_mod.is_some() {
-            return Ok(Vec::new());
-        }
-        Ok(find_shared(
-            self.table,
-            &self.seq_lens,
-            &self.q_lens,
-            self.block_size(),
-        ))
+        Ok(self.shared_of_checked())
     }
 
-    /// Check everything that needs no device: shapes, counts, the table. Returns `[T, Hq,
-    /// E]`, Ev and the groups `(first sequence, sequences, count)`.
-    #[allow(clippy::type_complexity)]
-    pub(crate) fn check(&self) -> Result<([usize; 3], usize, Vec<(usize, usize, usize)>)> {
+    /// [`shared_prefixes`](PagedAttention::shared_prefixes) of a checked batch.
+    fn shared_of_checked(&self) -> Vec<SharedPrefix> {
+        let o = &self.options;
+        if !self.shared_prefix || o.window.is_some() || o.alibi.is_some() || o.user_mod.is_some() {
+            return Vec::new();
+        }
+        find_shared(self.table, &self.seq_lens, &self.q_lens, self.block_size())
+    }
+
+    /// Check everything that needs no device: shapes, counts, the table. The checked batch,
+    /// taken once per call by [`run`](PagedAttention::run), [`record`](PagedAttention::record)
+    /// and [`validate`](PagedAttention::validate).
+    pub(crate) fn check(&self) -> Result<Batch> {
         let bad = |reason: String| Err(Error::Paged { reason });
         let q: [usize; 3] = self.q.shape.as_slice().try_into().map_err(|_| Error::WrongRank {
             tensor: "q",
@@ -348,10 +368,14 @@ impl<'a> PagedAttention<'a> {
         while s < b {
             let n = self.q_lens[s];
             let e = (s..b).find(|&x| self.q_lens[x] != n).unwrap_or(b);
-            groups.push((s, e - s, n));
+            groups.push(Group {
+                first: s,
+                sequences: e - s,
+                queries: n,
+            });
             s = e;
         }
-        Ok((q, ev, groups))
+        Ok(Batch { dims: q, ev, groups })
     }
 
     /// q's element strides of T and Hq (E's is 1), or the typed error naming q
@@ -364,9 +388,15 @@ impl<'a> PagedAttention<'a> {
     /// [`run`](PagedAttention::run) do: the batch, the table, and each group's call (shapes,
     /// modifiers, RoPE).
     pub fn validate(&self) -> Result<()> {
-        let ([_, hq, e], _, groups) = self.check()?;
+        self.validate_groups(&self.check()?)
+    }
+
+    /// Each group's call of the checked `batch` (shapes, modifiers, RoPE).
+    fn validate_groups(&self, batch: &Batch) -> Result<()> {
+        let [_, hq, e] = batch.dims;
         let max_blocks = self.table.len() / self.seq_lens.len();
-        for &(s0, nseq, n) in &groups {
+        for g in &batch.groups {
+            let (s0, nseq, n) = (g.first, g.sequences, g.queries);
             // q's shape alone: the problem reads no data (no host copy of q's size).
             let mut call = Sdpa::new(
                 Tensor::from_slice::<f32>(&[], &[nseq, hq, n, e]),
@@ -390,10 +420,20 @@ impl<'a> PagedAttention<'a> {
     /// Record every group's call into `encoder`: the output `[T, Hq, Ev]` in q's format and
     /// the logsumexp `[T, Hq]`. Everything is checked before anything is recorded.
     pub fn record(&self, ctx: &Context, encoder: &mut wgpu::CommandEncoder) -> Result<GpuPagedOutput> {
-        let ([t, hq, e], ev, _) = self.check()?;
+        self.record_checked(ctx, encoder, &self.check()?)
+    }
+
+    /// [`record`](PagedAttention::record) of the checked `batch`.
+    fn record_checked(
+        &self,
+        ctx: &Context,
+        encoder: &mut wgpu::CommandEncoder,
+        batch: &Batch,
+    ) -> Result<GpuPagedOutput> {
+        let ([t, hq, e], ev) = (batch.dims, batch.ev);
         let [mut ts, mut hs] = self.q_strides([t, hq, e])?;
         self.check_outputs(ctx, [t, hq, ev])?;
-        let shared = self.shared_prefixes()?;
+        let shared = self.shared_of_checked();
         let st = self.q.storage();
         let first_token = self.first_tokens();
         self.rope.map(|r| r.rotated_dims(e)).transpose()?;
@@ -506,11 +546,14 @@ impl<'a> PagedAttention<'a> {
 
     /// Run on `ctx` and read the output `[T, Hq, Ev]` and logsumexp `[T, Hq]` back (f32).
     pub async fn run(&self, ctx: &Context) -> Result<PagedOutput> {
-        self.validate()?;
-        let ([t, hq, _], ev, _) = self.check()?;
+        let batch = self.check()?;
+        self.validate_groups(&batch)?;
+        let ([t, hq, _], ev) = (batch.dims, batch.ev);
         let st = self.q.storage();
         let gpu = ctx
-            .submit("wgpu-attention paged", |enc| self.record(ctx, enc))
+            .submit("wgpu-attention paged", |enc| {
+                self.record_checked(ctx, enc, &batch)
+            })
             .await?;
         let out = ctx
             .read_as_f32(&gpu.output, gpu.output_offset, t * hq * ev, st)

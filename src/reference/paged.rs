@@ -71,7 +71,8 @@ impl PagedAttention<'_> {
     /// per sequence, packed like the GPU's output.
     pub fn reference(&self) -> Result<PagedOutput> {
         self.validate()?;
-        let ([t, hq, e], ev, _) = self.check()?;
+        let batch = self.check()?;
+        let ([t, hq, e], ev) = (batch.dims, batch.ev);
         let host = |x: &Tensor, name: &'static str| -> Result<Vec<f32>> {
             x.host_f32().map(|d| d.into_owned()).ok_or(Error::BadBuffer {
                 tensor: name,
