@@ -499,15 +499,7 @@ impl<'a> PagedAttention<'a> {
             })
             .collect();
         // Everything checked before anything is recorded, each call planned once.
-        let caps = ctx.caps();
-        let planned = calls
-            .iter()
-            .map(|c| {
-                let p = c.sdpa.problem()?;
-                let plan = crate::sdpa::plan::Plan::new(&p, &c.sdpa.request(), &caps)?;
-                Ok((p, plan))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let planned = plan_calls(ctx, &calls)?;
         if let (Some(buf), Some(r)) = (&rotated, &self.rope) {
             self.rotate_q(ctx, encoder, buf, r, [t, hq, e])?;
         }
@@ -682,6 +674,22 @@ impl PagedAttention<'_> {
             })
             .collect()
     }
+}
+
+/// Each call's problem and plan: every call checked before anything is recorded.
+fn plan_calls(
+    ctx: &Context,
+    calls: &[Call],
+) -> Result<Vec<(crate::problem::Problem, crate::sdpa::plan::Plan)>> {
+    let caps = ctx.caps();
+    calls
+        .iter()
+        .map(|c| {
+            let p = c.sdpa.problem()?;
+            let plan = crate::sdpa::plan::Plan::new(&p, &c.sdpa.request(), &caps)?;
+            Ok((p, plan))
+        })
+        .collect()
 }
 
 /// A call of [`PagedAttention::record`] and where its logsumexp `[seqs, Hq, n]` goes: the

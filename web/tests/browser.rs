@@ -742,8 +742,35 @@ async fn nan_input_propagates_on_every_path() {
 /// contiguous keys, and a ragged batch in one `PagedAttention` call against its reference.
 #[wasm_bindgen_test]
 async fn paged_caches_ragged_batches_rope_and_shared_prefixes() {
-    use wgpu_attention::{PagedAttention, Rope, RopeStyle};
     let ctx = ctx().await;
+    paged_calls(&ctx).await;
+    ragged_batch(&ctx).await;
+    shared_prefix(&ctx).await;
+}
+
+/// The RoPE of the ragged batch and the shared prefix.
+const PAGED_ROPE: wgpu_attention::Rope = wgpu_attention::Rope {
+    style: wgpu_attention::RopeStyle::HalfSplit,
+    theta: 1e4,
+    dim: None,
+};
+
+/// A paged call's output and logsumexp against its reference at f32's tolerance.
+fn assert_paged(got: &wgpu_attention::PagedOutput, want: &wgpu_attention::PagedOutput, label: &str) {
+    let tol = Tolerance::for_storage(Storage::F32);
+    let r = compare(
+        got.output.iter().copied(),
+        want.output.iter().map(|&x| x as f64),
+        tol,
+    );
+    assert!(r.passed(), "{label} output: {r}");
+    let r = compare(got.lse.iter().copied(), want.lse.iter().map(|&x| x as f64), tol);
+    assert!(r.passed(), "{label} lse: {r}");
+}
+
+/// `Sdpa::paged` (decode and a prefill chunk, GQA, causal with a window and ALiBi) on the fused
+/// and decode paths against the reference on the contiguous keys.
+async fn paged_calls(ctx: &Context) {
     for (shape, block) in [((3, 4, 2, 1, 77, 32, 32), 16), ((2, 2, 1, 5, 40, 16, 24), 3)] {
         let mut case = Case::random(shape, 130)
             .with_causal(Causal::BottomRight)
@@ -760,7 +787,7 @@ async fn paged_caches_ragged_batches_rope_and_shared_prefixes() {
                 .options(options.clone())
                 .path(path)
                 .return_lse()
-                .run(&ctx)
+                .run(ctx)
                 .await
                 .unwrap_or_else(|e| panic!("paged {shape:?} {path:?}: {e}"));
             case.assert_output(
@@ -772,40 +799,36 @@ async fn paged_caches_ragged_batches_rope_and_shared_prefixes() {
             );
         }
     }
-    // A ragged batch with RoPE (the caches hold rotated keys; the reference rotates q).
+}
+
+/// A ragged batch with RoPE in one `PagedAttention` call (the caches hold rotated keys; the
+/// reference rotates q).
+async fn ragged_batch(ctx: &Context) {
+    use wgpu_attention::PagedAttention;
     let q_lens = [4usize, 1, 2];
     let lens = [30usize, 9, 17];
     let case = Case::random((3, 4, 2, 1, 30, 16, 16), 132);
     let pg = page(&case, &lens, 8, 133);
     let q: Array3<f32> = rand_array(&mut rng(134), (7, 4, 16));
-    let rope = Rope {
-        style: RopeStyle::HalfSplit,
-        theta: 1e4,
-        dim: None,
-    };
     let pages = wgpu_attention::Pages::new(&pg.k, &pg.v, wgpu_attention::PagedLayout::TokenMajor);
     let call = PagedAttention::new(&q, &q_lens, pages, &pg.table, &lens)
         .causal(Causal::BottomRight)
-        .rope(rope);
+        .rope(PAGED_ROPE);
     let want = call.reference().unwrap();
     for path in [Path::Auto, Path::Fused, Path::Decode] {
         let got = call
             .clone()
             .path(path)
-            .run(&ctx)
+            .run(ctx)
             .await
             .unwrap_or_else(|e| panic!("ragged {path:?}: {e}"));
-        let tol = Tolerance::for_storage(Storage::F32);
-        let r = compare(
-            got.output.iter().copied(),
-            want.output.iter().map(|&x| x as f64),
-            tol,
-        );
-        assert!(r.passed(), "ragged [{path:?}] output: {r}");
-        let r = compare(got.lse.iter().copied(), want.lse.iter().map(|&x| x as f64), tol);
-        assert!(r.passed(), "ragged [{path:?}] lse: {r}");
+        assert_paged(&got, &want, &format!("ragged [{path:?}]"));
     }
-    // Three forks sharing 20 blocks of 16 keys, read once (cascade) with RoPE and causal.
+}
+
+/// Three forks sharing 20 blocks of 16 keys, read once (cascade) with RoPE and causal.
+async fn shared_prefix(ctx: &Context) {
+    use wgpu_attention::PagedAttention;
     let (bs, hkv, e) = (16, 2, 16);
     let lens = [330usize, 325, 340];
     let q_lens = [1usize, 2, 1];
@@ -830,24 +853,16 @@ async fn paged_caches_ragged_batches_rope_and_shared_prefixes() {
     let call = PagedAttention::new(&q, &q_lens, pages, &table, &lens)
         .causal(Causal::BottomRight)
         .softcap(0.9)
-        .rope(rope);
+        .rope(PAGED_ROPE);
     assert_eq!(call.shared_prefixes().unwrap().len(), 1);
     let want = call.reference().unwrap();
     for path in [Path::Fused, Path::Decode] {
         let got = call
             .clone()
             .path(path)
-            .run(&ctx)
+            .run(ctx)
             .await
             .unwrap_or_else(|e| panic!("shared prefix {path:?}: {e}"));
-        let tol = Tolerance::for_storage(Storage::F32);
-        let r = compare(
-            got.output.iter().copied(),
-            want.output.iter().map(|&x| x as f64),
-            tol,
-        );
-        assert!(r.passed(), "shared prefix [{path:?}] output: {r}");
-        let r = compare(got.lse.iter().copied(), want.lse.iter().map(|&x| x as f64), tol);
-        assert!(r.passed(), "shared prefix [{path:?}] lse: {r}");
+        assert_paged(&got, &want, &format!("shared prefix [{path:?}]"));
     }
 }
