@@ -229,9 +229,16 @@ fn scalar_form(p: &Problem, caps: &Caps) -> FusedForm {
         // Measured on lavapipe at E = 64 (a_h8_s1024): 4 rows x 4 keys per step 85 ms but
         // 5 s to compile, 1 row 1.2 s and 1.6x the time. Small problems (small_h4_s128):
         // 1 row 0.9 s to compile and 2.6 ms, 2 rows 1.5 s and 1.9 ms; the loop form 2.3 s
-        // and 15 ms.
+        // and 15 ms. Later (loops over the head dims unrolled, rows' bases computed once),
+        // at head dims up to 64, 8 rows: a_h8_s1024 120-129 ms against 184-185 ms with 4,
+        // b_h8_s1024_causal 68-70 against 92-103, e_b4_h12_s256_padmask 49-51 against 67-87
+        // (compiled in the background in 1.4 s against 0.65 s).
         (true, Some(_), true) => FusedForm::Subgroup {
-            rows: (64 / e4.max(ev4)).clamp(1, 8),
+            rows: if e4.max(ev4) <= 16 {
+                8
+            } else {
+                (64 / e4.max(ev4)).clamp(1, 8)
+            },
         },
         (true, Some(_), false) => FusedForm::Subgroup { rows: 1 },
         // About 256 vec4s of q (and of accumulator) per invocation (measured on lavapipe at
@@ -863,7 +870,7 @@ mod tests {
         );
         assert_eq!(
             default_form(&large, &caps(true, Some(8))),
-            FusedForm::Subgroup { rows: 4 }
+            FusedForm::Subgroup { rows: 8 }
         );
         assert_eq!(
             default_form(&small, &caps(true, None)),

@@ -186,9 +186,15 @@ fn attention() -> Vec<Variant> {
     let mut out = Vec::new();
     for p in attention_problems() {
         for caps in device_caps() {
+            // The CPU adapters' default for large problems at head dims up to 64 too.
+            let large_default = caps
+                .fused_subgroup()
+                .filter(|_| caps.cpu)
+                .map(|_| crate::forms::FusedForm::Subgroup { rows: 8 });
             let forms: Vec<crate::forms::Forms> = caps
                 .fused_forms()
                 .into_iter()
+                .chain(large_default)
                 .map(Into::into)
                 .chain(caps.decode_forms().into_iter().map(Into::into))
                 .collect();
