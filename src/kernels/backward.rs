@@ -20,6 +20,19 @@ const BACKWARD: &str = include_str!("../../shaders/common/backward.wgsl");
 /// What its matrix-unit kernels share (`shaders/common/coop_backward.wgsl`).
 const COOP_BACKWARD: &str = include_str!("../../shaders/common/coop_backward.wgsl");
 
+/// The shared snippets of the gradient kernels that recompute attention (the masks, the head
+/// mapping and query tiles, the backward's helpers).
+const GRAD_COMMON: &[&str] = &[common::SOFTMAX, common::MASKS, common::HEADS, BACKWARD];
+
+/// [`GRAD_COMMON`] and the matrix units' staging.
+const COOP_GRAD_COMMON: &[&str] = &[
+    common::SOFTMAX,
+    common::MASKS,
+    common::HEADS,
+    BACKWARD,
+    COOP_BACKWARD,
+];
+
 /// mask, bias, q, k, v, dout, stats (read), one output (read_write), params.
 const GRAD_BINDINGS: &[Binding] = &[
     Binding::Read,
@@ -51,7 +64,7 @@ pub(crate) const PREP: KernelSpec = KernelSpec {
 pub(crate) const DQ: KernelSpec = KernelSpec {
     name: "bwd_dq",
     source: include_str!("../../shaders/bwd_dq.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS, common::HEADS, BACKWARD],
+    common: GRAD_COMMON,
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
     trusted: true,
@@ -60,7 +73,7 @@ pub(crate) const DQ: KernelSpec = KernelSpec {
 pub(crate) const DKV: KernelSpec = KernelSpec {
     name: "bwd_dkv",
     source: include_str!("../../shaders/bwd_dkv.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS, common::HEADS, BACKWARD],
+    common: GRAD_COMMON,
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
     trusted: true,
@@ -69,7 +82,7 @@ pub(crate) const DKV: KernelSpec = KernelSpec {
 pub(crate) const DBIAS: KernelSpec = KernelSpec {
     name: "bwd_dbias",
     source: include_str!("../../shaders/bwd_dbias.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS, common::HEADS, BACKWARD],
+    common: GRAD_COMMON,
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
     trusted: false,
@@ -79,7 +92,7 @@ pub(crate) const DBIAS: KernelSpec = KernelSpec {
 pub(crate) const DCAP: KernelSpec = KernelSpec {
     name: "bwd_dcap",
     source: include_str!("../../shaders/bwd_dcap.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS, common::HEADS, BACKWARD],
+    common: GRAD_COMMON,
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
     trusted: false,
@@ -111,7 +124,7 @@ pub(crate) const DSINK: KernelSpec = KernelSpec {
 pub(crate) const DS: KernelSpec = KernelSpec {
     name: "bwd_ds",
     source: include_str!("../../shaders/bwd_ds.wgsl"),
-    common: &[common::SOFTMAX, common::MASKS, common::HEADS, BACKWARD],
+    common: GRAD_COMMON,
     bindings: &[
         Binding::Read,
         Binding::Read,
@@ -130,13 +143,7 @@ pub(crate) const DS: KernelSpec = KernelSpec {
 pub(crate) const DQ_COOP: KernelSpec = KernelSpec {
     name: "bwd_dq_coop",
     source: include_str!("../../shaders/bwd_dq_coop.wgsl"),
-    common: &[
-        common::SOFTMAX,
-        common::MASKS,
-        common::HEADS,
-        BACKWARD,
-        COOP_BACKWARD,
-    ],
+    common: COOP_GRAD_COMMON,
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
     trusted: true,
@@ -146,13 +153,7 @@ pub(crate) const DQ_COOP: KernelSpec = KernelSpec {
 pub(crate) const DKV_COOP: KernelSpec = KernelSpec {
     name: "bwd_dkv_coop",
     source: include_str!("../../shaders/bwd_dkv_coop.wgsl"),
-    common: &[
-        common::SOFTMAX,
-        common::MASKS,
-        common::HEADS,
-        BACKWARD,
-        COOP_BACKWARD,
-    ],
+    common: COOP_GRAD_COMMON,
     bindings: GRAD_BINDINGS,
     params: params_of::<Params>,
     trusted: true,
@@ -550,7 +551,7 @@ impl Config {
     /// The matrix units' constants (`[rows, keys]` blocks) and the q, k, v, dout loaders.
     fn coop_prelude(&self, c: &CoopLayout, [bq, bk]: [u32; 2]) -> Prelude {
         super::matmul::coop_prelude(c.tile, self.wg)
-            .consts(&CoopConsts {
+            .consts(&super::flash::CoopConsts {
                 E4: self.e4,
                 EV4: self.ev4,
                 BQ: bq,
@@ -668,22 +669,6 @@ wgsl_consts! {
         QT: u32,
         RK: u32,
         SG_Q: bool,
-    }
-}
-
-wgsl_consts! {
-    /// The fused backward on the matrix units (`shaders/bwd_dq_coop.wgsl`, `bwd_dkv_coop.wgsl`):
-    /// `BQ` x `BK` blocks, head dims padded to the tile (`EP`, `EVP`).
-    pub(crate) struct CoopConsts {
-        E4: u32,
-        EV4: u32,
-        BQ: u32,
-        BK: u32,
-        EP: u32,
-        EVP: u32,
-        UNROLL: bool,
-        UNROLL_E: bool,
-        SCALAR_LOGITS: bool,
     }
 }
 

@@ -590,18 +590,19 @@ impl Config {
         let form = match self.form {
             FusedForm::Coop { tile: Some(t) } => {
                 let (ep, evp) = ((4 * e4).next_multiple_of(t), (4 * ev4).next_multiple_of(t));
-                super::matmul::coop_prelude(t, self.wg).consts(&CoopConsts {
-                    E4: e4,
-                    EV4: ev4,
-                    BQ: self.bm,
-                    BK: self.bk,
-                    EP: ep,
-                    EVP: evp,
-                    KVW: ep.max(evp),
-                    SCALAR_LOGITS: false,
-                    UNROLL: false,
-                    UNROLL_E: false,
-                })
+                super::matmul::coop_prelude(t, self.wg)
+                    .consts(&CoopConsts {
+                        E4: e4,
+                        EV4: ev4,
+                        BQ: self.bm,
+                        BK: self.bk,
+                        EP: ep,
+                        EVP: evp,
+                        SCALAR_LOGITS: false,
+                        UNROLL: false,
+                        UNROLL_E: false,
+                    })
+                    .consts(&KvwConsts { KVW: ep.max(evp) })
             }
             FusedForm::GpuTiles => self.tiles_prelude(),
             _ => Prelude::new()
@@ -708,8 +709,9 @@ wgsl_consts! {
 }
 
 wgsl_consts! {
-    /// The matrix units' form (`shaders/flash_coop.wgsl`): `BQ` queries and `BK` keys per tile,
-    /// head dims padded to the tile (`EP`, `EVP`), `KVW` the staged rows' width.
+    /// The matrix units' attention kernels, forward and backward (`shaders/flash_coop.wgsl`,
+    /// `bwd_dq_coop.wgsl`, `bwd_dkv_coop.wgsl`): `BQ` queries and `BK` keys per block, head dims
+    /// padded to the tile (`EP`, `EVP`); logits from the matrix units, loops as written.
     pub(crate) struct CoopConsts {
         E4: u32,
         EV4: u32,
@@ -717,10 +719,16 @@ wgsl_consts! {
         BK: u32,
         EP: u32,
         EVP: u32,
-        KVW: u32,
         SCALAR_LOGITS: bool,
         UNROLL: bool,
         UNROLL_E: bool,
+    }
+}
+
+wgsl_consts! {
+    /// The forward's staged K/V rows' width on the matrix units (`shaders/flash_coop.wgsl`).
+    pub(crate) struct KvwConsts {
+        KVW: u32,
     }
 }
 

@@ -434,7 +434,7 @@ pub(crate) fn mask_flags(
         .code(&crate::user_mod::prelude(user))
         .tag(format!("bias={bias}"));
     match user {
-        Some(code) => p.tag(format!("user={:016x}", code.hash())),
+        Some(code) => p.tag(format!("user={:016x}", code.id)),
         None => p,
     }
 }

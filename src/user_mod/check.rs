@@ -96,6 +96,7 @@ pub(super) fn check_source(source: &str, names: &[&str], vouched: bool) -> Resul
         }
     }
     Ok(Checked {
+        id: super::source::id_of(&wgsl, dcapture.as_deref()),
         score,
         mask,
         score_ds,

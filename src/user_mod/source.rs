@@ -19,17 +19,18 @@ pub(crate) struct Checked {
     /// No loops and no dynamic indexing ([`proved_safe`]), or the crate's own source: its
     /// pipelines may run without wgpu's runtime checks like the crate's own.
     pub(crate) proved_safe: bool,
+    /// A hash of `wgsl` and `dcapture`, taken once when the source is checked: it names the
+    /// user code in a pipeline's label ([`id_of`]).
+    pub(crate) id: u64,
 }
 
-impl Checked {
-    /// A hash of the checked source: it names the user code in a pipeline's label.
-    pub(crate) fn hash(&self) -> u64 {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        self.wgsl.hash(&mut h);
-        self.dcapture.hash(&mut h);
-        h.finish()
-    }
+/// [`Checked::id`] of a checked source's kernel code.
+pub(crate) fn id_of(wgsl: &str, dcapture: Option<&str>) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    wgsl.hash(&mut h);
+    dcapture.hash(&mut h);
+    h.finish()
 }
 
 /// The WGSL the kernels' prelude includes for the user functions `code` (none: the stubs).
