@@ -17,7 +17,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 ///    the matrix units (tensor cores) are an experimental wgpu feature, which wgpu grants only
 ///    with its experimental features enabled: here only where the adapter has them.
 async fn your_device() -> Result<(wgpu::Adapter, wgpu::Device, wgpu::Queue), Box<dyn std::error::Error>> {
-    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
+    // `wgpu::Instance::new(..)` works too; the crate's instance for compute lists the GPUs
+    // without probing the window systems (no display-server messages on a machine without one).
+    let instance = Context::compute_instance(wgpu::Backends::from_env().unwrap_or(wgpu::Backends::PRIMARY));
     let adapter = instance.request_adapter(&Default::default()).await?;
     let experimental = adapter.features() & Context::wanted_experimental_features();
     let (device, queue) = adapter

@@ -1752,3 +1752,25 @@ fn paged_bad_input_is_one_line() {
         assert!(!p(&out).exists(), "{what} wrote its output");
     }
 }
+
+/// A newcomer's first command prints no error lines on a machine without a display: the crate's
+/// instance lists the GPUs without the window systems' surface extensions (with them, Mesa's
+/// device-selection layer connects to Wayland and libwayland complains about XDG_RUNTIME_DIR).
+#[test]
+fn demo_prints_no_error_lines_without_a_display() {
+    if common::ctx().is_none() {
+        return;
+    }
+    let r = Command::new(env!("CARGO_BIN_EXE_wgpu-attention"))
+        .args(["demo", "--seq", "64", "--heads", "2"])
+        .env_remove("XDG_RUNTIME_DIR")
+        .env_remove("WAYLAND_DISPLAY")
+        .env_remove("DISPLAY")
+        .output()
+        .unwrap();
+    let (out, err) = (String::from_utf8_lossy(&r.stdout), String::from_utf8_lossy(&r.stderr));
+    assert!(r.status.success(), "demo failed:\n{out}\n{err}");
+    assert!(out.contains("check:   PASS"), "{out}");
+    let noisy: Vec<&str> = err.lines().filter(|l| l.to_lowercase().contains("error")).collect();
+    assert!(noisy.is_empty(), "error lines on stderr: {noisy:?}");
+}

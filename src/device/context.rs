@@ -47,6 +47,11 @@ struct Inner {
     device: wgpu::Device,
     queue: wgpu::Queue,
     info: wgpu::AdapterInfo,
+    /// The instance and adapter the device came from, where the context knows them: another
+    /// runtime made on the same device (burn's `WgpuSetup`) needs all four handles.
+    /// Set once, right after the context is built.
+    instance: std::sync::OnceLock<wgpu::Instance>,
+    adapter: std::sync::OnceLock<wgpu::Adapter>,
     /// The matrix units' tiles, from the adapter where the device enabled them.
     coop: CoopTiles,
     /// Every cooperative-matrix configuration the adapter lists (empty without an adapter).
@@ -214,17 +219,22 @@ impl Context {
     /// Honours `WGPU_BACKEND` (e.g. `vulkan`, `metal`, `dx12`, `gl`, `webgpu`),
     /// `WGPU_ADAPTER_NAME` (substring of the adapter name) and `WGPU_POWER_PREF`.
     pub async fn new() -> Result<Self> {
-        Self::from_adapter(&default_adapter().await?).await
+        let (instance, adapter) = default_adapter().await?;
+        let ctx = Self::from_adapter(&adapter).await?;
+        ctx.set_instance(instance);
+        Ok(ctx)
     }
 
     /// `n` devices on the adapter [`Context::new`] would choose (each with its own queue and
     /// pipeline cache): the devices of an in-process ring ([`Ring`](crate::Ring)). On one GPU
     /// they share its memory and cores; lavapipe gives as many as asked for.
     pub async fn devices(n: usize) -> Result<Vec<Self>> {
-        let adapter = default_adapter().await?;
+        let (instance, adapter) = default_adapter().await?;
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
-            out.push(Self::from_adapter(&adapter).await?);
+            let ctx = Self::from_adapter(&adapter).await?;
+            ctx.set_instance(instance.clone());
+            out.push(ctx);
         }
         Ok(out)
     }
@@ -288,12 +298,14 @@ impl Context {
             true => CoopTiles::none("turned off by WGPU_ATTENTION_MATRIX_UNITS"),
             false => coop_tiles(adapter, device.features()),
         };
-        Ok(Self::build(
+        let ctx = Self::build(
             device,
             queue,
             adapter.get_info(),
             (coop, adapter.cooperative_matrix_properties()),
-        ))
+        );
+        let _ = ctx.inner.adapter.set(adapter.clone());
+        Ok(ctx)
     }
 
     /// Adopt a caller's device and queue (a clone of wgpu's handles: they are reference
@@ -331,12 +343,56 @@ impl Context {
     /// [`Context::wanted_experimental_features`] and the adapter lists their tiles.
     pub fn from_parts(adapter: &wgpu::Adapter, device: wgpu::Device, queue: wgpu::Queue) -> Self {
         let coop = coop_tiles(adapter, device.features());
-        Self::build(
+        let ctx = Self::build(
             device,
             queue,
             adapter.get_info(),
             (coop, adapter.cooperative_matrix_properties()),
-        )
+        );
+        let _ = ctx.inner.adapter.set(adapter.clone());
+        ctx
+    }
+
+    /// [`Context::from_parts`] with the instance too: all four handles of a device another
+    /// runtime made (burn's `WgpuSetup`), so that [`Context::instance`] can hand them on.
+    pub fn from_instance_parts(
+        instance: wgpu::Instance,
+        adapter: &wgpu::Adapter,
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+    ) -> Self {
+        let ctx = Self::from_parts(adapter, device, queue);
+        ctx.set_instance(instance);
+        ctx
+    }
+
+    /// The instance this context's adapter came from: known to [`Context::new`],
+    /// [`Context::devices`] and [`Context::from_instance_parts`] (`None` for the others). With
+    /// [`Context::adapter`], [`Context::device`] and [`Context::queue`], what another runtime
+    /// needs to share the device (burn's `WgpuSetup`).
+    pub fn instance(&self) -> Option<&wgpu::Instance> {
+        self.inner.instance.get()
+    }
+
+    /// The adapter this context's device came from (`None` for [`Context::from_device`], which
+    /// is given no adapter).
+    pub fn adapter(&self) -> Option<&wgpu::Adapter> {
+        self.inner.adapter.get()
+    }
+
+    /// A wgpu instance for compute on `backends`, as [`Context::new`] makes it: wgpu's
+    /// settings from the environment (`WGPU_DEBUG`, `WGPU_VALIDATION`, ...), and on Linux a
+    /// Vulkan instance without the window systems' surface extensions (Wayland, X11), which a
+    /// compute device never uses: with them, Mesa's device-selection layer connects to a
+    /// Wayland display while it lists the GPUs, and prints an error on machines without one.
+    /// Use it to make your own device the way the crate does; it cannot present to a window.
+    pub fn compute_instance(backends: wgpu::Backends) -> wgpu::Instance {
+        crate::device::instance::compute_instance(backends)
+    }
+
+    /// The instance's handle, set once right after the context is built.
+    fn set_instance(&self, instance: wgpu::Instance) {
+        let _ = self.inner.instance.set(instance);
     }
 
     /// The optional device features this crate uses when the device has them: request
@@ -462,6 +518,8 @@ impl Context {
             device,
             queue,
             info,
+            instance: Default::default(),
+            adapter: Default::default(),
             coop,
             coop_list,
             pipelines: PipelineCache::default(),
@@ -824,21 +882,22 @@ impl Context {
         self.inner.pipelines.len()
     }
 
-    /// Bytes of buffer memory the device holds now, as wgpu's allocator counts them (0 where
-    /// the backend does not count: the web). Includes the crate's small cached buffers.
-    pub fn buffer_memory(&self) -> u64 {
-        self.inner
-            .device
-            .get_internal_counters()
-            .hal
-            .buffer_memory
-            .read()
-            .max(0) as u64
+    /// Bytes of buffer memory the device holds now, as wgpu's allocator counts them, the
+    /// crate's small cached buffers included. `None` where nothing counts them: without this
+    /// crate's `counters` feature (wgpu's internal counters, off by default), and on the web,
+    /// whose backend keeps no counts.
+    pub fn buffer_memory(&self) -> Option<u64> {
+        if !cfg!(feature = "counters") || cfg!(target_arch = "wasm32") {
+            return None;
+        }
+        let bytes = self.inner.device.get_internal_counters().hal.buffer_memory.read();
+        Some(bytes.max(0) as u64)
     }
 }
 
-/// The adapter [`Context::new`] uses: the primary backends first, then every backend.
-async fn default_adapter() -> Result<wgpu::Adapter> {
+/// The adapter [`Context::new`] uses, with its instance: the primary backends first, then every
+/// backend.
+async fn default_adapter() -> Result<(wgpu::Instance, wgpu::Adapter)> {
     // Without WGPU_BACKEND, try the primary backends (Vulkan, Metal, DX12, WebGPU) first and
     // fall back to every backend (GL included) only when they find nothing.
     let from_env = wgpu::Backends::from_env();
@@ -848,11 +907,9 @@ async fn default_adapter() -> Result<wgpu::Adapter> {
     }
     let mut last = None;
     for backends in tries {
-        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
-        desc.backends = backends;
-        let instance = wgpu::Instance::new(desc);
+        let instance = crate::device::instance::compute_instance(backends);
         match select_adapter(&instance).await {
-            Ok(adapter) => return Ok(adapter),
+            Ok(adapter) => return Ok((instance, adapter)),
             Err(e @ Error::AdapterNotFound { .. }) => return Err(e),
             Err(e) => last = Some(e),
         }

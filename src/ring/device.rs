@@ -204,8 +204,8 @@ struct Clock {
     exchange: Duration,
     wait: Duration,
     sent: u64,
-    base: u64,
-    peak: u64,
+    base: Option<u64>,
+    peak: Option<u64>,
 }
 
 impl Clock {
@@ -216,7 +216,7 @@ impl Clock {
             wait: Duration::ZERO,
             sent: 0,
             base: ctx.buffer_memory(),
-            peak: 0,
+            peak: ctx.buffer_memory().map(|_| 0),
         }
     }
 
@@ -248,7 +248,10 @@ impl Clock {
 
     /// Sample the device's buffer memory.
     fn sample(&mut self, ctx: &Context) {
-        self.peak = self.peak.max(ctx.buffer_memory().saturating_sub(self.base));
+        if let (Some(peak), Some(now), Some(base)) = (&mut self.peak, ctx.buffer_memory(), self.base)
+        {
+            *peak = (*peak).max(now.saturating_sub(base));
+        }
     }
 
     fn time<T>(d: &mut Duration, f: impl FnOnce() -> Result<T>) -> Result<T> {

@@ -99,8 +99,10 @@ pub struct DeviceReport {
     pub peak_memory: u64,
     /// Its peak device memory as measured: the most buffer memory the device held (wgpu's
     /// allocator count, [`Context::buffer_memory`]) at the points it was sampled (after each
-    /// step's submission and each wait), above what it held before the ring started.
-    pub measured_memory: u64,
+    /// step's submission and each wait), above what it held before the ring started. `None`
+    /// where the device does not count its buffers (without the `counters` feature, and on
+    /// the web).
+    pub measured_memory: Option<u64>,
     /// Wall time of its ring, from its first upload to its results on the host.
     pub total: Duration,
     /// Time it spent recording and submitting kernels, and waiting for them.
@@ -140,9 +142,10 @@ impl RingReport {
         self.devices.iter().map(|d| d.peak_memory).max().unwrap_or(0)
     }
 
-    /// The largest measured peak memory of one device.
-    pub fn max_measured_memory(&self) -> u64 {
-        self.devices.iter().map(|d| d.measured_memory).max().unwrap_or(0)
+    /// The largest measured peak memory of one device; `None` where a device did not count
+    /// (see [`DeviceReport::measured_memory`]).
+    pub fn max_measured_memory(&self) -> Option<u64> {
+        self.devices.iter().map(|d| d.measured_memory).try_fold(0, |m, d| Some(m.max(d?)))
     }
 
     /// The largest bytes sent by one device.

@@ -278,7 +278,8 @@ impl<'w> MpiRing<'w> {
             mine.work as f64,
             mine.bytes_sent as f64,
             mine.peak_memory as f64,
-            mine.measured_memory as f64,
+            // -1: not counted.
+            mine.measured_memory.map_or(-1.0, |m| m as f64),
             secs(mine.total),
             secs(mine.compute),
             secs(mine.exchange),
@@ -298,7 +299,7 @@ impl<'w> MpiRing<'w> {
                     work: r[1] as u64,
                     bytes_sent: r[2] as u64,
                     peak_memory: r[3] as u64,
-                    measured_memory: r[4] as u64,
+                    measured_memory: (r[4] >= 0.0).then_some(r[4] as u64),
                     total: d(r[5]),
                     compute: d(r[6]),
                     exchange: d(r[7]),
