@@ -66,10 +66,10 @@ stage() { # stage <name> <command...>: run a stage and print its wall time
   echo "== $name: $((SECONDS - t0)) s"
 }
 
-BACKENDS=${WGPU_ATTENTION_BACKENDS:-vulkan coop gl browser web-demo mpi}
+BACKENDS=${WGPU_ATTENTION_BACKENDS:-vulkan coop gl burn browser web-demo mpi}
 for b in $BACKENDS; do
-  case $b in vulkan | coop | gl | browser | web-demo | mpi) ;; *)
-    echo "WGPU_ATTENTION_BACKENDS: unknown pass '$b' (vulkan, coop, gl, browser, web-demo, mpi)" >&2
+  case $b in vulkan | coop | gl | burn | browser | web-demo | mpi) ;; *)
+    echo "WGPU_ATTENTION_BACKENDS: unknown pass '$b' (vulkan, coop, gl, burn, browser, web-demo, mpi)" >&2
     exit 2
     ;;
   esac
@@ -220,6 +220,19 @@ if has gl; then
       --skip windows_in_every_form --skip modifiers_in_every_form
   }
   stage "tests on GL" gl_tests
+fi
+
+# The burn crate (burn/, not a default member: burn's build is long and turns wgpu's default
+# features back on): its tests on Vulkan (the forward against burn's attention and the
+# reference, gradients through burn's autodiff, a tiny model's training, misuse), its example,
+# and its benchmark built (not run: `cargo bench -p wgpu-attention-burn` times it).
+if has burn; then
+  burn_tests() {
+    WGPU_BACKEND=vulkan suite --locked -p wgpu-attention-burn &&
+      cargo build --locked -p wgpu-attention-burn --benches &&
+      WGPU_BACKEND=vulkan cargo run --locked -p wgpu-attention-burn --example from_burn
+  }
+  stage "burn crate (burn 0.22 on Vulkan)" burn_tests
 fi
 
 # The MPI pass runs beside the browser passes when both are asked for: the browser suite keeps

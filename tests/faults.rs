@@ -155,7 +155,9 @@ fn out_of_memory_and_failed_readbacks_free_everything_and_the_next_call_succeeds
             call(&ctx).unwrap_or_else(|e| panic!("{name}: {e}"));
         }
         ctx.wait_idle().unwrap();
-        let base = ctx.buffer_memory().expect("the tests turn on the `counters` feature");
+        let base = ctx
+            .buffer_memory()
+            .expect("the tests turn on the `counters` feature");
         // After a fault: every buffer freed, and the same call right again.
         let recovered = |fault: &str| {
             ctx.wait_idle().unwrap();

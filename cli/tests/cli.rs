@@ -1768,9 +1768,15 @@ fn demo_prints_no_error_lines_without_a_display() {
         .env_remove("DISPLAY")
         .output()
         .unwrap();
-    let (out, err) = (String::from_utf8_lossy(&r.stdout), String::from_utf8_lossy(&r.stderr));
+    let (out, err) = (
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr),
+    );
     assert!(r.status.success(), "demo failed:\n{out}\n{err}");
     assert!(out.contains("check:   PASS"), "{out}");
-    let noisy: Vec<&str> = err.lines().filter(|l| l.to_lowercase().contains("error")).collect();
+    let noisy: Vec<&str> = err
+        .lines()
+        .filter(|l| l.to_lowercase().contains("error"))
+        .collect();
     assert!(noisy.is_empty(), "error lines on stderr: {noisy:?}");
 }

@@ -113,7 +113,7 @@ mod at_exit {
     /// Join each live context's background compilations and wait (at most a minute) for its
     /// queue.
     extern "C" fn drain() {
-        let _ = std::panic::catch_unwind(|| {
+        let work = || {
             let live: Vec<Arc<Inner>> = match LIVE.lock() {
                 Ok(live) => live.iter().filter_map(Weak::upgrade).collect(),
                 Err(_) => return,
@@ -124,6 +124,19 @@ mod at_exit {
                     submission_index: None,
                     timeout: Some(std::time::Duration::from_secs(60)),
                 });
+            }
+        };
+        // On a thread of its own: the exiting thread's thread-locals may be gone already (wgpu
+        // keeps lock traces in one), and touching them panics.
+        let _ = std::panic::catch_unwind(|| {
+            match std::thread::Builder::new()
+                .name("wgpu-attention exit".into())
+                .spawn(work)
+            {
+                Ok(t) => {
+                    let _ = t.join();
+                }
+                Err(_) => work(),
             }
         });
     }
@@ -219,8 +232,15 @@ impl Context {
     /// Honours `WGPU_BACKEND` (e.g. `vulkan`, `metal`, `dx12`, `gl`, `webgpu`),
     /// `WGPU_ADAPTER_NAME` (substring of the adapter name) and `WGPU_POWER_PREF`.
     pub async fn new() -> Result<Self> {
+        Self::new_with_features(wgpu::Features::empty()).await
+    }
+
+    /// [`Context::new`], the device also requesting `features` where the adapter has them: a
+    /// device shared with a runtime that compiles its own kernels for the adapter's features
+    /// (burn's requests all of them but `MAPPABLE_PRIMARY_BUFFERS`).
+    pub async fn new_with_features(features: wgpu::Features) -> Result<Self> {
         let (instance, adapter) = default_adapter().await?;
-        let ctx = Self::from_adapter(&adapter).await?;
+        let ctx = Self::from_adapter_with_features(&adapter, features).await?;
         ctx.set_instance(instance);
         Ok(ctx)
     }
@@ -259,6 +279,14 @@ impl Context {
     /// `EXPERIMENTAL_COOPERATIVE_MATRIX` feature, unless `WGPU_ATTENTION_MATRIX_UNITS=off`;
     /// [`Context::without_matrix_units`] turns them off for one context.
     pub async fn from_adapter(adapter: &wgpu::Adapter) -> Result<Self> {
+        Self::from_adapter_with_features(adapter, wgpu::Features::empty()).await
+    }
+
+    /// [`Context::from_adapter`], the device also requesting `features` where the adapter has
+    /// them (see [`Context::new_with_features`]). Experimental ones among them are requested
+    /// with wgpu's experimental features enabled: asking for them is taking wgpu's contract for
+    /// them.
+    pub async fn from_adapter_with_features(adapter: &wgpu::Adapter, extra: wgpu::Features) -> Result<Self> {
         // A mistyped pin must not let a CI step pass on other forms.
         #[cfg(not(target_arch = "wasm32"))]
         if std::env::var("WGPU_ATTENTION_REQUIRE_GPU").is_ok_and(|v| v == "1") {
@@ -274,14 +302,17 @@ impl Context {
         if units {
             features |= COOP;
         }
+        features |= adapter.features() & extra;
+        let experimental = features.intersects(wgpu::Features::all_experimental_mask());
         let (device, queue) = adapter
             .request_device(&wgpu::DeviceDescriptor {
                 label: Some("wgpu-attention"),
                 required_features: features,
                 required_limits: limits,
-                // SAFETY (wgpu's contract for experimental features): only cooperative
-                // matrices are requested, and the kernels use only the tiles the adapter lists.
-                experimental_features: if units {
+                // SAFETY (wgpu's contract for experimental features): the crate requests
+                // only cooperative matrices, and its kernels use only the tiles the adapter
+                // lists; other experimental features are the caller's (`extra`).
+                experimental_features: if experimental {
                     unsafe { wgpu::ExperimentalFeatures::enabled() }
                 } else {
                     wgpu::ExperimentalFeatures::disabled()

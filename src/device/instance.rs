@@ -42,7 +42,11 @@ fn vulkan_without_surfaces(desc: &wgpu::InstanceDescriptor) -> Option<wgpu::Inst
     // on goes missing. These three are used only to make surfaces from windows
     // (`create_surface_from_{wayland,xlib,xcb}`), which this instance is never asked to do:
     // wgpu makes surfaces only through `Instance::create_surface`, and the crate never calls it.
-    let surfaces = [c"VK_KHR_wayland_surface", c"VK_KHR_xlib_surface", c"VK_KHR_xcb_surface"];
+    let surfaces = [
+        c"VK_KHR_wayland_surface",
+        c"VK_KHR_xlib_surface",
+        c"VK_KHR_xcb_surface",
+    ];
     let callback: Box<hal::vulkan::CreateInstanceCallback> = Box::new(move |args| {
         args.extensions.retain(|e| !surfaces.contains(e));
     });

@@ -248,8 +248,7 @@ impl Clock {
 
     /// Sample the device's buffer memory.
     fn sample(&mut self, ctx: &Context) {
-        if let (Some(peak), Some(now), Some(base)) = (&mut self.peak, ctx.buffer_memory(), self.base)
-        {
+        if let (Some(peak), Some(now), Some(base)) = (&mut self.peak, ctx.buffer_memory(), self.base) {
             *peak = (*peak).max(now.saturating_sub(base));
         }
     }

@@ -145,7 +145,10 @@ impl RingReport {
     /// The largest measured peak memory of one device; `None` where a device did not count
     /// (see [`DeviceReport::measured_memory`]).
     pub fn max_measured_memory(&self) -> Option<u64> {
-        self.devices.iter().map(|d| d.measured_memory).try_fold(0, |m, d| Some(m.max(d?)))
+        self.devices
+            .iter()
+            .map(|d| d.measured_memory)
+            .try_fold(0, |m, d| Some(m.max(d?)))
     }
 
     /// The largest bytes sent by one device.

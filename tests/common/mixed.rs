@@ -232,7 +232,9 @@ pub fn soak(ctx: &Context, o: &SoakOptions, print: &dyn Fn(&SoakPoint)) -> Soak 
             calls,
             seconds: started.elapsed().as_secs_f64(),
             resident: resident_bytes(),
-            device: ctx.buffer_memory().expect("the tests turn on the `counters` feature"),
+            device: ctx
+                .buffer_memory()
+                .expect("the tests turn on the `counters` feature"),
             buffers: counters.hal.buffers.read(),
             pipelines: ctx.cached_pipelines(),
             shapes,
