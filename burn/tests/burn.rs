@@ -628,3 +628,45 @@ fn misuse_is_a_typed_error() {
         }
     }
 }
+
+#[test]
+fn a_device_burn_made_is_adopted() {
+    // The other way round: burn makes the device (its default adapter and settings), and the
+    // crate adopts it; gradients on its autodiff device with burn's balanced checkpointing.
+    let (device, ctx) = wgpu_attention_burn::new_device().expect("burn's device");
+    assert!(ctx.instance().is_some() && ctx.adapter().is_some());
+    let again = wgpu_attention_burn::context_of(&device.clone().autodiff()).unwrap();
+    assert_eq!(again.adapter_info().name, ctx.adapter_info().name);
+    let c = Case {
+        b: 1,
+        h: 2,
+        hkv: 1,
+        l: 9,
+        s: 14,
+        e: 8,
+        ev: 8,
+    };
+    let (q, k, v) = (randn(Case::n(c.q()), 61), randn(Case::n(c.k()), 62), randn(Case::n(c.v()), 63));
+    let out = Attention::new()
+        .forward(tensor(&q, c.q(), &device), tensor(&k, c.k(), &device), tensor(&v, c.v(), &device))
+        .unwrap();
+    let want = reference::sdpa(arr(&q, c.q()).view(), arr(&k, c.k()).view(), arr(&v, c.v()).view(), &Options::default()).unwrap();
+    assert_close(&host(out), want.out.iter().copied(), F32_TOLERANCE, "burn's device");
+
+    let ad = device.autodiff().gradient_checkpointing();
+    let tk = tensor(&k, c.k(), &ad).require_grad();
+    let out = Attention::new()
+        .causal(Causal::BottomRight)
+        .forward(tensor(&q, c.q(), &ad), tk.clone(), tensor(&v, c.v(), &ad))
+        .unwrap();
+    let g = out.sum().backward();
+    let dk = host(tk.grad(&g).expect("dk"));
+    let ones = Array4::<f32>::ones((c.b, c.h, c.l, c.ev));
+    let r = Options {
+        causal: Causal::BottomRight,
+        ..Default::default()
+    };
+    let want = reference::sdpa_backward(arr(&q, c.q()).view(), arr(&k, c.k()).view(), arr(&v, c.v()).view(), ones.view(), &r)
+        .unwrap();
+    assert_close(&dk, want.dk.iter().copied(), TWICE, "dk with balanced checkpointing (grouped heads)");
+}
