@@ -229,6 +229,7 @@ fi
 if has burn; then
   burn_tests() {
     WGPU_BACKEND=vulkan suite --locked -p wgpu-attention-burn &&
+      RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --lib --locked -p wgpu-attention-burn &&
       cargo build --locked -p wgpu-attention-burn --benches &&
       WGPU_BACKEND=vulkan cargo run --locked -p wgpu-attention-burn --example from_burn
   }

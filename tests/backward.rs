@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use ndarray::{Array3, Array4};
 use wgpu_attention::check::{compare, flash_rule};
-use wgpu_attention::{reference, Causal, Context, Error, Path, Storage, Tensor};
+use wgpu_attention::{reference, Causal, Context, Error, Path, Sdpa, Storage, Tensor};
 
 const PATHS: [Path; 2] = [Path::Fused, Path::Unfused];
 
@@ -171,6 +171,31 @@ fn broadcast_bias_gradients_are_summed() {
         for path in PATHS {
             check(ctx, &case, path, &label);
         }
+    }
+}
+
+/// `without_dbias`: no d(bias), and the same dQ, dK, dV bits as with it (the bias still
+/// shapes the scores), on both paths.
+#[test]
+fn without_dbias_skips_only_the_bias_gradient() {
+    let Some(ctx) = ctx() else { return };
+    let r = |shape: (usize, usize, usize, usize), seed| rand_array(&mut rng(seed), shape);
+    let (q, k, v) = (r((2, 3, 21, 16), 1), r((2, 3, 35, 16), 2), r((2, 3, 35, 8), 3));
+    let (bias, dout) = (r((1, 3, 21, 35), 4), r((2, 3, 21, 8), 5));
+    for path in PATHS {
+        let call = || {
+            Sdpa::new(&q, &k, &v)
+                .bias(&bias)
+                .causal(Causal::BottomRight)
+                .backward(&dout)
+                .path(path)
+        };
+        let with = call().run_blocking(ctx).unwrap();
+        let without = call().without_dbias().run_blocking(ctx).unwrap();
+        assert!(with.dbias.is_some() && without.dbias.is_none(), "{path:?}");
+        assert_eq!(with.dq, without.dq, "{path:?}: dq");
+        assert_eq!(with.dk, without.dk, "{path:?}: dk");
+        assert_eq!(with.dv, without.dv, "{path:?}: dv");
     }
 }
 

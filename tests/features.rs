@@ -56,3 +56,65 @@ fn the_picture_features_do_bring_plotters() {
     assert!(tree.iter().any(|p| p == "plotters"), "{tree:?}");
     assert!(!tree.iter().any(|p| p == "clap"), "{tree:?}");
 }
+
+/// wgpu's features as the library turns them on (its normal dependencies only) with `args`.
+fn wgpu_features(args: &[&str]) -> Vec<String> {
+    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    let out = Command::new(env!("CARGO"))
+        .args(["tree", "--manifest-path", manifest, "-p", "wgpu-attention"])
+        .args([
+            "-e",
+            "normal,features",
+            "-i",
+            "wgpu",
+            "--prefix",
+            "none",
+            "--locked",
+            "--offline",
+        ])
+        .args(args)
+        .output()
+        .expect("cargo tree runs");
+    assert!(
+        out.status.success(),
+        "cargo tree failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut f: Vec<String> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("wgpu feature \"")?
+                .split('"')
+                .next()
+                .map(str::to_owned)
+        })
+        .collect();
+    f.sort();
+    f.dedup();
+    f
+}
+
+/// wgpu without its default features: the backends pass through, `counters` is opt-in.
+#[test]
+fn wgpu_features_pass_through_and_counters_are_opt_in() {
+    let defaults = wgpu_features(&[]);
+    for backend in ["vulkan", "metal", "dx12", "gles", "webgpu", "wgsl"] {
+        assert!(
+            defaults.iter().any(|f| f == backend),
+            "default features lack wgpu's {backend}: {defaults:?}"
+        );
+    }
+    assert!(
+        !defaults.iter().any(|f| f == "counters"),
+        "counters on by default: {defaults:?}"
+    );
+    let vulkan = wgpu_features(&["--no-default-features", "--features", "vulkan"]);
+    assert_eq!(
+        vulkan,
+        ["parking_lot", "std", "vulkan", "wgsl"],
+        "one backend asked for"
+    );
+    let counted = wgpu_features(&["--features", "counters"]);
+    assert!(counted.iter().any(|f| f == "counters"), "{counted:?}");
+}

@@ -1,7 +1,11 @@
 //! burn's attention against this crate's on burn's tensors, in one process, on one device (the
 //! crate's context, burn's runtime made on it with burn's default features: fusion, autotune),
-//! interleaved: burn, ours, burn, ours, ... Each round times `iters` calls of each and prints
-//! the median times, their GFLOP/s and the ratio burn / ours (above 1: ours is faster).
+//! interleaved: burn, ours, standalone, burn, ours, standalone, ... Each round times `iters`
+//! calls of each and prints the median times, their GFLOP/s and the ratio burn / ours (above 1:
+//! ours is faster). "standalone" is the crate's own `Sdpa` on wgpu buffers holding the same
+//! values (the mask as the same additive bias), recorded, submitted and waited for: burn /
+//! standalone is the ratio the crate shows against burn without burn's tensors, in the same
+//! sitting.
 //!
 //! ```sh
 //! cargo bench -p wgpu-attention-burn --bench vs_burn -- [cases] [modes] [rounds] [iters]
@@ -19,7 +23,9 @@ use std::time::Instant;
 use burn::tensor::module::attention as burn_attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Device, Distribution, Tensor, TensorData};
-use wgpu_attention_burn::{attention, device_on, new_context};
+use wgpu_attention_burn::wgpu_attention::wgpu::util::DeviceExt;
+use wgpu_attention_burn::wgpu_attention::{self as wa, wgpu};
+use wgpu_attention_burn::{attention, device_on, new_context, Context};
 
 struct Case {
     b: usize,
@@ -148,11 +154,88 @@ fn call(x: &Inputs, ours: bool, backward: bool, device: &Device) {
     device.sync().expect("the device ran the call");
 }
 
-fn median_ms(x: &Inputs, ours: bool, backward: bool, device: &Device, iters: usize) -> f64 {
+/// The same inputs in the crate's own buffers (the mask as the additive bias the burn route
+/// makes of it).
+struct Standalone {
+    bufs: Vec<(wgpu::Buffer, Vec<usize>)>,
+    causal: bool,
+    scale: Option<f64>,
+    softcap: Option<f64>,
+}
+
+impl Standalone {
+    fn new(ctx: &Context, c: &Case, x: &Inputs) -> Standalone {
+        let up = |t: Tensor<4>| {
+            let dims = t.dims().to_vec();
+            let data = t.into_data();
+            let host: Vec<f32> = data.as_slice::<f32>().expect("f32").to_vec();
+            let buf = ctx
+                .device()
+                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some("standalone input"),
+                    contents: bytemuck::cast_slice(&host),
+                    usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+                });
+            (buf, dims)
+        };
+        let masked = x
+            .mask
+            .clone()
+            .map(|m| Tensor::<4>::zeros(m.shape(), &m.device()).mask_fill(m, f32::NEG_INFINITY));
+        let bias = match (x.bias.clone(), masked) {
+            (Some(b), Some(m)) => Some(b + m),
+            (b, m) => b.or(m),
+        };
+        let mut bufs = vec![
+            up(x.q.clone()),
+            up(x.k.clone()),
+            up(x.v.clone()),
+            up(x.dout.clone()),
+        ];
+        bufs.extend(bias.map(up));
+        Standalone {
+            bufs,
+            causal: c.causal,
+            scale: c.scale,
+            softcap: c.softcap,
+        }
+    }
+
+    fn call(&self, ctx: &Context, backward: bool) {
+        let t = |i: usize| wa::Tensor::from_buffer(&self.bufs[i].0, wa::Storage::F32, &self.bufs[i].1);
+        let mut sdpa = wa::Sdpa::new(t(0), t(1), t(2));
+        if self.causal {
+            sdpa = sdpa.causal(wa::Causal::BottomRight);
+        }
+        if let Some(s) = self.scale {
+            sdpa = sdpa.scale(s);
+        }
+        if let Some(c) = self.softcap {
+            sdpa = sdpa.softcap(c as f32);
+        }
+        if self.bufs.len() > 4 {
+            sdpa = sdpa.bias(t(4));
+        }
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        if backward {
+            // The bias is a constant here, as in the burn route: no d(bias).
+            sdpa.backward(t(3))
+                .without_dbias()
+                .record(ctx, &mut enc)
+                .expect("backward");
+        } else {
+            sdpa.record(ctx, &mut enc).expect("forward");
+        }
+        ctx.queue().submit([enc.finish()]);
+        ctx.wait_idle().expect("the device ran the call");
+    }
+}
+
+fn median_ms(mut f: impl FnMut(), iters: usize) -> f64 {
     let mut t: Vec<f64> = (0..iters)
         .map(|_| {
             let s = Instant::now();
-            call(x, ours, backward, device);
+            f();
             s.elapsed().as_secs_f64() * 1e3
         })
         .collect();
@@ -197,29 +280,42 @@ fn main() {
             if backward {
                 flops *= 3.5;
             }
+            let alone = Standalone::new(&ctx, &c, &x);
             // First calls: compilation and burn's autotuning.
-            for ours in [false, true] {
-                call(&x, ours, backward, &device);
-                call(&x, ours, backward, &device);
+            for _ in 0..2 {
+                call(&x, false, backward, &device);
+                call(&x, true, backward, &device);
+                alone.call(&ctx, backward);
             }
-            let mut ratios = Vec::new();
+            let (mut ratios, mut alone_ratios) = (Vec::new(), Vec::new());
             for r in 0..rounds {
-                let theirs = median_ms(&x, false, backward, &device, iters);
-                let ours = median_ms(&x, true, backward, &device, iters);
-                let ratio = theirs / ours;
-                ratios.push(ratio);
+                let theirs = median_ms(|| call(&x, false, backward, &device), iters);
+                let ours = median_ms(|| call(&x, true, backward, &device), iters);
+                let standalone = median_ms(|| alone.call(&ctx, backward), iters);
+                ratios.push(theirs / ours);
+                alone_ratios.push(theirs / standalone);
                 println!(
-                    "{mode} {name} round {r}: burn {theirs:.1} ms ({:.2} GFLOP/s), ours {ours:.1} ms ({:.2} GFLOP/s), ratio {ratio:.3}",
+                    "{mode} {name} round {r}: burn {theirs:.1} ms ({:.2} GFLOP/s), ours {ours:.1} ms ({:.2} GFLOP/s), \
+                     standalone {standalone:.1} ms; burn/ours {:.3}, burn/standalone {:.3}",
                     flops / theirs / 1e6,
-                    flops / ours / 1e6
+                    flops / ours / 1e6,
+                    theirs / ours,
+                    theirs / standalone
                 );
             }
-            ratios.sort_by(f64::total_cmp);
+            let summary = |v: &mut Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                format!(
+                    "median {:.3}, range {:.3}-{:.3}",
+                    v[v.len() / 2],
+                    v[0],
+                    v[v.len() - 1]
+                )
+            };
             println!(
-                "{mode} {name}: ratio median {:.3}, range {:.3}-{:.3} over {rounds} rounds",
-                ratios[ratios.len() / 2],
-                ratios[0],
-                ratios[ratios.len() - 1]
+                "{mode} {name}: burn/ours {}; burn/standalone {} ({rounds} rounds)",
+                summary(&mut ratios),
+                summary(&mut alone_ratios)
             );
         }
     }

@@ -308,12 +308,13 @@ struct Grads {
     dbias: Option<CubeTensor>,
 }
 
-/// The backward on cubecl tensors, from the forward's output and logsumexp.
-#[allow(clippy::too_many_arguments)] // the saved tensors, each distinct
+/// The backward on cubecl tensors, from the forward's output and logsumexp; d(bias) only where
+/// `dbias` asks (a bias burn tracks).
 fn backward_cube(
     call: &Call,
     [q, k, v, out, lse, dout]: [CubeTensor; 6],
     bias: Option<CubeTensor>,
+    dbias: bool,
 ) -> Result<Grads> {
     let ctx = cube::context(&q, "q")?;
     let bound = |t: CubeTensor, name| Bound::new(t, name);
@@ -324,11 +325,16 @@ fn backward_cube(
         Path::Unfused => Path::Unfused,
         _ => Path::Auto,
     };
-    let backward = call
+    let mut backward = call
         .sdpa(&q, &k, &v, bias.as_ref())
         .backward(dout.view())
         .saved(out.view(), lse.view())
         .path(path);
+    if !dbias {
+        // A constant bias (burn's mask made additive, a bias without a gradient): its
+        // gradient's pass over every logit is skipped.
+        backward = backward.without_dbias();
+    }
     let mut encoder = ctx.device().create_command_encoder(&Default::default());
     let g = backward.record(&ctx, &mut encoder)?;
     // The gradients into tensors burn allocates, one copy each on the device.
@@ -433,10 +439,13 @@ impl<const N: usize> Backward<Cube, N> for AttentionBackward {
         let dout = grads.consume::<Cube>(&ops.node);
         let s = ops.state;
         let r = cube::resolve;
+        // The fourth parent is the bias, where one is given; `None` when burn does not track it.
+        let dbias = ops.parents.get(3).is_some_and(Option::is_some);
         let g = backward_cube(
             &self.call,
             [r(s.q), r(s.k), r(s.v), r(s.out), r(s.lse), r(dout)],
             s.bias.map(r),
+            dbias,
         )
         // burn's backward returns nothing: a device error here is a panic with its message
         // (the call's options and shapes were checked by the forward).

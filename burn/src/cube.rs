@@ -152,3 +152,21 @@ pub(crate) fn context(t: &CubeTensor, name: &'static str) -> Result<Context> {
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_the_kernels_lack_are_refused_by_name() {
+        assert_eq!(storage(DType::F32, "q").unwrap(), Storage::F32);
+        assert_eq!(storage(DType::F16, "q").unwrap(), Storage::F16);
+        assert_eq!(storage(DType::BF16, "q").unwrap(), Storage::Bf16);
+        for dtype in [DType::F64, DType::Flex32, DType::I32, DType::U8] {
+            match storage(dtype, "k") {
+                Err(Error::DType { name: "k", dtype: d }) => assert_eq!(d, format!("{dtype:?}")),
+                other => panic!("{dtype:?}: {other:?}"),
+            }
+        }
+    }
+}

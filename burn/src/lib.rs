@@ -1,7 +1,7 @@
 //! wgpu-attention's kernels on [burn](https://burn.dev)'s wgpu tensors.
 //!
 //! - **One device, both ways.** [`device_on`] makes burn's wgpu runtime on a
-//!   [`Context`](wgpu_attention::Context)'s device and queue (made by [`new_context`]: burn
+//!   [`Context`]'s device and queue (made by [`new_context`]: burn
 //!   compiles for every feature of the adapter); [`new_device`] lets burn make the device and
 //!   adopts it as a context. Either way burn and the kernels share one device and one queue.
 //! - **No copies.** [`Attention::forward`] reads burn's buffers in place (each tensor's buffer,

@@ -646,12 +646,31 @@ fn a_device_burn_made_is_adopted() {
         e: 8,
         ev: 8,
     };
-    let (q, k, v) = (randn(Case::n(c.q()), 61), randn(Case::n(c.k()), 62), randn(Case::n(c.v()), 63));
+    let (q, k, v) = (
+        randn(Case::n(c.q()), 61),
+        randn(Case::n(c.k()), 62),
+        randn(Case::n(c.v()), 63),
+    );
     let out = Attention::new()
-        .forward(tensor(&q, c.q(), &device), tensor(&k, c.k(), &device), tensor(&v, c.v(), &device))
+        .forward(
+            tensor(&q, c.q(), &device),
+            tensor(&k, c.k(), &device),
+            tensor(&v, c.v(), &device),
+        )
         .unwrap();
-    let want = reference::sdpa(arr(&q, c.q()).view(), arr(&k, c.k()).view(), arr(&v, c.v()).view(), &Options::default()).unwrap();
-    assert_close(&host(out), want.out.iter().copied(), F32_TOLERANCE, "burn's device");
+    let want = reference::sdpa(
+        arr(&q, c.q()).view(),
+        arr(&k, c.k()).view(),
+        arr(&v, c.v()).view(),
+        &Options::default(),
+    )
+    .unwrap();
+    assert_close(
+        &host(out),
+        want.out.iter().copied(),
+        F32_TOLERANCE,
+        "burn's device",
+    );
 
     let ad = device.autodiff().gradient_checkpointing();
     let tk = tensor(&k, c.k(), &ad).require_grad();
@@ -666,7 +685,18 @@ fn a_device_burn_made_is_adopted() {
         causal: Causal::BottomRight,
         ..Default::default()
     };
-    let want = reference::sdpa_backward(arr(&q, c.q()).view(), arr(&k, c.k()).view(), arr(&v, c.v()).view(), ones.view(), &r)
-        .unwrap();
-    assert_close(&dk, want.dk.iter().copied(), TWICE, "dk with balanced checkpointing (grouped heads)");
+    let want = reference::sdpa_backward(
+        arr(&q, c.q()).view(),
+        arr(&k, c.k()).view(),
+        arr(&v, c.v()).view(),
+        ones.view(),
+        &r,
+    )
+    .unwrap();
+    assert_close(
+        &dk,
+        want.dk.iter().copied(),
+        TWICE,
+        "dk with balanced checkpointing (grouped heads)",
+    );
 }

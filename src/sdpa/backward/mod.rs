@@ -55,6 +55,8 @@ pub struct Backward<'a> {
     pub(crate) dout: Tensor<'a>,
     pub(crate) saved: Option<(Tensor<'a>, Tensor<'a>)>,
     pub(crate) path: Path,
+    /// Whether d(bias) is computed where a bias is given ([`Backward::without_dbias`]).
+    pub(crate) dbias: bool,
 }
 
 /// Gradients on the host, widened to f32 from their storage formats (exact).
@@ -111,6 +113,7 @@ impl<'a> Sdpa<'a> {
             dout: dout.into(),
             saved: None,
             path: Path::Auto,
+            dbias: true,
         }
     }
 }
@@ -121,6 +124,14 @@ impl<'a> Backward<'a> {
     /// instead of running the forward.
     pub fn saved(mut self, out: impl Into<Tensor<'a>>, lse: impl Into<Tensor<'a>>) -> Self {
         self.saved = Some((out.into(), lse.into()));
+        self
+    }
+
+    /// No d(bias): the bias is a constant (a mask made additive, a bias that needs no
+    /// gradient). Its kernel is a pass over every logit, the costliest part of a backward on
+    /// some devices; without it [`GpuGrads::dbias`] and [`Grads::dbias`] are `None`.
+    pub fn without_dbias(mut self) -> Self {
+        self.dbias = false;
         self
     }
 

@@ -89,7 +89,7 @@ pub(super) fn record(
     let (kv, dv_at) = (sizes.kv_rows, f32_bytes(sizes.dv_off));
     let dk = convert(ctx, encoder, ("dk", &dkv, 0), kv * p.head_dim, p.storage.k)?;
     let dv = convert(ctx, encoder, ("dv", &dkv, dv_at), kv * p.head_dim_v, p.storage.v)?;
-    let [dbias, dsink, dcaptures] = record_extras(ctx, encoder, &p, (&io, &params))?;
+    let [dbias, dsink, dcaptures] = record_extras(ctx, encoder, &p, bw.dbias, (&io, &params))?;
     Ok(GpuGrads {
         dq,
         dk,
@@ -287,10 +287,12 @@ fn record_extras(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
     p: &Problem,
+    want_dbias: bool,
     (io, params): (&Io<'_>, &kb::Params),
 ) -> Result<[Option<wgpu::Buffer>; 3]> {
     let dbias = p
         .bias
+        .filter(|_| want_dbias)
         .map(|bc| record_dbias(ctx, encoder, p, bc.len(), (io, params)))
         .transpose()?;
     let dsink = p
