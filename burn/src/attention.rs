@@ -1,7 +1,9 @@
 //! Attention on burn's tensors: the options, the forward on burn's buffers, and the backward
 //! registered with burn's autodiff.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use burn::backend::ir::TensorId;
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::{
@@ -193,14 +195,61 @@ impl Attention {
     /// The bias the kernels add: the caller's, plus `-inf` where burn's mask is true (burn
     /// adds the bias after masking, which gives the same scores).
     fn bias_with_mask(&self) -> Option<Tensor<4>> {
-        let masked = self
-            .mask
-            .as_ref()
-            .map(|m| Tensor::<4>::zeros(m.shape(), &m.device()).mask_fill(m.clone(), f32::NEG_INFINITY));
+        let masked = self.mask.as_ref().map(additive);
         match (self.bias.clone(), masked) {
             (Some(b), Some(m)) => Some(b + m),
             (b, m) => b.or(m),
         }
+    }
+}
+
+/// The masks made additive most recently, by burn's id of the mask tensor (and whether it is
+/// an autodiff device's): a mask passed again (by every layer of a forward, by every step of a
+/// fixed padding) is converted once. burn's tensors are immutable and its ids are never given
+/// twice, so an id names one mask's values for as long as it lives. Four at most: the oldest
+/// goes first; masks over 64 MiB as f32 are not kept.
+static ADDITIVE: Mutex<Vec<((TensorId, bool), Tensor<4>)>> = Mutex::new(Vec::new());
+const ADDITIVE_KEPT: usize = 4;
+/// The largest additive mask kept (bytes): larger ones are made on every call.
+const ADDITIVE_BYTES: usize = 64 << 20;
+
+/// burn's boolean mask (true = masked) as an additive f32 bias: 0, or `-inf` where masked.
+fn additive(mask: &Tensor<4, Bool>) -> Tensor<4> {
+    let device = mask.device();
+    let make = || Tensor::<4>::zeros(mask.shape(), &device).mask_fill(mask.clone(), f32::NEG_INFINITY);
+    let bytes = mask.shape().num_elements() * 4;
+    let Some(key) = mask_id(mask)
+        .filter(|_| bytes <= ADDITIVE_BYTES)
+        .map(|id| (id, device.is_autodiff()))
+    else {
+        return make();
+    };
+    let mut kept = ADDITIVE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, bias)) = kept.iter().find(|(k, _)| *k == key) {
+        return bias.clone();
+    }
+    let bias = make();
+    if kept.len() == ADDITIVE_KEPT {
+        kept.remove(0);
+    }
+    kept.push((key, bias.clone()));
+    bias
+}
+
+/// burn's id of a mask on the cubecl runtimes (an autodiff device's bool tensors are the inner
+/// backend's).
+fn mask_id(mask: &Tensor<4, Bool>) -> Option<TensorId> {
+    let m = mask.clone();
+    match mask.device().gradient_checkpointing_strategy() {
+        None => m.try_into_primitive::<Cube>().ok().map(|t| t.id),
+        Some(GradientCheckpointingStrategy::Disabled) => m
+            .try_into_primitive::<Autodiff<Cube, NoCheckpointing>>()
+            .ok()
+            .map(|t| t.id),
+        Some(GradientCheckpointingStrategy::Balanced) => m
+            .try_into_primitive::<Autodiff<Cube, BalancedCheckpointing>>()
+            .ok()
+            .map(|t| t.id),
     }
 }
 

@@ -700,3 +700,62 @@ fn a_device_burn_made_is_adopted() {
         "dk with balanced checkpointing (grouped heads)",
     );
 }
+
+#[test]
+fn masks_given_again_and_in_turn_each_give_their_own_result() {
+    // The additive form of a mask is kept by the mask's id: two masks in turn, each given
+    // again, and a new mask with the first one's values, each against the reference.
+    let (_ctx, device) = setup();
+    let c = Case {
+        b: 1,
+        h: 2,
+        hkv: 2,
+        l: 11,
+        s: 17,
+        e: 8,
+        ev: 8,
+    };
+    let (q, k, v) = (
+        randn(Case::n(c.q()), 71),
+        randn(Case::n(c.k()), 72),
+        randn(Case::n(c.v()), 73),
+    );
+    let masks = [burn_mask(&c, 74), burn_mask(&c, 75)];
+    let tm = |m: &[bool]| Tensor::<4, Bool>::from_data(TensorData::new(m.to_vec(), c.scores()), &device);
+    let (first, second) = (tm(&masks[0]), tm(&masks[1]));
+    let runs = [
+        (&first, 0),
+        (&second, 1),
+        (&first, 0),
+        (&second, 1),
+        (&tm(&masks[0]), 0),
+    ];
+    for (i, (m, which)) in runs.into_iter().enumerate() {
+        let out = Attention::new()
+            .mask(m.clone())
+            .forward(
+                tensor(&q, c.q(), &device),
+                tensor(&k, c.k(), &device),
+                tensor(&v, c.v(), &device),
+            )
+            .unwrap();
+        let allowed: Vec<bool> = masks[which].iter().map(|x| !x).collect();
+        let r = Options {
+            mask: Some(wgpu_attention::Mask::from_slice(&allowed, &c.scores())),
+            ..Default::default()
+        };
+        let want = reference::sdpa(
+            arr(&q, c.q()).view(),
+            arr(&k, c.k()).view(),
+            arr(&v, c.v()).view(),
+            &r,
+        )
+        .unwrap();
+        assert_close(
+            &host(out),
+            want.out.iter().copied(),
+            F32_TOLERANCE,
+            &format!("call {i}, mask {which}"),
+        );
+    }
+}

@@ -20,14 +20,18 @@ pub(crate) fn compute_instance(backends: wgpu::Backends) -> wgpu::Instance {
 }
 
 /// The Vulkan instance without window-system surface extensions, where `desc` asks for Vulkan
-/// alone among the backends Linux has (GL too: wgpu's own instance, which holds both). `None`
+/// alone among the backends Linux has (GL too: wgpu's own instance, which holds both) with
+/// wgpu's default flags. `None`
 /// when Vulkan is not asked for, or its loader is missing or refuses (wgpu's own instance then
 /// reports the same, as it would have).
 #[cfg(all(target_os = "linux", feature = "vulkan"))]
 fn vulkan_without_surfaces(desc: &wgpu::InstanceDescriptor) -> Option<wgpu::Instance> {
     use wgpu::hal;
     let on_linux = desc.backends & (wgpu::Backends::VULKAN | wgpu::Backends::GL);
-    if on_linux != wgpu::Backends::VULKAN {
+    // wgpu-core keeps its default flags for an instance made from wgpu-hal's: where the
+    // environment sets others (WGPU_STRICT_WEBGPU_COMPLIANCE, WGPU_VALIDATION, ...), wgpu's own
+    // instance keeps them.
+    if on_linux != wgpu::Backends::VULKAN || desc.flags != wgpu::InstanceFlags::default() {
         return None;
     }
     let hal_desc = hal::InstanceDescriptor {
