@@ -7,23 +7,13 @@ use std::process::Command;
 /// What only the tool (or the optional `heatmap` / `plot` features) should bring.
 const TOOL_ONLY: [&str; 4] = ["clap", "plotters", "indicatif", "ndarray-npy"];
 
-/// The normal (non-dev, non-build) dependency tree of the library with `features` on top of
-/// its defaults, one package name per line.
-fn normal_tree(extra: &[&str]) -> Vec<String> {
+/// `cargo tree -p wgpu-attention --prefix none --locked --offline` with `args`: its output.
+fn cargo_tree(args: &[&str]) -> String {
     let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
     let out = Command::new(env!("CARGO"))
         .args(["tree", "--manifest-path", manifest, "-p", "wgpu-attention"])
-        .args([
-            "-e",
-            "normal",
-            "--prefix",
-            "none",
-            "--format",
-            "{p}",
-            "--locked",
-            "--offline",
-        ])
-        .args(extra)
+        .args(["--prefix", "none", "--locked", "--offline"])
+        .args(args)
         .output()
         .expect("cargo tree runs");
     assert!(
@@ -31,8 +21,14 @@ fn normal_tree(extra: &[&str]) -> Vec<String> {
         "cargo tree failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8(out.stdout)
-        .unwrap()
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The normal (non-dev, non-build) dependency tree of the library with `features` on top of
+/// its defaults, one package name per line.
+fn normal_tree(extra: &[&str]) -> Vec<String> {
+    let args = [&["-e", "normal", "--format", "{p}"], extra].concat();
+    cargo_tree(&args)
         .lines()
         .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
         .collect()
@@ -59,29 +55,8 @@ fn the_picture_features_do_bring_plotters() {
 
 /// wgpu's features as the library turns them on (its normal dependencies only) with `args`.
 fn wgpu_features(args: &[&str]) -> Vec<String> {
-    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
-    let out = Command::new(env!("CARGO"))
-        .args(["tree", "--manifest-path", manifest, "-p", "wgpu-attention"])
-        .args([
-            "-e",
-            "normal,features",
-            "-i",
-            "wgpu",
-            "--prefix",
-            "none",
-            "--locked",
-            "--offline",
-        ])
-        .args(args)
-        .output()
-        .expect("cargo tree runs");
-    assert!(
-        out.status.success(),
-        "cargo tree failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let mut f: Vec<String> = String::from_utf8(out.stdout)
-        .unwrap()
+    let args = [&["-e", "normal,features", "-i", "wgpu"], args].concat();
+    let mut f: Vec<String> = cargo_tree(&args)
         .lines()
         .filter_map(|l| {
             l.strip_prefix("wgpu feature \"")?

@@ -72,6 +72,37 @@ struct Case {
 }
 
 impl Case {
+    /// `[B, H, Hkv, L, S, E, Ev]`.
+    const fn new([b, h, hkv, l, s, e, ev]: [usize; 7]) -> Case {
+        Case {
+            b,
+            h,
+            hkv,
+            l,
+            s,
+            e,
+            ev,
+        }
+    }
+    /// q, k, v filled from seeds `seed`, `seed + 1`, `seed + 2`.
+    fn qkv(&self, seed: u64) -> [Vec<f32>; 3] {
+        let n = |shape| Case::n(shape);
+        [
+            randn(n(self.q()), seed),
+            randn(n(self.k()), seed + 1),
+            randn(n(self.v()), seed + 2),
+        ]
+    }
+    /// The f64 reference's output for q, k, v with options `r`.
+    fn reference(&self, [q, k, v]: &[Vec<f32>; 3], r: &Options) -> Vec<f64> {
+        let out = reference::sdpa(
+            arr(q, self.q()).view(),
+            arr(k, self.k()).view(),
+            arr(v, self.v()).view(),
+            r,
+        );
+        out.unwrap().out.iter().copied().collect()
+    }
     fn q(&self) -> [usize; 4] {
         [self.b, self.h, self.l, self.e]
     }
@@ -114,6 +145,27 @@ struct BurnOpts {
     softcap: Option<f64>,
 }
 
+impl BurnOpts {
+    /// The same options in the crate's terms: the mask `allowed` (true = may attend) and the
+    /// bias where asked for.
+    fn in_crate_terms<'a>(&self, allowed: &'a [bool], bias: &'a Array4<f32>) -> Options<'a> {
+        Options {
+            causal: if self.causal {
+                Causal::BottomRight
+            } else {
+                Causal::None
+            },
+            scale: self.scale,
+            softcap: self.softcap.map(|x| x as f32),
+            mask: self
+                .mask
+                .then(|| wgpu_attention::Mask::from_slice(allowed, bias.shape())),
+            bias: self.bias.then(|| bias.into()),
+            ..Default::default()
+        }
+    }
+}
+
 const NONE: BurnOpts = BurnOpts {
     causal: false,
     mask: false,
@@ -126,20 +178,9 @@ const NONE: BurnOpts = BurnOpts {
 fn forward_matches_burns_attention_and_the_reference() {
     let (_ctx, device) = setup();
     // Not multiples of any tile; L != S; Ev != E.
-    let c = Case {
-        b: 2,
-        h: 3,
-        hkv: 3,
-        l: 37,
-        s: 53,
-        e: 24,
-        ev: 20,
-    };
-    let (q, k, v) = (
-        randn(Case::n(c.q()), 1),
-        randn(Case::n(c.k()), 2),
-        randn(Case::n(c.v()), 3),
-    );
+    let c = Case::new([2, 3, 3, 37, 53, 24, 20]);
+    let qkv = c.qkv(1);
+    let [q, k, v] = &qkv;
     let bias = randn(Case::n(c.scores()), 4);
     let mask = burn_mask(&c, 5);
     let cases = [
@@ -176,9 +217,9 @@ fn forward_matches_burns_attention_and_the_reference() {
             is_causal: o.causal,
         };
         let ours = attention(
-            bt(&q, c.q()),
-            bt(&k, c.k()),
-            bt(&v, c.v()),
+            bt(q, c.q()),
+            bt(k, c.k()),
+            bt(v, c.v()),
             burn_m.clone(),
             burn_b.clone(),
             opts,
@@ -187,9 +228,9 @@ fn forward_matches_burns_attention_and_the_reference() {
         assert_eq!(ours.dims(), [c.b, c.h, c.l, c.ev], "{label}");
         let ours = host(ours);
         let theirs = host(burn_attention(
-            bt(&q, c.q()),
-            bt(&k, c.k()),
-            bt(&v, c.v()),
+            bt(q, c.q()),
+            bt(k, c.k()),
+            bt(v, c.v()),
             burn_m,
             burn_b,
             opts,
@@ -204,28 +245,10 @@ fn forward_matches_burns_attention_and_the_reference() {
         // The CPU reference (f64) with the same options in the crate's terms.
         let allowed: Vec<bool> = mask.iter().map(|m| !m).collect();
         let bias_arr = arr(&bias, c.scores());
-        let mut r = Options::default();
-        if o.causal {
-            r.causal = Causal::BottomRight;
-        }
-        r.scale = o.scale;
-        r.softcap = o.softcap.map(|x| x as f32);
-        if o.mask {
-            r.mask = Some(wgpu_attention::Mask::from_slice(&allowed, &c.scores()));
-        }
-        if o.bias {
-            r.bias = Some((&bias_arr).into());
-        }
-        let want = reference::sdpa(
-            arr(&q, c.q()).view(),
-            arr(&k, c.k()).view(),
-            arr(&v, c.v()).view(),
-            &r,
-        )
-        .unwrap();
+        let r = o.in_crate_terms(&allowed, &bias_arr);
         assert_close(
             &ours,
-            want.out.iter().copied(),
+            c.reference(&qkv, &r),
             F32_TOLERANCE,
             &format!("{label}: against the reference"),
         );
@@ -235,15 +258,7 @@ fn forward_matches_burns_attention_and_the_reference() {
 #[test]
 fn grouped_query_heads_and_the_crates_own_options() {
     let (_ctx, device) = setup();
-    let c = Case {
-        b: 2,
-        h: 6,
-        hkv: 2,
-        l: 19,
-        s: 45,
-        e: 16,
-        ev: 16,
-    };
+    let c = Case::new([2, 6, 2, 19, 45, 16, 16]);
     let (q, k, v) = (
         randn(Case::n(c.q()), 11),
         randn(Case::n(c.k()), 12),
@@ -343,15 +358,7 @@ fn views_burn_made_are_read_in_place() {
 #[test]
 fn half_precision_tensors_keep_their_format() {
     let (_ctx, device) = setup();
-    let c = Case {
-        b: 1,
-        h: 2,
-        hkv: 2,
-        l: 13,
-        s: 29,
-        e: 32,
-        ev: 32,
-    };
+    let c = Case::new([1, 2, 2, 13, 29, 32, 32]);
     let f16 = |x: &[f32]| x.iter().map(|&v| half::f16::from_f32(v)).collect::<Vec<_>>();
     let (q, k, v) = (
         f16(&randn(Case::n(c.q()), 31)),
@@ -400,20 +407,8 @@ fn half_precision_tensors_keep_their_format() {
 fn gradients_through_burns_autodiff_match_burn_and_the_reference() {
     let (_ctx, device) = setup();
     let device = device.autodiff();
-    let c = Case {
-        b: 2,
-        h: 2,
-        hkv: 2,
-        l: 23,
-        s: 31,
-        e: 16,
-        ev: 12,
-    };
-    let (q, k, v) = (
-        randn(Case::n(c.q()), 41),
-        randn(Case::n(c.k()), 42),
-        randn(Case::n(c.v()), 43),
-    );
+    let c = Case::new([2, 2, 2, 23, 31, 16, 12]);
+    let [q, k, v] = c.qkv(41);
     let (bias, dout) = (randn(Case::n(c.scores()), 44), randn(c.b * c.h * c.l * c.ev, 45));
     let mask = burn_mask(&c, 46);
     for causal in [false, true] {
@@ -489,28 +484,33 @@ fn gradients_through_burns_autodiff_match_burn_and_the_reference() {
                 TWICE,
                 &format!("{label}: {name} against the reference"),
             );
-            // burn's own (unfused) backward gives NaN in d(bias) on the fully masked rows, where
-            // the reference and this crate give 0: compared everywhere else.
-            let theirs: Vec<f32> = theirs[i]
-                .iter()
-                .enumerate()
-                .map(|(j, &t)| {
-                    if t.is_nan() {
-                        assert_eq!(
-                            (*name, (j / c.s) % c.l),
-                            ("dbias", 3),
-                            "{label}: burn's NaN at {j}"
-                        );
-                        assert_eq!(ours[i][j], 0.0, "{label}: ours on a fully masked row");
-                        0.0
-                    } else {
-                        t
-                    }
-                })
-                .collect();
-            assert_close(&ours[i], theirs, TWICE, &format!("{label}: {name} against burn"));
+            assert_against_burns_gradient(&c, name, &ours[i], &theirs[i], &label);
         }
     }
+}
+
+/// `ours` against burn's gradient `theirs` of `name`. burn's own (unfused) backward gives NaN
+/// in d(bias) on the fully masked rows (query row 3), where the reference and this crate give 0:
+/// compared everywhere else.
+fn assert_against_burns_gradient(c: &Case, name: &str, ours: &[f32], theirs: &[f32], label: &str) {
+    let theirs: Vec<f32> = theirs
+        .iter()
+        .enumerate()
+        .map(|(j, &t)| {
+            if t.is_nan() {
+                assert_eq!(
+                    (name, (j / c.s) % c.l),
+                    ("dbias", 3),
+                    "{label}: burn's NaN at {j}"
+                );
+                assert_eq!(ours[j], 0.0, "{label}: ours on a fully masked row");
+                0.0
+            } else {
+                t
+            }
+        })
+        .collect();
+    assert_close(ours, theirs, TWICE, &format!("{label}: {name} against burn"));
 }
 
 /// A tiny burn transformer block: q, k, v, o projections and one attention call.
@@ -637,15 +637,7 @@ fn a_device_burn_made_is_adopted() {
     assert!(ctx.instance().is_some() && ctx.adapter().is_some());
     let again = wgpu_attention_burn::context_of(&device.clone().autodiff()).unwrap();
     assert_eq!(again.adapter_info().name, ctx.adapter_info().name);
-    let c = Case {
-        b: 1,
-        h: 2,
-        hkv: 1,
-        l: 9,
-        s: 14,
-        e: 8,
-        ev: 8,
-    };
+    let c = Case::new([1, 2, 1, 9, 14, 8, 8]);
     let (q, k, v) = (
         randn(Case::n(c.q()), 61),
         randn(Case::n(c.k()), 62),
@@ -706,15 +698,7 @@ fn masks_given_again_and_in_turn_each_give_their_own_result() {
     // The additive form of a mask is kept by the mask's id: two masks in turn, each given
     // again, and a new mask with the first one's values, each against the reference.
     let (_ctx, device) = setup();
-    let c = Case {
-        b: 1,
-        h: 2,
-        hkv: 2,
-        l: 11,
-        s: 17,
-        e: 8,
-        ev: 8,
-    };
+    let c = Case::new([1, 2, 2, 11, 17, 8, 8]);
     let (q, k, v) = (
         randn(Case::n(c.q()), 71),
         randn(Case::n(c.k()), 72),

@@ -329,14 +329,7 @@ impl Context {
             true => CoopTiles::none("turned off by WGPU_ATTENTION_MATRIX_UNITS"),
             false => coop_tiles(adapter, device.features()),
         };
-        let ctx = Self::build(
-            device,
-            queue,
-            adapter.get_info(),
-            (coop, adapter.cooperative_matrix_properties()),
-        );
-        let _ = ctx.inner.adapter.set(adapter.clone());
-        Ok(ctx)
+        Ok(Self::build_on(adapter, device, queue, coop))
     }
 
     /// Adopt a caller's device and queue (a clone of wgpu's handles: they are reference
@@ -374,6 +367,12 @@ impl Context {
     /// [`Context::wanted_experimental_features`] and the adapter lists their tiles.
     pub fn from_parts(adapter: &wgpu::Adapter, device: wgpu::Device, queue: wgpu::Queue) -> Self {
         let coop = coop_tiles(adapter, device.features());
+        Self::build_on(adapter, device, queue, coop)
+    }
+
+    /// [`Context::build`] for a device made on `adapter`: its information and matrix
+    /// configurations taken from it, and the adapter kept ([`Context::adapter`]).
+    fn build_on(adapter: &wgpu::Adapter, device: wgpu::Device, queue: wgpu::Queue, coop: CoopTiles) -> Self {
         let ctx = Self::build(
             device,
             queue,
