@@ -178,6 +178,16 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// An 8-bit K/V cache ([`Storage::Int8`](crate::Storage::Int8),
+    /// [`Storage::Fp8`](crate::Storage::Fp8)) that cannot be read as given: its scales missing,
+    /// of the wrong shape or format, given to a float tensor, a head dim that is not a multiple
+    /// of 4, an 8-bit q, bias or output, or a path, form or call that does not read 8-bit caches
+    /// (the backward, the variants, the unfused path, the matrix units' forms).
+    #[error("8-bit K/V cache: {reason}")]
+    Quantized {
+        /// What is wrong.
+        reason: String,
+    },
     /// The scale is NaN or infinite (or too large for the kernels' f32).
     #[error("scale must be finite in f32, got {scale}")]
     InvalidScale {
@@ -306,15 +316,16 @@ const NO_ADAPTER_HINT: &str = "This browser offers no WebGPU adapter: use one wi
 // Here rather than in storage.rs, so that the formats stand below the error that names them.
 impl std::str::FromStr for crate::storage::Storage {
     type Err = Error;
-    /// Parses `f32`, `f16`, `bf16`.
+    /// Parses `f32`, `f16`, `bf16`, `int8`, `fp8`.
     fn from_str(s: &str) -> Result<Self> {
         crate::storage::Storage::ALL
             .into_iter()
+            .chain(crate::storage::Storage::QUANTIZED)
             .find(|f| f.name() == s)
             .ok_or_else(|| Error::UnknownName {
                 kind: "storage format",
                 name: s.to_string(),
-                expected: "f32, f16, bf16",
+                expected: "f32, f16, bf16, int8, fp8",
             })
     }
 }

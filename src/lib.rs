@@ -38,6 +38,7 @@ pub use pictures::plot;
 mod mha;
 mod paged;
 pub mod problem;
+pub mod quant;
 pub mod reference;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod ring;

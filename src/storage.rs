@@ -3,7 +3,9 @@
 //! Every kernel reads and writes f32, f16 or bf16 storage and accumulates in f32. Half formats
 //! are packed two per `u32` word and converted with WGSL's core `unpack2x16float` /
 //! `pack2x16float` (f16) or by bit shifts (bf16 is the upper half of an f32), so they need no
-//! optional device feature and run on every backend, the browser included.
+//! optional device feature and run on every backend, the browser included. K and V caches may
+//! also be 8-bit ([`Storage::Int8`], [`Storage::Fp8`]: four codes per word, with their scales
+//! in a buffer of their own; `crate::quant`), dequantised as the attention kernels load them.
 
 use std::borrow::Cow;
 
@@ -21,61 +23,89 @@ pub enum Storage {
     /// bfloat16 (`half::bf16`), 2 bytes: the upper half of an f32 (8-bit significand, f32's
     /// range).
     Bf16,
+    /// Symmetric int8 codes, 1 byte, for K and V caches only: element `x` of a row of E is
+    /// `code · scale` with one f32 scale per row (per token and kv head: `scale = max |x| /
+    /// 127`, `code = round(x / scale)` to nearest even, within ±127). The scales are a tensor
+    /// of their own ([`Tensor::with_scales`](crate::Tensor::with_scales)); see
+    /// [`quant`](crate::quant).
+    Int8,
+    /// FP8 e4m3 codes as PyTorch's `torch.float8_e4m3fn` (no infinities, ±448 at most), 1 byte,
+    /// for K and V caches only: element `x` is `e4m3(x / scale)` with one f32 scale per kv head
+    /// (vLLM's `k_scale` / `v_scale`), saturated to ±448. See [`quant`](crate::quant).
+    Fp8,
 }
 
 impl Storage {
-    /// Every format.
+    /// The float formats, which every tensor takes.
     pub const ALL: [Storage; 3] = [Storage::F32, Storage::F16, Storage::Bf16];
 
-    /// The name used by the CLI: `f32`, `f16`, `bf16`.
+    /// The 8-bit formats of K and V caches, read with their scales.
+    pub const QUANTIZED: [Storage; 2] = [Storage::Int8, Storage::Fp8];
+
+    /// The name used by the CLI: `f32`, `f16`, `bf16`, `int8`, `fp8`.
     pub fn name(self) -> &'static str {
         match self {
             Storage::F32 => "f32",
             Storage::F16 => "f16",
             Storage::Bf16 => "bf16",
+            Storage::Int8 => "int8",
+            Storage::Fp8 => "fp8",
         }
     }
 
-    /// Bytes per element.
+    /// Bytes per element (the scales of an 8-bit format not counted).
     pub fn element_bytes(self) -> u64 {
         match self {
             Storage::F32 => 4,
             Storage::F16 | Storage::Bf16 => 2,
+            Storage::Int8 | Storage::Fp8 => 1,
         }
     }
 
     /// Bytes of `elems` elements on the device, rounded up to whole 4-byte words (WGSL reads
-    /// half formats two per `u32`).
+    /// half formats two per `u32`, 8-bit ones four).
     pub fn bytes(self, elems: usize) -> u64 {
         (elems as u64 * self.element_bytes()).next_multiple_of(4)
     }
 
-    /// Whether the format packs two elements per 32-bit word.
+    /// Whether the format packs two elements per 32-bit word (f16, bf16).
     pub fn is_half(self) -> bool {
-        self != Storage::F32
+        matches!(self, Storage::F16 | Storage::Bf16)
+    }
+
+    /// Whether the format is an 8-bit one read with scales ([`Storage::Int8`],
+    /// [`Storage::Fp8`]): K and V caches only.
+    pub fn is_quantized(self) -> bool {
+        matches!(self, Storage::Int8 | Storage::Fp8)
     }
 
     /// `x` rounded to this format (round to nearest, ties to even) and widened back to f32:
-    /// the value the device holds. NaN stays NaN, out-of-range values become ±inf.
+    /// the value the device holds. NaN stays NaN, out-of-range values become ±inf. The 8-bit
+    /// formats round the value itself, with a scale of 1: [`Storage::Int8`] to an integer
+    /// within ±127, [`Storage::Fp8`] to e4m3, saturating at ±448.
     pub fn round(self, x: f32) -> f32 {
         match self {
             Storage::F32 => x,
             Storage::F16 => f16::from_f32(x).to_f32(),
             Storage::Bf16 => bf16::from_f32(x).to_f32(),
+            Storage::Int8 => crate::quant::int8_code(x, 1.0) as f32,
+            Storage::Fp8 => crate::quant::E4m3::from_f32(x).to_f32(),
         }
     }
 
-    /// The largest finite value of the format.
+    /// The largest finite value of the format (of the codes, for the 8-bit formats).
     pub fn max_finite(self) -> f32 {
         match self {
             Storage::F32 => f32::MAX,
             Storage::F16 => f16::MAX.to_f32(),
             Storage::Bf16 => bf16::MAX.to_f32(),
+            Storage::Int8 => 127.0,
+            Storage::Fp8 => crate::quant::E4m3::MAX,
         }
     }
 
-    /// Little-endian bytes of `data` in this format (rounded to nearest even), padded to
-    /// whole words: what a buffer of this format holds.
+    /// Little-endian bytes of `data` in this format (rounded to nearest even, as
+    /// [`Storage::round`]), padded to whole words: what a buffer of this format holds.
     pub fn encode(self, data: &[f32]) -> Vec<u8> {
         let mut bytes = match self {
             Storage::F32 => bytemuck::cast_slice(data).to_vec(),
@@ -87,13 +117,18 @@ impl Storage {
                 .iter()
                 .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
                 .collect(),
+            Storage::Int8 => data
+                .iter()
+                .map(|&x| crate::quant::int8_code(x, 1.0) as u8)
+                .collect(),
+            Storage::Fp8 => data.iter().map(|&x| crate::quant::E4m3::from_f32(x).0).collect(),
         };
         bytes.resize(self.bytes(data.len()) as usize, 0);
         bytes
     }
 
     /// The first `elems` elements of little-endian `bytes` in this format, widened to f32
-    /// (exact). `bytes` must hold them.
+    /// (exact; the codes' values for the 8-bit formats, unscaled). `bytes` must hold them.
     pub fn decode(self, bytes: &[u8], elems: usize) -> Vec<f32> {
         let n = self.element_bytes() as usize;
         let bytes = &bytes[..elems * n];
@@ -110,6 +145,8 @@ impl Storage {
                 .chunks_exact(2)
                 .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
+            Storage::Int8 => bytes.iter().map(|&c| c as i8 as f32).collect(),
+            Storage::Fp8 => bytes.iter().map(|&c| crate::quant::E4m3(c).to_f32()).collect(),
         }
     }
 }
@@ -153,9 +190,13 @@ mod sealed {
     impl Sealed for f32 {}
     impl Sealed for half::f16 {}
     impl Sealed for half::bf16 {}
+    impl Sealed for i8 {}
+    impl Sealed for crate::quant::E4m3 {}
 }
 
-/// An element type the crate takes from the host: `f32`, [`half::f16`] or [`half::bf16`].
+/// An element type the crate takes from the host: `f32`, [`half::f16`] or [`half::bf16`]; for K
+/// and V caches also int8 codes (`i8`, [`Storage::Int8`]) and e4m3 codes
+/// ([`E4m3`](crate::quant::E4m3), [`Storage::Fp8`]), given with their scales.
 pub trait Element: sealed::Sealed + bytemuck::Pod + Copy + Send + Sync + 'static {
     /// The device format that holds this type.
     const STORAGE: Storage;
@@ -185,6 +226,20 @@ impl Element for bf16 {
     }
 }
 
+impl Element for i8 {
+    const STORAGE: Storage = Storage::Int8;
+    fn host_data(data: Cow<'_, [Self]>) -> HostData<'_> {
+        HostData::Int8(data)
+    }
+}
+
+impl Element for crate::quant::E4m3 {
+    const STORAGE: Storage = Storage::Fp8;
+    fn host_data(data: Cow<'_, [Self]>) -> HostData<'_> {
+        HostData::Fp8(data)
+    }
+}
+
 /// Host elements in one of the [`Element`] types.
 #[doc(hidden)]
 #[derive(Debug, Clone)]
@@ -196,6 +251,10 @@ pub enum HostData<'a> {
     F16(Cow<'a, [f16]>),
     /// bf16 elements.
     Bf16(Cow<'a, [bf16]>),
+    /// int8 codes.
+    Int8(Cow<'a, [i8]>),
+    /// e4m3 codes.
+    Fp8(Cow<'a, [crate::quant::E4m3]>),
 }
 
 impl HostData<'_> {
@@ -205,6 +264,8 @@ impl HostData<'_> {
             HostData::F32(d) => d.len(),
             HostData::F16(d) => d.len(),
             HostData::Bf16(d) => d.len(),
+            HostData::Int8(d) => d.len(),
+            HostData::Fp8(d) => d.len(),
         }
     }
 
@@ -214,6 +275,8 @@ impl HostData<'_> {
             HostData::F32(_) => Storage::F32,
             HostData::F16(_) => Storage::F16,
             HostData::Bf16(_) => Storage::Bf16,
+            HostData::Int8(_) => Storage::Int8,
+            HostData::Fp8(_) => Storage::Fp8,
         }
     }
 
@@ -223,6 +286,8 @@ impl HostData<'_> {
             HostData::F32(d) => (bytemuck::cast_slice(d), Storage::F32),
             HostData::F16(d) => (bytemuck::cast_slice(d), Storage::F16),
             HostData::Bf16(d) => (bytemuck::cast_slice(d), Storage::Bf16),
+            HostData::Int8(d) => (bytemuck::cast_slice(d), Storage::Int8),
+            HostData::Fp8(d) => (bytemuck::cast_slice(d), Storage::Fp8),
         };
         let padded = storage.bytes(self.len()) as usize;
         if raw.len() == padded && cfg!(target_endian = "little") {
@@ -234,12 +299,14 @@ impl HostData<'_> {
         }
     }
 
-    /// The elements widened to f32 (exact).
+    /// The elements widened to f32 (exact; unscaled codes for the 8-bit formats).
     pub(crate) fn to_f32(&self) -> Cow<'_, [f32]> {
         match self {
             HostData::F32(d) => Cow::Borrowed(d),
             HostData::F16(d) => Cow::Owned(d.iter().map(|x| x.to_f32()).collect()),
             HostData::Bf16(d) => Cow::Owned(d.iter().map(|x| x.to_f32()).collect()),
+            HostData::Int8(d) => Cow::Owned(d.iter().map(|&x| x as f32).collect()),
+            HostData::Fp8(d) => Cow::Owned(d.iter().map(|x| x.to_f32()).collect()),
         }
     }
 }

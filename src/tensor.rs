@@ -39,6 +39,8 @@ pub struct Tensor<'a> {
     pub(crate) misuse: Option<&'static str>,
     /// The layout, capacity or strides asked for (GPU buffers; dense when unset).
     pub(crate) view: ViewSpec,
+    /// The scales of an 8-bit K or V cache ([`Tensor::with_scales`]).
+    pub(crate) scales: Option<Box<Tensor<'a>>>,
 }
 
 #[derive(Debug, Clone)]
@@ -60,6 +62,7 @@ impl<'a> Tensor<'a> {
             shape: shape.to_vec(),
             misuse: None,
             view: ViewSpec::default(),
+            scales: None,
         }
     }
 
@@ -79,6 +82,7 @@ impl<'a> Tensor<'a> {
             shape: shape.to_vec(),
             misuse: None,
             view: ViewSpec::default(),
+            scales: None,
         }
     }
 
@@ -148,12 +152,45 @@ impl<'a> Tensor<'a> {
         self
     }
 
+    /// The scales of an 8-bit K or V cache ([`Storage::Int8`], [`Storage::Fp8`]; the rules are
+    /// [`crate::quant`]'s), f32, host data or a GPU buffer read in place:
+    ///
+    /// - **int8**: one scale per row of E codes, laid out as K's (V's) rows are: the tensor's
+    ///   shape without E (`[B, Hkv, S]` for contiguous K; `[NB, BS, Hkv]` for token-major pages,
+    ///   `[NB, Hkv, BS]` for head-major ones), and for a GPU cache read through a layout,
+    ///   capacity or strides, the same layout, capacity and strides (divided by E): row `r` of
+    ///   the cache, at element `r · E` of its buffer, has its scale at element `r` of the
+    ///   scales' buffer.
+    /// - **fp8**: one scale per kv head, `[Hkv]`.
+    ///
+    /// A scales buffer starts at its binding (an offset, if any, a multiple of the device's
+    /// `min_storage_buffer_offset_alignment`) and takes no view of its own. Checked before
+    /// any GPU work: scales on a float tensor, scales missing from an 8-bit one, a wrong
+    /// shape or format are [`Error::Quantized`](crate::Error::Quantized).
+    pub fn with_scales(mut self, scales: impl Into<Tensor<'a>>) -> Self {
+        self.scales = Some(Box::new(scales.into()));
+        self
+    }
+
+    /// The scales given with [`Tensor::with_scales`].
+    pub fn scales(&self) -> Option<&Tensor<'a>> {
+        self.scales.as_deref()
+    }
+
     /// The device format of this tensor. Host data is converted to the format (round to nearest
-    /// even) when it is not in it already. For a GPU buffer this re-declares what the buffer
-    /// holds (as [`Tensor::from_buffer`]'s `storage` does).
+    /// even) when it is not in it already (float formats only: quantise an 8-bit cache with
+    /// [`crate::quant`], which gives the scales too). For a GPU buffer this re-declares what
+    /// the buffer holds (as [`Tensor::from_buffer`]'s `storage` does).
     pub fn with_storage(mut self, storage: Storage) -> Self {
         match &mut self.data {
             TensorData::Gpu { storage: s, .. } => *s = storage,
+            TensorData::Host(d)
+                if d.storage() != storage && (storage.is_quantized() || d.storage().is_quantized()) =>
+            {
+                self.misuse = Some(
+                    "with_storage converts host data between float formats only: quantise K and V with wgpu_attention::quant and give the codes with their scales",
+                );
+            }
             TensorData::Host(d) if d.storage() != storage => {
                 let f = d.to_f32();
                 let data = match storage {
@@ -164,6 +201,7 @@ impl<'a> Tensor<'a> {
                     Storage::Bf16 => {
                         HostData::Bf16(Cow::Owned(f.iter().map(|&x| half::bf16::from_f32(x)).collect()))
                     }
+                    Storage::Int8 | Storage::Fp8 => unreachable!("refused above"),
                 };
                 self.data = TensorData::Host(data);
             }
@@ -228,6 +266,7 @@ where
             shape: a.shape().to_vec(),
             misuse: None,
             view: ViewSpec::default(),
+            scales: None,
         }
     }
 }
@@ -241,6 +280,7 @@ impl<'a, T: Element, D: Dimension> From<ndarray::ArrayView<'a, T, D>> for Tensor
             shape,
             misuse: None,
             view: ViewSpec::default(),
+            scales: None,
         }
     }
 }

@@ -728,6 +728,11 @@ impl Caps {
 /// Whether the matrix units' forms (`what`) take inputs in `formats`: f16, or f32 (rounded
 /// to f16, the pinned opt-in), but not bf16, whose values beyond f16's range would overflow.
 pub(crate) fn coop_takes(what: &str, formats: &[crate::storage::Storage]) -> std::result::Result<(), String> {
+    if formats.iter().any(|f| f.is_quantized()) {
+        return Err(format!(
+            "the {what} does not read 8-bit K/V caches (int8, fp8): the scalar forms do"
+        ));
+    }
     match formats.contains(&crate::storage::Storage::Bf16) {
         true => Err(format!(
             "the {what} takes f16 (or, pinned, f32) inputs: bf16 values beyond f16's range would overflow"

@@ -45,6 +45,50 @@ fn bf16_pack2(x: vec2<f32>) -> u32 {
 }
 ";
 
+/// The WGSL decoders of the 8-bit formats: four codes of a word (byte `c` of the word is code
+/// `c`), unscaled. e4m3 is built from its fields (normal: exponent + 120 and the mantissa
+/// placed in an f32; subnormal: m · 2^-9; the NaN codes NaN), so no f16 path is involved.
+pub(crate) const QUANT_HELPERS: &str = "\
+fn int8_decode4(w: u32) -> vec4<f32> {
+    return vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(w) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));
+}
+fn fp8_decode4(w: u32) -> vec4<f32> {
+    let c = (vec4<u32>(w) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(0xffu);
+    let e = (c >> vec4<u32>(3u)) & vec4<u32>(15u);
+    let m = c & vec4<u32>(7u);
+    let normal = bitcast<vec4<f32>>(((e + vec4<u32>(120u)) << vec4<u32>(23u)) | (m << vec4<u32>(20u)));
+    var a = select(normal, vec4<f32>(m) * (1.0 / 512.0), e == vec4<u32>(0u));
+    // w & 0u keeps the NaN a runtime value (a constant NaN is not a WGSL constant).
+    a = select(a, vec4<f32>(bitcast<f32>(0x7fc00000u | (w & 0u))), (c & vec4<u32>(0x7fu)) == vec4<u32>(0x7fu));
+    return select(a, -a, (c & vec4<u32>(0x80u)) != vec4<u32>(0u));
+}
+";
+
+/// A read-only 8-bit K or V cache `name` at `binding` (four codes per `u32`) and its f32 scales
+/// `NAME_scales` at `scales`, with `get`, `get4` and `get8` returning the scaled values. The
+/// scale of element `i`: int8, its row's, `NAME_scales[i / row]` (`row` the head dim, a
+/// constant expression: rows start at multiples of it); fp8, its kv head's,
+/// `NAME_scales[(i / p.x.NAME_hs) % p.x.kv_heads]`.
+pub(crate) fn quantized_array(name: &str, binding: u32, scales: u32, s: Storage, row: &str) -> String {
+    let n = name;
+    let (dec, scale) = match s {
+        Storage::Int8 => ("int8_decode4", format!("{n}_scales[i / ({row})]")),
+        _ => (
+            "fp8_decode4",
+            format!("{n}_scales[(i / p.x.{n}_hs) % p.x.kv_heads]"),
+        ),
+    };
+    format!(
+        "@group(0) @binding({binding}) var<storage, read> {n}: array<u32>;
+         @group(0) @binding({scales}) var<storage, read> {n}_scales: array<f32>;
+         fn {n}_scale(i: u32) -> f32 {{ return {scale}; }}
+         fn {n}_get4(i: u32) -> vec4<f32> {{ return {dec}({n}[i >> 2u]) * {n}_scale(i); }}
+         fn {n}_get(i: u32) -> f32 {{ return {dec}({n}[i >> 2u])[i & 3u] * {n}_scale(i); }}
+         fn {n}_get8(i: u32) -> array<vec4<f32>, 2> {{ return array<vec4<f32>, 2>({n}_get4(i), {n}_get4(i + 4u)); }}
+"
+    )
+}
+
 fn unpack(s: Storage) -> &'static str {
     match s {
         Storage::F16 => "unpack2x16float",
@@ -213,17 +257,30 @@ pub(crate) fn attention_io(
     let mut s = String::new();
     let vec8 = vec8 && vec4;
     s += &array("q", 3, f.q, vec4, Access::Read);
+    // An 8-bit K's (V's) scales take the next binding after the kernel's own 8.
+    let mut extra = 0;
+    let mut kv = |x: &str, binding: u32, st: Storage, row: &str, s: &mut String, vec8: bool| {
+        if st.is_quantized() {
+            *s += &quantized_array(x, binding, 8 + extra, st, row);
+            extra += 1;
+        } else if vec8 {
+            *s += &array8(x, binding, st);
+        } else {
+            *s += &array(x, binding, st, vec4, Access::Read);
+        }
+    };
+    if f.k.is_quantized() || f.v.is_quantized() {
+        s += QUANT_HELPERS;
+    }
+    kv("k", 4, f.k, "E4 * 4u", &mut s, vec8);
+    kv("v", 5, f.v, "EV4 * 4u", &mut s, vec8);
     if vec8 {
-        s += &array8("k", 4, f.k);
-        s += &array8("v", 5, f.v);
         for x in ["k", "v"] {
             s += &format!(
                 "fn load_{x}8(row: u32, c8: u32) -> array<vec4<f32>, 2> {{ return {x}_get8({x}_base(row) + 8u * c8); }}\n"
             );
         }
     } else {
-        s += &array("k", 4, f.k, vec4, Access::Read);
-        s += &array("v", 5, f.v, vec4, Access::Read);
         for x in ["k", "v"] {
             s += &format!(
                 "fn load_{x}8(row: u32, c8: u32) -> array<vec4<f32>, 2> {{ return array<vec4<f32>, 2>(load_{x}(row, 2u * c8), load_{x}(row, 2u * c8 + 1u)); }}\n"
@@ -279,7 +336,7 @@ pub(crate) fn attention_io(
         if views.paged.is_some() { " paged" } else { "" },
         viewed(&[("q", views.q), ("k", views.k), ("v", views.v), ("o", views.out)]),
     );
-    let p = super::consts::Prelude::new();
+    let p = super::consts::Prelude::new().extra_bindings(extra);
     match rope {
         Some(r) => p.consts(&r),
         None => p,

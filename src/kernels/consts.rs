@@ -98,6 +98,9 @@ pub(crate) struct Prelude {
     text: String,
     consts: Vec<(&'static str, ConstValue)>,
     tags: Vec<String>,
+    /// Read-only storage bindings the snippets declare after the kernel's own (before its
+    /// params): an 8-bit K or V cache's scales.
+    extra: u32,
 }
 
 impl Prelude {
@@ -131,7 +134,19 @@ impl Prelude {
         self.text.push_str(&other.text);
         self.consts.extend(other.consts);
         self.tags.extend(other.tags);
+        self.extra += other.extra;
         self
+    }
+
+    /// Declare `n` more read-only storage bindings after the kernel's own.
+    pub(crate) fn extra_bindings(mut self, n: u32) -> Self {
+        self.extra += n;
+        self
+    }
+
+    /// The read-only storage bindings declared after the kernel's own.
+    pub(crate) fn extra(&self) -> usize {
+        self.extra as usize
     }
 
     /// Name a choice the constants do not show (a storage format, a snippet) in the label.

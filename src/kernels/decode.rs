@@ -364,12 +364,13 @@ fn evp(ev4: usize) -> usize {
     ev4.next_power_of_two()
 }
 
-/// Record the split pass. `buffers`: mask, bias, kv_lens, q, k, v, part_out, part_lse.
+/// Record the split pass. `buffers`: mask, bias, kv_lens, q, k, v, part_out, part_lse, then
+/// an 8-bit cache's scales.
 pub(crate) fn record_decode(
     ctx: &Context,
     encoder: &mut wgpu::CommandEncoder,
     cfg: &Config,
-    buffers: [wgpu::BufferBinding<'_>; 8],
+    buffers: Vec<wgpu::BufferBinding<'_>>,
     params: &Params,
 ) -> Result<()> {
     let grid = grid_1d(params.total, ctx.limits().max_compute_workgroups_per_dimension);

@@ -156,6 +156,12 @@ wgsl_struct! {
         v: RowView,
         o: RowView,
         g: RowView,
+        /// An fp8 K (V) cache's scale of element `i` is at `(i / k_hs) % kv_heads` (`v_hs`):
+        /// the head stride in elements ([`crate::quant`]).
+        k_hs: u32,
+        v_hs: u32,
+        kv_heads: u32,
+        _qpad: u32,
     }
 }
 
@@ -182,12 +188,22 @@ impl TensorViews {
                 tab: aux::page_table_at(p) as u32,
             })
         };
+        let (k, v) = (
+            paged(x.k, p.head_dim).unwrap_or_else(|| row(x.k, s, hkv)),
+            paged(x.v, p.head_dim_v).unwrap_or_else(|| row(x.v, s, hkv)),
+        );
+        // The head stride: the view's, else dense `[B, Hkv, S, E]`'s.
+        let hs = |r: &RowView, e: usize| if r.h > 0 { r.h } else { (s * e) as u32 };
         TensorViews {
             q: row(x.q, l, hq),
-            k: paged(x.k, p.head_dim).unwrap_or_else(|| row(x.k, s, hkv)),
-            v: paged(x.v, p.head_dim_v).unwrap_or_else(|| row(x.v, s, hkv)),
+            k_hs: hs(&k, p.head_dim),
+            v_hs: hs(&v, p.head_dim_v),
+            kv_heads: hkv as u32,
+            k,
+            v,
             o: row(x.out, l, hq),
             g: row(x.dout, l, hq),
+            _qpad: 0,
         }
     }
 
@@ -528,7 +544,7 @@ pub(crate) fn params_of<T: WgslType>() -> (String, &'static str) {
 /// The full WGSL of `spec` with `prelude`: the generated params struct and its binding, the
 /// prelude, the shared snippets and the kernel, with marked loops unrolled where the prelude
 /// asks for it.
-pub(crate) fn source(spec: &KernelSpec, prelude: &str, params_in_storage: bool) -> String {
+pub(crate) fn source(spec: &KernelSpec, prelude: &str, extra: usize, params_in_storage: bool) -> String {
     let (decls, name) = (spec.params)();
     let space = if params_in_storage {
         "storage, read"
@@ -543,7 +559,7 @@ pub(crate) fn source(spec: &KernelSpec, prelude: &str, params_in_storage: bool) 
         "// {} (assembled by src/kernels/mod.rs)\n{}{decls}@group(0) @binding({}) var<{space}> p: {name};\n{}{}",
         spec.name,
         enables.concat(),
-        spec.bindings.len() - 1,
+        spec.bindings.len() - 1 + extra,
         access::HELPERS,
         prelude.concat(),
     );
@@ -617,10 +633,13 @@ pub(crate) fn pipeline(
     let unchecked = unchecked(ctx, spec, checks);
     ctx.pipelines()
         .get_or_build(Key::new(spec.name, prelude.text(), constants, unchecked), || {
-            let storage = ctx.params_in_storage(spec.bindings.len());
-            let types: Vec<wgpu::BufferBindingType> = spec
-                .bindings
+            let storage = ctx.params_in_storage(spec.bindings.len() + prelude.extra());
+            let (own, params) = spec.bindings.split_at(spec.bindings.len() - 1);
+            let extra = vec![Binding::Read; prelude.extra()];
+            let types: Vec<wgpu::BufferBindingType> = own
                 .iter()
+                .chain(&extra)
+                .chain(params)
                 .map(|b| match b {
                     Binding::Read => wgpu::BufferBindingType::Storage { read_only: true },
                     Binding::ReadWrite => wgpu::BufferBindingType::Storage { read_only: false },
@@ -628,7 +647,7 @@ pub(crate) fn pipeline(
                     Binding::Params => wgpu::BufferBindingType::Uniform,
                 })
                 .collect();
-            let src = source(spec, prelude.text(), storage);
+            let src = source(spec, prelude.text(), prelude.extra(), storage);
             let label = prelude.label(spec.name);
             // The crate's own tests: every pipeline also as Metal's and DX12's backends would
             // translate it (a failure there names the variant).
@@ -692,7 +711,20 @@ pub(crate) fn dispatch(
     if grid.contains(&0) {
         return Ok(());
     }
-    debug_assert_eq!(buffers.len() + 1, spec.bindings.len());
+    debug_assert_eq!(buffers.len() + 1, spec.bindings.len() + prelude.extra());
+    let needed = buffers.len() as u32;
+    if needed > ctx.limits().max_storage_buffers_per_shader_stage {
+        return Err(Error::TooLargeForDevice {
+            what: format!(
+                "{} with {needed} storage buffers (an 8-bit K/V cache's scales bind two more)",
+                spec.name
+            ),
+            bytes: 0,
+            limit_name: "max_storage_buffers_per_shader_stage",
+            limit: ctx.limits().max_storage_buffers_per_shader_stage as u64,
+            hint: "",
+        });
+    }
     let device = ctx.device();
     let pipeline = pipeline(ctx, spec, prelude, constants, checks);
     // Either binding type (see `Context::params_in_storage`).
@@ -765,7 +797,9 @@ struct Aliased<'b> {
 /// The entry points check such outputs before any GPU work
 /// ([`crate::device::buffers::check_aliasing`]); an internal misuse is an error here, not wgpu's panic.
 fn aliased_outputs<'b>(spec: &KernelSpec, buffers: &[wgpu::BufferBinding<'b>]) -> Result<Vec<Aliased<'b>>> {
-    let kind = |i: usize| spec.bindings[i];
+    // Past the kernel's own bindings: the extra read-only ones (an 8-bit cache's scales).
+    let own = spec.bindings.len() - 1;
+    let kind = |i: usize| if i < own { spec.bindings[i] } else { Binding::Read };
     let mut out: Vec<Aliased<'b>> = Vec::new();
     for (i, b) in buffers.iter().enumerate() {
         if kind(i) != Binding::ReadWrite || out.iter().any(|a| a.buffer == b.buffer) {

@@ -57,7 +57,12 @@ impl Variant {
 
     /// Its WGSL.
     pub(crate) fn source(&self) -> String {
-        super::source(self.spec, self.prelude.text(), self.params_in_storage)
+        super::source(
+            self.spec,
+            self.prelude.text(),
+            self.prelude.extra(),
+            self.params_in_storage,
+        )
     }
 }
 

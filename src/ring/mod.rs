@@ -440,6 +440,7 @@ impl RingPlan {
         if n == 0 {
             return refuse("a ring needs at least one device");
         }
+        crate::sdpa::quant::refuse("the ring", &[p.storage.k, p.storage.v])?;
         if p.paged.is_some() || p.rope.is_some() {
             return refuse(
                 "the ring splits contiguous keys: paged K/V caches and RoPE on q are for Sdpa alone",

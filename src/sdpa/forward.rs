@@ -37,6 +37,16 @@ pub(crate) fn record_planned(
     let q = Operand::check_viewed(ctx, "q", &sdpa.q)?;
     let k = Operand::check_viewed(ctx, "k", &sdpa.k)?;
     let v = Operand::check_viewed(ctx, "v", &sdpa.v)?;
+    let k_scales = sdpa
+        .k
+        .scales()
+        .map(|s| Operand::check(ctx, "k scales", s))
+        .transpose()?;
+    let v_scales = sdpa
+        .v
+        .scales()
+        .map(|s| Operand::check(ctx, "v scales", s))
+        .transpose()?;
     let bias = sdpa
         .options
         .bias
@@ -68,6 +78,8 @@ pub(crate) fn record_planned(
     let q = q.upload(ctx, "q");
     let k = k.upload(ctx, "k");
     let v = v.upload(ctx, "v");
+    let k_scales = k_scales.map(|s| s.upload(ctx, "k scales"));
+    let v_scales = v_scales.map(|s| s.upload(ctx, "v scales"));
     let bias = bias.map(|b| b.upload(ctx, "bias"));
     let dummy = dummy(ctx);
     let lens_buf = aux_buffer(sdpa, ctx, &p);
@@ -89,6 +101,11 @@ pub(crate) fn record_planned(
         q: q.binding(),
         k: k.binding(),
         v: v.binding(),
+        scales: [k_scales.as_ref(), v_scales.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(|s| s.binding())
+            .collect(),
         bias: bias.as_ref().map(|b| b.binding()),
         mask: mask_buf
             .as_ref()
@@ -191,6 +208,8 @@ struct Io<'b> {
     q: wgpu::BufferBinding<'b>,
     k: wgpu::BufferBinding<'b>,
     v: wgpu::BufferBinding<'b>,
+    /// An 8-bit K's scales, then an 8-bit V's (bound after the kernels' own bindings).
+    scales: Vec<wgpu::BufferBinding<'b>>,
     bias: Option<wgpu::BufferBinding<'b>>,
     mask: Option<(&'b wgpu::Buffer, [u32; 3])>,
     lens: Option<&'b wgpu::Buffer>,
@@ -215,15 +234,15 @@ impl<'b> Io<'b> {
         ]
     }
 
-    /// [`Io::mask_bindings`], then q, k, v, then the two outputs `a` and `b`: the bindings of
-    /// the fused and decode kernels.
+    /// [`Io::mask_bindings`], then q, k, v, then the two outputs `a` and `b`, then an 8-bit
+    /// cache's scales: the bindings of the fused and decode kernels.
     fn attention(
         &self,
         a: wgpu::BufferBinding<'b>,
         b: wgpu::BufferBinding<'b>,
-    ) -> [wgpu::BufferBinding<'b>; 8] {
+    ) -> Vec<wgpu::BufferBinding<'b>> {
         let [mask, bias, lens] = self.mask_bindings();
-        [
+        let mut all = vec![
             mask,
             bias,
             lens,
@@ -232,7 +251,9 @@ impl<'b> Io<'b> {
             self.v.clone(),
             a,
             b,
-        ]
+        ];
+        all.extend(self.scales.iter().cloned());
+        all
     }
 
     /// The kernels' masks for `p`.

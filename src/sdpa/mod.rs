@@ -23,6 +23,7 @@ pub(crate) mod forward;
 pub(crate) mod merge;
 pub(crate) mod plan;
 mod prepare;
+pub(crate) mod quant;
 
 use plan::{Form, Kernel, Plan, Request};
 
@@ -295,6 +296,7 @@ impl<'a> Sdpa<'a> {
         p.pos_offset = self.pos_offset;
         p.views = self.views(paged.as_ref())?;
         p.paged = paged.map(|pg| pg.paged);
+        quant::check(&p, &self.k, &self.v)?;
         if let Some(rope) = self.rope {
             let d = rope.rotated_dims(p.head_dim)?;
             p.rope = Some((rope, d));

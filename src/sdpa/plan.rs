@@ -101,8 +101,14 @@ impl Plan {
         // 64 keys each: 0.65 ms fused against a few µs).
         let decode_shape = (p.seq_q <= decode::MAX_ROWS && p.seq_kv >= decode::MIN_KEYS)
             || (p.seq_q == 1 && !caps.cpu && decode::Config::new(p, caps).is_ok());
-        // Paged caches and RoPE on q are read by the fused and decode kernels only.
-        let kernels_only = p.paged.is_some() || p.rope.is_some();
+        // 8-bit caches, paged caches and RoPE on q are read by the fused and decode kernels only.
+        let quantized = p.storage.k.is_quantized() || p.storage.v.is_quantized();
+        if quantized && (req.weights || req.path == Path::Unfused) {
+            return Err(Error::Quantized {
+                reason: "8-bit K/V caches are read by the fused and decode kernels, which never materialise the attention weights (Path::Unfused and weights are not available)".into(),
+            });
+        }
+        let kernels_only = p.paged.is_some() || p.rope.is_some() || quantized;
         if kernels_only && (req.weights || req.path == Path::Unfused) {
             return Err(Error::Unsupported {
                 path: req.path.name(),

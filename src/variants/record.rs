@@ -108,6 +108,7 @@ fn check<'a>(var: &Variant<'a>, ctx: &Context) -> Result<Checked<'a>> {
         ..var.options.clone()
     };
     let fmt = [var.q.storage(), var.k.storage(), var.v.storage()];
+    crate::sdpa::quant::refuse("the variants", &fmt)?;
     let out = var.out_storage.unwrap_or(fmt[0]);
     let Dims {
         batch: b,

@@ -28,6 +28,7 @@ pub fn rng(seed: u64) -> StdRng {
 pub type Shape = (usize, usize, usize, usize, usize, usize, usize);
 
 /// One attention case: inputs and options.
+#[derive(Clone)]
 pub struct Case {
     pub q: Array4<f32>,
     pub k: Array4<f32>,

@@ -165,6 +165,7 @@ impl<'a> Backward<'a> {
         if let Some(u) = &p.user_fns {
             u.check_backward()?;
         }
+        crate::sdpa::quant::refuse("the backward", &[p.storage.k, p.storage.v, self.dout.storage()])?;
         if p.paged.is_some() || p.rope.is_some() {
             return Err(Error::Unsupported {
                 path: "backward",
