@@ -117,6 +117,7 @@ fn main() -> Res<()> {
             block_size: 16,
             num_blocks: 64,
             storage: Storage::F32,
+            v_storage: None,
             rope: Some(rope),
         },
     )?;

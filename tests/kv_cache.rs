@@ -51,6 +51,7 @@ impl Model {
                 block_size,
                 num_blocks,
                 storage,
+                v_storage: None,
                 rope,
             },
         )
@@ -407,6 +408,7 @@ fn free_list_stays_whole_over_many_rounds() {
             block_size: 4,
             num_blocks: 12,
             storage: Storage::F16,
+            v_storage: None,
             rope: Some(Rope::default()),
         },
     )
@@ -450,6 +452,7 @@ fn misuse_config() -> KvCacheConfig {
         block_size: 4,
         num_blocks: 8,
         storage: Storage::F32,
+        v_storage: None,
         rope: None,
     }
 }
@@ -487,6 +490,7 @@ fn bad_configs_are_a_typed_error() {
                 head_dim: 5,
                 head_dim_v: 5,
                 storage: Storage::F16,
+                v_storage: None,
                 ..config
             },
         )
@@ -587,6 +591,7 @@ fn small_cache(ctx: &Context, layers: usize, e: usize, rope: Option<Rope>) -> Kv
             block_size: 4,
             num_blocks: 32,
             storage: Storage::F32,
+            v_storage: None,
             rope,
         },
     )

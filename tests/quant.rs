@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use ndarray::{Array1, Array3, Array4};
+use ndarray::{Array1, Array2, Array3, Array4};
 use wgpu_attention::quant::{self, E4m3};
 use wgpu_attention::{Causal, Context, Error, PagedLayout, Pages, Path, Sdpa, Storage, Tensor};
 
@@ -379,5 +379,299 @@ fn misuse_is_a_typed_error() {
     match Sdpa::new(&q, Tensor::from(&k).with_storage(Storage::Int8), &k).run_blocking(ctx) {
         Err(Error::BadBuffer { .. }) => {}
         other => panic!("with_storage(Int8) on host data: {other:?}"),
+    }
+}
+
+/// What a cache's layer holds, read back: K and V `[NB, Hkv, BS, E]` values (the codes'
+/// values, unscaled) and their scales.
+struct Held {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    ks: Vec<f32>,
+    vs: Vec<f32>,
+}
+
+fn read_layer(ctx: &Context, cache: &wgpu_attention::KvCache, layer: usize) -> Held {
+    let c = *cache.config();
+    let (kb, vb) = cache.buffers(layer).unwrap();
+    let (ks, vs) = cache.scales(layer).unwrap();
+    let n = c.num_blocks * c.kv_heads * c.block_size;
+    let read = |b: &wgpu::Buffer, elems: usize, s: Storage| {
+        pollster::block_on(ctx.read_as_f32(b, 0, elems, s)).unwrap()
+    };
+    let scales = |b: Option<&wgpu::Buffer>, s: Storage| match (b, s) {
+        (Some(b), Storage::Int8) => read(b, n, Storage::F32),
+        (Some(b), _) => read(b, c.kv_heads, Storage::F32),
+        (None, _) => Vec::new(),
+    };
+    Held {
+        k: read(kb, n * c.head_dim, c.storage),
+        v: read(vb, n * c.head_dim_v, c.v_format()),
+        ks: scales(ks, c.storage),
+        vs: scales(vs, c.v_format()),
+    }
+}
+
+/// The values a cache row stands for: code value times its scale (int8: the row's, fp8: the
+/// head's), rows of `e` at row index `r` (`[NB, Hkv, BS]` order), head `h`.
+fn row_values(codes: &[f32], scales: &[f32], s: Storage, e: usize, r: usize, h: usize) -> Vec<f32> {
+    let sc = if s == Storage::Int8 { scales[r] } else { scales[h] };
+    codes[r * e..(r + 1) * e].iter().map(|&c| c * sc).collect()
+}
+
+/// Check the codes of one appended row `x` (the values given, K rotated) against the rule,
+/// with the cache's scale for it. A code may differ by 1 only where `x / scale` lies within
+/// float rounding (the GPU's division: 2.5 ulp; RoPE's f32 rotation: 1e-5 relative here) of a
+/// .5 boundary (int8) or of the midpoint of two e4m3 values (fp8): counted in `near`.
+fn check_row_codes(x: &[f32], codes: &[f32], scale: f32, s: Storage, near: &mut usize, label: &str) {
+    for (i, (&xv, &got)) in x.iter().zip(codes).enumerate() {
+        let q = xv / scale;
+        let close = |m: f32| (q - m).abs() <= 1e-5 * q.abs().max(1e-3);
+        let (want, got_code, at_tie) = match s {
+            Storage::Int8 => (
+                quant::int8_code(xv, scale) as i32,
+                got as i32,
+                close(q.trunc() + 0.5 * q.signum()),
+            ),
+            _ => {
+                let w = E4m3::from_f32(q);
+                let value = |c: u8| E4m3(c).to_f32();
+                let mids = [w.0.wrapping_sub(1), w.0.wrapping_add(1)].map(|n| (w.to_f32() + value(n)) / 2.0);
+                (
+                    (w.0 & 0x7f) as i32,
+                    (E4m3::from_f32(got).0 & 0x7f) as i32,
+                    mids.into_iter().any(close),
+                )
+            }
+        };
+        if want == got_code {
+            continue;
+        }
+        // An exact quotient (a power-of-two scale) gets no allowance: its tie is the rule's.
+        let exact = (xv as f64 / scale as f64) == q as f64;
+        assert!(
+            (want - got_code).abs() == 1 && at_tie && !exact,
+            "{label} element {i}: x {xv} / scale {scale} = {q}: code {got_code}, the rule gives {want}"
+        );
+        *near += 1;
+    }
+}
+
+/// A cache with 8-bit K and V (each format, mixed, with RoPE and without): the codes and
+/// scales it holds for every token of every sequence follow the rule after each step (forks'
+/// copies-on-write included), and its attention (decode and a prefill chunk, GQA) equals the
+/// reference over the values they stand for.
+#[test]
+fn kv_cache_quantises_as_it_appends() {
+    let Some(ctx) = ctx() else { return };
+    let rope = wgpu_attention::Rope::default();
+    for (kf, vf, rope) in [
+        (Storage::Int8, Storage::Int8, None),
+        (Storage::Fp8, Storage::Int8, Some(rope)),
+        (Storage::Int8, Storage::Fp8, Some(rope)),
+        (Storage::Fp8, Storage::Fp8, None),
+    ] {
+        let mut t = CacheTest::new(ctx, kf, vf, rope);
+        let a = t.cache.add_sequence();
+        t.step(ctx, &[(a, 7)], "prefill");
+        let b = t.cache.fork(a).unwrap();
+        let rows = t.given[&a].clone();
+        t.given.insert(b, rows);
+        t.step(ctx, &[(a, 1), (b, 1)], "decode after a fork");
+        t.step(ctx, &[(a, 2), (b, 2)], "chunk");
+    }
+}
+
+const HKV: usize = 2;
+const HQ: usize = 4;
+const E: usize = 16;
+const EV: usize = 8;
+const BS: usize = 4;
+
+/// A one-layer 8-bit cache and the rows given to it (K rotated), per sequence and position.
+struct CacheTest {
+    cache: wgpu_attention::KvCache,
+    kf: Storage,
+    vf: Storage,
+    rope: Option<wgpu_attention::Rope>,
+    given: std::collections::BTreeMap<wgpu_attention::SeqId, Vec<(Array2<f32>, Array2<f32>)>>,
+    rng: rand::rngs::StdRng,
+    label: String,
+}
+
+impl CacheTest {
+    fn new(ctx: &Context, kf: Storage, vf: Storage, rope: Option<wgpu_attention::Rope>) -> CacheTest {
+        let cache = wgpu_attention::KvCache::new(
+            ctx,
+            wgpu_attention::KvCacheConfig {
+                layers: 1,
+                kv_heads: HKV,
+                head_dim: E,
+                head_dim_v: EV,
+                block_size: BS,
+                num_blocks: 16,
+                storage: kf,
+                v_storage: Some(vf),
+                rope,
+            },
+        )
+        .unwrap();
+        let fp8 = |s: Storage, x: &'static [f32]| (s == Storage::Fp8).then_some(x);
+        cache
+            .set_scales(ctx, 0, fp8(kf, &[0.0078125, 0.004]), fp8(vf, &[0.0078125, 0.01]))
+            .unwrap();
+        CacheTest {
+            cache,
+            kf,
+            vf,
+            rope,
+            given: Default::default(),
+            rng: rng(350),
+            label: format!("{kf}/{vf} rope {}", rope.is_some()),
+        }
+    }
+
+    /// Append random rows for `batch` (both signs, a row of zeros: scale 0, a value past
+    /// fp8's range: saturated), then check every held row and the attention.
+    fn step(&mut self, ctx: &Context, batch: &[(wgpu_attention::SeqId, usize)], tag: &str) {
+        let step = self.cache.reserve(batch).unwrap();
+        let t = step.tokens();
+        let mut k: Array3<f32> = rand_array(&mut self.rng, (t, HKV, E));
+        let v: Array3<f32> = rand_array(&mut self.rng, (t, HKV, EV));
+        k.slice_mut(ndarray::s![0, 0, ..]).fill(0.0);
+        k[[t - 1, 1, 3]] = 40.0;
+        // Exact ties in head 0 of the last token (V is never rotated; K where no RoPE): the
+        // scale is 2^-7 (int8: the row's largest value 127 · 2^-7; fp8: the head's).
+        let mut v = v;
+        let last = t - 1;
+        let ties = |s: Storage| -> Vec<f32> {
+            let x: Vec<f32> = match s {
+                Storage::Int8 => vec![127.0, 63.5, -62.5, 0.5, 1.5, -2.5, 3.5, 100.5],
+                _ => vec![1.0625, 1.1875, -1.0625, 1.5 / 512.0, 464.0, 17.0, 0.0, 1.0],
+            };
+            x.into_iter().map(|x| x / 128.0).collect()
+        };
+        for (d, x) in ties(self.vf).into_iter().enumerate() {
+            v[[last, 0, d]] = x;
+        }
+        if self.rope.is_none() {
+            for (d, x) in ties(self.kf).into_iter().enumerate() {
+                k[[last, 0, d]] = x;
+            }
+        }
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        self.cache
+            .append(ctx, &mut enc, &step, 0, &Tensor::from(&k), &Tensor::from(&v))
+            .unwrap();
+        ctx.queue().submit([enc.finish()]);
+        let mut kr = k.clone();
+        if let Some(rp) = &self.rope {
+            rp.apply(kr.view_mut(), step.positions()).unwrap();
+        }
+        let mut at = 0;
+        for &(seq, n) in batch {
+            for i in at..at + n {
+                let row = |a: &Array3<f32>| a.slice(ndarray::s![i, .., ..]).to_owned();
+                self.given.entry(seq).or_default().push((row(&kr), row(&v)));
+            }
+            at += n;
+        }
+        let held = read_layer(ctx, &self.cache, 0);
+        self.check_codes(&held, tag);
+        self.check_attention(ctx, &step, &held, batch, tag);
+    }
+
+    /// Every held row of every sequence against the rule.
+    fn check_codes(&self, held: &Held, tag: &str) {
+        let mut near = 0;
+        let label = format!("{} {tag}", self.label);
+        for (&seq, rows) in &self.given {
+            let blocks = self.cache.blocks(seq).unwrap();
+            for (pos, (kx, vx)) in rows.iter().enumerate() {
+                for h in 0..HKV {
+                    let row = (blocks[pos / BS] as usize * HKV + h) * BS + pos % BS;
+                    for (x, codes, scales, s, w) in [
+                        (kx.row(h).to_vec(), &held.k, &held.ks, self.kf, E),
+                        (vx.row(h).to_vec(), &held.v, &held.vs, self.vf, EV),
+                    ] {
+                        let scale = if s == Storage::Int8 {
+                            scales[row]
+                        } else {
+                            scales[h]
+                        };
+                        if s == Storage::Int8 {
+                            let want = quant::int8_scale(&x);
+                            assert!(
+                                (scale - want).abs() <= 2.0 * f32::EPSILON * want,
+                                "{label} position {pos}: scale {scale}, the rule gives {want}"
+                            );
+                        }
+                        let codes = &codes[row * w..(row + 1) * w];
+                        check_row_codes(&x, codes, scale, s, &mut near, &format!("{label} position {pos}"));
+                    }
+                }
+            }
+        }
+        eprintln!("{label}: {near} codes 1 off at a float-rounding tie");
+    }
+
+    /// The cache's attention of random queries against the reference over the held values.
+    fn check_attention(
+        &mut self,
+        ctx: &Context,
+        step: &wgpu_attention::Step,
+        held: &Held,
+        batch: &[(wgpu_attention::SeqId, usize)],
+        tag: &str,
+    ) {
+        let (nb, n) = (batch.len(), batch[0].1);
+        let q: Array4<f32> = rand_array(&mut self.rng, (nb, HQ, n, E));
+        let got = self
+            .cache
+            .attention(step, 0, Tensor::from(&q))
+            .unwrap()
+            .run_blocking(ctx)
+            .unwrap();
+        let (table, lens) = step.block_table();
+        let smax = *lens.iter().max().unwrap();
+        let max_blocks = table.len() / nb;
+        let mut kk = Array4::<f32>::zeros((nb, HKV, smax, E));
+        let mut vv = Array4::<f32>::zeros((nb, HKV, smax, EV));
+        for b in 0..nb {
+            for t in 0..lens[b] {
+                let blk = table[b * max_blocks + t / BS] as usize;
+                for h in 0..HKV {
+                    let row = (blk * HKV + h) * BS + t % BS;
+                    let kr = row_values(&held.k, &held.ks, self.kf, E, row, h);
+                    let vr = row_values(&held.v, &held.vs, self.vf, EV, row, h);
+                    kk.slice_mut(ndarray::s![b, h, t, ..])
+                        .assign(&ndarray::Array1::from(kr));
+                    vv.slice_mut(ndarray::s![b, h, t, ..])
+                        .assign(&ndarray::Array1::from(vr));
+                }
+            }
+        }
+        // q rotated as the cache's attention rotates it (query i at position len - n + i).
+        let mut qr = q.clone();
+        if let Some(rp) = &self.rope {
+            for b in 0..nb {
+                let mut rows = qr
+                    .slice(ndarray::s![b, .., .., ..])
+                    .permuted_axes([1, 0, 2])
+                    .to_owned();
+                let pos: Vec<usize> = (0..n).map(|i| lens[b] - n + i).collect();
+                rp.apply(rows.view_mut(), &pos).unwrap();
+                qr.slice_mut(ndarray::s![b, .., .., ..])
+                    .assign(&rows.permuted_axes([1, 0, 2]));
+            }
+        }
+        let options = wgpu_attention::Options {
+            causal: Causal::BottomRight,
+            kv_lens: Some(lens.to_vec()),
+            ..Default::default()
+        };
+        let want = wgpu_attention::reference::sdpa(qr.view(), kk.view(), vv.view(), &options).unwrap();
+        let r = wgpu_attention::check::compare(got.output.iter().copied(), want.out.iter().copied(), TOL);
+        assert_report(r, &format!("{} {tag} output", self.label));
     }
 }

@@ -397,6 +397,7 @@ fn kv_cache_step_objects_per_layer() {
             block_size: 4,
             num_blocks: 64,
             storage: Storage::F32,
+            v_storage: None,
             rope: Some(wgpu_attention::Rope::default()),
         },
     )

@@ -473,6 +473,7 @@ pub(crate) const ALL: &[&KernelSpec] = &[
     &matmul::COOP_SPEC,
     &permute::SPEC,
     &rope::SPEC,
+    &rope::QUANTIZE,
     &pinv::INIT,
     &pinv::EYE_MINUS,
     &mod_map::SPEC,

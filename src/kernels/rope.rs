@@ -132,3 +132,79 @@ pub(crate) fn record(
         super::Checks::Kernel,
     )
 }
+
+/// The 8-bit cache's append (`shaders/kv_quantize.wgsl`): rows rotated like [`SPEC`]'s, then
+/// quantised into the cache's slots (int8 writing each row's scale, fp8 reading its head's).
+pub(crate) const QUANTIZE: KernelSpec = KernelSpec {
+    name: "kv_quantize",
+    source: include_str!("../../shaders/kv_quantize.wgsl"),
+    common: &[],
+    bindings: &[
+        Binding::Read,
+        Binding::ReadWrite,
+        Binding::Read,
+        Binding::ReadWrite,
+        Binding::Params,
+    ],
+    params: params_of::<Params>,
+    trusted: false,
+};
+
+wgsl_consts! {
+    /// The 8-bit append's format: int8 (else fp8).
+    pub(crate) struct QuantConsts {
+        INT8: bool,
+    }
+}
+
+/// The quantising append's prelude: `src` (binding 0) in its format, and the cache's format.
+pub(crate) fn quantize_prelude(src: Storage, cache: Storage) -> super::consts::Prelude {
+    super::consts::Prelude::new()
+        .consts(&QuantConsts {
+            INT8: cache == Storage::Int8,
+        })
+        .code(&array("src", 0, src, false, Access::Read))
+        .tag(format!("src={src}"))
+}
+
+/// Record the quantising append of `r`'s rows (`r.slot_off` set) from `src` into the 8-bit
+/// cache `codes` with its `scales`. The caller has checked every index against the bindings.
+pub(crate) fn record_quantize(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    src: (wgpu::BufferBinding<'_>, Storage),
+    codes: (wgpu::BufferBinding<'_>, Storage),
+    scales: wgpu::BufferBinding<'_>,
+    aux: wgpu::BufferBinding<'_>,
+    r: Rotation,
+) -> Result<()> {
+    let rows = (r.tokens * r.heads) as u32;
+    let params = Params {
+        rows,
+        heads: r.heads as u32,
+        e: r.e as u32,
+        d: r.d as u32,
+        half: r.half as u32,
+        copy_rest: 1,
+        has_slots: 1,
+        ang_off: r.ang_off as u32,
+        slot_off: r.slot_off.unwrap_or(0) as u32,
+        hm_bs: r.head_major_block as u32,
+        ..Default::default()
+    };
+    let grid = grid_1d(
+        rows.div_ceil(WG),
+        ctx.limits().max_compute_workgroups_per_dimension,
+    );
+    dispatch(
+        ctx,
+        encoder,
+        &QUANTIZE,
+        &quantize_prelude(src.1, codes.1),
+        &[],
+        &[src.0, codes.0, aux, scales],
+        bytemuck::bytes_of(&params),
+        grid,
+        super::Checks::Kernel,
+    )
+}

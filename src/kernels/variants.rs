@@ -298,6 +298,13 @@ fn ops() -> Vec<Variant> {
             &rope::SPEC,
             rope::prelude(None, src),
         ));
+        for cache in Storage::QUANTIZED {
+            out.push(Variant::new::<rope::Params>(
+                "ops",
+                &rope::QUANTIZE,
+                rope::quantize_prelude(src, cache),
+            ));
+        }
     }
     out.push(Variant::new::<pinv::InitParams>(
         "ops",

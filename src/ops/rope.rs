@@ -21,6 +21,13 @@ pub(crate) enum Dest<'b> {
     /// From `src` into a paged cache: token `t` to the step's slot `t` of `cache` (see
     /// [`Slots`]).
     Slots { src: Operand<'b>, cache: Operand<'b> },
+    /// From `src` into an 8-bit paged cache's slots as [`Dest::Slots`], quantised: `cache`
+    /// holds the codes, `scales` the int8 rows' scales (written) or the fp8 heads' (read).
+    Quantized {
+        src: Operand<'b>,
+        cache: Operand<'b>,
+        scales: wgpu::BufferBinding<'b>,
+    },
 }
 
 /// The cache slots of an append's tokens, head-major with blocks of `head_major_block` tokens
@@ -89,6 +96,20 @@ pub(crate) fn rotate(
                 let held = last.next_multiple_of(s.head_major_block.max(1) as u64) * (heads * e) as u64;
                 s.slots.len() == t && fits(src, n) && fits(cache, held)
             }
+            (Dest::Quantized { src, cache, scales }, Some(s)) => {
+                let last = s.slots.iter().max().map_or(0, |&x| x as u64 + 1);
+                let rows = last.next_multiple_of(s.head_major_block.max(1) as u64) * heads as u64;
+                let scale_rows = if cache.1 == Storage::Int8 {
+                    rows
+                } else {
+                    heads as u64
+                };
+                s.slots.len() == t
+                    && e % 4 == 0
+                    && fits(src, n)
+                    && fits(cache, rows * e as u64)
+                    && fits(&(scales.clone(), Storage::F32), scale_rows)
+            }
             _ => false,
         };
         if !ok {
@@ -107,9 +128,31 @@ pub(crate) fn rotate(
     let dummy = dummy(ctx);
     for r in rows {
         let [tokens, heads, e] = r.dims;
+        let rotation = Rotation {
+            tokens,
+            heads,
+            e,
+            d: if r.rotate { d } else { 0 },
+            half,
+            ang_off: 0,
+            slot_off,
+            head_major_block: slots.map_or(0, |s| s.head_major_block),
+        };
         let (src, dst) = match r.dest {
             Dest::InPlace(x) => (None, x),
             Dest::Slots { src, cache } => (Some(src), cache),
+            Dest::Quantized { src, cache, scales } => {
+                crate::kernels::rope::record_quantize(
+                    ctx,
+                    encoder,
+                    src,
+                    cache,
+                    scales,
+                    aux.as_entire_buffer_binding(),
+                    rotation,
+                )?;
+                continue;
+            }
         };
         record(
             ctx,
@@ -118,16 +161,7 @@ pub(crate) fn rotate(
             dst,
             aux.as_entire_buffer_binding(),
             dummy.as_entire_buffer_binding(),
-            Rotation {
-                tokens,
-                heads,
-                e,
-                d: if r.rotate { d } else { 0 },
-                half,
-                ang_off: 0,
-                slot_off,
-                head_major_block: slots.map_or(0, |s| s.head_major_block),
-            },
+            rotation,
         )?;
     }
     Ok(())

@@ -41,8 +41,12 @@ pub struct KvCacheConfig {
     pub block_size: usize,
     /// Blocks per layer: the cache holds `num_blocks * block_size` tokens in all.
     pub num_blocks: usize,
-    /// The storage format of K and V.
+    /// The storage format of K, and of V unless `v_storage` says otherwise. An 8-bit format
+    /// ([`Storage::Int8`], [`Storage::Fp8`]) keeps its scales in a buffer of its own per
+    /// layer ([`KvCache::scales`]) and quantises as it appends ([`crate::quant`]).
     pub storage: Storage,
+    /// V's storage format, when it differs from K's (`None`: `storage`).
+    pub v_storage: Option<Storage>,
     /// RoPE applied to K as it is appended (and to q by [`KvCache::attention`]), if any.
     pub rope: Option<Rope>,
 }
@@ -69,7 +73,7 @@ struct Seq {
 /// let ctx = Context::new_blocking()?;
 /// let mut cache = KvCache::new(&ctx, KvCacheConfig {
 ///     layers: 1, kv_heads: 2, head_dim: 8, head_dim_v: 8,
-///     block_size: 16, num_blocks: 8, storage: Storage::F32, rope: None,
+///     block_size: 16, num_blocks: 8, storage: Storage::F32, v_storage: None, rope: None,
 /// })?;
 /// let seq = cache.add_sequence();
 /// let step = cache.reserve(&[(seq, 3)])?; // a 3-token prompt
@@ -88,6 +92,9 @@ pub struct KvCache {
     config: KvCacheConfig,
     k: Vec<wgpu::Buffer>,
     v: Vec<wgpu::Buffer>,
+    /// Per layer, an 8-bit K's (V's) scales: int8 `[NB, Hkv, BS]`, fp8 `[Hkv]`.
+    k_scales: Vec<Option<wgpu::Buffer>>,
+    v_scales: Vec<Option<wgpu::Buffer>>,
     free: Vec<u32>,
     refs: Vec<u32>,
     seqs: BTreeMap<SeqId, Seq>,
@@ -157,6 +164,13 @@ fn bad<T>(reason: impl Into<String>) -> Result<T> {
     })
 }
 
+impl KvCacheConfig {
+    /// V's storage format: `v_storage`, else `storage`.
+    pub fn v_format(&self) -> Storage {
+        self.v_storage.unwrap_or(self.storage)
+    }
+}
+
 impl KvCache {
     /// Allocate every layer's K and V pages on `ctx`'s device (zeroed). Checked: every
     /// dimension positive, the head dims even for RoPE's rotated part, each buffer within the
@@ -178,24 +192,29 @@ impl KvCache {
         if let Some(r) = &c.rope {
             r.rotated_dims(c.head_dim)?;
         }
-        if c.storage.is_half() && (c.block_size * c.kv_heads * (c.head_dim | c.head_dim_v)) % 2 == 1 {
-            return bad(format!(
-                "a {} block of {} tokens x {} heads x {}/{} dims is an odd number of 2-byte elements: blocks are copied in whole 4-byte words (make block_size even)",
-                c.storage.name(),
-                c.block_size,
-                c.kv_heads,
-                c.head_dim,
-                c.head_dim_v
-            ));
+        for (name, st, e) in [("K", c.storage, c.head_dim), ("V", c.v_format(), c.head_dim_v)] {
+            if st.is_half() && (c.block_size * c.kv_heads * e) % 2 == 1 {
+                return bad(format!(
+                    "a {st} {name} block of {} tokens x {} heads x {e} dims is an odd number of 2-byte elements: blocks are copied in whole 4-byte words (make block_size even)",
+                    c.block_size, c.kv_heads,
+                ));
+            }
+            if st.is_quantized() && !e.is_multiple_of(4) {
+                return Err(Error::Quantized {
+                    reason: format!(
+                        "an {st} {name} cache's head dim {e} is not a multiple of 4: codes are packed four to a 32-bit word"
+                    ),
+                });
+            }
         }
-        let bytes = |e: usize| -> Result<u64> {
+        let bytes = |e: usize, st: Storage| -> Result<u64> {
             let elems = c.num_blocks * c.block_size * c.kv_heads * e;
             if u32::try_from(elems).is_err() {
                 return bad(format!(
                     "{elems} elements per layer exceed the kernels' u32 indices"
                 ));
             }
-            let b = c.storage.bytes(elems).next_multiple_of(16);
+            let b = st.bytes(elems).next_multiple_of(16);
             crate::device::buffers::fits(
                 "KV cache layer",
                 b,
@@ -204,18 +223,33 @@ impl KvCache {
             )?;
             Ok(b)
         };
-        let (kb, vb) = (bytes(c.head_dim)?, bytes(c.head_dim_v)?);
+        let (kb, vb) = (bytes(c.head_dim, c.storage)?, bytes(c.head_dim_v, c.v_format())?);
         let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
-        let (mut k, mut v) = (Vec::new(), Vec::new());
+        let (mut k, mut v, mut k_scales, mut v_scales) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for l in 0..c.layers {
             k.push(create(ctx, &format!("KV cache K layer {l}"), kb, usage));
             v.push(create(ctx, &format!("KV cache V layer {l}"), vb, usage));
+            k_scales.push(scales_buffer(
+                ctx,
+                &c,
+                c.storage,
+                &format!("KV cache K scales layer {l}"),
+            )?);
+            v_scales.push(scales_buffer(
+                ctx,
+                &c,
+                c.v_format(),
+                &format!("KV cache V scales layer {l}"),
+            )?);
         }
-        let max = c.head_dim.max(c.head_dim_v);
+        let block = |e: usize, st: Storage| element_bytes(st, (c.block_size * c.kv_heads * e) as u64);
         let cow_scratch = create(
             ctx,
             "KV cache copy-on-write",
-            element_bytes(c.storage, (c.block_size * c.kv_heads * max) as u64).next_multiple_of(4),
+            block(c.head_dim, c.storage)
+                .max(block(c.head_dim_v, c.v_format()))
+                .max(4 * (c.block_size * c.kv_heads) as u64)
+                .next_multiple_of(4),
             wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
         );
         static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -223,6 +257,8 @@ impl KvCache {
             config: c,
             k,
             v,
+            k_scales,
+            v_scales,
             free: (0..c.num_blocks as u32).rev().collect(),
             refs: vec![0; c.num_blocks],
             seqs: BTreeMap::new(),
@@ -248,15 +284,107 @@ impl KvCache {
     /// [`PagedAttention::new`](crate::PagedAttention::new) when a call needs more than
     /// [`attention`](KvCache::attention) gives (a mask per group, say). Their block table and
     /// lengths are [`Step::block_table`].
-    pub fn pages(&self, layer: usize) -> Result<crate::paged::Pages<'_>> {
+    pub fn pages<'a>(&'a self, layer: usize) -> Result<crate::paged::Pages<'a>> {
         let (kb, vb) = self.buffers(layer)?;
         let c = &self.config;
         let shape = |e| [c.num_blocks, c.kv_heads, c.block_size, e];
+        let (ks, vs) = self.scales(layer)?;
+        let with = |t: Tensor<'a>, s: Option<&'a wgpu::Buffer>, st: Storage| match s {
+            Some(b) => {
+                let dims = match st {
+                    Storage::Int8 => vec![c.num_blocks, c.kv_heads, c.block_size],
+                    _ => vec![c.kv_heads],
+                };
+                t.with_scales(Tensor::from_buffer(b, Storage::F32, &dims))
+            }
+            None => t,
+        };
         Ok(crate::paged::Pages::new(
-            Tensor::from_buffer(kb, c.storage, &shape(c.head_dim)),
-            Tensor::from_buffer(vb, c.storage, &shape(c.head_dim_v)),
+            with(
+                Tensor::from_buffer(kb, c.storage, &shape(c.head_dim)),
+                ks,
+                c.storage,
+            ),
+            with(
+                Tensor::from_buffer(vb, c.v_format(), &shape(c.head_dim_v)),
+                vs,
+                c.v_format(),
+            ),
             crate::paged::PagedLayout::HeadMajor,
         ))
+    }
+
+    /// Layer `layer`'s scales of an 8-bit K and V (`None` for a float one), read in place: int8
+    /// `[num_blocks, Hkv, block_size]` f32 (a scale per token and head, laid out as the
+    /// head-major pages' rows), fp8 `[Hkv]` f32 (a scale per kv head, 1 until
+    /// [`set_scales`](KvCache::set_scales)).
+    pub fn scales(&self, layer: usize) -> Result<(Option<&wgpu::Buffer>, Option<&wgpu::Buffer>)> {
+        self.buffers(layer)?;
+        Ok((self.k_scales[layer].as_ref(), self.v_scales[layer].as_ref()))
+    }
+
+    /// Set layer `layer`'s fp8 scales per kv head (vLLM's `k_scale` / `v_scale`: about the
+    /// largest |x| a head holds over 448): `k` for an fp8 K, `v` for an fp8 V (`None` leaves
+    /// them). New appends quantise at these scales and attention reads every code at them, so
+    /// set them before the first append. Written through the queue (`Queue::write_buffer`,
+    /// ordered before later submissions). Checked: one finite, positive scale per kv head,
+    /// and only for an fp8 tensor.
+    pub fn set_scales(
+        &self,
+        ctx: &Context,
+        layer: usize,
+        k: Option<&[f32]>,
+        v: Option<&[f32]>,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (ks, vs) = self.scales(layer)?;
+        for (name, given, st, buf) in [("K", k, c.storage, ks), ("V", v, c.v_format(), vs)] {
+            let Some(x) = given else { continue };
+            let refuse = |reason: String| Err(Error::Quantized { reason });
+            if st != Storage::Fp8 {
+                return refuse(format!(
+                    "set_scales sets an fp8 cache's per-head scales; this cache's {name} is {st}{}",
+                    if st == Storage::Int8 {
+                        " (its scales are computed per token as it appends)"
+                    } else {
+                        ""
+                    }
+                ));
+            }
+            if x.len() != c.kv_heads || x.iter().any(|s| !s.is_finite() || *s <= 0.0) {
+                return refuse(format!(
+                    "{name}'s fp8 scales must be {} finite, positive values (one per kv head); got {x:?}",
+                    c.kv_heads
+                ));
+            }
+            if let Some(b) = buf {
+                ctx.queue().write_buffer(b, 0, bytemuck::cast_slice(x));
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes the cache holds per token per layer, scales included (an fp8 tensor's per-head
+    /// scales are per layer, not per token, and are not counted): `Hkv · (E · k bytes + Ev · v
+    /// bytes)`, plus 4 bytes per head for each int8 tensor's scale.
+    pub fn bytes_per_token(&self) -> u64 {
+        let c = &self.config;
+        let part = |e: usize, st: Storage| {
+            c.kv_heads as u64 * (e as u64 * st.element_bytes() + if st == Storage::Int8 { 4 } else { 0 })
+        };
+        part(c.head_dim, c.storage) + part(c.head_dim_v, c.v_format())
+    }
+
+    /// Bytes of every layer's K, V and scales buffers on the device.
+    pub fn memory_bytes(&self) -> u64 {
+        let bufs = self.k.iter().chain(&self.v).map(|b| b.size());
+        let scales = self
+            .k_scales
+            .iter()
+            .chain(&self.v_scales)
+            .flatten()
+            .map(|b| b.size());
+        bufs.chain(scales).sum()
     }
 
     /// Layer `layer`'s K buffer `[num_blocks, Hkv, block_size, E]` and V buffer `[num_blocks,
@@ -461,16 +589,24 @@ impl KvCache {
     fn copy_block(&self, encoder: &mut wgpu::CommandEncoder, layer: usize, from: u32, to: u32) {
         let c = &self.config;
         let scratch = &self.cow_scratch;
-        for (bufs, e) in [(&self.k, c.head_dim), (&self.v, c.head_dim_v)] {
-            let block = (c.block_size * c.kv_heads * e) as u64;
-            {
-                let buf = &bufs[layer];
-                // Whole 4-byte words: `new` refuses half-format blocks of an odd element count.
-                let start = element_bytes(c.storage, from as u64 * block);
-                let size = element_bytes(c.storage, block);
-                let dst = element_bytes(c.storage, to as u64 * block);
-                encoder.copy_buffer_to_buffer(buf, start, scratch, 0, size);
-                encoder.copy_buffer_to_buffer(scratch, 0, buf, dst, size);
+        let rows = (c.block_size * c.kv_heads) as u64;
+        let mut copy = |buf: &wgpu::Buffer, st: Storage, block: u64| {
+            // Whole 4-byte words: `new` refuses half-format blocks of an odd element count,
+            // and 8-bit head dims that are not multiples of 4.
+            let start = element_bytes(st, from as u64 * block);
+            let size = element_bytes(st, block);
+            let dst = element_bytes(st, to as u64 * block);
+            encoder.copy_buffer_to_buffer(buf, start, scratch, 0, size);
+            encoder.copy_buffer_to_buffer(scratch, 0, buf, dst, size);
+        };
+        for (bufs, scales, e, st) in [
+            (&self.k, &self.k_scales, c.head_dim, c.storage),
+            (&self.v, &self.v_scales, c.head_dim_v, c.v_format()),
+        ] {
+            copy(&bufs[layer], st, rows * e as u64);
+            // An int8 block's scales, one per row (fp8's are per head, shared by every block).
+            if let (Some(s), Storage::Int8) = (&scales[layer], st) {
+                copy(s, Storage::F32, rows);
             }
         }
     }
@@ -539,16 +675,39 @@ impl KvCache {
             sources[0].dense(ctx, encoder, "new k")?,
             sources[1].dense(ctx, encoder, "new v")?,
         );
-        // K rotated and V copied into the step's slots, with one auxiliary buffer.
+        // K rotated and V copied (or quantised) into the step's slots, with one auxiliary buffer.
         let rows = [
-            (ku.binding(), k.storage(), kbuf, c.head_dim, true),
-            (vu.binding(), v.storage(), vbuf, c.head_dim_v, false),
+            (
+                ku.binding(),
+                k.storage(),
+                kbuf,
+                c.head_dim,
+                true,
+                c.storage,
+                &self.k_scales[layer],
+            ),
+            (
+                vu.binding(),
+                v.storage(),
+                vbuf,
+                c.head_dim_v,
+                false,
+                c.v_format(),
+                &self.v_scales[layer],
+            ),
         ]
-        .map(|(src, st, dst, e, rotate)| crate::ops::rope::Rows {
+        .map(|(src, st, dst, e, rotate, fmt, scales)| crate::ops::rope::Rows {
             dims: [t, c.kv_heads, e],
-            dest: crate::ops::rope::Dest::Slots {
-                src: (src, st),
-                cache: (dst.as_entire_buffer_binding(), c.storage),
+            dest: match scales {
+                Some(s) => crate::ops::rope::Dest::Quantized {
+                    src: (src, st),
+                    cache: (dst.as_entire_buffer_binding(), fmt),
+                    scales: s.as_entire_buffer_binding(),
+                },
+                None => crate::ops::rope::Dest::Slots {
+                    src: (src, st),
+                    cache: (dst.as_entire_buffer_binding(), fmt),
+                },
             },
             rotate,
         });
@@ -681,6 +840,35 @@ impl KvCache {
             ),
         })
     }
+}
+
+/// The scales buffer of an 8-bit K or V in format `st` (`None` for a float one): int8 `[NB, Hkv,
+/// BS]` zeros, fp8 `[Hkv]` ones.
+fn scales_buffer(ctx: &Context, c: &KvCacheConfig, st: Storage, label: &str) -> Result<Option<wgpu::Buffer>> {
+    let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
+    Ok(match st {
+        Storage::Int8 => {
+            let b = (4 * c.num_blocks * c.kv_heads * c.block_size) as u64;
+            crate::device::buffers::fits(
+                "KV cache scales",
+                b,
+                ctx.max_binding(),
+                "max_storage_buffer_binding_size",
+            )?;
+            Some(create(ctx, label, b.next_multiple_of(16), usage))
+        }
+        Storage::Fp8 => {
+            let mut ones = vec![1f32; c.kv_heads];
+            ones.resize(c.kv_heads.next_multiple_of(4), 0.0);
+            Some(crate::device::buffers::init(
+                ctx,
+                label,
+                bytemuck::cast_slice(&ones),
+                usage,
+            ))
+        }
+        _ => None,
+    })
 }
 
 /// Byte offset of element `i` in format `s` (elements packed: 4 bytes for f32, 2 else).

@@ -262,6 +262,7 @@ fn prefilled_cache(
             block_size: 16,
             num_blocks,
             storage: Storage::F16,
+            v_storage: None,
             rope: None,
         },
     )?;
