@@ -143,6 +143,17 @@ fn attention_problems() -> Vec<Problem> {
             bias: Storage::F16,
             ..Formats::all(Storage::Bf16)
         },
+        // 8-bit K/V caches (the forward's kernels only).
+        Formats {
+            k: Storage::Int8,
+            v: Storage::Fp8,
+            ..Formats::all(Storage::F32)
+        },
+        Formats {
+            k: Storage::Fp8,
+            v: Storage::Int8,
+            ..Formats::all(Storage::F16)
+        },
     ];
     let mut out = Vec::new();
     for (e, ev, fi) in [
@@ -153,6 +164,8 @@ fn attention_problems() -> Vec<Problem> {
         (64, 64, 2),
         (37, 6, 2),
         (37, 5, 3),
+        (64, 64, 4),
+        (36, 20, 5),
     ] {
         let p = Problem::new(&[2, 4, 9, e], &[2, 2, 600, e], &[2, 2, 600, ev])
             .unwrap()
@@ -167,9 +180,9 @@ fn attention_problems() -> Vec<Problem> {
             .unwrap();
         p.views = test_views();
         // Paged caches (the block table's reads) in half of the cases.
-        p.views.paged = [None, Some(16), None, Some(3)][fi];
+        p.views.paged = [None, Some(16), None, Some(3), Some(16), None][fi];
         // q rotated as it is read: half-split, interleaved, none.
-        p.views.q_rope = [Some((e - e % 2, true)), Some((4, false)), None, None][fi];
+        p.views.q_rope = [Some((e - e % 2, true)), Some((4, false)), None, None, Some((8, false)), None][fi];
         out.push(p);
     }
     out
