@@ -218,12 +218,40 @@ impl<'a> Tensor<'a> {
         }
     }
 
-    /// Host data widened to f32 (exact), or `None` for a GPU buffer.
+    /// Host data widened to f32 (exact), or `None` for a GPU buffer. An 8-bit cache's codes
+    /// are dequantised with its host scales ([`Tensor::host_values`] with the kv heads at axis
+    /// 1: contiguous and head-major caches).
     pub(crate) fn host_f32(&self) -> Option<Cow<'_, [f32]>> {
-        match &self.data {
-            TensorData::Host(d) => Some(d.to_f32()),
-            TensorData::Gpu { .. } => None,
+        self.host_values(1)
+    }
+
+    /// [`Tensor::host_f32`], an fp8 cache's kv heads at axis `head_axis` of its shape (2 for
+    /// token-major pages). `None` for a GPU buffer, and for 8-bit codes whose scales are not
+    /// host data of the right length (the attention calls' checks refuse those first).
+    pub(crate) fn host_values(&self, head_axis: usize) -> Option<Cow<'_, [f32]>> {
+        let TensorData::Host(d) = &self.data else {
+            return None;
+        };
+        let codes = d.to_f32();
+        if !d.storage().is_quantized() {
+            return Some(codes);
         }
+        let scales = self.scales.as_ref()?.host_values(1)?;
+        let e = *self.shape.last()?;
+        let rows = codes.len() / e.max(1);
+        let dims = &self.shape[..self.shape.len() - 1];
+        let scale_of = |r: usize| match d.storage() {
+            Storage::Int8 => scales.get(r).copied(),
+            _ => scales
+                .get(crate::quant::head_of_row(r, dims, head_axis.min(dims.len() - 1)))
+                .copied(),
+        };
+        let mut out = Vec::with_capacity(codes.len());
+        for r in 0..rows {
+            let s = scale_of(r)?;
+            out.extend(codes[r * e..(r + 1) * e].iter().map(|&c| c * s));
+        }
+        Some(Cow::Owned(out))
     }
 
     /// The shape.

@@ -675,3 +675,87 @@ impl CacheTest {
         assert_report(r, &format!("{} {tag} output", self.label));
     }
 }
+
+/// A ragged batch over 8-bit pages whose sequences share a 272-key prefix (read once, merged
+/// by logsumexp) and a sequence of its own, both layouts, each path: equal to the reference
+/// over the dequantised pages (and `PagedAttention::reference` on the codes and scales equals
+/// the reference over the values they stand for).
+#[test]
+fn ragged_batches_and_shared_prefixes_over_8_bit_pages() {
+    use wgpu_attention::PagedAttention;
+    let Some(ctx) = ctx() else { return };
+    let (hkv, hq, e, ev, bs) = (2, 4, 16, 12, 16);
+    // Sequences 0-2 share blocks 0..17; each has its own tail blocks after; sequence 3 is apart.
+    let lens = [280usize, 300, 290, 40];
+    let q_lens = [1usize, 3, 2, 1];
+    let max_blocks = 300usize.div_ceil(bs);
+    let mut table = vec![-1i32; lens.len() * max_blocks];
+    let mut next = 17;
+    for (s, &len) in lens.iter().enumerate() {
+        for blk in 0..len.div_ceil(bs) {
+            table[s * max_blocks + blk] = if s < 3 && blk < 17 {
+                blk as i32
+            } else {
+                next += 1;
+                next - 1
+            };
+        }
+    }
+    let nb = next as usize;
+    let mut r = rng(360);
+    let k: Array4<f32> = rand_array(&mut r, (nb, bs, hkv, e));
+    let v: Array4<f32> = rand_array(&mut r, (nb, bs, hkv, ev));
+    let t: usize = q_lens.iter().sum();
+    let q: Array3<f32> = rand_array(&mut r, (t, hq, e));
+    for (kf, vf) in [(Storage::Int8, Storage::Fp8), (Storage::Fp8, Storage::Int8)] {
+        let (kc, kd) = coded_pages(&k, kf, 1);
+        let (vc, vd) = coded_pages(&v, vf, 2);
+        let (kh, vh) = (head_major(&kc, k.dim()), head_major(&vc, v.dim()));
+        let (kdim, vdim) = (k.dim(), v.dim());
+        let hm = |(a, b, c, d): (usize, usize, usize, usize)| [a, c, b, d];
+        let tm = |(a, b, c, d): (usize, usize, usize, usize)| [a, b, c, d];
+        let float = PagedAttention::new(
+            &q,
+            &q_lens,
+            Pages::new(&kd, &vd, PagedLayout::TokenMajor),
+            &table,
+            &lens,
+        )
+        .causal(Causal::BottomRight);
+        let want = float.reference().unwrap();
+        for (layout, kt, vt) in [
+            (
+                PagedLayout::TokenMajor,
+                kc.tensor(&tm(kdim), kf),
+                vc.tensor(&tm(vdim), vf),
+            ),
+            (
+                PagedLayout::HeadMajor,
+                kh.tensor(&hm(kdim), kf),
+                vh.tensor(&hm(vdim), vf),
+            ),
+        ] {
+            let call = PagedAttention::new(&q, &q_lens, Pages::new(kt, vt, layout), &table, &lens)
+                .causal(Causal::BottomRight);
+            let label = format!("{kf}/{vf} {layout:?}");
+            assert!(
+                !call.shared_prefixes().unwrap().is_empty(),
+                "{label}: no shared prefix found"
+            );
+            assert_paged(
+                &call.reference().unwrap(),
+                &want,
+                TOL,
+                &format!("{label} reference on codes"),
+            );
+            for path in [Path::Auto, Path::Fused, Path::Decode] {
+                let got = call
+                    .clone()
+                    .path(path)
+                    .run_blocking(ctx)
+                    .unwrap_or_else(|e| panic!("{label} {path:?}: {e}"));
+                assert_paged(&got, &want, TOL, &format!("{label} [{path:?}]"));
+            }
+        }
+    }
+}

@@ -182,7 +182,14 @@ fn attention_problems() -> Vec<Problem> {
         // Paged caches (the block table's reads) in half of the cases.
         p.views.paged = [None, Some(16), None, Some(3), Some(16), None][fi];
         // q rotated as it is read: half-split, interleaved, none.
-        p.views.q_rope = [Some((e - e % 2, true)), Some((4, false)), None, None, Some((8, false)), None][fi];
+        p.views.q_rope = [
+            Some((e - e % 2, true)),
+            Some((4, false)),
+            None,
+            None,
+            Some((8, false)),
+            None,
+        ][fi];
         out.push(p);
     }
     out

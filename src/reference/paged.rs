@@ -73,11 +73,22 @@ impl PagedAttention<'_> {
         self.validate()?;
         let batch = self.check()?;
         let ([t, hq, e], ev) = (batch.dims, batch.ev);
+        // An 8-bit cache's values are its codes times their scales (fp8's per kv head, at
+        // axis 2 of token-major pages).
+        let heads = if self.layout == crate::paged::PagedLayout::HeadMajor {
+            1
+        } else {
+            2
+        };
         let host = |x: &Tensor, name: &'static str| -> Result<Vec<f32>> {
-            x.host_f32().map(|d| d.into_owned()).ok_or(Error::BadBuffer {
-                tensor: name,
-                reason: "the CPU reference reads host data, not a GPU buffer".into(),
-            })
+            x.host_values(heads)
+                .map(|d| d.into_owned())
+                .ok_or(Error::BadBuffer {
+                    tensor: name,
+                    reason:
+                        "the CPU reference reads host data (an 8-bit cache's scales too), not a GPU buffer"
+                            .into(),
+                })
         };
         let (q, k, v) = (host(&self.q, "q")?, host(&self.k, "k")?, host(&self.v, "v")?);
         let array = |x: &Tensor, d: Vec<f32>, name: &'static str| -> Result<ndarray::Array4<f32>> {
