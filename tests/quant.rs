@@ -759,3 +759,113 @@ fn ragged_batches_and_shared_prefixes_over_8_bit_pages() {
         }
     }
 }
+
+/// PyTorch float64 goldens (`tests/fixtures/quant`, scripts/make_quant_goldens.py): ragged
+/// batches with RoPE over token-major 8-bit pages, int8 dequantised explicitly and fp8 through
+/// `torch.float8_e4m3fn`. The host rules give PyTorch's codes and scales from the same rotated
+/// values, bit for bit; the GPU's attention over the pages matches the goldens.
+#[test]
+fn pytorch_goldens_over_8_bit_pages() {
+    use wgpu_attention::{PagedAttention, Rope, RopeStyle};
+    let Some(ctx) = ctx() else { return };
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quant");
+    let mut names: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|d| d.unwrap().path())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 3, "the quant goldens");
+    for dir in names {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let file = |f: &str| std::fs::read(dir.join(f)).unwrap_or_else(|e| panic!("{name}/{f}: {e}"));
+        let meta: serde_json::Value = serde_json::from_slice(&file("meta.json")).unwrap();
+        let fmt = |key: &str| meta[key].as_str().unwrap().parse::<Storage>().unwrap();
+        let (kf, vf) = (fmt("k_format"), fmt("v_format"));
+        let q: Array3<f32> = npy(file("q.npy"));
+        let table: Array2<i32> = npy(file("table.npy"));
+        let want: Array3<f64> = npy(file("out.npy"));
+        let want_lse: Array2<f64> = npy(file("lse.npy"));
+        let lens: Vec<usize> = meta["seq_lens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as usize)
+            .collect();
+        let q_lens: Vec<usize> = meta["q_lens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as usize)
+            .collect();
+        // The codes and scales of each cache, checked against the host rules.
+        let cache = |x: &str, s: Storage| -> (Coded, Vec<usize>) {
+            let vals: Array4<f32> = npy(file(&format!("{x}_vals.npy").replace("k_vals", "k_rot")));
+            let dims = vals.shape().to_vec();
+            let e = dims[3];
+            let scales: ndarray::ArrayD<f32> = npy(file(&format!("{x}_scales.npy")));
+            let scales = scales.into_raw_vec_and_offset().0;
+            let flat = vals.as_slice().unwrap();
+            let c = match s {
+                Storage::Int8 => {
+                    let codes: Array4<i8> = npy(file(&format!("{x}_codes.npy")));
+                    let (mine, my_scales) = quant::quantize_int8(flat, e);
+                    assert_eq!(my_scales, scales, "{name} {x}: int8 scales");
+                    assert_eq!(&mine[..], codes.as_slice().unwrap(), "{name} {x}: int8 codes");
+                    Coded {
+                        int8: Some(mine),
+                        fp8: None,
+                        scales,
+                        scales_shape: dims[..3].to_vec(),
+                        values: Vec::new(),
+                    }
+                }
+                _ => {
+                    let codes: Array4<u8> = npy(file(&format!("{x}_codes.npy")));
+                    let mine = quant::quantize_fp8_heads(flat, e, &dims[..3], 2, &scales);
+                    let bits: Vec<u8> = mine.iter().map(|c| c.0).collect();
+                    assert_eq!(
+                        &bits[..],
+                        codes.as_slice().unwrap(),
+                        "{name} {x}: e4m3 codes against torch.float8_e4m3fn"
+                    );
+                    Coded {
+                        int8: None,
+                        fp8: Some(mine),
+                        scales_shape: vec![dims[2]],
+                        scales,
+                        values: Vec::new(),
+                    }
+                }
+            };
+            (c, dims)
+        };
+        let (kc, kdims) = cache("k", kf);
+        let (vc, vdims) = cache("v", vf);
+        let rope = &meta["rope"];
+        let rope = Rope {
+            style: RopeStyle::HalfSplit,
+            theta: rope["theta"].as_f64().unwrap(),
+            dim: Some(rope["dim"].as_u64().unwrap() as usize),
+        };
+        let table = table.into_raw_vec_and_offset().0;
+        let pages = Pages::new(
+            kc.tensor(&kdims, kf),
+            vc.tensor(&vdims, vf),
+            PagedLayout::TokenMajor,
+        );
+        let call = PagedAttention::new(&q, &q_lens, pages, &table, &lens)
+            .causal(Causal::BottomRight)
+            .rope(rope);
+        for path in [Path::Auto, Path::Fused, Path::Decode] {
+            let got = call
+                .clone()
+                .path(path)
+                .run_blocking(ctx)
+                .unwrap_or_else(|e| panic!("{name} {path:?}: {e}"));
+            let r = wgpu_attention::check::compare(got.output.iter().copied(), want.iter().copied(), TOL);
+            assert_report(r, &format!("{name} [{path:?}] output"));
+            let r = wgpu_attention::check::compare(got.lse.iter().copied(), want_lse.iter().copied(), TOL);
+            assert_report(r, &format!("{name} [{path:?}] lse"));
+        }
+    }
+}
