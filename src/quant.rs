@@ -265,3 +265,73 @@ mod tests {
         assert_eq!(codes[0].to_f32(), 1.0);
     }
 }
+
+/// Record the quantisation of `x` `[N, Hkv, E]` (f32, f16 or bf16; host data or a dense GPU
+/// buffer; E a multiple of 4) on the GPU into `codes`, a buffer of `N · Hkv · E` codes in
+/// `format` laid out as x is (`[N, Hkv, E]`: token-major pages when N = NB · BS), by the rules
+/// above: int8 writes each row's scale into `scales` `[N, Hkv]` f32; fp8 reads one scale per
+/// kv head from `scales` `[Hkv]`. What a [`KvCache`](crate::KvCache) does as it appends, for
+/// pages you fill yourself. Checked before anything is recorded: the format, the shapes, the
+/// buffers' sizes and usage (`STORAGE`).
+pub fn record_quantize(
+    ctx: &crate::Context,
+    encoder: &mut wgpu::CommandEncoder,
+    x: &crate::Tensor<'_>,
+    format: crate::Storage,
+    codes: &wgpu::Buffer,
+    scales: &wgpu::Buffer,
+) -> crate::Result<()> {
+    use crate::error::Error;
+    let bad = |reason: String| Err(Error::Quantized { reason });
+    if !format.is_quantized() || x.storage().is_quantized() {
+        return bad(format!(
+            "record_quantize makes int8 or fp8 codes from float data: asked for {format} from {}",
+            x.storage()
+        ));
+    }
+    let [n, hkv, e] = x.dims::<3>("x")?;
+    if !e.is_multiple_of(4) {
+        return bad(format!(
+            "the head dim {e} is not a multiple of 4: codes are packed four to a word"
+        ));
+    }
+    let rows = n * hkv;
+    let (need_codes, need_scales) = (
+        format.bytes(rows * e),
+        4 * if format == crate::Storage::Int8 { rows } else { hkv } as u64,
+    );
+    for (name, buf, need) in [("codes", codes, need_codes), ("scales", scales, need_scales)] {
+        if buf.size() < need || !buf.usage().contains(wgpu::BufferUsages::STORAGE) {
+            return bad(format!(
+                "the {name} buffer must hold {need} bytes with STORAGE usage (it has {} bytes, {:?})",
+                buf.size(),
+                buf.usage()
+            ));
+        }
+    }
+    u32::try_from(rows * e).map_err(|_| Error::Quantized {
+        reason: format!("{} elements exceed the kernels' u32 indices", rows * e),
+    })?;
+    let op = crate::device::buffers::Operand::check(ctx, "x", x)?;
+    let up = op.upload(ctx, "x");
+    let slots: Vec<u32> = (0..n as u32).collect();
+    crate::ops::rope::rotate(
+        ctx,
+        encoder,
+        None,
+        &vec![0; n],
+        Some(crate::ops::rope::Slots {
+            slots: &slots,
+            head_major_block: 0,
+        }),
+        vec![crate::ops::rope::Rows {
+            dims: [n, hkv, e],
+            dest: crate::ops::rope::Dest::Quantized {
+                src: (up.binding(), x.storage()),
+                cache: (codes.as_entire_buffer_binding(), format),
+                scales: scales.as_entire_buffer_binding(),
+            },
+            rotate: false,
+        }],
+    )
+}

@@ -17,6 +17,7 @@ mod input;
 mod mha;
 mod npy;
 mod paged;
+mod paged_quant;
 mod ring;
 mod run;
 mod timing;

@@ -8,7 +8,8 @@ use clap::{Args, ValueEnum};
 use ndarray::{Array3, Array4, ArrayD};
 use wgpu_attention::{Causal, PagedAttention, Path, Rope, RopeStyle, Storage, Tensor};
 
-use crate::npy::{read_float, read_int, write_array};
+use crate::npy::{read_cache, read_float, read_int, write_array};
+use crate::paged_quant::CacheIn;
 use crate::timing::ms;
 use crate::{context, path_parser, CliResult};
 
@@ -21,6 +22,24 @@ pub(crate) enum RopeArg {
     Interleaved,
 }
 
+/// An 8-bit cache format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum KvFormat {
+    /// Symmetric int8 codes with a scale per token and kv head (max |x| / 127).
+    Int8,
+    /// e4m3 codes (PyTorch's float8_e4m3fn) with a scale per kv head, saturating at ±448.
+    Fp8,
+}
+
+impl KvFormat {
+    pub(crate) fn storage(self) -> Storage {
+        match self {
+            KvFormat::Int8 => Storage::Int8,
+            KvFormat::Fp8 => Storage::Fp8,
+        }
+    }
+}
+
 #[derive(Args)]
 pub(crate) struct PagedArgs {
     /// Queries packed by sequence, f32 or f16 .npy [T, Hq, E].
@@ -29,12 +48,24 @@ pub(crate) struct PagedArgs {
     /// New queries per sequence, comma separated (summing to T).
     #[arg(long, value_delimiter = ',', value_name = "N0,N1,..", required = true)]
     q_lens: Vec<usize>,
-    /// The K cache, f32 or f16 .npy [NB, BS, Hkv, E].
+    /// The K cache, .npy [NB, BS, Hkv, E]: f32 or f16 values, int8 codes (dtype i1, with
+    /// --k-scales), or fp8 e4m3 bit patterns (dtype u1, with --kv-format fp8 and --k-scales).
     #[arg(long, value_name = "KC.npy")]
     k_cache: PathBuf,
-    /// The V cache, f32 or f16 .npy [NB, BS, Hkv, Ev].
+    /// The V cache, .npy [NB, BS, Hkv, Ev], as the K cache.
     #[arg(long, value_name = "VC.npy")]
     v_cache: PathBuf,
+    /// 8-bit caches: float caches are quantised on the GPU by the crate's rule (int8 computes
+    /// a scale per token and kv head; fp8 takes --k-scales/--v-scales); code caches are read
+    /// with their scales. q and the output stay in --storage.
+    #[arg(long, value_enum)]
+    kv_format: Option<KvFormat>,
+    /// The K cache's scales, f32 .npy: [NB, BS, Hkv] for int8 codes, [Hkv] for fp8.
+    #[arg(long, value_name = "KS.npy")]
+    k_scales: Option<PathBuf>,
+    /// The V cache's scales, as --k-scales.
+    #[arg(long, value_name = "VS.npy")]
+    v_scales: Option<PathBuf>,
     /// The block table, int32 .npy [num_seqs, max_blocks]: key t of sequence s is in block
     /// BT[s, t / BS], slot t % BS; entries past a sequence's last block are ignored (-1 say).
     #[arg(long, value_name = "BT.npy")]
@@ -60,7 +91,7 @@ pub(crate) struct PagedArgs {
     sink_logits: Option<PathBuf>,
     #[command(flatten)]
     modifiers: crate::input::ModifierArgs,
-    /// Device storage format of q, the caches and the output (inputs rounded to it; the
+    /// Device storage format of q, float caches and the output (inputs rounded to it; the
     /// output, rounded to it, written as f32).
     #[arg(long, value_parser = crate::storage_parser(), default_value = "f32")]
     storage: Storage,
@@ -78,12 +109,20 @@ pub(crate) struct PagedArgs {
     lse_out: Option<PathBuf>,
 }
 
-/// The library call on the inputs (`k` the K cache, rotated or not).
+impl PagedArgs {
+    pub(crate) fn kv_format(&self) -> Option<KvFormat> {
+        self.kv_format
+    }
+}
+
+/// The library call on the inputs (`k` the K cache, rotated or not; float caches in
+/// --storage, 8-bit ones as their codes and scales).
+#[allow(clippy::too_many_arguments)] // the command's inputs, each its own
 fn call<'a>(
     a: &'a PagedArgs,
     q: &'a Array3<f32>,
-    k: &'a Array4<f32>,
-    v: &'a Array4<f32>,
+    k: Tensor<'a>,
+    v: Tensor<'a>,
     table: &'a [i32],
     sink_logits: Option<&'a [f32]>,
     rope: Option<Rope>,
@@ -92,11 +131,7 @@ fn call<'a>(
     let mut c = PagedAttention::new(
         Tensor::from(q).with_storage(st),
         &a.q_lens,
-        wgpu_attention::Pages::new(
-            Tensor::from(k).with_storage(st),
-            Tensor::from(v).with_storage(st),
-            wgpu_attention::PagedLayout::TokenMajor,
-        ),
+        wgpu_attention::Pages::new(k, v, wgpu_attention::PagedLayout::TokenMajor),
         table,
         &a.seq_lens,
     )
@@ -115,16 +150,29 @@ fn call<'a>(
 }
 
 fn rank<const N: usize>(a: &ArrayD<f32>, what: &str, named: &str) -> CliResult<[usize; N]> {
-    a.shape()
+    dims(a.shape(), what, named)
+}
+
+fn dims<const N: usize>(shape: &[usize], what: &str, named: &str) -> CliResult<[usize; N]> {
+    shape
         .try_into()
-        .map_err(|_| format!("{what}: shape {:?} is not {named}", a.shape()).into())
+        .map_err(|_| format!("{what}: shape {shape:?} is not {named}").into())
+}
+
+fn dims4(shape: &[usize], what: &str, named: &str) -> CliResult<[usize; 4]> {
+    dims(shape, what, named)
 }
 
 /// RoPE on the K cache: every used slot rotated at its key's position (a block shared by
 /// forked sequences holds the same positions in each), rounded to the cache's format.
-fn rotate_cache(a: &PagedArgs, r: &Rope, table: &[i32], k: &mut Array4<f32>) -> CliResult<()> {
+fn rotate_cache(
+    a: &PagedArgs,
+    r: &Rope,
+    table: &[i32],
+    k: &mut Array4<f32>,
+    round: &dyn Fn(f32) -> f32,
+) -> CliResult<()> {
     let (nb, bs) = (k.dim().0, k.dim().1);
-    let round = |x: f32| a.storage.round(x);
     let mb = table.len() / a.seq_lens.len();
     let mut pos_of = vec![None::<usize>; nb * bs];
     for (s, &len) in a.seq_lens.iter().enumerate() {
@@ -167,10 +215,10 @@ pub(crate) fn paged(a: &PagedArgs) -> CliResult<ExitCode> {
     let st = a.storage;
     let q = read_float(&a.q, "q")?;
     let [t, hq, e] = rank::<3>(&q, "q", "[T, Hq, E]")?;
-    let kc = read_float(&a.k_cache, "k cache")?;
-    let [nb, bs, hkv, ke] = rank::<4>(&kc, "k cache", "[NB, BS, Hkv, E]")?;
-    let vc = read_float(&a.v_cache, "v cache")?;
-    let [vnb, vbs, vh, ev] = rank::<4>(&vc, "v cache", "[NB, BS, Hkv, Ev]")?;
+    let kc = read_cache(&a.k_cache, "k cache")?;
+    let [nb, bs, hkv, ke] = dims4(kc.shape(), "k cache", "[NB, BS, Hkv, E]")?;
+    let vc = read_cache(&a.v_cache, "v cache")?;
+    let [vnb, vbs, vh, _] = dims4(vc.shape(), "v cache", "[NB, BS, Hkv, Ev]")?;
     if ke != e || (vnb, vbs, vh) != (nb, bs, hkv) {
         return Err(format!(
             "the caches {:?} and {:?} disagree with q {:?}: K [NB, BS, Hkv, E] and V [NB, BS, Hkv, Ev] with q's E",
@@ -179,6 +227,11 @@ pub(crate) fn paged(a: &PagedArgs) -> CliResult<ExitCode> {
             q.shape()
         )
         .into());
+    }
+    let kin = CacheIn::new(a, "k", kc, a.k_scales.as_deref(), [nb, bs, hkv])?;
+    let vin = CacheIn::new(a, "v", vc, a.v_scales.as_deref(), [nb, bs, hkv])?;
+    if a.rope.is_some() && (kin.codes.is_some() || vin.codes.is_some()) {
+        return Err("--rope rotates float caches (un-rotated keys) before they are quantised; 8-bit code caches hold rotated keys already: rotate q yourself, or give float caches with --kv-format".into());
     }
     let bt = read_int(&a.block_table, "block table")?;
     if bt.ndim() != 2 || bt.shape()[0] != a.seq_lens.len() {
@@ -211,16 +264,41 @@ pub(crate) fn paged(a: &PagedArgs) -> CliResult<ExitCode> {
     });
     let round = |x: f32| st.round(x);
     let q = Array3::from_shape_vec((t, hq, e), q.iter().map(|&x| round(x)).collect())?;
-    let mut k = Array4::from_shape_vec((nb, bs, hkv, e), kc.iter().map(|&x| round(x)).collect())?;
-    let v = Array4::from_shape_vec((nb, bs, hkv, ev), vc.iter().map(|&x| round(x)).collect())?;
+    let (mut k, v) = (kin.values(st), vin.values(st));
     // The call, checked before the caches are rotated (its table checks come first).
-    call(a, &q, &k, &v, &table, sink_logits.as_deref(), rope).validate()?;
+    call(
+        a,
+        &q,
+        kin.tensor(&k, st),
+        vin.tensor(&v, st),
+        &table,
+        sink_logits.as_deref(),
+        rope,
+    )
+    .validate()?;
     if let Some(r) = &rope {
-        rotate_cache(a, r, &table, &mut k)?;
+        let fmt = kin.format;
+        rotate_cache(a, r, &table, &mut k, &|x| {
+            if fmt.is_some() {
+                x
+            } else {
+                st.round(x)
+            }
+        })?;
     }
-    let call = call(a, &q, &k, &v, &table, sink_logits.as_deref(), rope);
     let started = Instant::now();
     let (r, how) = if a.cpu {
+        // 8-bit caches by the host's rules (the GPU's), the reference over their values.
+        let (kq, vq) = (kin.quantized_on_host(&k)?, vin.quantized_on_host(&v)?);
+        let call = call(
+            a,
+            &q,
+            kq.tensor(&k, st),
+            vq.tensor(&v, st),
+            &table,
+            sink_logits.as_deref(),
+            rope,
+        );
         let r = call.reference()?;
         (
             wgpu_attention::PagedOutput {
@@ -231,10 +309,24 @@ pub(crate) fn paged(a: &PagedArgs) -> CliResult<ExitCode> {
         )
     } else {
         let ctx = context()?;
+        let mut enc = ctx.device().create_command_encoder(&Default::default());
+        let kg = kin.on_gpu(&ctx, &mut enc, &k)?;
+        let vg = vin.on_gpu(&ctx, &mut enc, &v)?;
+        ctx.queue().submit([enc.finish()]);
+        let call = call(
+            a,
+            &q,
+            kin.gpu_tensor(&kg, &k, st),
+            vin.gpu_tensor(&vg, &v, st),
+            &table,
+            sink_logits.as_deref(),
+            rope,
+        );
         let r = call.run_blocking(&ctx)?;
         let how = format!(
-            "ran on {}, storage {st}, {} sequences, {t} queries, in {:.3} ms (incl. upload, shader compilation and readback)",
+            "ran on {}, storage {st}{}, {} sequences, {t} queries, in {:.3} ms (incl. upload, shader compilation and readback)",
             ctx.describe(),
+            kin.describe(&vin),
             a.seq_lens.len(),
             ms(started.elapsed())
         );

@@ -1780,3 +1780,236 @@ fn demo_prints_no_error_lines_without_a_display() {
         .collect();
     assert!(noisy.is_empty(), "error lines on stderr: {noisy:?}");
 }
+
+/// `paged` with 8-bit caches: float caches quantised on the GPU (int8 with its own scales,
+/// fp8 at the given per-head scales, RoPE first) agree with `--cpu`'s host quantisation, and
+/// caches of codes (int8 `i1`, fp8 `u1`) with their scales files run on the GPU as the CPU
+/// reference over their values says.
+#[test]
+fn paged_8_bit_caches() {
+    use wgpu_attention::quant;
+    let (dir, base) = paged_files("paged-8bit");
+    let p = |n: &str| dir.join(n);
+    let run = |args: &[String]| cli(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let (nb, bs, hkv, e) = (6usize, 4usize, 2usize, 8usize);
+    write_npy(p("fp8_scales.npy"), &ndarray::arr1(&[0.004f32, 0.002])).unwrap();
+    // Code caches from the float ones by the host rules.
+    for (x, m) in [("k", "kc.npy"), ("v", "vc.npy")] {
+        let vals: Array4<f32> = read_npy(p(m)).unwrap();
+        let flat = vals.as_slice().unwrap();
+        let (c, sc) = quant::quantize_int8(flat, e);
+        write_npy(
+            p(&format!("{x}_i8.npy")),
+            &Array4::from_shape_vec((nb, bs, hkv, e), c).unwrap(),
+        )
+        .unwrap();
+        write_npy(
+            p(&format!("{x}_i8_scales.npy")),
+            &ndarray::Array3::from_shape_vec((nb, bs, hkv), sc).unwrap(),
+        )
+        .unwrap();
+        let f8 = quant::quantize_fp8_heads(flat, e, &[nb, bs, hkv], 2, &[0.004, 0.002]);
+        let bits: Vec<u8> = f8.iter().map(|c| c.0).collect();
+        write_npy(
+            p(&format!("{x}_f8.npy")),
+            &Array4::from_shape_vec((nb, bs, hkv, e), bits).unwrap(),
+        )
+        .unwrap();
+    }
+    let sc = |x: &str| s(&p(x)).to_string();
+    type Setup = (&'static str, Vec<(&'static str, String)>, bool);
+    let setups: Vec<Setup> = vec![
+        ("int8 quantised", vec![("--kv-format", "int8".into())], true),
+        (
+            "fp8 quantised",
+            vec![
+                ("--kv-format", "fp8".into()),
+                ("--k-scales", sc("fp8_scales.npy")),
+                ("--v-scales", sc("fp8_scales.npy")),
+            ],
+            true,
+        ),
+        (
+            "int8 codes",
+            vec![
+                ("--k-cache", sc("k_i8.npy")),
+                ("--v-cache", sc("v_i8.npy")),
+                ("--k-scales", sc("k_i8_scales.npy")),
+                ("--v-scales", sc("v_i8_scales.npy")),
+            ],
+            false,
+        ),
+        (
+            "fp8 codes",
+            vec![
+                ("--kv-format", "fp8".into()),
+                ("--k-cache", sc("k_f8.npy")),
+                ("--v-cache", sc("v_f8.npy")),
+                ("--k-scales", sc("fp8_scales.npy")),
+                ("--v-scales", sc("fp8_scales.npy")),
+            ],
+            false,
+        ),
+    ];
+    for (name, changes, rope) in setups {
+        let args = |out: &str, extra: &[&str]| {
+            let mut a = base(out);
+            for (flag, value) in &changes {
+                match a.iter().position(|x| x == flag) {
+                    Some(i) => a[i + 1] = value.clone(),
+                    None => a.extend([flag.to_string(), value.clone()]),
+                }
+            }
+            a.extend(["--causal".to_string()]);
+            if rope {
+                a.extend(["--rope".to_string(), "half".to_string()]);
+            }
+            a.extend(extra.iter().map(|x| x.to_string()));
+            a
+        };
+        let r = run(&args("q_cpu.npy", &["--cpu"]));
+        assert!(
+            r.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&r.stderr)
+        );
+        if common::ctx().is_none() {
+            continue;
+        }
+        let r = run(&args("q_gpu.npy", &[]));
+        let said = String::from_utf8_lossy(&r.stdout);
+        assert!(
+            r.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&r.stderr)
+        );
+        assert!(
+            said.contains("K int8") || said.contains("K fp8"),
+            "{name}: {said}"
+        );
+        let (g, c): (ArrayD<f32>, ArrayD<f32>) = (
+            read_npy(p("q_gpu.npy")).unwrap(),
+            read_npy(p("q_cpu.npy")).unwrap(),
+        );
+        // The GPU's codes equal the host's on these inputs (a code 1 off needs x / scale within
+        // float rounding of a tie: none here, checked), so the f32 tolerance holds throughout.
+        common::assert_report(
+            compare(g.iter().copied(), c.iter().map(|&x| x as f64), common::TOL),
+            name,
+        );
+    }
+}
+
+/// `paged`: bad 8-bit inputs (missing, misshapen, negative or NaN scales, a u1 cache without
+/// `--kv-format fp8`, scales for a float cache, RoPE over codes) are one-line errors with
+/// exit status 2 that write nothing; `--help` lists the flags.
+#[test]
+fn paged_bad_8_bit_input_is_one_line() {
+    use wgpu_attention::quant;
+    let (dir, base) = paged_files("paged-8bit-bad");
+    let p = |n: &str| dir.join(n);
+    let run = |args: &[String]| cli(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let (nb, bs, hkv, e) = (6usize, 4usize, 2usize, 8usize);
+    let vals: Array4<f32> = read_npy(p("kc.npy")).unwrap();
+    let (c, sc) = quant::quantize_int8(vals.as_slice().unwrap(), e);
+    write_npy(
+        p("k_i8.npy"),
+        &Array4::from_shape_vec((nb, bs, hkv, e), c).unwrap(),
+    )
+    .unwrap();
+    write_npy(
+        p("k_i8_scales.npy"),
+        &ndarray::Array3::from_shape_vec((nb, bs, hkv), sc).unwrap(),
+    )
+    .unwrap();
+    write_npy(p("k_u8.npy"), &Array4::<u8>::zeros((nb, bs, hkv, e))).unwrap();
+    write_npy(p("head_scales.npy"), &ndarray::arr1(&[0.5f32, 0.5])).unwrap();
+    write_npy(p("neg_scales.npy"), &ndarray::arr1(&[0.5f32, -0.5])).unwrap();
+    write_npy(p("nan_scales.npy"), &ndarray::arr1(&[0.5f32, f32::NAN])).unwrap();
+    write_npy(p("three_scales.npy"), &ndarray::arr1(&[0.5f32, 0.5, 0.5])).unwrap();
+    let f = |n: &str| s(&p(n)).to_string();
+    type Case<'a> = (&'a str, Vec<(&'a str, String)>, &'a str);
+    let cases: Vec<Case> = vec![
+        (
+            "int8 codes without scales",
+            vec![("--k-cache", f("k_i8.npy"))],
+            "needs --k-scales",
+        ),
+        (
+            "int8 codes with per-head scales",
+            vec![("--k-cache", f("k_i8.npy")), ("--k-scales", f("head_scales.npy"))],
+            "expected [6, 4, 2]",
+        ),
+        (
+            "fp8 without scales",
+            vec![("--kv-format", "fp8".into())],
+            "needs --k-scales",
+        ),
+        (
+            "fp8 scales of the wrong shape",
+            vec![
+                ("--kv-format", "fp8".into()),
+                ("--k-scales", f("three_scales.npy")),
+                ("--v-scales", f("head_scales.npy")),
+            ],
+            "expected [2]",
+        ),
+        (
+            "negative scale",
+            vec![
+                ("--kv-format", "fp8".into()),
+                ("--k-scales", f("neg_scales.npy")),
+                ("--v-scales", f("head_scales.npy")),
+            ],
+            "holds -0.5",
+        ),
+        (
+            "NaN scale",
+            vec![
+                ("--kv-format", "fp8".into()),
+                ("--k-scales", f("head_scales.npy")),
+                ("--v-scales", f("nan_scales.npy")),
+            ],
+            "holds NaN",
+        ),
+        (
+            "u1 without fp8",
+            vec![("--k-cache", f("k_u8.npy"))],
+            "--kv-format fp8",
+        ),
+        (
+            "scales for a float cache",
+            vec![("--k-scales", f("head_scales.npy"))],
+            "for 8-bit caches",
+        ),
+        (
+            "rope over codes",
+            vec![
+                ("--k-cache", f("k_i8.npy")),
+                ("--k-scales", f("k_i8_scales.npy")),
+                ("--rope", "half".into()),
+            ],
+            "hold rotated keys",
+        ),
+    ];
+    for (what, changes, expect) in cases {
+        let out = format!("bad_{}.npy", what.replace(' ', "_"));
+        let mut args = base(&out);
+        for (flag, value) in &changes {
+            match args.iter().position(|a| a == flag) {
+                Some(i) => args[i + 1] = value.clone(),
+                None => args.extend([flag.to_string(), value.clone()]),
+            }
+        }
+        let r = run(&args);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{what}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{what}: {err}");
+        assert!(err.contains(expect), "{what}: {err} should say {expect:?}");
+        assert!(!p(&out).exists(), "{what} wrote its output");
+    }
+    let help = String::from_utf8_lossy(&cli(&["paged", "--help"]).stdout).to_string();
+    for flag in ["--kv-format", "--k-scales", "--v-scales", "int8", "fp8"] {
+        assert!(help.contains(flag), "paged --help lists {flag}");
+    }
+}
