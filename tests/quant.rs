@@ -869,3 +869,26 @@ fn pytorch_goldens_over_8_bit_pages() {
         }
     }
 }
+
+/// A NaN in an fp8 cache (its NaN code, 0x7f or 0xff) reads as NaN, on both paths and in
+/// both load widths (E 64: 16 codes per load; E 20: 4), as a NaN in a float cache would.
+#[test]
+fn fp8_nan_codes_read_as_nan() {
+    let Some(ctx) = ctx() else { return };
+    for e in [64usize, 20] {
+        let q = Array4::<f32>::ones((1, 2, 1, e));
+        let mut codes = vec![E4m3::from_f32(0.5); 7 * e];
+        codes[3 * e + 1] = E4m3(0xff);
+        let scales = Array1::<f32>::from_elem(1, 0.25);
+        let v = Array4::<f32>::ones((1, 1, 7, e));
+        for path in [Path::Fused, Path::Decode] {
+            let k = Tensor::from_slice(&codes, &[1, 1, 7, e]).with_scales(&scales);
+            let out = Sdpa::new(&q, k, &v).path(path).run_blocking(ctx).unwrap();
+            assert!(
+                out.output.iter().all(|x| x.is_nan()),
+                "E {e} {path:?}: {:?}",
+                out.output
+            );
+        }
+    }
+}

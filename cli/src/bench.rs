@@ -18,7 +18,8 @@ pub(crate) struct BenchArgs {
     /// Shapes to time, comma separated, or `all` [default: all but c_h8_s4096_causal,
     /// prefill_h32_s4096_e128, long_h1_s32768_causal, causal_h8_s16384, window_h8_s16384, softcap_h8_s1024,
     /// alibi_h8_s1024, sinks_h8_s1024, docs8_h8_s8192, docs8_dense_h8_s8192,
-    /// window_mod_h8_s16384, relbias_mod_h8_s1024, paged_d, paged_d_token_major, contiguous_d,
+    /// window_mod_h8_s16384, relbias_mod_h8_s1024, paged_d, paged_d_f16, paged_d_int8,
+    /// paged_d_fp8, paged_long_f16, paged_long_int8, paged_d_token_major, contiguous_d,
     /// ragged8, ragged8_padded,
     /// cascade64, cascade64_unshared and mha_gqa_h32_kv8_d128_l128]. Attention:
     /// small_h4_s128,
@@ -32,7 +33,10 @@ pub(crate) struct BenchArgs {
     /// window of window_h8_s16384 as a user mask_mod), relbias_mod_h8_s1024 (a_h8_s1024 with a
     /// captured relative-position bias in a user score_mod), paged_d and contiguous_d (d's
     /// decode, causal, through a block table of 16-token blocks, head-major as KvCache lays them
-    /// out, and contiguous), paged_d_token_major (paged_d in vLLM's layout), ragged8 and
+    /// out, and contiguous), paged_d_f16, paged_d_int8 and paged_d_fp8 (paged_d with f16, int8
+    /// and fp8 pages whatever --storage says: the 8-bit caches' decode), paged_long_f16 and
+    /// paged_long_int8 (one decode query over 32768 keys, GQA 32/8, E 128, f16 and int8 pages),
+    /// paged_d_token_major (paged_d in vLLM's layout), ragged8 and
     /// ragged8_padded (8 decode sequences of 512 to 4096 keys, GQA 32/8: paged, and padded to
     /// 4096 with key lengths), cascade64 and cascade64_unshared (64 forks of a 4096-token
     /// prompt, 64 keys each of their own, one decode query each, GQA 32/8, a PagedAttention

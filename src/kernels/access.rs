@@ -46,46 +46,92 @@ fn bf16_pack2(x: vec2<f32>) -> u32 {
 ";
 
 /// The WGSL decoders of the 8-bit formats: four codes of a word (byte `c` of the word is code
-/// `c`), unscaled. e4m3 is built from its fields (normal: exponent + 120 and the mantissa
-/// placed in an f32; subnormal: m · 2^-9; the NaN codes NaN), so no f16 path is involved.
+/// `c`), unscaled. e4m3 goes through WGSL's core `unpack2x16float` (an e4m3 code's bits
+/// placed in an f16 are its value times 2^-8, exact; no `shader-f16` needed), the NaN codes
+/// made NaN on a rare branch. Measured on lavapipe (paged_d_fp8): the same decode from the
+/// code's bit fields in f32 took 1.5x the time.
 pub(crate) const QUANT_HELPERS: &str = "\
 fn int8_decode4(w: u32) -> vec4<f32> {
     return vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(w) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));
 }
 fn fp8_decode4(w: u32) -> vec4<f32> {
-    let c = (vec4<u32>(w) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(0xffu);
-    let e = (c >> vec4<u32>(3u)) & vec4<u32>(15u);
-    let m = c & vec4<u32>(7u);
-    let normal = bitcast<vec4<f32>>(((e + vec4<u32>(120u)) << vec4<u32>(23u)) | (m << vec4<u32>(20u)));
-    var a = select(normal, vec4<f32>(m) * (1.0 / 512.0), e == vec4<u32>(0u));
-    // w & 0u keeps the NaN a runtime value (a constant NaN is not a WGSL constant).
-    a = select(a, vec4<f32>(bitcast<f32>(0x7fc00000u | (w & 0u))), (c & vec4<u32>(0x7fu)) == vec4<u32>(0x7fu));
-    return select(a, -a, (c & vec4<u32>(0x80u)) != vec4<u32>(0u));
+    // Codes 0 and 2, then 1 and 3, as f16 pairs: sign to bit 15, exponent and mantissa to bits
+    // 7-14 (an f16 of exponent e - 8 and the same mantissa: the e4m3 value times 2^-8, exact,
+    // subnormals included), widened by unpack2x16float.
+    let x = w & 0x00ff00ffu;
+    let y = (w >> 8u) & 0x00ff00ffu;
+    let a = unpack2x16float(((x & 0x00800080u) << 8u) | ((x & 0x007f007fu) << 7u));
+    let b = unpack2x16float(((y & 0x00800080u) << 8u) | ((y & 0x007f007fu) << 7u));
+    var v = vec4<f32>(a.x, b.x, a.y, b.y) * 256.0;
+    // A NaN code (0x7f or 0xff): a byte of w & 0x7f7f7f7f equal to 0x7f. Rare: one test.
+    let t = (w & 0x7f7f7f7fu) ^ 0x7f7f7f7fu;
+    if (((t - 0x01010101u) & ~t & 0x80808080u) != 0u) {
+        let c = (vec4<u32>(w) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(0x7fu);
+        // w & 0u keeps the NaN a runtime value (a constant NaN is not a WGSL constant).
+        v = select(v, vec4<f32>(bitcast<f32>(0x7fc00000u | (w & 0u))), c == vec4<u32>(0x7fu));
+    }
+    return v;
 }
 ";
 
-/// A read-only 8-bit K or V cache `name` at `binding` (four codes per `u32`) and its f32 scales
-/// `NAME_scales` at `scales`, with `get`, `get4` and `get8` returning the scaled values. The
-/// scale of element `i`: int8, its row's, `NAME_scales[i / row]` (`row` the head dim, a
-/// constant expression: rows start at multiples of it); fp8, its kv head's,
-/// `NAME_scales[(i / p.x.NAME_hs) % p.x.kv_heads]`.
-pub(crate) fn quantized_array(name: &str, binding: u32, scales: u32, s: Storage, row: &str) -> String {
+/// A read-only 8-bit K or V cache `name` at `binding` (four codes per `u32`; `wide`: declared
+/// as `array<vec4<u32>>`, 16 codes per load, for rows of a multiple of 16 codes from 16-code
+/// boundaries) and its f32 scales `NAME_scales` at `scales`, with `get`, `get4` and `get8`
+/// returning the scaled values. The scale of element `i`: int8, its row's, `NAME_scales[i /
+/// row]` (`row` the head dim, a constant expression: rows start at multiples of it); fp8, its
+/// kv head's, `NAME_scales[(i / p.x.NAME_hs) % p.x.kv_heads]`, found once per row (the last
+/// row's kept in private memory: the kernels read a row in several loads).
+pub(crate) fn quantized_array(
+    name: &str,
+    binding: u32,
+    scales: u32,
+    s: Storage,
+    row: &str,
+    wide: bool,
+    fp8_rows: Option<(usize, usize)>,
+) -> String {
     let n = name;
-    let (dec, scale) = match s {
-        Storage::Int8 => ("int8_decode4", format!("{n}_scales[i / ({row})]")),
+    let (dec, scale) = match (s, fp8_rows) {
+        (Storage::Int8, _) => (
+            "int8_decode4",
+            format!("fn {n}_scale(i: u32) -> f32 {{ return {n}_scales[i / ({row})]; }}\n"),
+        ),
+        // Paged: the head of row r is (r / rows per head block) % Hkv, constants (a multiply
+        // and a shift, no division).
+        (_, Some((heads, per))) => (
+            "fp8_decode4",
+            format!("fn {n}_scale(i: u32) -> f32 {{ return {n}_scales[((i / ({row})) / {per}u) % {heads}u]; }}\n"),
+        ),
         _ => (
             "fp8_decode4",
-            format!("{n}_scales[(i / p.x.{n}_hs) % p.x.kv_heads]"),
+            format!(
+                "var<private> {n}_srow: u32 = 0xffffffffu;\nvar<private> {n}_sval: f32 = 0.0;\n\
+                 fn {n}_scale(i: u32) -> f32 {{\n    let r = i / ({row});\n    if (r != {n}_srow) {{\n        \
+                 {n}_srow = r;\n        {n}_sval = {n}_scales[(i / p.x.{n}_hs) % p.x.kv_heads];\n    }}\n    return {n}_sval;\n}}\n"
+            ),
         ),
     };
+    let (ty, word, word8) = if wide {
+        (
+            "vec4<u32>",
+            format!("{n}[i >> 4u][(i >> 2u) & 3u]"),
+            format!("let w = {n}[i >> 4u];\n    let h = select(w.xy, w.zw, (i & 8u) != 0u);"),
+        )
+    } else {
+        (
+            "u32",
+            format!("{n}[i >> 2u]"),
+            format!("let h = vec2<u32>({n}[i >> 2u], {n}[(i >> 2u) + 1u]);"),
+        )
+    };
     format!(
-        "@group(0) @binding({binding}) var<storage, read> {n}: array<u32>;
-         @group(0) @binding({scales}) var<storage, read> {n}_scales: array<f32>;
-         fn {n}_scale(i: u32) -> f32 {{ return {scale}; }}
-         fn {n}_get4(i: u32) -> vec4<f32> {{ return {dec}({n}[i >> 2u]) * {n}_scale(i); }}
-         fn {n}_get(i: u32) -> f32 {{ return {dec}({n}[i >> 2u])[i & 3u] * {n}_scale(i); }}
-         fn {n}_get8(i: u32) -> array<vec4<f32>, 2> {{ return array<vec4<f32>, 2>({n}_get4(i), {n}_get4(i + 4u)); }}
-"
+        "@group(0) @binding({binding}) var<storage, read> {n}: array<{ty}>;\n\
+         @group(0) @binding({scales}) var<storage, read> {n}_scales: array<f32>;\n\
+         {scale}\
+         fn {n}_get4(i: u32) -> vec4<f32> {{ return {dec}({word}) * {n}_scale(i); }}\n\
+         fn {n}_get(i: u32) -> f32 {{ return {n}_get4(i & ~3u)[i & 3u]; }}\n\
+         fn {n}_get8(i: u32) -> array<vec4<f32>, 2> {{\n    {word8}\n    let sc = {n}_scale(i);\n    \
+         return array<vec4<f32>, 2>({dec}(h.x) * sc, {dec}(h.y) * sc);\n}}\n"
     )
 }
 
@@ -240,6 +286,7 @@ pub(crate) fn out_is_atomic(out_fmt: Storage, vec4: bool, ev_odd: bool, views: &
     out_fmt.is_half() && !vec4 && (ev_odd || !out_pairs)
 }
 
+#[allow(clippy::too_many_arguments)] // the I/O's independent choices
 pub(crate) fn attention_io(
     f: &Formats,
     out_fmt: Storage,
@@ -247,6 +294,8 @@ pub(crate) fn attention_io(
     ev_odd: bool,
     vec8: bool,
     views: &crate::view::Views,
+    dims: (usize, usize),
+    fp8_rows: Option<(usize, usize)>,
 ) -> super::consts::Prelude {
     let mut rope = None;
     let out_access = if out_is_atomic(out_fmt, vec4, ev_odd, views) {
@@ -259,9 +308,11 @@ pub(crate) fn attention_io(
     s += &array("q", 3, f.q, vec4, Access::Read);
     // An 8-bit K's (V's) scales take the next binding after the kernel's own 8.
     let mut extra = 0;
-    let mut kv = |x: &str, binding: u32, st: Storage, row: &str, s: &mut String, vec8: bool| {
+    // 16 codes per load where the rows are whole vec4<u32>s (E a multiple of 16, views aligned).
+    let wide = |dim: usize| vec4 && dim.is_multiple_of(16) && views.aligned(16);
+    let mut kv = |x: &str, binding: u32, st: Storage, row: &str, s: &mut String, vec8: bool, dim: usize| {
         if st.is_quantized() {
-            *s += &quantized_array(x, binding, 8 + extra, st, row);
+            *s += &quantized_array(x, binding, 8 + extra, st, row, wide(dim), fp8_rows);
             extra += 1;
         } else if vec8 {
             *s += &array8(x, binding, st);
@@ -272,8 +323,8 @@ pub(crate) fn attention_io(
     if f.k.is_quantized() || f.v.is_quantized() {
         s += QUANT_HELPERS;
     }
-    kv("k", 4, f.k, "E4 * 4u", &mut s, vec8);
-    kv("v", 5, f.v, "EV4 * 4u", &mut s, vec8);
+    kv("k", 4, f.k, "E4 * 4u", &mut s, vec8, dims.0);
+    kv("v", 5, f.v, "EV4 * 4u", &mut s, vec8, dims.1);
     if vec8 {
         for x in ["k", "v"] {
             s += &format!(
@@ -343,6 +394,14 @@ pub(crate) fn attention_io(
     }
     .code(&s)
     .tag(tag)
+}
+
+/// A paged problem's kv heads and rows per head in a block (BS head-major, 1 token-major): how
+/// an fp8 cache's scale is found by constants ([`quantized_array`]).
+pub(crate) fn fp8_rows(p: &crate::problem::Problem) -> Option<(usize, usize)> {
+    p.paged
+        .as_ref()
+        .map(|pg| (p.kv_heads, if pg.head_major { pg.block_size } else { 1 }))
 }
 
 /// The label tag of the tensors read through views: ` q-view k-view` (empty when dense).

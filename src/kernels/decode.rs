@@ -103,6 +103,8 @@ pub(crate) struct Config {
     ev_odd: bool,
     /// The tensors read through views (the output is written by the merge).
     views: crate::view::Views,
+    /// An fp8 paged cache's kv heads and rows per head in a block ([`super::access::fp8_rows`]).
+    fp8_rows: Option<(usize, usize)>,
     masks: bool,
     bias: bool,
     mods: super::Mods,
@@ -213,6 +215,7 @@ impl Config {
             formats: p.storage,
             vec4: p.vec4_rows(),
             views: p.views,
+            fp8_rows: super::access::fp8_rows(p),
             ev_odd: p.head_dim_v % 2 == 1,
             masks: p.mask.is_some(),
             bias: p.bias.is_some(),
@@ -227,7 +230,9 @@ impl Config {
         self.vec4
             && self.e4.is_multiple_of(2)
             && self.ev4.is_multiple_of(2)
-            && (self.formats.k.is_half() || self.formats.v.is_half())
+            && [self.formats.k, self.formats.v]
+                .iter()
+                .any(|f| f.is_half() || f.is_quantized())
             && self.views.aligned(8)
     }
 
@@ -315,6 +320,8 @@ impl Config {
                 out: None,
                 ..self.views
             },
+            (4 * self.e4, 4 * self.ev4),
+            self.fp8_rows,
         )
     }
 }

@@ -134,6 +134,8 @@ pub(crate) struct Config {
     pub ev_odd: bool,
     /// The tensors read (written) through views.
     pub views: crate::view::Views,
+    /// An fp8 paged cache's kv heads and rows per head in a block ([`super::access::fp8_rows`]).
+    pub fp8_rows: Option<(usize, usize)>,
     /// Unroll the loops marked in the shader.
     pub unroll: bool,
     /// Also the loops over the head dims ([`unroll_dims`](super::unroll_dims)).
@@ -367,6 +369,7 @@ impl Config {
             formats: p.storage,
             vec4: p.vec4_rows(),
             views: p.views,
+            fp8_rows: super::access::fp8_rows(p),
             ev_odd: p.head_dim_v % 2 == 1,
             unroll,
             unroll_e: super::unroll_dims(p, caps),
@@ -430,6 +433,7 @@ impl Config {
             formats: p.storage,
             vec4: p.vec4_rows(),
             views: p.views,
+            fp8_rows: super::access::fp8_rows(p),
             ev_odd,
             unroll: false,
             unroll_e: false,
@@ -507,6 +511,7 @@ impl Config {
             formats: p.storage,
             vec4: p.vec4_rows(),
             views: p.views,
+            fp8_rows: super::access::fp8_rows(p),
             ev_odd: p.head_dim_v % 2 == 1,
             // GPU compilers; CPU adapters (where it is pinned for tests) compile the loops as
             // written in a fraction of the time.
@@ -584,6 +589,8 @@ impl Config {
             self.ev_odd,
             false,
             &self.views,
+            (4 * self.e4 as usize, 4 * self.ev4 as usize),
+            self.fp8_rows,
         );
         let masks = super::mask_consts(self.has_mask, self.has_bias, self.mods.clone(), self.formats.bias);
         let (e4, ev4) = (self.e4, self.ev4);

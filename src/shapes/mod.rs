@@ -69,6 +69,10 @@ pub struct Shape {
     pub shared_prefix: usize,
     /// Read [`shared_prefix`](Self::shared_prefix) once ([`crate::PagedAttention::shared_prefix`]).
     pub cascade: bool,
+    /// K and V in this format whatever the run's (q and the output keep the run's): f16, or
+    /// an 8-bit cache ([`crate::quant`]: int8 with its row scales, fp8 at each head's largest
+    /// |x| / 448), quantised on the host before the upload.
+    pub kv_storage: Option<crate::storage::Storage>,
     /// Part of the default `bench` set (false for shapes too slow on software renderers).
     pub default: bool,
 }
@@ -104,8 +108,15 @@ const fn shape(
         paged_layout: crate::paged::PagedLayout::HeadMajor,
         shared_prefix: 0,
         cascade: false,
+        kv_storage: None,
         default,
     }
+}
+
+/// `s` with K and V in `st` ([`Shape::kv_storage`]).
+const fn kv_in(mut s: Shape, st: crate::storage::Storage) -> Shape {
+    s.kv_storage = Some(st);
+    s
 }
 
 /// `s` with K and V in paged caches of `block` tokens per block.
@@ -435,6 +446,84 @@ pub const SHAPES: &[Shape] = &[
         ),
         16,
     ),
+    // `paged_d` with f16, int8 and fp8 pages (q and the output in the run's format): the
+    // 8-bit caches' decode against the f16 one.
+    kv_in(
+        paged(
+            shape(
+                "paged_d_f16",
+                (1, 32, 32),
+                (1, 4096),
+                (128, 128),
+                Causal::BottomRight,
+                None,
+                false,
+            ),
+            16,
+        ),
+        crate::storage::Storage::F16,
+    ),
+    kv_in(
+        paged(
+            shape(
+                "paged_d_int8",
+                (1, 32, 32),
+                (1, 4096),
+                (128, 128),
+                Causal::BottomRight,
+                None,
+                false,
+            ),
+            16,
+        ),
+        crate::storage::Storage::Int8,
+    ),
+    kv_in(
+        paged(
+            shape(
+                "paged_d_fp8",
+                (1, 32, 32),
+                (1, 4096),
+                (128, 128),
+                Causal::BottomRight,
+                None,
+                false,
+            ),
+            16,
+        ),
+        crate::storage::Storage::Fp8,
+    ),
+    // A long decode: 32768 keys, GQA 32/8 (Llama 3 8B's heads), f16 and int8 pages.
+    kv_in(
+        paged(
+            shape(
+                "paged_long_f16",
+                (1, 32, 8),
+                (1, 32768),
+                (128, 128),
+                Causal::BottomRight,
+                None,
+                false,
+            ),
+            16,
+        ),
+        crate::storage::Storage::F16,
+    ),
+    kv_in(
+        paged(
+            shape(
+                "paged_long_int8",
+                (1, 32, 8),
+                (1, 32768),
+                (128, 128),
+                Causal::BottomRight,
+                None,
+                false,
+            ),
+            16,
+        ),
+        crate::storage::Storage::Int8,
+    ),
     // The same in vLLM's token-major layout `[NB, BS, Hkv, E]` (the CLI's).
     token_major(paged(
         shape(
@@ -604,6 +693,9 @@ impl Shape {
                 self.paged_block, self.paged_layout
             ));
         }
+        if let Some(st) = self.kv_storage {
+            s.push_str(&format!(" kv={st}"));
+        }
         if self.shared_prefix > 0 {
             let how = if self.cascade {
                 "read once"
@@ -715,6 +807,9 @@ pub struct GpuInputs {
     q: wgpu::Buffer,
     k: wgpu::Buffer,
     v: wgpu::Buffer,
+    /// An 8-bit K's and V's scales ([`Shape::kv_storage`]).
+    k_scales: Option<wgpu::Buffer>,
+    v_scales: Option<wgpu::Buffer>,
     shape: Shape,
     storage: crate::storage::Storage,
     /// The shape's documents: ids, or the dense boolean mask.
@@ -755,21 +850,40 @@ impl GpuInputs {
         };
         // A paged shape: each sequence's keys scattered into blocks in a shuffled order (a
         // shared prefix's blocks in every table).
-        let (table, seq_lens, k, v) = if shape.paged_block > 0 {
-            let (table, lens, kc, vc) = scatter_pages(shape, host);
-            (table, lens, buffer("k cache", &kc)?, buffer("v cache", &vc)?)
+        let (table, seq_lens, kc, vc) = if shape.paged_block > 0 {
+            scatter_pages(shape, host)
         } else {
-            (
-                Vec::new(),
-                Vec::new(),
-                buffer("k", &host.k)?,
-                buffer("v", &host.v)?,
-            )
+            (Vec::new(), Vec::new(), host.k.clone(), host.v.clone())
         };
+        // K and V in the shape's own format, with their scales.
+        let kv_fmt = shape.kv_storage.unwrap_or(storage);
+        let head_axis =
+            if shape.paged_block > 0 && shape.paged_layout == crate::paged::PagedLayout::TokenMajor {
+                2
+            } else {
+                1
+            };
+        let init = |name: &str, bytes: &[u8]| {
+            ctx.device()
+                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some(name),
+                    contents: bytes,
+                    usage: wgpu::BufferUsages::STORAGE,
+                })
+        };
+        let kv = |name: &str, a: &Array4<f32>| -> Result<(wgpu::Buffer, Option<wgpu::Buffer>), String> {
+            let data = a.as_slice().ok_or_else(|| format!("{name} is not contiguous"))?;
+            let (codes, scales) = encode_kv(data, a.shape(), head_axis, kv_fmt);
+            let scales = scales.map(|s: Vec<f32>| init(&format!("{name} scales"), bytemuck::cast_slice(&s)));
+            Ok((init(name, &codes), scales))
+        };
+        let ((k, k_scales), (v, v_scales)) = (kv("k", &kc)?, kv("v", &vc)?);
         Ok(GpuInputs {
             q: buffer("q", &host.q)?,
             k,
             v,
+            k_scales,
+            v_scales,
             table,
             seq_lens,
             shape: shape.clone(),
@@ -798,8 +912,8 @@ impl GpuInputs {
         crate::variants::Variant::new(q, k, v, params)
     }
 
-    /// q, k and v as tensors in their storage format.
-    fn tensors(&self) -> [Tensor<'_>; 3] {
+    /// q, k and v as tensors in their storage format (k and v with their scales where 8-bit).
+    fn tensors<'a>(&'a self) -> [Tensor<'a>; 3] {
         let s = &self.shape;
         let cache = |e: usize| match s.paged_layout {
             crate::paged::PagedLayout::HeadMajor => [s.cache_blocks(), s.kv_heads, s.paged_block, e],
@@ -810,8 +924,22 @@ impl GpuInputs {
         } else {
             (s.k_shape(), s.v_shape())
         };
-        [(&self.q, s.q_shape()), (&self.k, k), (&self.v, v)]
-            .map(|(buf, shape)| Tensor::from_buffer(buf, self.storage, &shape))
+        let kv_fmt = s.kv_storage.unwrap_or(self.storage);
+        let with_scales = |t: Tensor<'a>, shape: &[usize], scales: &'a Option<wgpu::Buffer>| match scales {
+            Some(b) => {
+                let dims = match kv_fmt {
+                    crate::storage::Storage::Int8 => shape[..3].to_vec(),
+                    _ => vec![s.kv_heads],
+                };
+                t.with_scales(Tensor::from_buffer(b, crate::storage::Storage::F32, &dims))
+            }
+            None => t,
+        };
+        [
+            Tensor::from_buffer(&self.q, self.storage, &s.q_shape()),
+            with_scales(Tensor::from_buffer(&self.k, kv_fmt, &k), &k, &self.k_scales),
+            with_scales(Tensor::from_buffer(&self.v, kv_fmt, &v), &v, &self.v_scales),
+        ]
     }
 
     /// A [`shared_prefix`](Shape::shared_prefix) shape's batch as a [`crate::PagedAttention`]
@@ -950,6 +1078,43 @@ impl SplitMix64 {
     pub fn next_f32(&mut self) -> f32 {
         let unit = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
         unit * 2.0 - 1.0
+    }
+}
+
+/// `data` (a cache of shape `dims`, rows of its last dim, kv heads at `head_axis`) in `fmt`:
+/// its bytes, and an 8-bit format's scales (int8 per row; fp8 per head, its largest |x| / 448).
+fn encode_kv(
+    data: &[f32],
+    dims: &[usize],
+    head_axis: usize,
+    fmt: crate::storage::Storage,
+) -> (Vec<u8>, Option<Vec<f32>>) {
+    use crate::storage::Storage;
+    let e = dims[3];
+    match fmt {
+        Storage::Int8 => {
+            let (c, s) = crate::quant::quantize_int8(data, e);
+            let mut b: Vec<u8> = c.iter().map(|&x| x as u8).collect();
+            b.resize(b.len().next_multiple_of(16), 0);
+            (b, Some(s))
+        }
+        Storage::Fp8 => {
+            let rows = &dims[..3];
+            let mut amax = vec![0f32; dims[head_axis]];
+            for (r, row) in data.chunks_exact(e).enumerate() {
+                let h = crate::quant::head_of_row(r, rows, head_axis);
+                amax[h] = row.iter().fold(amax[h], |m, x| m.max(x.abs()));
+            }
+            let scales: Vec<f32> = amax
+                .iter()
+                .map(|a| if *a > 0.0 { a / 448.0 } else { 1.0 })
+                .collect();
+            let c = crate::quant::quantize_fp8_heads(data, e, rows, head_axis, &scales);
+            let mut b: Vec<u8> = c.iter().map(|x| x.0).collect();
+            b.resize(b.len().next_multiple_of(16), 0);
+            (b, Some(scales))
+        }
+        _ => (fmt.encode(data), None),
     }
 }
 
