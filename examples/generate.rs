@@ -10,12 +10,18 @@
 //!
 //! ```sh
 //! cargo run --release --example generate
+//! cargo run --release --example generate -- --kv-int8   # an int8 cache (quantised as it appends)
 //! ```
+//!
+//! With `--kv-int8` the cache holds int8 K and V with a scale per token and head
+//! (`wgpu_attention::quant`), and the reference reads the host's keys quantised by the same
+//! rule: a code may differ by one where the GPU's f32 rotation meets a rounding tie, so the
+//! check's tolerance is 2e-3 there. Prints the cache's bytes either way.
 
 use std::time::{Duration, Instant};
 
 use ndarray::{s, Array2, Array3, Array4, Axis};
-use wgpu_attention::check::{compare, F32_TOLERANCE};
+use wgpu_attention::check::{compare, Tolerance, F32_TOLERANCE};
 use wgpu_attention::{
     reference, Causal, Context, KvCache, KvCacheConfig, Options, Rope, RopeStyle, SeqId, Storage, Tensor,
 };
@@ -58,6 +64,26 @@ struct HostKv {
 }
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// The cache's format: int8 with `--kv-int8`, else f32.
+fn kv_format() -> Storage {
+    if std::env::args().any(|a| a == "--kv-int8") {
+        Storage::Int8
+    } else {
+        Storage::F32
+    }
+}
+
+/// A token's rows `[Hkv * E]` as the cache holds them: int8's codes times their scales.
+fn held(row: Vec<f32>) -> Vec<f32> {
+    match kv_format() {
+        Storage::Int8 => {
+            let (c, sc) = wgpu_attention::quant::quantize_int8(&row, E);
+            wgpu_attention::quant::dequantize_int8(&c, &sc, E)
+        }
+        _ => row,
+    }
+}
 
 /// The model: embeddings, layers, RoPE, and its sequences in the cache.
 struct Model {
@@ -116,11 +142,17 @@ fn main() -> Res<()> {
             head_dim_v: E,
             block_size: 16,
             num_blocks: 64,
-            storage: Storage::F32,
+            storage: kv_format(),
             v_storage: None,
             rope: Some(rope),
         },
     )?;
+    println!(
+        "cache: {}, {} bytes per token per layer (scales included), {} KiB on the device",
+        kv_format(),
+        cache.bytes_per_token(),
+        cache.memory_bytes() / 1024
+    );
     let model = Model::new(rope, &mut cache);
     let prompts: Vec<Vec<usize>> = PROMPTS
         .iter()
@@ -249,8 +281,8 @@ impl Checks {
             let n = toks.len();
             let h = &mut self.host[l][*s];
             for i in at..at + n {
-                h.k.push(kr.slice(s![i, .., ..]).iter().copied().collect());
-                h.v.push(v.slice(s![i, .., ..]).iter().copied().collect());
+                h.k.push(held(kr.slice(s![i, .., ..]).iter().copied().collect()));
+                h.v.push(held(v.slice(s![i, .., ..]).iter().copied().collect()));
             }
             let len = h.k.len();
             let kc = Array4::from_shape_fn((1, HKV, len, E), |(_, hh, j, d)| h.k[j][hh * E + d]);
@@ -265,7 +297,11 @@ impl Checks {
             };
             let want = reference::sdpa(qs.view(), kc.view(), vc.view(), &opts)?;
             let got = got.slice(s![at..at + n, .., ..]).permuted_axes([1, 0, 2]);
-            let r = compare(got.iter().copied(), want.out.iter().copied(), F32_TOLERANCE);
+            let tol = match kv_format() {
+                Storage::Int8 => Tolerance { atol: 2e-3, rtol: 1e-2 },
+                _ => F32_TOLERANCE,
+            };
+            let r = compare(got.iter().copied(), want.out.iter().copied(), tol);
             assert!(r.passed(), "layer {l} sequence {s}: {r}");
             self.worst = self.worst.max(r.max_abs_err);
             self.checked += 1;

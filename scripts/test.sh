@@ -211,11 +211,14 @@ if has gl; then
   # - the form matrix's shapes with tails without masks (21 s): the same shapes run in every
   #   form with every mask kind (the kernels differ in the mask code only, compiled out);
   # - the form matrix's windows and score modifiers (about 80 s): tests/sdpa.rs runs them on
-  #   every path here in the default forms, and the Vulkan pass in every form.
+  #   every path here in the default forms, and the Vulkan pass in every form;
+  # - the 8-bit caches under every mask and modifier (15 s on Vulkan): their loads run here in
+  #   every other 8-bit test, the PyTorch goldens included.
   gl_tests() {
     WGPU_BACKEND=gl WGPU_ATTENTION_REQUIRE_GPU=1 suite --locked --test sdpa --test golden \
       --test mha --test mha_backward --test variants --test errors --test forms --test storage \
-      -- --skip head_dims_25 --skip batch_times_heads_over_65535 --skip pytorch_goldens_in_every_form \
+      --test quant \
+      -- --skip head_dims_25 --skip every_mask_and_modifier_over_8_bit_caches --skip batch_times_heads_over_65535 --skip pytorch_goldens_in_every_form \
       --skip grid_of_shapes_and_masks --skip shapes_with_tails_in_every_fused_form \
       --skip windows_in_every_form --skip modifiers_in_every_form
   }

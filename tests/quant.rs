@@ -892,3 +892,37 @@ fn fp8_nan_codes_read_as_nan() {
         }
     }
 }
+
+/// Bytes per token per layer at E = 128, Hkv 8 (scales included): int8 and fp8 hold at most
+/// 53% of f16's (int8 51.6%: 128 codes and a 4-byte scale per head against 256 bytes; fp8 50%).
+#[test]
+fn eight_bit_caches_hold_about_half_of_f16() {
+    let Some(ctx) = ctx() else { return };
+    let bytes = |s: Storage| {
+        let c = wgpu_attention::KvCache::new(
+            ctx,
+            wgpu_attention::KvCacheConfig {
+                layers: 2,
+                kv_heads: 8,
+                head_dim: 128,
+                head_dim_v: 128,
+                block_size: 16,
+                num_blocks: 64,
+                storage: s,
+                v_storage: None,
+                rope: None,
+            },
+        )
+        .unwrap();
+        (c.bytes_per_token(), c.memory_bytes())
+    };
+    let (f16, f16_mem) = bytes(Storage::F16);
+    assert_eq!(f16, 8 * 2 * 128 * 2);
+    for s in Storage::QUANTIZED {
+        let (b, mem) = bytes(s);
+        let ratio = b as f64 / f16 as f64;
+        eprintln!("{s}: {b} bytes per token per layer, {:.1}% of f16's", 100.0 * ratio);
+        assert!(ratio <= 0.53, "{s}: {ratio}");
+        assert!((mem as f64) <= 0.53 * f16_mem as f64 + 1024.0, "{s}: {mem} bytes on the device");
+    }
+}
