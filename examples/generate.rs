@@ -298,7 +298,10 @@ impl Checks {
             let want = reference::sdpa(qs.view(), kc.view(), vc.view(), &opts)?;
             let got = got.slice(s![at..at + n, .., ..]).permuted_axes([1, 0, 2]);
             let tol = match kv_format() {
-                Storage::Int8 => Tolerance { atol: 2e-3, rtol: 1e-2 },
+                Storage::Int8 => Tolerance {
+                    atol: 2e-3,
+                    rtol: 1e-2,
+                },
                 _ => F32_TOLERANCE,
             };
             let r = compare(got.iter().copied(), want.out.iter().copied(), tol);

@@ -52,7 +52,11 @@ fn main() -> Result<(), wgpu_attention::Error> {
     println!("format  E    out max abs err  out rel err (L2)  k err / max|k|  v err / max|v|");
     for e in [64, 128] {
         let mut r = StdRng::seed_from_u64(e as u64);
-        let (q, k, v) = (normal(&mut r, (b, hq, l, e)), normal(&mut r, (b, hkv, s, e)), normal(&mut r, (b, hkv, s, e)));
+        let (q, k, v) = (
+            normal(&mut r, (b, hq, l, e)),
+            normal(&mut r, (b, hkv, s, e)),
+            normal(&mut r, (b, hkv, s, e)),
+        );
         let opts = Options {
             causal: wgpu_attention::Causal::BottomRight,
             ..Default::default()
@@ -69,7 +73,10 @@ fn main() -> Result<(), wgpu_attention::Error> {
             }
             let rel = |a: &Array4<f32>, b: &Array4<f32>| {
                 let m = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-                a.iter().zip(b).map(|(x, y)| (x - y).abs() / m).fold(0f32, f32::max)
+                a.iter()
+                    .zip(b)
+                    .map(|(x, y)| (x - y).abs() / m)
+                    .fold(0f32, f32::max)
             };
             println!(
                 "{:<6}  {e:<3}  {max_abs:>15.3e}  {:>16.3e}  {:>13.3e}  {:>13.3e}",

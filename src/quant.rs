@@ -2,7 +2,7 @@
 //! the GPU applies them when a [`KvCache`](crate::KvCache) appends and when the attention
 //! kernels load K and V.
 //!
-//! - **int8** ([`Storage::Int8`](crate::Storage::Int8)): symmetric, one f32 scale per row of E
+//! - **int8** ([`Storage::Int8`](crate::storage::Storage::Int8)): symmetric, one f32 scale per row of E
 //!   values (one token of one kv head): `scale = max |x| / 127`, `code = round(x / scale)` to
 //!   nearest, ties to even, within ±127; a row of zeros has scale 0 and codes 0. The value read
 //!   is `code · scale`. [`quantize_int8`], [`dequantize_int8`].
@@ -26,80 +26,8 @@
 //! assert_eq!(E4m3::from_f32(1000.0).to_f32(), 448.0); // saturated
 //! ```
 
-/// One e4m3 code (`torch.float8_e4m3fn`'s bits): host data of a [`Storage::Fp8`] cache.
-///
-/// [`Storage::Fp8`]: crate::Storage::Fp8
-#[repr(transparent)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct E4m3(pub u8);
-
-impl E4m3 {
-    /// The largest finite value, 448.
-    pub const MAX: f32 = 448.0;
-
-    /// `x` saturated to ±448 and rounded to the nearest e4m3 value, ties to even. NaN becomes
-    /// the NaN code (`0x7f`, with x's sign); -0.0 keeps its sign.
-    pub fn from_f32(x: f32) -> E4m3 {
-        let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
-        if x.is_nan() {
-            return E4m3(sign | 0x7f);
-        }
-        let a = x.abs().min(Self::MAX);
-        // The spacing of e4m3 values at a's binade (2^-9 below the normal range, 2^-6).
-        let e = (((a.to_bits() >> 23) & 0xff) as i32 - 127).max(-6);
-        let ulp = 2f32.powi(e - 3);
-        let r = (a / ulp).round_ties_even() * ulp; // exact: ulp is a power of two
-        E4m3(sign | Self::bits_of(r))
-    }
-
-    /// The code of `r`, a non-negative e4m3 value.
-    fn bits_of(r: f32) -> u8 {
-        if r < 2f32.powi(-6) {
-            return (r * 512.0) as u8;
-        }
-        let e = ((r.to_bits() >> 23) & 0xff) as i32 - 127;
-        let m = (r.to_bits() >> 20) & 7;
-        (((e + 7) as u32) << 3 | m) as u8
-    }
-
-    /// The value of the code (exact). The NaN codes give NaN.
-    pub fn to_f32(self) -> f32 {
-        let c = self.0;
-        let (e, m) = ((c >> 3) & 15, (c & 7) as f32);
-        let a = match (e, c & 0x7f) {
-            (_, 0x7f) => f32::NAN,
-            (0, _) => m * 2f32.powi(-9),
-            _ => (8.0 + m) * 2f32.powi(e as i32 - 10),
-        };
-        if c & 0x80 != 0 {
-            -a
-        } else {
-            a
-        }
-    }
-}
-
-/// The int8 code of `x` at `scale` (`round(x / scale)` to nearest even, within ±127; 0 where
-/// the scale is 0). NaN gives 0.
-pub fn int8_code(x: f32, scale: f32) -> i8 {
-    if scale == 0.0 {
-        return 0;
-    }
-    (x / scale).round_ties_even().clamp(-127.0, 127.0) as i8
-}
-
-/// The int8 scale of a row: `max |x| / 127` (0 for a row of zeros). A NaN in the row gives a
-/// NaN scale, which reads back as NaN, as the row would in a float cache.
-pub fn int8_scale(row: &[f32]) -> f32 {
-    let amax = row.iter().fold(0f32, |m, &x| {
-        if x.is_nan() || m.is_nan() {
-            f32::NAN
-        } else {
-            m.max(x.abs())
-        }
-    });
-    amax / 127.0
-}
+pub(crate) use crate::storage::head_of_row;
+pub use crate::storage::{int8_code, int8_scale, E4m3};
 
 /// Quantise rows of `row` values (`x.len()` a multiple of `row`) to int8: the codes, row by
 /// row, and one scale per row.
@@ -143,13 +71,6 @@ pub fn dequantize_fp8(codes: &[E4m3], scale: f32) -> Vec<f32> {
     codes.iter().map(|c| c.to_f32() * scale).collect()
 }
 
-/// The kv head of each row of a cache laid out as `dims` (row-major, the last dim E left out)
-/// whose head dim is `head_axis`: the scale index of an fp8 cache's rows.
-pub(crate) fn head_of_row(row: usize, dims: &[usize], head_axis: usize) -> usize {
-    let inner: usize = dims[head_axis + 1..].iter().product();
-    (row / inner) % dims[head_axis]
-}
-
 /// Quantise a cache of rows of `e` values laid out as `dims` (row-major, without E) with the
 /// head dim at `head_axis`, each head at its fp8 scale: the codes, in place of the values.
 pub fn quantize_fp8_heads(
@@ -188,6 +109,80 @@ pub fn dequantize_fp8_heads(
         .enumerate()
         .flat_map(|(r, row)| dequantize_fp8(row, scales[head_of_row(r, dims, head_axis)]))
         .collect()
+}
+
+/// Record the quantisation of `x` `[N, Hkv, E]` (f32, f16 or bf16; host data or a dense GPU
+/// buffer; E a multiple of 4) on the GPU into `codes`, a buffer of `N · Hkv · E` codes in
+/// `format` laid out as x is (`[N, Hkv, E]`: token-major pages when N = NB · BS), by the rules
+/// above: int8 writes each row's scale into `scales` `[N, Hkv]` f32; fp8 reads one scale per
+/// kv head from `scales` `[Hkv]`. What a [`KvCache`](crate::KvCache) does as it appends, for
+/// pages you fill yourself. Checked before anything is recorded: the format, the shapes, the
+/// buffers' sizes and usage (`STORAGE`).
+pub fn record_quantize(
+    ctx: &crate::device::context::Context,
+    encoder: &mut wgpu::CommandEncoder,
+    x: &crate::tensor::Tensor<'_>,
+    format: crate::storage::Storage,
+    codes: &wgpu::Buffer,
+    scales: &wgpu::Buffer,
+) -> crate::error::Result<()> {
+    use crate::error::Error;
+    let bad = |reason: String| Err(Error::Quantized { reason });
+    if !format.is_quantized() || x.storage().is_quantized() {
+        return bad(format!(
+            "record_quantize makes int8 or fp8 codes from float data: asked for {format} from {}",
+            x.storage()
+        ));
+    }
+    let [n, hkv, e] = x.dims::<3>("x")?;
+    if !e.is_multiple_of(4) {
+        return bad(format!(
+            "the head dim {e} is not a multiple of 4: codes are packed four to a word"
+        ));
+    }
+    let rows = n * hkv;
+    let (need_codes, need_scales) = (
+        format.bytes(rows * e),
+        4 * if format == crate::storage::Storage::Int8 {
+            rows
+        } else {
+            hkv
+        } as u64,
+    );
+    for (name, buf, need) in [("codes", codes, need_codes), ("scales", scales, need_scales)] {
+        if buf.size() < need || !buf.usage().contains(wgpu::BufferUsages::STORAGE) {
+            return bad(format!(
+                "the {name} buffer must hold {need} bytes with STORAGE usage (it has {} bytes, {:?})",
+                buf.size(),
+                buf.usage()
+            ));
+        }
+    }
+    u32::try_from(rows * e).map_err(|_| Error::Quantized {
+        reason: format!("{} elements exceed the kernels' u32 indices", rows * e),
+    })?;
+    let op = crate::device::buffers::Operand::check(ctx, "x", x)?;
+    let up = op.upload(ctx, "x");
+    let slots: Vec<u32> = (0..n as u32).collect();
+    crate::ops::rope::rotate(
+        ctx,
+        encoder,
+        None,
+        &vec![0; n],
+        Some(crate::ops::rope::Slots {
+            slots: &slots,
+            head_major_block: 0,
+        }),
+        vec![crate::ops::rope::Rows {
+            dims: [n, hkv, e],
+            dest: crate::ops::rope::Dest::Quantized {
+                src: (up.binding(), x.storage()),
+                cache: (codes.as_entire_buffer_binding(), format),
+                scales: scales.as_entire_buffer_binding(),
+            },
+            rotate: false,
+        }],
+    )
 }
 
 #[cfg(test)]
@@ -264,74 +259,4 @@ mod tests {
         assert_eq!(codes[4].to_f32(), 0.5);
         assert_eq!(codes[0].to_f32(), 1.0);
     }
-}
-
-/// Record the quantisation of `x` `[N, Hkv, E]` (f32, f16 or bf16; host data or a dense GPU
-/// buffer; E a multiple of 4) on the GPU into `codes`, a buffer of `N · Hkv · E` codes in
-/// `format` laid out as x is (`[N, Hkv, E]`: token-major pages when N = NB · BS), by the rules
-/// above: int8 writes each row's scale into `scales` `[N, Hkv]` f32; fp8 reads one scale per
-/// kv head from `scales` `[Hkv]`. What a [`KvCache`](crate::KvCache) does as it appends, for
-/// pages you fill yourself. Checked before anything is recorded: the format, the shapes, the
-/// buffers' sizes and usage (`STORAGE`).
-pub fn record_quantize(
-    ctx: &crate::Context,
-    encoder: &mut wgpu::CommandEncoder,
-    x: &crate::Tensor<'_>,
-    format: crate::Storage,
-    codes: &wgpu::Buffer,
-    scales: &wgpu::Buffer,
-) -> crate::Result<()> {
-    use crate::error::Error;
-    let bad = |reason: String| Err(Error::Quantized { reason });
-    if !format.is_quantized() || x.storage().is_quantized() {
-        return bad(format!(
-            "record_quantize makes int8 or fp8 codes from float data: asked for {format} from {}",
-            x.storage()
-        ));
-    }
-    let [n, hkv, e] = x.dims::<3>("x")?;
-    if !e.is_multiple_of(4) {
-        return bad(format!(
-            "the head dim {e} is not a multiple of 4: codes are packed four to a word"
-        ));
-    }
-    let rows = n * hkv;
-    let (need_codes, need_scales) = (
-        format.bytes(rows * e),
-        4 * if format == crate::Storage::Int8 { rows } else { hkv } as u64,
-    );
-    for (name, buf, need) in [("codes", codes, need_codes), ("scales", scales, need_scales)] {
-        if buf.size() < need || !buf.usage().contains(wgpu::BufferUsages::STORAGE) {
-            return bad(format!(
-                "the {name} buffer must hold {need} bytes with STORAGE usage (it has {} bytes, {:?})",
-                buf.size(),
-                buf.usage()
-            ));
-        }
-    }
-    u32::try_from(rows * e).map_err(|_| Error::Quantized {
-        reason: format!("{} elements exceed the kernels' u32 indices", rows * e),
-    })?;
-    let op = crate::device::buffers::Operand::check(ctx, "x", x)?;
-    let up = op.upload(ctx, "x");
-    let slots: Vec<u32> = (0..n as u32).collect();
-    crate::ops::rope::rotate(
-        ctx,
-        encoder,
-        None,
-        &vec![0; n],
-        Some(crate::ops::rope::Slots {
-            slots: &slots,
-            head_major_block: 0,
-        }),
-        vec![crate::ops::rope::Rows {
-            dims: [n, hkv, e],
-            dest: crate::ops::rope::Dest::Quantized {
-                src: (up.binding(), x.storage()),
-                cache: (codes.as_entire_buffer_binding(), format),
-                scales: scales.as_entire_buffer_binding(),
-            },
-            rotate: false,
-        }],
-    )
 }

@@ -88,8 +88,8 @@ impl Storage {
             Storage::F32 => x,
             Storage::F16 => f16::from_f32(x).to_f32(),
             Storage::Bf16 => bf16::from_f32(x).to_f32(),
-            Storage::Int8 => crate::quant::int8_code(x, 1.0) as f32,
-            Storage::Fp8 => crate::quant::E4m3::from_f32(x).to_f32(),
+            Storage::Int8 => int8_code(x, 1.0) as f32,
+            Storage::Fp8 => E4m3::from_f32(x).to_f32(),
         }
     }
 
@@ -100,7 +100,7 @@ impl Storage {
             Storage::F16 => f16::MAX.to_f32(),
             Storage::Bf16 => bf16::MAX.to_f32(),
             Storage::Int8 => 127.0,
-            Storage::Fp8 => crate::quant::E4m3::MAX,
+            Storage::Fp8 => E4m3::MAX,
         }
     }
 
@@ -117,11 +117,8 @@ impl Storage {
                 .iter()
                 .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
                 .collect(),
-            Storage::Int8 => data
-                .iter()
-                .map(|&x| crate::quant::int8_code(x, 1.0) as u8)
-                .collect(),
-            Storage::Fp8 => data.iter().map(|&x| crate::quant::E4m3::from_f32(x).0).collect(),
+            Storage::Int8 => data.iter().map(|&x| int8_code(x, 1.0) as u8).collect(),
+            Storage::Fp8 => data.iter().map(|&x| E4m3::from_f32(x).0).collect(),
         };
         bytes.resize(self.bytes(data.len()) as usize, 0);
         bytes
@@ -146,7 +143,7 @@ impl Storage {
                 .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
             Storage::Int8 => bytes.iter().map(|&c| c as i8 as f32).collect(),
-            Storage::Fp8 => bytes.iter().map(|&c| crate::quant::E4m3(c).to_f32()).collect(),
+            Storage::Fp8 => bytes.iter().map(|&c| E4m3(c).to_f32()).collect(),
         }
     }
 }
@@ -185,18 +182,100 @@ impl Formats {
     }
 }
 
+/// One e4m3 code (`torch.float8_e4m3fn`'s bits): host data of a [`Storage::Fp8`] cache.
+///
+/// [`Storage::Fp8`]: Storage::Fp8
+#[repr(transparent)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct E4m3(pub u8);
+
+impl E4m3 {
+    /// The largest finite value, 448.
+    pub const MAX: f32 = 448.0;
+
+    /// `x` saturated to ±448 and rounded to the nearest e4m3 value, ties to even. NaN becomes
+    /// the NaN code (`0x7f`, with x's sign); -0.0 keeps its sign.
+    pub fn from_f32(x: f32) -> E4m3 {
+        let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+        if x.is_nan() {
+            return E4m3(sign | 0x7f);
+        }
+        let a = x.abs().min(Self::MAX);
+        // The spacing of e4m3 values at a's binade (2^-9 below the normal range, 2^-6).
+        let e = (((a.to_bits() >> 23) & 0xff) as i32 - 127).max(-6);
+        let ulp = 2f32.powi(e - 3);
+        let r = (a / ulp).round_ties_even() * ulp; // exact: ulp is a power of two
+        E4m3(sign | Self::bits_of(r))
+    }
+
+    /// The code of `r`, a non-negative e4m3 value.
+    fn bits_of(r: f32) -> u8 {
+        if r < 2f32.powi(-6) {
+            return (r * 512.0) as u8;
+        }
+        let e = ((r.to_bits() >> 23) & 0xff) as i32 - 127;
+        let m = (r.to_bits() >> 20) & 7;
+        (((e + 7) as u32) << 3 | m) as u8
+    }
+
+    /// The value of the code (exact). The NaN codes give NaN.
+    pub fn to_f32(self) -> f32 {
+        let c = self.0;
+        let (e, m) = ((c >> 3) & 15, (c & 7) as f32);
+        let a = match (e, c & 0x7f) {
+            (_, 0x7f) => f32::NAN,
+            (0, _) => m * 2f32.powi(-9),
+            _ => (8.0 + m) * 2f32.powi(e as i32 - 10),
+        };
+        if c & 0x80 != 0 {
+            -a
+        } else {
+            a
+        }
+    }
+}
+
+/// The int8 code of `x` at `scale` (`round(x / scale)` to nearest even, within ±127; 0 where
+/// the scale is 0). NaN gives 0.
+pub fn int8_code(x: f32, scale: f32) -> i8 {
+    if scale == 0.0 {
+        return 0;
+    }
+    (x / scale).round_ties_even().clamp(-127.0, 127.0) as i8
+}
+
+/// The int8 scale of a row: `max |x| / 127` (0 for a row of zeros). A NaN in the row gives a
+/// NaN scale, which reads back as NaN, as the row would in a float cache.
+pub fn int8_scale(row: &[f32]) -> f32 {
+    let amax = row.iter().fold(0f32, |m, &x| {
+        if x.is_nan() || m.is_nan() {
+            f32::NAN
+        } else {
+            m.max(x.abs())
+        }
+    });
+    amax / 127.0
+}
+
+/// The kv head of each row of a cache laid out as `dims` (row-major, the last dim E left out)
+/// whose head dim is `head_axis`: the scale index of an fp8 cache's rows.
+pub(crate) fn head_of_row(row: usize, dims: &[usize], head_axis: usize) -> usize {
+    let inner: usize = dims[head_axis + 1..].iter().product();
+    (row / inner) % dims[head_axis]
+}
+
 mod sealed {
     pub trait Sealed {}
     impl Sealed for f32 {}
     impl Sealed for half::f16 {}
     impl Sealed for half::bf16 {}
     impl Sealed for i8 {}
-    impl Sealed for crate::quant::E4m3 {}
+    impl Sealed for super::E4m3 {}
 }
 
 /// An element type the crate takes from the host: `f32`, [`half::f16`] or [`half::bf16`]; for K
 /// and V caches also int8 codes (`i8`, [`Storage::Int8`]) and e4m3 codes
-/// ([`E4m3`](crate::quant::E4m3), [`Storage::Fp8`]), given with their scales.
+/// ([`E4m3`](E4m3), [`Storage::Fp8`]), given with their scales.
 pub trait Element: sealed::Sealed + bytemuck::Pod + Copy + Send + Sync + 'static {
     /// The device format that holds this type.
     const STORAGE: Storage;
@@ -233,7 +312,7 @@ impl Element for i8 {
     }
 }
 
-impl Element for crate::quant::E4m3 {
+impl Element for E4m3 {
     const STORAGE: Storage = Storage::Fp8;
     fn host_data(data: Cow<'_, [Self]>) -> HostData<'_> {
         HostData::Fp8(data)
@@ -254,7 +333,7 @@ pub enum HostData<'a> {
     /// int8 codes.
     Int8(Cow<'a, [i8]>),
     /// e4m3 codes.
-    Fp8(Cow<'a, [crate::quant::E4m3]>),
+    Fp8(Cow<'a, [E4m3]>),
 }
 
 impl HostData<'_> {

@@ -243,7 +243,11 @@ impl<'a> Tensor<'a> {
         let scale_of = |r: usize| match d.storage() {
             Storage::Int8 => scales.get(r).copied(),
             _ => scales
-                .get(crate::quant::head_of_row(r, dims, head_axis.min(dims.len() - 1)))
+                .get(crate::storage::head_of_row(
+                    r,
+                    dims,
+                    head_axis.min(dims.len() - 1),
+                ))
                 .copied(),
         };
         let mut out = Vec::with_capacity(codes.len());

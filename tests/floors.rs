@@ -36,6 +36,7 @@ const FLOORS: &[(&str, u32)] = &[
     ("device", 10),
     ("kernels", 20),
     ("ops", 30),
+    ("quant", 35),
     ("sdpa", 40),
     ("mha", 50),
     ("ring", 50),

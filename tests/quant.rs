@@ -488,13 +488,16 @@ const E: usize = 16;
 const EV: usize = 8;
 const BS: usize = 4;
 
+/// One token's K (rotated) and V rows given to a cache, `[Hkv, E]` and `[Hkv, Ev]`.
+type KvRows = (Array2<f32>, Array2<f32>);
+
 /// A one-layer 8-bit cache and the rows given to it (K rotated), per sequence and position.
 struct CacheTest {
     cache: wgpu_attention::KvCache,
     kf: Storage,
     vf: Storage,
     rope: Option<wgpu_attention::Rope>,
-    given: std::collections::BTreeMap<wgpu_attention::SeqId, Vec<(Array2<f32>, Array2<f32>)>>,
+    given: std::collections::BTreeMap<wgpu_attention::SeqId, Vec<KvRows>>,
     rng: rand::rngs::StdRng,
     label: String,
 }
@@ -654,12 +657,12 @@ impl CacheTest {
         // q rotated as the cache's attention rotates it (query i at position len - n + i).
         let mut qr = q.clone();
         if let Some(rp) = &self.rope {
-            for b in 0..nb {
+            for (b, &len) in lens.iter().enumerate() {
                 let mut rows = qr
                     .slice(ndarray::s![b, .., .., ..])
                     .permuted_axes([1, 0, 2])
                     .to_owned();
-                let pos: Vec<usize> = (0..n).map(|i| lens[b] - n + i).collect();
+                let pos: Vec<usize> = (0..n).map(|i| len - n + i).collect();
                 rp.apply(rows.view_mut(), &pos).unwrap();
                 qr.slice_mut(ndarray::s![b, .., .., ..])
                     .assign(&rows.permuted_axes([1, 0, 2]));
@@ -797,50 +800,8 @@ fn pytorch_goldens_over_8_bit_pages() {
             .iter()
             .map(|x| x.as_u64().unwrap() as usize)
             .collect();
-        // The codes and scales of each cache, checked against the host rules.
-        let cache = |x: &str, s: Storage| -> (Coded, Vec<usize>) {
-            let vals: Array4<f32> = npy(file(&format!("{x}_vals.npy").replace("k_vals", "k_rot")));
-            let dims = vals.shape().to_vec();
-            let e = dims[3];
-            let scales: ndarray::ArrayD<f32> = npy(file(&format!("{x}_scales.npy")));
-            let scales = scales.into_raw_vec_and_offset().0;
-            let flat = vals.as_slice().unwrap();
-            let c = match s {
-                Storage::Int8 => {
-                    let codes: Array4<i8> = npy(file(&format!("{x}_codes.npy")));
-                    let (mine, my_scales) = quant::quantize_int8(flat, e);
-                    assert_eq!(my_scales, scales, "{name} {x}: int8 scales");
-                    assert_eq!(&mine[..], codes.as_slice().unwrap(), "{name} {x}: int8 codes");
-                    Coded {
-                        int8: Some(mine),
-                        fp8: None,
-                        scales,
-                        scales_shape: dims[..3].to_vec(),
-                        values: Vec::new(),
-                    }
-                }
-                _ => {
-                    let codes: Array4<u8> = npy(file(&format!("{x}_codes.npy")));
-                    let mine = quant::quantize_fp8_heads(flat, e, &dims[..3], 2, &scales);
-                    let bits: Vec<u8> = mine.iter().map(|c| c.0).collect();
-                    assert_eq!(
-                        &bits[..],
-                        codes.as_slice().unwrap(),
-                        "{name} {x}: e4m3 codes against torch.float8_e4m3fn"
-                    );
-                    Coded {
-                        int8: None,
-                        fp8: Some(mine),
-                        scales_shape: vec![dims[2]],
-                        scales,
-                        values: Vec::new(),
-                    }
-                }
-            };
-            (c, dims)
-        };
-        let (kc, kdims) = cache("k", kf);
-        let (vc, vdims) = cache("v", vf);
+        let (kc, kdims) = golden_cache(&name, &file, "k", kf);
+        let (vc, vdims) = golden_cache(&name, &file, "v", vf);
         let rope = &meta["rope"];
         let rope = Rope {
             style: RopeStyle::HalfSplit,
@@ -921,8 +882,58 @@ fn eight_bit_caches_hold_about_half_of_f16() {
     for s in Storage::QUANTIZED {
         let (b, mem) = bytes(s);
         let ratio = b as f64 / f16 as f64;
-        eprintln!("{s}: {b} bytes per token per layer, {:.1}% of f16's", 100.0 * ratio);
+        eprintln!(
+            "{s}: {b} bytes per token per layer, {:.1}% of f16's",
+            100.0 * ratio
+        );
         assert!(ratio <= 0.53, "{s}: {ratio}");
-        assert!((mem as f64) <= 0.53 * f16_mem as f64 + 1024.0, "{s}: {mem} bytes on the device");
+        assert!(
+            (mem as f64) <= 0.53 * f16_mem as f64 + 1024.0,
+            "{s}: {mem} bytes on the device"
+        );
     }
+}
+
+/// A golden's cache `x` (`k` or `v`) in format `s`: its codes and scales from the files,
+/// checked against the host rules on the same values (K rotated), and its dims.
+fn golden_cache(name: &str, file: &dyn Fn(&str) -> Vec<u8>, x: &str, s: Storage) -> (Coded, Vec<usize>) {
+    let vals: Array4<f32> = npy(file(&format!("{x}_vals.npy").replace("k_vals", "k_rot")));
+    let dims = vals.shape().to_vec();
+    let e = dims[3];
+    let scales: ndarray::ArrayD<f32> = npy(file(&format!("{x}_scales.npy")));
+    let scales = scales.into_raw_vec_and_offset().0;
+    let flat = vals.as_slice().unwrap();
+    let c = match s {
+        Storage::Int8 => {
+            let codes: Array4<i8> = npy(file(&format!("{x}_codes.npy")));
+            let (mine, my_scales) = quant::quantize_int8(flat, e);
+            assert_eq!(my_scales, scales, "{name} {x}: int8 scales");
+            assert_eq!(&mine[..], codes.as_slice().unwrap(), "{name} {x}: int8 codes");
+            Coded {
+                int8: Some(mine),
+                fp8: None,
+                scales,
+                scales_shape: dims[..3].to_vec(),
+                values: Vec::new(),
+            }
+        }
+        _ => {
+            let codes: Array4<u8> = npy(file(&format!("{x}_codes.npy")));
+            let mine = quant::quantize_fp8_heads(flat, e, &dims[..3], 2, &scales);
+            let bits: Vec<u8> = mine.iter().map(|c| c.0).collect();
+            assert_eq!(
+                &bits[..],
+                codes.as_slice().unwrap(),
+                "{name} {x}: e4m3 codes against torch.float8_e4m3fn"
+            );
+            Coded {
+                int8: None,
+                fp8: Some(mine),
+                scales_shape: vec![dims[2]],
+                scales,
+                values: Vec::new(),
+            }
+        }
+    };
+    (c, dims)
 }

@@ -565,6 +565,42 @@ impl<'a> PyParser<'a> {
     }
 }
 
+/// A paged cache as its file holds it: float values, int8 codes (`|i1`) or e4m3 bit patterns
+/// (`|u1`).
+pub(crate) enum CacheFile {
+    Float(ArrayD<f32>),
+    Int8(ArrayD<i8>),
+    Fp8(ArrayD<u8>),
+}
+
+impl CacheFile {
+    pub(crate) fn shape(&self) -> &[usize] {
+        match self {
+            CacheFile::Float(a) => a.shape(),
+            CacheFile::Int8(a) => a.shape(),
+            CacheFile::Fp8(a) => a.shape(),
+        }
+    }
+}
+
+/// Read a paged cache: f32 or f16 values, int8 codes (`|i1`), or fp8 e4m3 bit patterns (`|u1`).
+pub(crate) fn read_cache(path: &FsPath, what: &str) -> CliResult<CacheFile> {
+    const DTYPE: &str = "float32 ('<f4'), float16 ('<f2'), int8 codes ('|i1') or fp8 e4m3 bits ('|u1')";
+    let mut reader = open_checked(path, what, DTYPE, "x.astype(np.float32)")?;
+    let p = path.display();
+    let file_len = reader
+        .get_ref()
+        .metadata()
+        .map_err(|e| format!("{what}: cannot read {p}: {e}"))?
+        .len();
+    let header = read_header(&mut reader, file_len).map_err(|_| format!("{what}: cannot read {p}"))?;
+    Ok(match header.descr.as_deref() {
+        Some("|i1") => CacheFile::Int8(read_array::<i8>(path, what, DTYPE, "codes.astype(np.int8)")?),
+        Some("|u1") => CacheFile::Fp8(read_array::<u8>(path, what, DTYPE, "bits.view(np.uint8)")?),
+        _ => CacheFile::Float(read_float(path, what)?),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -785,40 +821,4 @@ mod tests {
         assert!(e.contains("not a valid .npy file"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
-}
-
-/// A paged cache as its file holds it: float values, int8 codes (`|i1`) or e4m3 bit patterns
-/// (`|u1`).
-pub(crate) enum CacheFile {
-    Float(ArrayD<f32>),
-    Int8(ArrayD<i8>),
-    Fp8(ArrayD<u8>),
-}
-
-impl CacheFile {
-    pub(crate) fn shape(&self) -> &[usize] {
-        match self {
-            CacheFile::Float(a) => a.shape(),
-            CacheFile::Int8(a) => a.shape(),
-            CacheFile::Fp8(a) => a.shape(),
-        }
-    }
-}
-
-/// Read a paged cache: f32 or f16 values, int8 codes (`|i1`), or fp8 e4m3 bit patterns (`|u1`).
-pub(crate) fn read_cache(path: &FsPath, what: &str) -> CliResult<CacheFile> {
-    const DTYPE: &str = "float32 ('<f4'), float16 ('<f2'), int8 codes ('|i1') or fp8 e4m3 bits ('|u1')";
-    let mut reader = open_checked(path, what, DTYPE, "x.astype(np.float32)")?;
-    let p = path.display();
-    let file_len = reader
-        .get_ref()
-        .metadata()
-        .map_err(|e| format!("{what}: cannot read {p}: {e}"))?
-        .len();
-    let header = read_header(&mut reader, file_len).map_err(|_| format!("{what}: cannot read {p}"))?;
-    Ok(match header.descr.as_deref() {
-        Some("|i1") => CacheFile::Int8(read_array::<i8>(path, what, DTYPE, "codes.astype(np.int8)")?),
-        Some("|u1") => CacheFile::Fp8(read_array::<u8>(path, what, DTYPE, "bits.view(np.uint8)")?),
-        _ => CacheFile::Float(read_float(path, what)?),
-    })
 }

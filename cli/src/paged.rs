@@ -206,6 +206,68 @@ fn rotate_cache(
     Ok(())
 }
 
+/// The K and V caches, checked against q's shape `[T, Hq, E]` and each other, with their
+/// 8-bit format and scales.
+fn read_caches(a: &PagedArgs, q: &[usize]) -> CliResult<(CacheIn, CacheIn)> {
+    let kc = read_cache(&a.k_cache, "k cache")?;
+    let [nb, bs, hkv, ke] = dims4(kc.shape(), "k cache", "[NB, BS, Hkv, E]")?;
+    let vc = read_cache(&a.v_cache, "v cache")?;
+    let [vnb, vbs, vh, _] = dims4(vc.shape(), "v cache", "[NB, BS, Hkv, Ev]")?;
+    if ke != q[2] || (vnb, vbs, vh) != (nb, bs, hkv) {
+        return Err(format!(
+            "the caches {:?} and {:?} disagree with q {q:?}: K [NB, BS, Hkv, E] and V [NB, BS, Hkv, Ev] with q's E",
+            kc.shape(),
+            vc.shape(),
+        )
+        .into());
+    }
+    let kin = CacheIn::new(a, "k", kc, a.k_scales.as_deref(), [nb, bs, hkv])?;
+    let vin = CacheIn::new(a, "v", vc, a.v_scales.as_deref(), [nb, bs, hkv])?;
+    if a.rope.is_some() && (kin.codes.is_some() || vin.codes.is_some()) {
+        return Err("--rope rotates float caches (un-rotated keys) before they are quantised; 8-bit code caches hold rotated keys already: rotate q yourself, or give float caches with --kv-format".into());
+    }
+    Ok((kin, vin))
+}
+
+/// The call on the GPU: float caches to quantise quantised there first. The output and what
+/// ran, for the report line.
+#[allow(clippy::too_many_arguments)] // the command's inputs, each its own
+fn run_gpu(
+    a: &PagedArgs,
+    q: &Array3<f32>,
+    (kin, vin): (&CacheIn, &CacheIn),
+    (k, v): (&Array4<f32>, &Array4<f32>),
+    table: &[i32],
+    sink_logits: Option<&[f32]>,
+    rope: Option<Rope>,
+) -> CliResult<(wgpu_attention::PagedOutput, String)> {
+    let (st, t) = (a.storage, q.dim().0);
+    let started = Instant::now();
+    let ctx = context()?;
+    let mut enc = ctx.device().create_command_encoder(&Default::default());
+    let kg = kin.on_gpu(&ctx, &mut enc, k)?;
+    let vg = vin.on_gpu(&ctx, &mut enc, v)?;
+    ctx.queue().submit([enc.finish()]);
+    let call = call(
+        a,
+        q,
+        kin.gpu_tensor(&kg, k, st),
+        vin.gpu_tensor(&vg, v, st),
+        table,
+        sink_logits,
+        rope,
+    );
+    let r = call.run_blocking(&ctx)?;
+    let how = format!(
+        "ran on {}, storage {st}{}, {} sequences, {t} queries, in {:.3} ms (incl. upload, shader compilation and readback)",
+        ctx.describe(),
+        kin.describe(vin),
+        a.seq_lens.len(),
+        ms(started.elapsed())
+    );
+    Ok((r, how))
+}
+
 /// `paged`: read, check (everything before any GPU work or any file written), run, write.
 pub(crate) fn paged(a: &PagedArgs) -> CliResult<ExitCode> {
     crate::npy::check_writable([
@@ -215,24 +277,7 @@ pub(crate) fn paged(a: &PagedArgs) -> CliResult<ExitCode> {
     let st = a.storage;
     let q = read_float(&a.q, "q")?;
     let [t, hq, e] = rank::<3>(&q, "q", "[T, Hq, E]")?;
-    let kc = read_cache(&a.k_cache, "k cache")?;
-    let [nb, bs, hkv, ke] = dims4(kc.shape(), "k cache", "[NB, BS, Hkv, E]")?;
-    let vc = read_cache(&a.v_cache, "v cache")?;
-    let [vnb, vbs, vh, _] = dims4(vc.shape(), "v cache", "[NB, BS, Hkv, Ev]")?;
-    if ke != e || (vnb, vbs, vh) != (nb, bs, hkv) {
-        return Err(format!(
-            "the caches {:?} and {:?} disagree with q {:?}: K [NB, BS, Hkv, E] and V [NB, BS, Hkv, Ev] with q's E",
-            kc.shape(),
-            vc.shape(),
-            q.shape()
-        )
-        .into());
-    }
-    let kin = CacheIn::new(a, "k", kc, a.k_scales.as_deref(), [nb, bs, hkv])?;
-    let vin = CacheIn::new(a, "v", vc, a.v_scales.as_deref(), [nb, bs, hkv])?;
-    if a.rope.is_some() && (kin.codes.is_some() || vin.codes.is_some()) {
-        return Err("--rope rotates float caches (un-rotated keys) before they are quantised; 8-bit code caches hold rotated keys already: rotate q yourself, or give float caches with --kv-format".into());
-    }
+    let (kin, vin) = read_caches(a, q.shape())?;
     let bt = read_int(&a.block_table, "block table")?;
     if bt.ndim() != 2 || bt.shape()[0] != a.seq_lens.len() {
         return Err(format!(
@@ -255,9 +300,10 @@ pub(crate) fn paged(a: &PagedArgs) -> CliResult<ExitCode> {
         })
         .transpose()?;
     let rope = a.rope.map(|r| Rope {
-        style: match r {
-            RopeArg::Half => RopeStyle::HalfSplit,
-            RopeArg::Interleaved => RopeStyle::Interleaved,
+        style: if r == RopeArg::Half {
+            RopeStyle::HalfSplit
+        } else {
+            RopeStyle::Interleaved
         },
         theta: a.rope_theta,
         dim: a.rope_dim,
@@ -277,14 +323,9 @@ pub(crate) fn paged(a: &PagedArgs) -> CliResult<ExitCode> {
     )
     .validate()?;
     if let Some(r) = &rope {
-        let fmt = kin.format;
-        rotate_cache(a, r, &table, &mut k, &|x| {
-            if fmt.is_some() {
-                x
-            } else {
-                st.round(x)
-            }
-        })?;
+        // Floats to quantise keep f32 until then.
+        let keep = kin.format.is_some();
+        rotate_cache(a, r, &table, &mut k, &|x| if keep { x } else { st.round(x) })?;
     }
     let started = Instant::now();
     let (r, how) = if a.cpu {
@@ -308,29 +349,15 @@ pub(crate) fn paged(a: &PagedArgs) -> CliResult<ExitCode> {
             format!("ran the CPU reference (f64) in {:.3} ms", ms(started.elapsed())),
         )
     } else {
-        let ctx = context()?;
-        let mut enc = ctx.device().create_command_encoder(&Default::default());
-        let kg = kin.on_gpu(&ctx, &mut enc, &k)?;
-        let vg = vin.on_gpu(&ctx, &mut enc, &v)?;
-        ctx.queue().submit([enc.finish()]);
-        let call = call(
+        run_gpu(
             a,
             &q,
-            kin.gpu_tensor(&kg, &k, st),
-            vin.gpu_tensor(&vg, &v, st),
+            (&kin, &vin),
+            (&k, &v),
             &table,
             sink_logits.as_deref(),
             rope,
-        );
-        let r = call.run_blocking(&ctx)?;
-        let how = format!(
-            "ran on {}, storage {st}{}, {} sequences, {t} queries, in {:.3} ms (incl. upload, shader compilation and readback)",
-            ctx.describe(),
-            kin.describe(&vin),
-            a.seq_lens.len(),
-            ms(started.elapsed())
-        );
-        (r, how)
+        )?
     };
     println!("{how}");
     write_array(&a.out, "output", &r.output.into_dyn())?;

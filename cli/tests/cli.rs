@@ -1781,41 +1781,48 @@ fn demo_prints_no_error_lines_without_a_display() {
     assert!(noisy.is_empty(), "error lines on stderr: {noisy:?}");
 }
 
-/// `paged` with 8-bit caches: float caches quantised on the GPU (int8 with its own scales,
-/// fp8 at the given per-head scales, RoPE first) agree with `--cpu`'s host quantisation, and
-/// caches of codes (int8 `i1`, fp8 `u1`) with their scales files run on the GPU as the CPU
-/// reference over their values says.
-#[test]
-fn paged_8_bit_caches() {
+/// The `paged` tests' caches as int8 codes with their scales (`{k,v}_i8.npy`,
+/// `{k,v}_i8_scales.npy`) and fp8 bit patterns (`{k,v}_f8.npy`) at the scales in
+/// `fp8_scales.npy`, by the host rules.
+fn write_code_caches(dir: &Path) {
     use wgpu_attention::quant;
-    let (dir, base) = paged_files("paged-8bit");
-    let p = |n: &str| dir.join(n);
-    let run = |args: &[String]| cli(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let (nb, bs, hkv, e) = (6usize, 4usize, 2usize, 8usize);
-    write_npy(p("fp8_scales.npy"), &ndarray::arr1(&[0.004f32, 0.002])).unwrap();
+    write_npy(dir.join("fp8_scales.npy"), &ndarray::arr1(&[0.004f32, 0.002])).unwrap();
     // Code caches from the float ones by the host rules.
     for (x, m) in [("k", "kc.npy"), ("v", "vc.npy")] {
-        let vals: Array4<f32> = read_npy(p(m)).unwrap();
+        let vals: Array4<f32> = read_npy(dir.join(m)).unwrap();
         let flat = vals.as_slice().unwrap();
         let (c, sc) = quant::quantize_int8(flat, e);
         write_npy(
-            p(&format!("{x}_i8.npy")),
+            dir.join(format!("{x}_i8.npy")),
             &Array4::from_shape_vec((nb, bs, hkv, e), c).unwrap(),
         )
         .unwrap();
         write_npy(
-            p(&format!("{x}_i8_scales.npy")),
+            dir.join(format!("{x}_i8_scales.npy")),
             &ndarray::Array3::from_shape_vec((nb, bs, hkv), sc).unwrap(),
         )
         .unwrap();
         let f8 = quant::quantize_fp8_heads(flat, e, &[nb, bs, hkv], 2, &[0.004, 0.002]);
         let bits: Vec<u8> = f8.iter().map(|c| c.0).collect();
         write_npy(
-            p(&format!("{x}_f8.npy")),
+            dir.join(format!("{x}_f8.npy")),
             &Array4::from_shape_vec((nb, bs, hkv, e), bits).unwrap(),
         )
         .unwrap();
     }
+}
+
+/// `paged` with 8-bit caches: float caches quantised on the GPU (int8 with its own scales,
+/// fp8 at the given per-head scales, RoPE first) agree with `--cpu`'s host quantisation, and
+/// caches of codes (int8 `i1`, fp8 `u1`) with their scales files run on the GPU as the CPU
+/// reference over their values says.
+#[test]
+fn paged_8_bit_caches() {
+    let (dir, base) = paged_files("paged-8bit");
+    let p = |n: &str| dir.join(n);
+    let run = |args: &[String]| cli(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    write_code_caches(&dir);
     let sc = |x: &str| s(&p(x)).to_string();
     type Setup = (&'static str, Vec<(&'static str, String)>, bool);
     let setups: Vec<Setup> = vec![
@@ -1905,27 +1912,18 @@ fn paged_8_bit_caches() {
 /// exit status 2 that write nothing; `--help` lists the flags.
 #[test]
 fn paged_bad_8_bit_input_is_one_line() {
-    use wgpu_attention::quant;
     let (dir, base) = paged_files("paged-8bit-bad");
     let p = |n: &str| dir.join(n);
     let run = |args: &[String]| cli(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    let (nb, bs, hkv, e) = (6usize, 4usize, 2usize, 8usize);
-    let vals: Array4<f32> = read_npy(p("kc.npy")).unwrap();
-    let (c, sc) = quant::quantize_int8(vals.as_slice().unwrap(), e);
-    write_npy(
-        p("k_i8.npy"),
-        &Array4::from_shape_vec((nb, bs, hkv, e), c).unwrap(),
-    )
-    .unwrap();
-    write_npy(
-        p("k_i8_scales.npy"),
-        &ndarray::Array3::from_shape_vec((nb, bs, hkv), sc).unwrap(),
-    )
-    .unwrap();
-    write_npy(p("k_u8.npy"), &Array4::<u8>::zeros((nb, bs, hkv, e))).unwrap();
-    write_npy(p("head_scales.npy"), &ndarray::arr1(&[0.5f32, 0.5])).unwrap();
-    write_npy(p("neg_scales.npy"), &ndarray::arr1(&[0.5f32, -0.5])).unwrap();
-    write_npy(p("nan_scales.npy"), &ndarray::arr1(&[0.5f32, f32::NAN])).unwrap();
+    write_code_caches(&dir);
+    write_npy(p("k_u8.npy"), &Array4::<u8>::zeros((6, 4, 2, 8))).unwrap();
+    for (name, x) in [
+        ("head", [0.5f32, 0.5]),
+        ("neg", [0.5, -0.5]),
+        ("nan", [0.5, f32::NAN]),
+    ] {
+        write_npy(p(&format!("{name}_scales.npy")), &ndarray::arr1(&x)).unwrap();
+    }
     write_npy(p("three_scales.npy"), &ndarray::arr1(&[0.5f32, 0.5, 0.5])).unwrap();
     let f = |n: &str| s(&p(n)).to_string();
     type Case<'a> = (&'a str, Vec<(&'a str, String)>, &'a str);

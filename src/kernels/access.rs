@@ -306,38 +306,8 @@ pub(crate) fn attention_io(
     let mut s = String::new();
     let vec8 = vec8 && vec4;
     s += &array("q", 3, f.q, vec4, Access::Read);
-    // An 8-bit K's (V's) scales take the next binding after the kernel's own 8.
-    let mut extra = 0;
-    // 16 codes per load where the rows are whole vec4<u32>s (E a multiple of 16, views aligned).
-    let wide = |dim: usize| vec4 && dim.is_multiple_of(16) && views.aligned(16);
-    let mut kv = |x: &str, binding: u32, st: Storage, row: &str, s: &mut String, vec8: bool, dim: usize| {
-        if st.is_quantized() {
-            *s += &quantized_array(x, binding, 8 + extra, st, row, wide(dim), fp8_rows);
-            extra += 1;
-        } else if vec8 {
-            *s += &array8(x, binding, st);
-        } else {
-            *s += &array(x, binding, st, vec4, Access::Read);
-        }
-    };
-    if f.k.is_quantized() || f.v.is_quantized() {
-        s += QUANT_HELPERS;
-    }
-    kv("k", 4, f.k, "E4 * 4u", &mut s, vec8, dims.0);
-    kv("v", 5, f.v, "EV4 * 4u", &mut s, vec8, dims.1);
-    if vec8 {
-        for x in ["k", "v"] {
-            s += &format!(
-                "fn load_{x}8(row: u32, c8: u32) -> array<vec4<f32>, 2> {{ return {x}_get8({x}_base(row) + 8u * c8); }}\n"
-            );
-        }
-    } else {
-        for x in ["k", "v"] {
-            s += &format!(
-                "fn load_{x}8(row: u32, c8: u32) -> array<vec4<f32>, 2> {{ return array<vec4<f32>, 2>(load_{x}(row, 2u * c8), load_{x}(row, 2u * c8 + 1u)); }}\n"
-            );
-        }
-    }
+    let (kv, extra) = kv_arrays(f, vec4, vec8, views, dims, fp8_rows);
+    s += &kv;
     s += &array("out", 6, out_fmt, vec4, out_access);
     for (x, dim, view) in [
         ("q", Dim::E, views.q),
@@ -402,6 +372,50 @@ pub(crate) fn fp8_rows(p: &crate::problem::Problem) -> Option<(usize, usize)> {
     p.paged
         .as_ref()
         .map(|pg| (p.kv_heads, if pg.head_major { pg.block_size } else { 1 }))
+}
+
+/// K and V (bindings 4, 5) in their formats, with `load_k8`/`load_v8`: an 8-bit K's (V's)
+/// scales take the next bindings after the kernel's own 8 (how many: the second value).
+fn kv_arrays(
+    f: &Formats,
+    vec4: bool,
+    vec8: bool,
+    views: &crate::view::Views,
+    dims: (usize, usize),
+    fp8_rows: Option<(usize, usize)>,
+) -> (String, u32) {
+    let mut s = String::new();
+    let mut extra = 0;
+    // 16 codes per load where the rows are whole vec4<u32>s (E a multiple of 16, views aligned).
+    let wide = |dim: usize| vec4 && dim.is_multiple_of(16) && views.aligned(16);
+    if f.k.is_quantized() || f.v.is_quantized() {
+        s += QUANT_HELPERS;
+    }
+    for (x, binding, st, row, dim) in [
+        ("k", 4, f.k, "E4 * 4u", dims.0),
+        ("v", 5, f.v, "EV4 * 4u", dims.1),
+    ] {
+        if st.is_quantized() {
+            s += &quantized_array(x, binding, 8 + extra, st, row, wide(dim), fp8_rows);
+            extra += 1;
+        } else if vec8 {
+            s += &array8(x, binding, st);
+        } else {
+            s += &array(x, binding, st, vec4, Access::Read);
+        }
+    }
+    for x in ["k", "v"] {
+        s += &if vec8 {
+            format!(
+                "fn load_{x}8(row: u32, c8: u32) -> array<vec4<f32>, 2> {{ return {x}_get8({x}_base(row) + 8u * c8); }}\n"
+            )
+        } else {
+            format!(
+                "fn load_{x}8(row: u32, c8: u32) -> array<vec4<f32>, 2> {{ return array<vec4<f32>, 2>(load_{x}(row, 2u * c8), load_{x}(row, 2u * c8 + 1u)); }}\n"
+            )
+        };
+    }
+    (s, extra)
 }
 
 /// The label tag of the tensors read through views: ` q-view k-view` (empty when dense).

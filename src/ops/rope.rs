@@ -75,10 +75,6 @@ pub(crate) fn rotate(
     if aux.is_empty() {
         aux.push(0);
     }
-    let fits = |(b, st): &Operand<'_>, elems: u64| {
-        let size = b.size.map_or(b.buffer.size() - b.offset, |s| s.get());
-        st.bytes(elems as usize) <= size
-    };
     // Every row checked before anything is recorded.
     for r in &rows {
         let [t, heads, e] = r.dims;
@@ -89,29 +85,7 @@ pub(crate) fn rotate(
                 "{rotated} rotated of {e}, {tokens} positions for {t} tokens"
             ));
         }
-        let ok = match (&r.dest, slots) {
-            (Dest::InPlace(x), None) => rotated > 0 && fits(x, n),
-            (Dest::Slots { src, cache }, Some(s)) => {
-                let last = s.slots.iter().max().map_or(0, |&x| x as u64 + 1);
-                let held = last.next_multiple_of(s.head_major_block.max(1) as u64) * (heads * e) as u64;
-                s.slots.len() == t && fits(src, n) && fits(cache, held)
-            }
-            (Dest::Quantized { src, cache, scales }, Some(s)) => {
-                let last = s.slots.iter().max().map_or(0, |&x| x as u64 + 1);
-                let rows = last.next_multiple_of(s.head_major_block.max(1) as u64) * heads as u64;
-                let scale_rows = if cache.1 == Storage::Int8 {
-                    rows
-                } else {
-                    heads as u64
-                };
-                s.slots.len() == t
-                    && e % 4 == 0
-                    && fits(src, n)
-                    && fits(cache, rows * e as u64)
-                    && fits(&(scales.clone(), Storage::F32), scale_rows)
-            }
-            _ => false,
-        };
+        let ok = inside(r, slots, n, rotated);
         if !ok {
             return bad(format!(
                 "rows {:?} outside their buffers, or slots for an in-place rotation",
@@ -165,6 +139,39 @@ pub(crate) fn rotate(
         )?;
     }
     Ok(())
+}
+
+/// Whether `r`'s `n` elements (`rotated` of each row rotated) and its destination lie inside
+/// their bindings, and its slots fit the destination.
+fn inside(r: &Rows<'_>, slots: Option<Slots<'_>>, n: u64, rotated: usize) -> bool {
+    let fits = |(b, st): &Operand<'_>, elems: u64| {
+        let size = b.size.map_or(b.buffer.size() - b.offset, |s| s.get());
+        st.bytes(elems as usize) <= size
+    };
+    let [t, heads, e] = r.dims;
+    match (&r.dest, slots) {
+        (Dest::InPlace(x), None) => rotated > 0 && fits(x, n),
+        (Dest::Slots { src, cache }, Some(s)) => {
+            let last = s.slots.iter().max().map_or(0, |&x| x as u64 + 1);
+            let held = last.next_multiple_of(s.head_major_block.max(1) as u64) * (heads * e) as u64;
+            s.slots.len() == t && fits(src, n) && fits(cache, held)
+        }
+        (Dest::Quantized { src, cache, scales }, Some(s)) => {
+            let last = s.slots.iter().max().map_or(0, |&x| x as u64 + 1);
+            let rows = last.next_multiple_of(s.head_major_block.max(1) as u64) * heads as u64;
+            let scale_rows = if cache.1 == Storage::Int8 {
+                rows
+            } else {
+                heads as u64
+            };
+            s.slots.len() == t
+                && e % 4 == 0
+                && fits(src, n)
+                && fits(cache, rows * e as u64)
+                && fits(&(scales.clone(), Storage::F32), scale_rows)
+        }
+        _ => false,
+    }
 }
 
 /// The GPU side of [`Rope`]: its rotation of a caller's buffer in place, and of host rows on

@@ -37,16 +37,7 @@ pub(crate) fn record_planned(
     let q = Operand::check_viewed(ctx, "q", &sdpa.q)?;
     let k = Operand::check_viewed(ctx, "k", &sdpa.k)?;
     let v = Operand::check_viewed(ctx, "v", &sdpa.v)?;
-    let k_scales = sdpa
-        .k
-        .scales()
-        .map(|s| Operand::check(ctx, "k scales", s))
-        .transpose()?;
-    let v_scales = sdpa
-        .v
-        .scales()
-        .map(|s| Operand::check(ctx, "v scales", s))
-        .transpose()?;
+    let scales = scale_operands(ctx, sdpa)?;
     let bias = sdpa
         .options
         .bias
@@ -78,8 +69,7 @@ pub(crate) fn record_planned(
     let q = q.upload(ctx, "q");
     let k = k.upload(ctx, "k");
     let v = v.upload(ctx, "v");
-    let k_scales = k_scales.map(|s| s.upload(ctx, "k scales"));
-    let v_scales = v_scales.map(|s| s.upload(ctx, "v scales"));
+    let scales: Vec<_> = scales.into_iter().map(|s| s.upload(ctx, "scales")).collect();
     let bias = bias.map(|b| b.upload(ctx, "bias"));
     let dummy = dummy(ctx);
     let lens_buf = aux_buffer(sdpa, ctx, &p);
@@ -101,11 +91,7 @@ pub(crate) fn record_planned(
         q: q.binding(),
         k: k.binding(),
         v: v.binding(),
-        scales: [k_scales.as_ref(), v_scales.as_ref()]
-            .into_iter()
-            .flatten()
-            .map(|s| s.binding())
-            .collect(),
+        scales: scales.iter().map(|s| s.binding()).collect(),
         bias: bias.as_ref().map(|b| b.binding()),
         mask: mask_buf
             .as_ref()
@@ -132,6 +118,15 @@ pub(crate) fn record_planned(
         weights: weights_buf,
         problem: p,
     })
+}
+
+/// An 8-bit K's scales, then an 8-bit V's, checked against the device: what the kernels bind
+/// after their own bindings.
+fn scale_operands<'t, 'a>(ctx: &Context, sdpa: &'t Sdpa<'a>) -> Result<Vec<Operand<'t, 'a>>> {
+    [("k scales", &sdpa.k), ("v scales", &sdpa.v)]
+        .into_iter()
+        .filter_map(|(name, t)| t.scales().map(|s| Operand::check(ctx, name, s)))
+        .collect()
 }
 
 /// The packed boolean mask (its words and strides) and whether the fused kernel reads a

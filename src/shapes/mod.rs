@@ -1102,7 +1102,7 @@ fn encode_kv(
             let rows = &dims[..3];
             let mut amax = vec![0f32; dims[head_axis]];
             for (r, row) in data.chunks_exact(e).enumerate() {
-                let h = crate::quant::head_of_row(r, rows, head_axis);
+                let h = crate::storage::head_of_row(r, rows, head_axis);
                 amax[h] = row.iter().fold(amax[h], |m, x| m.max(x.abs()));
             }
             let scales: Vec<f32> = amax

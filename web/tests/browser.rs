@@ -878,7 +878,10 @@ async fn eight_bit_caches() {
     let ctx = ctx().await;
     let limit = ctx.limits().max_storage_buffers_per_shader_stage;
     log(&format!("storage buffers per stage: {limit}"));
-    assert!(limit >= 10, "the browser's adapter offers {limit} storage buffers per stage; 8-bit caches bind 10");
+    assert!(
+        limit >= 10,
+        "the browser's adapter offers {limit} storage buffers per stage; 8-bit caches bind 10"
+    );
     let case = Case::random((2, 4, 2, 3, 45, 32, 16), 140).with_causal(Causal::BottomRight);
     let (b, hkv, s, e) = case.k.dim();
     let ev = case.v.dim().3;
@@ -887,7 +890,11 @@ async fn eight_bit_caches() {
     let vc = quant::quantize_fp8_heads(case.v.as_slice().unwrap(), ev, &[b, hkv, s], 1, &vs);
     let mut deq = case.clone();
     deq.k = Array4::from_shape_vec((b, hkv, s, e), quant::dequantize_int8(&kc, &ks, e)).unwrap();
-    deq.v = Array4::from_shape_vec((b, hkv, s, ev), quant::dequantize_fp8_heads(&vc, ev, &[b, hkv, s], 1, &vs)).unwrap();
+    deq.v = Array4::from_shape_vec(
+        (b, hkv, s, ev),
+        quant::dequantize_fp8_heads(&vc, ev, &[b, hkv, s], 1, &vs),
+    )
+    .unwrap();
     let want = deq.reference();
     for path in [Path::Fused, Path::Decode] {
         let k = Tensor::from_slice(&kc, &[b, hkv, s, e]).with_scales(Tensor::from_slice(&ks, &[b, hkv, s]));
@@ -899,11 +906,23 @@ async fn eight_bit_caches() {
             .run(&ctx)
             .await
             .unwrap_or_else(|e| panic!("8-bit {path:?}: {e}"));
-        deq.assert_output(&got, &want, path, Tolerance::for_storage(Storage::F32), &format!("int8 k, fp8 v [{path:?}]"));
+        deq.assert_output(
+            &got,
+            &want,
+            path,
+            Tolerance::for_storage(Storage::F32),
+            &format!("int8 k, fp8 v [{path:?}]"),
+        );
     }
-    // A KvCache in int8: prefill 5 tokens, then attention of 2 queries over them.
+    eight_bit_kv_cache(&ctx).await;
+}
+
+/// A `KvCache` with int8 K and fp8 V: 5 tokens appended (quantised on the GPU), then the
+/// attention of 5 queries over them against the reference over the host rule's values.
+async fn eight_bit_kv_cache(ctx: &Context) {
+    use wgpu_attention::quant;
     let mut cache = wgpu_attention::KvCache::new(
-        &ctx,
+        ctx,
         wgpu_attention::KvCacheConfig {
             layers: 1,
             kv_heads: 2,
@@ -917,7 +936,7 @@ async fn eight_bit_caches() {
         },
     )
     .unwrap();
-    cache.set_scales(&ctx, 0, None, Some(&[0.01, 0.005])).unwrap();
+    cache.set_scales(ctx, 0, None, Some(&[0.01, 0.005])).unwrap();
     let seq = cache.add_sequence();
     let step = cache.reserve(&[(seq, 5)]).unwrap();
     let mut r = rng(141);
@@ -925,20 +944,46 @@ async fn eight_bit_caches() {
     let v: Array3<f32> = rand_array(&mut r, (5, 2, 16));
     let mut enc = ctx.device().create_command_encoder(&Default::default());
     cache
-        .append(&ctx, &mut enc, &step, 0, &Tensor::from(&k), &Tensor::from(&v))
+        .append(ctx, &mut enc, &step, 0, &Tensor::from(&k), &Tensor::from(&v))
         .unwrap();
     ctx.queue().submit([enc.finish()]);
     let q: Array4<f32> = rand_array(&mut r, (1, 4, 5, 16));
-    let got = cache.attention(&step, 0, Tensor::from(&q)).unwrap().run(&ctx).await.unwrap();
+    let got = cache
+        .attention(&step, 0, Tensor::from(&q))
+        .unwrap()
+        .run(ctx)
+        .await
+        .unwrap();
     // The reference over the host's rule (no rounding ties in these random values).
-    let kd = quant::dequantize_int8(&quant::quantize_int8(k.as_slice().unwrap(), 16).0, &quant::quantize_int8(k.as_slice().unwrap(), 16).1, 16);
-    let vd = quant::dequantize_fp8_heads(&quant::quantize_fp8_heads(v.as_slice().unwrap(), 16, &[5, 2], 1, &[0.01, 0.005]), 16, &[5, 2], 1, &[0.01, 0.005]);
-    let to4 = |x: Vec<f32>| Array3::from_shape_vec((5, 2, 16), x).unwrap().permuted_axes([1, 0, 2]).insert_axis(ndarray::Axis(0)).as_standard_layout().to_owned();
+    let kd = quant::dequantize_int8(
+        &quant::quantize_int8(k.as_slice().unwrap(), 16).0,
+        &quant::quantize_int8(k.as_slice().unwrap(), 16).1,
+        16,
+    );
+    let vd = quant::dequantize_fp8_heads(
+        &quant::quantize_fp8_heads(v.as_slice().unwrap(), 16, &[5, 2], 1, &[0.01, 0.005]),
+        16,
+        &[5, 2],
+        1,
+        &[0.01, 0.005],
+    );
+    let to4 = |x: Vec<f32>| {
+        Array3::from_shape_vec((5, 2, 16), x)
+            .unwrap()
+            .permuted_axes([1, 0, 2])
+            .insert_axis(ndarray::Axis(0))
+            .as_standard_layout()
+            .to_owned()
+    };
     let opts = wgpu_attention::Options {
         causal: Causal::BottomRight,
         ..Default::default()
     };
     let want = reference::sdpa(q.view(), to4(kd).view(), to4(vd).view(), &opts).unwrap();
-    let r = compare(got.output.iter().copied(), want.out.iter().copied(), Tolerance::for_storage(Storage::F32));
+    let r = compare(
+        got.output.iter().copied(),
+        want.out.iter().copied(),
+        Tolerance::for_storage(Storage::F32),
+    );
     assert!(r.passed(), "KvCache int8/fp8: {r}");
 }
