@@ -937,3 +937,82 @@ fn golden_cache(name: &str, file: &dyn Fn(&str) -> Vec<u8>, x: &str, s: Storage)
     };
     (c, dims)
 }
+
+/// Contiguous 8-bit K/V in the caller's GPU buffers read through a view: int8 K with a
+/// sequence capacity (its scales `[B, Hkv, capacity]` in a buffer laid out as its rows), fp8 V
+/// in `[B, S, Hkv, E]` (`TensorLayout::Bshe`); both equal the reference over their values. A
+/// scales buffer too small for the view, or host scales for a viewed cache, is a typed error.
+#[test]
+fn viewed_gpu_caches_with_their_scales() {
+    use wgpu::util::DeviceExt;
+    let Some(ctx) = ctx() else { return };
+    let (b, hkv, s, cap, e) = (2usize, 2usize, 21usize, 32usize, 16usize);
+    let case = Case::random((b, 4, hkv, 3, s, e, e), 370).with_causal(Causal::BottomRight);
+    // K [B, Hkv, cap, E] with rows past S of garbage (huge values).
+    let mut kfull = Array4::<f32>::from_elem((b, hkv, cap, e), 1e4);
+    kfull.slice_mut(ndarray::s![.., .., ..s, ..]).assign(&case.k);
+    let (kc, ks) = quant::quantize_int8(kfull.as_slice().unwrap(), e);
+    // V [B, S, Hkv, E] (token-major rows), fp8 at one scale per head.
+    let vt = case
+        .v
+        .view()
+        .permuted_axes([0, 2, 1, 3])
+        .as_standard_layout()
+        .to_owned();
+    let vs = [0.005f32, 0.008];
+    let vc = quant::quantize_fp8_heads(vt.as_slice().unwrap(), e, &[b, s, hkv], 2, &vs);
+    let mut deq = case.clone();
+    let kd = Array4::from_shape_vec((b, hkv, cap, e), quant::dequantize_int8(&kc, &ks, e)).unwrap();
+    deq.k = kd.slice(ndarray::s![.., .., ..s, ..]).to_owned();
+    let vd = Array4::from_shape_vec(
+        (b, s, hkv, e),
+        quant::dequantize_fp8_heads(&vc, e, &[b, s, hkv], 2, &vs),
+    )
+    .unwrap();
+    deq.v = vd.permuted_axes([0, 2, 1, 3]).as_standard_layout().to_owned();
+    let want = deq.reference();
+    let buf = |bytes: &[u8]| {
+        ctx.device()
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: None,
+                contents: bytes,
+                usage: wgpu::BufferUsages::STORAGE,
+            })
+    };
+    let kb = buf(bytemuck::cast_slice(&kc));
+    let ksb = buf(bytemuck::cast_slice(&ks));
+    let vb = buf(&vc.iter().map(|c| c.0).collect::<Vec<u8>>());
+    let vsb = buf(bytemuck::cast_slice(&vs));
+    let small = buf(bytemuck::cast_slice(&ks[..ks.len() / 2]));
+    let k = |scales| -> Tensor<'_> {
+        Tensor::from_buffer(&kb, Storage::Int8, &[b, hkv, s, e])
+            .with_seq_capacity(cap)
+            .with_scales(Tensor::from_buffer(scales, Storage::F32, &[b, hkv, s]))
+    };
+    let v = || {
+        Tensor::from_buffer(&vb, Storage::Fp8, &[b, hkv, s, e])
+            .with_layout(wgpu_attention::TensorLayout::Bshe)
+            .with_scales(Tensor::from_buffer(&vsb, Storage::F32, &[hkv]))
+    };
+    for path in [Path::Fused, Path::Decode] {
+        let got = Sdpa::new(&case.q, k(&ksb), v())
+            .options(deq.options())
+            .path(path)
+            .return_lse()
+            .run_blocking(ctx)
+            .unwrap_or_else(|e| panic!("{path:?}: {e}"));
+        deq.assert_output(&got, &want, path, TOL, &format!("viewed 8-bit caches [{path:?}]"));
+    }
+    match Sdpa::new(&case.q, k(&small), v()).run_blocking(ctx) {
+        Err(Error::Quantized { reason }) => assert!(reason.contains("scales buffer"), "{reason}"),
+        other => panic!("a scales buffer too small: {other:?}"),
+    }
+    let host_scales = Array3::<f32>::ones((b, hkv, s));
+    let viewed_host = Tensor::from_buffer(&kb, Storage::Int8, &[b, hkv, s, e])
+        .with_seq_capacity(cap)
+        .with_scales(&host_scales);
+    match Sdpa::new(&case.q, viewed_host, v()).run_blocking(ctx) {
+        Err(Error::Quantized { reason }) => assert!(reason.contains("GPU buffer"), "{reason}"),
+        other => panic!("host scales for a viewed cache: {other:?}"),
+    }
+}
