@@ -91,7 +91,10 @@ pub(crate) fn record_planned(
         q: q.binding(),
         k: k.binding(),
         v: v.binding(),
-        scales: scales.iter().map(|s| s.binding()).collect(),
+        scales: scales
+            .iter()
+            .map(|s| scales_binding(s, ctx.max_binding()))
+            .collect(),
         bias: bias.as_ref().map(|b| b.binding()),
         mask: mask_buf
             .as_ref()
@@ -118,6 +121,19 @@ pub(crate) fn record_planned(
         weights: weights_buf,
         problem: p,
     })
+}
+
+/// A scales tensor's binding: a caller's buffer from its offset to its end (a cache read
+/// through a view finds its rows' scales past the shape's count: `quant::check` checked that
+/// the buffer reaches them; at most `max` bytes, the device's binding limit), host scales as
+/// uploaded.
+fn scales_binding<'b>(s: &'b crate::device::buffers::Uploaded<'_>, max: u64) -> wgpu::BufferBinding<'b> {
+    match s {
+        crate::device::buffers::Uploaded::Borrowed(b, off, _) => {
+            binding(b, *off, (b.size() - off).min(max) & !3)
+        }
+        owned => owned.binding(),
+    }
 }
 
 /// An 8-bit K's scales, then an 8-bit V's, checked against the device: what the kernels bind
