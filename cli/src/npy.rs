@@ -43,11 +43,9 @@ pub(crate) fn read_array<T: ndarray_npy::ReadableElement>(
 pub(crate) fn read_float(path: &FsPath, what: &str) -> CliResult<ArrayD<f32>> {
     const DTYPE: &str = "float32 ('<f4') or float16 ('<f2')";
     const FIX: &str = "x.astype(np.float32)";
-    let mut reader = open_checked(path, what, DTYPE, FIX)?;
+    let (mut reader, header) = peek_header(path, what, DTYPE, FIX)?;
     let p = path.display();
     let cannot_read = |e: io::Error| format!("{what}: cannot read {p}: {e}");
-    let file_len = reader.get_ref().metadata().map_err(cannot_read)?.len();
-    let header = read_header(&mut reader, file_len).map_err(|_| format!("{what}: cannot read {p}"))?;
     if header.descr.as_deref() != Some("<f2") {
         return read_array::<f32>(path, what, DTYPE, FIX);
     }
@@ -71,14 +69,8 @@ pub(crate) fn read_float(path: &FsPath, what: &str) -> CliResult<ArrayD<f32>> {
 pub(crate) fn read_int(path: &FsPath, what: &str) -> CliResult<ArrayD<i32>> {
     const DTYPE: &str = "int32 ('<i4') or int64 ('<i8')";
     const FIX: &str = "x.astype(np.int32)";
-    let mut reader = open_checked(path, what, DTYPE, FIX)?;
+    let (_, header) = peek_header(path, what, DTYPE, FIX)?;
     let p = path.display();
-    let file_len = reader
-        .get_ref()
-        .metadata()
-        .map_err(|e| format!("{what}: cannot read {p}: {e}"))?
-        .len();
-    let header = read_header(&mut reader, file_len).map_err(|_| format!("{what}: cannot read {p}"))?;
     if header.descr.as_deref() != Some("<i8") {
         return read_array::<i32>(path, what, DTYPE, FIX);
     }
@@ -583,10 +575,10 @@ impl CacheFile {
     }
 }
 
-/// Read a paged cache: f32 or f16 values, int8 codes (`|i1`), or fp8 e4m3 bit patterns (`|u1`).
-pub(crate) fn read_cache(path: &FsPath, what: &str) -> CliResult<CacheFile> {
-    const DTYPE: &str = "float32 ('<f4'), float16 ('<f2'), int8 codes ('|i1') or fp8 e4m3 bits ('|u1')";
-    let mut reader = open_checked(path, what, DTYPE, "x.astype(np.float32)")?;
+/// Open a `.npy` ([`open_checked`]) and read its header: the reader (past the header) and
+/// the header, for a reader that picks the element type by the header's dtype.
+fn peek_header(path: &FsPath, what: &str, dtype: &str, fix: &str) -> CliResult<(BufReader<File>, NpyHeader)> {
+    let mut reader = open_checked(path, what, dtype, fix)?;
     let p = path.display();
     let file_len = reader
         .get_ref()
@@ -594,6 +586,13 @@ pub(crate) fn read_cache(path: &FsPath, what: &str) -> CliResult<CacheFile> {
         .map_err(|e| format!("{what}: cannot read {p}: {e}"))?
         .len();
     let header = read_header(&mut reader, file_len).map_err(|_| format!("{what}: cannot read {p}"))?;
+    Ok((reader, header))
+}
+
+/// Read a paged cache: f32 or f16 values, int8 codes (`|i1`), or fp8 e4m3 bit patterns (`|u1`).
+pub(crate) fn read_cache(path: &FsPath, what: &str) -> CliResult<CacheFile> {
+    const DTYPE: &str = "float32 ('<f4'), float16 ('<f2'), int8 codes ('|i1') or fp8 e4m3 bits ('|u1')";
+    let (_, header) = peek_header(path, what, DTYPE, "x.astype(np.float32)")?;
     Ok(match header.descr.as_deref() {
         Some("|i1") => CacheFile::Int8(read_array::<i8>(path, what, DTYPE, "codes.astype(np.int8)")?),
         Some("|u1") => CacheFile::Fp8(read_array::<u8>(path, what, DTYPE, "bits.view(np.uint8)")?),

@@ -97,39 +97,19 @@ pub(crate) fn record(
     dummy: wgpu::BufferBinding<'_>,
     r: Rotation,
 ) -> Result<()> {
-    let rows = (r.tokens * r.heads) as u32;
-    let params = Params {
-        rows,
-        heads: r.heads as u32,
-        e: r.e as u32,
-        d: r.d as u32,
-        half: r.half as u32,
-        copy_rest: src.is_some() as u32,
-        has_slots: r.slot_off.is_some() as u32,
-        ang_off: r.ang_off as u32,
-        slot_off: r.slot_off.unwrap_or(0) as u32,
-        hm_bs: r.head_major_block as u32,
-        ..Default::default()
-    };
     let prelude = prelude(src.as_ref().map(|s| s.1), dst.1);
     let src_binding = match &src {
         Some((b, _)) => b.clone(),
         None => dummy,
     };
-    let grid = grid_1d(
-        rows.div_ceil(WG),
-        ctx.limits().max_compute_workgroups_per_dimension,
-    );
-    dispatch(
+    dispatch_rows(
         ctx,
         encoder,
         &SPEC,
         &prelude,
-        &[],
         &[src_binding, dst.0, aux],
-        bytemuck::bytes_of(&params),
-        grid,
-        super::Checks::Kernel,
+        &r,
+        src.is_some(),
     )
 }
 
@@ -178,6 +158,30 @@ pub(crate) fn record_quantize(
     aux: wgpu::BufferBinding<'_>,
     r: Rotation,
 ) -> Result<()> {
+    let prelude = quantize_prelude(src.1, codes.1);
+    dispatch_rows(
+        ctx,
+        encoder,
+        &QUANTIZE,
+        &prelude,
+        &[src.0, codes.0, aux, scales],
+        &r,
+        true,
+    )
+}
+
+/// Dispatch `spec` over `r`'s rows (one invocation each) with the rope kernels' params:
+/// `copy_rest` copies the elements past the rotated ones (not in place), the slot words are
+/// read where `r` has them.
+fn dispatch_rows(
+    ctx: &Context,
+    encoder: &mut wgpu::CommandEncoder,
+    spec: &KernelSpec,
+    prelude: &super::consts::Prelude,
+    buffers: &[wgpu::BufferBinding<'_>],
+    r: &Rotation,
+    copy_rest: bool,
+) -> Result<()> {
     let rows = (r.tokens * r.heads) as u32;
     let params = Params {
         rows,
@@ -185,8 +189,8 @@ pub(crate) fn record_quantize(
         e: r.e as u32,
         d: r.d as u32,
         half: r.half as u32,
-        copy_rest: 1,
-        has_slots: 1,
+        copy_rest: copy_rest as u32,
+        has_slots: r.slot_off.is_some() as u32,
         ang_off: r.ang_off as u32,
         slot_off: r.slot_off.unwrap_or(0) as u32,
         hm_bs: r.head_major_block as u32,
@@ -199,10 +203,10 @@ pub(crate) fn record_quantize(
     dispatch(
         ctx,
         encoder,
-        &QUANTIZE,
-        &quantize_prelude(src.1, codes.1),
+        spec,
+        prelude,
         &[],
-        &[src.0, codes.0, aux, scales],
+        buffers,
         bytemuck::bytes_of(&params),
         grid,
         super::Checks::Kernel,

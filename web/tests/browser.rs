@@ -955,18 +955,11 @@ async fn eight_bit_kv_cache(ctx: &Context) {
         .await
         .unwrap();
     // The reference over the host's rule (no rounding ties in these random values).
-    let kd = quant::dequantize_int8(
-        &quant::quantize_int8(k.as_slice().unwrap(), 16).0,
-        &quant::quantize_int8(k.as_slice().unwrap(), 16).1,
-        16,
-    );
-    let vd = quant::dequantize_fp8_heads(
-        &quant::quantize_fp8_heads(v.as_slice().unwrap(), 16, &[5, 2], 1, &[0.01, 0.005]),
-        16,
-        &[5, 2],
-        1,
-        &[0.01, 0.005],
-    );
+    let (kc, ks) = quant::quantize_int8(k.as_slice().unwrap(), 16);
+    let kd = quant::dequantize_int8(&kc, &ks, 16);
+    let vs = [0.01f32, 0.005];
+    let vc = quant::quantize_fp8_heads(v.as_slice().unwrap(), 16, &[5, 2], 1, &vs);
+    let vd = quant::dequantize_fp8_heads(&vc, 16, &[5, 2], 1, &vs);
     let to4 = |x: Vec<f32>| {
         Array3::from_shape_vec((5, 2, 16), x)
             .unwrap()
