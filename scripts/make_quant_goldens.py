@@ -42,24 +42,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from make_rope_goldens import rope_torch
+
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "tests" / "fixtures" / "quant"
 
 
-def rotate_half(x):
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def rope(x, positions, theta, dim):
-    """x: float64 [T, H, E], half-split pairs over the first dim elements."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float64) / dim))
-    freqs = torch.outer(positions.to(torch.float64), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
-    xr, rest = x[..., :dim], x[..., dim:]
-    return torch.cat((xr * cos + rotate_half(xr) * sin, rest), dim=-1)
+    """x: float64 [T, H, E], half-split pairs over the first dim elements (make_rope_goldens's)."""
+    return rope_torch(x, positions, "half", theta, dim)
 
 
 def int8_quant(x):
